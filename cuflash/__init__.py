@@ -1,0 +1,14 @@
+"""cuflash: FlashAttention for Python, compiled just in time from Jinja2 templates with NVRTC.
+
+    import cuflash
+    out = cuflash.attention(q, k, v, causal=True)      # PyTorch, CuPy, JAX or NumPy arrays
+    print(cuflash.plan(q, k, v, causal=True))          # which kernels would run, and why
+"""
+__version__ = "0.1.0"
+
+from . import reference  # noqa: E402
+from .api import attention, plan  # noqa: E402
+from .codegen import Variant  # noqa: E402
+from .compiler import compile_variant  # noqa: E402
+
+__all__ = ["attention", "plan", "reference", "Variant", "compile_variant", "__version__"]

@@ -1,0 +1,279 @@
+"""User arguments -> validated Problem -> Plan -> launch, with flash-attn's semantics.
+
+Everything up to the launch is checked before any kernel runs, so bad input raises a
+ValueError/TypeError naming the argument and leaves ``out`` untouched.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import numpy as np
+
+from . import arrays, launch
+from .plan import MAX_SPLITS, DeviceFacts, Problem, head_dim_bucket, make_plan
+
+SUPPORTED_DTYPES = ("float16", "bfloat16")
+
+
+def _shape_str(v):
+    return tuple(int(s) for s in v.shape)
+
+
+def _check_operands(q, k, v):
+    """Rank, dtype, shape and layout rules shared by every entry point (views in)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if len(x.shape) != 4:
+            raise ValueError(f"{name} must have 4 dims (batch, seqlen, nheads, headdim); "
+                             f"got shape {_shape_str(x)}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}; cast it first "
+                        "(e.g. q.to(torch.bfloat16) or q.astype(cupy.float16))")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}; cast it first")
+    b, _, h, d = q.shape
+    if k.shape[0] != b:
+        raise ValueError(f"k must have q's batch size {b}, got shape {_shape_str(k)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {_shape_str(k)}, got {_shape_str(v)}")
+    if k.shape[3] != d:
+        raise ValueError(f"k must have q's head dim {d}, got {k.shape[3]} (q {_shape_str(q)}, "
+                         f"k {_shape_str(k)})")
+    if not 1 <= d <= 256:
+        raise ValueError(f"head dim must be between 1 and 256, got {d}")
+    hk = k.shape[2]
+    if hk == 0 or h % hk:
+        raise ValueError(f"nheads ({h}) must be divisible by nheads_k ({hk})")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.shape[3] > 1 and x.strides[3] != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim (stride 1), "
+                             f"got strides {tuple(x.strides)}")
+    _check_same_place(("q", q), ("k", k), ("v", v))
+
+
+def _check_same_place(*named):
+    (n0, x0), *rest = named
+    if x0.device == -2:  # shapes only (cuflash.plan)
+        return
+    for name, x in rest:
+        if (x.device < 0) != (x0.device < 0):
+            where = lambda y: "host memory" if y.device < 0 else f"GPU {y.device}"
+            raise ValueError(f"{name} is in {where(x)} but {n0} is in {where(x0)}; "
+                             "host arrays cannot be mixed with device arrays")
+        if x.device != x0.device:
+            raise ValueError(f"{name} is on GPU {x.device} but {n0} is on GPU {x0.device}; "
+                             "all arrays must be on one device")
+    if x0.framework == "torch" and x0.device < 0:
+        raise ValueError(f"{n0} is a CPU tensor; move it to the GPU (e.g. {n0}.cuda())")
+
+
+def _check_out(out, q):
+    if out.framework == "dlpack":
+        raise TypeError("out must be a PyTorch, CuPy or NumPy array (arrays written in place); "
+                        f"got {type(out.array[0]).__name__}")
+    if out.framework != q.framework:
+        raise TypeError(f"out must be a {q.framework} array like q, got a {out.framework} array")
+    if tuple(out.shape) != tuple(q.shape):
+        raise ValueError(f"out must have q's shape {_shape_str(q)}, got {_shape_str(out)}")
+    if out.dtype != q.dtype:
+        raise TypeError(f"out must have q's dtype {q.dtype}, got {out.dtype}")
+    _check_same_place(("q", q), ("out", out))
+    if out.shape[3] > 1 and out.strides[3] != 1:
+        raise ValueError(f"out must be contiguous in its last dim, got strides {tuple(out.strides)}")
+
+
+def _check_scale(softmax_scale, d):
+    if softmax_scale is None:
+        return d ** -0.5
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    return float(softmax_scale)
+
+
+def _check_num_splits(num_splits):
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits must be an int, got {type(num_splits).__name__}")
+    if not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be between 0 (heuristic) and {MAX_SPLITS}, got {num_splits}")
+    return int(num_splits)
+
+
+def _aligned(x) -> bool:
+    """16-byte loads need an aligned base and batch/seq/head strides in multiples of 8 elements."""
+    return x.ptr % 16 == 0 and all(s % 8 == 0 for s, n in zip(x.strides[:3], x.shape[:3]) if n > 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Device facts
+
+@functools.lru_cache(maxsize=None)
+def device_facts(device: int) -> DeviceFacts:
+    import cupy
+    d = cupy.cuda.Device(device)
+    return DeviceFacts(d.attributes["MultiProcessorCount"], int(d.compute_capability))
+
+
+def _current_device() -> int:
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return cupy.cuda.Device().id
+    except Exception as e:  # no driver, no device
+        raise RuntimeError(f"cuflash needs a CUDA GPU to run attention, and none is available ({e}). "
+                           "cuflash.plan(..., num_sms=N) and offline compilation work without one.") from None
+    raise RuntimeError("cuflash needs a CUDA GPU to run attention, and none is available.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None,
+              num_splits=0):
+    """Scaled dot-product attention with flash-attn's ``flash_attn_func`` semantics.
+
+    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim), float16
+    or bfloat16, last dim contiguous, any other strides. nheads must be a multiple of nheads_k
+    (MQA/GQA: K/V heads are shared by index, never copied). The causal mask is aligned to the
+    bottom-right corner: query i sees keys j <= i + seqlen_k - seqlen_q; a row that sees no key
+    gives 0 (and LSE +inf). Returns out (the caller's array type), or (out, lse) with
+    ``return_lse=True``, lse being float32 (batch, nheads, seqlen_q) natural-log sum-exp.
+    ``num_splits``: 0 lets the plan decide (FA2's split-KV heuristic), 1 never splits, N > 1
+    splits K/V N ways.
+    """
+    qv, kv, vv = arrays.view(q, "q"), arrays.view(k, "k"), arrays.view(v, "v")
+    _check_operands(qv, kv, vv)
+    ov = None
+    if out is not None:
+        ov = arrays.view(out, "out")
+        _check_out(ov, qv)
+    scale = _check_scale(softmax_scale, qv.shape[3])
+    num_splits = _check_num_splits(num_splits)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+
+    if qv.device < 0:  # NumPy in, NumPy out: compute on the current GPU
+        dev = _current_device()
+        res = attention(arrays.to_device(np.asarray(qv.array), dev), arrays.to_device(np.asarray(kv.array), dev),
+                        arrays.to_device(np.asarray(vv.array), dev), causal=causal,
+                        softmax_scale=scale, return_lse=return_lse, num_splits=num_splits)
+        o, lse = res if return_lse else (res, None)
+        o = arrays.hand_back(o, qv)
+        if out is not None:
+            out[...] = o
+            o = out
+        return (o, arrays.hand_back(lse, qv)) if return_lse else o
+
+    return _attention_device(qv, kv, vv, ov, bool(causal), scale, return_lse, num_splits)
+
+
+def _padded(x, d_pad):
+    """A zero-padded (…, d_pad) copy of a device view when the kernel cannot read it in place."""
+    a = x.array[1] if x.framework == "dlpack" else x.array
+    buf = arrays.empty_like_framework(x, (*x.shape[:3], d_pad), x.dtype)
+    buf[..., x.shape[3]:] = 0
+    buf[..., :x.shape[3]] = a
+    return arrays.view(buf, "copy")
+
+
+def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits):
+    b, sq, h, d = qv.shape
+    sk, hk = kv.shape[1], kv.shape[2]
+    device = qv.device
+    o_arr = ov.array if ov is not None else arrays.empty_like_framework(qv, qv.shape, qv.dtype)
+    lse_arr = arrays.empty_like_framework(qv, (b, h, sq), "float32") if return_lse else None
+
+    def finish():
+        o = o_arr if ov is not None else arrays.hand_back(o_arr, qv)
+        return (o, arrays.hand_back(lse_arr, qv)) if return_lse else o
+
+    if b == 0 or sq == 0 or h == 0:
+        return finish()
+
+    # Head dims that are not a multiple of 8, or unaligned operands, go through a padded copy
+    # (as flash-attn does); everything else is read in place.
+    d_pad = -(-d // 8) * 8
+    head_dim_bucket(d_pad)
+    qk = [x if d_pad == d and _aligned(x) else _padded(x, d_pad) for x in (qv, kv, vv)]
+    o_view = arrays.view(o_arr, "out")
+    direct_out = d_pad == d and _aligned(o_view)
+    if not direct_out:
+        o_tmp = arrays.empty_like_framework(qv, (b, sq, h, d_pad), qv.dtype)
+        o_view = arrays.view(o_tmp, "out")
+
+    problem = Problem(b, sq, sk, h, hk, d_pad, arrays.DTYPE_NAMES[qv.dtype], causal,
+                      return_lse, num_splits)
+    plan = make_plan(problem, device_facts(device))
+    stream = arrays.stream_for(qv)
+    workspace = None
+    if plan.num_splits > 1:
+        rows = b * plan.nheads_eff * plan.seqlen_q_eff
+        bucket = plan.launches[0].variant.head_dim
+        ws_o = arrays.empty_like_framework(qv, (plan.num_splits * rows * bucket,), "float32")
+        ws_l = arrays.empty_like_framework(qv, (plan.num_splits * rows,), "float32")
+        workspace = (arrays.device_ptr(ws_o), arrays.device_ptr(ws_l))
+    lse_ptr = arrays.device_ptr(lse_arr) if lse_arr is not None else 0
+    launch.run(plan, *qk, o_view, lse_ptr, workspace, scale, stream, device)
+    if not direct_out:
+        o_arr[...] = o_tmp[..., :d]
+    return finish()
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning without running
+
+class _Shape:
+    """A shape-only stand-in for an array, so plans can be made from tuples."""
+
+    def __init__(self, shape, dtype):
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = dtype
+        self.strides = tuple(int(np.prod(self.shape[i + 1:])) for i in range(len(self.shape)))
+        self.device = -2  # "anywhere": shapes carry no placement
+        self.framework = "shape"
+
+
+def _shape_view(x, name, dtype):
+    if isinstance(x, (tuple, list)):
+        return _Shape(x, dtype)
+    v = arrays.view(x, name)
+    return v
+
+
+def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_splits=0,
+         heuristic="fa2", num_sms=None, arch=None, dtype="bfloat16"):
+    """The plan ``attention(q, k, v, ...)`` would run: kernels, tiles, grids, splits and why.
+
+    q, k, v may be arrays (any framework, NumPy included) or shape tuples (then ``dtype`` gives
+    the element type). ``num_sms``/``arch`` describe the target GPU; without them the current
+    GPU is asked. Works on machines with no GPU when ``num_sms`` is given.
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
+    qv, kv, vv = (_shape_view(x, n, dtype) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    _check_operands(qv, kv, vv)
+    _check_scale(softmax_scale, qv.shape[3])
+    num_splits = _check_num_splits(num_splits)
+    if num_sms is None:
+        dev = device_facts(qv.device if qv.device >= 0 else _current_device())
+        facts = DeviceFacts(dev.num_sms, arch or dev.arch)
+    else:
+        if isinstance(num_sms, bool) or not isinstance(num_sms, numbers.Integral) or num_sms < 1:
+            raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
+        facts = DeviceFacts(int(num_sms), _parse_arch(arch) if arch is not None else 90)
+    b, sq, h, d = qv.shape
+    problem = Problem(b, sq, kv.shape[1], h, kv.shape[2], -(-d // 8) * 8,
+                      arrays.DTYPE_NAMES[qv.dtype], bool(causal), bool(return_lse), num_splits,
+                      heuristic)
+    return make_plan(problem, facts)
+
+
+def _parse_arch(arch) -> int:
+    """90, "90", "sm_90" or "sm90" -> 90."""
+    s = str(arch).lower().removeprefix("sm_").removeprefix("sm")
+    if not s.isdigit():
+        raise ValueError(f"arch must look like 'sm_90' or 90, got {arch!r}")
+    return int(s)

@@ -1,0 +1,131 @@
+"""Array interop: any DLPack/NumPy array -> a device view, and outputs in the caller's framework.
+
+PyTorch in gives PyTorch out (allocated with torch's caching allocator, launched on torch's
+current stream); CuPy in gives CuPy out on CuPy's current stream; other DLPack producers (JAX)
+are viewed zero-copy through ``cupy.from_dlpack`` and get their own type back; NumPy arrays are
+copied to the current GPU and a NumPy array comes back.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
+CUDA_DEVICE_TYPES = (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+
+
+@dataclass(frozen=True)
+class View:
+    """What a kernel needs to know about one array."""
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]   # in elements
+    dtype: str                 # numpy-style name: "float16", "bfloat16", "float32", ...
+    device: int                # CUDA ordinal, or -1 for host memory
+    framework: str             # "torch", "cupy", "numpy" or "dlpack"
+    array: object              # the object to keep alive / hand back (a CuPy array for dlpack)
+
+
+def _torch_tensor(x) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _cupy_array(x) -> bool:
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(x, cupy.ndarray)
+
+
+def view(x, name: str) -> View:
+    """Describe ``x`` without copying. Raises TypeError for things that are not arrays."""
+    if _torch_tensor(x):
+        dtype = str(x.dtype).removeprefix("torch.")
+        dev = x.device.index if x.is_cuda else -1
+        if x.device.type not in ("cuda", "cpu"):
+            raise TypeError(f"{name} must be a CUDA tensor, got a tensor on {x.device}")
+        return View(x.data_ptr(), tuple(x.shape), tuple(x.stride()), dtype, dev, "torch", x)
+    if _cupy_array(x):
+        item = x.dtype.itemsize
+        return View(x.data.ptr, x.shape, tuple(s // item for s in x.strides), x.dtype.name,
+                    x.device.id, "cupy", x)
+    if isinstance(x, np.ndarray):
+        item = x.dtype.itemsize
+        return View(x.ctypes.data, x.shape, tuple(s // item for s in x.strides), x.dtype.name,
+                    -1, "numpy", x)
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        dev_type, dev_id = x.__dlpack_device__()
+        if int(dev_type) not in CUDA_DEVICE_TYPES:
+            return view(np.from_dlpack(x), name)  # host memory: handled like NumPy
+        import cupy
+        c = cupy.from_dlpack(x)
+        v = view(c, name)
+        return View(v.ptr, v.shape, v.strides, v.dtype, v.device, "dlpack", (x, c))
+    raise TypeError(f"{name} must be an array (PyTorch, CuPy, JAX, NumPy or any DLPack producer), "
+                    f"got {type(x).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Streams and allocation in the caller's framework (needs a GPU)
+
+_external_streams: dict[tuple[int, int], object] = {}
+
+
+def stream_for(v: View):
+    """The CuPy stream object to launch on: the caller's current stream."""
+    import cupy
+    if v.framework == "torch":
+        import torch
+        ptr = torch.cuda.current_stream(v.device).cuda_stream
+        key = (v.device, ptr)
+        s = _external_streams.get(key)
+        if s is None:
+            s = _external_streams[key] = cupy.cuda.ExternalStream(ptr, v.device)
+        return s
+    return cupy.cuda.get_current_stream()
+
+
+def empty_like_framework(v: View, shape, dtype: str):
+    """An uninitialised device array in ``v``'s framework (NumPy/JAX inputs get CuPy scratch)."""
+    if v.framework == "torch":
+        import torch
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=f"cuda:{v.device}")
+    import cupy
+    with cupy.cuda.Device(v.device):
+        return cupy.empty(shape, dtype=_cupy_dtype(dtype))
+
+
+def _cupy_dtype(dtype: str):
+    if dtype == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def to_device(x: np.ndarray, device: int):
+    """Copy a host array to ``device`` (NumPy inputs)."""
+    import cupy
+    with cupy.cuda.Device(device):
+        return cupy.asarray(x)
+
+
+def device_ptr(a) -> int:
+    if _torch_tensor(a):
+        return a.data_ptr()
+    return a.data.ptr
+
+
+def hand_back(result, like: View):
+    """Return a device result in the framework of ``like``'s caller."""
+    if like.framework == "numpy":
+        import cupy
+        return cupy.asnumpy(result)
+    if like.framework == "dlpack":
+        original = like.array[0]
+        mod = type(original).__module__.split(".")[0]
+        if mod in ("jax", "jaxlib"):
+            import jax
+            return jax.dlpack.from_dlpack(result)
+        return result
+    return result

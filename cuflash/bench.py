@@ -1,0 +1,348 @@
+"""Benchmarks for cuflash: prefill TFLOP/s and decode TB/s against PyTorch SDPA.
+
+Timing uses CUDA events after warm-up, takes the median of many repeats and
+rotates among several input sets whose total size exceeds 2x L2, so that
+inputs are (mostly) read from HBM as they would be in a real model.
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import math
+import statistics
+import time
+
+_CEILINGS: dict = {}
+_SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION")
+_REF_ORDER = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+DEFAULT_DECODE_SHAPES = tuple((h, hk, b, sk) for h, hk in ((32, 8), (28, 4))
+                              for b in (1, 8, 64) for sk in (128, 600, 4096, 32768))
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as e:
+        raise RuntimeError("bench needs PyTorch with CUDA") from e
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench needs PyTorch with CUDA")
+    return torch
+
+
+def time_cuda(fn, inputs_list, warmup=10, reps=50, batch=1, hide_launch=False, stats=None):
+    """Median milliseconds per call of fn(*inputs), cycling through inputs_list.
+
+    Each timed sample covers `batch` consecutive calls (batch=None picks a batch
+    lasting ~1 ms, for tiny kernels). hide_launch=True queues a GPU sleep before
+    each sample so the host can run ahead and the events see GPU time only.
+    If `stats` is a dict, the host time per call (ms) is stored in stats["host_ms"].
+    """
+    torch = _torch()
+    n, k = len(inputs_list), 1
+    fn(*inputs_list[0])  # first call may compile / build plans: not timed at all
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(max(1, warmup)):
+        fn(*inputs_list[k % n])
+        k += 1
+    host_ms = (time.perf_counter() - t0) * 1e3 / max(1, warmup)
+    torch.cuda.synchronize()
+    if batch is None:  # estimate GPU time per call, then aim for ~1 ms per sample
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(10):
+            fn(*inputs_list[k % n])
+            k += 1
+        e.record()
+        torch.cuda.synchronize()
+        batch = max(1, min(200, int(1.0 / max(s.elapsed_time(e) / 10, 1e-4))))
+    sleep = hide_launch and hasattr(torch.cuda, "_sleep")
+    cycles = int(min(2e8, host_ms * batch * 1.5 * 2e6))  # ~2e6 SM cycles per ms
+    events = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if sleep:
+            torch.cuda._sleep(cycles)
+        s.record()
+        for _ in range(batch):
+            fn(*inputs_list[k % n])
+            k += 1
+        e.record()
+        events.append((s, e))
+        if sleep:
+            torch.cuda.synchronize()  # keep the sleep meaningful for the next sample
+    torch.cuda.synchronize()
+    if stats is not None:
+        stats["host_ms"] = host_ms
+    return statistics.median(s.elapsed_time(e) / batch for s, e in events)
+
+
+def _make_sets(torch, shapes, dtype, extra_bytes=0, min_sets=4):
+    """Enough random input sets that their total exceeds max(2*L2, 120 MB)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    per = sum(math.prod(s) for s in shapes) * elem + extra_bytes
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or (50 << 20)
+    n = max(min_sets, math.ceil(max(2 * l2, 120 << 20) / per))
+    free, _ = torch.cuda.mem_get_info()
+    n = max(1, min(n, int(0.4 * free) // per, 1024))
+    return [tuple(torch.randn(s, device="cuda", dtype=dtype) for s in shapes) for _ in range(n)]
+
+
+def _sdpa(torch, causal, gqa):
+    F = torch.nn.functional.scaled_dot_product_attention
+    kw = {"enable_gqa": True} if gqa else {}
+    return lambda q, k, v: F(q, k, v, is_causal=causal, **kw)
+
+
+def _time_sdpa(torch, backend, sets_t, causal, gqa, warmup, reps, **kw):
+    """Median ms of SDPA with one backend forced; None if the backend refuses."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    try:
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            return time_cuda(_sdpa(torch, causal, gqa), sets_t, warmup, reps, **kw)
+    except Exception:  # unsupported shape/dtype/GQA for this backend
+        return None
+
+
+def _max_diff(torch, out, q, k, v, causal, gqa):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    for backend in _REF_ORDER:
+        try:
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                ref = _sdpa(torch, causal, gqa)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            return (out.float() - ref.transpose(1, 2).float()).abs().max().item()
+        except Exception:
+            continue
+    return None
+
+
+def _plan(cuflash, q, k, v, causal):
+    try:
+        p = cuflash.plan(q, k, v, causal=causal)
+        return "+".join(p.kernels), getattr(p, "num_splits", None)
+    except AttributeError:
+        return None, None
+    except Exception as e:  # a labelling failure must not stop the sweep
+        return f"plan failed: {type(e).__name__}", None
+
+
+def _div(a, b):
+    return a / b if a is not None and b else None
+
+
+def measure_ceilings(reps=20, refresh=False):
+    """Copy TB/s (read+write), read-only TB/s (fp32 sum) and bf16 GEMM TFLOP/s (8192^3)."""
+    if _CEILINGS and not refresh:
+        return dict(_CEILINGS)
+    torch = _torch()
+    free, _ = torch.cuda.mem_get_info()
+    nbytes = min(2 << 30, int(free * 0.4)) // 4 * 4
+    src = torch.empty(nbytes // 4, device="cuda", dtype=torch.float32).uniform_()
+    dst = torch.empty_like(src)
+    _CEILINGS["copy_tbps"] = 2 * nbytes / time_cuda(lambda a, b: b.copy_(a), [(src, dst)], 3, reps) / 1e9
+    _CEILINGS["read_tbps"] = nbytes / time_cuda(torch.sum, [(src,)], 3, reps) / 1e9  # pure read
+    del src, dst
+    ab = [(torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16),) * 2]
+    _CEILINGS["gemm_tflops"] = 2 * 8192 ** 3 / time_cuda(torch.mm, ab, warmup=5, reps=reps) / 1e9
+    del ab
+    torch.cuda.empty_cache()
+    return dict(_CEILINGS)
+
+
+def bench_prefill(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), causal=(False, True),
+                  shapes=((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)),
+                  model_dim=2048, reps=30, warmup=5, quick=False, verbose=True):
+    """Forward prefill sweep (sq == sk, nheads_k == nheads); returns one dict per config."""
+    torch = _torch()
+    import cuflash
+    if quick:
+        dtypes, shapes = ("bfloat16",), ((8, 2048),)
+    gemm = measure_ceilings()["gemm_tflops"]
+    rows = []
+    for dt in dtypes:
+        for d in head_dims:
+            for c in causal:
+                for b, s in shapes:
+                    h = model_dim // d
+                    shp = (b, s, h, d)
+                    sets = _make_sets(torch, (shp, shp, shp), getattr(torch, dt),
+                                      extra_bytes=b * s * h * d * 2)
+                    q, k, v = sets[0]
+                    row = dict(dtype=dt, d=d, causal=c, batch=b, seqlen=s, nheads=h)
+                    row["kernels"], _ = _plan(cuflash, q, k, v, c)
+                    flops = 4 * b * s * s * h * d / (2 if c else 1)
+                    tf = lambda ms: flops / ms / 1e9 if ms else None  # noqa: E731
+                    try:
+                        row["max_diff_vs_sdpa"] = _max_diff(torch, cuflash.attention(q, k, v, causal=c),
+                                                            q, k, v, c, False)
+                        row["cuflash_ms"] = time_cuda(lambda q, k, v: cuflash.attention(q, k, v, causal=c),
+                                                      sets, warmup, reps)
+                    except Exception as e:
+                        row.update(cuflash_ms=None, error=f"{type(e).__name__}: {e}")
+                    sets_t = [tuple(t.transpose(1, 2) for t in x) for x in sets]
+                    row["cuflash_tflops"] = tf(row["cuflash_ms"])
+                    row["flash_tflops"] = tf(_time_sdpa(torch, "FLASH_ATTENTION", sets_t, c, False, warmup, reps))
+                    row["cudnn_tflops"] = tf(_time_sdpa(torch, "CUDNN_ATTENTION", sets_t, c, False, warmup, reps))
+                    row["ratio_flash"] = _div(row["cuflash_tflops"], row["flash_tflops"])
+                    row["ratio_cudnn"] = _div(row["cuflash_tflops"], row["cudnn_tflops"])
+                    row["frac_gemm"] = _div(row["cuflash_tflops"], gemm)
+                    rows.append(row)
+                    if verbose:
+                        print(format_table([row], "prefill").splitlines()[-1], row.get("error", ""), flush=True)
+                    del sets, sets_t, q, k, v
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def bench_decode(shapes=None, reps=20, warmup=10, d=128, dtype="bfloat16", causal=True,
+                 max_kv_gb=40.0, verbose=True):
+    """Single-token decode (sq=1) over shapes = [(nheads, nheads_k, batch, seqlen_k), ...].
+
+    cuflash is called with `causal` (bottom-right: same as full attention for sq=1);
+    SDPA with is_causal=False. Timings hide host launch overhead (GPU time only);
+    the host time per cuflash call is reported as cuflash_host_us.
+    """
+    torch = _torch()
+    import cuflash
+    ceil = measure_ceilings()
+    tdt = getattr(torch, dtype)
+    elem = torch.empty((), dtype=tdt).element_size()
+    rows = []
+    for h, hk, b, sk in shapes or DEFAULT_DECODE_SHAPES:
+        kv = 2 * b * sk * hk * d * elem
+        if kv > max_kv_gb * 1e9 or kv > 0.8 * torch.cuda.mem_get_info()[0]:
+            if verbose:
+                print(f"skip h={h}/{hk} b={b} sk={sk}: K+V {kv / 1e9:.1f} GB", flush=True)
+            continue
+        total = kv + 2 * b * h * d * elem
+        sets = _make_sets(torch, ((b, 1, h, d), (b, sk, hk, d), (b, sk, hk, d)), tdt,
+                          extra_bytes=b * h * d * elem)
+        q, k, v = sets[0]
+        gqa = hk != h
+        row = dict(nheads=h, nheads_k=hk, batch=b, seqlen_k=sk, d=d, dtype=dtype, kv_bytes=total)
+        row["kernels"], row["num_splits"] = _plan(cuflash, q, k, v, causal)
+        kw = dict(batch=None, hide_launch=True)
+        st = {}
+        try:
+            row["max_diff_vs_sdpa"] = _max_diff(torch, cuflash.attention(q, k, v, causal=causal),
+                                                q, k, v, False, gqa)
+            ms = time_cuda(lambda q, k, v: cuflash.attention(q, k, v, causal=causal),
+                           sets, warmup, reps, stats=st, **kw)
+        except Exception as e:
+            ms, row["error"] = None, f"{type(e).__name__}: {e}"
+        sets_t = [tuple(t.transpose(1, 2) for t in x) for x in sets]
+        for name, t in (("cuflash", ms),
+                        ("flash", _time_sdpa(torch, "FLASH_ATTENTION", sets_t, False, gqa, warmup, reps, **kw)),
+                        ("cudnn", _time_sdpa(torch, "CUDNN_ATTENTION", sets_t, False, gqa, warmup, reps, **kw))):
+            row[f"{name}_us"] = t * 1e3 if t else None
+            row[f"{name}_tbps"] = total / t / 1e9 if t else None
+        row["cuflash_host_us"] = st["host_ms"] * 1e3 if st else None
+        row["frac_copy"] = _div(row["cuflash_tbps"], ceil["copy_tbps"])
+        row["frac_read"] = _div(row["cuflash_tbps"], ceil["read_tbps"])
+        rows.append(row)
+        if verbose:
+            print(format_table([row], "decode").splitlines()[-1], row.get("error", ""), flush=True)
+        del sets, sets_t, q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+_f = lambda fmt: lambda x: "-" if x is None else format(x, fmt)  # noqa: E731
+_pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # noqa: E731
+
+
+_COLUMNS = {
+    "prefill": [("dtype", "dtype", str), ("d", "d", str), ("causal", "causal", lambda x: "Y" if x else "N"),
+                ("b", "batch", str), ("s", "seqlen", str), ("cuflash TF/s", "cuflash_tflops", _f(".1f")),
+                ("flash TF/s", "flash_tflops", _f(".1f")), ("cuDNN TF/s", "cudnn_tflops", _f(".1f")),
+                ("xflash", "ratio_flash", _f(".2f")), ("xcuDNN", "ratio_cudnn", _f(".2f")),
+                ("%GEMM", "frac_gemm", _pct), ("kernels", "kernels", lambda x: x or "-")],
+    "decode": [("heads", None, lambda r: f"{r['nheads']}/{r['nheads_k']}"), ("b", "batch", str),
+               ("sk", "seqlen_k", str), ("cuflash us", "cuflash_us", _f(".1f")), ("flash us", "flash_us", _f(".1f")),
+               ("cuDNN us", "cudnn_us", _f(".1f")), ("cuflash TB/s", "cuflash_tbps", _f(".2f")),
+               ("cuDNN TB/s", "cudnn_tbps", _f(".2f")), ("%copy", "frac_copy", _pct), ("%read", "frac_read", _pct),
+               ("kernels/splits", None, lambda r: f"{r.get('kernels') or '-'} / {r.get('num_splits') or '-'}")],
+}
+
+
+def format_table(rows, kind):
+    """Fixed-width markdown table of the important columns of bench_prefill/bench_decode rows."""
+    cols = _COLUMNS[kind]
+    cells = [[fn(r) if key is None else fn(r.get(key)) for _, key, fn in cols] for r in rows]
+    heads = [name for name, _, _ in cols]
+    w = [max([len(heads[i])] + [len(c[i]) for c in cells]) for i in range(len(cols))]
+    line = lambda vals: "| " + " | ".join(v.rjust(w[i]) for i, v in enumerate(vals)) + " |"  # noqa: E731
+    return "\n".join([line(heads), "|" + "|".join("-" * (x + 1) + ":" for x in w) + "|"] + [line(c) for c in cells])
+
+
+def env_info():
+    """GPU name, SM count, compute capability, torch/cupy versions, date, ceilings if measured."""
+    info = {"date": datetime.datetime.now().isoformat(timespec="seconds")}
+    try:
+        import torch
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            info.update(gpu=p.name, sms=p.multi_processor_count, cc=f"{p.major}.{p.minor}",
+                        l2_bytes=getattr(p, "L2_cache_size", None), cuda=torch.version.cuda)
+    except ImportError:
+        info["torch"] = None
+    try:
+        import cupy
+        info["cupy"] = cupy.__version__
+    except ImportError:
+        info["cupy"] = None
+    if _CEILINGS:
+        info["ceilings"] = dict(_CEILINGS)
+    return info
+
+
+def write_results(rows, path):
+    """JSON ({"env": ..., "rows": [...]}) if path ends in .json, else CSV."""
+    if str(path).endswith(".json"):
+        with open(path, "w") as f:
+            json.dump({"env": env_info(), "rows": rows}, f, indent=1)
+        return
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=keys)
+        wr.writeheader()
+        wr.writerows(rows)
+
+
+def plot(rows, kind, path):
+    """TFLOP/s (prefill) or TB/s (decode) vs sequence length, one line per implementation."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise RuntimeError("plot needs matplotlib (pip install matplotlib)") from e
+    if kind == "prefill":
+        key, x, unit = (lambda r: f"{r['dtype']} d={r['d']} {'causal' if r['causal'] else 'full'}"), "seqlen", "tflops"
+    else:
+        key, x, unit = (lambda r: f"h={r['nheads']}/{r['nheads_k']} b={r['batch']}"), "seqlen_k", "tbps"
+    groups = {}
+    for r in rows:
+        groups.setdefault(key(r), []).append(r)
+    ncol = min(3, len(groups)) or 1
+    nrow = math.ceil(len(groups) / ncol) or 1
+    fig, axes = plt.subplots(nrow, ncol, figsize=(5 * ncol, 3.6 * nrow), squeeze=False)
+    for ax, (title, rs) in zip(axes.flat, groups.items()):
+        rs = sorted(rs, key=lambda r: r[x])
+        for impl in ("cuflash", "flash", "cudnn"):
+            pts = [(r[x], r.get(f"{impl}_{unit}")) for r in rs if r.get(f"{impl}_{unit}") is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_title(title)
+        ax.set_xlabel(x)
+        ax.set_ylabel("TFLOP/s" if unit == "tflops" else "TB/s")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    for ax in list(axes.flat)[len(groups):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,93 @@
+"""Variant -> CUDA C++ source, rendered from the Jinja2 templates in ``templates/``.
+
+Jinja only sets constants and includes the shared partials; all logic is plain CUDA C++.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
+KINDS = ("fwd", "fwd_split", "combine")
+DTYPES = ("fp16", "bf16")
+
+
+def templates_dir() -> Path:
+    """The installed copy (``cuflash/templates``) or the source tree's top-level ``templates/``."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "templates", here.parent / "templates"):
+        if (cand / "fwd.cu.j2").is_file():
+            return cand
+    raise FileNotFoundError(f"cuflash templates not found next to {here}")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled kernel. ``name`` is its extern "C" symbol and the stem of its cache file."""
+
+    kind: str                 # "fwd", "fwd_split" or "combine"
+    head_dim: int             # bucket, one of HEAD_DIM_BUCKETS
+    dtype: str                # "fp16" or "bf16"
+    causal: bool = False
+    even_head_dim: bool = False  # the real head dim equals the bucket: no column predicates
+    block_m: int = 0
+    block_n: int = 0
+    warps: int = 4
+    arch: int = 90
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.head_dim not in HEAD_DIM_BUCKETS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIM_BUCKETS}, got {self.head_dim}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    @functools.cached_property
+    def name(self) -> str:
+        if self.kind == "combine":
+            return f"combine_d{self.head_dim}_{self.dtype}_sm{self.arch}"
+        mask = "causal" if self.causal else "full"
+        even = "" if self.even_head_dim else "_dpred"
+        return (f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{even}"
+                f"_m{self.block_m}n{self.block_n}w{self.warps}_sm{self.arch}")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: padded Q, K and V tiles (2-byte elements, rows of d + 8)."""
+        if self.kind == "combine":
+            return 0
+        return (self.block_m + 2 * self.block_n) * (self.head_dim + 8) * 2
+
+
+@functools.lru_cache(maxsize=None)
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def render(variant: Variant) -> str:
+    """CUDA C++ source of one variant."""
+    template = "combine.cu.j2" if variant.kind == "combine" else "fwd.cu.j2"
+    return _environment().get_template(template).render(
+        name=variant.name,
+        head_dim=variant.head_dim,
+        block_m=variant.block_m,
+        block_n=variant.block_n,
+        warps=variant.warps,
+        causal=variant.causal,
+        split=variant.kind == "fwd_split",
+        bf16=variant.dtype == "bf16",
+        even_head_dim=variant.even_head_dim,
+    )

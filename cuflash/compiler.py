@@ -1,0 +1,269 @@
+"""Source -> compiled kernel. NVRTC is called directly, for an explicit arch, so that the same
+function compiles on a machine with no GPU (offline, CI, build nodes) and at run time; the cubin
+is then loaded through CuPy.
+
+Caches: a per-process dict (variant, device) -> loaded function, and a disk cache of cubins
+keyed by source, options, arch, NVRTC version and library version. Writes are atomic (temp file
++ rename under a file lock); a corrupt entry is rebuilt with a warning; an unwritable cache
+directory falls back to memory with a warning.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import re
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import __version__
+from .codegen import Variant, render
+
+NVRTC_OPTIONS = ("-std=c++17", "-ftz=true", "--ptxas-options=-v")
+_MAGIC = b"CUFLASH-CUBIN-1\n"
+
+
+class _NVRTC:
+    """Minimal ctypes binding of NVRTC (the library CuPy uses, located by cuda-pathfinder).
+
+    Our own binding, because the cubin must come back byte-exact (it is an ELF image, not a
+    string) and compilation must work with no GPU and no driver.
+    """
+
+    def __init__(self):
+        import ctypes
+        path = None
+        try:
+            from cuda import pathfinder
+            path = pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path
+        except Exception:  # pathfinder missing or library not found there: try the system
+            import ctypes.util
+            import glob
+            path = ctypes.util.find_library("nvrtc")
+            for root in (os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"):
+                found = sorted(glob.glob(os.path.join(root, "lib64", "libnvrtc.so*"))) if root else []
+                path = path or (found[0] if found else None)
+        if not path:
+            raise RuntimeError("cuflash: NVRTC not found; install the nvidia-cuda-nvrtc wheel")
+        self.ct = ctypes
+        self.lib = ctypes.CDLL(path)
+        self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+
+    def _check(self, status, what):
+        if status != 0:
+            raise RuntimeError(f"NVRTC {what} failed: {self.lib.nvrtcGetErrorString(status).decode()}")
+
+    def version(self) -> tuple[int, int]:
+        major, minor = self.ct.c_int(), self.ct.c_int()
+        self._check(self.lib.nvrtcVersion(self.ct.byref(major), self.ct.byref(minor)), "version")
+        return major.value, minor.value
+
+    def _get(self, prog, what):
+        size = self.ct.c_size_t()
+        self._check(getattr(self.lib, f"nvrtcGet{what}Size")(prog, self.ct.byref(size)), what)
+        buf = self.ct.create_string_buffer(size.value)
+        self._check(getattr(self.lib, f"nvrtcGet{what}")(prog, buf), what)
+        return buf.raw[:size.value]
+
+    def compile(self, source: str, name: str, options: list[str]) -> tuple[bool, bytes, str]:
+        """(ok, cubin, log)."""
+        ct = self.ct
+        prog = ct.c_void_p()
+        self._check(self.lib.nvrtcCreateProgram(ct.byref(prog), source.encode(), name.encode(),
+                                                0, None, None), "create")
+        try:
+            opts = (ct.c_char_p * len(options))(*[o.encode() for o in options])
+            status = self.lib.nvrtcCompileProgram(prog, len(options), opts)
+            log = self._get(prog, "ProgramLog").rstrip(b"\0").decode(errors="replace")
+            return status == 0, (self._get(prog, "CUBIN") if status == 0 else b""), log
+        finally:
+            self.lib.nvrtcDestroyProgram(ct.byref(prog))
+
+
+@functools.lru_cache(maxsize=None)
+def _nvrtc() -> _NVRTC:
+    return _NVRTC()
+
+
+def nvrtc_version() -> tuple[int, int]:
+    return _nvrtc().version()
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What ptxas reports for one kernel."""
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_bytes: int
+    static_smem: int
+
+
+def parse_resources(log: str) -> Resources:
+    def grab(pattern, default=0):
+        m = re.search(pattern, log)
+        return int(m.group(1)) if m else default
+    regs = grab(r"Used (\d+) registers", -1)
+    if regs < 0:
+        raise ValueError(f"no ptxas resource report in the NVRTC log:\n{log}")
+    return Resources(regs, grab(r"(\d+) bytes spill stores"), grab(r"(\d+) bytes spill loads"),
+                     grab(r"(\d+) bytes stack frame"), grab(r"(\d+) bytes smem"))
+
+
+@dataclass(frozen=True)
+class Compiled:
+    cubin: bytes
+    log: str
+
+    @property
+    def resources(self) -> Resources:
+        return parse_resources(self.log)
+
+
+def compile_source(source: str, name: str, arch: int) -> Compiled:
+    """Compile CUDA C++ to a cubin for sm_<arch> with NVRTC. Needs no GPU."""
+    ok, cubin, log = _nvrtc().compile(source, f"{name}.cu", [f"-arch=sm_{arch}", *NVRTC_OPTIONS])
+    if not ok:
+        raise RuntimeError(f"NVRTC failed to compile {name} for sm_{arch}:\n{log}")
+    return Compiled(cubin, log)
+
+
+def compile_variant(variant: Variant) -> Compiled:
+    return compile_source(render(variant), variant.name, variant.arch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Disk cache
+
+def cache_dir() -> Path:
+    env = os.environ.get("CUFLASH_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cuflash"
+
+
+def cache_key(variant: Variant) -> str:
+    h = hashlib.sha256()
+    for part in (render(variant), " ".join(NVRTC_OPTIONS), str(variant.arch),
+                 "%d.%d" % nvrtc_version(), __version__):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:20]
+
+
+def cache_path(variant: Variant) -> Path:
+    return cache_dir() / f"{variant.name}-{cache_key(variant)}.cubin"
+
+
+def _read_entry(path: Path) -> bytes | None:
+    """The cubin stored at ``path``, or None if absent. Corrupt entries are removed."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        warnings.warn(f"cuflash: cannot read cache entry {path} ({e}); recompiling", RuntimeWarning)
+        return None
+    head = len(_MAGIC)
+    payload = data[head + 32:]
+    if data[:head] == _MAGIC and hashlib.sha256(payload).digest() == data[head:head + 32] and payload:
+        return payload
+    warnings.warn(f"cuflash: cache entry {path} is corrupt; rebuilding it", RuntimeWarning)
+    with contextlib.suppress(OSError):
+        path.unlink()
+    return None
+
+
+def _write_entry(path: Path, cubin: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_bytes(_MAGIC + hashlib.sha256(cubin).digest() + cubin)
+    os.replace(tmp, path)  # atomic: readers see the old entry or the whole new one
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    import fcntl
+    with open(path, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+_warned_dirs: set[str] = set()
+
+
+def cubin_for(variant: Variant) -> bytes:
+    """The variant's cubin: from the disk cache, or compiled now and stored there."""
+    path = cache_path(variant)
+    cubin = _read_entry(path)
+    if cubin is not None:
+        return cubin
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _file_lock(path.with_name(path.name + ".lock")):
+            cubin = _read_entry(path)  # another process may have built it while we waited
+            if cubin is None:
+                cubin = compile_variant(variant).cubin
+                _write_entry(path, cubin)
+        return cubin
+    except OSError as e:
+        if str(path.parent) not in _warned_dirs:
+            _warned_dirs.add(str(path.parent))
+            warnings.warn(f"cuflash: cache directory {path.parent} is not usable ({e}); "
+                          "compiled kernels are kept in memory only", RuntimeWarning)
+        return compile_variant(variant).cubin
+
+
+# ---------------------------------------------------------------------------------------------
+# Loaded kernels (needs a GPU)
+
+_loaded: dict[tuple[Variant, int], object] = {}
+_lock = threading.Lock()
+
+
+def get_kernel(variant: Variant, device: int):
+    """The loaded kernel for ``variant`` on ``device``: one dict lookup once loaded."""
+    fn = _loaded.get((variant, device))
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _loaded.get((variant, device))
+        if fn is None:
+            fn = _load(variant, device)
+            _loaded[(variant, device)] = fn
+    return fn
+
+
+def _load(variant: Variant, device: int):
+    import cupy
+    from cupy_backends.cuda.api import driver
+    cubin = cubin_for(variant)
+    with cupy.cuda.Device(device):
+        mod = cupy.cuda.function.Module()
+        mod.load(cubin)
+        fn = mod.get_function(variant.name)
+        if variant.smem_bytes > 48 * 1024:
+            driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                    variant.smem_bytes)
+    return fn
+
+
+def warmup(variants, workers: int | None = None, progress=None) -> list[Variant]:
+    """Fill the disk cache for ``variants`` in parallel (NVRTC releases the GIL). Needs no GPU.
+    ``progress(done, total, variant)`` is called after each one. Returns the variants built."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+    variants = list(dict.fromkeys(variants))
+    workers = workers or min(16, os.cpu_count() or 1)
+    with ThreadPoolExecutor(workers) as ex:
+        futures = {ex.submit(cubin_for, v): v for v in variants}
+        for i, f in enumerate(as_completed(futures), 1):
+            f.result()
+            if progress:
+                progress(i, len(variants), futures[f])
+    return variants

@@ -1,0 +1,226 @@
+"""Problem + device facts -> Plan: which kernels launch, with which tiles and grids, and why.
+
+Pure Python: no CuPy, no GPU. The split-KV rule is FlashAttention-2's (``flash_api.cpp``:
+``set_params_splitkv`` and ``num_splits_heuristic``), reproduced exactly so the plan can say what
+FA2 would have done for any shape.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from .codegen import HEAD_DIM_BUCKETS, Variant
+
+# Forward tiles per head-dim bucket: (block_m, block_n, warps), FA2 kernel_traits style.
+# Chosen so that every variant compiles with no register spills (checked in the CPU tests).
+FWD_TILES = {
+    32: (128, 64, 4),
+    64: (128, 64, 4),
+    96: (128, 32, 4),
+    128: (128, 64, 8),
+    192: (128, 64, 8),
+    256: (64, 32, 4),
+}
+SPLIT_BLOCK_M, SPLIT_WARPS = 64, 4  # FA2's split-KV kernel: kBlockM 64, 4 warps
+COMBINE_ROWS_PER_BLOCK = 4          # one warp per row, 4 warps
+MAX_SPLITS = 128
+
+
+def head_dim_bucket(d: int) -> int:
+    for b in HEAD_DIM_BUCKETS:
+        if d <= b:
+            return b
+    raise ValueError(f"head dim must be at most {HEAD_DIM_BUCKETS[-1]}, got {d}")
+
+
+def split_block_n(d: int) -> int:
+    """FA2's split-KV kBlockN (and the block_n of its heuristic): 256 / 128 / 64."""
+    return 256 if d <= 64 else (128 if d <= 128 else 64)
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    num_sms: int
+    arch: int  # compute capability as an int: 80, 86, 89, 90
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A validated attention call, without pointers or strides (so plans cache per shape)."""
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_k: int
+    head_dim: int          # as the kernel sees it (a multiple of 8)
+    dtype: str             # "fp16" | "bf16"
+    causal: bool = False
+    return_lse: bool = False
+    num_splits: int = 0    # 0 = heuristic, 1 = never split, N = exactly N splits
+    heuristic: str = "fa2"
+
+
+@dataclass(frozen=True)
+class Launch:
+    variant: Variant
+    grid: tuple[int, int, int]
+    threads: int
+    smem: int
+
+    @property
+    def name(self) -> str:
+        return self.variant.name
+
+
+@dataclass(frozen=True)
+class Plan:
+    problem: Problem
+    device: DeviceFacts
+    launches: tuple[Launch, ...]
+    num_splits: int
+    n_blocks_per_split: int
+    pack_gqa: bool         # seqlen_q == 1 with GQA: a KV head's query heads become rows
+    seqlen_q_eff: int      # query rows per (batch, head) as launched
+    nheads_eff: int
+    ngroups_eff: int       # query heads per KV head as launched
+    causal_eff: bool
+    workspace_bytes: int
+    efficiency: tuple[tuple[int, float | None], ...]  # (splits, wave efficiency or None if ineligible)
+    reason: str
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        return tuple(l.name for l in self.launches)
+
+    def __str__(self) -> str:
+        p = self.problem
+        lines = [
+            f"cuflash plan: batch={p.batch} seqlen_q={p.seqlen_q} seqlen_k={p.seqlen_k} "
+            f"heads={p.nheads}/{p.nheads_k} d={p.head_dim} {p.dtype} causal={p.causal} "
+            f"on {self.device.num_sms} SMs (sm_{self.device.arch})",
+        ]
+        for l in self.launches:
+            lines.append(f"  launch {l.name}  grid={l.grid} threads={l.threads} smem={l.smem} B")
+        lines.append(f"  num_splits={self.num_splits}  workspace={self.workspace_bytes} B")
+        if self.efficiency:
+            table = ", ".join(f"{s}:{'-' if e is None else f'{e:.3f}'}" for s, e in self.efficiency)
+            lines.append(f"  wave efficiency by split count: {table}")
+        lines.append("  why: " + self.reason)
+        return "\n".join(lines)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def num_splits_heuristic(batch_nheads_mblocks: int, num_slots: int, num_n_blocks: int,
+                         max_splits: int = MAX_SPLITS) -> tuple[int, tuple[tuple[int, float | None], ...]]:
+    """FA2's ``num_splits_heuristic``: (chosen split count, efficiency table it chose from)."""
+    if batch_nheads_mblocks >= 0.8 * num_slots:
+        return 1, ()
+    max_splits = min(max_splits, num_slots, num_n_blocks)
+
+    def eligible(s):  # s splits that give the same blocks per split as s - 1 are the same split
+        return s == 1 or cdiv(num_n_blocks, s) != cdiv(num_n_blocks, s - 1)
+
+    table = []
+    for s in range(1, max_splits + 1):
+        if eligible(s):
+            n_waves = batch_nheads_mblocks * s / num_slots
+            table.append((s, n_waves / math.ceil(n_waves)))
+        else:
+            table.append((s, None))
+    best = max((e for _, e in table if e is not None), default=0.0)
+    for s, e in table:
+        if e is not None and e >= 0.85 * best:
+            return s, tuple(table)
+    return 1, tuple(table)
+
+
+@functools.lru_cache(maxsize=4096)
+def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
+    bucket = head_dim_bucket(p.head_dim)
+    even = p.head_dim == bucket
+    ngroups = p.nheads // p.nheads_k
+    why = []
+
+    # FA2's seqlen_q/ngroups swap: one query per head, several heads per KV head -> rows.
+    pack = p.seqlen_q == 1 and ngroups > 1
+    sq, nh, ng = (ngroups, p.nheads_k, 1) if pack else (p.seqlen_q, p.nheads, ngroups)
+    # With one query row, the bottom-right causal mask hides nothing.
+    causal = p.causal and p.seqlen_q > 1
+    if pack:
+        why.append(f"seqlen_q=1 with {ngroups} query heads per KV head: each KV head's query heads "
+                   f"run as {ngroups} rows of one query block, so K/V is read once per group "
+                   "(FA2's seqlen_q/ngroups swap).")
+    if p.causal and not causal:
+        why.append("causal with seqlen_q=1 sees every key (bottom-right alignment), so no mask.")
+
+    # FA2: block_n by head dim, m-blocks of 64, 2 blocks per SM (128 threads).
+    bn = split_block_n(p.head_dim)
+    n_blocks = cdiv(p.seqlen_k, bn)
+    m_blocks = cdiv(sq, 64)
+    work = p.batch * nh * m_blocks
+    slots = 2 * dev.num_sms
+    table: tuple = ()
+    if p.heuristic != "fa2":
+        raise ValueError(f"heuristic must be 'fa2', got {p.heuristic!r}")
+    if p.num_splits == 1:
+        splits = 1
+        why.append("num_splits=1 was requested: standard kernel.")
+    elif p.num_splits > 1:
+        splits = p.num_splits
+        why.append(f"num_splits={splits} was requested.")
+    else:
+        splits, table = num_splits_heuristic(work, slots, n_blocks)
+        head = (f"batch*heads*m_blocks = {p.batch}*{nh}*{m_blocks} = {work} blocks of 64 query rows "
+                f"against {slots} slots (2 per SM x {dev.num_sms} SMs)")
+        if not table:
+            why.append(f"{head} fill >= 80% of the GPU: no split, standard kernel.")
+        elif splits == 1:
+            why.append(f"{head} leave SMs idle, but with block_n={bn} there "
+                       f"{'is only 1 K/V block' if n_blocks == 1 else f'are {n_blocks} K/V blocks'} "
+                       "and no split count improves the wave efficiency: standard kernel.")
+        else:
+            best = max(e for _, e in table if e is not None)
+            why.append(f"{head} fill only {work / slots:.1%} of the GPU, so K/V is split: block_n={bn} "
+                       f"gives {n_blocks} K/V blocks; the best wave efficiency is {best:.3f} and "
+                       f"{splits} is the smallest eligible split count within 85% of it "
+                       "(FA2's num_splits_heuristic).")
+
+    launches = []
+    if splits <= 1:
+        bm, bn_fwd, warps = FWD_TILES[bucket]
+        v = Variant("fwd", bucket, p.dtype, causal, even, bm, bn_fwd, warps, dev.arch)
+        launches.append(Launch(v, (cdiv(sq, bm), nh, p.batch), v.threads, v.smem_bytes))
+        nbps, workspace = 0, 0
+    else:
+        nbps = cdiv(n_blocks, splits)
+        v = Variant("fwd_split", bucket, p.dtype, causal, even, SPLIT_BLOCK_M, bn, SPLIT_WARPS, dev.arch)
+        launches.append(Launch(v, (cdiv(sq, SPLIT_BLOCK_M), nh, p.batch * splits), v.threads, v.smem_bytes))
+        rows = p.batch * nh * sq
+        c = Variant("combine", bucket, p.dtype, arch=dev.arch)
+        launches.append(Launch(c, (cdiv(rows, COMBINE_ROWS_PER_BLOCK), 1, 1), c.threads, 0))
+        workspace = splits * rows * (bucket + 1) * 4
+        empty = splits - cdiv(n_blocks, nbps)
+        why.append(f"Each split walks {nbps} K/V block(s) of {bn} keys"
+                   + (f" ({empty} split(s) get none and write the neutral element)" if empty > 0 else "")
+                   + "; the combine kernel merges the partial outputs by log-sum-exp.")
+    return Plan(p, dev, tuple(launches), max(splits, 1), nbps, pack, sq, nh, ng, causal,
+                workspace, table, " ".join(why))
+
+
+def all_variants(arch: int) -> list[Variant]:
+    """Every kernel variant a plan can launch on ``arch`` (what warmup/CI compile)."""
+    out = []
+    for bucket in HEAD_DIM_BUCKETS:
+        for dtype in ("fp16", "bf16"):
+            for causal in (False, True):
+                for even in (False, True):
+                    bm, bn, w = FWD_TILES[bucket]
+                    out.append(Variant("fwd", bucket, dtype, causal, even, bm, bn, w, arch))
+                    out.append(Variant("fwd_split", bucket, dtype, causal, even, SPLIT_BLOCK_M,
+                                       split_block_n(bucket), SPLIT_WARPS, arch))
+            out.append(Variant("combine", bucket, dtype, arch=arch))
+    return out

@@ -1,0 +1,140 @@
+"""NumPy reference attention with flash-attn (``flash_attn_func``) semantics.
+
+Layout: q is (batch, seqlen_q, nheads, d); k and v are (batch, seqlen_k, nheads_k, d).
+Query head h reads kv head h // (nheads // nheads_k) (GQA / MQA).  Scores are
+``s = softmax_scale * q.k`` (scale defaults to d ** -0.5), optionally softcapped
+(``softcap * tanh(s / softcap)``), then ALiBi adds ``-slope * |i + sk - sq - j|``.
+Masks are aligned bottom-right: query i sees key j iff
+``i + sk - sq - left <= j <= i + sk - sq + right`` (-1 = unbounded; causal sets
+right = 0).  A row that sees no key outputs 0 and reports LSE = +inf.
+
+``precision="float64"`` computes everything in float64.  ``precision="same"``
+mimics a fused kernel: float64 scores from the given inputs, row max m,
+p = exp(s - m), l = sum of the unrounded p, then p is rounded to q's dtype,
+O = (p @ v) / l in float64 and O is finally rounded to q's dtype.
+"""
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["attention", "max_abs_err", "check_close"]
+
+_BUDGET = 1 << 22  # max float64 elements of one score block (32 MiB)
+_LOW_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16),
+               np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _validate(q, k, v, window_size, alibi_slopes):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name}: expected rank 4 (batch, seqlen, nheads, d), "
+                             f"got rank {x.ndim} with shape {x.shape}")
+    b, sq, h, d = q.shape
+    if d == 0:
+        raise ValueError(f"q: expected head dim d > 0, got shape {q.shape}")
+    if k.shape[0] != b:
+        raise ValueError(f"k: expected batch {b} (from q), got {k.shape[0]}")
+    if k.shape[-1] != d:
+        raise ValueError(f"k: expected head dim {d} (from q), got {k.shape[-1]}")
+    if v.shape != k.shape:
+        raise ValueError(f"v: expected shape {k.shape} (same as k), got {v.shape}")
+    hk = k.shape[2]
+    if hk == 0 or h % hk != 0:
+        raise ValueError(f"k: nheads ({h}) must be a multiple of nheads_k, got nheads_k={hk}")
+    if len(window_size) != 2:
+        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
+    if alibi_slopes is not None and alibi_slopes.shape not in ((h,), (b, h)):
+        raise ValueError(f"alibi_slopes: expected shape ({h},) or ({b}, {h}), "
+                         f"got {alibi_slopes.shape}")
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
+              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, precision="float64"):
+    """Reference attention; returns out (like q) or (out, lse) with lse (batch, nheads, seqlen_q)."""
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    if alibi_slopes is not None:
+        alibi_slopes = np.asarray(alibi_slopes, dtype=np.float64)
+    _validate(q, k, v, window_size, alibi_slopes)
+    if precision == "float64":
+        out_dtype, lse_dtype = np.dtype(np.float64), np.float64
+    elif precision == "same":
+        out_dtype, lse_dtype = q.dtype, np.float32
+        if out_dtype not in _LOW_DTYPES:
+            raise ValueError(f"q: precision='same' needs a float16/bfloat16/float32/float64 "
+                             f"dtype, got {q.dtype}")
+    else:
+        raise ValueError(f"precision: expected 'float64' or 'same', got {precision!r}")
+
+    batch, sq, nheads, d = q.shape
+    sk, nheads_k = k.shape[1], k.shape[2]
+    group = nheads // nheads_k
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    left, right = int(window_size[0]), int(window_size[1])
+    if causal:
+        right = 0
+    if alibi_slopes is not None and alibi_slopes.ndim == 1:
+        alibi_slopes = np.broadcast_to(alibi_slopes, (batch, nheads))
+
+    out = np.zeros((batch, sq, nheads, d), dtype=np.float64)
+    lse = np.full((batch, nheads, sq), np.inf, dtype=np.float64)
+    if sk > 0 and sq > 0:
+        rows = max(1, _BUDGET // (group * sk))  # query rows per block
+        j = np.arange(sk)
+        for b in range(batch):
+            for g in range(nheads_k):
+                hs = slice(g * group, (g + 1) * group)
+                kg = k[b, :, g].astype(np.float64)  # (sk, d)
+                vg = v[b, :, g].astype(np.float64)
+                for i0 in range(0, sq, rows):
+                    i1 = min(sq, i0 + rows)
+                    qg = q[b, i0:i1, hs].astype(np.float64).transpose(1, 0, 2)  # (G, r, d)
+                    s = np.matmul(qg, kg.T) * scale  # (G, r, sk)
+                    if softcap > 0:
+                        s = softcap * np.tanh(s / softcap)
+                    diag = (np.arange(i0, i1) + sk - sq)[:, None]  # key aligned with row i
+                    if alibi_slopes is not None:
+                        s = s - alibi_slopes[b, hs, None, None] * np.abs(diag - j)
+                    visible = np.ones((i1 - i0, sk), dtype=bool)
+                    if left >= 0:
+                        visible &= j >= diag - left
+                    if right >= 0:
+                        visible &= j <= diag + right
+                    s = np.where(visible, s, -np.inf)
+                    m = s.max(axis=-1, keepdims=True)
+                    m = np.where(np.isfinite(m), m, 0.0)
+                    p = np.exp(s - m)  # masked entries -> 0
+                    l = p.sum(axis=-1, keepdims=True)
+                    if precision == "same":
+                        p = p.astype(out_dtype).astype(np.float64)
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        o = np.where(l > 0, np.matmul(p, vg) / l, 0.0)
+                        lse[b, hs, i0:i1] = np.where(l > 0, m + np.log(l), np.inf)[..., 0]
+                    out[b, i0:i1, hs] = o.transpose(1, 0, 2)
+    out = out.astype(out_dtype)
+    return (out, lse.astype(lse_dtype)) if return_lse else out
+
+
+def max_abs_err(a, b) -> float:
+    """max |a - b| computed in float64; any NaN (or inf - inf) gives inf."""
+    diff = np.abs(np.asarray(a).astype(np.float64) - np.asarray(b).astype(np.float64))
+    if diff.size == 0:
+        return 0.0
+    if np.isnan(diff).any():
+        return float("inf")
+    return float(diff.max())
+
+
+def check_close(out, q, k, v, *, rtol_factor=2.0, atol=1e-5, **kwargs):
+    """flash-attn's test rule: |out - ref64| <= rtol_factor * |ref_lp - ref64| + atol.
+
+    Returns (ok, err, bound); ``kwargs`` are forwarded to :func:`attention`.
+    """
+    out, q = np.asarray(out), np.asarray(q)
+    if out.shape != q.shape:
+        raise ValueError(f"out: expected shape {q.shape} (same as q), got {out.shape}")
+    kwargs.pop("return_lse", None)
+    ref64 = attention(q, k, v, precision="float64", **kwargs)
+    ref_lp = attention(q, k, v, precision="same", **kwargs)
+    err = max_abs_err(out, ref64)
+    bound = rtol_factor * max_abs_err(ref_lp, ref64) + atol
+    return bool(err <= bound), err, float(bound)

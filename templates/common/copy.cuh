@@ -1,0 +1,40 @@
+// Global -> shared copies with cp.async (16 bytes, L2 only). A false predicate zero-fills the
+// 16 bytes, which gives predicated sequence and head-dim tails for free.
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool pred) {
+  int n = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// Copy a kRows x kHeadDim tile (rows `row_stride` elements apart) into a padded shared tile.
+// Rows >= rows_valid and columns >= d_valid are zero-filled. Each thread owns one 16-byte column
+// chunk and walks rows kRowStep apart, so the addresses are one base plus a fixed increment
+// (a few live registers) rather than a separately computed pointer per chunk.
+template <int kRows>
+__device__ __forceinline__ void load_tile(u32 s_tile, const u16* g, long long row_stride,
+                                          int rows_valid, int d_valid, int tid) {
+  constexpr int kChunks = kHeadDim / 8;            // 16-byte chunks per row
+  constexpr int kRowStep = kNThreads / kChunks;    // rows covered per pass
+  constexpr int kPasses = (kRows + kRowStep - 1) / kRowStep;
+  static_assert(kRowStep > 0, "a pass must cover at least one row");
+  const int ch = tid % kChunks, row0 = tid / kChunks;
+  if (row0 >= kRowStep) return;  // threads beyond whole rows idle (e.g. d = 96 with 128 threads)
+  const bool col_ok = kEvenHeadDim || ch * 8 < d_valid;
+  const u16* src = g + row0 * row_stride + ch * 8;
+  const u32 dst = s_tile + (row0 * kSmemStride + ch * 8) * 2;
+  // The empty asm hides that the step is loop-invariant in the caller's K/V loop; otherwise the
+  // compiler hoists one 64-bit offset per pass out of that loop and runs out of registers.
+  long long step = kRowStep * row_stride;
+  asm volatile("" : "+l"(step));
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const int row = row0 + i * kRowStep;
+    if (kRows % kRowStep == 0 || row < kRows) {
+      const bool ok = col_ok && row < rows_valid;
+      cp_async16(dst + i * kRowStep * kSmemStride * 2, ok ? src : g, ok);
+    }
+    src += step;
+  }
+}

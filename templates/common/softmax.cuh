@@ -1,0 +1,35 @@
+// Online softmax in the exp2 domain. Scores arrive already multiplied by scale*log2(e).
+// A row's values live in the 4 lanes of a quad; reduce with xor-shuffles 1 and 2.
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+// Update one row-half r (row g or g+8) of one 16-row tile: new running max, exponentiate the
+// scores in place, rescale the running sum (kept per lane, reduced at the end) and return the
+// factor by which the output accumulator must be rescaled.
+template <int kNT>
+__device__ __forceinline__ float softmax_rescale(float (&s)[kNT][4], int r, float& row_m, float& row_l) {
+  float mx = neg_inf();
+#pragma unroll
+  for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+  const float m_new = fmaxf(row_m, quad_max(mx));
+  // A row that has seen only masked keys keeps m = -inf; subtract 0 instead so exp2 gives 0.
+  const float m_use = m_new == neg_inf() ? 0.f : m_new;
+  const float alpha = exp2_approx(row_m - m_use);
+  row_m = m_new;
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < kNT; ++j) {
+    s[j][2 * r] = exp2_approx(s[j][2 * r] - m_use);
+    s[j][2 * r + 1] = exp2_approx(s[j][2 * r + 1] - m_use);
+    sum += s[j][2 * r] + s[j][2 * r + 1];
+  }
+  row_l = row_l * alpha + sum;
+  return alpha;
+}

@@ -1,0 +1,41 @@
+// Element types and conversions, written with inline PTX so that no CUDA header is needed.
+// Storage type for fp16/bf16 values is a raw 16-bit word; pairs travel as one 32-bit word.
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
+
+// Pack two fp32 values into one 32-bit word of the element type, lo in the low half.
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+  u32 r;
+  if constexpr (kIsBF16) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  }
+  return r;
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float log2_approx(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+// Generic-to-shared address conversion (the 32-bit address that ldmatrix and cp.async take).
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+template <bool B> struct Bool { static constexpr bool value = B; };
