@@ -17,9 +17,9 @@ DTYPES = ["float16", "bfloat16"]
 def _compile_everything():
     """Build every variant once, in parallel, before the tests (later calls hit the cache)."""
     import cupy
-    from cuflash import compiler, plan
-    arch = int(cupy.cuda.Device().compute_capability)
-    compiler.warmup(plan.all_variants(arch))
+    from cuflash.compiler import warmup
+    from cuflash.plan import all_variants
+    warmup(all_variants(int(cupy.cuda.Device().compute_capability)))
 
 
 def torch_inputs(rng, b, sq, sk, h, hk, d, dtype):
