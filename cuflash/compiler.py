@@ -10,7 +10,6 @@ directory falls back to memory with a warning.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import os
 import re
@@ -22,7 +21,7 @@ from pathlib import Path
 from . import __version__
 from .codegen import Variant, render
 
-NVRTC_OPTIONS = ("-std=c++17", "-ftz=true", "--ptxas-options=-v")
+NVRTC_OPTIONS = ("-std=c++17", "-default-device", "-ftz=true", "--ptxas-options=-v")
 _MAGIC = b"CUFLASH-CUBIN-1\n"
 
 
@@ -51,6 +50,7 @@ class _NVRTC:
         self.ct = ctypes
         self.lib = ctypes.CDLL(path)
         self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        self._first, self._warm = threading.Lock(), False
 
     def _check(self, status, what):
         if status != 0:
@@ -69,7 +69,17 @@ class _NVRTC:
         return buf.raw[:size.value]
 
     def compile(self, source: str, name: str, options: list[str]) -> tuple[bool, bytes, str]:
-        """(ok, cubin, log)."""
+        """(ok, cubin, log). The first compilation runs alone: NVRTC 13.0 loads its builtins
+        library then, and concurrent first loads fail."""
+        if not self._warm:
+            with self._first:
+                if not self._warm:
+                    result = self._compile(source, name, options)
+                    self._warm = True
+                    return result
+        return self._compile(source, name, options)
+
+    def _compile(self, source, name, options):
         ct = self.ct
         prog = ct.c_void_p()
         self._check(self.lib.nvrtcCreateProgram(ct.byref(prog), source.encode(), name.encode(),
@@ -83,9 +93,17 @@ class _NVRTC:
             self.lib.nvrtcDestroyProgram(ct.byref(prog))
 
 
-@functools.lru_cache(maxsize=None)
+_nvrtc_instance: _NVRTC | None = None
+_nvrtc_lock = threading.Lock()
+
+
 def _nvrtc() -> _NVRTC:
-    return _NVRTC()
+    global _nvrtc_instance
+    if _nvrtc_instance is None:
+        with _nvrtc_lock:
+            if _nvrtc_instance is None:
+                _nvrtc_instance = _NVRTC()
+    return _nvrtc_instance
 
 
 def nvrtc_version() -> tuple[int, int]:
