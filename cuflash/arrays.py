@@ -77,11 +77,11 @@ def stream_for(v: View):
     import cupy
     if v.framework == "torch":
         import torch
-        ptr = torch.cuda.current_stream(v.device).cuda_stream
-        key = (v.device, ptr)
+        ts = torch.cuda.current_stream(v.device)
+        key = (v.device, ts.cuda_stream)
         s = _external_streams.get(key)
         if s is None:
-            s = _external_streams[key] = cupy.cuda.ExternalStream(ptr, v.device)
+            s = _external_streams[key] = cupy.cuda.Stream.from_external(ts)
         return s
     return cupy.cuda.get_current_stream()
 
