@@ -1,0 +1,219 @@
+"""python -m cuflash {demo,explain,info,warmup,cache,bench}: a thin shell over the library."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+PRESETS = {
+    # name: (nheads, nheads_k, head_dim)
+    "qwen2.5-7b": (28, 4, 128),
+    "llama3-8b": (32, 8, 128),
+    "llama2-7b": (32, 32, 128),
+    "mistral-7b": (32, 8, 128),
+    "gemma2-9b": (16, 8, 256),
+}
+
+
+def _gpu_error() -> str | None:
+    try:
+        import cupy
+        return None if cupy.cuda.runtime.getDeviceCount() > 0 else "no CUDA device is visible"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def cmd_explain(a):
+    import cuflash
+    h, hk, d = PRESETS[a.preset] if a.preset else (a.nheads, a.nheads_k or a.nheads, a.head_dim)
+    sks = [a.seqlen_k] if a.seqlen_k else [a.prompt + n for n in a.new_tokens]
+    for sk in sks:
+        q, kv = (a.batch, a.seqlen_q, h, d), (a.batch, sk, hk, d)
+        p = cuflash.plan(q, kv, kv, causal=not a.no_causal, num_sms=a.num_sms, arch=a.arch,
+                         num_splits=a.num_splits, dtype=a.dtype)
+        label = f"{a.preset}: " if a.preset else ""
+        if not a.seqlen_k:
+            label += f"{a.prompt}-token prompt + {sk - a.prompt} new tokens (seqlen_k={sk})"
+        print(f"== {label or f'seqlen_k={sk}'}")
+        print(p)
+        print()
+
+
+def cmd_info(a):
+    import cuflash
+    from cuflash import compiler
+    print(f"cuflash {cuflash.__version__}")
+    try:
+        print(f"NVRTC {'.'.join(map(str, compiler.nvrtc_version()))}")
+    except Exception as e:
+        print(f"NVRTC: not available ({e})")
+    try:
+        import cupy
+        print(f"CuPy {cupy.__version__}")
+    except Exception as e:
+        print(f"CuPy: not available ({e})")
+    err = _gpu_error()
+    if err:
+        print(f"GPU: none ({err})")
+    else:
+        import cupy
+        for i in range(cupy.cuda.runtime.getDeviceCount()):
+            props = cupy.cuda.runtime.getDeviceProperties(i)
+            d = cupy.cuda.Device(i)
+            print(f"GPU {i}: {props['name'].decode()}  sm_{d.compute_capability}  "
+                  f"{d.attributes['MultiProcessorCount']} SMs  driver {cupy.cuda.runtime.driverGetVersion()}")
+    entries = sorted(compiler.cache_dir().glob("*.cubin")) if compiler.cache_dir().is_dir() else []
+    size = sum(p.stat().st_size for p in entries)
+    print(f"cache: {compiler.cache_dir()}  ({len(entries)} kernels, {size / 1e6:.1f} MB)")
+
+
+def _arch_of(a) -> int:
+    from cuflash.api import _parse_arch
+    if a.arch:
+        return _parse_arch(a.arch)
+    err = _gpu_error()
+    if err:
+        raise SystemExit(f"no GPU here ({err}); pass --arch sm_90 (or sm_80) to compile offline")
+    import cupy
+    return int(cupy.cuda.Device().compute_capability)
+
+
+def cmd_warmup(a):
+    from cuflash import compiler
+    from cuflash.plan import all_variants, head_dim_bucket
+    arch = _arch_of(a)
+    variants = all_variants(arch)
+    dims = set()
+    if a.preset:
+        dims.add(head_dim_bucket(PRESETS[a.preset][2]))
+    if a.head_dim:
+        dims.update(head_dim_bucket(d) for d in a.head_dim)
+    if dims:
+        variants = [v for v in variants if v.head_dim in dims]
+    if a.dtype:
+        variants = [v for v in variants if v.dtype == {"bfloat16": "bf16", "float16": "fp16"}[a.dtype]]
+    t0 = time.perf_counter()
+
+    def progress(i, n, v):
+        bar = "#" * (30 * i // n)
+        print(f"\r[{bar:<30}] {i}/{n} {v.name:<60}", end="", flush=True)
+
+    compiler.warmup(variants, progress=progress)
+    print(f"\ncompiled {len(variants)} kernels for sm_{arch} in {time.perf_counter() - t0:.1f} s "
+          f"into {compiler.cache_dir()}")
+
+
+def cmd_cache(a):
+    import shutil
+    from cuflash import compiler
+    d = compiler.cache_dir()
+    entries = sorted(d.glob("*.cubin")) if d.is_dir() else []
+    if a.action == "list":
+        for p in entries:
+            print(f"{p.stat().st_size:>9}  {p.name}")
+        print(f"{len(entries)} kernels in {d}")
+    else:
+        if d.is_dir():
+            shutil.rmtree(d)
+        print(f"removed {len(entries)} kernels from {d}")
+
+
+def cmd_demo(a):
+    import numpy as np
+    import cuflash
+    from cuflash import compiler
+    b, s, h, hk, d = 2, 1024, 16, 4, 128
+    print(f"cuflash {cuflash.__version__} demo: attention on (batch={b}, seqlen={s}, heads={h}/{hk}, d={d}), causal")
+    err = _gpu_error()
+    sms = 132 if err else None
+    p = cuflash.plan((b, s, h, d), (b, s, hk, d), (b, s, hk, d), causal=True, num_sms=sms,
+                     arch=90 if err else None)
+    print(p)
+    if err:
+        print(f"\nNo GPU here ({err}).")
+        print("Showing what works without one: the plan above (for a 132-SM sm_90 GPU) and an")
+        print("offline NVRTC compile of its kernel:")
+        t0 = time.perf_counter()
+        c = compiler.compile_variant(p.launches[0].variant)
+        r = c.resources
+        print(f"  {p.kernels[0]}: {len(c.cubin)} B cubin in {time.perf_counter() - t0:.2f} s, "
+              f"{r.registers} registers, {r.spill_stores} B spills, {p.launches[0].smem} B shared memory")
+        dec = cuflash.plan((1, 1, 28, 128), (1, 552, 4, 128), (1, 552, 4, 128), causal=True, num_sms=132)
+        print(f"\nQwen2.5-7B decode at seqlen_k=552 would launch {' + '.join(dec.kernels)} "
+              f"({dec.num_splits} splits). `python -m cuflash explain --preset qwen2.5-7b` says why.")
+        return
+    import ml_dtypes
+    rng = np.random.default_rng(0)
+    mk = lambda *shape: rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    q, k, v = mk(b, s, h, d), mk(b, s, hk, d), mk(b, s, hk, d)
+    t0 = time.perf_counter()
+    out = cuflash.attention(q, k, v, causal=True)
+    print(f"\nfirst call (compile or load from cache, copy in/out): {time.perf_counter() - t0:.2f} s")
+    ok, err_, bound = cuflash.reference.check_close(out, q, k, v, causal=True)
+    print(f"max |out - float64 reference| = {err_:.2e} (bound {bound:.2e}): {'OK' if ok else 'FAILED'}")
+    if not ok:
+        raise SystemExit(1)
+
+
+def cmd_bench(a):
+    from cuflash import bench
+    if a.kind == "prefill":
+        rows = bench.bench_prefill(quick=a.quick)
+    else:
+        rows = bench.bench_decode()
+    print(bench.format_table(rows, a.kind))
+    if a.json:
+        bench.write_results(rows, a.json)
+    if a.csv:
+        bench.write_results(rows, a.csv)
+    if a.plot:
+        bench.plot(rows, a.kind, a.plot)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    sub.add_parser("demo", help="run attention on random data and check it (or plan+compile with no GPU)")
+
+    e = sub.add_parser("explain", help="print the dispatch plan for a shape or model preset")
+    e.add_argument("--preset", choices=sorted(PRESETS))
+    e.add_argument("--batch", type=int, default=1)
+    e.add_argument("--seqlen-q", type=int, default=1)
+    e.add_argument("--seqlen-k", type=int)
+    e.add_argument("--prompt", type=int, default=40, help="prompt length (with --new-tokens)")
+    e.add_argument("--new-tokens", type=int, nargs="+", default=[64, 512])
+    e.add_argument("--nheads", type=int, default=32)
+    e.add_argument("--nheads-k", type=int)
+    e.add_argument("--head-dim", type=int, default=128)
+    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    e.add_argument("--no-causal", action="store_true")
+    e.add_argument("--num-splits", type=int, default=0)
+    e.add_argument("--num-sms", type=int, default=132, help="SM count (132: H100/H200 SXM)")
+    e.add_argument("--arch", default="sm_90")
+
+    sub.add_parser("info", help="GPU, versions and cache")
+
+    w = sub.add_parser("warmup", help="precompile kernels into the disk cache")
+    w.add_argument("--arch", help="e.g. sm_90; needed when there is no GPU")
+    w.add_argument("--preset", choices=sorted(PRESETS))
+    w.add_argument("--head-dim", type=int, nargs="+")
+    w.add_argument("--dtype", choices=["bfloat16", "float16"])
+
+    c = sub.add_parser("cache", help="list or clear the kernel cache")
+    c.add_argument("action", choices=["list", "clear"])
+
+    b = sub.add_parser("bench", help="benchmark against PyTorch SDPA (flash, cuDNN)")
+    b.add_argument("kind", choices=["prefill", "decode"])
+    b.add_argument("--quick", action="store_true")
+    b.add_argument("--json")
+    b.add_argument("--csv")
+    b.add_argument("--plot")
+
+    a = ap.parse_args(argv)
+    {"demo": cmd_demo, "explain": cmd_explain, "info": cmd_info, "warmup": cmd_warmup,
+     "cache": cmd_cache, "bench": cmd_bench}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
