@@ -89,8 +89,8 @@ def _check_scale(softmax_scale, d):
         return d ** -0.5
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a real number, got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
     return float(softmax_scale)
 
 

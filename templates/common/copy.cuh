@@ -1,5 +1,6 @@
-// Global -> shared copies with cp.async (16 bytes, L2 only). A false predicate zero-fills the
-// 16 bytes, which gives predicated sequence and head-dim tails for free.
+// Global -> shared copies with cp.async (16 bytes, L2 only). A false predicate reads 0 bytes and
+// zero-fills the 16, which gives predicated sequence and head-dim tails for free (the address is
+// then never dereferenced, so it may point past the end).
 
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool pred) {
   int n = pred ? 16 : 0;
@@ -22,6 +23,7 @@ __device__ __forceinline__ void load_tile(u32 s_tile, const u16* g, long long ro
   const int ch = tid % kChunks, row0 = tid / kChunks;
   if (row0 >= kRowStep) return;  // threads beyond whole rows idle (e.g. d = 96 with 128 threads)
   const bool col_ok = kEvenHeadDim || ch * 8 < d_valid;
+  rows_valid -= row0;
   const u16* src = g + row0 * row_stride + ch * 8;
   const u32 dst = s_tile + (row0 * kSmemStride + ch * 8) * 2;
   // The empty asm hides that the step is loop-invariant in the caller's K/V loop; otherwise the
@@ -30,10 +32,9 @@ __device__ __forceinline__ void load_tile(u32 s_tile, const u16* g, long long ro
   asm volatile("" : "+l"(step));
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
-    const int row = row0 + i * kRowStep;
-    if (kRows % kRowStep == 0 || row < kRows) {
-      const bool ok = col_ok && row < rows_valid;
-      cp_async16(dst + i * kRowStep * kSmemStride * 2, ok ? src : g, ok);
+    if (kRows % kRowStep == 0 || row0 + i * kRowStep < kRows) {
+      const bool ok = col_ok && i * kRowStep < rows_valid;
+      cp_async16(dst + i * kRowStep * kSmemStride * 2, src, ok);  // nothing is read when !ok
     }
     src += step;
   }

@@ -1,4 +1,5 @@
-// Online softmax in the exp2 domain. Scores arrive already multiplied by scale*log2(e).
+// Online softmax in the exp2 domain with the scale folded in (c = softmax_scale * log2(e) > 0):
+// m = max(m, c * max_j s_j), p_j = exp2(c * s_j - m) as one FFMA and one MUFU per score.
 // A row's values live in the 4 lanes of a quad; reduce with xor-shuffles 1 and 2.
 
 __device__ __forceinline__ float quad_max(float x) {
@@ -14,11 +15,11 @@ __device__ __forceinline__ float quad_sum(float x) {
 // scores in place, rescale the running sum (kept per lane, reduced at the end) and return the
 // factor by which the output accumulator must be rescaled.
 template <int kNT>
-__device__ __forceinline__ float softmax_rescale(float (&s)[kNT][4], int r, float& row_m, float& row_l) {
+__device__ __forceinline__ float softmax_rescale(float (&s)[kNT][4], int r, float c, float& row_m, float& row_l) {
   float mx = neg_inf();
 #pragma unroll
   for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-  const float m_new = fmaxf(row_m, quad_max(mx));
+  const float m_new = fmaxf(row_m, quad_max(mx) * c);
   // A row that has seen only masked keys keeps m = -inf; subtract 0 instead so exp2 gives 0.
   const float m_use = m_new == neg_inf() ? 0.f : m_new;
   const float alpha = exp2_approx(row_m - m_use);
@@ -26,8 +27,8 @@ __device__ __forceinline__ float softmax_rescale(float (&s)[kNT][4], int r, floa
   float sum = 0.f;
 #pragma unroll
   for (int j = 0; j < kNT; ++j) {
-    s[j][2 * r] = exp2_approx(s[j][2 * r] - m_use);
-    s[j][2 * r + 1] = exp2_approx(s[j][2 * r + 1] - m_use);
+    s[j][2 * r] = exp2_approx(fmaf(s[j][2 * r], c, -m_use));
+    s[j][2 * r + 1] = exp2_approx(fmaf(s[j][2 * r + 1], c, -m_use));
     sum += s[j][2 * r] + s[j][2 * r + 1];
   }
   row_l = row_l * alpha + sum;

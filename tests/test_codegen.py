@@ -1,0 +1,57 @@
+"""Rendering: every variant a plan can launch renders to CUDA C++ with its constants set, its
+name as the extern "C" symbol, and no Jinja syntax left over."""
+import re
+
+import pytest
+
+from cuflash import codegen
+from cuflash.codegen import Variant, render
+from cuflash.plan import all_variants
+
+VARIANTS = all_variants(90)
+
+
+def test_templates_folder_is_found():
+    d = codegen.templates_dir()
+    assert d.is_dir() and (d / "fwd.cu.j2").is_file() and (d / "combine.cu.j2").is_file()
+    assert (d / "common").is_dir()
+
+
+def test_variant_set_and_unique_names():
+    # 6 buckets x 2 dtypes x (2 causal x 2 even x {fwd, fwd_split} + 1 combine)
+    assert len(VARIANTS) == 6 * 2 * 9
+    names = [v.name for v in VARIANTS]
+    assert len(set(names)) == len(names)
+    assert len(set(VARIANTS)) == len(VARIANTS)
+    assert all(n.endswith("_sm90") for n in names)
+    assert set(names).isdisjoint(v.name for v in all_variants(80))
+
+
+@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
+def test_render(v):
+    src = render(v)
+    assert "{{" not in src and "{%" not in src and "%}" not in src and "{#" not in src
+    assert re.search(r'extern "C"\s+__global__\s+void\s+(__launch_bounds__\([^)]*\)\s*)?'
+                     + re.escape(v.name) + r"\(", src), "kernel name is not the extern \"C\" symbol"
+    b = lambda x: "true" if x else "false"
+    consts = [f"constexpr int kHeadDim = {v.head_dim};", f"constexpr bool kIsBF16 = {b(v.dtype == 'bf16')};"]
+    if v.kind == "combine":
+        consts.append("constexpr int kNWarps = 4;")
+    else:
+        consts += [f"constexpr int kBlockM = {v.block_m};", f"constexpr int kBlockN = {v.block_n};",
+                   f"constexpr int kNWarps = {v.warps};", f"constexpr bool kIsCausal = {b(v.causal)};",
+                   f"constexpr bool kIsSplit = {b(v.kind == 'fwd_split')};",
+                   f"constexpr bool kEvenHeadDim = {b(v.even_head_dim)};"]
+    for c in consts:
+        assert c in src, c
+    assert len(re.findall(r"constexpr int kHeadDim = ", src)) == 1
+    assert render(v) is src  # cached per variant
+
+
+def test_bad_variants_rejected():
+    with pytest.raises(ValueError, match="kind"):
+        Variant("bwd", 64, "fp16")
+    with pytest.raises(ValueError, match="head_dim must be one of .* got 80"):
+        Variant("fwd", 80, "fp16")
+    with pytest.raises(ValueError, match="dtype"):
+        Variant("fwd", 64, "fp32")

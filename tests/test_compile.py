@@ -1,0 +1,163 @@
+"""Offline NVRTC compilation (no GPU) of every variant for sm_80 and sm_90 with a clean ptxas
+resource report, and the disk cache: hits, corrupt entries, unusable directories, keys."""
+import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from cuflash import compiler
+from cuflash.codegen import Variant
+from cuflash.plan import all_variants
+
+VARIANTS = all_variants(80) + all_variants(90)
+ELF = b"\x7fELF"
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Every variant compiled once. The first compile runs alone (NVRTC loads its builtins then)."""
+    first, rest = VARIANTS[0], VARIANTS[1:]
+    out = {first: compiler.compile_variant(first)}
+    with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as ex:
+        out.update(zip(rest, ex.map(compiler.compile_variant, rest)))
+    return out
+
+
+@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
+def test_variant_compiles_without_spills(compiled, v):
+    c = compiled[v]
+    assert c.cubin[:4] == ELF
+    assert f"entry function '{v.name}'" in c.log and f"for 'sm_{v.arch}'" in c.log
+    r = c.resources
+    assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0), f"{v.name}: {r}\n{c.log}"
+    assert 0 < r.registers <= 255, r
+
+
+def test_compile_error_is_reported():
+    with pytest.raises(RuntimeError, match=r"NVRTC failed to compile broken for sm_90:\n.*error"):
+        compiler.compile_source('extern "C" __global__ void broken() { int x = ; }', "broken", 90)
+
+
+# ---------------------------------------------------------------------------------------------
+# Disk cache
+
+SMALL = Variant("combine", 32, "fp16", arch=80)  # compiles in a fraction of a second
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def entries(d):
+    return sorted(p.name for p in d.glob("*.cubin"))
+
+
+def _no_compile(monkeypatch):
+    def fail(v):
+        raise AssertionError(f"compiled {v.name} although it is cached")
+    monkeypatch.setattr(compiler, "compile_variant", fail)
+
+
+def test_cache_write_then_hit(cache, monkeypatch):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cubin = compiler.cubin_for(SMALL)
+    assert cubin[:4] == ELF
+    assert entries(cache) == [compiler.cache_path(SMALL).name]
+    assert compiler.cache_path(SMALL).parent == cache
+    assert compiler.cache_path(SMALL).name.startswith(SMALL.name + "-")
+    assert not list(cache.glob(".*.tmp"))  # temp file renamed into place
+    _no_compile(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compiler.cubin_for(SMALL) == cubin
+    assert entries(cache) == [compiler.cache_path(SMALL).name]
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncate_header", "truncate_half", "flip_payload",
+                                    "flip_hash", "bad_magic"])
+def test_corrupt_entry_is_rebuilt(cache, monkeypatch, damage):
+    cubin = compiler.cubin_for(SMALL)
+    path = compiler.cache_path(SMALL)
+    data = bytearray(path.read_bytes())
+    head = len(compiler._MAGIC)
+    if damage == "empty":
+        data = b""
+    elif damage == "truncate_header":
+        data = data[:head + 32]  # header intact, no payload
+    elif damage == "truncate_half":
+        data = data[:len(data) // 2]
+    else:
+        i = {"flip_payload": head + 32 + len(cubin) // 2, "flip_hash": head + 5, "bad_magic": 0}[damage]
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.warns(RuntimeWarning, match="is corrupt; rebuilding it"):
+        rebuilt = compiler.cubin_for(SMALL)
+    assert rebuilt[:4] == ELF
+    stored = path.read_bytes()
+    assert stored[:head] == compiler._MAGIC and stored[head + 32:] == rebuilt
+    _no_compile(monkeypatch)  # and the rebuilt entry is a valid hit
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compiler.cubin_for(SMALL) == rebuilt
+
+
+def test_unusable_cache_dir_warns_and_still_compiles(monkeypatch, tmp_path):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a regular file")
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(blocker / "cache"))
+    with pytest.warns(RuntimeWarning) as rec:
+        cubin = compiler.cubin_for(SMALL)
+    assert cubin[:4] == ELF
+    msgs = [str(w.message) for w in rec]
+    assert any("is not usable" in m and str(blocker / "cache") in m for m in msgs), msgs
+    assert blocker.read_text() == "a regular file"
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root ignores directory permissions")
+def test_read_only_cache_dir_warns_and_still_compiles(monkeypatch, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(ro))
+    try:
+        with pytest.warns(RuntimeWarning, match="is not usable"):
+            assert compiler.cubin_for(SMALL)[:4] == ELF
+    finally:
+        ro.chmod(0o755)
+
+
+def test_cache_key_depends_on_version_options_and_arch(cache, monkeypatch):
+    key = compiler.cache_key(SMALL)
+    assert key == compiler.cache_key(SMALL) and len(key) == 20
+    assert compiler.cache_key(Variant("combine", 32, "fp16", arch=90)) != key
+    assert compiler.cache_key(Variant("combine", 32, "bf16", arch=80)) != key
+    with monkeypatch.context() as m:
+        m.setattr(compiler, "__version__", compiler.__version__ + ".post1")
+        assert compiler.cache_key(SMALL) != key
+        assert compiler.cache_path(SMALL) != cache / f"{SMALL.name}-{key}.cubin"
+    with monkeypatch.context() as m:
+        m.setattr(compiler, "NVRTC_OPTIONS", compiler.NVRTC_OPTIONS + ("-lineinfo",))
+        assert compiler.cache_key(SMALL) != key
+    with monkeypatch.context() as m:
+        m.setattr(compiler, "nvrtc_version", lambda: (99, 0))
+        assert compiler.cache_key(SMALL) != key
+    assert compiler.cache_key(SMALL) == key  # everything restored
+
+
+def test_version_change_misses_the_cache(cache, monkeypatch):
+    compiler.cubin_for(SMALL)
+    monkeypatch.setattr(compiler, "__version__", "0.0.0-test")
+    compiler.cubin_for(SMALL)  # a new entry, the old one left alone
+    assert len(entries(cache)) == 2
+
+
+def test_warmup_fills_the_cache(cache):
+    vs = [Variant("combine", d, "bf16", arch=90) for d in (32, 64, 96)]
+    seen = []
+    built = compiler.warmup(vs + vs[:1], workers=2, progress=lambda i, n, v: seen.append((i, n)))
+    assert built == vs and sorted(seen) == [(1, 3), (2, 3), (3, 3)]
+    assert entries(cache) == sorted(compiler.cache_path(v).name for v in vs)
