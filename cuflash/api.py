@@ -42,7 +42,7 @@ def _check_operands(q, k, v):
         raise ValueError(f"k must have q's head dim {d}, got {k.shape[3]} (q {_shape_str(q)}, "
                          f"k {_shape_str(k)})")
     if not 1 <= d <= 256:
-        raise ValueError(f"head dim must be between 1 and 256, got {d}")
+        raise ValueError(f"head dim (last dim of q and k) must be between 1 and 256, got {d}")
     hk = k.shape[2]
     if hk == 0 or h % hk:
         raise ValueError(f"nheads ({h}) must be divisible by nheads_k ({hk})")
@@ -69,12 +69,16 @@ def _check_same_place(*named):
         raise ValueError(f"{n0} is a CPU tensor; move it to the GPU (e.g. {n0}.cuda())")
 
 
-def _check_out(out, q):
+def _check_out(out, q, original=None):
+    """``original`` is the object the caller passed (host ``out`` must be a writable ndarray)."""
     if out.framework == "dlpack":
         raise TypeError("out must be a PyTorch, CuPy or NumPy array (arrays written in place); "
                         f"got {type(out.array[0]).__name__}")
     if out.framework != q.framework:
         raise TypeError(f"out must be a {q.framework} array like q, got a {out.framework} array")
+    if original is not None and out.framework == "numpy" and not (
+            isinstance(original, np.ndarray) and original.flags.writeable):
+        raise TypeError(f"out in host memory must be a writable NumPy array, got {type(original).__name__}")
     if tuple(out.shape) != tuple(q.shape):
         raise ValueError(f"out must have q's shape {_shape_str(q)}, got {_shape_str(out)}")
     if out.dtype != q.dtype:
@@ -92,6 +96,11 @@ def _check_scale(softmax_scale, d):
     if not math.isfinite(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
     return float(softmax_scale)
+
+
+def _check_causal(causal):
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
 
 
 def _check_num_splits(num_splits):
@@ -149,11 +158,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     ov = None
     if out is not None:
         ov = arrays.view(out, "out")
-        _check_out(ov, qv)
+        _check_out(ov, qv, out)
     scale = _check_scale(softmax_scale, qv.shape[3])
     num_splits = _check_num_splits(num_splits)
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    _check_causal(causal)
 
     if qv.device < 0:  # NumPy in, NumPy out: compute on the current GPU
         dev = _current_device()
@@ -256,10 +264,11 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     qv, kv, vv = (_shape_view(x, n, dtype) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     _check_operands(qv, kv, vv)
     _check_scale(softmax_scale, qv.shape[3])
+    _check_causal(causal)
     num_splits = _check_num_splits(num_splits)
     if num_sms is None:
         dev = device_facts(qv.device if qv.device >= 0 else _current_device())
-        facts = DeviceFacts(dev.num_sms, arch or dev.arch)
+        facts = DeviceFacts(dev.num_sms, _parse_arch(arch) if arch is not None else dev.arch)
     else:
         if isinstance(num_sms, bool) or not isinstance(num_sms, numbers.Integral) or num_sms < 1:
             raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")

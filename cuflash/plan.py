@@ -166,7 +166,10 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
     table: tuple = ()
     if p.heuristic != "fa2":
         raise ValueError(f"heuristic must be 'fa2', got {p.heuristic!r}")
-    if p.num_splits == 1:
+    if p.seqlen_k == 0:
+        splits = 1
+        why.append("seqlen_k=0: no key is visible, the standard kernel writes zeros (LSE +inf).")
+    elif p.num_splits == 1:
         splits = 1
         why.append("num_splits=1 was requested: standard kernel.")
     elif p.num_splits > 1:

@@ -178,17 +178,13 @@ def test_plan_is_frozen():
 
 
 # ---------------------------------------------------------------------------------------------
-# Known package bugs (xfail, strict: they start failing loudly once fixed)
+# Regressions: cases that once misbehaved
 
-@pytest.mark.xfail(strict=True, reason="package bug: plan() does not validate `causal` (attention() "
-                   "raises TypeError for causal='yes'; plan() silently treats it as True)")
 def test_plan_rejects_non_bool_causal():
     with pytest.raises(TypeError, match="causal"):
         qwen_decode(552, causal="yes")
 
 
-@pytest.mark.xfail(strict=True, reason="package bug: without num_sms, plan() uses `arch` unparsed "
-                   "(arch='sm_80' gives kernels named ..._smsm_80)")
 def test_plan_parses_arch_when_asking_the_gpu(monkeypatch):
     monkeypatch.setattr(api, "_current_device", lambda: 0)
     monkeypatch.setattr(api, "device_facts", lambda dev: DeviceFacts(132, 90))
@@ -197,8 +193,6 @@ def test_plan_parses_arch_when_asking_the_gpu(monkeypatch):
     assert p.device.arch == 80 and p.kernels[0].endswith("_sm80")
 
 
-@pytest.mark.xfail(strict=True, reason="package bug: with seqlen_k=0 (0 K/V blocks) the heuristic "
-                   "returns an empty table and the reason wrongly says the blocks fill >= 80% of the GPU")
 def test_empty_kv_reason_is_not_full_gpu():
     p = qwen_decode(0)
     assert p.num_splits == 1
