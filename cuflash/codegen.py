@@ -37,6 +37,7 @@ class Variant:
     block_n: int = 0
     warps: int = 4
     arch: int = 90
+    stages: int = 1           # K/V shared-memory buffers
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -53,7 +54,7 @@ class Variant:
         mask = "causal" if self.causal else "full"
         even = "" if self.even_head_dim else "_dpred"
         return (f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{even}"
-                f"_m{self.block_m}n{self.block_n}w{self.warps}_sm{self.arch}")
+                f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}_sm{self.arch}")
 
     @property
     def threads(self) -> int:
@@ -61,10 +62,10 @@ class Variant:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: padded Q, K and V tiles (2-byte elements, rows of d + 8)."""
+        """Dynamic shared memory: padded Q tile and K/V tiles per stage (rows of d + 8, 2 bytes)."""
         if self.kind == "combine":
             return 0
-        return (self.block_m + 2 * self.block_n) * (self.head_dim + 8) * 2
+        return (self.block_m + 2 * self.block_n * self.stages) * (self.head_dim + 8) * 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,6 +87,7 @@ def render(variant: Variant) -> str:
         block_m=variant.block_m,
         block_n=variant.block_n,
         warps=variant.warps,
+        stages=variant.stages,
         causal=variant.causal,
         split=variant.kind == "fwd_split",
         bf16=variant.dtype == "bf16",

@@ -12,15 +12,16 @@ from dataclasses import dataclass
 
 from .codegen import HEAD_DIM_BUCKETS, Variant
 
-# Forward tiles per head-dim bucket: (block_m, block_n, warps), FA2 kernel_traits style.
-# Chosen so that every variant compiles with no register spills (checked in the CPU tests).
+# Forward tiles per head-dim bucket: (block_m, block_n, warps, K/V stages), FA2 kernel_traits
+# style, tuned on an H200 (scripts/tune_tiles.py); every variant compiles with no register
+# spills (checked in the CPU tests).
 FWD_TILES = {
-    32: (128, 64, 4),
-    64: (128, 64, 4),
-    96: (128, 32, 4),
-    128: (128, 64, 8),
-    192: (128, 64, 8),
-    256: (64, 32, 4),
+    32: (128, 128, 4, 1),
+    64: (128, 96, 4, 1),
+    96: (128, 48, 4, 1),
+    128: (128, 48, 4, 1),
+    192: (64, 64, 4, 1),
+    256: (64, 64, 4, 1),
 }
 SPLIT_BLOCK_M, SPLIT_WARPS = 64, 4  # FA2's split-KV kernel: kBlockM 64, 4 warps
 COMBINE_ROWS_PER_BLOCK = 4          # one warp per row, 4 warps
@@ -194,8 +195,8 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
 
     launches = []
     if splits <= 1:
-        bm, bn_fwd, warps = FWD_TILES[bucket]
-        v = Variant("fwd", bucket, p.dtype, causal, even, bm, bn_fwd, warps, dev.arch)
+        bm, bn_fwd, warps, stages = FWD_TILES[bucket]
+        v = Variant("fwd", bucket, p.dtype, causal, even, bm, bn_fwd, warps, dev.arch, stages)
         launches.append(Launch(v, (cdiv(sq, bm), nh, p.batch), v.threads, v.smem_bytes))
         nbps, workspace = 0, 0
     else:
@@ -221,8 +222,8 @@ def all_variants(arch: int) -> list[Variant]:
         for dtype in ("fp16", "bf16"):
             for causal in (False, True):
                 for even in (False, True):
-                    bm, bn, w = FWD_TILES[bucket]
-                    out.append(Variant("fwd", bucket, dtype, causal, even, bm, bn, w, arch))
+                    bm, bn, w, st = FWD_TILES[bucket]
+                    out.append(Variant("fwd", bucket, dtype, causal, even, bm, bn, w, arch, st))
                     out.append(Variant("fwd_split", bucket, dtype, causal, even, SPLIT_BLOCK_M,
                                        split_block_n(bucket), SPLIT_WARPS, arch))
             out.append(Variant("combine", bucket, dtype, arch=arch))

@@ -19,7 +19,7 @@ from cuflash.plan import Launch, cdiv
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128, 256])
-    ap.add_argument("--tiles", nargs="+", required=True, help="MxNxW, e.g. 128x64x4")
+    ap.add_argument("--tiles", nargs="+", required=True, help="MxNxW[xStages], e.g. 128x64x4x2")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--dtype", default="bfloat16")
@@ -41,8 +41,8 @@ def main():
                 ms = bench._time_sdpa(torch, name, sets_t, causal, False, 5, 20)
                 sdpa[name] = flops / ms / 1e9 if ms else float("nan")
             for t in a.tiles:
-                bm, bn, w = map(int, t.split("x"))
-                v = dataclasses.replace(base.launches[0].variant, block_m=bm, block_n=bn, warps=w)
+                bm, bn, w, st = (list(map(int, t.split("x"))) + [1])[:4]
+                v = dataclasses.replace(base.launches[0].variant, block_m=bm, block_n=bn, warps=w, stages=st)
                 r = compiler.compile_variant(v).resources
                 launch = Launch(v, (cdiv(a.seqlen, bm), h, a.batch), v.threads, v.smem_bytes)
                 plan = dataclasses.replace(base, launches=(launch,))
