@@ -23,7 +23,16 @@ FWD_TILES = {
     192: (64, 64, 4, 1),
     256: (64, 64, 4, 1),
 }
-SPLIT_BLOCK_M, SPLIT_WARPS = 64, 4  # FA2's split-KV kernel: kBlockM 64, 4 warps
+SPLIT_BLOCK_M, SPLIT_WARPS = 64, 4
+
+
+def fwd_tile(bucket: int, even: bool, arch: int) -> tuple[int, int, int, int]:
+    """The forward tile for a bucket. The second K/V stage was tuned on sm_90; head dims below
+    the bucket (column predicates on every load) and other archs use FA2's single buffer, where
+    the second stage's registers would spill."""
+    bm, bn, w, st = FWD_TILES[bucket]
+    return (bm, bn, w, st if even and arch >= 90 else 1)
+  # FA2's split-KV kernel: kBlockM 64, 4 warps
 COMBINE_ROWS_PER_BLOCK = 4          # one warp per row, 4 warps
 MAX_SPLITS = 128
 
@@ -195,7 +204,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
 
     launches = []
     if splits <= 1:
-        bm, bn_fwd, warps, stages = FWD_TILES[bucket]
+        bm, bn_fwd, warps, stages = fwd_tile(bucket, even, dev.arch)
         v = Variant("fwd", bucket, p.dtype, causal, even, bm, bn_fwd, warps, dev.arch, stages)
         launches.append(Launch(v, (cdiv(sq, bm), nh, p.batch), v.threads, v.smem_bytes))
         nbps, workspace = 0, 0
@@ -222,7 +231,7 @@ def all_variants(arch: int) -> list[Variant]:
         for dtype in ("fp16", "bf16"):
             for causal in (False, True):
                 for even in (False, True):
-                    bm, bn, w, st = FWD_TILES[bucket]
+                    bm, bn, w, st = fwd_tile(bucket, even, arch)
                     out.append(Variant("fwd", bucket, dtype, causal, even, bm, bn, w, arch, st))
                     out.append(Variant("fwd_split", bucket, dtype, causal, even, SPLIT_BLOCK_M,
                                        split_block_n(bucket), SPLIT_WARPS, arch))
