@@ -214,20 +214,144 @@ def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits):
 
     problem = Problem(b, sq, sk, h, hk, d_pad, arrays.DTYPE_NAMES[qv.dtype], causal,
                       return_lse, num_splits)
-    plan = make_plan(problem, device_facts(device))
-    stream = arrays.stream_for(qv)
-    workspace = None
-    if plan.num_splits > 1:
-        rows = b * plan.nheads_eff * plan.seqlen_q_eff
-        bucket = plan.launches[0].variant.head_dim
-        ws_o = arrays.empty_like_framework(qv, (plan.num_splits * rows * bucket,), "float32")
-        ws_l = arrays.empty_like_framework(qv, (plan.num_splits * rows,), "float32")
-        workspace = (arrays.device_ptr(ws_o), arrays.device_ptr(ws_l))
-    lse_ptr = arrays.device_ptr(lse_arr) if lse_arr is not None else 0
-    launch.run(plan, *qk, o_view, lse_ptr, workspace, scale, stream, device)
+    _launch(problem, qv, *qk, o_view, lse_arr, scale)
     if not direct_out:
         o_arr[...] = o_tmp[..., :d]
     return finish()
+
+
+def _launch(problem, like, q, k, v, o, lse_arr, scale, **cache):
+    """Plan ``problem`` and launch it on ``like``'s stream, with a workspace from its framework."""
+    plan = make_plan(problem, device_facts(like.device))
+    workspace = None
+    if plan.num_splits > 1:
+        rows = problem.batch * plan.nheads_eff * plan.seqlen_q_eff
+        bucket = plan.launches[0].variant.head_dim
+        ws_o = arrays.empty_like_framework(like, (plan.num_splits * rows * bucket,), "float32")
+        ws_l = arrays.empty_like_framework(like, (plan.num_splits * rows,), "float32")
+        workspace = (arrays.device_ptr(ws_o), arrays.device_ptr(ws_l))
+    lse_ptr = arrays.device_ptr(lse_arr) if lse_arr is not None else 0
+    launch.run(plan, q, k, v, o, lse_ptr, workspace, scale, arrays.stream_for(like), like.device, **cache)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache
+
+def _int32_vector(x, name, length, like):
+    v = arrays.view(x, name)
+    if v.dtype != "int32":
+        raise TypeError(f"{name} must be int32, got {v.dtype}")
+    if tuple(v.shape) != (length,):
+        raise ValueError(f"{name} must have shape ({length},), got {_shape_str(v)}")
+    if len(v.strides) and length > 1 and v.strides[0] != 1:
+        raise ValueError(f"{name} must be contiguous, got strides {tuple(v.strides)}")
+    _check_same_place(("q", like), (name, v))
+    return v
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
+                           cache_batch_idx=None, block_table=None, causal=False, softmax_scale=None,
+                           num_splits=0, return_lse=False, out=None):
+    """Decode/append attention over a KV cache, with flash-attn's ``flash_attn_with_kvcache``
+    semantics.
+
+    q: (batch, seqlen_q, nheads, d). k_cache, v_cache: (batch_cache, capacity, nheads_k, d), or
+    paged (num_pages, page_size, nheads_k, d) with ``block_table`` int32 (batch, pages_per_seq)
+    and page_size a multiple of 16. New k, v (batch, seqlen_new, nheads_k, d) are written into
+    the caches in place at positions cache_seqlens[b] ..., then each sequence attends to its
+    cache_seqlens[b] + seqlen_new keys (causal: aligned bottom-right per sequence).
+    ``cache_seqlens``: an int, or an int32 device array (batch,), or None for full caches.
+    ``cache_batch_idx``: int32 (batch,) rows of a contiguous cache to use. Device arrays are the
+    caller's contract, as in flash-attn: lengths must fit the cache and pages must exist.
+    """
+    qv = arrays.view(q, "q")
+    kc, vc = arrays.view(k_cache, "k_cache"), arrays.view(v_cache, "v_cache")
+    _check_operands(qv, kc, vc)
+    if qv.device < 0:
+        raise TypeError("attention_with_kvcache needs device arrays: the caches are updated in place")
+    b, sq, h, d = qv.shape
+    _, cap, hk, _ = kc.shape
+    if d % 8:
+        raise ValueError(f"head dim must be a multiple of 8 for a KV cache (it is updated in place), got {d}")
+    for name, x in (("q", qv), ("k_cache", kc), ("v_cache", vc)):
+        if not _aligned(x):
+            raise ValueError(f"{name} must be 16-byte aligned with strides in multiples of 8 elements, "
+                             f"got strides {tuple(x.strides)}")
+    scale = _check_scale(softmax_scale, d)
+    _check_causal(causal)
+    num_splits = _check_num_splits(num_splits)
+
+    paged = block_table is not None
+    if paged:
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with block_table (a paged cache)")
+        bt = arrays.view(block_table, "block_table")
+        if bt.dtype != "int32" or len(bt.shape) != 2 or bt.shape[0] != b:
+            raise ValueError(f"block_table must be int32 of shape ({b}, pages_per_seq), "
+                             f"got {bt.dtype} {_shape_str(bt)}")
+        if bt.shape[1] > 1 and bt.strides[1] != 1:
+            raise ValueError(f"block_table rows must be contiguous, got strides {tuple(bt.strides)}")
+        _check_same_place(("q", qv), ("block_table", bt))
+        if cap % 16:
+            raise ValueError(f"page size (k_cache.shape[1]) must be a multiple of 16, got {cap}")
+        page_size, capacity, table = cap, bt.shape[1] * cap, (bt.ptr, bt.strides[0])
+    else:
+        page_size, capacity, table = 0, cap, (0, 0)
+        if cache_batch_idx is None and kc.shape[0] != b:
+            raise ValueError(f"k_cache must have q's batch size {b} (or pass cache_batch_idx), "
+                             f"got shape {_shape_str(kc)}")
+    batch_idx = _int32_vector(cache_batch_idx, "cache_batch_idx", b, qv).ptr if cache_batch_idx is not None else 0
+
+    s_new = 0
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together")
+    if k is not None:
+        kn, vn = arrays.view(k, "k"), arrays.view(v, "v")
+        s_new = kn.shape[1] if len(kn.shape) == 4 else -1
+        want = (b, s_new, hk, d)
+        for name, x in (("k", kn), ("v", vn)):
+            if tuple(x.shape) != want or x.dtype != qv.dtype:
+                raise ValueError(f"{name} must be {qv.dtype} of shape (batch, seqlen_new, nheads_k, d) = "
+                                 f"{want}, got {x.dtype} {_shape_str(x)}")
+            if not _aligned(x) or (d > 1 and x.strides[3] != 1):
+                raise ValueError(f"{name} must be contiguous in its last dim and 16-byte aligned, "
+                                 f"got strides {tuple(x.strides)}")
+            _check_same_place(("q", qv), (name, x))
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens is required when appending k and v")
+
+    if cache_seqlens is None:
+        seqlens_ptr, seqlen_k_arg = 0, capacity
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= capacity - s_new:
+            raise ValueError(f"cache_seqlens + seqlen_new must fit the cache: {cache_seqlens} + {s_new} "
+                             f"> capacity {capacity}" if cache_seqlens >= 0 else
+                             f"cache_seqlens must be >= 0, got {cache_seqlens}")
+        seqlens_ptr, seqlen_k_arg = 0, int(cache_seqlens) + s_new
+    else:
+        seqlens_ptr, seqlen_k_arg = _int32_vector(cache_seqlens, "cache_seqlens", b, qv).ptr, s_new
+
+    ov = None
+    if out is not None:
+        ov = arrays.view(out, "out")
+        _check_out(ov, qv, out)
+        if not _aligned(ov):
+            raise ValueError(f"out must be 16-byte aligned with strides in multiples of 8 elements")
+    o_arr = ov.array if ov is not None else arrays.empty_like_framework(qv, qv.shape, qv.dtype)
+    lse_arr = arrays.empty_like_framework(qv, (b, h, sq), "float32") if return_lse else None
+    if b and h:
+        if s_new:
+            launch.append_kv(kn, vn, kc, vc, seqlens_ptr, int(cache_seqlens) if not seqlens_ptr else 0,
+                             batch_idx, table, page_size, arrays.stream_for(qv), qv.device,
+                             device_facts(qv.device).arch)
+        if sq:
+            problem = Problem(b, sq, capacity, h, hk, d, arrays.DTYPE_NAMES[qv.dtype], bool(causal),
+                              return_lse, num_splits, kv="paged" if paged else "cache")
+            _launch(problem, qv, qv, kc, vc, arrays.view(o_arr, "out"), lse_arr, scale,
+                    cache=(seqlens_ptr, batch_idx, *table), seqlen_k=seqlen_k_arg, page_size=page_size)
+    o = o_arr if ov is not None else arrays.hand_back(o_arr, qv)
+    return (o, arrays.hand_back(lse_arr, qv)) if return_lse else o
 
 
 # ---------------------------------------------------------------------------------------------

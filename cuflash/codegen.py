@@ -11,8 +11,9 @@ from pathlib import Path
 import jinja2
 
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
-KINDS = ("fwd", "fwd_split", "combine")
+KINDS = ("fwd", "fwd_split", "combine", "append")
 DTYPES = ("fp16", "bf16")
+KV_SOURCES = ("dense", "cache", "paged")
 
 
 def templates_dir() -> Path:
@@ -38,10 +39,15 @@ class Variant:
     warps: int = 4
     arch: int = 90
     stages: int = 1           # K/V shared-memory buffers
+    kv: str = "dense"         # K/V source: "dense" tensors, a "cache" with per-batch lengths, "paged" cache
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kv not in KV_SOURCES:
+            raise ValueError(f"kv must be one of {KV_SOURCES}, got {self.kv!r}")
+        if self.kind == "append":  # copies 16-byte chunks: no head-dim or dtype specialisation
+            return
         if self.head_dim not in HEAD_DIM_BUCKETS:
             raise ValueError(f"head_dim must be one of {HEAD_DIM_BUCKETS}, got {self.head_dim}")
         if self.dtype not in DTYPES:
@@ -49,11 +55,14 @@ class Variant:
 
     @functools.cached_property
     def name(self) -> str:
+        paged = "" if self.kv == "dense" else f"_{self.kv}"
+        if self.kind == "append":
+            return f"append{paged}_sm{self.arch}"
         if self.kind == "combine":
             return f"combine_d{self.head_dim}_{self.dtype}_sm{self.arch}"
         mask = "causal" if self.causal else "full"
         even = "" if self.even_head_dim else "_dpred"
-        return (f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{even}"
+        return (f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{even}{paged}"
                 f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}_sm{self.arch}")
 
     @property
@@ -63,7 +72,7 @@ class Variant:
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: padded Q tile and K/V tiles per stage (rows of d + 8, 2 bytes)."""
-        if self.kind == "combine":
+        if self.kind in ("combine", "append"):
             return 0
         return (self.block_m + 2 * self.block_n * self.stages) * (self.head_dim + 8) * 2
 
@@ -80,7 +89,7 @@ def _environment() -> jinja2.Environment:
 @functools.lru_cache(maxsize=None)
 def render(variant: Variant) -> str:
     """CUDA C++ source of one variant."""
-    template = "combine.cu.j2" if variant.kind == "combine" else "fwd.cu.j2"
+    template = {"combine": "combine.cu.j2", "append": "append.cu.j2"}.get(variant.kind, "fwd.cu.j2")
     return _environment().get_template(template).render(
         name=variant.name,
         head_dim=variant.head_dim,
@@ -92,4 +101,6 @@ def render(variant: Variant) -> str:
         split=variant.kind == "fwd_split",
         bf16=variant.dtype == "bf16",
         even_head_dim=variant.even_head_dim,
+        kv_cache=variant.kv != "dense",
+        paged=variant.kv == "paged",
     )

@@ -6,7 +6,10 @@ import math
 import numpy as np
 
 from . import compiler
-from .plan import Plan
+from .codegen import Variant
+from .plan import Plan, cdiv
+
+NO_CACHE = (0, 0, 0, 0)  # seqlens_k, kv_batch_idx, block_table pointers; block-table row stride
 
 _LOG2E = math.log2(math.e)
 
@@ -19,31 +22,51 @@ def _strides(view, pack: bool, ngroups: int):
     return np.int64(sb), np.int64(ss), np.int64(sh)
 
 
-def run(plan: Plan, q, k, v, o, lse_ptr: int, workspace, softmax_scale: float, stream, device: int):
+def run(plan: Plan, q, k, v, o, lse_ptr: int, workspace, softmax_scale: float, stream, device: int,
+        cache=NO_CACHE, seqlen_k: int | None = None, page_size: int = 0):
     """Launch ``plan``. q, k, v, o are views (arrays.View); ``workspace`` is the pair of device
-    pointers (fp32 partial O, fp32 partial LSE) when the plan splits, else None."""
+    pointers (fp32 partial O, fp32 partial LSE) when the plan splits, else None. For a KV cache,
+    ``cache`` holds the (seqlens_k, kv_batch_idx, block_table) pointers and the block table's row
+    stride, and ``seqlen_k`` is added to each seqlens_k entry (or is the key count without one)."""
     p = plan.problem
     ngroups = p.nheads // p.nheads_k
     i32 = np.int32
     qs = _strides(q, plan.pack_gqa, ngroups)
     os_ = _strides(o, plan.pack_gqa, ngroups)
     common = (*qs, *_strides(k, False, 1), *_strides(v, False, 1))
-    shape = (i32(plan.seqlen_q_eff), i32(p.seqlen_k), i32(plan.nheads_eff), i32(plan.ngroups_eff),
-             i32(p.head_dim), np.float32(softmax_scale * _LOG2E))
+    shape = (i32(plan.seqlen_q_eff), i32(p.seqlen_k if seqlen_k is None else seqlen_k),
+             i32(plan.nheads_eff), i32(plan.ngroups_eff), i32(p.head_dim), np.float32(softmax_scale * _LOG2E))
+    seqlens_ptr, batch_idx_ptr, table_ptr, table_stride = cache
+    kv = (seqlens_ptr, batch_idx_ptr, table_ptr, i32(table_stride), i32(page_size))
 
     main = plan.launches[0]
     fn = compiler.get_kernel(main.variant, device)
     if plan.num_splits == 1 and main.variant.kind == "fwd":
-        args = (q.ptr, k.ptr, v.ptr, o.ptr, lse_ptr, *common, *os_, *shape, i32(1), i32(0))
+        args = (q.ptr, k.ptr, v.ptr, o.ptr, lse_ptr, *common, *os_, *shape, i32(1), i32(0), *kv)
         fn(main.grid, (main.threads,), args, shared_mem=main.smem, stream=stream)
         return
     o_acc_ptr, lse_acc_ptr = workspace
     zero = np.int64(0)
     args = (q.ptr, k.ptr, v.ptr, o_acc_ptr, lse_acc_ptr, *common, zero, zero, zero, *shape,
-            i32(plan.num_splits), i32(plan.n_blocks_per_split))
+            i32(plan.num_splits), i32(plan.n_blocks_per_split), *kv)
     fn(main.grid, (main.threads,), args, shared_mem=main.smem, stream=stream)
     comb = plan.launches[1]
     rows = p.batch * plan.nheads_eff * plan.seqlen_q_eff
     args = (o_acc_ptr, lse_acc_ptr, o.ptr, lse_ptr, *os_, i32(rows), i32(plan.nheads_eff),
             i32(plan.seqlen_q_eff), i32(p.head_dim), i32(plan.num_splits))
     compiler.get_kernel(comb.variant, device)(comb.grid, (comb.threads,), args, stream=stream)
+
+
+def append_kv(k_new, v_new, k_cache, v_cache, seqlens_ptr: int, seqlen0: int, batch_idx_ptr: int,
+              table, page_size: int, stream, device: int, arch: int):
+    """Write new K/V rows into the caches at each sequence's current length (views in)."""
+    b, s_new, hk, d = k_new.shape
+    total = b * s_new * hk * (d // 8)
+    variant = Variant("append", 0, "", arch=arch, warps=8, kv="paged" if page_size else "cache")
+    i32 = np.int32
+    args = (k_new.ptr, v_new.ptr, k_cache.ptr, v_cache.ptr,
+            *_strides(k_new, False, 1), *_strides(v_new, False, 1),
+            *_strides(k_cache, False, 1), *_strides(v_cache, False, 1),
+            i32(b), i32(s_new), i32(hk), i32(d), seqlens_ptr, i32(seqlen0), batch_idx_ptr,
+            table[0], i32(table[1]), i32(page_size))
+    compiler.get_kernel(variant, device)((cdiv(total, 256),), (256,), args, stream=stream)

@@ -10,7 +10,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from .codegen import HEAD_DIM_BUCKETS, Variant
+from .codegen import HEAD_DIM_BUCKETS, KV_SOURCES, Variant
 
 # Forward tiles per head-dim bucket: (block_m, block_n, warps, K/V stages), FA2 kernel_traits
 # style, tuned on an H200 (scripts/tune_tiles.py); every variant compiles with no register
@@ -26,11 +26,14 @@ FWD_TILES = {
 SPLIT_BLOCK_M, SPLIT_WARPS = 64, 4
 
 
-def fwd_tile(bucket: int, even: bool, arch: int) -> tuple[int, int, int, int]:
+def fwd_tile(bucket: int, even: bool, arch: int, kv: str = "dense") -> tuple[int, int, int, int]:
     """The forward tile for a bucket. The second K/V stage was tuned on sm_90; head dims below
     the bucket (column predicates on every load) and other archs use FA2's single buffer, where
-    the second stage's registers would spill."""
+    the second stage's registers would spill. KV caches (per-batch lengths, block-table lookups)
+    also take at most 64 keys per tile, for the same reason."""
     bm, bn, w, st = FWD_TILES[bucket]
+    if kv != "dense":
+        return (bm, min(bn, 64), w, 1)
     return (bm, bn, w, st if even and arch >= 90 else 1)
   # FA2's split-KV kernel: kBlockM 64, 4 warps
 COMBINE_ROWS_PER_BLOCK = 4          # one warp per row, 4 warps
@@ -69,6 +72,7 @@ class Problem:
     return_lse: bool = False
     num_splits: int = 0    # 0 = heuristic, 1 = never split, N = exactly N splits
     heuristic: str = "fa2"
+    kv: str = "dense"      # "cache"/"paged": per-batch lengths (seqlen_k is then the capacity)
 
 
 @dataclass(frozen=True)
@@ -204,13 +208,14 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
 
     launches = []
     if splits <= 1:
-        bm, bn_fwd, warps, stages = fwd_tile(bucket, even, dev.arch)
-        v = Variant("fwd", bucket, p.dtype, causal, even, bm, bn_fwd, warps, dev.arch, stages)
+        bm, bn_fwd, warps, stages = fwd_tile(bucket, even, dev.arch, p.kv)
+        v = Variant("fwd", bucket, p.dtype, causal, even, bm, bn_fwd, warps, dev.arch, stages, p.kv)
         launches.append(Launch(v, (cdiv(sq, bm), nh, p.batch), v.threads, v.smem_bytes))
         nbps, workspace = 0, 0
     else:
         nbps = cdiv(n_blocks, splits)
-        v = Variant("fwd_split", bucket, p.dtype, causal, even, SPLIT_BLOCK_M, bn, SPLIT_WARPS, dev.arch)
+        v = Variant("fwd_split", bucket, p.dtype, causal, even, SPLIT_BLOCK_M, bn, SPLIT_WARPS, dev.arch,
+                    kv=p.kv)
         launches.append(Launch(v, (cdiv(sq, SPLIT_BLOCK_M), nh, p.batch * splits), v.threads, v.smem_bytes))
         rows = p.batch * nh * sq
         c = Variant("combine", bucket, p.dtype, arch=dev.arch)
@@ -226,14 +231,15 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
 
 def all_variants(arch: int) -> list[Variant]:
     """Every kernel variant a plan can launch on ``arch`` (what warmup/CI compile)."""
-    out = []
+    out = [Variant("append", 0, "", arch=arch, warps=8, kv=kv) for kv in ("cache", "paged")]
     for bucket in HEAD_DIM_BUCKETS:
         for dtype in ("fp16", "bf16"):
             for causal in (False, True):
                 for even in (False, True):
-                    bm, bn, w, st = fwd_tile(bucket, even, arch)
-                    out.append(Variant("fwd", bucket, dtype, causal, even, bm, bn, w, arch, st))
-                    out.append(Variant("fwd_split", bucket, dtype, causal, even, SPLIT_BLOCK_M,
-                                       split_block_n(bucket), SPLIT_WARPS, arch))
+                    for kv in KV_SOURCES:
+                        bm, bn, w, st = fwd_tile(bucket, even, arch, kv)
+                        out.append(Variant("fwd", bucket, dtype, causal, even, bm, bn, w, arch, st, kv))
+                        out.append(Variant("fwd_split", bucket, dtype, causal, even, SPLIT_BLOCK_M,
+                                           split_block_n(bucket), SPLIT_WARPS, arch, kv=kv))
             out.append(Variant("combine", bucket, dtype, arch=arch))
     return out

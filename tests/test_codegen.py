@@ -18,8 +18,9 @@ def test_templates_folder_is_found():
 
 
 def test_variant_set_and_unique_names():
-    # 6 buckets x 2 dtypes x (2 causal x 2 even x {fwd, fwd_split} + 1 combine)
-    assert len(VARIANTS) == 6 * 2 * 9
+    # 2 append (contiguous and paged cache) + 6 buckets x 2 dtypes x
+    # (2 causal x 2 even x 3 K/V sources x {fwd, fwd_split} + 1 combine)
+    assert len(VARIANTS) == 2 + 6 * 2 * 25
     names = [v.name for v in VARIANTS]
     assert len(set(names)) == len(names)
     assert len(set(VARIANTS)) == len(VARIANTS)
@@ -34,6 +35,9 @@ def test_render(v):
     assert re.search(r'extern "C"\s+__global__\s+void\s+(__launch_bounds__\([^)]*\)\s*)?'
                      + re.escape(v.name) + r"\(", src), "kernel name is not the extern \"C\" symbol"
     b = lambda x: "true" if x else "false"
+    if v.kind == "append":
+        assert f"constexpr bool kPaged = {b(v.kv == 'paged')};" in src
+        return
     consts = [f"constexpr int kHeadDim = {v.head_dim};", f"constexpr bool kIsBF16 = {b(v.dtype == 'bf16')};"]
     if v.kind == "combine":
         consts.append("constexpr int kNWarps = 4;")
@@ -41,7 +45,10 @@ def test_render(v):
         consts += [f"constexpr int kBlockM = {v.block_m};", f"constexpr int kBlockN = {v.block_n};",
                    f"constexpr int kNWarps = {v.warps};", f"constexpr bool kIsCausal = {b(v.causal)};",
                    f"constexpr bool kIsSplit = {b(v.kind == 'fwd_split')};",
-                   f"constexpr bool kEvenHeadDim = {b(v.even_head_dim)};"]
+                   f"constexpr bool kEvenHeadDim = {b(v.even_head_dim)};",
+                   f"constexpr bool kKVCache = {b(v.kv != 'dense')};",
+                   f"constexpr bool kPaged = {b(v.kv == 'paged')};",
+                   f"constexpr int kStages = {v.stages};"]
     for c in consts:
         assert c in src, c
     assert len(re.findall(r"constexpr int kHeadDim = ", src)) == 1

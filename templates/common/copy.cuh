@@ -39,3 +39,31 @@ __device__ __forceinline__ void load_tile(u32 s_tile, const u16* g, long long ro
     src += step;
   }
 }
+
+// Paged variant: tile row r is sequence row j = row_start + r, stored in page pages[j / page_size]
+// at row j % page_size. `g` already points at the right head; pages are page_stride apart.
+template <int kRows>
+__device__ __forceinline__ void load_tile_paged(u32 s_tile, const u16* g, const int* pages, int page_size,
+                                                long long page_stride, long long row_stride, int row_start,
+                                                int rows_valid, int d_valid, int tid) {
+  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kRowStep = kNThreads / kChunks;
+  constexpr int kPasses = (kRows + kRowStep - 1) / kRowStep;
+  const int ch = tid % kChunks, row0 = tid / kChunks;
+  if (row0 >= kRowStep) return;
+  const bool col_ok = kEvenHeadDim || ch * 8 < d_valid;
+  const u32 dst = s_tile + (row0 * kSmemStride + ch * 8) * 2;
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const int row = row0 + i * kRowStep;
+    if (kRows % kRowStep == 0 || row < kRows) {
+      const bool ok = col_ok && row < rows_valid;
+      const u16* src = g;
+      if (ok) {  // only rows inside the sequence consult the block table
+        const int j = row_start + row;
+        src = g + pages[j / page_size] * page_stride + (j % page_size) * row_stride + ch * 8;
+      }
+      cp_async16(dst + i * kRowStep * kSmemStride * 2, src, ok);
+    }
+  }
+}
