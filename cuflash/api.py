@@ -21,8 +21,9 @@ def _shape_str(v):
     return tuple(int(s) for s in v.shape)
 
 
-def _check_operands(q, k, v):
-    """Rank, dtype, shape and layout rules shared by every entry point (views in)."""
+def _check_operands(q, k, v, same_batch=True):
+    """Rank, dtype, shape and layout rules shared by every entry point (views in). A KV cache's
+    batch dim may differ from q's (cache_batch_idx, pages): ``same_batch=False``."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if len(x.shape) != 4:
             raise ValueError(f"{name} must have 4 dims (batch, seqlen, nheads, headdim); "
@@ -34,7 +35,7 @@ def _check_operands(q, k, v):
         if x.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}; cast it first")
     b, _, h, d = q.shape
-    if k.shape[0] != b:
+    if same_batch and k.shape[0] != b:
         raise ValueError(f"k must have q's batch size {b}, got shape {_shape_str(k)}")
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v must have k's shape {_shape_str(k)}, got {_shape_str(v)}")
@@ -267,7 +268,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     """
     qv = arrays.view(q, "q")
     kc, vc = arrays.view(k_cache, "k_cache"), arrays.view(v_cache, "v_cache")
-    _check_operands(qv, kc, vc)
+    _check_operands(qv, kc, vc, same_batch=False)
     if qv.device < 0:
         raise TypeError("attention_with_kvcache needs device arrays: the caches are updated in place")
     b, sq, h, d = qv.shape
