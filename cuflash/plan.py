@@ -23,7 +23,14 @@ FWD_TILES = {
     192: (64, 64, 4, 1),
     256: (64, 64, 4, 1),
 }
-SPLIT_BLOCK_M, SPLIT_WARPS = 64, 4
+SPLIT_BLOCK_M, SPLIT_WARPS = 64, 4  # FA2's split-KV kernel: kBlockM 64, 4 warps
+# Decode (at most 16 query rows, e.g. one token per sequence or a GQA-packed group): one 16-row
+# tile per block, the 4 warps each take a quarter of every K/V tile (no wasted query rows).
+DECODE_BLOCK_M, DECODE_WARPS, DECODE_MAX_ROWS = 16, 4, 16
+
+
+def decode_block_n(bucket: int) -> int:
+    return 128 if bucket <= 128 else 64
 
 
 def fwd_tile(bucket: int, even: bool, arch: int, kv: str = "dense") -> tuple[int, int, int, int]:
@@ -207,16 +214,25 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                        "(FA2's num_splits_heuristic).")
 
     launches = []
+    decode = sq <= DECODE_MAX_ROWS and even
+    if decode:
+        why.append(f"{sq} query row(s) per (batch, KV head): decode tile of {DECODE_BLOCK_M} rows whose "
+                   f"{DECODE_WARPS} warps share each K/V tile's keys.")
     if splits <= 1:
-        bm, bn_fwd, warps, stages = fwd_tile(bucket, even, dev.arch, p.kv)
+        if decode:
+            bm, bn_fwd, warps, stages = DECODE_BLOCK_M, decode_block_n(bucket), DECODE_WARPS, 1
+        else:
+            bm, bn_fwd, warps, stages = fwd_tile(bucket, even, dev.arch, p.kv)
         v = Variant("fwd", bucket, p.dtype, causal, even, bm, bn_fwd, warps, dev.arch, stages, p.kv)
         launches.append(Launch(v, (cdiv(sq, bm), nh, p.batch), v.threads, v.smem_bytes))
         nbps, workspace = 0, 0
     else:
+        bm, bn, warps = ((DECODE_BLOCK_M, decode_block_n(bucket), DECODE_WARPS) if decode
+                         else (SPLIT_BLOCK_M, bn, SPLIT_WARPS))
+        n_blocks = cdiv(p.seqlen_k, bn)  # in the kernel's own K/V blocks
         nbps = cdiv(n_blocks, splits)
-        v = Variant("fwd_split", bucket, p.dtype, causal, even, SPLIT_BLOCK_M, bn, SPLIT_WARPS, dev.arch,
-                    kv=p.kv)
-        launches.append(Launch(v, (cdiv(sq, SPLIT_BLOCK_M), nh, p.batch * splits), v.threads, v.smem_bytes))
+        v = Variant("fwd_split", bucket, p.dtype, causal, even, bm, bn, warps, dev.arch, kv=p.kv)
+        launches.append(Launch(v, (cdiv(sq, bm), nh, p.batch * splits), v.threads, v.smem_bytes))
         rows = p.batch * nh * sq
         c = Variant("combine", bucket, p.dtype, arch=dev.arch)
         launches.append(Launch(c, (cdiv(rows, COMBINE_ROWS_PER_BLOCK), 1, 1), c.threads, 0))
@@ -241,5 +257,9 @@ def all_variants(arch: int) -> list[Variant]:
                         out.append(Variant("fwd", bucket, dtype, causal, even, bm, bn, w, arch, st, kv))
                         out.append(Variant("fwd_split", bucket, dtype, causal, even, SPLIT_BLOCK_M,
                                            split_block_n(bucket), SPLIT_WARPS, arch, kv=kv))
+                        if even:
+                            for kind in ("fwd", "fwd_split"):
+                                out.append(Variant(kind, bucket, dtype, causal, even, DECODE_BLOCK_M,
+                                                   decode_block_n(bucket), DECODE_WARPS, arch, kv=kv))
             out.append(Variant("combine", bucket, dtype, arch=arch))
     return out
