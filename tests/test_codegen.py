@@ -19,8 +19,8 @@ def test_templates_folder_is_found():
 
 def test_variant_set_and_unique_names():
     # 2 append (contiguous and paged cache) + 6 buckets x 2 dtypes x
-    # (2 causal x 2 even x 3 K/V sources x {fwd, fwd_split} + 1 combine)
-    assert len(VARIANTS) == 2 + 6 * 2 * 25
+    # (2 causal x 3 K/V sources x {fwd, fwd_split} x (2 even + 1 decode tile) + 1 combine)
+    assert len(VARIANTS) == 2 + 6 * 2 * (2 * 3 * 2 * 3 + 1)
     names = [v.name for v in VARIANTS]
     assert len(set(names)) == len(names)
     assert len(set(VARIANTS)) == len(VARIANTS)
