@@ -91,7 +91,7 @@ def test_kvcache_splits_and_heads(rng, num_splits, h, hk):
     import cuflash
     q, kc, vc, kn, vn, seqlens, kw, ks, vs, _, _ = make_case(rng, 3, 1, 700, h, hk, 64, "paged16", 1, "float16")
     out, lse = cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, causal=True,
-                                              num_splits=num_splits, return_lse=True)
+                                              num_splits=num_splits, return_lse=True, **kw)
     check_batches(out, q, ks, vs, True)
     assert torch.isfinite(lse).all()
 
