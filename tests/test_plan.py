@@ -83,10 +83,10 @@ def test_qwen_decode_long_context_splits_5_ways():
     # ceil(552/128) = 5 K/V blocks, 4 splits is ineligible (ceil(5/4) == ceil(5/3) == 2),
     # efficiency 4s/264 is best at s=5 and nothing smaller reaches 85% of it.
     p = qwen_decode(40 + 512)
-    assert p.kernels[0].startswith("fwd_split_d128_bf16_full_m16n64w4")
+    assert p.kernels[0].startswith("fwd_split_d128_bf16_full_m16n128w4")
     assert p.kernels[1] == "combine_d128_bf16_sm90"
     assert p.kernels[0].startswith("fwd_split_") and p.kernels[1].startswith("combine_")
-    assert p.num_splits == 5 and p.n_blocks_per_split == 2  # ceil(ceil(552/64) / 5): the kernel tiles 64 keys
+    assert p.num_splits == 5 and p.n_blocks_per_split == 1
     assert [s for s, e in p.efficiency if e is None] == [4]
     assert p.launches[0].grid == (1, 4, 5) and p.launches[1].grid == (7, 1, 1)
     assert p.workspace_bytes == 5 * (1 * 4 * 7) * (128 + 1) * 4
@@ -151,7 +151,7 @@ def test_plan_from_numpy_arrays():
     q, k = np.zeros((1, 1, 28, 128), np.float16), np.zeros((1, 552, 4, 128), np.float16)
     p = cuflash.plan(q, k, k, causal=True, num_sms=132, arch=90)
     assert p == qwen_decode(552, dtype="float16") and p.problem.dtype == "fp16"
-    assert p.kernels[0].startswith("fwd_split_d128_fp16_full_m16n64w4")
+    assert p.kernels[0].startswith("fwd_split_d128_fp16_full_m16n128w4")
     assert p.kernels[1] == "combine_d128_fp16_sm90"
 
 
