@@ -150,6 +150,12 @@ def measure_ceilings(reps=20, refresh=False):
     return dict(_CEILINGS)
 
 
+def _emit(rows, row, kind, verbose):
+    rows.append(row)
+    if verbose:
+        print(format_table([row], kind).splitlines()[-1], row.get("error", ""), flush=True)
+
+
 def bench_prefill(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), causal=(False, True),
                   shapes=((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)),
                   model_dim=2048, reps=30, warmup=5, quick=False, verbose=True):
@@ -187,9 +193,7 @@ def bench_prefill(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), caus
                     row["ratio_flash"] = _div(row["cuflash_tflops"], row["flash_tflops"])
                     row["ratio_cudnn"] = _div(row["cuflash_tflops"], row["cudnn_tflops"])
                     row["frac_gemm"] = _div(row["cuflash_tflops"], gemm)
-                    rows.append(row)
-                    if verbose:
-                        print(format_table([row], "prefill").splitlines()[-1], row.get("error", ""), flush=True)
+                    _emit(rows, row, "prefill", verbose)
                     del sets, sets_t, q, k, v
                     torch.cuda.empty_cache()
     return rows
@@ -240,9 +244,7 @@ def bench_decode(shapes=None, reps=20, warmup=10, d=128, dtype="bfloat16", causa
         row["cuflash_host_us"] = st["host_ms"] * 1e3 if st else None
         row["frac_copy"] = _div(row["cuflash_tbps"], ceil["copy_tbps"])
         row["frac_read"] = _div(row["cuflash_tbps"], ceil["read_tbps"])
-        rows.append(row)
-        if verbose:
-            print(format_table([row], "decode").splitlines()[-1], row.get("error", ""), flush=True)
+        _emit(rows, row, "decode", verbose)
         del sets, sets_t, q, k, v
         torch.cuda.empty_cache()
     return rows
