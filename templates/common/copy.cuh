@@ -8,6 +8,9 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool pred) 
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+// Wait until at most N of this thread's most recent commit groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 
 // Copy a kRows x kHeadDim tile (rows `row_stride` elements apart) into a padded shared tile.
 // Rows >= rows_valid and columns >= d_valid are zero-filled. Each thread owns one 16-byte column
