@@ -30,7 +30,7 @@ def cmd_explain(a):
     for sk in sks:
         q, kv = (a.batch, a.seqlen_q, h, d), (a.batch, sk, hk, d)
         p = cuflash.plan(q, kv, kv, causal=not a.no_causal, num_sms=a.num_sms, arch=a.arch,
-                         num_splits=a.num_splits, dtype=a.dtype)
+                         num_splits=a.num_splits, dtype=a.dtype, heuristic=a.heuristic)
         label = f"{a.preset}: " if a.preset else ""
         if not a.seqlen_k:
             label += f"{a.prompt}-token prompt + {sk - a.prompt} new tokens (seqlen_k={sk})"
@@ -88,10 +88,11 @@ def cmd_warmup(a):
         dims.add(head_dim_bucket(PRESETS[a.preset][2]))
     if a.head_dim:
         dims.update(head_dim_bucket(d) for d in a.head_dim)
+    keep = lambda v, ok: v.kind == "append" or ok  # noqa: E731  (append kernels serve every shape)
     if dims:
-        variants = [v for v in variants if v.head_dim in dims]
+        variants = [v for v in variants if keep(v, v.head_dim in dims)]
     if a.dtype:
-        variants = [v for v in variants if v.dtype == {"bfloat16": "bf16", "float16": "fp16"}[a.dtype]]
+        variants = [v for v in variants if keep(v, v.dtype == {"bfloat16": "bf16", "float16": "fp16"}[a.dtype])]
     t0 = time.perf_counter()
 
     def progress(i, n, v):
@@ -104,7 +105,6 @@ def cmd_warmup(a):
 
 
 def cmd_cache(a):
-    import shutil
     from cuflash import compiler
     d = compiler.cache_dir()
     entries = sorted(d.glob("*.cubin")) if d.is_dir() else []
@@ -112,9 +112,9 @@ def cmd_cache(a):
         for p in entries:
             print(f"{p.stat().st_size:>9}  {p.name}")
         print(f"{len(entries)} kernels in {d}")
-    else:
-        if d.is_dir():
-            shutil.rmtree(d)
+    else:  # only what cuflash writes there: entries, their locks and interrupted temp files
+        for p in [*entries, *d.glob("*.cubin.lock"), *d.glob(".*.cubin.*.tmp")]:
+            p.unlink(missing_ok=True)
         print(f"removed {len(entries)} kernels from {d}")
 
 
@@ -189,6 +189,8 @@ def main(argv=None):
     e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     e.add_argument("--no-causal", action="store_true")
     e.add_argument("--num-splits", type=int, default=0)
+    e.add_argument("--heuristic", default="cuflash", choices=["cuflash", "fa2"],
+                   help="split rule: cuflash's own (default) or FlashAttention-2's")
     e.add_argument("--num-sms", type=int, default=132, help="SM count (132: H100/H200 SXM)")
     e.add_argument("--arch", default="sm_90")
 

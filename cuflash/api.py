@@ -21,37 +21,38 @@ def _shape_str(v):
     return tuple(int(s) for s in v.shape)
 
 
-def _check_operands(q, k, v, same_batch=True):
+def _check_operands(q, k, v, same_batch=True, names=("q", "k", "v")):
     """Rank, dtype, shape and layout rules shared by every entry point (views in). A KV cache's
     batch dim may differ from q's (cache_batch_idx, pages): ``same_batch=False``."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    nq, nk, nv = names
+    for name, x in ((nq, q), (nk, k), (nv, v)):
         if len(x.shape) != 4:
             raise ValueError(f"{name} must have 4 dims (batch, seqlen, nheads, headdim); "
                              f"got shape {_shape_str(x)}")
     if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}; cast it first "
                         "(e.g. q.to(torch.bfloat16) or q.astype(cupy.float16))")
-    for name, x in (("k", k), ("v", v)):
+    for name, x in ((nk, k), (nv, v)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}; cast it first")
     b, _, h, d = q.shape
     if same_batch and k.shape[0] != b:
-        raise ValueError(f"k must have q's batch size {b}, got shape {_shape_str(k)}")
+        raise ValueError(f"{nk} must have q's batch size {b}, got shape {_shape_str(k)}")
     if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"v must have k's shape {_shape_str(k)}, got {_shape_str(v)}")
+        raise ValueError(f"{nv} must have {nk}'s shape {_shape_str(k)}, got {_shape_str(v)}")
     if k.shape[3] != d:
-        raise ValueError(f"k must have q's head dim {d}, got {k.shape[3]} (q {_shape_str(q)}, "
-                         f"k {_shape_str(k)})")
+        raise ValueError(f"{nk} must have q's head dim {d}, got {k.shape[3]} (q {_shape_str(q)}, "
+                         f"{nk} {_shape_str(k)})")
     if not 1 <= d <= 256:
         raise ValueError(f"head dim (last dim of q and k) must be between 1 and 256, got {d}")
     hk = k.shape[2]
     if hk == 0 or h % hk:
         raise ValueError(f"nheads ({h}) must be divisible by nheads_k ({hk})")
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    for name, x in ((nq, q), (nk, k), (nv, v)):
         if x.shape[3] > 1 and x.strides[3] != 1 and 0 not in x.shape:
             raise ValueError(f"{name} must be contiguous in its last dim (stride 1), "
                              f"got strides {tuple(x.strides)}")
-    _check_same_place(("q", q), ("k", k), ("v", v))
+    _check_same_place((nq, q), (nk, k), (nv, v))
 
 
 def _check_same_place(*named):
@@ -268,7 +269,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     """
     qv = arrays.view(q, "q")
     kc, vc = arrays.view(k_cache, "k_cache"), arrays.view(v_cache, "v_cache")
-    _check_operands(qv, kc, vc, same_batch=False)
+    _check_operands(qv, kc, vc, same_batch=False, names=("q", "k_cache", "v_cache"))
     if qv.device < 0:
         raise TypeError("attention_with_kvcache needs device arrays: the caches are updated in place")
     b, sq, h, d = qv.shape
@@ -377,12 +378,14 @@ def _shape_view(x, name, dtype):
 
 
 def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_splits=0,
-         heuristic="fa2", num_sms=None, arch=None, dtype="bfloat16"):
+         heuristic="cuflash", num_sms=None, arch=None, dtype="bfloat16"):
     """The plan ``attention(q, k, v, ...)`` would run: kernels, tiles, grids, splits and why.
 
     q, k, v may be arrays (any framework, NumPy included) or shape tuples (then ``dtype`` gives
     the element type). ``num_sms``/``arch`` describe the target GPU; without them the current
-    GPU is asked. Works on machines with no GPU when ``num_sms`` is given.
+    GPU is asked. Works on machines with no GPU when ``num_sms`` is given. ``heuristic``:
+    "cuflash" (default; decode splits tuned for cuflash's kernels) or "fa2" (FlashAttention-2's
+    ``num_splits_heuristic``, to see what FA2 would do).
     """
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")

@@ -30,9 +30,10 @@ DECODE_BLOCK_M, DECODE_WARPS, DECODE_MAX_ROWS = 16, 4, 16
 
 
 def decode_tile(bucket: int) -> tuple[int, int, int, int]:
-    """(block_m, block_n, warps, stages) of the decode kernel. On an H200, 64-key tiles with two
-    stages matched 128-key tiles with one at batch 1 and 8 and lost 12% at batch 64 / 32k keys."""
-    return (DECODE_BLOCK_M, 128 if bucket <= 128 else 64, DECODE_WARPS, 1)
+    """(block_m, block_n, warps, stages) of the decode kernel. On an H200 (d=128, batch 1 to 64,
+    4k and 32k keys) a three-deep pipeline of 64-key tiles beat one or two stages by 5-16%: with
+    little math per byte, decode needs bytes in flight. d > 128 keeps one stage (shared memory)."""
+    return (DECODE_BLOCK_M, 64, DECODE_WARPS, 3 if bucket <= 128 else 1)
 
 
 def fwd_tile(bucket: int, even: bool, arch: int, kv: str = "dense") -> tuple[int, int, int, int]:
@@ -80,7 +81,7 @@ class Problem:
     causal: bool = False
     return_lse: bool = False
     num_splits: int = 0    # 0 = heuristic, 1 = never split, N = exactly N splits
-    heuristic: str = "fa2"
+    heuristic: str = "cuflash"  # split rule: "cuflash" (decode tuned on an H200) or "fa2"
     kv: str = "dense"      # "cache"/"paged": per-batch lengths (seqlen_k is then the capacity)
 
 
@@ -187,8 +188,9 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
     work = p.batch * nh * m_blocks
     slots = 2 * dev.num_sms
     table: tuple = ()
-    if p.heuristic != "fa2":
-        raise ValueError(f"heuristic must be 'fa2', got {p.heuristic!r}")
+    if p.heuristic not in ("cuflash", "fa2"):
+        raise ValueError(f"heuristic must be 'cuflash' or 'fa2', got {p.heuristic!r}")
+    decode = sq <= DECODE_MAX_ROWS and even
     if p.seqlen_k == 0:
         splits = 1
         why.append("seqlen_k=0: no key is visible, the standard kernel writes zeros (LSE +inf).")
@@ -198,6 +200,19 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
     elif p.num_splits > 1:
         splits = p.num_splits
         why.append(f"num_splits={splits} was requested.")
+    elif p.heuristic == "cuflash" and decode:
+        # Decode: about one block per SM, each split walking at least two 64-key tiles.
+        fa2_splits, _ = num_splits_heuristic(work, slots, n_blocks)
+        dbn = decode_tile(bucket)[1]
+        d_blocks = cdiv(p.seqlen_k, dbn)
+        d_work = p.batch * nh * cdiv(sq, DECODE_BLOCK_M)
+        splits = max(1, min(dev.num_sms // d_work, d_blocks // 2, MAX_SPLITS))
+        splits = cdiv(d_blocks, cdiv(d_blocks, splits))  # fewest splits with the same tiles per split
+        why.append(f"decode: {d_work} block(s) of {DECODE_BLOCK_M} query rows on {dev.num_sms} SMs; "
+                   + (f"{splits} splits give about one block per SM, each walking at least two "
+                      f"{dbn}-key tiles" if splits > 1 else
+                      "there are too few K/V tiles (or enough blocks) to gain from splitting")
+                   + f" (FA2's rule would pick {fa2_splits}: heuristic='fa2').")
     else:
         splits, table = num_splits_heuristic(work, slots, n_blocks)
         head = (f"batch*heads*m_blocks = {p.batch}*{nh}*{m_blocks} = {work} blocks of 64 query rows "
@@ -216,7 +231,6 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                        "(FA2's num_splits_heuristic).")
 
     launches = []
-    decode = sq <= DECODE_MAX_ROWS and even
     if decode:
         why.append(f"{sq} query row(s) per (batch, KV head): decode tile of {DECODE_BLOCK_M} rows whose "
                    f"{DECODE_WARPS} warps share each K/V tile's keys.")

@@ -63,8 +63,9 @@ def test_max_splits_caps():
 # Plans
 
 def qwen_decode(sk, **kw):
-    """Qwen2.5-7B decode step: 28 query heads on 4 KV heads, d=128, one new token, H100."""
-    kw = {"causal": True, "num_sms": 132, "arch": 90, **kw}
+    """Qwen2.5-7B decode step: 28 query heads on 4 KV heads, d=128, one new token, H100, with
+    FlashAttention-2's split rule (the behaviour the explain command must reproduce)."""
+    kw = {"causal": True, "num_sms": 132, "arch": 90, "heuristic": "fa2", **kw}
     return cuflash.plan((1, 1, 28, 128), (1, sk, 4, 128), (1, sk, 4, 128), **kw)
 
 
@@ -83,10 +84,10 @@ def test_qwen_decode_long_context_splits_5_ways():
     # ceil(552/128) = 5 K/V blocks, 4 splits is ineligible (ceil(5/4) == ceil(5/3) == 2),
     # efficiency 4s/264 is best at s=5 and nothing smaller reaches 85% of it.
     p = qwen_decode(40 + 512)
-    assert p.kernels[0].startswith("fwd_split_d128_bf16_full_m16n128w4")
+    assert p.kernels[0].startswith("fwd_split_d128_bf16_full_m16n64w4")
     assert p.kernels[1] == "combine_d128_bf16_sm90"
     assert p.kernels[0].startswith("fwd_split_") and p.kernels[1].startswith("combine_")
-    assert p.num_splits == 5 and p.n_blocks_per_split == 1
+    assert p.num_splits == 5 and p.n_blocks_per_split == 2  # ceil(ceil(552 / 64) / 5): the kernel's 64-key tiles
     assert [s for s, e in p.efficiency if e is None] == [4]
     assert p.launches[0].grid == (1, 4, 5) and p.launches[1].grid == (7, 1, 1)
     assert p.workspace_bytes == 5 * (1 * 4 * 7) * (128 + 1) * 4
@@ -149,14 +150,14 @@ def test_plan_with_no_gpu_and_arch_spellings():
 
 def test_plan_from_numpy_arrays():
     q, k = np.zeros((1, 1, 28, 128), np.float16), np.zeros((1, 552, 4, 128), np.float16)
-    p = cuflash.plan(q, k, k, causal=True, num_sms=132, arch=90)
+    p = cuflash.plan(q, k, k, causal=True, num_sms=132, arch=90, heuristic="fa2")
     assert p == qwen_decode(552, dtype="float16") and p.problem.dtype == "fp16"
-    assert p.kernels[0].startswith("fwd_split_d128_fp16_full_m16n128w4")
+    assert p.kernels[0].startswith("fwd_split_d128_fp16_full_m16n64w4")
     assert p.kernels[1] == "combine_d128_fp16_sm90"
 
 
 @pytest.mark.parametrize("kw,exc,match", [
-    ({"heuristic": "other"}, ValueError, "heuristic must be 'fa2', got 'other'"),
+    ({"heuristic": "other"}, ValueError, "heuristic must be 'cuflash' or 'fa2', got 'other'"),
     ({"num_sms": 0}, ValueError, "num_sms must be a positive int, got 0"),
     ({"num_sms": True}, ValueError, "num_sms must be a positive int"),
     ({"arch": "ampere"}, ValueError, "arch must look like"),
@@ -200,3 +201,33 @@ def test_empty_kv_reason_is_not_full_gpu():
     p = qwen_decode(0)
     assert p.num_splits == 1
     assert ">= 80%" not in p.reason
+
+
+# ---------------------------------------------------------------------------------------------
+# cuflash's own decode split rule (the default): about one block per SM, >= 2 tiles per split
+
+@pytest.mark.parametrize("h,hk,b,sk,splits", [
+    (28, 4, 1, 104, 1),     # 2 tiles of 64 keys: not worth a second launch
+    (28, 4, 1, 552, 3),     # 9 tiles: min(132 // 4, 9 // 2) = 4, normalised to 3 splits of 3 tiles
+    (32, 8, 1, 4096, 16),   # 132 // 8 = 16 blocks per KV head
+    (32, 8, 1, 32768, 16),
+    (28, 4, 1, 32768, 32),  # 132 // 4 = 33 -> 32 (same 16 tiles per split)
+    (32, 8, 8, 4096, 2),
+    (32, 8, 64, 4096, 1),   # 512 blocks already fill the GPU
+])
+def test_cuflash_decode_rule(h, hk, b, sk, splits):
+    p = cuflash.plan((b, 1, h, 128), (b, sk, hk, 128), (b, sk, hk, 128), causal=True, num_sms=132, arch=90)
+    assert p.num_splits == splits
+    assert ("FA2's rule would pick" in p.reason) and ("decode" in p.reason)
+    assert len(p.kernels) == (2 if splits > 1 else 1)
+
+
+def test_qwen_explain_defaults_agree_with_fa2_on_the_motivating_question():
+    short = cuflash.plan((1, 1, 28, 128), (1, 104, 4, 128), (1, 104, 4, 128), causal=True, num_sms=132)
+    long = cuflash.plan((1, 1, 28, 128), (1, 552, 4, 128), (1, 552, 4, 128), causal=True, num_sms=132)
+    assert len(short.kernels) == 1 and len(long.kernels) == 2 and long.num_splits > 1
+
+
+def test_unknown_heuristic_rejected():
+    with pytest.raises(ValueError, match="heuristic must be 'cuflash' or 'fa2'"):
+        qwen_decode(552, heuristic="other")
