@@ -39,12 +39,13 @@ def decode_tile(bucket: int) -> tuple[int, int, int, int]:
 def fwd_tile(bucket: int, even: bool, arch: int, kv: str = "dense") -> tuple[int, int, int, int]:
     """The forward tile for a bucket. The second K/V stage was tuned on sm_90; head dims below
     the bucket (column predicates on every load) and other archs use FA2's single buffer, where
-    the second stage's registers would spill. KV caches (per-batch lengths, block-table lookups)
-    also take at most 64 keys per tile, for the same reason."""
+    the second stage's registers would spill; those variants and KV caches (per-batch lengths,
+    block-table lookups) also take at most 64 keys per tile (32 at d=128), for the same reason:
+    no spills with NVRTC 13.0 or 13.5."""
     bm, bn, w, st = FWD_TILES[bucket]
-    if kv != "dense":
-        return (bm, min(bn, 64), w, 1)
-    return (bm, bn, w, st if even and arch >= 90 else 1)
+    if even and arch >= 90 and kv == "dense":
+        return (bm, bn, w, st)
+    return (bm, 32 if bucket == 128 else min(bn, 64), w, 1)
   # FA2's split-KV kernel: kBlockM 64, 4 warps
 COMBINE_ROWS_PER_BLOCK = 4          # one warp per row, 4 warps
 MAX_SPLITS = 128
