@@ -233,7 +233,8 @@ def _launch(problem, like, q, k, v, o, lse_arr, scale, **cache):
         ws_l = arrays.empty_like_framework(like, (plan.num_splits * rows,), "float32")
         workspace = (arrays.device_ptr(ws_o), arrays.device_ptr(ws_l))
     lse_ptr = arrays.device_ptr(lse_arr) if lse_arr is not None else 0
-    launch.run(plan, q, k, v, o, lse_ptr, workspace, scale, arrays.stream_for(like), like.device, **cache)
+    with arrays.on_device(like.device):
+        launch.run(plan, q, k, v, o, lse_ptr, workspace, scale, arrays.stream_for(like), like.device, **cache)
     return plan
 
 
@@ -344,9 +345,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     lse_arr = arrays.empty_like_framework(qv, (b, h, sq), "float32") if return_lse else None
     if b and h:
         if s_new:
-            launch.append_kv(kn, vn, kc, vc, seqlens_ptr, int(cache_seqlens) if not seqlens_ptr else 0,
-                             batch_idx, table, page_size, arrays.stream_for(qv), qv.device,
-                             device_facts(qv.device).arch)
+            with arrays.on_device(qv.device):
+                launch.append_kv(kn, vn, kc, vc, seqlens_ptr, int(cache_seqlens) if not seqlens_ptr else 0,
+                                 batch_idx, table, page_size, arrays.stream_for(qv), qv.device,
+                                 device_facts(qv.device).arch)
         if sq:
             problem = Problem(b, sq, capacity, h, hk, d, arrays.DTYPE_NAMES[qv.dtype], bool(causal),
                               return_lse, num_splits, kv="paged" if paged else "cache")

@@ -86,6 +86,12 @@ def stream_for(v: View):
     return cupy.cuda.get_current_stream()
 
 
+def on_device(device: int):
+    """Make ``device`` current for a launch (kernels are loaded per device)."""
+    import cupy
+    return cupy.cuda.Device(device)
+
+
 def empty_like_framework(v: View, shape, dtype: str):
     """An uninitialised device array in ``v``'s framework (NumPy/JAX inputs get CuPy scratch)."""
     if v.framework == "torch":
