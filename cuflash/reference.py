@@ -107,8 +107,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
                     if precision == "same":
                         p = p.astype(out_dtype).astype(np.float64)
                     with np.errstate(divide="ignore", invalid="ignore"):
-                        o = np.where(l > 0, np.matmul(p, vg) / l, 0.0)
-                        lse[b, hs, i0:i1] = np.where(l > 0, m + np.log(l), np.inf)[..., 0]
+                        # rows that see no key give 0 / +inf; NaN scores propagate (as in FA2)
+                        o = np.where(l == 0, 0.0, np.matmul(p, vg) / l)
+                        lse[b, hs, i0:i1] = np.where(l == 0, np.inf, m + np.log(l))[..., 0]
                     out[b, i0:i1, hs] = o.transpose(1, 0, 2)
     out = out.astype(out_dtype)
     return (out, lse.astype(lse_dtype)) if return_lse else out
