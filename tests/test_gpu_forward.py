@@ -156,6 +156,21 @@ def test_empty_and_zero_length(rng):
     check(out, q, k, v, causal=True)
 
 
+@requires_torch
+def test_blocks_that_see_no_key_write_zeros_every_time(rng):
+    """Causal with seqlen_q >> seqlen_k: whole query blocks see no key and run no K/V iteration.
+    Their output must be exactly 0 on every call (a missing barrier once let Q data through)."""
+    import torch
+    import cuflash
+    q, k, v = torch_inputs(rng, 60, 239, 1, 4, 4, 128, "bfloat16")
+    out = torch.empty_like(q)
+    for _ in range(100):
+        out.fill_(float("nan"))
+        cuflash.attention(q, k, v, causal=True, out=out)
+        assert torch.all(out[:, :238] == 0)
+    check(out, q, k, v, causal=True)
+
+
 def test_cupy_and_numpy_inputs(rng):
     import cupy
     import ml_dtypes
