@@ -226,12 +226,11 @@ def _launch(problem, like, q, k, v, o, lse_arr, scale, **cache):
     """Plan ``problem`` and launch it on ``like``'s stream, with a workspace from its framework."""
     plan = make_plan(problem, device_facts(like.device))
     workspace = None
-    if plan.num_splits > 1:
+    if plan.num_splits > 1:  # one fp32 buffer: partial outputs, then partial LSEs
         rows = problem.batch * plan.nheads_eff * plan.seqlen_q_eff
-        bucket = plan.launches[0].variant.head_dim
-        ws_o = arrays.empty_like_framework(like, (plan.num_splits * rows * bucket,), "float32")
-        ws_l = arrays.empty_like_framework(like, (plan.num_splits * rows,), "float32")
-        workspace = (arrays.device_ptr(ws_o), arrays.device_ptr(ws_l))
+        n_o = plan.num_splits * rows * plan.launches[0].variant.head_dim
+        ws = arrays.empty_like_framework(like, (n_o + plan.num_splits * rows,), "float32")
+        workspace = (arrays.device_ptr(ws), arrays.device_ptr(ws) + 4 * n_o)
     lse_ptr = arrays.device_ptr(lse_arr) if lse_arr is not None else 0
     with arrays.on_device(like.device):
         launch.run(plan, q, k, v, o, lse_ptr, workspace, scale, arrays.stream_for(like), like.device, **cache)

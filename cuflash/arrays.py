@@ -8,7 +8,7 @@ copied to the current GPU and a NumPy array comes back.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -16,9 +16,8 @@ DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
 CUDA_DEVICE_TYPES = (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
 
 
-@dataclass(frozen=True)
-class View:
-    """What a kernel needs to know about one array."""
+class View(NamedTuple):
+    """What a kernel needs to know about one array (a tuple: cheap to build on every call)."""
     ptr: int
     shape: tuple[int, ...]
     strides: tuple[int, ...]   # in elements
@@ -38,14 +37,22 @@ def _cupy_array(x) -> bool:
     return cupy is not None and isinstance(x, cupy.ndarray)
 
 
+_torch_dtype_names: dict = {}
+
+
 def view(x, name: str) -> View:
     """Describe ``x`` without copying. Raises TypeError for things that are not arrays."""
     if _torch_tensor(x):
-        dtype = str(x.dtype).removeprefix("torch.")
-        dev = x.device.index if x.is_cuda else -1
-        if x.device.type not in ("cuda", "cpu"):
+        dtype = _torch_dtype_names.get(x.dtype)
+        if dtype is None:
+            dtype = _torch_dtype_names[x.dtype] = str(x.dtype).removeprefix("torch.")
+        if x.is_cuda:
+            dev = x.get_device()
+        elif x.device.type == "cpu":
+            dev = -1
+        else:
             raise TypeError(f"{name} must be a CUDA tensor, got a tensor on {x.device}")
-        return View(x.data_ptr(), tuple(x.shape), tuple(x.stride()), dtype, dev, "torch", x)
+        return View(x.data_ptr(), tuple(x.shape), x.stride(), dtype, dev, "torch", x)
     if _cupy_array(x):
         item = x.dtype.itemsize
         return View(x.data.ptr, x.shape, tuple(s // item for s in x.strides), x.dtype.name,
@@ -72,16 +79,27 @@ def view(x, name: str) -> View:
 _external_streams: dict[tuple[int, int], object] = {}
 
 
+class _RawStream:
+    """A stream handle speaking the CUDA stream protocol (for ``cupy.cuda.Stream.from_external``)."""
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
 def stream_for(v: View):
     """The CuPy stream object to launch on: the caller's current stream."""
     import cupy
     if v.framework == "torch":
         import torch
-        ts = torch.cuda.current_stream(v.device)
-        key = (v.device, ts.cuda_stream)
-        s = _external_streams.get(key)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the pointer, without a Stream object
+        ptr = raw(v.device) if raw else torch.cuda.current_stream(v.device).cuda_stream
+        s = _external_streams.get((v.device, ptr))
         if s is None:
-            s = _external_streams[key] = cupy.cuda.Stream.from_external(ts)
+            s = _external_streams[(v.device, ptr)] = cupy.cuda.Stream.from_external(_RawStream(ptr))
         return s
     return cupy.cuda.get_current_stream()
 
