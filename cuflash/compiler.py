@@ -241,20 +241,21 @@ def cubin_for(variant: Variant) -> bytes:
 # ---------------------------------------------------------------------------------------------
 # Loaded kernels (needs a GPU)
 
-_loaded: dict[tuple[Variant, int], object] = {}
+_loaded: dict[tuple[str, int], object] = {}  # (variant name, device) -> loaded function
 _lock = threading.Lock()
 
 
 def get_kernel(variant: Variant, device: int):
-    """The loaded kernel for ``variant`` on ``device``: one dict lookup once loaded."""
-    fn = _loaded.get((variant, device))
+    """The loaded kernel for ``variant`` on ``device``: one dict lookup (on its name) once loaded."""
+    key = (variant.name, device)
+    fn = _loaded.get(key)
     if fn is not None:
         return fn
     with _lock:
-        fn = _loaded.get((variant, device))
+        fn = _loaded.get(key)
         if fn is None:
             fn = _load(variant, device)
-            _loaded[(variant, device)] = fn
+            _loaded[key] = fn
     return fn
 
 

@@ -1,6 +1,7 @@
 """Plan + buffers -> kernel launches on the caller's stream. No synchronisation, no host copies."""
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -15,11 +16,22 @@ _LOG2E = math.log2(math.e)
 
 
 def _strides(view, pack: bool, ngroups: int):
-    """(batch, row, head) strides in elements; with GQA packing a KV head's query heads are rows."""
+    """(batch, row, head) strides in elements; with GQA packing a KV head's query heads are rows.
+    Python ints reach the kernel as 64-bit values."""
     sb, ss, sh = view.strides[0], view.strides[1], view.strides[2]
-    if pack:
-        ss, sh = sh, sh * ngroups
-    return np.int64(sb), np.int64(ss), np.int64(sh)
+    return (sb, sh, sh * ngroups) if pack else (sb, ss, sh)
+
+
+@functools.lru_cache(maxsize=1024)
+def _scalars(plan: Plan, seqlen_k: int, softmax_scale: float, table_stride: int, page_size: int):
+    """The 32-bit scalar arguments of a plan's launches (built once per plan and shape)."""
+    p, i32 = plan.problem, np.int32
+    shape = (i32(plan.seqlen_q_eff), i32(seqlen_k), i32(plan.nheads_eff), i32(plan.ngroups_eff),
+             i32(p.head_dim), np.float32(softmax_scale * _LOG2E),
+             i32(plan.num_splits), i32(plan.n_blocks_per_split))
+    rows = p.batch * plan.nheads_eff * plan.seqlen_q_eff
+    combine = (i32(rows), i32(plan.nheads_eff), i32(plan.seqlen_q_eff), i32(p.head_dim), i32(plan.num_splits))
+    return shape, (i32(table_stride), i32(page_size)), combine
 
 
 def run(plan: Plan, q, k, v, o, lse_ptr: int, workspace, softmax_scale: float, stream, device: int,
@@ -30,30 +42,24 @@ def run(plan: Plan, q, k, v, o, lse_ptr: int, workspace, softmax_scale: float, s
     stride, and ``seqlen_k`` is added to each seqlens_k entry (or is the key count without one)."""
     p = plan.problem
     ngroups = p.nheads // p.nheads_k
-    i32 = np.int32
-    qs = _strides(q, plan.pack_gqa, ngroups)
-    os_ = _strides(o, plan.pack_gqa, ngroups)
-    common = (*qs, *_strides(k, False, 1), *_strides(v, False, 1))
-    shape = (i32(plan.seqlen_q_eff), i32(p.seqlen_k if seqlen_k is None else seqlen_k),
-             i32(plan.nheads_eff), i32(plan.ngroups_eff), i32(p.head_dim), np.float32(softmax_scale * _LOG2E))
     seqlens_ptr, batch_idx_ptr, table_ptr, table_stride = cache
-    kv = (seqlens_ptr, batch_idx_ptr, table_ptr, i32(table_stride), i32(page_size))
+    shape, table_args, combine = _scalars(plan, p.seqlen_k if seqlen_k is None else seqlen_k,
+                                          softmax_scale, table_stride, page_size)
+    kv = (seqlens_ptr, batch_idx_ptr, table_ptr, *table_args)
+    os_ = _strides(o, plan.pack_gqa, ngroups)
+    common = (*_strides(q, plan.pack_gqa, ngroups), *_strides(k, False, 1), *_strides(v, False, 1))
 
     main = plan.launches[0]
     fn = compiler.get_kernel(main.variant, device)
     if plan.num_splits == 1 and main.variant.kind == "fwd":
-        args = (q.ptr, k.ptr, v.ptr, o.ptr, lse_ptr, *common, *os_, *shape, i32(1), i32(0), *kv)
+        args = (q.ptr, k.ptr, v.ptr, o.ptr, lse_ptr, *common, *os_, *shape, *kv)
         fn(main.grid, (main.threads,), args, shared_mem=main.smem, stream=stream)
         return
     o_acc_ptr, lse_acc_ptr = workspace
-    zero = np.int64(0)
-    args = (q.ptr, k.ptr, v.ptr, o_acc_ptr, lse_acc_ptr, *common, zero, zero, zero, *shape,
-            i32(plan.num_splits), i32(plan.n_blocks_per_split), *kv)
+    args = (q.ptr, k.ptr, v.ptr, o_acc_ptr, lse_acc_ptr, *common, 0, 0, 0, *shape, *kv)
     fn(main.grid, (main.threads,), args, shared_mem=main.smem, stream=stream)
     comb = plan.launches[1]
-    rows = p.batch * plan.nheads_eff * plan.seqlen_q_eff
-    args = (o_acc_ptr, lse_acc_ptr, o.ptr, lse_ptr, *os_, i32(rows), i32(plan.nheads_eff),
-            i32(plan.seqlen_q_eff), i32(p.head_dim), i32(plan.num_splits))
+    args = (o_acc_ptr, lse_acc_ptr, o.ptr, lse_ptr, *os_, *combine)
     compiler.get_kernel(comb.variant, device)(comb.grid, (comb.threads,), args, stream=stream)
 
 

@@ -374,7 +374,7 @@ def test_threads_and_streams(rng, monkeypatch, tmp_path):
             assert not torch.isnan(lse).any(), f"thread {t}, config {cfg}: NaN in LSE"
     for v in fresh:
         assert compiler.cache_path(v).exists(), f"{v.name} was not compiled into the fresh cache"
-        assert (v, torch.cuda.current_device()) in compiler._loaded
+        assert (v.name, torch.cuda.current_device()) in compiler._loaded
 
 
 # ---------------------------------------------------------------------------------------------
