@@ -194,7 +194,6 @@ def _padded(x, d_pad):
 def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits):
     b, sq, h, d = qv.shape
     sk, hk = kv.shape[1], kv.shape[2]
-    device = qv.device
     o_arr = ov.array if ov is not None else arrays.empty_like_framework(qv, qv.shape, qv.dtype)
     lse_arr = arrays.empty_like_framework(qv, (b, h, sq), "float32") if return_lse else None
 
@@ -341,7 +340,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         ov = arrays.view(out, "out")
         _check_out(ov, qv, out)
         if not _aligned(ov):
-            raise ValueError(f"out must be 16-byte aligned with strides in multiples of 8 elements")
+            raise ValueError("out must be 16-byte aligned with strides in multiples of 8 elements")
     o_arr = ov.array if ov is not None else arrays.empty_like_framework(qv, qv.shape, qv.dtype)
     lse_arr = arrays.empty_like_framework(qv, (b, h, sq), "float32") if return_lse else None
     if b and h:

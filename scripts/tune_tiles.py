@@ -11,7 +11,6 @@ import dataclasses
 import torch
 
 from cuflash import api, bench, compiler
-from cuflash.codegen import Variant
 from cuflash.launch import run
 from cuflash.plan import Launch, cdiv
 
@@ -26,7 +25,6 @@ def main():
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     a = ap.parse_args()
     dev = torch.cuda.current_device()
-    facts = api.device_facts(dev)
     print(f"{torch.cuda.get_device_name()}  b={a.batch} s={a.seqlen} {a.dtype}")
     for d in a.d:
         h = 2048 // d

@@ -36,3 +36,26 @@ requires_torch = pytest.mark.skipif(not _has("torch"), reason="needs PyTorch (op
 def rng(request):
     # a fresh, test-specific stream of random numbers
     return np.random.default_rng(abs(hash(request.node.nodeid)) % (2**32))
+
+
+def fake_view(device, shape, dtype="float16", strides=None, ptr=1 << 20):
+    """A hand-made device array description (cuflash.arrays.View) for validation tests."""
+    import math
+    from cuflash.arrays import View
+    strides = strides or tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return View(ptr, tuple(shape), tuple(strides), dtype, device, "cupy", None)
+
+
+@pytest.fixture
+def fake_views(monkeypatch):
+    """cuflash takes hand-made Views as arrays; nothing may be allocated, written or launched."""
+    from cuflash import api, arrays
+    from cuflash.arrays import View
+    real = arrays.view
+    monkeypatch.setattr(arrays, "view", lambda x, name: x if isinstance(x, View) else real(x, name))
+
+    def boom(*a, **k):
+        raise AssertionError("validation passed: allocation or launch reached")
+    monkeypatch.setattr(arrays, "empty_like_framework", boom)
+    monkeypatch.setattr(api.launch, "run", boom)
+    monkeypatch.setattr(api.launch, "append_kv", boom)

@@ -2,7 +2,6 @@
 per (variant, device); arrays on different GPUs rejected; the `python -m cuflash` toolbox. No GPU.
 (Corrupt and truncated entries are covered by test_compile.py.)"""
 import fcntl
-import math
 import multiprocessing as mp
 import os
 import re
@@ -16,9 +15,9 @@ from pathlib import Path
 import pytest
 
 import cuflash
-from cuflash import api, arrays, compiler
-from cuflash.arrays import View
+from cuflash import compiler
 from cuflash.codegen import Variant
+from conftest import fake_view
 
 ROOT = str(Path(__file__).resolve().parents[1])
 ELF = b"\x7fELF"
@@ -170,21 +169,12 @@ def test_kernel_loaded_once_per_device_from_threads(loads):
 # Arrays on different GPUs, through the public entry points (test_validation.py has the checkers)
 
 def fake(device, shape, dtype="float16"):
-    strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    return View(1 << 20, tuple(shape), strides, dtype, device, "cupy", None)
+    return fake_view(device, shape, dtype)
 
 
 @pytest.fixture
-def views(monkeypatch):
+def views(fake_views):
     """cuflash sees hand-made Views as arrays; nothing may be allocated or launched."""
-    real = arrays.view
-    monkeypatch.setattr(arrays, "view", lambda x, name: x if isinstance(x, View) else real(x, name))
-
-    def boom(*a, **k):
-        raise AssertionError("validation passed: allocation or launch reached")
-    monkeypatch.setattr(arrays, "empty_like_framework", boom)
-    monkeypatch.setattr(api.launch, "run", boom)
-    monkeypatch.setattr(api.launch, "append_kv", boom)
 
 
 Q, KV = (2, 4, 8, 64), (2, 6, 4, 64)

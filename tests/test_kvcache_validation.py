@@ -1,30 +1,19 @@
 """attention_with_kvcache rejects bad input before anything is allocated, written or launched
 (no GPU needed: hand-made device views stand in for arrays)."""
-import math
-
 import numpy as np
 import pytest
 
 import cuflash
-from cuflash import api, arrays
-from cuflash.arrays import View
+from conftest import fake_view
 
 
 def dev(shape, dtype="float16", device=0, strides=None, ptr=1 << 20):
-    strides = strides or tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    return View(ptr, tuple(shape), tuple(strides), dtype, device, "cupy", None)
+    return fake_view(device, shape, dtype, strides, ptr)
 
 
 @pytest.fixture(autouse=True)
-def views(monkeypatch):
-    real = arrays.view
-    monkeypatch.setattr(arrays, "view", lambda x, name: x if isinstance(x, View) else real(x, name))
-
-    def boom(*a, **k):
-        raise AssertionError("validation passed: allocation or launch reached")
-    monkeypatch.setattr(arrays, "empty_like_framework", boom)
-    monkeypatch.setattr(api.launch, "run", boom)
-    monkeypatch.setattr(api.launch, "append_kv", boom)
+def views(fake_views):
+    """Every test here runs on hand-made device views."""
 
 
 B, D = 2, 64
