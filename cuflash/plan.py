@@ -207,12 +207,13 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         dbn = decode_tile(bucket)[1]
         d_blocks = cdiv(p.seqlen_k, dbn)
         d_work = p.batch * nh * cdiv(sq, DECODE_BLOCK_M)
-        splits = max(1, min(dev.num_sms // d_work, d_blocks // 2, MAX_SPLITS))
+        per_sm, per_tiles = dev.num_sms // d_work, d_blocks // 2
+        splits = max(1, min(per_sm, per_tiles, MAX_SPLITS))
         splits = cdiv(d_blocks, cdiv(d_blocks, splits))  # fewest splits with the same tiles per split
-        why.append(f"decode: {d_work} block(s) of {DECODE_BLOCK_M} query rows on {dev.num_sms} SMs; "
-                   + (f"{splits} splits give about one block per SM, each walking at least two "
-                      f"{dbn}-key tiles" if splits > 1 else
-                      "there are too few K/V tiles (or enough blocks) to gain from splitting")
+        why.append(f"decode: {d_work} block(s) of {DECODE_BLOCK_M} query rows on {dev.num_sms} SMs and "
+                   f"{d_blocks} K/V tiles of {dbn} keys; splits are capped by one block per SM "
+                   f"({per_sm}) and by at least two tiles per split ({per_tiles}): "
+                   + (f"{splits} splits" if splits > 1 else "no split")
                    + f" (FA2's rule would pick {fa2_splits}: heuristic='fa2').")
     else:
         splits, table = num_splits_heuristic(work, slots, n_blocks)
