@@ -12,7 +12,7 @@ import numbers
 import numpy as np
 
 from . import arrays, launch
-from .plan import MAX_SPLITS, DeviceFacts, Problem, head_dim_bucket, make_plan
+from .plan import MAX_SPLITS, DeviceFacts, Problem, make_plan
 
 SUPPORTED_DTYPES = ("float16", "bfloat16")
 
@@ -154,8 +154,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     bottom-right corner: query i sees keys j <= i + seqlen_k - seqlen_q; a row that sees no key
     gives 0 (and LSE +inf). Returns out (the caller's array type), or (out, lse) with
     ``return_lse=True``, lse being float32 (batch, nheads, seqlen_q) natural-log sum-exp.
-    ``num_splits``: 0 lets the plan decide (FA2's split-KV heuristic), 1 never splits, N > 1
-    splits K/V N ways.
+    ``num_splits``: 0 lets the plan decide (cuflash's split rule for decode shapes, FA2's
+    otherwise; see ``cuflash.plan``), 1 never splits, N > 1 splits K/V N ways.
     """
     qv, kv, vv = arrays.view(q, "q"), arrays.view(k, "k"), arrays.view(v, "v")
     _check_operands(qv, kv, vv)
@@ -191,36 +191,41 @@ def _padded(x, d_pad):
     return arrays.view(buf, "copy")
 
 
+def _outputs(qv, ov, return_lse):
+    """The output view (``out`` or a new array in q's framework) and the LSE array or None."""
+    if ov is None:
+        ov = arrays.view(arrays.empty_like_framework(qv, qv.shape, qv.dtype), "out")
+    b, sq, h, _ = qv.shape
+    return ov, arrays.empty_like_framework(qv, (b, h, sq), "float32") if return_lse else None
+
+
+def _result(o_view, given_out, lse_arr, qv, return_lse):
+    """What the call returns: ``out`` itself, or the new output in the caller's framework."""
+    o = o_view.array if given_out else arrays.hand_back(o_view.array, qv)
+    return (o, arrays.hand_back(lse_arr, qv)) if return_lse else o
+
+
 def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits):
     b, sq, h, d = qv.shape
     sk, hk = kv.shape[1], kv.shape[2]
-    o_arr = ov.array if ov is not None else arrays.empty_like_framework(qv, qv.shape, qv.dtype)
-    lse_arr = arrays.empty_like_framework(qv, (b, h, sq), "float32") if return_lse else None
-
-    def finish():
-        o = o_arr if ov is not None else arrays.hand_back(o_arr, qv)
-        return (o, arrays.hand_back(lse_arr, qv)) if return_lse else o
-
+    o_view, lse_arr = _outputs(qv, ov, return_lse)
     if b == 0 or sq == 0 or h == 0:
-        return finish()
+        return _result(o_view, ov is not None, lse_arr, qv, return_lse)
 
     # Head dims that are not a multiple of 8, or unaligned operands, go through a padded copy
     # (as flash-attn does); everything else is read in place.
     d_pad = -(-d // 8) * 8
-    head_dim_bucket(d_pad)
     qk = [x if d_pad == d and _aligned(x) else _padded(x, d_pad) for x in (qv, kv, vv)]
-    o_view = arrays.view(o_arr, "out")
     direct_out = d_pad == d and _aligned(o_view)
-    if not direct_out:
-        o_tmp = arrays.empty_like_framework(qv, (b, sq, h, d_pad), qv.dtype)
-        o_view = arrays.view(o_tmp, "out")
+    kernel_out = o_view if direct_out else arrays.view(
+        arrays.empty_like_framework(qv, (b, sq, h, d_pad), qv.dtype), "out")
 
     problem = Problem(b, sq, sk, h, hk, d_pad, arrays.DTYPE_NAMES[qv.dtype], causal,
                       return_lse, num_splits)
-    _launch(problem, qv, *qk, o_view, lse_arr, scale)
+    _launch(problem, qv, *qk, kernel_out, lse_arr, scale)
     if not direct_out:
-        o_arr[...] = o_tmp[..., :d]
-    return finish()
+        o_view.array[...] = kernel_out.array[..., :d]
+    return _result(o_view, ov is not None, lse_arr, qv, return_lse)
 
 
 def _launch(problem, like, q, k, v, o, lse_arr, scale, **cache):
@@ -341,8 +346,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         _check_out(ov, qv, out)
         if not _aligned(ov):
             raise ValueError("out must be 16-byte aligned with strides in multiples of 8 elements")
-    o_arr = ov.array if ov is not None else arrays.empty_like_framework(qv, qv.shape, qv.dtype)
-    lse_arr = arrays.empty_like_framework(qv, (b, h, sq), "float32") if return_lse else None
+    o_view, lse_arr = _outputs(qv, ov, return_lse)
     if b and h:
         if s_new:
             with arrays.on_device(qv.device):
@@ -352,10 +356,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         if sq:
             problem = Problem(b, sq, capacity, h, hk, d, arrays.DTYPE_NAMES[qv.dtype], bool(causal),
                               return_lse, num_splits, kv="paged" if paged else "cache")
-            _launch(problem, qv, qv, kc, vc, arrays.view(o_arr, "out"), lse_arr, scale,
+            _launch(problem, qv, qv, kc, vc, o_view, lse_arr, scale,
                     cache=(seqlens_ptr, batch_idx, *table), seqlen_k=seqlen_k_arg, page_size=page_size)
-    o = o_arr if ov is not None else arrays.hand_back(o_arr, qv)
-    return (o, arrays.hand_back(lse_arr, qv)) if return_lse else o
+    return _result(o_view, ov is not None, lse_arr, qv, return_lse)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,10 +376,7 @@ class _Shape:
 
 
 def _shape_view(x, name, dtype):
-    if isinstance(x, (tuple, list)):
-        return _Shape(x, dtype)
-    v = arrays.view(x, name)
-    return v
+    return _Shape(x, dtype) if isinstance(x, (tuple, list)) else arrays.view(x, name)
 
 
 def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_splits=0,
