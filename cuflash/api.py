@@ -235,8 +235,8 @@ def _launch(problem, like, q, k, v, o, lse_arr, scale, **cache):
     if plan.num_splits > 1:  # one fp32 buffer: partial outputs, then partial LSEs
         rows = problem.batch * plan.nheads_eff * plan.seqlen_q_eff
         n_o = plan.num_splits * rows * plan.launches[0].variant.head_dim
-        ws = arrays.empty_like_framework(like, (n_o + plan.num_splits * rows,), "float32")
-        workspace = (arrays.device_ptr(ws), arrays.device_ptr(ws) + 4 * n_o)
+        ws = arrays.device_ptr(arrays.empty_like_framework(like, (n_o + plan.num_splits * rows,), "float32"))
+        workspace = (ws, ws + 4 * n_o)
     lse_ptr = arrays.device_ptr(lse_arr) if lse_arr is not None else 0
     with arrays.on_device(like.device):
         launch.run(plan, q, k, v, o, lse_ptr, workspace, scale, arrays.stream_for(like), like.device, **cache)

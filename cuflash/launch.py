@@ -1,7 +1,6 @@
 """Plan + buffers -> kernel launches on the caller's stream. No synchronisation, no host copies."""
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -22,16 +21,22 @@ def _strides(view, pack: bool, ngroups: int):
     return (sb, sh, sh * ngroups) if pack else (sb, ss, sh)
 
 
-@functools.lru_cache(maxsize=1024)
 def _scalars(plan: Plan, seqlen_k: int, softmax_scale: float, table_stride: int, page_size: int):
     """The 32-bit scalar arguments of a plan's launches (built once per plan and shape)."""
+    key = (seqlen_k, softmax_scale, table_stride, page_size)
+    hit = plan.memo.get(key)
+    if hit is not None:
+        return hit
     p, i32 = plan.problem, np.int32
     shape = (i32(plan.seqlen_q_eff), i32(seqlen_k), i32(plan.nheads_eff), i32(plan.ngroups_eff),
              i32(p.head_dim), np.float32(softmax_scale * _LOG2E),
              i32(plan.num_splits), i32(plan.n_blocks_per_split))
     rows = p.batch * plan.nheads_eff * plan.seqlen_q_eff
     combine = (i32(rows), i32(plan.nheads_eff), i32(plan.seqlen_q_eff), i32(p.head_dim), i32(plan.num_splits))
-    return shape, (i32(table_stride), i32(page_size)), combine
+    if len(plan.memo) > 64:  # many distinct scales or KV lengths: keep the memo small
+        plan.memo.clear()
+    hit = plan.memo[key] = (shape, (i32(table_stride), i32(page_size)), combine)
+    return hit
 
 
 def run(plan: Plan, q, k, v, o, lse_ptr: int, workspace, softmax_scale: float, stream, device: int,

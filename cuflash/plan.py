@@ -114,6 +114,12 @@ class Plan:
     efficiency: tuple[tuple[int, float | None], ...]  # (splits, wave efficiency or None if ineligible)
     reason: str
 
+    @functools.cached_property
+    def memo(self) -> dict:
+        """Per-plan scratch for the launcher (e.g. packed scalar arguments), so the hot path
+        never hashes the whole plan."""
+        return {}
+
     @property
     def kernels(self) -> tuple[str, ...]:
         return tuple(l.name for l in self.launches)
