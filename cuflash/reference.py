@@ -17,7 +17,7 @@ O = (p @ v) / l in float64 and O is finally rounded to q's dtype.
 import ml_dtypes
 import numpy as np
 
-__all__ = ["attention", "max_abs_err", "check_close"]
+__all__ = ["attention", "attention_varlen", "max_abs_err", "check_close"]
 
 _BUDGET = 1 << 22  # max float64 elements of one score block (32 MiB)
 _LOW_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16),
@@ -139,3 +139,34 @@ def check_close(out, q, k, v, *, rtol_factor=2.0, atol=1e-5, **kwargs):
     err = max_abs_err(out, ref64)
     bound = rtol_factor * max_abs_err(ref_lp, ref64) + atol
     return bool(err <= bound), err, float(bound)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, return_lse=False, **kwargs):
+    """Reference for packed variable-length batches (flash-attn's ``flash_attn_varlen_func``).
+
+    q is (total_q, nheads, d), k and v (total_k, nheads_k, d); sequence b holds rows
+    cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of k and v.
+    Every sequence is attended independently (causal and windows aligned bottom-right per
+    sequence); rows of empty sequences do not exist. Returns out (like q) or (out, lse) with
+    lse (nheads, total_q). ``alibi_slopes`` may be (nheads,) or (batch, nheads); other keyword
+    arguments are those of :func:`attention`.
+    """
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    cq, ck = np.asarray(cu_seqlens_q, dtype=np.int64), np.asarray(cu_seqlens_k, dtype=np.int64)
+    if cq.shape != ck.shape or cq.ndim != 1 or cq.size < 1:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must be (batch + 1,) vectors, got "
+                         f"{cq.shape} and {ck.shape}")
+    slopes = kwargs.pop("alibi_slopes", None)
+    slopes = None if slopes is None else np.asarray(slopes, dtype=np.float64)
+    precision = kwargs.get("precision", "float64")
+    out_dtype = np.float64 if precision == "float64" else q.dtype
+    out = np.zeros(q.shape, dtype=out_dtype)
+    lse = np.full((q.shape[1], q.shape[0]), np.inf,
+                  dtype=np.float64 if precision == "float64" else np.float32)
+    for b in range(cq.size - 1):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        s = None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b])
+        o, l = attention(q[None, qs], k[None, ks], v[None, ks], return_lse=True,
+                         alibi_slopes=s, **kwargs)
+        out[qs], lse[:, qs] = o[0], l[0]
+    return (out, lse) if return_lse else out
