@@ -159,6 +159,8 @@ def cmd_bench(a):
     from cuflash import bench
     if a.kind == "prefill":
         rows = bench.bench_prefill(quick=a.quick)
+    elif a.kind == "window":
+        rows = bench.bench_window()
     else:
         rows = bench.bench_decode()
     print(bench.format_table(rows, a.kind))
@@ -206,7 +208,7 @@ def main(argv=None):
     c.add_argument("action", choices=["list", "clear"])
 
     b = sub.add_parser("bench", help="benchmark against PyTorch SDPA (flash, cuDNN)")
-    b.add_argument("kind", choices=["prefill", "decode"])
+    b.add_argument("kind", choices=["prefill", "decode", "window"])
     b.add_argument("--quick", action="store_true")
     b.add_argument("--json")
     b.add_argument("--csv")

@@ -86,7 +86,7 @@ def _check_out(out, q, original=None):
     if out.dtype != q.dtype:
         raise TypeError(f"out must have q's dtype {q.dtype}, got {out.dtype}")
     _check_same_place(("q", q), ("out", out))
-    if out.shape[3] > 1 and out.strides[3] != 1 and 0 not in out.shape:
+    if out.shape[-1] > 1 and out.strides[-1] != 1 and 0 not in out.shape:
         raise ValueError(f"out must be contiguous in its last dim, got strides {tuple(out.strides)}")
 
 
@@ -111,6 +111,47 @@ def _check_num_splits(num_splits):
     if not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be between 0 (heuristic) and {MAX_SPLITS}, got {num_splits}")
     return int(num_splits)
+
+
+def _check_window(window_size):
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded; got {window_size!r}")
+    return (left, right)
+
+
+def _check_softcap(softcap):
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {softcap}")
+    return float(softcap)
+
+
+def _check_alibi(alibi_slopes, batch, nheads, like):
+    """(view, batch stride) of float32 slopes shaped (nheads,) or (batch, nheads), or (None, 0)."""
+    if alibi_slopes is None:
+        return None, 0
+    a = alibi_slopes if isinstance(alibi_slopes, _Shape) else arrays.view(alibi_slopes, "alibi_slopes")
+    if a.dtype != "float32":
+        raise TypeError(f"alibi_slopes must be float32, got {a.dtype}")
+    if tuple(a.shape) not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), got {_shape_str(a)}")
+    if nheads > 1 and a.strides[-1] != 1:
+        raise ValueError(f"alibi_slopes must be contiguous in its last dim, got strides {tuple(a.strides)}")
+    _check_same_place(("q", like), ("alibi_slopes", a))
+    return a, (a.strides[0] if len(a.shape) == 2 else 0)
+
+
+def _check_mods(window_size, softcap, alibi_slopes, batch, nheads, like):
+    """Window, softcap and ALiBi arguments -> (window, softcap, alibi view, alibi batch stride)."""
+    window = _check_window(window_size)
+    cap = _check_softcap(softcap)
+    a, a_sb = _check_alibi(alibi_slopes, batch, nheads, like)
+    return window, cap, a, a_sb
 
 
 def _aligned(x) -> bool:
@@ -145,7 +186,7 @@ def _current_device() -> int:
 # Entry point
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None,
-              num_splits=0):
+              num_splits=0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """Scaled dot-product attention with flash-attn's ``flash_attn_func`` semantics.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim), float16
@@ -156,6 +197,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     ``return_lse=True``, lse being float32 (batch, nheads, seqlen_q) natural-log sum-exp.
     ``num_splits``: 0 lets the plan decide (cuflash's split rule for decode shapes, FA2's
     otherwise; see ``cuflash.plan``), 1 never splits, N > 1 splits K/V N ways.
+    ``window_size=(left, right)``: query i sees keys i + sk - sq - left ... i + sk - sq + right
+    (-1 = unbounded; causal sets right = 0). ``softcap > 0``: scores become
+    softcap * tanh(score / softcap). ``alibi_slopes``: float32 (nheads,) or (batch, nheads),
+    adding -slope * |i + sk - sq - j| to the scores.
     """
     qv, kv, vv = arrays.view(q, "q"), arrays.view(k, "k"), arrays.view(v, "v")
     _check_operands(qv, kv, vv)
@@ -166,12 +211,15 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     scale = _check_scale(softmax_scale, qv.shape[3])
     num_splits = _check_num_splits(num_splits)
     _check_causal(causal)
+    mods = _check_mods(window_size, softcap, alibi_slopes, qv.shape[0], qv.shape[2], qv)
 
     if qv.device < 0:  # NumPy in, NumPy out: compute on the current GPU
         dev = _current_device()
-        res = attention(arrays.to_device(np.asarray(qv.array), dev), arrays.to_device(np.asarray(kv.array), dev),
-                        arrays.to_device(np.asarray(vv.array), dev), causal=causal,
-                        softmax_scale=scale, return_lse=return_lse, num_splits=num_splits)
+        dev_array = lambda x: arrays.to_device(np.asarray(x.array), dev)
+        res = attention(dev_array(qv), dev_array(kv), dev_array(vv), causal=causal,
+                        softmax_scale=scale, return_lse=return_lse, num_splits=num_splits,
+                        window_size=mods[0], softcap=mods[1],
+                        alibi_slopes=None if mods[2] is None else dev_array(mods[2]))
         o, lse = res if return_lse else (res, None)
         o = arrays.hand_back(o, qv)
         if out is not None:
@@ -179,24 +227,25 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
             o = out
         return (o, arrays.hand_back(lse, qv)) if return_lse else o
 
-    return _attention_device(qv, kv, vv, ov, bool(causal), scale, return_lse, num_splits)
+    return _attention_device(qv, kv, vv, ov, bool(causal), scale, return_lse, num_splits, mods)
 
 
 def _padded(x, d_pad):
     """A zero-padded (…, d_pad) copy of a device view when the kernel cannot read it in place."""
     a = x.array[1] if x.framework == "dlpack" else x.array
-    buf = arrays.empty_like_framework(x, (*x.shape[:3], d_pad), x.dtype)
+    buf = arrays.empty_like_framework(x, (*x.shape[:-1], d_pad), x.dtype)
     buf[..., x.shape[3]:] = 0
     buf[..., :x.shape[3]] = a
     return arrays.view(buf, "copy")
 
 
 def _outputs(qv, ov, return_lse):
-    """The output view (``out`` or a new array in q's framework) and the LSE array or None."""
+    """The output view (``out`` or a new array in q's framework) and the LSE array or None:
+    (batch, nheads, seqlen_q), or (nheads, total_q) for packed (3-dim) q."""
     if ov is None:
         ov = arrays.view(arrays.empty_like_framework(qv, qv.shape, qv.dtype), "out")
-    b, sq, h, _ = qv.shape
-    return ov, arrays.empty_like_framework(qv, (b, h, sq), "float32") if return_lse else None
+    lse_shape = (qv.shape[1], qv.shape[0]) if len(qv.shape) == 3 else (qv.shape[0], qv.shape[2], qv.shape[1])
+    return ov, arrays.empty_like_framework(qv, lse_shape, "float32") if return_lse else None
 
 
 def _result(o_view, given_out, lse_arr, qv, return_lse):
@@ -205,7 +254,7 @@ def _result(o_view, given_out, lse_arr, qv, return_lse):
     return (o, arrays.hand_back(lse_arr, qv)) if return_lse else o
 
 
-def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits):
+def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mods):
     b, sq, h, d = qv.shape
     sk, hk = kv.shape[1], kv.shape[2]
     o_view, lse_arr = _outputs(qv, ov, return_lse)
@@ -220,16 +269,19 @@ def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits):
     kernel_out = o_view if direct_out else arrays.view(
         arrays.empty_like_framework(qv, (b, sq, h, d_pad), qv.dtype), "out")
 
+    window, cap, alibi, alibi_sb = mods
     problem = Problem(b, sq, sk, h, hk, d_pad, arrays.DTYPE_NAMES[qv.dtype], causal,
-                      return_lse, num_splits)
-    _launch(problem, qv, *qk, kernel_out, lse_arr, scale)
+                      return_lse, num_splits, window=window, softcap=cap > 0, alibi=alibi is not None)
+    _launch(problem, qv, *qk, kernel_out, lse_arr, scale, softcap=cap,
+            alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0))
     if not direct_out:
         o_view.array[...] = kernel_out.array[..., :d]
     return _result(o_view, ov is not None, lse_arr, qv, return_lse)
 
 
-def _launch(problem, like, q, k, v, o, lse_arr, scale, **cache):
-    """Plan ``problem`` and launch it on ``like``'s stream, with a workspace from its framework."""
+def _launch(problem, like, q, k, v, o, lse_arr, scale, **extra):
+    """Plan ``problem`` and launch it on ``like``'s stream, with a workspace from its framework;
+    ``extra`` goes to launch.run (cache, softcap, ALiBi and varlen arguments)."""
     plan = make_plan(problem, device_facts(like.device))
     workspace = None
     if plan.num_splits > 1:  # one fp32 buffer: partial outputs, then partial LSEs
@@ -239,7 +291,7 @@ def _launch(problem, like, q, k, v, o, lse_arr, scale, **cache):
         workspace = (ws, ws + 4 * n_o)
     lse_ptr = arrays.device_ptr(lse_arr) if lse_arr is not None else 0
     with arrays.on_device(like.device):
-        launch.run(plan, q, k, v, o, lse_ptr, workspace, scale, arrays.stream_for(like), like.device, **cache)
+        launch.run(plan, q, k, v, o, lse_ptr, workspace, scale, arrays.stream_for(like), like.device, **extra)
     return plan
 
 
@@ -260,7 +312,8 @@ def _int32_vector(x, name, length, like):
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
                            cache_batch_idx=None, block_table=None, causal=False, softmax_scale=None,
-                           num_splits=0, return_lse=False, out=None):
+                           num_splits=0, return_lse=False, out=None, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None):
     """Decode/append attention over a KV cache, with flash-attn's ``flash_attn_with_kvcache``
     semantics.
 
@@ -272,6 +325,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     ``cache_seqlens``: an int, or an int32 device array (batch,), or None for full caches.
     ``cache_batch_idx``: int32 (batch,) rows of a contiguous cache to use. Device arrays are the
     caller's contract, as in flash-attn: lengths must fit the cache and pages must exist.
+    ``window_size``, ``softcap`` and ``alibi_slopes`` are those of :func:`attention`, aligned
+    per sequence.
     """
     qv = arrays.view(q, "q")
     kc, vc = arrays.view(k_cache, "k_cache"), arrays.view(v_cache, "v_cache")
@@ -289,6 +344,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     scale = _check_scale(softmax_scale, d)
     _check_causal(causal)
     num_splits = _check_num_splits(num_splits)
+    window, softcap, alibi, alibi_sb = _check_mods(window_size, softcap, alibi_slopes, b, h, qv)
 
     paged = block_table is not None
     if paged:
@@ -355,9 +411,146 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                                  device_facts(qv.device).arch)
         if sq:
             problem = Problem(b, sq, capacity, h, hk, d, arrays.DTYPE_NAMES[qv.dtype], bool(causal),
-                              return_lse, num_splits, kv="paged" if paged else "cache")
+                              return_lse, num_splits, kv="paged" if paged else "cache", window=window,
+                              softcap=softcap > 0, alibi=alibi is not None)
             _launch(problem, qv, qv, kc, vc, o_view, lse_arr, scale,
-                    cache=(seqlens_ptr, batch_idx, *table), seqlen_k=seqlen_k_arg, page_size=page_size)
+                    cache=(seqlens_ptr, batch_idx, *table), seqlen_k=seqlen_k_arg, page_size=page_size,
+                    softcap=softcap, alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0))
+    return _result(o_view, ov is not None, lse_arr, qv, return_lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# Variable-length (packed) batches
+
+def _batched(x, batch, max_len):
+    """A packed (total, nheads, d) view seen as (batch, max_len, nheads, d) with the token stride
+    as batch stride: the kernels offset sequence b by cu_seqlens[b] tokens."""
+    st = x.strides
+    return arrays.View(x.ptr, (batch, max_len, x.shape[1], x.shape[2]), (st[0], st[0], st[1], st[2]),
+                       x.dtype, x.device, x.framework, x.array)
+
+
+def _check_max_seqlen(value, name, limit, what):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= value <= limit:
+        raise ValueError(f"{name} must be between 0 and {what} ({limit}), got {value}")
+    return int(value)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                     causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                     alibi_slopes=None, return_lse=False, num_splits=0, block_table=None, out=None):
+    """Attention over packed variable-length sequences, with flash-attn's
+    ``flash_attn_varlen_func`` semantics.
+
+    q: (total_q, nheads, d); k, v: (total_k, nheads_k, d), or paged (num_pages, page_size,
+    nheads_k, d) with ``block_table`` int32 (batch, pages_per_seq). ``cu_seqlens_q`` and
+    ``cu_seqlens_k``: int32 device arrays (batch + 1,); sequence b owns rows cu_seqlens_q[b] to
+    cu_seqlens_q[b+1] of q (and of k/v, or key rows 0.. of its pages). Sequences may be empty.
+    ``max_seqlen_q``/``max_seqlen_k`` only size the grid; the kernels read every bound from
+    cu_seqlens on the device, so nothing waits for the GPU. That the offsets are non-decreasing,
+    start at 0, end at the tokens given and stay under the maxima is the caller's contract, as in
+    flash-attn. Causal masks and windows align bottom-right per sequence. Returns out (total_q,
+    nheads, d), or (out, lse) with lse float32 (nheads, total_q). Other arguments as in
+    :func:`attention`; ALiBi slopes may be (nheads,) or (batch, nheads).
+    """
+    qv, kv, vv = arrays.view(q, "q"), arrays.view(k, "k"), arrays.view(v, "v")
+    paged = block_table is not None
+    if len(qv.shape) != 3:
+        raise ValueError(f"q must have 3 dims (total_q, nheads, headdim), got shape {_shape_str(qv)}")
+    k_dims = "4 dims (num_pages, page_size, nheads_k, headdim) with block_table" if paged else \
+        "3 dims (total_k, nheads_k, headdim)"
+    for name, x in (("k", kv), ("v", vv)):
+        if len(x.shape) != (4 if paged else 3):
+            raise ValueError(f"{name} must have {k_dims}, got shape {_shape_str(x)}")
+    cq, ck = arrays.view(cu_seqlens_q, "cu_seqlens_q"), arrays.view(cu_seqlens_k, "cu_seqlens_k")
+    for name, c in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
+        if c.dtype != "int32":
+            raise TypeError(f"{name} must be int32, got {c.dtype}")
+        if len(c.shape) != 1 or c.shape[0] < 1:
+            raise ValueError(f"{name} must have shape (batch + 1,), got {_shape_str(c)}")
+        if c.shape[0] > 1 and c.strides[0] != 1:
+            raise ValueError(f"{name} must be contiguous, got strides {tuple(c.strides)}")
+    if ck.shape != cq.shape:
+        raise ValueError(f"cu_seqlens_k must have cu_seqlens_q's shape {_shape_str(cq)}, got {_shape_str(ck)}")
+    batch = cq.shape[0] - 1
+    total_q, h, d = qv.shape
+    if paged:
+        bt = arrays.view(block_table, "block_table")
+        if bt.dtype != "int32" or len(bt.shape) != 2 or bt.shape[0] != batch:
+            raise ValueError(f"block_table must be int32 of shape ({batch}, pages_per_seq), "
+                             f"got {bt.dtype} {_shape_str(bt)}")
+        if bt.shape[1] > 1 and bt.strides[1] != 1:
+            raise ValueError(f"block_table rows must be contiguous, got strides {tuple(bt.strides)}")
+        if kv.shape[1] % 16:
+            raise ValueError(f"page size (k.shape[1]) must be a multiple of 16, got {kv.shape[1]}")
+        if d % 8:
+            raise ValueError(f"head dim must be a multiple of 8 with a paged cache, got {d}")
+        k_limit, k_what = bt.shape[1] * kv.shape[1], "pages_per_seq * page_size"
+    else:
+        k_limit, k_what = kv.shape[0], "total_k"
+    max_sq = _check_max_seqlen(max_seqlen_q, "max_seqlen_q", total_q, "total_q")
+    max_sk = _check_max_seqlen(max_seqlen_k, "max_seqlen_k", k_limit, k_what)
+    # Shape, dtype, head and layout rules of the dense API, on the batched views.
+    q4 = _batched(qv, batch, max_sq)
+    k4, v4 = (x if paged else _batched(x, batch, max_sk) for x in (kv, vv))
+    if paged:
+        _check_operands(q4, k4, v4, same_batch=False)
+    else:
+        if kv.shape != vv.shape:
+            raise ValueError(f"v must have k's shape {_shape_str(kv)}, got {_shape_str(vv)}")
+        _check_operands(q4, k4, v4)
+    for name, c in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)) + ((("block_table", bt),) if paged else ()):
+        _check_same_place(("q", qv), (name, c))
+    ov = None
+    if out is not None:
+        ov = arrays.view(out, "out")
+        _check_out(ov, qv, out)
+    scale = _check_scale(softmax_scale, d)
+    _check_causal(causal)
+    num_splits = _check_num_splits(num_splits)
+    window, cap, alibi, alibi_sb = _check_mods(window_size, softcap, alibi_slopes, batch, h, qv)
+
+    if qv.device < 0:  # NumPy in, NumPy out: compute on the current GPU
+        dev = _current_device()
+        dev_array = lambda x: None if x is None else arrays.to_device(np.asarray(x.array), dev)
+        res = attention_varlen(dev_array(qv), dev_array(kv), dev_array(vv), dev_array(cq), dev_array(ck),
+                               max_sq, max_sk, causal=causal, softmax_scale=scale, window_size=window,
+                               softcap=cap, alibi_slopes=dev_array(alibi), return_lse=return_lse,
+                               num_splits=num_splits, block_table=dev_array(bt) if paged else None)
+        o, lse = res if return_lse else (res, None)
+        o = arrays.hand_back(o, qv)
+        if out is not None:
+            out[...] = o
+            o = out
+        return (o, arrays.hand_back(lse, qv)) if return_lse else o
+
+    o_view, lse_arr = _outputs(qv, ov, return_lse)
+    if batch == 0 or total_q == 0 or h == 0 or max_sq == 0:
+        if lse_arr is not None:
+            lse_arr[...] = np.inf
+        return _result(o_view, ov is not None, lse_arr, qv, return_lse)
+    d_pad = -(-d // 8) * 8
+    if not paged:
+        q4, k4, v4 = (x if d_pad == d and _aligned(x) else _batched(_padded(y, d_pad), batch, n)
+                      for x, y, n in ((q4, qv, max_sq), (k4, kv, max_sk), (v4, vv, max_sk)))
+    elif not all(_aligned(x) for x in (q4, k4, v4)):
+        raise ValueError("q, k and v must be 16-byte aligned with strides in multiples of 8 elements "
+                         "with a paged cache")
+    o4 = _batched(o_view, batch, max_sq)
+    direct_out = d_pad == d and _aligned(o4)
+    kernel_out = o4 if direct_out else _batched(arrays.view(
+        arrays.empty_like_framework(qv, (total_q, h, d_pad), qv.dtype), "out"), batch, max_sq)
+    problem = Problem(batch, max_sq, max_sk, h, kv.shape[2], d_pad, arrays.DTYPE_NAMES[qv.dtype],
+                      bool(causal), return_lse, num_splits, kv="paged" if paged else "dense",
+                      window=window, softcap=cap > 0, alibi=alibi is not None, varlen=True)
+    extra = dict(cache=(0, 0, bt.ptr, bt.strides[0]), page_size=kv.shape[1]) if paged else {}
+    _launch(problem, qv, q4, k4, v4, kernel_out, lse_arr, scale, softcap=cap,
+            alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0),
+            varlen=(cq.ptr, ck.ptr, total_q), **extra)
+    if not direct_out:
+        o_view.array[...] = kernel_out.array[..., :d]
     return _result(o_view, ov is not None, lse_arr, qv, return_lse)
 
 
@@ -380,14 +573,16 @@ def _shape_view(x, name, dtype):
 
 
 def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_splits=0,
-         heuristic="cuflash", num_sms=None, arch=None, dtype="bfloat16"):
+         heuristic="cuflash", num_sms=None, arch=None, dtype="bfloat16", window_size=(-1, -1),
+         softcap=0.0, alibi_slopes=None):
     """The plan ``attention(q, k, v, ...)`` would run: kernels, tiles, grids, splits and why.
 
     q, k, v may be arrays (any framework, NumPy included) or shape tuples (then ``dtype`` gives
     the element type). ``num_sms``/``arch`` describe the target GPU; without them the current
     GPU is asked. Works on machines with no GPU when ``num_sms`` is given. ``heuristic``:
     "cuflash" (default; decode splits tuned for cuflash's kernels) or "fa2" (FlashAttention-2's
-    ``num_splits_heuristic``, to see what FA2 would do).
+    ``num_splits_heuristic``, to see what FA2 would do). ``window_size``, ``softcap`` and
+    ``alibi_slopes`` (an array, a shape tuple, or True) are those of :func:`attention`.
     """
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
@@ -396,6 +591,10 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     _check_scale(softmax_scale, qv.shape[3])
     _check_causal(causal)
     num_splits = _check_num_splits(num_splits)
+    b, sq, h, d = qv.shape
+    if alibi_slopes is True or isinstance(alibi_slopes, (tuple, list)):
+        alibi_slopes = _Shape((h,) if alibi_slopes is True else alibi_slopes, "float32")
+    window, cap, alibi, _ = _check_mods(window_size, softcap, alibi_slopes, b, h, qv)
     if num_sms is None:
         dev = device_facts(qv.device if qv.device >= 0 else _current_device())
         facts = DeviceFacts(dev.num_sms, _parse_arch(arch) if arch is not None else dev.arch)
@@ -403,10 +602,9 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
         if isinstance(num_sms, bool) or not isinstance(num_sms, numbers.Integral) or num_sms < 1:
             raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
         facts = DeviceFacts(int(num_sms), _parse_arch(arch) if arch is not None else 90)
-    b, sq, h, d = qv.shape
     problem = Problem(b, sq, kv.shape[1], h, kv.shape[2], -(-d // 8) * 8,
                       arrays.DTYPE_NAMES[qv.dtype], bool(causal), bool(return_lse), num_splits,
-                      heuristic)
+                      heuristic, window=window, softcap=cap > 0, alibi=alibi is not None)
     return make_plan(problem, facts)
 
 

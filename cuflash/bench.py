@@ -1,4 +1,5 @@
-"""Benchmarks for cuflash: prefill TFLOP/s and decode TB/s against PyTorch SDPA.
+"""Benchmarks for cuflash: prefill TFLOP/s and decode TB/s against PyTorch SDPA, and the cost
+of sliding windows against full attention.
 
 Timing uses CUDA events after warm-up, takes the median of many repeats and
 rotates among several input sets whose total size exceeds 2x L2, so that
@@ -250,6 +251,47 @@ def bench_decode(shapes=None, reps=20, warmup=10, d=128, dtype="bfloat16", causa
     return rows
 
 
+def bench_window(batch=1, seqlen=32768, d=128, model_dim=2048, windows=(4096, 1024),
+                 dtype="bfloat16", reps=10, warmup=3, verbose=True):
+    """Sliding-window attention against full attention at one long sequence length: a window
+    of w keys should cost about the fraction of (query, key) pairs it keeps, w/s of full
+    non-causal attention (K/V tiles outside the band are skipped, not masked)."""
+    torch = _torch()
+    import cuflash
+    h = model_dim // d
+    shp = (batch, seqlen, h, d)
+    sets = _make_sets(torch, (shp, shp, shp), getattr(torch, dtype), min_sets=2)
+    q, k, v = sets[0]
+    i = torch.arange(seqlen, dtype=torch.float64)
+
+    def pairs(left, right):  # (query, key) pairs the mask keeps, over all rows
+        lo = (i - left).clamp(min=0) if left >= 0 else torch.zeros_like(i)
+        hi = (i + right).clamp(max=seqlen - 1) if right >= 0 else torch.full_like(i, seqlen - 1)
+        return float((hi - lo + 1).clamp(min=0).sum())
+
+    def run(window, causal):
+        fn = lambda q, k, v: cuflash.attention(q, k, v, causal=causal, window_size=window)  # noqa: E731
+        return time_cuda(fn, sets, warmup, reps)
+
+    full = run((-1, -1), False)
+    rows = []
+    for w in windows:
+        for window, causal in (((-1, -1), True), ((w, 0), True), ((w, w), False)):
+            if window == (-1, -1) and w != windows[0]:
+                continue
+            ms = run(window, causal)
+            kept = pairs(window[0], 0 if causal else window[1]) / seqlen ** 2
+            row = dict(dtype=dtype, d=d, batch=batch, seqlen=seqlen, nheads=h, window=list(window),
+                       causal=causal, cuflash_ms=ms, full_ms=full, time_frac=ms / full, pairs_frac=kept,
+                       tflops=4 * batch * h * d * kept * seqlen ** 2 / ms / 1e9,
+                       kernels=_plan(cuflash, q, k, v, causal)[0] if window == (-1, -1) else
+                       "+".join(cuflash.plan(q, k, v, causal=causal, window_size=window).kernels))
+            _emit(rows, row, "window", verbose)
+    del sets, q, k, v
+    torch.cuda.empty_cache()
+    return rows
+
+
 _f = lambda fmt: lambda x: "-" if x is None else format(x, fmt)  # noqa: E731
 _pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # noqa: E731
 
@@ -265,6 +307,11 @@ _COLUMNS = {
                ("cuDNN us", "cudnn_us", _f(".1f")), ("cuflash TB/s", "cuflash_tbps", _f(".2f")),
                ("cuDNN TB/s", "cudnn_tbps", _f(".2f")), ("%copy", "frac_copy", _pct), ("%read", "frac_read", _pct),
                ("kernels/splits", None, lambda r: f"{r.get('kernels') or '-'} / {r.get('num_splits') or '-'}")],
+    "window": [("s", "seqlen", str), ("heads", "nheads", str), ("d", "d", str),
+               ("window", "window", lambda w: f"({w[0]}, {w[1]})"), ("causal", "causal", lambda x: "Y" if x else "N"),
+               ("ms", "cuflash_ms", _f(".3f")), ("full ms", "full_ms", _f(".3f")),
+               ("time / full", "time_frac", _f(".3f")), ("pairs / full", "pairs_frac", _f(".3f")),
+               ("TF/s", "tflops", _f(".1f")), ("kernels", "kernels", lambda x: x or "-")],
 }
 
 
@@ -321,6 +368,8 @@ def plot(rows, kind, path):
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise RuntimeError("plot needs matplotlib (pip install matplotlib)") from e
+    if kind not in ("prefill", "decode"):
+        raise ValueError(f"--plot draws prefill or decode sweeps, not {kind}")
     if kind == "prefill":
         key, x, unit = (lambda r: f"{r['dtype']} d={r['d']} {'causal' if r['causal'] else 'full'}"), "seqlen", "tflops"
     else:

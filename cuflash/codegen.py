@@ -11,7 +11,8 @@ from pathlib import Path
 import jinja2
 
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
-KINDS = ("fwd", "fwd_split", "combine", "append")
+KINDS = ("fwd", "fwd_split", "combine", "append",
+         "bwd_prep", "bwd_dkdv", "bwd_dkdv_dq", "bwd_dq", "bwd_convert")
 DTYPES = ("fp16", "bf16")
 KV_SOURCES = ("dense", "cache", "paged")
 
@@ -40,12 +41,18 @@ class Variant:
     arch: int = 90
     stages: int = 1           # K/V shared-memory buffers
     kv: str = "dense"         # K/V source: "dense" tensors, a "cache" with per-batch lengths, "paged" cache
+    local: bool = False       # sliding-window mask (window bounds are launch arguments)
+    softcap: bool = False     # softcap * tanh(s / softcap) on the scores
+    alibi: bool = False       # ALiBi bias -slope * |i + sk - sq - j|
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.kv not in KV_SOURCES:
             raise ValueError(f"kv must be one of {KV_SOURCES}, got {self.kv!r}")
+        if self.local and self.causal:
+            raise ValueError("a local variant carries the causal bound as its window's right edge: "
+                             "causal must be False")
         if self.kind == "append":  # copies 16-byte chunks: no head-dim or dtype specialisation
             return
         if self.head_dim not in HEAD_DIM_BUCKETS:
@@ -60,9 +67,12 @@ class Variant:
             return f"append{paged}_sm{self.arch}"
         if self.kind == "combine":
             return f"combine_d{self.head_dim}_{self.dtype}_sm{self.arch}"
-        mask = "causal" if self.causal else "full"
+        if self.kind in ("bwd_prep", "bwd_convert"):  # row kernels: no tile, no mask
+            return f"{self.kind}_d{self.head_dim}_{self.dtype}_sm{self.arch}"
+        mask = "local" if self.local else ("causal" if self.causal else "full")
+        mods = ("_softcap" if self.softcap else "") + ("_alibi" if self.alibi else "")
         even = "" if self.even_head_dim else "_dpred"
-        return (f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{even}{paged}"
+        return (f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{mods}{even}{paged}"
                 f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}_sm{self.arch}")
 
     @property
@@ -89,7 +99,9 @@ def _environment() -> jinja2.Environment:
 @functools.lru_cache(maxsize=None)
 def render(variant: Variant) -> str:
     """CUDA C++ source of one variant."""
-    template = {"combine": "combine.cu.j2", "append": "append.cu.j2"}.get(variant.kind, "fwd.cu.j2")
+    template = {"combine": "combine.cu.j2", "append": "append.cu.j2",
+                "bwd_prep": "bwd_prep.cu.j2", "bwd_dkdv": "bwd.cu.j2", "bwd_dkdv_dq": "bwd.cu.j2",
+                "bwd_dq": "bwd_dq.cu.j2", "bwd_convert": "bwd_convert.cu.j2"}.get(variant.kind, "fwd.cu.j2")
     return _environment().get_template(template).render(
         name=variant.name,
         head_dim=variant.head_dim,
@@ -98,6 +110,9 @@ def render(variant: Variant) -> str:
         warps=variant.warps,
         stages=variant.stages,
         causal=variant.causal,
+        local=variant.local,
+        softcap=variant.softcap,
+        alibi=variant.alibi,
         split=variant.kind == "fwd_split",
         bf16=variant.dtype == "bf16",
         even_head_dim=variant.even_head_dim,

@@ -21,36 +21,56 @@ def _strides(view, pack: bool, ngroups: int):
     return (sb, sh, sh * ngroups) if pack else (sb, ss, sh)
 
 
-def _scalars(plan: Plan, seqlen_k: int, softmax_scale: float, table_stride: int, page_size: int):
-    """The 32-bit scalar arguments of a plan's launches (built once per plan and shape)."""
-    key = (seqlen_k, softmax_scale, table_stride, page_size)
+def _scalars(plan: Plan, seqlen_k: int, softmax_scale: float, table_stride: int, page_size: int,
+             softcap: float, alibi_sb: int, total_q: int):
+    """The scalar arguments of a plan's launches (built once per plan and call shape): the
+    problem's sizes, the cache's, and the varlen/mask/score-modifier group."""
+    key = (seqlen_k, softmax_scale, table_stride, page_size, softcap, alibi_sb, total_q)
     hit = plan.memo.get(key)
     if hit is not None:
         return hit
-    p, i32 = plan.problem, np.int32
+    p, i32, f32 = plan.problem, np.int32, np.float32
+    # With a softcap the softmax scales tanh(s * scale / softcap) by softcap.
+    post = softcap if softcap > 0 else softmax_scale
     shape = (i32(plan.seqlen_q_eff), i32(seqlen_k), i32(plan.nheads_eff), i32(plan.ngroups_eff),
-             i32(p.head_dim), np.float32(softmax_scale * _LOG2E),
-             i32(plan.num_splits), i32(plan.n_blocks_per_split))
+             i32(p.head_dim), f32(post * _LOG2E), i32(plan.num_splits), i32(plan.n_blocks_per_split))
     rows = p.batch * plan.nheads_eff * plan.seqlen_q_eff
+    # Row i of (sequence b, head h) of the LSE: standard (batch, nheads, seqlen_q); varlen
+    # (nheads, total_q), where a packed GQA group's rows are heads.
+    per_token = plan.seqlen_q_eff if plan.pack_gqa else 1
+    if total_q < 0:
+        lse_strides = (plan.nheads_eff * plan.seqlen_q_eff, plan.seqlen_q_eff, 1)
+    else:
+        lse_strides = (1, per_token * total_q, total_q) if plan.pack_gqa else (1, total_q, 1)
+    left, right = plan.window_eff
+    tail = (i32(per_token), *lse_strides)
+    mods = (i32(left), i32(right), f32(softmax_scale / softcap if softcap > 0 else 0.0))
+    alibi = (i32(alibi_sb), f32(1.0 / post))
     combine = (i32(rows), i32(plan.nheads_eff), i32(plan.seqlen_q_eff), i32(p.head_dim), i32(plan.num_splits))
     if len(plan.memo) > 64:  # many distinct scales or KV lengths: keep the memo small
         plan.memo.clear()
-    hit = plan.memo[key] = (shape, (i32(table_stride), i32(page_size)), combine)
+    hit = plan.memo[key] = (shape, (i32(table_stride), i32(page_size)), combine, tail, mods, alibi)
     return hit
 
 
 def run(plan: Plan, q, k, v, o, lse_ptr: int, workspace, softmax_scale: float, stream, device: int,
-        cache=NO_CACHE, seqlen_k: int | None = None, page_size: int = 0):
+        cache=NO_CACHE, seqlen_k: int | None = None, page_size: int = 0, softcap: float = 0.0,
+        alibi=(0, 0), varlen=None):
     """Launch ``plan``. q, k, v, o are views (arrays.View); ``workspace`` is the pair of device
     pointers (fp32 partial O, fp32 partial LSE) when the plan splits, else None. For a KV cache,
     ``cache`` holds the (seqlens_k, kv_batch_idx, block_table) pointers and the block table's row
-    stride, and ``seqlen_k`` is added to each seqlens_k entry (or is the key count without one)."""
+    stride, and ``seqlen_k`` is added to each seqlens_k entry (or is the key count without one).
+    ``alibi`` is (slopes pointer, batch stride of the slopes); ``varlen`` is (cu_seqlens_q
+    pointer, cu_seqlens_k pointer, total_q) for packed sequences, whose views then have token
+    strides as batch strides."""
     p = plan.problem
     ngroups = p.nheads // p.nheads_k
     seqlens_ptr, batch_idx_ptr, table_ptr, table_stride = cache
-    shape, table_args, combine = _scalars(plan, p.seqlen_k if seqlen_k is None else seqlen_k,
-                                          softmax_scale, table_stride, page_size)
-    kv = (seqlens_ptr, batch_idx_ptr, table_ptr, *table_args)
+    cu_q, cu_k, total_q = varlen if varlen is not None else (0, 0, -1)
+    shape, table_args, combine, tail, mods, alibi_args = _scalars(
+        plan, p.seqlen_k if seqlen_k is None else seqlen_k, softmax_scale, table_stride, page_size,
+        softcap, alibi[1], total_q)
+    kv = (seqlens_ptr, batch_idx_ptr, table_ptr, *table_args, cu_q, cu_k, *tail, *mods, alibi[0], *alibi_args)
     os_ = _strides(o, plan.pack_gqa, ngroups)
     common = (*_strides(q, plan.pack_gqa, ngroups), *_strides(k, False, 1), *_strides(v, False, 1))
 
@@ -64,7 +84,7 @@ def run(plan: Plan, q, k, v, o, lse_ptr: int, workspace, softmax_scale: float, s
     args = (q.ptr, k.ptr, v.ptr, o_acc_ptr, lse_acc_ptr, *common, 0, 0, 0, *shape, *kv)
     fn(main.grid, (main.threads,), args, shared_mem=main.smem, stream=stream)
     comb = plan.launches[1]
-    args = (o_acc_ptr, lse_acc_ptr, o.ptr, lse_ptr, *os_, *combine)
+    args = (o_acc_ptr, lse_acc_ptr, o.ptr, lse_ptr, *os_, *combine, cu_q, *tail)
     compiler.get_kernel(comb.variant, device)(comb.grid, (comb.threads,), args, stream=stream)
 
 

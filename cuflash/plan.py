@@ -36,14 +36,14 @@ def decode_tile(bucket: int) -> tuple[int, int, int, int]:
     return (DECODE_BLOCK_M, 64, DECODE_WARPS, 3 if bucket <= 128 else 1)
 
 
-def fwd_tile(bucket: int, even: bool, arch: int, kv: str = "dense") -> tuple[int, int, int, int]:
+def fwd_tile(bucket: int, even: bool, arch: int, kv: str = "dense", mods: bool = False) -> tuple[int, int, int, int]:
     """The forward tile for a bucket. The second K/V stage was tuned on sm_90; head dims below
     the bucket (column predicates on every load) and other archs use FA2's single buffer, where
     the second stage's registers would spill; those variants and KV caches (per-batch lengths,
     block-table lookups) also take at most 64 keys per tile (32 at d=128), for the same reason:
     no spills with NVRTC 13.0 or 13.5."""
     bm, bn, w, st = FWD_TILES[bucket]
-    if even and arch >= 90 and kv == "dense":
+    if even and arch >= 90 and kv == "dense" and not mods:
         return (bm, bn, w, st)
     return (bm, 32 if bucket == 128 else min(bn, 64), w, 1)
   # FA2's split-KV kernel: kBlockM 64, 4 warps
@@ -84,6 +84,10 @@ class Problem:
     num_splits: int = 0    # 0 = heuristic, 1 = never split, N = exactly N splits
     heuristic: str = "cuflash"  # split rule: "cuflash" (decode tuned on an H200) or "fa2"
     kv: str = "dense"      # "cache"/"paged": per-batch lengths (seqlen_k is then the capacity)
+    window: tuple[int, int] = (-1, -1)  # (left, right) sliding window, -1 = unbounded
+    softcap: bool = False
+    alibi: bool = False
+    varlen: bool = False   # packed sequences: seqlen_q/seqlen_k are the maxima
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,7 @@ class Plan:
     nheads_eff: int
     ngroups_eff: int       # query heads per KV head as launched
     causal_eff: bool
+    window_eff: tuple[int, int]  # (left, right) as launched, -1 = unbounded; local iff either >= 0
     workspace_bytes: int
     efficiency: tuple[tuple[int, float | None], ...]  # (splits, wave efficiency or None if ineligible)
     reason: str
@@ -124,11 +129,18 @@ class Plan:
     def kernels(self) -> tuple[str, ...]:
         return tuple(l.name for l in self.launches)
 
+    @property
+    def local(self) -> bool:
+        return self.window_eff != (-1, -1)
+
     def __str__(self) -> str:
         p = self.problem
+        extras = "".join([f" window={p.window}" if p.window != (-1, -1) else "",
+                          " softcap" if p.softcap else "", " alibi" if p.alibi else "",
+                          " varlen (max lengths)" if p.varlen else ""])
         lines = [
             f"cuflash plan: batch={p.batch} seqlen_q={p.seqlen_q} seqlen_k={p.seqlen_k} "
-            f"heads={p.nheads}/{p.nheads_k} d={p.head_dim} {p.dtype} causal={p.causal} "
+            f"heads={p.nheads}/{p.nheads_k} d={p.head_dim} {p.dtype} causal={p.causal}{extras} "
             f"on {self.device.num_sms} SMs (sm_{self.device.arch})",
         ]
         for l in self.launches:
@@ -169,6 +181,29 @@ def num_splits_heuristic(batch_nheads_mblocks: int, num_slots: int, num_n_blocks
     return 1, tuple(table)
 
 
+def effective_window(causal: bool, window: tuple[int, int], seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """(left, right) with -1 for every bound that hides no key: causal is right = 0; a left edge
+    of seqlen_k or more, or a right edge of seqlen_q - 1 or more, reaches past every key."""
+    left, right = window
+    if causal:
+        right = 0
+    if left >= seqlen_k:
+        left = -1
+    if right >= max(seqlen_q - 1, 0):
+        right = -1
+    return (left, right)
+
+
+def band_tiles(rows: int, window: tuple[int, int], seqlen_q: int, seqlen_k: int, bn: int) -> int:
+    """Most K/V tiles of bn keys that a block of ``rows`` query rows can see under ``window``."""
+    n = cdiv(seqlen_k, bn)
+    left, right = window
+    if left < 0:
+        return n
+    span = min(rows, seqlen_q) + left + (right if right >= 0 else max(seqlen_q - 1, 0))
+    return max(1, min(n, cdiv(span, bn) + 1))
+
+
 @functools.lru_cache(maxsize=4096)
 def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
     bucket = head_dim_bucket(p.head_dim)
@@ -176,21 +211,34 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
     ngroups = p.nheads // p.nheads_k
     why = []
 
-    # FA2's seqlen_q/ngroups swap: one query per head, several heads per KV head -> rows.
-    pack = p.seqlen_q == 1 and ngroups > 1
+    window = effective_window(p.causal, p.window, p.seqlen_q, p.seqlen_k)
+    causal = window[0] < 0 and window[1] == 0  # FA2: causal is the window (-1, 0)
+    local = window != (-1, -1) and not causal
+    if p.window != (-1, -1):
+        why.append(f"window {p.window} " + (f"runs as a local band {window}: K/V tiles outside it are "
+                                             "never loaded." if local else
+                                             "hides no key beyond " + ("the causal mask." if causal else
+                                                                       "the sequence: no window mask.")))
+    # FA2's seqlen_q/ngroups swap: one query per head, several heads per KV head -> rows. Not
+    # with a window or ALiBi, whose masks and biases depend on the query position and head.
+    pack = p.seqlen_q == 1 and ngroups > 1 and not local and not p.alibi
     sq, nh, ng = (ngroups, p.nheads_k, 1) if pack else (p.seqlen_q, p.nheads, ngroups)
-    # With one query row, the bottom-right causal mask hides nothing.
-    causal = p.causal and p.seqlen_q > 1
     if pack:
         why.append(f"seqlen_q=1 with {ngroups} query heads per KV head: each KV head's query heads "
                    f"run as {ngroups} rows of one query block, so K/V is read once per group "
                    "(FA2's seqlen_q/ngroups swap).")
-    if p.causal and not causal:
+    if p.causal and not causal and not local:
         why.append("causal with seqlen_q=1 sees every key (bottom-right alignment), so no mask.")
+    if p.varlen:
+        why.append(f"varlen: {p.batch} packed sequences of at most {p.seqlen_q} queries and "
+                   f"{p.seqlen_k} keys; each block reads its sequence's bounds from cu_seqlens.")
 
-    # FA2: block_n by head dim, m-blocks of 64, 2 blocks per SM (128 threads).
+    # FA2: block_n by head dim, m-blocks of 64, 2 blocks per SM (128 threads). cuflash's rule
+    # counts only the K/V blocks a sliding window can reach.
     bn = split_block_n(p.head_dim)
     n_blocks = cdiv(p.seqlen_k, bn)
+    if p.heuristic == "cuflash":
+        n_blocks = band_tiles(SPLIT_BLOCK_M, window, p.seqlen_q, p.seqlen_k, bn)
     m_blocks = cdiv(sq, 64)
     work = p.batch * nh * m_blocks
     slots = 2 * dev.num_sms
@@ -211,7 +259,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         # Decode: about one block per SM, each split walking at least two 64-key tiles.
         fa2_splits, _ = num_splits_heuristic(work, slots, n_blocks)
         dbn = decode_tile(bucket)[1]
-        d_blocks = cdiv(p.seqlen_k, dbn)
+        d_blocks = band_tiles(DECODE_BLOCK_M, window, p.seqlen_q, p.seqlen_k, dbn)
         d_work = p.batch * nh * cdiv(sq, DECODE_BLOCK_M)
         per_sm, per_tiles = dev.num_sms // d_work, d_blocks // 2
         splits = max(1, min(per_sm, per_tiles, MAX_SPLITS))
@@ -239,6 +287,11 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                        "(FA2's num_splits_heuristic).")
 
     launches = []
+    mods = dict(local=local, softcap=p.softcap, alibi=p.alibi)
+    if p.softcap or p.alibi:
+        why.append("scores are " + " and ".join(
+            (["softcapped (softcap * tanh(s / softcap))"] if p.softcap else [])
+            + (["biased by ALiBi (-slope * distance)"] if p.alibi else [])) + " in registers.")
     if decode:
         why.append(f"{sq} query row(s) per (batch, KV head): decode tile of {DECODE_BLOCK_M} rows whose "
                    f"{DECODE_WARPS} warps share each K/V tile's keys.")
@@ -246,15 +299,15 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         if decode:
             bm, bn_fwd, warps, stages = decode_tile(bucket)
         else:
-            bm, bn_fwd, warps, stages = fwd_tile(bucket, even, dev.arch, p.kv)
-        v = Variant("fwd", bucket, p.dtype, causal, even, bm, bn_fwd, warps, dev.arch, stages, p.kv)
+            bm, bn_fwd, warps, stages = fwd_tile(bucket, even, dev.arch, p.kv, p.softcap or p.alibi)
+        v = Variant("fwd", bucket, p.dtype, causal, even, bm, bn_fwd, warps, dev.arch, stages, p.kv, **mods)
         launches.append(Launch(v, (cdiv(sq, bm), nh, p.batch), v.threads, v.smem_bytes))
         nbps, workspace = 0, 0
     else:
         bm, bn, warps, stages = decode_tile(bucket) if decode else (SPLIT_BLOCK_M, bn, SPLIT_WARPS, 1)
-        n_blocks = cdiv(p.seqlen_k, bn)  # in the kernel's own K/V blocks
+        n_blocks = band_tiles(bm, window, p.seqlen_q, p.seqlen_k, bn)  # in the kernel's own K/V blocks
         nbps = cdiv(n_blocks, splits)
-        v = Variant("fwd_split", bucket, p.dtype, causal, even, bm, bn, warps, dev.arch, stages, p.kv)
+        v = Variant("fwd_split", bucket, p.dtype, causal, even, bm, bn, warps, dev.arch, stages, p.kv, **mods)
         launches.append(Launch(v, (cdiv(sq, bm), nh, p.batch * splits), v.threads, v.smem_bytes))
         rows = p.batch * nh * sq
         c = Variant("combine", bucket, p.dtype, arch=dev.arch)
@@ -264,25 +317,30 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         why.append(f"Each split walks {nbps} K/V block(s) of {bn} keys"
                    + (f" ({empty} split(s) get none and write the neutral element)" if empty > 0 else "")
                    + "; the combine kernel merges the partial outputs by log-sum-exp.")
-    return Plan(p, dev, tuple(launches), max(splits, 1), nbps, pack, sq, nh, ng, causal,
+    return Plan(p, dev, tuple(launches), max(splits, 1), nbps, pack, sq, nh, ng, causal, window,
                 workspace, table, " ".join(why))
 
 
-def all_variants(arch: int) -> list[Variant]:
-    """Every kernel variant a plan can launch on ``arch`` (what warmup/CI compile)."""
+def all_variants(arch: int, mods: bool = True) -> list[Variant]:
+    """Every kernel variant a plan can launch on ``arch`` (what warmup/CI compile). ``mods=False``
+    leaves out the window/softcap/ALiBi variants."""
     out = [Variant("append", 0, "", arch=arch, warps=8, kv=kv) for kv in ("cache", "paged")]
+    masks = ((False, False), (True, False), (False, True))  # (causal, local)
+    flags = ((False, False), (True, False), (False, True), (True, True)) if mods else ((False, False),)
     for bucket in HEAD_DIM_BUCKETS:
         for dtype in ("fp16", "bf16"):
-            for causal in (False, True):
-                for even in (False, True):
-                    for kv in KV_SOURCES:
-                        bm, bn, w, st = fwd_tile(bucket, even, arch, kv)
-                        out.append(Variant("fwd", bucket, dtype, causal, even, bm, bn, w, arch, st, kv))
-                        out.append(Variant("fwd_split", bucket, dtype, causal, even, SPLIT_BLOCK_M,
-                                           split_block_n(bucket), SPLIT_WARPS, arch, kv=kv))
-                        if even:
-                            bm, bn, w, st = decode_tile(bucket)
-                            for kind in ("fwd", "fwd_split"):
-                                out.append(Variant(kind, bucket, dtype, causal, even, bm, bn, w, arch, st, kv))
+            for causal, local in masks if mods else masks[:2]:
+                for softcap, alibi in flags:
+                    m = dict(local=local, softcap=softcap, alibi=alibi)
+                    for even in (False, True):
+                        for kv in KV_SOURCES:
+                            bm, bn, w, st = fwd_tile(bucket, even, arch, kv, softcap or alibi)
+                            out.append(Variant("fwd", bucket, dtype, causal, even, bm, bn, w, arch, st, kv, **m))
+                            out.append(Variant("fwd_split", bucket, dtype, causal, even, SPLIT_BLOCK_M,
+                                               split_block_n(bucket), SPLIT_WARPS, arch, kv=kv, **m))
+                            if even:
+                                bm, bn, w, st = decode_tile(bucket)
+                                for kind in ("fwd", "fwd_split"):
+                                    out.append(Variant(kind, bucket, dtype, causal, even, bm, bn, w, arch, st, kv, **m))
             out.append(Variant("combine", bucket, dtype, arch=arch))
     return out

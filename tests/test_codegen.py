@@ -19,8 +19,10 @@ def test_templates_folder_is_found():
 
 def test_variant_set_and_unique_names():
     # 2 append (contiguous and paged cache) + 6 buckets x 2 dtypes x
-    # (2 causal x 3 K/V sources x {fwd, fwd_split} x (2 even + 1 decode tile) + 1 combine)
-    assert len(VARIANTS) == 2 + 6 * 2 * (2 * 3 * 2 * 3 + 1)
+    # (3 masks (full, causal, local) x 4 score modifiers (none, softcap, ALiBi, both) x
+    #  3 K/V sources x {fwd, fwd_split} x (2 even + 1 decode tile) + 1 combine)
+    assert len(VARIANTS) == 2 + 6 * 2 * (3 * 4 * 3 * 2 * 3 + 1)
+    assert len(all_variants(90, mods=False)) == 2 + 6 * 2 * (2 * 3 * 2 * 3 + 1)
     names = [v.name for v in VARIANTS]
     assert len(set(names)) == len(names)
     assert len(set(VARIANTS)) == len(VARIANTS)
@@ -48,7 +50,9 @@ def test_render(v):
                    f"constexpr bool kEvenHeadDim = {b(v.even_head_dim)};",
                    f"constexpr bool kKVCache = {b(v.kv != 'dense')};",
                    f"constexpr bool kPaged = {b(v.kv == 'paged')};",
-                   f"constexpr int kStages = {v.stages};"]
+                   f"constexpr int kStages = {v.stages};",
+                   f"constexpr bool kIsLocal = {b(v.local)};", f"constexpr bool kSoftcap = {b(v.softcap)};",
+                   f"constexpr bool kAlibi = {b(v.alibi)};"]
     for c in consts:
         assert c in src, c
     assert len(re.findall(r"constexpr int kHeadDim = ", src)) == 1
@@ -62,3 +66,5 @@ def test_bad_variants_rejected():
         Variant("fwd", 80, "fp16")
     with pytest.raises(ValueError, match="dtype"):
         Variant("fwd", 64, "fp32")
+    with pytest.raises(ValueError, match="causal must be False"):
+        Variant("fwd", 64, "fp16", causal=True, local=True)

@@ -1,19 +1,57 @@
-// Masks applied to a warp's S fragment (kNT n8-tiles of one 16-row tile).
-// Key `col` is visible to query `row` iff col < seqlen_k and, when causal (aligned bottom-right),
-// col <= row + seqlen_k - seqlen_q. Per row-half the visible columns of this tile form a prefix,
-// so each lane compares its compile-time column offsets against one limit.
-template <int kNT>
-__device__ __forceinline__ void apply_mask(float (&s)[kNT][4], int row0, int col0, int seqlen_k, int diag) {
+// Masks and score modifiers applied to a warp's S fragment (kNT n8-tiles of one 16-row tile).
+// Fragment layout: lane holds rows (lane >> 2) and (lane >> 2) + 8 (row-half r), columns
+// j * 8 + (lane & 3) * 2 + e of n8-tile j, at s[j][2 * r + e].
+
+// Key `col` is visible to query `row` iff col < seqlen_k, col <= row + diag (bottom-right causal
+// or a window's right edge; without one diag is large and the min is a no-op) and, with kLower,
+// col >= row + diag_lo (a window's left edge). Per row-half the visible columns of this tile form
+// one interval, so each lane compares its compile-time column offsets against two limits.
+template <int kNT, bool kLower>
+__device__ __forceinline__ void apply_mask(float (&s)[kNT][4], int row0, int col0, int seqlen_k, int diag,
+                                           int diag_lo) {
   const int lane = threadIdx.x & 31;
   const int c0 = col0 + (lane & 3) * 2;  // this lane's first column
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    // visible iff j * 8 + e < limit; without causality diag is large and the min is a no-op
-    const int limit = min(seqlen_k, row0 + (lane >> 2) + r * 8 + diag + 1) - c0;
+    const int row = row0 + (lane >> 2) + r * 8;
+    const int limit = min(seqlen_k, row + diag + 1) - c0;  // visible iff j * 8 + e < limit
+    const int lower = row + diag_lo - c0;                  // and, with kLower, >= lower
 #pragma unroll
     for (int j = 0; j < kNT; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e)
-        if (j * 8 + e >= limit) s[j][2 * r + e] = neg_inf();
+        if (j * 8 + e >= limit || (kLower && j * 8 + e < lower)) s[j][2 * r + e] = neg_inf();
+  }
+}
+
+// tanh(x) = 1 - 2 / (e^(2x) + 1): one MUFU.EX2, one fast reciprocal; absolute error ~1e-7
+// (tanh.approx.f32 has a relative error of 2^-11, visible in softcapped logits).
+__device__ __forceinline__ float tanh_fast(float x) {
+  return 1.f - __fdividef(2.f, exp2_approx(x * 2.8853900817779268f) + 1.f);
+}
+
+// Softcap: s -> tanh(s * scale / softcap). The softmax then scales by softcap (and log2 e), so
+// the scores it sees are softcap * tanh(scale * s / softcap).
+template <int kNT>
+__device__ __forceinline__ void apply_softcap(float (&s)[kNT][4], float softcap_scale) {
+#pragma unroll
+  for (int j = 0; j < kNT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = tanh_fast(s[j][e] * softcap_scale);
+}
+
+// ALiBi: s -= slope * |row + seqlen_k - seqlen_q - col|, with `pos0` = row0 + seqlen_k - seqlen_q
+// (the key aligned with the fragment's first row) and the slope already divided by the factor
+// the softmax multiplies the raw scores by.
+template <int kNT>
+__device__ __forceinline__ void apply_alibi(float (&s)[kNT][4], int pos0, int col0, float slope) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float base = static_cast<float>(pos0 + (lane >> 2) + r * 8 - col0 - (lane & 3) * 2);
+#pragma unroll
+    for (int j = 0; j < kNT; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) s[j][2 * r + e] -= slope * fabsf(base - static_cast<float>(j * 8 + e));
   }
 }
