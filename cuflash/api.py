@@ -357,8 +357,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         if bt.shape[1] > 1 and bt.strides[1] != 1:
             raise ValueError(f"block_table rows must be contiguous, got strides {tuple(bt.strides)}")
         _check_same_place(("q", qv), ("block_table", bt))
-        if cap % 16:
-            raise ValueError(f"page size (k_cache.shape[1]) must be a multiple of 16, got {cap}")
+        if cap == 0 or cap % 16:
+            raise ValueError(f"page size (k_cache.shape[1]) must be a positive multiple of 16, got {cap}")
         page_size, capacity, table = cap, bt.shape[1] * cap, (bt.ptr, bt.strides[0])
     else:
         page_size, capacity, table = 0, cap, (0, 0)
@@ -483,8 +483,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                              f"got {bt.dtype} {_shape_str(bt)}")
         if bt.shape[1] > 1 and bt.strides[1] != 1:
             raise ValueError(f"block_table rows must be contiguous, got strides {tuple(bt.strides)}")
-        if kv.shape[1] % 16:
-            raise ValueError(f"page size (k.shape[1]) must be a multiple of 16, got {kv.shape[1]}")
+        if kv.shape[1] == 0 or kv.shape[1] % 16:
+            raise ValueError(f"page size (k.shape[1]) must be a positive multiple of 16, got {kv.shape[1]}")
         if d % 8:
             raise ValueError(f"head dim must be a multiple of 8 with a paged cache, got {d}")
         k_limit, k_what = bt.shape[1] * kv.shape[1], "pages_per_seq * page_size"
@@ -492,7 +492,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         k_limit, k_what = kv.shape[0], "total_k"
     max_sq = _check_max_seqlen(max_seqlen_q, "max_seqlen_q", total_q, "total_q")
     max_sk = _check_max_seqlen(max_seqlen_k, "max_seqlen_k", k_limit, k_what)
-    # Shape, dtype, head and layout rules of the dense API, on the batched views.
+    # Head dims and last-dim strides on the arrays as given, then the dense API's rules on the
+    # batched views (dtypes, heads, placement).
+    if kv.shape[-1] != d:
+        raise ValueError(f"k must have q's head dim {d}, got {kv.shape[-1]} (q {_shape_str(qv)}, k {_shape_str(kv)})")
+    for name, x in (("q", qv), ("k", kv), ("v", vv)):
+        if x.shape[-1] > 1 and x.strides[-1] != 1 and 0 not in x.shape:
+            raise ValueError(f"{name} must be contiguous in its last dim (stride 1), "
+                             f"got strides {tuple(x.strides)}")
+    if paged:
+        for name, x in (("q", qv), ("k", kv), ("v", vv)):
+            if not _aligned(x if len(x.shape) == 4 else _batched(x, batch, 1)):
+                raise ValueError(f"{name} must be 16-byte aligned with strides in multiples of 8 elements "
+                                 f"with a paged cache, got strides {tuple(x.strides)}")
     q4 = _batched(qv, batch, max_sq)
     k4, v4 = (x if paged else _batched(x, batch, max_sk) for x in (kv, vv))
     if paged:
@@ -535,14 +547,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if not paged:
         q4, k4, v4 = (x if d_pad == d and _aligned(x) else _batched(_padded(y, d_pad), batch, n)
                       for x, y, n in ((q4, qv, max_sq), (k4, kv, max_sk), (v4, vv, max_sk)))
-    elif not all(_aligned(x) for x in (q4, k4, v4)):
-        raise ValueError("q, k and v must be 16-byte aligned with strides in multiples of 8 elements "
-                         "with a paged cache")
     o4 = _batched(o_view, batch, max_sq)
     direct_out = d_pad == d and _aligned(o4)
     kernel_out = o4 if direct_out else _batched(arrays.view(
         arrays.empty_like_framework(qv, (total_q, h, d_pad), qv.dtype), "out"), batch, max_sq)
-    problem = Problem(batch, max_sq, max_sk, h, kv.shape[2], d_pad, arrays.DTYPE_NAMES[qv.dtype],
+    problem = Problem(batch, max_sq, max_sk, h, kv.shape[-2], d_pad, arrays.DTYPE_NAMES[qv.dtype],
                       bool(causal), return_lse, num_splits, kv="paged" if paged else "dense",
                       window=window, softcap=cap > 0, alibi=alibi is not None, varlen=True)
     extra = dict(cache=(0, 0, bt.ptr, bt.strides[0]), page_size=kv.shape[1]) if paged else {}

@@ -131,7 +131,8 @@ class Plan:
 
     @property
     def local(self) -> bool:
-        return self.window_eff != (-1, -1)
+        """A sliding-window (local) kernel runs; a plain causal mask is not one."""
+        return self.launches[0].variant.local
 
     def __str__(self) -> str:
         p = self.problem
@@ -257,7 +258,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         why.append(f"num_splits={splits} was requested.")
     elif p.heuristic == "cuflash" and decode:
         # Decode: about one block per SM, each split walking at least two 64-key tiles.
-        fa2_splits, _ = num_splits_heuristic(work, slots, n_blocks)
+        fa2_splits, _ = num_splits_heuristic(work, slots, cdiv(p.seqlen_k, bn))  # FA2 counts every block
         dbn = decode_tile(bucket)[1]
         d_blocks = band_tiles(DECODE_BLOCK_M, window, p.seqlen_q, p.seqlen_k, dbn)
         d_work = p.batch * nh * cdiv(sq, DECODE_BLOCK_M)
