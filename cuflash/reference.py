@@ -170,3 +170,69 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, return_lse=False, *
                          alibi_slopes=s, **kwargs)
         out[qs], lse[:, qs] = o[0], l[0]
     return (out, lse) if return_lse else out
+
+
+def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, precision="float64"):
+    """Reference gradients (dq, dk, dv) of :func:`attention` (same masking rules) for the output
+    gradient ``dout`` (shaped like q).
+
+    With P = exp(s - lse) (0 where masked and on rows that see no key), O = P v and
+    D = rowsum(dout * O): dv = P^T dout, dP = dout v^T, dS = P (dP - D), dq = scale dS k,
+    dk = scale dS^T q; with GQA a KV head's dk, dv are summed over its query heads.
+    ``precision="float64"`` computes everything in float64 and returns float64.
+    ``precision="same"`` mimics a fused kernel: O is rounded to q's dtype before D is formed
+    (the forward's stored output), P is rounded to q's dtype for dv, dS is rounded to q's dtype
+    for dq and dk, accumulation is float64 and the gradients are rounded to q's dtype.
+    """
+    dout, q, k, v = np.asarray(dout), np.asarray(q), np.asarray(k), np.asarray(v)
+    _validate(q, k, v, (-1, -1), None)
+    if dout.shape != q.shape:
+        raise ValueError(f"dout: expected shape {q.shape} (same as q), got {dout.shape}")
+    if precision == "float64":
+        out_dtype = np.dtype(np.float64)
+    elif precision == "same":
+        out_dtype = q.dtype
+        if out_dtype not in _LOW_DTYPES:
+            raise ValueError(f"q: precision='same' needs a float16/bfloat16/float32/float64 "
+                             f"dtype, got {q.dtype}")
+    else:
+        raise ValueError(f"precision: expected 'float64' or 'same', got {precision!r}")
+    rnd = (lambda x: x.astype(out_dtype).astype(np.float64)) if precision == "same" else (lambda x: x)
+
+    batch, sq, nheads, d = q.shape
+    sk, nheads_k = k.shape[1], k.shape[2]
+    group = nheads // nheads_k
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    dq = np.zeros(q.shape, dtype=np.float64)
+    dk = np.zeros(k.shape, dtype=np.float64)
+    dv = np.zeros(v.shape, dtype=np.float64)
+    if sk > 0 and sq > 0:
+        rows = max(1, _BUDGET // (group * sk))
+        j = np.arange(sk)
+        for b in range(batch):
+            for g in range(nheads_k):
+                hs = slice(g * group, (g + 1) * group)
+                kg = k[b, :, g].astype(np.float64)  # (sk, d)
+                vg = v[b, :, g].astype(np.float64)
+                for i0 in range(0, sq, rows):
+                    i1 = min(sq, i0 + rows)
+                    qg = q[b, i0:i1, hs].astype(np.float64).transpose(1, 0, 2)  # (G, r, d)
+                    dog = dout[b, i0:i1, hs].astype(np.float64).transpose(1, 0, 2)
+                    s = np.matmul(qg, kg.T) * scale  # (G, r, sk)
+                    if causal:
+                        diag = (np.arange(i0, i1) + sk - sq)[:, None]
+                        s = np.where(j <= diag, s, -np.inf)
+                    m = s.max(axis=-1, keepdims=True)
+                    m = np.where(np.isfinite(m), m, 0.0)
+                    p = np.exp(s - m)
+                    l = p.sum(axis=-1, keepdims=True)
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        p = np.where(l == 0, 0.0, p / l)  # exp(s - lse); empty rows give 0
+                    o = rnd(np.matmul(p, vg))  # the forward's output (stored in q's dtype)
+                    dsum = (dog * o).sum(axis=-1, keepdims=True)
+                    dv[b, :, g] += np.matmul(rnd(p).transpose(0, 2, 1), dog).sum(axis=0)
+                    dp = np.matmul(dog, vg.T)
+                    ds = rnd(p * (dp - dsum))
+                    dq[b, i0:i1, hs] = (scale * np.matmul(ds, kg)).transpose(1, 0, 2)
+                    dk[b, :, g] += scale * np.matmul(ds.transpose(0, 2, 1), qg).sum(axis=0)
+    return dq.astype(out_dtype), dk.astype(out_dtype), dv.astype(out_dtype)

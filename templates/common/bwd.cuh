@@ -1,0 +1,199 @@
+// Backward-pass primitives: warp-level GEMMs on shared-memory tiles, the transposed mask, fp32
+// reductions into global memory and element conversions. Needs types.cuh and mma.cuh.
+//
+// Operand conventions (lane l, g = l >> 2, t = l & 3). A tile "stored by rows" holds row r at
+// byte offset r * stride * 2; ldmatrix fetches four 8x8 matrices per call.
+//   ss_nt: acc[mt][nt] += A[mt] . B[nt]^T with A (m x k) and B (n x k) both stored by rows
+//          (Q K^T, dO V^T, K Q^T, V dO^T).
+//   rs_tn: acc[mt][nt] += A[mt] . B with A in registers (C fragments turned into A fragments)
+//          and B (k x n) stored by rows of k, read with ldmatrix.trans (P^T dO, dS^T Q, dS K).
+//   st_tn: as rs_tn, with A (m x k) stored transposed (k rows of m) and read with .trans.
+
+// Per-lane byte offsets inside a tile with rows kS elements apart.
+template <int kS>
+__device__ __forceinline__ u32 lane_off_a(int lane) {  // A by rows: rows 0-15, column halves
+  return ((lane & 15) * kS + (lane >> 4) * 8) * 2;
+}
+template <int kS>
+__device__ __forceinline__ u32 lane_off_b(int lane) {  // B^T by rows: n tiles 2j, 2j+1; k halves
+  return (((lane >> 4) * 8 + (lane & 7)) * kS + ((lane >> 3) & 1) * 8) * 2;
+}
+template <int kS>
+__device__ __forceinline__ u32 lane_off_bt(int lane) {  // B by rows of k (.trans): n tiles, k halves
+  return ((((lane >> 3) & 1) * 8 + (lane & 7)) * kS + (lane >> 4) * 8) * 2;
+}
+template <int kS>
+__device__ __forceinline__ u32 lane_off_at(int lane) {  // A stored as k rows of m (.trans)
+  return (((lane >> 4) * 8 + (lane & 7)) * kS + ((lane >> 3) & 1) * 8) * 2;
+}
+
+// acc[kMT][kNT] += A . B^T over kK16 steps of 16 along the inner dim.
+// a: lane address of A's first row (lane_off_a), b: lane address of B's first row (lane_off_b).
+template <int kMT, int kNT, int kK16, int kSA, int kSB>
+__device__ __forceinline__ void gemm_ss_nt(float (&acc)[kMT][kNT][4], u32 a, u32 b) {
+  static_assert(kNT % 2 == 0, "n8 tiles come in pairs");
+#pragma unroll
+  for (int kk = 0; kk < kK16; ++kk) {
+    u32 fa[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) ldsm_x4(fa[mt], a + (mt * 16 * kSA + kk * 16) * 2);
+#pragma unroll
+    for (int j = 0; j < kNT / 2; ++j) {
+      u32 fb[4];
+      ldsm_x4(fb, b + (j * 16 * kSB + kk * 16) * 2);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        mma16816(acc[mt][2 * j], fa[mt], fb[0], fb[1]);
+        mma16816(acc[mt][2 * j + 1], fa[mt], fb[2], fb[3]);
+      }
+    }
+  }
+}
+
+// acc[kMT][kNT] += A . B, A from registers (kK16 16-wide k steps), B (k x n) stored by rows of k.
+// b: lane address of B's first row and first column (lane_off_bt).
+template <int kMT, int kNT, int kK16, int kSB>
+__device__ __forceinline__ void gemm_rs_tn(float (&acc)[kMT][kNT][4], const u32 (&fa)[kMT][kK16][4], u32 b) {
+  static_assert(kNT % 2 == 0, "n8 tiles come in pairs");
+#pragma unroll
+  for (int kk = 0; kk < kK16; ++kk) {
+#pragma unroll
+    for (int dj = 0; dj < kNT / 2; ++dj) {
+      u32 fb[4];
+      ldsm_x4_trans(fb, b + (kk * 16 * kSB + dj * 16) * 2);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        mma16816(acc[mt][2 * dj], fa[mt][kk], fb[0], fb[1]);
+        mma16816(acc[mt][2 * dj + 1], fa[mt][kk], fb[2], fb[3]);
+      }
+    }
+  }
+}
+
+// Two 8x8 b16 matrices, transposed; lanes 0-7 and 8-15 give the row addresses.
+__device__ __forceinline__ void ldsm_x2_trans(u32 (&r)[2], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 { %0,%1}, [%2];"
+               : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+
+// acc[kMT][kNT] += A . B with A (m x k) stored as k rows of m, B (k x n) stored by rows of k.
+// a: lane address of A's first k row at this warp's first m column (lane_off_at); b as in rs_tn.
+// An odd last n8 tile is read with ldmatrix .x2 (the lane offsets of lanes 0-15 are the same).
+template <int kMT, int kNT, int kK16, int kSA, int kSB>
+__device__ __forceinline__ void gemm_st_tn(float (&acc)[kMT][kNT][4], u32 a, u32 b) {
+#pragma unroll
+  for (int kk = 0; kk < kK16; ++kk) {
+    u32 fa[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) ldsm_x4_trans(fa[mt], a + (kk * 16 * kSA + mt * 16) * 2);
+#pragma unroll
+    for (int dj = 0; dj < kNT / 2; ++dj) {
+      u32 fb[4];
+      ldsm_x4_trans(fb, b + (kk * 16 * kSB + dj * 16) * 2);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        mma16816(acc[mt][2 * dj], fa[mt], fb[0], fb[1]);
+        mma16816(acc[mt][2 * dj + 1], fa[mt], fb[2], fb[3]);
+      }
+    }
+    if constexpr (kNT % 2 == 1) {
+      u32 fb[2];
+      ldsm_x2_trans(fb, b + (kk * 16 * kSB + (kNT - 1) * 8) * 2);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) mma16816(acc[mt][kNT - 1], fa[mt], fb[0], fb[1]);
+    }
+  }
+}
+
+// C fragments of n8 tiles 2kk and 2kk+1 (16 rows x 16 columns) as one A fragment, packed to the
+// element type: the product's k dim is the C tile's columns.
+template <int kNT>
+__device__ __forceinline__ void c_to_a(u32 (&a)[kNT / 2][4], const float (&c)[kNT][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kNT / 2; ++kk) {
+    a[kk][0] = pack2(c[2 * kk][0], c[2 * kk][1]);
+    a[kk][1] = pack2(c[2 * kk][2], c[2 * kk][3]);
+    a[kk][2] = pack2(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+    a[kk][3] = pack2(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+  }
+}
+
+// Mask on an S fragment of one 16-row tile (rows = queries, columns = keys): key j is visible to
+// query i iff j < seqlen_k and j <= i + diag. Invisible scores become -inf.
+template <int kNT>
+__device__ __forceinline__ void apply_mask_rows(float (&s)[kNT][4], int row0, int col0, int seqlen_k, int diag) {
+  const int lane = threadIdx.x & 31;
+  const int c0 = col0 + (lane & 3) * 2;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int limit = min(seqlen_k, row0 + (lane >> 2) + r * 8 + diag + 1) - c0;  // visible iff j * 8 + e < limit
+#pragma unroll
+    for (int j = 0; j < kNT; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (j * 8 + e >= limit) s[j][2 * r + e] = neg_inf();
+  }
+}
+
+// Transposed mask on an S^T fragment of one 16-key tile (rows = keys, columns = queries): key j
+// is visible to query i iff j < seqlen_k and j <= i + diag. Invisible scores become -inf.
+template <int kQT>
+__device__ __forceinline__ void apply_mask_t(float (&s)[kQT][4], int key0, int q0, int seqlen_k, int diag) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + (lane >> 2) + r * 8;
+    // visible iff j * 8 + e >= lo (query q0 + j * 8 + 2t + e >= key - diag)
+    const int lo = key < seqlen_k ? key - diag - q0 - (lane & 3) * 2 : (1 << 30);
+#pragma unroll
+    for (int j = 0; j < kQT; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (j * 8 + e < lo) s[j][2 * r + e] = neg_inf();
+  }
+}
+
+// fp32 reduction into global memory (no return value: red, not atom).
+__device__ __forceinline__ void red_add_f32(float* p, float x) {
+  asm volatile("red.global.add.f32 [%0], %1;" :: "l"(p), "f"(x) : "memory");
+}
+__device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], { %1, %2};" :: "l"(p), "f"(x), "f"(y) : "memory");
+#else
+  red_add_f32(p, x);
+  red_add_f32(p + 1, y);
+#endif
+}
+
+// Write a warp's C fragments (kMT 16-row tiles x kNT n8 tiles, times `mul`) into a padded
+// shared tile as the element type: rows row0 + mt * 16 + g (+8), columns col0 + nt * 8 + 2t.
+template <int kMT, int kNT, int kS>
+__device__ __forceinline__ void stage_c(u16* tile, const float (&c)[kMT][kNT][4], int row0, int col0, float mul) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        const int row = row0 + mt * 16 + (lane >> 2) + r * 8;
+        *reinterpret_cast<u32*>(tile + row * kS + col0 + nt * 8 + (lane & 3) * 2) =
+            pack2(c[mt][nt][2 * r] * mul, c[mt][nt][2 * r + 1] * mul);
+      }
+}
+
+// Store rows [0, rows) of a padded shared tile (kRows x kHeadDim, rows kSmemStride apart) to
+// global memory in 16-byte chunks, columns below d_valid only. All kNThreads threads take part.
+template <int kRows>
+__device__ __forceinline__ void store_tile(u16* g, long long row_stride, const u16* tile, int rows,
+                                           int d_valid, int tid) {
+  constexpr int kChunks = kHeadDim / 8;
+#pragma unroll
+  for (int c = tid; c < kRows * kChunks; c += kNThreads) {
+    const int row = c / kChunks, ch = c % kChunks;
+    if (row < rows && (kEvenHeadDim || ch * 8 < d_valid))
+      *reinterpret_cast<uint4*>(g + row * row_stride + ch * 8) =
+          *reinterpret_cast<const uint4*>(tile + row * kSmemStride + ch * 8);
+  }
+}
