@@ -146,8 +146,14 @@ def _check_alibi(alibi_slopes, batch, nheads, like):
     return a, (a.strides[0] if len(a.shape) == 2 else 0)
 
 
+_NO_MODS = ((-1, -1), 0.0, None, 0)
+
+
 def _check_mods(window_size, softcap, alibi_slopes, batch, nheads, like):
     """Window, softcap and ALiBi arguments -> (window, softcap, alibi view, alibi batch stride)."""
+    if (alibi_slopes is None and type(window_size) is tuple and window_size == (-1, -1)
+            and type(softcap) is float and softcap == 0.0):
+        return _NO_MODS  # the defaults (the common case, kept cheap)
     window = _check_window(window_size)
     cap = _check_softcap(softcap)
     a, a_sb = _check_alibi(alibi_slopes, batch, nheads, like)
@@ -270,8 +276,8 @@ def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mod
         arrays.empty_like_framework(qv, (b, sq, h, d_pad), qv.dtype), "out")
 
     window, cap, alibi, alibi_sb = mods
-    problem = Problem(b, sq, sk, h, hk, d_pad, arrays.DTYPE_NAMES[qv.dtype], causal,
-                      return_lse, num_splits, window=window, softcap=cap > 0, alibi=alibi is not None)
+    problem = (b, sq, sk, h, hk, d_pad, arrays.DTYPE_NAMES[qv.dtype], causal, return_lse, num_splits,
+               window, cap > 0, alibi is not None)
     _launch(problem, qv, *qk, kernel_out, lse_arr, scale, softcap=cap,
             alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0))
     if not direct_out:
@@ -279,10 +285,29 @@ def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mod
     return _result(o_view, ov is not None, lse_arr, qv, return_lse)
 
 
-def _launch(problem, like, q, k, v, o, lse_arr, scale, **extra):
-    """Plan ``problem`` and launch it on ``like``'s stream, with a workspace from its framework;
-    ``extra`` goes to launch.run (cache, softcap, ALiBi and varlen arguments)."""
-    plan = make_plan(problem, device_facts(like.device))
+_plans: dict = {}
+
+
+def _plan_for(fields: tuple, device: int, kv: str = "dense", varlen: bool = False):
+    """The plan of a call, cached on the call's fields (so a repeated shape builds no Problem)."""
+    key = (fields, device, kv, varlen)
+    plan = _plans.get(key)
+    if plan is None:
+        (b, sq, sk, h, hk, d, dtype, causal, return_lse, num_splits, window, softcap, alibi) = fields
+        problem = Problem(b, sq, sk, h, hk, d, dtype, causal, return_lse, num_splits, kv=kv,
+                          window=window, softcap=softcap, alibi=alibi, varlen=varlen)
+        if len(_plans) > 4096:
+            _plans.clear()
+        plan = _plans[key] = make_plan(problem, device_facts(device))
+    return plan
+
+
+def _launch(problem, like, q, k, v, o, lse_arr, scale, kv="dense", varlen_kv=False, **extra):
+    """Plan ``problem`` (the tuple of Problem's first fields, see _plan_for) and launch it on
+    ``like``'s stream, with a workspace from its framework; ``extra`` goes to launch.run (cache,
+    softcap, ALiBi and varlen arguments)."""
+    plan = _plan_for(problem, like.device, kv, varlen_kv)
+    problem = plan.problem
     workspace = None
     if plan.num_splits > 1:  # one fp32 buffer: partial outputs, then partial LSEs
         rows = problem.batch * plan.nheads_eff * plan.seqlen_q_eff
@@ -410,10 +435,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                                  batch_idx, table, page_size, arrays.stream_for(qv), qv.device,
                                  device_facts(qv.device).arch)
         if sq:
-            problem = Problem(b, sq, capacity, h, hk, d, arrays.DTYPE_NAMES[qv.dtype], bool(causal),
-                              return_lse, num_splits, kv="paged" if paged else "cache", window=window,
-                              softcap=softcap > 0, alibi=alibi is not None)
-            _launch(problem, qv, qv, kc, vc, o_view, lse_arr, scale,
+            problem = (b, sq, capacity, h, hk, d, arrays.DTYPE_NAMES[qv.dtype], bool(causal),
+                       return_lse, num_splits, window, softcap > 0, alibi is not None)
+            _launch(problem, qv, qv, kc, vc, o_view, lse_arr, scale, kv="paged" if paged else "cache",
                     cache=(seqlens_ptr, batch_idx, *table), seqlen_k=seqlen_k_arg, page_size=page_size,
                     softcap=softcap, alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0))
     return _result(o_view, ov is not None, lse_arr, qv, return_lse)
@@ -551,11 +575,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     direct_out = d_pad == d and _aligned(o4)
     kernel_out = o4 if direct_out else _batched(arrays.view(
         arrays.empty_like_framework(qv, (total_q, h, d_pad), qv.dtype), "out"), batch, max_sq)
-    problem = Problem(batch, max_sq, max_sk, h, kv.shape[-2], d_pad, arrays.DTYPE_NAMES[qv.dtype],
-                      bool(causal), return_lse, num_splits, kv="paged" if paged else "dense",
-                      window=window, softcap=cap > 0, alibi=alibi is not None, varlen=True)
+    problem = (batch, max_sq, max_sk, h, kv.shape[-2], d_pad, arrays.DTYPE_NAMES[qv.dtype],
+               bool(causal), return_lse, num_splits, window, cap > 0, alibi is not None)
     extra = dict(cache=(0, 0, bt.ptr, bt.strides[0]), page_size=kv.shape[1]) if paged else {}
-    _launch(problem, qv, q4, k4, v4, kernel_out, lse_arr, scale, softcap=cap,
+    _launch(problem, qv, q4, k4, v4, kernel_out, lse_arr, scale, kv="paged" if paged else "dense", varlen_kv=True,
+            softcap=cap,
             alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0),
             varlen=(cq.ptr, ck.ptr, total_q), **extra)
     if not direct_out:

@@ -270,7 +270,84 @@ def _load(variant: Variant, device: int):
         if variant.smem_bytes > 48 * 1024:
             driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                     variant.smem_bytes)
-    return fn
+    return Kernel(fn, variant.name)
+
+
+class _Driver:
+    """cuLaunchKernel through ctypes, with the arguments packed into one buffer
+    (CU_LAUNCH_PARAM_BUFFER_POINTER): a launch costs one struct.pack_into and one foreign call."""
+
+    def __init__(self):
+        import ctypes
+        self.ct = ctypes
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        f = self.launch = self.lib.cuLaunchKernel
+        vp, u = ctypes.c_void_p, ctypes.c_uint
+        f.argtypes = [vp, u, u, u, u, u, u, u, vp, vp, vp]
+        f.restype = ctypes.c_int
+        self.lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
+        self.local = threading.local()
+
+    def buffers(self):
+        """This thread's argument buffer and the `extra` array pointing at it and at its size."""
+        st = getattr(self.local, "st", None)
+        if st is None:
+            ct = self.ct
+            buf, size = ct.create_string_buffer(1024), ct.c_size_t(0)
+            extra = (ct.c_void_p * 5)(1, ct.addressof(buf), 2, ct.addressof(size), 0)
+            st = self.local.st = (buf, size, extra)
+            ctx = ct.c_void_p()
+            self.lib.cuCtxGetCurrent(ct.byref(ctx))
+            if not ctx.value:  # a new thread: bind the current device's primary context
+                import cupy
+                cupy.cuda.runtime.setDevice(cupy.cuda.runtime.getDevice())
+        return st
+
+
+_driver: _Driver | None = None
+_FORMATS = {int: "q", float: "d"}  # as CuPy passes them: Python int -> long long, float -> double
+
+
+class Kernel:
+    """A loaded kernel. Calls look like CuPy's ``Function``: (grid, block, args, shared_mem,
+    stream), arguments being Python ints (64-bit), floats (double) or NumPy scalars, and
+    ``stream`` a CuPy stream or a raw stream pointer."""
+
+    __slots__ = ("fn", "ptr", "name", "_formats")
+
+    def __init__(self, fn, name: str):
+        self.fn, self.ptr, self.name, self._formats = fn, fn.ptr, name, {}
+
+    def _format(self, types):
+        import struct
+        fmt = "@" + "".join(_FORMATS.get(t) or t().dtype.char for t in types)
+        size = struct.calcsize(fmt)
+        if size > 1024:
+            raise ValueError(f"{self.name}: {size} bytes of kernel arguments")
+        self._formats[types] = fmt, size
+        return fmt, size
+
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        global _driver
+        d = _driver
+        if d is None:
+            d = _driver = _Driver()
+        types = tuple(map(type, args))
+        fmt, size = self._formats.get(types) or self._format(types)
+        buf, nbytes, extra = d.buffers()
+        import struct
+        struct.pack_into(fmt, buf, 0, *args)
+        nbytes.value = size
+        g = tuple(grid) + (1, 1)
+        b = tuple(block) + (1, 1)
+        if stream is None:  # as CuPy does: the current CuPy stream
+            import cupy
+            stream = cupy.cuda.get_current_stream()
+        s = stream if isinstance(stream, int) else stream.ptr
+        err = d.launch(self.ptr, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, s, None, extra)
+        if err:
+            raise RuntimeError(f"launching {self.name} failed: CUDA driver error {err} "
+                               f"(grid {tuple(grid)}, block {tuple(block)}, {shared_mem} B shared)")
 
 
 def warmup(variants, workers: int | None = None, progress=None) -> list[Variant]:

@@ -253,3 +253,21 @@ def test_cache_clear_keeps_other_files(tmp_path):
     (tmp_path / "notes.txt").write_text("not a kernel")
     assert cli(tmp_path, "cache", "clear").returncode == 0
     assert (tmp_path / "notes.txt").exists()
+
+
+def test_kernel_arguments_pack_like_c_parameters():
+    """Launch arguments are packed with C alignment: 64-bit ints and pointers on 8 bytes,
+    int32/float32 on 4 (the layout cuLaunchKernel's parameter buffer expects)."""
+    import struct
+
+    import numpy as np
+    k = compiler.Kernel.__new__(compiler.Kernel)
+    k.name, k._formats = "k", {}
+    fmt, size = k._format((int, np.int32, int, np.float32, np.int32, float))
+    assert fmt == "@qiqfid" and size == 40
+    buf = bytearray(size)
+    struct.pack_into(fmt, buf, 0, 1 << 40, np.int32(-3), 7, np.float32(0.5), np.int32(9), 2.0)
+    assert struct.unpack_from("<q", buf, 0)[0] == 1 << 40 and struct.unpack_from("<i", buf, 8)[0] == -3
+    assert struct.unpack_from("<q", buf, 16)[0] == 7 and struct.unpack_from("<f", buf, 24)[0] == 0.5
+    assert struct.unpack_from("<i", buf, 28)[0] == 9 and struct.unpack_from("<d", buf, 32)[0] == 2.0
+    assert k._formats[(int, np.int32, int, np.float32, np.int32, float)] == (fmt, size)
