@@ -161,15 +161,17 @@ def cmd_bench(a):
         rows = bench.bench_prefill(quick=a.quick)
     elif a.kind == "window":
         rows = bench.bench_window()
+    elif a.kind == "backward":
+        rows = bench.bench_backward(quick=a.quick)
     else:
         rows = bench.bench_decode()
-    print(bench.format_table(rows, a.kind))
+    print(bench.format_table(rows, "prefill" if a.kind == "backward" else a.kind))
     if a.json:
         bench.write_results(rows, a.json)
     if a.csv:
         bench.write_results(rows, a.csv)
     if a.plot:
-        bench.plot(rows, a.kind, a.plot)
+        bench.plot(rows, "prefill" if a.kind == "backward" else a.kind, a.plot)
 
 
 def main(argv=None):
@@ -208,7 +210,7 @@ def main(argv=None):
     c.add_argument("action", choices=["list", "clear"])
 
     b = sub.add_parser("bench", help="benchmark against PyTorch SDPA (flash, cuDNN)")
-    b.add_argument("kind", choices=["prefill", "decode", "window"])
+    b.add_argument("kind", choices=["prefill", "decode", "backward", "window"])
     b.add_argument("--quick", action="store_true")
     b.add_argument("--json")
     b.add_argument("--csv")

@@ -251,6 +251,63 @@ def bench_decode(shapes=None, reps=20, warmup=10, d=128, dtype="bfloat16", causa
     return rows
 
 
+def bench_backward(dtypes=("bfloat16", "float16"), head_dims=(64, 128), causal=(False, True),
+                   shapes=((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)),
+                   model_dim=2048, reps=20, warmup=3, quick=False, verbose=True):
+    """Backward sweep on the prefill grid: cuflash.backward.attention_backward against the
+    backward of SDPA's flash (FA2) and cuDNN backends, each timed alone (gradients of a saved
+    forward). FLOPs = 2.5 x the forward's (FA2's convention: 5 matmuls against 2)."""
+    torch = _torch()
+    import cuflash
+    from cuflash.backward import attention_backward
+    if quick:
+        dtypes, shapes = ("bfloat16",), ((8, 2048),)
+    rows = []
+    for dt in dtypes:
+        for d in head_dims:
+            for c in causal:
+                for b, s in shapes:
+                    h = model_dim // d
+                    shp = (b, s, h, d)
+                    sets = _make_sets(torch, (shp, shp, shp, shp), getattr(torch, dt), min_sets=2)
+                    row = dict(dtype=dt, d=d, causal=c, batch=b, seqlen=s, nheads=h)
+                    flops = 2.5 * 4 * b * s * s * h * d / (2 if c else 1)
+                    tf = lambda ms: flops / ms / 1e9 if ms else None  # noqa: E731
+                    try:
+                        saved = [(do, q, k, v, *cuflash.attention(q, k, v, causal=c, return_lse=True))
+                                 for q, k, v, do in sets]
+                        fn = lambda do, q, k, v, o, lse: attention_backward(do, q, k, v, o, lse, causal=c)  # noqa: E731
+                        row["cuflash_ms"] = time_cuda(fn, saved, warmup, reps)
+                        del saved
+                    except Exception as e:
+                        row.update(cuflash_ms=None, error=f"{type(e).__name__}: {e}")
+                    for name, backend in (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION")):
+                        row[f"{name}_tflops"] = tf(_time_sdpa_backward(torch, backend, sets, c, warmup, reps))
+                    row["cuflash_tflops"] = tf(row["cuflash_ms"])
+                    row["ratio_flash"] = _div(row["cuflash_tflops"], row["flash_tflops"])
+                    row["ratio_cudnn"] = _div(row["cuflash_tflops"], row["cudnn_tflops"])
+                    row["frac_gemm"] = None
+                    _emit(rows, row, "prefill", verbose)
+                    del sets
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def _time_sdpa_backward(torch, backend, sets, causal, warmup, reps):
+    """Median ms of one SDPA backend's backward (autograd.grad of a saved forward), or None."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    try:
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            saved = []
+            for q, k, v, do in sets:
+                q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+                saved.append((_sdpa(torch, causal, False)(q, k, v), q, k, v, do.transpose(1, 2)))
+            fn = lambda o, q, k, v, do: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)  # noqa: E731
+            return time_cuda(fn, saved, warmup, reps)
+    except Exception:  # unsupported shape/dtype for this backend
+        return None
+
+
 def bench_window(batch=1, seqlen=32768, d=128, model_dim=2048, windows=(4096, 1024),
                  dtype="bfloat16", reps=10, warmup=3, verbose=True):
     """Sliding-window attention against full attention at one long sequence length: a window

@@ -32,6 +32,38 @@ def main():
     kp, vp = rnd(60, 16, 2, 128), rnd(60, 16, 2, 128)
     cuflash.attention_with_kvcache(q, kp, vp, kn, vn, cache_seqlens=lens, block_table=pages, causal=True,
                                    num_splits=7)
+    # sliding window + softcap + ALiBi (standard, split and decode tiles)
+    slopes = torch.rand(4, device="cuda")
+    cuflash.attention(rnd(2, 113, 4, 64), rnd(2, 203, 2, 64), rnd(2, 203, 2, 64), causal=True,
+                      window_size=(37, 0), softcap=30.0, alibi_slopes=slopes, return_lse=True)
+    cuflash.attention(rnd(1, 1, 4, 128), rnd(1, 3000, 2, 128), rnd(1, 3000, 2, 128), window_size=(500, 20),
+                      softcap=30.0, alibi_slopes=slopes)
+    cuflash.attention(rnd(1, 5, 4, 64), rnd(1, 700, 4, 64), rnd(1, 700, 4, 64), window_size=(50, 50),
+                      num_splits=9)
+    # varlen: empty and length-1 sequences, dense (GQA) and paged, packed decode through split-KV
+    cu_q = torch.tensor([0, 113, 113, 114, 200], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 203, 210, 210, 500], dtype=torch.int32, device="cuda")
+    cuflash.attention_varlen(rnd(200, 8, 64), rnd(500, 2, 64), rnd(500, 2, 64), cu_q, cu_k, 113, 290,
+                             causal=True, return_lse=True)
+    cuflash.attention_varlen(rnd(200, 8, 40), rnd(500, 2, 40), rnd(500, 2, 40), cu_q, cu_k, 113, 290,
+                             window_size=(20, 5), alibi_slopes=torch.rand(4, 8, device="cuda"), num_splits=5)
+    cu_1 = torch.tensor([0, 1, 1, 2], dtype=torch.int32, device="cuda")
+    cu_k1 = torch.tensor([0, 0, 300, 1500], dtype=torch.int32, device="cuda")
+    cuflash.attention_varlen(rnd(2, 28, 128), rnd(1500, 4, 128), rnd(1500, 4, 128), cu_1, cu_k1, 1, 1200,
+                             causal=True, return_lse=True)
+    table = pages[:, :8].contiguous()
+    cu_3 = torch.tensor([0, 1, 2, 3], dtype=torch.int32, device="cuda")
+    cu_kp = torch.tensor([0, 100, 100, 228], dtype=torch.int32, device="cuda")
+    cuflash.attention_varlen(rnd(3, 8, 128), kp, vp, cu_3, cu_kp, 1, 128, causal=True, block_table=table)
+    # backward: atomic and deterministic, GQA, causal tails
+    from cuflash.backward import attention_backward
+    for det in (False, True):
+        q, k, v = rnd(2, 113, 4, 64), rnd(2, 203, 2, 64), rnd(2, 203, 2, 64)
+        o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+        attention_backward(torch.randn_like(o), q, k, v, o, lse, causal=True, deterministic=det)
+        q, k, v = rnd(1, 77, 2, 128), rnd(1, 77, 2, 128), rnd(1, 77, 2, 128)
+        o, lse = cuflash.attention(q, k, v, return_lse=True)
+        attention_backward(torch.randn_like(o), q, k, v, o, lse, deterministic=det)
     torch.cuda.synchronize()
     print("sanitize cases done")
 
