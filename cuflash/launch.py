@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
@@ -10,6 +11,12 @@ from .codegen import Variant
 from .plan import Plan, cdiv
 
 NO_CACHE = (0, 0, 0, 0)  # seqlens_k, kv_batch_idx, block_table pointers; block-table row stride
+# Split-KV merges its partials in the split kernel (the last split of each query block, counted
+# in a zeroed int per block that the kernel leaves zeroed); CUFLASH_FUSED_COMBINE=0 runs the
+# separate combine kernel instead.
+FUSED_COMBINE = os.environ.get("CUFLASH_FUSED_COMBINE", "1") != "0"
+_counters: dict = {}  # (device, stream pointer) -> zeroed int32 CuPy array
+_retired: list = []   # outgrown counter arrays, kept alive: kernels queued earlier may use them
 
 _LOG2E = math.log2(math.e)
 
@@ -53,6 +60,26 @@ def _scalars(plan: Plan, seqlen_k: int, softmax_scale: float, table_stride: int,
     return hit
 
 
+def _counter_ptr(device: int, stream, need: int) -> int:
+    """A zeroed int32 buffer of at least ``need`` counters for split kernels on ``stream`` (one
+    per stream: kernels on one stream run in order, and each leaves its counters zeroed), or 0
+    when none can be made now (inside a CUDA graph capture): the combine kernel then runs."""
+    buf = _counters.get((device, stream.ptr))
+    if buf is not None and buf.size >= need:
+        return buf.data.ptr
+    import cupy
+    try:
+        if cupy.cuda.runtime.streamIsCapturing(stream.ptr):
+            return 0
+    except Exception:  # no capture query: allocate as usual
+        pass
+    if buf is not None:
+        _retired.append(buf)
+    with cupy.cuda.Device(device), stream:  # zeroed in stream order, before any kernel uses it
+        buf = _counters[(device, stream.ptr)] = cupy.zeros(max(need, 1 << 14), dtype=cupy.int32)
+    return buf.data.ptr
+
+
 def run(plan: Plan, q, k, v, o, lse_ptr: int, workspace, softmax_scale: float, stream, device: int,
         cache=NO_CACHE, seqlen_k: int | None = None, page_size: int = 0, softcap: float = 0.0,
         alibi=(0, 0), varlen=None):
@@ -77,12 +104,16 @@ def run(plan: Plan, q, k, v, o, lse_ptr: int, workspace, softmax_scale: float, s
     main = plan.launches[0]
     fn = compiler.get_kernel(main.variant, device)
     if plan.num_splits == 1 and main.variant.kind == "fwd":
-        args = (q.ptr, k.ptr, v.ptr, o.ptr, lse_ptr, *common, *os_, *shape, *kv)
+        args = (q.ptr, k.ptr, v.ptr, o.ptr, lse_ptr, *common, *os_, *shape, *kv, 0, 0, 0)
         fn(main.grid, (main.threads,), args, shared_mem=main.smem, stream=stream)
         return
     o_acc_ptr, lse_acc_ptr = workspace
-    args = (q.ptr, k.ptr, v.ptr, o_acc_ptr, lse_acc_ptr, *common, 0, 0, 0, *shape, *kv)
+    g = main.grid
+    counters = _counter_ptr(device, stream, g[0] * g[1] * p.batch) if FUSED_COMBINE else 0
+    args = (q.ptr, k.ptr, v.ptr, o_acc_ptr, lse_acc_ptr, *common, *os_, *shape, *kv, o.ptr, lse_ptr, counters)
     fn(main.grid, (main.threads,), args, shared_mem=main.smem, stream=stream)
+    if counters:
+        return
     comb = plan.launches[1]
     args = (o_acc_ptr, lse_acc_ptr, o.ptr, lse_ptr, *os_, *combine, cu_q, *tail)
     compiler.get_kernel(comb.variant, device)(comb.grid, (comb.threads,), args, stream=stream)

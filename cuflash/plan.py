@@ -41,12 +41,19 @@ def fwd_tile(bucket: int, even: bool, arch: int, kv: str = "dense", mods: bool =
     the bucket (column predicates on every load) and other archs use FA2's single buffer, where
     the second stage's registers would spill; those variants and KV caches (per-batch lengths,
     block-table lookups) also take at most 64 keys per tile (32 at d=128), for the same reason:
-    no spills with NVRTC 13.0 or 13.5."""
+    no spills with NVRTC 13.0 or 13.5. ``mods`` (a sliding window, softcap or ALiBi: bounds,
+    slopes and tanh temporaries) costs registers that a 128-row tile at d >= 96 does not have:
+    those variants run 64 query rows (one 16-row tile per warp) with at most 64 keys per tile
+    (32 at d >= 192), and keep the second stage where the base tile has it."""
     bm, bn, w, st = FWD_TILES[bucket]
-    if even and arch >= 90 and kv == "dense" and not mods:
+    tuned = even and arch >= 90 and kv == "dense"
+    if mods:
+        return (128 if bucket <= 64 else 64, 32 if bucket >= 192 else 64, w, 2 if tuned and bucket <= 128 else 1)
+    if tuned:
         return (bm, bn, w, st)
     return (bm, 32 if bucket == 128 else min(bn, 64), w, 1)
-  # FA2's split-KV kernel: kBlockM 64, 4 warps
+
+
 COMBINE_ROWS_PER_BLOCK = 4          # one warp per row, 4 warps
 MAX_SPLITS = 128
 
@@ -300,7 +307,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         if decode:
             bm, bn_fwd, warps, stages = decode_tile(bucket)
         else:
-            bm, bn_fwd, warps, stages = fwd_tile(bucket, even, dev.arch, p.kv, p.softcap or p.alibi)
+            bm, bn_fwd, warps, stages = fwd_tile(bucket, even, dev.arch, p.kv, local or p.softcap or p.alibi)
         v = Variant("fwd", bucket, p.dtype, causal, even, bm, bn_fwd, warps, dev.arch, stages, p.kv, **mods)
         launches.append(Launch(v, (cdiv(sq, bm), nh, p.batch), v.threads, v.smem_bytes))
         nbps, workspace = 0, 0
@@ -317,7 +324,9 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         empty = splits - cdiv(n_blocks, nbps)
         why.append(f"Each split walks {nbps} K/V block(s) of {bn} keys"
                    + (f" ({empty} split(s) get none and write the neutral element)" if empty > 0 else "")
-                   + "; the combine kernel merges the partial outputs by log-sum-exp.")
+                   + "; the partial outputs are merged by log-sum-exp: by the last split of each "
+                   "query block (combine fused into the split kernel), or by the combine kernel "
+                   "where no counter buffer can be made (a first call inside a CUDA graph capture).")
     return Plan(p, dev, tuple(launches), max(splits, 1), nbps, pack, sq, nh, ng, causal, window,
                 workspace, table, " ".join(why))
 
@@ -335,7 +344,7 @@ def all_variants(arch: int, mods: bool = True) -> list[Variant]:
                     m = dict(local=local, softcap=softcap, alibi=alibi)
                     for even in (False, True):
                         for kv in KV_SOURCES:
-                            bm, bn, w, st = fwd_tile(bucket, even, arch, kv, softcap or alibi)
+                            bm, bn, w, st = fwd_tile(bucket, even, arch, kv, local or softcap or alibi)
                             out.append(Variant("fwd", bucket, dtype, causal, even, bm, bn, w, arch, st, kv, **m))
                             out.append(Variant("fwd_split", bucket, dtype, causal, even, SPLIT_BLOCK_M,
                                                split_block_n(bucket), SPLIT_WARPS, arch, kv=kv, **m))

@@ -65,24 +65,25 @@ PREFILL = (2, 1024, 16, 128)  # 2*16*ceil(1024/64) = 512 blocks >= 0.8 * 264 slo
 @pytest.mark.parametrize("kw,kernel", [
     (dict(), "fwd_d128_bf16_full_m128n48w4s2_sm90"),
     (dict(causal=True), "fwd_d128_bf16_causal_m128n48w4s2_sm90"),
-    (dict(window_size=(256, 0)), "fwd_d128_bf16_local_m128n48w4s2_sm90"),
-    (dict(window_size=(256, -1), causal=True), "fwd_d128_bf16_local_m128n48w4s2_sm90"),
+    (dict(window_size=(256, 0)), "fwd_d128_bf16_local_m64n64w4s2_sm90"),
+    (dict(window_size=(256, -1), causal=True), "fwd_d128_bf16_local_m64n64w4s2_sm90"),
     (dict(window_size=(-1, 0)), "fwd_d128_bf16_causal_m128n48w4s2_sm90"),   # the causal window
     (dict(window_size=(2000, 0)), "fwd_d128_bf16_causal_m128n48w4s2_sm90"),  # left past key 0
     (dict(window_size=(1024, 1023)), "fwd_d128_bf16_full_m128n48w4s2_sm90"),  # hides nothing
     (dict(window_size=(2000, -1), causal=True), "fwd_d128_bf16_causal_m128n48w4s2_sm90"),
     # score modifiers take the single-stage tile with 32 keys at d=128
-    (dict(softcap=30.0), "fwd_d128_bf16_full_softcap_m128n32w4s1_sm90"),
-    (dict(alibi_slopes=True, causal=True), "fwd_d128_bf16_causal_alibi_m128n32w4s1_sm90"),
-    (dict(softcap=30.0, alibi_slopes=(2, 16)), "fwd_d128_bf16_full_softcap_alibi_m128n32w4s1_sm90"),
+    (dict(softcap=30.0), "fwd_d128_bf16_full_softcap_m64n64w4s2_sm90"),
+    (dict(alibi_slopes=True, causal=True), "fwd_d128_bf16_causal_alibi_m64n64w4s2_sm90"),
+    (dict(softcap=30.0, alibi_slopes=(2, 16)), "fwd_d128_bf16_full_softcap_alibi_m64n64w4s2_sm90"),
     (dict(softcap=30.0, alibi_slopes=(16,), window_size=(128, 128)),
-     "fwd_d128_bf16_local_softcap_alibi_m128n32w4s1_sm90"),
+     "fwd_d128_bf16_local_softcap_alibi_m64n64w4s2_sm90"),
     (dict(softcap=0.0, window_size=(-1, -1)), "fwd_d128_bf16_full_m128n48w4s2_sm90"),
 ])
 def test_prefill_kernel_names(kw, kernel):
     p = plan(PREFILL, PREFILL, **kw)
     assert p.kernels == (kernel,) and p.num_splits == 1
-    assert p.launches[0].grid == (8, 16, 2)
+    block_m = p.launches[0].variant.block_m  # 128 query rows, 64 with a window/softcap/ALiBi
+    assert p.launches[0].grid == (1024 // block_m, 16, 2) and block_m == (64 if "_m64" in kernel else 128)
 
 
 def test_local_window_plan_fields():
@@ -103,7 +104,7 @@ def test_str_mentions_window_softcap_alibi():
     text = str(plan(PREFILL, PREFILL, window_size=(256, 0), softcap=30.0, alibi_slopes=True))
     first = text.splitlines()[0]
     assert "window=(256, 0)" in first and " softcap" in first and " alibi" in first
-    assert "fwd_d128_bf16_local_softcap_alibi_m128n32w4s1_sm90" in text
+    assert "fwd_d128_bf16_local_softcap_alibi_m64n64w4s2_sm90" in text
     assert "softcapped (softcap * tanh(s / softcap)) and biased by ALiBi (-slope * distance)" in text
     plain = str(plan(PREFILL, PREFILL))
     assert "window=" not in plain and "softcap" not in plain and "alibi" not in plain
