@@ -18,10 +18,15 @@ def main():
     for (sq, sk, h, hk, d, causal) in [(113, 203, 4, 2, 64, True), (200, 77, 2, 2, 128, True),
                                        (37, 301, 4, 1, 40, False), (129, 129, 2, 2, 256, True)]:
         cuflash.attention(rnd(2, sq, h, d), rnd(2, sk, hk, d), rnd(2, sk, hk, d), causal=causal, return_lse=True)
-    # split-KV + combine, with empty splits; decode tile (GQA packing)
+    # split-KV (merge fused into the split kernel), with empty splits; decode tile (GQA packing)
     cuflash.attention(rnd(1, 3, 8, 128), rnd(1, 799, 2, 128), rnd(1, 799, 2, 128), causal=True, num_splits=128)
     cuflash.attention(rnd(2, 1, 28, 128), rnd(2, 339, 4, 128), rnd(2, 339, 4, 128), causal=True)
     cuflash.attention(rnd(1, 1, 8, 64), rnd(1, 5000, 8, 64), rnd(1, 5000, 8, 64), return_lse=True)
+    from cuflash import launch  # the separate combine kernel (what runs inside a first capture)
+    launch.FUSED_COMBINE = False
+    cuflash.attention(rnd(1, 3, 8, 128), rnd(1, 799, 2, 128), rnd(1, 799, 2, 128), causal=True, num_splits=9,
+                      return_lse=True)
+    launch.FUSED_COMBINE = True
     # KV cache: append + contiguous cache with batch index, and paged cache
     q, kn, vn = rnd(3, 1, 8, 128), rnd(3, 1, 2, 128), rnd(3, 1, 2, 128)
     kc, vc = rnd(5, 300, 2, 128), rnd(5, 300, 2, 128)
