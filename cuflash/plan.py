@@ -27,6 +27,7 @@ SPLIT_BLOCK_M, SPLIT_WARPS = 64, 4  # FA2's split-KV kernel: kBlockM 64, 4 warps
 # Decode (at most 16 query rows, e.g. one token per sequence or a GQA-packed group): one 16-row
 # tile per block, the 4 warps each take a quarter of every K/V tile (no wasted query rows).
 DECODE_BLOCK_M, DECODE_WARPS, DECODE_MAX_ROWS = 16, 4, 16
+DECODE_WIDE_SPLITS = 16  # more splits than this need four K/V tiles each (the merge's cost)
 
 
 def decode_tile(bucket: int) -> tuple[int, int, int, int]:
@@ -269,12 +270,16 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         dbn = decode_tile(bucket)[1]
         d_blocks = band_tiles(DECODE_BLOCK_M, window, p.seqlen_q, p.seqlen_k, dbn)
         d_work = p.batch * nh * cdiv(sq, DECODE_BLOCK_M)
-        per_sm, per_tiles = dev.num_sms // d_work, d_blocks // 2
+        # At least two tiles per split; beyond 16 splits at least four (the merge reads every
+        # split's partials: 28/4 heads, 4k keys ran 13.7 us at 32 splits, 12.3 us at 16).
+        per_sm = dev.num_sms // d_work
+        per_tiles = max(d_blocks // 4, min(d_blocks // 2, DECODE_WIDE_SPLITS))
         splits = max(1, min(per_sm, per_tiles, MAX_SPLITS))
         splits = cdiv(d_blocks, cdiv(d_blocks, splits))  # fewest splits with the same tiles per split
         why.append(f"decode: {d_work} block(s) of {DECODE_BLOCK_M} query rows on {dev.num_sms} SMs and "
                    f"{d_blocks} K/V tiles of {dbn} keys; splits are capped by one block per SM "
-                   f"({per_sm}) and by at least two tiles per split ({per_tiles}): "
+                   f"({per_sm}) and by the tiles per split, at least two and beyond "
+                   f"{DECODE_WIDE_SPLITS} splits at least four ({per_tiles}): "
                    + (f"{splits} splits" if splits > 1 else "no split")
                    + f" (FA2's rule would pick {fa2_splits}: heuristic='fa2').")
     else:

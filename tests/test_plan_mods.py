@@ -124,12 +124,13 @@ DEC_Q, DEC_KV = (1, 1, 28, 128), (1, 4096, 4, 128)  # 4096 keys = 64 decode tile
 
 
 def test_softcap_keeps_gqa_packing():
-    # packed: 4 blocks of 7 rows; splits min(132 // 4 = 33, 64 // 2 = 32) = 32 of 2 tiles
+    # packed: 4 blocks of 7 rows; splits min(132 // 4 = 33, max(64 // 4, min(64 // 2, 16)) = 16)
+    # = 16 of 4 tiles
     p = plan(DEC_Q, DEC_KV, softcap=50.0)
     assert p.pack_gqa and (p.seqlen_q_eff, p.nheads_eff, p.ngroups_eff) == (7, 4, 1)
-    assert p.num_splits == 32 and p.n_blocks_per_split == 2
+    assert p.num_splits == 16 and p.n_blocks_per_split == 4
     assert p.kernels == ("fwd_split_d128_bf16_full_softcap_m16n64w4s3_sm90", "combine_d128_bf16_sm90")
-    assert p.launches[0].grid == (1, 4, 32) and "seqlen_q/ngroups swap" in p.reason
+    assert p.launches[0].grid == (1, 4, 16) and "seqlen_q/ngroups swap" in p.reason
 
 
 def test_alibi_prevents_gqa_packing():
@@ -157,7 +158,7 @@ def test_window_prevents_gqa_packing():
 def test_window_that_hides_nothing_keeps_packing(window):
     p = plan(DEC_Q, DEC_KV, window_size=window)
     assert p.window_eff == (-1, -1) and p.pack_gqa and p.seqlen_q_eff == 7
-    assert p.kernels[0] == "fwd_split_d128_bf16_full_m16n64w4s3_sm90" and p.num_splits == 32
+    assert p.kernels[0] == "fwd_split_d128_bf16_full_m16n64w4s3_sm90" and p.num_splits == 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,8 +169,9 @@ SW_Q, SW_KV = (1, 1, 28, 128), (1, 32768, 4, 128)  # 32k keys: 512 tiles of 64, 
 
 def test_sliding_window_decode_splits_over_the_band():
     # window (4095, 0), one query -> (4095, -1): 1 + 4095 = 4096 keys, at most 64 + 1 = 65 tiles
-    # of 64. 28 unpacked heads: min(132 // 28 = 4, 65 // 2 = 32) = 4 splits; ceil(65/4) = 17
-    # tiles each. Without the window the same call packs and splits 32 ways over 512 tiles.
+    # of 64. 28 unpacked heads: min(132 // 28 = 4, max(65 // 4, min(65 // 2, 16)) = 16) = 4 splits;
+    # ceil(65/4) = 17 tiles each. Without the window the same call packs and splits 32 ways over
+    # 512 tiles (min(33, max(128, 16)) = 33, normalised to 32 splits of 16 tiles).
     p = plan(SW_Q, SW_KV, window_size=(4095, 0))
     assert p.window_eff == (4095, -1) and not p.pack_gqa
     assert p.num_splits == 4 and p.n_blocks_per_split == 17
@@ -178,7 +180,7 @@ def test_sliding_window_decode_splits_over_the_band():
     assert p.launches[0].grid == (1, 28, 4) and p.launches[1].grid == (7, 1, 1)
     assert p.workspace_bytes == 4 * 28 * (128 + 1) * 4
     for frag in ("runs as a local band (4095, -1)", "28 block(s) of 16 query rows", "65 K/V tiles of 64 keys",
-                 "one block per SM (4)", "at least two tiles per split (32)", "4 splits",
+                 "one block per SM (4)", "at least two and beyond 16 splits at least four (16)", "4 splits",
                  "Each split walks 17 K/V block(s) of 64 keys"):
         assert frag in p.reason, frag
     assert p.efficiency == ()  # cuflash's decode rule has no wave table
