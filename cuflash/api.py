@@ -323,6 +323,18 @@ def _launch(problem, like, q, k, v, o, lse_arr, scale, kv="dense", varlen_kv=Fal
 # ---------------------------------------------------------------------------------------------
 # KV cache
 
+def _check_block_table(block_table, batch, like):
+    """The view of an int32 (batch, pages_per_seq) block table with contiguous rows, on q's device."""
+    bt = arrays.view(block_table, "block_table")
+    if bt.dtype != "int32" or len(bt.shape) != 2 or bt.shape[0] != batch:
+        raise ValueError(f"block_table must be int32 of shape ({batch}, pages_per_seq), "
+                         f"got {bt.dtype} {_shape_str(bt)}")
+    if bt.shape[1] > 1 and bt.strides[1] != 1:
+        raise ValueError(f"block_table rows must be contiguous, got strides {tuple(bt.strides)}")
+    _check_same_place(("q", like), ("block_table", bt))
+    return bt
+
+
 def _int32_vector(x, name, length, like):
     v = arrays.view(x, name)
     if v.dtype != "int32":
@@ -375,13 +387,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     if paged:
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx cannot be combined with block_table (a paged cache)")
-        bt = arrays.view(block_table, "block_table")
-        if bt.dtype != "int32" or len(bt.shape) != 2 or bt.shape[0] != b:
-            raise ValueError(f"block_table must be int32 of shape ({b}, pages_per_seq), "
-                             f"got {bt.dtype} {_shape_str(bt)}")
-        if bt.shape[1] > 1 and bt.strides[1] != 1:
-            raise ValueError(f"block_table rows must be contiguous, got strides {tuple(bt.strides)}")
-        _check_same_place(("q", qv), ("block_table", bt))
+        bt = _check_block_table(block_table, b, qv)
         if cap == 0 or cap % 16:
             raise ValueError(f"page size (k_cache.shape[1]) must be a positive multiple of 16, got {cap}")
         page_size, capacity, table = cap, bt.shape[1] * cap, (bt.ptr, bt.strides[0])
@@ -501,12 +507,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     batch = cq.shape[0] - 1
     total_q, h, d = qv.shape
     if paged:
-        bt = arrays.view(block_table, "block_table")
-        if bt.dtype != "int32" or len(bt.shape) != 2 or bt.shape[0] != batch:
-            raise ValueError(f"block_table must be int32 of shape ({batch}, pages_per_seq), "
-                             f"got {bt.dtype} {_shape_str(bt)}")
-        if bt.shape[1] > 1 and bt.strides[1] != 1:
-            raise ValueError(f"block_table rows must be contiguous, got strides {tuple(bt.strides)}")
+        bt = _check_block_table(block_table, batch, qv)
         if kv.shape[1] == 0 or kv.shape[1] % 16:
             raise ValueError(f"page size (k.shape[1]) must be a positive multiple of 16, got {kv.shape[1]}")
         if d % 8:

@@ -157,46 +157,51 @@ def _emit(rows, row, kind, verbose):
         print(format_table([row], kind).splitlines()[-1], row.get("error", ""), flush=True)
 
 
+def _prefill_grid(dtypes, head_dims, causal, shapes, model_dim, quick):
+    """(dtype, d, causal, batch, seqlen, nheads, (b, s, h, d)) over FlashAttention's grid."""
+    if quick:
+        dtypes, shapes = ("bfloat16",), ((8, 2048),)
+    for dt in dtypes:
+        for d in head_dims:
+            for c in causal:
+                for b, s in shapes:
+                    h = model_dim // d
+                    yield dt, d, c, b, s, h, (b, s, h, d)
+
+
 def bench_prefill(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), causal=(False, True),
                   shapes=((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)),
                   model_dim=2048, reps=30, warmup=5, quick=False, verbose=True):
     """Forward prefill sweep (sq == sk, nheads_k == nheads); returns one dict per config."""
     torch = _torch()
     import cuflash
-    if quick:
-        dtypes, shapes = ("bfloat16",), ((8, 2048),)
     gemm = measure_ceilings()["gemm_tflops"]
     rows = []
-    for dt in dtypes:
-        for d in head_dims:
-            for c in causal:
-                for b, s in shapes:
-                    h = model_dim // d
-                    shp = (b, s, h, d)
-                    sets = _make_sets(torch, (shp, shp, shp), getattr(torch, dt),
-                                      extra_bytes=b * s * h * d * 2)
-                    q, k, v = sets[0]
-                    row = dict(dtype=dt, d=d, causal=c, batch=b, seqlen=s, nheads=h)
-                    row["kernels"], _ = _plan(cuflash, q, k, v, c)
-                    flops = 4 * b * s * s * h * d / (2 if c else 1)
-                    tf = lambda ms: flops / ms / 1e9 if ms else None  # noqa: E731
-                    try:
-                        row["max_diff_vs_sdpa"] = _max_diff(torch, cuflash.attention(q, k, v, causal=c),
-                                                            q, k, v, c, False)
-                        row["cuflash_ms"] = time_cuda(lambda q, k, v: cuflash.attention(q, k, v, causal=c),
-                                                      sets, warmup, reps)
-                    except Exception as e:
-                        row.update(cuflash_ms=None, error=f"{type(e).__name__}: {e}")
-                    sets_t = [tuple(t.transpose(1, 2) for t in x) for x in sets]
-                    row["cuflash_tflops"] = tf(row["cuflash_ms"])
-                    row["flash_tflops"] = tf(_time_sdpa(torch, "FLASH_ATTENTION", sets_t, c, False, warmup, reps))
-                    row["cudnn_tflops"] = tf(_time_sdpa(torch, "CUDNN_ATTENTION", sets_t, c, False, warmup, reps))
-                    row["ratio_flash"] = _div(row["cuflash_tflops"], row["flash_tflops"])
-                    row["ratio_cudnn"] = _div(row["cuflash_tflops"], row["cudnn_tflops"])
-                    row["frac_gemm"] = _div(row["cuflash_tflops"], gemm)
-                    _emit(rows, row, "prefill", verbose)
-                    del sets, sets_t, q, k, v
-                    torch.cuda.empty_cache()
+    for dt, d, c, b, s, h, shp in _prefill_grid(dtypes, head_dims, causal, shapes, model_dim, quick):
+        sets = _make_sets(torch, (shp, shp, shp), getattr(torch, dt),
+                          extra_bytes=b * s * h * d * 2)
+        q, k, v = sets[0]
+        row = dict(dtype=dt, d=d, causal=c, batch=b, seqlen=s, nheads=h)
+        row["kernels"], _ = _plan(cuflash, q, k, v, c)
+        flops = 4 * b * s * s * h * d / (2 if c else 1)
+        tf = lambda ms: flops / ms / 1e9 if ms else None  # noqa: E731
+        try:
+            row["max_diff_vs_sdpa"] = _max_diff(torch, cuflash.attention(q, k, v, causal=c),
+                                                q, k, v, c, False)
+            row["cuflash_ms"] = time_cuda(lambda q, k, v: cuflash.attention(q, k, v, causal=c),
+                                          sets, warmup, reps)
+        except Exception as e:
+            row.update(cuflash_ms=None, error=f"{type(e).__name__}: {e}")
+        sets_t = [tuple(t.transpose(1, 2) for t in x) for x in sets]
+        row["cuflash_tflops"] = tf(row["cuflash_ms"])
+        row["flash_tflops"] = tf(_time_sdpa(torch, "FLASH_ATTENTION", sets_t, c, False, warmup, reps))
+        row["cudnn_tflops"] = tf(_time_sdpa(torch, "CUDNN_ATTENTION", sets_t, c, False, warmup, reps))
+        row["ratio_flash"] = _div(row["cuflash_tflops"], row["flash_tflops"])
+        row["ratio_cudnn"] = _div(row["cuflash_tflops"], row["cudnn_tflops"])
+        row["frac_gemm"] = _div(row["cuflash_tflops"], gemm)
+        _emit(rows, row, "prefill", verbose)
+        del sets, sets_t, q, k, v
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -260,36 +265,29 @@ def bench_backward(dtypes=("bfloat16", "float16"), head_dims=(64, 128), causal=(
     torch = _torch()
     import cuflash
     from cuflash.backward import attention_backward
-    if quick:
-        dtypes, shapes = ("bfloat16",), ((8, 2048),)
     rows = []
-    for dt in dtypes:
-        for d in head_dims:
-            for c in causal:
-                for b, s in shapes:
-                    h = model_dim // d
-                    shp = (b, s, h, d)
-                    sets = _make_sets(torch, (shp, shp, shp, shp), getattr(torch, dt), min_sets=2)
-                    row = dict(dtype=dt, d=d, causal=c, batch=b, seqlen=s, nheads=h)
-                    flops = 2.5 * 4 * b * s * s * h * d / (2 if c else 1)
-                    tf = lambda ms: flops / ms / 1e9 if ms else None  # noqa: E731
-                    try:
-                        saved = [(do, q, k, v, *cuflash.attention(q, k, v, causal=c, return_lse=True))
-                                 for q, k, v, do in sets]
-                        fn = lambda do, q, k, v, o, lse: attention_backward(do, q, k, v, o, lse, causal=c)  # noqa: E731
-                        row["cuflash_ms"] = time_cuda(fn, saved, warmup, reps)
-                        del saved
-                    except Exception as e:
-                        row.update(cuflash_ms=None, error=f"{type(e).__name__}: {e}")
-                    for name, backend in (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION")):
-                        row[f"{name}_tflops"] = tf(_time_sdpa_backward(torch, backend, sets, c, warmup, reps))
-                    row["cuflash_tflops"] = tf(row["cuflash_ms"])
-                    row["ratio_flash"] = _div(row["cuflash_tflops"], row["flash_tflops"])
-                    row["ratio_cudnn"] = _div(row["cuflash_tflops"], row["cudnn_tflops"])
-                    row["frac_gemm"] = None
-                    _emit(rows, row, "prefill", verbose)
-                    del sets
-                    torch.cuda.empty_cache()
+    for dt, d, c, b, s, h, shp in _prefill_grid(dtypes, head_dims, causal, shapes, model_dim, quick):
+        sets = _make_sets(torch, (shp, shp, shp, shp), getattr(torch, dt), min_sets=2)
+        row = dict(dtype=dt, d=d, causal=c, batch=b, seqlen=s, nheads=h)
+        flops = 2.5 * 4 * b * s * s * h * d / (2 if c else 1)
+        tf = lambda ms: flops / ms / 1e9 if ms else None  # noqa: E731
+        try:
+            saved = [(do, q, k, v, *cuflash.attention(q, k, v, causal=c, return_lse=True))
+                     for q, k, v, do in sets]
+            fn = lambda do, q, k, v, o, lse: attention_backward(do, q, k, v, o, lse, causal=c)  # noqa: E731
+            row["cuflash_ms"] = time_cuda(fn, saved, warmup, reps)
+            del saved
+        except Exception as e:
+            row.update(cuflash_ms=None, error=f"{type(e).__name__}: {e}")
+        for name, backend in (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION")):
+            row[f"{name}_tflops"] = tf(_time_sdpa_backward(torch, backend, sets, c, warmup, reps))
+        row["cuflash_tflops"] = tf(row["cuflash_ms"])
+        row["ratio_flash"] = _div(row["cuflash_tflops"], row["flash_tflops"])
+        row["ratio_cudnn"] = _div(row["cuflash_tflops"], row["cudnn_tflops"])
+        row["frac_gemm"] = None
+        _emit(rows, row, "prefill", verbose)
+        del sets
+        torch.cuda.empty_cache()
     return rows
 
 

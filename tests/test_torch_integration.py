@@ -14,15 +14,8 @@ import warnings
 
 import pytest
 
-from conftest import GPU_PROBLEM, requires_gpu, requires_torch
+from conftest import GPU_PROBLEM, _has, requires_gpu, requires_torch
 
-
-def _has(mod):
-    try:
-        __import__(mod)
-        return True
-    except Exception:
-        return False
 
 
 requires_transformers = pytest.mark.skipif(not _has("transformers"),
