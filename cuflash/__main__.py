@@ -139,8 +139,10 @@ def cmd_demo(a):
         print(f"  {p.kernels[0]}: {len(c.cubin)} B cubin in {time.perf_counter() - t0:.2f} s, "
               f"{r.registers} registers, {r.spill_stores} B spills, {p.launches[0].smem} B shared memory")
         dec = cuflash.plan((1, 1, 28, 128), (1, 552, 4, 128), (1, 552, 4, 128), causal=True, num_sms=132)
-        print(f"\nQwen2.5-7B decode at seqlen_k=552 would launch {' + '.join(dec.kernels)} "
-              f"({dec.num_splits} splits). `python -m cuflash explain --preset qwen2.5-7b` says why.")
+        print(f"\nQwen2.5-7B decode at seqlen_k=552 would run split-KV + combine: {dec.kernels[0]} with "
+              f"{dec.num_splits} splits, the last split of each query block merging them (or "
+              f"{dec.kernels[1]} inside a first CUDA graph capture). "
+              "`python -m cuflash explain --preset qwen2.5-7b` says why.")
         return
     import ml_dtypes
     rng = np.random.default_rng(0)
