@@ -240,8 +240,8 @@ def _padded(x, d_pad):
     """A zero-padded (…, d_pad) copy of a device view when the kernel cannot read it in place."""
     a = x.array[1] if x.framework == "dlpack" else x.array
     buf = arrays.empty_like_framework(x, (*x.shape[:-1], d_pad), x.dtype)
-    buf[..., x.shape[3]:] = 0
-    buf[..., :x.shape[3]] = a
+    buf[..., x.shape[-1]:] = 0
+    buf[..., :x.shape[-1]] = a
     return arrays.view(buf, "copy")
 
 

@@ -172,20 +172,25 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, return_lse=False, *
     return (out, lse) if return_lse else out
 
 
-def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, precision="float64"):
-    """Reference gradients (dq, dk, dv) of :func:`attention` (same masking rules) for the output
-    gradient ``dout`` (shaped like q).
+def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                       softcap=0.0, alibi_slopes=None, precision="float64"):
+    """Reference gradients (dq, dk, dv) of :func:`attention` (same masking and score rules) for
+    the output gradient ``dout`` (shaped like q).
 
-    With P = exp(s - lse) (0 where masked and on rows that see no key), O = P v and
-    D = rowsum(dout * O): dv = P^T dout, dP = dout v^T, dS = P (dP - D), dq = scale dS k,
-    dk = scale dS^T q; with GQA a KV head's dk, dv are summed over its query heads.
+    With s the scores after softcap and ALiBi, P = exp(s - lse) (0 where masked and on rows
+    that see no key), O = P v and D = rowsum(dout * O): dv = P^T dout, dP = dout v^T,
+    dS = P (dP - D), and with a softcap (t = tanh(scale q.k / softcap)) dS *= 1 - t^2;
+    dq = scale dS k, dk = scale dS^T q. The ALiBi bias has no gradient. With GQA a KV head's dk,
+    dv are summed over its query heads.
     ``precision="float64"`` computes everything in float64 and returns float64.
     ``precision="same"`` mimics a fused kernel: O is rounded to q's dtype before D is formed
     (the forward's stored output), P is rounded to q's dtype for dv, dS is rounded to q's dtype
     for dq and dk, accumulation is float64 and the gradients are rounded to q's dtype.
     """
     dout, q, k, v = np.asarray(dout), np.asarray(q), np.asarray(k), np.asarray(v)
-    _validate(q, k, v, (-1, -1), None)
+    if alibi_slopes is not None:
+        alibi_slopes = np.asarray(alibi_slopes, dtype=np.float64)
+    _validate(q, k, v, window_size, alibi_slopes)
     if dout.shape != q.shape:
         raise ValueError(f"dout: expected shape {q.shape} (same as q), got {dout.shape}")
     if precision == "float64":
@@ -203,6 +208,11 @@ def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, preci
     sk, nheads_k = k.shape[1], k.shape[2]
     group = nheads // nheads_k
     scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    left, right = int(window_size[0]), int(window_size[1])
+    if causal:
+        right = 0
+    if alibi_slopes is not None and alibi_slopes.ndim == 1:
+        alibi_slopes = np.broadcast_to(alibi_slopes, (batch, nheads))
     dq = np.zeros(q.shape, dtype=np.float64)
     dk = np.zeros(k.shape, dtype=np.float64)
     dv = np.zeros(v.shape, dtype=np.float64)
@@ -219,9 +229,19 @@ def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, preci
                     qg = q[b, i0:i1, hs].astype(np.float64).transpose(1, 0, 2)  # (G, r, d)
                     dog = dout[b, i0:i1, hs].astype(np.float64).transpose(1, 0, 2)
                     s = np.matmul(qg, kg.T) * scale  # (G, r, sk)
-                    if causal:
-                        diag = (np.arange(i0, i1) + sk - sq)[:, None]
-                        s = np.where(j <= diag, s, -np.inf)
+                    dcap = 1.0
+                    if softcap > 0:
+                        t = np.tanh(s / softcap)
+                        s, dcap = softcap * t, 1.0 - t * t  # d(softcap t) / d(scale q.k)
+                    diag = (np.arange(i0, i1) + sk - sq)[:, None]  # key aligned with row i
+                    if alibi_slopes is not None:
+                        s = s - alibi_slopes[b, hs, None, None] * np.abs(diag - j)
+                    visible = np.ones((i1 - i0, sk), dtype=bool)
+                    if left >= 0:
+                        visible &= j >= diag - left
+                    if right >= 0:
+                        visible &= j <= diag + right
+                    s = np.where(visible, s, -np.inf)
                     m = s.max(axis=-1, keepdims=True)
                     m = np.where(np.isfinite(m), m, 0.0)
                     p = np.exp(s - m)
@@ -232,7 +252,35 @@ def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, preci
                     dsum = (dog * o).sum(axis=-1, keepdims=True)
                     dv[b, :, g] += np.matmul(rnd(p).transpose(0, 2, 1), dog).sum(axis=0)
                     dp = np.matmul(dog, vg.T)
-                    ds = rnd(p * (dp - dsum))
+                    ds = rnd(p * (dp - dsum) * dcap)
                     dq[b, i0:i1, hs] = (scale * np.matmul(ds, kg)).transpose(1, 0, 2)
                     dk[b, :, g] += scale * np.matmul(ds.transpose(0, 2, 1), qg).sum(axis=0)
     return dq.astype(out_dtype), dk.astype(out_dtype), dv.astype(out_dtype)
+
+
+def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
+    """Reference gradients (dq, dk, dv) of :func:`attention_varlen` for packed sequences: q, dout
+    (total_q, nheads, d), k, v (total_k, nheads_k, d); every sequence is differentiated on its
+    own (causal and windows aligned per sequence). Rows of k and v outside every sequence get
+    zero gradient. ``alibi_slopes`` may be (nheads,) or (batch, nheads); other keyword
+    arguments are those of :func:`attention_backward`.
+    """
+    dout, q, k, v = np.asarray(dout), np.asarray(q), np.asarray(k), np.asarray(v)
+    cq, ck = np.asarray(cu_seqlens_q, dtype=np.int64), np.asarray(cu_seqlens_k, dtype=np.int64)
+    if cq.shape != ck.shape or cq.ndim != 1 or cq.size < 1:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must be (batch + 1,) vectors, got "
+                         f"{cq.shape} and {ck.shape}")
+    if dout.shape != q.shape:
+        raise ValueError(f"dout: expected shape {q.shape} (same as q), got {dout.shape}")
+    slopes = kwargs.pop("alibi_slopes", None)
+    slopes = None if slopes is None else np.asarray(slopes, dtype=np.float64)
+    precision = kwargs.get("precision", "float64")
+    out_dtype = np.float64 if precision == "float64" else q.dtype
+    grads = [np.zeros(x.shape, dtype=out_dtype) for x in (q, k, v)]
+    for b in range(cq.size - 1):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        s = None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b])
+        g = attention_backward(dout[None, qs], q[None, qs], k[None, ks], v[None, ks], alibi_slopes=s, **kwargs)
+        for out, x, sl in zip(grads, g, (qs, ks, ks)):
+            out[sl] = x[0]
+    return tuple(grads)

@@ -69,6 +69,20 @@ def main():
         q, k, v = rnd(1, 77, 2, 128), rnd(1, 77, 2, 128), rnd(1, 77, 2, 128)
         o, lse = cuflash.attention(q, k, v, return_lse=True)
         attention_backward(torch.randn_like(o), q, k, v, o, lse, deterministic=det)
+    # backward with a window, softcap and ALiBi; varlen backward with empty and length-1 sequences
+    from cuflash.backward import attention_varlen_backward
+    q, k, v = rnd(2, 113, 4, 64), rnd(2, 203, 2, 64), rnd(2, 203, 2, 64)
+    mods = dict(causal=True, window_size=(37, 0), softcap=30.0, alibi_slopes=torch.rand(4, device="cuda"))
+    o, lse = cuflash.attention(q, k, v, return_lse=True, **mods)
+    for det in (False, True):
+        attention_backward(torch.randn_like(o), q, k, v, o, lse, deterministic=det, **mods)
+    q, k, v = rnd(200, 8, 64), rnd(500, 2, 64), rnd(500, 2, 64)
+    o, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, 113, 290, causal=True, return_lse=True)
+    for det in (False, True):
+        attention_varlen_backward(torch.randn_like(o), q, k, v, o, lse, cu_q, cu_k, 113, 290, causal=True,
+                                  deterministic=det)
+    # varlen with a head dim that is not a multiple of 8 (padded copies)
+    cuflash.attention_varlen(rnd(200, 8, 60), rnd(500, 2, 60), rnd(500, 2, 60), cu_q, cu_k, 113, 290, causal=True)
     torch.cuda.synchronize()
     print("sanitize cases done")
 

@@ -25,8 +25,11 @@ ELF = b"\x7fELF"
 
 def test_variant_set_and_names():
     vs = backward.bwd_variants(90)
-    # 6 buckets x 2 dtypes x (2 causal x {dkdv_dq, dkdv, dq} + prep + convert)
-    assert len(vs) == len(HEAD_DIM_BUCKETS) * 2 * (2 * 3 + 2) == 96
+    # 6 buckets x 2 dtypes x (3 masks x 4 softcap/ALiBi x {dkdv_dq, dkdv, dq} + prep + convert)
+    assert len(vs) == len(HEAD_DIM_BUCKETS) * 2 * (3 * 4 * 3 + 2) == 456
+    base = backward.bwd_variants(90, mods=False)
+    assert len(base) == len(HEAD_DIM_BUCKETS) * 2 * (2 * 3 + 2) == 96 and set(base) <= set(vs)
+    assert not any(v.local or v.softcap or v.alibi for v in base)
     names = [v.name for v in vs]
     assert len(set(names)) == len(names) and all(n.endswith("_sm90") for n in names)
     assert set(names).isdisjoint(v.name for v in backward.bwd_variants(80))
@@ -37,6 +40,36 @@ def test_variant_set_and_names():
             assert [v.kind for v in ks] == (["bwd_prep", "bwd_dkdv", "bwd_dq"] if det
                                             else ["bwd_prep", "bwd_dkdv_dq", "bwd_convert"])
             assert all(v in vs for v in ks)
+            for local, softcap, alibi in ((True, False, False), (False, True, True), (True, True, False)):
+                ks = backward.variants(bucket, "fp16", False, det, 90, local, softcap, alibi)
+                assert all(v in vs for v in ks)
+                assert all((v.local, v.softcap, v.alibi) == (local, softcap, alibi)
+                           for v in ks if v.kind not in ("bwd_prep", "bwd_convert"))
+
+
+def test_base_tiles_unchanged():
+    """The tiles without window/softcap/ALiBi are the verified ones; a flag only ever shrinks."""
+    for bucket in HEAD_DIM_BUCKETS:
+        for softcap in (False, True):
+            for alibi in (False, True):
+                dk, dq = backward.dkdv_tile(bucket, softcap, alibi), backward.dq_tile(bucket, softcap, alibi)
+                if not (softcap or alibi):
+                    assert dk == backward.DKDV_TILES[bucket] and dq == backward.DQ_TILES[bucket]
+                assert dk[0] <= backward.DKDV_TILES[bucket][0] and dq[0] <= backward.DQ_TILES[bucket][0]
+                assert backward.ROW_PAD % dk[0] == 0 and backward.ROW_PAD % dq[0] == 0
+
+
+@pytest.mark.parametrize("causal,window,sq,sk,want", [
+    (False, (-1, -1), 10, 10, (False, False, (-1, -1))),
+    (True, (-1, -1), 10, 10, (True, False, (-1, 0))),
+    (False, (-1, 0), 10, 10, (True, False, (-1, 0))),
+    (True, (3, 5), 10, 12, (False, True, (3, 0))),
+    (False, (12, -1), 10, 12, (False, False, (-1, -1))),   # left edge past every key
+    (False, (2, 9), 10, 12, (False, True, (2, -1))),       # right edge past every key
+    (True, (-1, -1), 1, 12, (False, False, (-1, -1))),     # one query sees every key
+    (False, (0, 0), 10, 10, (False, True, (0, 0)))])
+def test_mask_as_launched(causal, window, sq, sk, want):
+    assert backward.mask_of(causal, window, sq, sk) == want
 
 
 @pytest.mark.parametrize("v", backward.bwd_variants(90), ids=lambda v: v.name)
@@ -51,7 +84,9 @@ def test_render(v):
     if v.kind in ("bwd_dkdv", "bwd_dkdv_dq", "bwd_dq"):
         for c in (f"constexpr int kBlockM = {v.block_m};", f"constexpr int kBlockN = {v.block_n};",
                   f"constexpr int kNWarps = {v.warps};", f"constexpr bool kIsCausal = {b(v.causal)};",
-                  f"constexpr int kStages = {v.stages};", "constexpr bool kEvenHeadDim = false;"):
+                  f"constexpr int kStages = {v.stages};", "constexpr bool kEvenHeadDim = false;",
+                  f"constexpr bool kIsLocal = {b(v.local)};", f"constexpr bool kSoftcap = {b(v.softcap)};",
+                  f"constexpr bool kAlibi = {b(v.alibi)};"):
             assert c in src, c
     if v.kind in ("bwd_dkdv", "bwd_dkdv_dq"):
         assert f"constexpr bool kDqAtomic = {b(v.kind == 'bwd_dkdv_dq')};" in src
@@ -215,6 +250,7 @@ def test_reference_rejects_bad_arguments():
 # Argument validation (fake device views: nothing is allocated or launched)
 
 Q, KV, LSE = (2, 4, 8, 64), (2, 6, 4, 64), (2, 8, 4)
+KWARGS = ("causal", "softmax_scale", "deterministic", "dq", "dk", "dv", "window_size", "softcap", "alibi_slopes")
 
 
 @pytest.fixture
@@ -228,8 +264,7 @@ def no_launch(fake_views, monkeypatch):
 def _args(**over):
     a = dict(dout=fake_view(0, Q), q=fake_view(0, Q), k=fake_view(0, KV), v=fake_view(0, KV),
              out=fake_view(0, Q), lse=fake_view(0, LSE, "float32"))
-    kw = {key: over.pop(key) for key in list(over) if key in ("causal", "softmax_scale", "deterministic",
-                                                              "dq", "dk", "dv")}
+    kw = {key: over.pop(key) for key in list(over) if key in KWARGS}
     a.update(over)
     return a, kw
 
@@ -261,6 +296,19 @@ BAD = {
     "deterministic": (dict(deterministic="yes"), TypeError, ["deterministic must be a bool", "str"]),
     "scale_negative": (dict(softmax_scale=-0.5), ValueError, ["softmax_scale", "positive", "-0.5"]),
     "scale_type": (dict(softmax_scale="0.1"), TypeError, ["softmax_scale", "real number", "str"]),
+    "window_type": (dict(window_size=(3,)), TypeError, ["window_size", "pair of ints", "(3,)"]),
+    "window_float": (dict(window_size=(3.0, 0)), TypeError, ["window_size", "pair of ints"]),
+    "window_value": (dict(window_size=(-2, 0)), ValueError, ["window_size", ">= 0", "-1", "(-2, 0)"]),
+    "softcap_negative": (dict(softcap=-1.0), ValueError, ["softcap", ">= 0", "-1.0"]),
+    "softcap_type": (dict(softcap="30"), TypeError, ["softcap", "real number", "str"]),
+    "softcap_nan": (dict(softcap=float("nan")), ValueError, ["softcap", "finite"]),
+    "alibi_dtype": (dict(alibi_slopes=fake_view(0, (8,), "float16")), TypeError, ["alibi_slopes", "float32", "float16"]),
+    "alibi_shape": (dict(alibi_slopes=fake_view(0, (3, 8), "float32")), ValueError,
+                    ["alibi_slopes", "(8,) or (2, 8)", "(3, 8)"]),
+    "alibi_strided": (dict(alibi_slopes=fake_view(0, (2, 8), "float32", strides=(16, 2))), ValueError,
+                      ["alibi_slopes", "contiguous", "(16, 2)"]),
+    "alibi_device": (dict(alibi_slopes=fake_view(1, (8,), "float32")), ValueError, ["alibi_slopes", "GPU 1", "GPU 0"]),
+    "alibi_host": (dict(alibi_slopes=fake_view(-1, (8,), "float32")), ValueError, ["alibi_slopes", "host memory"]),
 }
 
 
@@ -276,7 +324,9 @@ def test_bad_arguments_raise_before_launch(no_launch, case):
 
 
 @pytest.mark.parametrize("kw", [{}, dict(causal=True, deterministic=True, softmax_scale=0.3),
-                                dict(dq=fake_view(0, Q), dk=fake_view(0, KV), dv=fake_view(0, KV))])
+                                dict(dq=fake_view(0, Q), dk=fake_view(0, KV), dv=fake_view(0, KV)),
+                                dict(window_size=(16, 0), softcap=30.0, alibi_slopes=fake_view(0, (2, 8), "float32")),
+                                dict(window_size=[-1, 4], causal=True, alibi_slopes=fake_view(0, (8,), "float32"))])
 def test_good_arguments_reach_the_device_path(no_launch, kw):
     a, _ = _args()
     with pytest.raises(AssertionError, match="validation passed"):
@@ -302,3 +352,112 @@ def test_tiles_cover_every_bucket():
         assert sorted(table) == list(HEAD_DIM_BUCKETS)
         for bm, bn, w, st in table.values():
             assert backward.ROW_PAD % bm == 0 and bn % 16 == 0 and w in (4, 8) and st in (1, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention_varlen_backward: argument validation (fake device views)
+
+VQ, VKV, VLSE, CU = (10, 8, 64), (14, 4, 64), (8, 10), (4,)  # 3 sequences
+
+
+def _vargs(**over):
+    a = dict(dout=fake_view(0, VQ), q=fake_view(0, VQ), k=fake_view(0, VKV), v=fake_view(0, VKV),
+             out=fake_view(0, VQ), lse=fake_view(0, VLSE, "float32"), cu_seqlens_q=fake_view(0, CU, "int32"),
+             cu_seqlens_k=fake_view(0, CU, "int32"), max_seqlen_q=6, max_seqlen_k=9)
+    kw = {key: over.pop(key) for key in list(over) if key in KWARGS}
+    a.update(over)
+    return a, kw
+
+
+def _call_varlen(a, kw):
+    return backward.attention_varlen_backward(
+        a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], a["cu_seqlens_q"], a["cu_seqlens_k"],
+        a["max_seqlen_q"], a["max_seqlen_k"], **kw)
+
+
+VBAD = {
+    "q_rank": (dict(q=fake_view(0, (2, 5, 8, 64))), ValueError, ["q must have 3 dims", "(2, 5, 8, 64)"]),
+    "k_paged": (dict(k=fake_view(0, (4, 16, 4, 64)), v=fake_view(0, (4, 16, 4, 64))), ValueError,
+                ["k must have 3 dims", "paged", "(4, 16, 4, 64)"]),
+    "v_shape": (dict(v=fake_view(0, (13, 4, 64))), ValueError, ["v must have k's shape (14, 4, 64)", "(13, 4, 64)"]),
+    "k_head_dim": (dict(k=fake_view(0, (14, 4, 32)), v=fake_view(0, (14, 4, 32))), ValueError, ["k must have q's head dim 64", "32"]),
+    "heads": (dict(k=fake_view(0, (14, 3, 64)), v=fake_view(0, (14, 3, 64))), ValueError, ["nheads (8)", "nheads_k (3)"]),
+    "q_dtype": (dict(q=fake_view(0, VQ, "float32")), TypeError, ["q must be float16 or bfloat16", "float32"]),
+    "k_dtype": (dict(k=fake_view(0, VKV, "bfloat16")), TypeError, ["k must have q's dtype float16", "bfloat16"]),
+    "q_strided": (dict(q=fake_view(0, VQ, strides=(1024, 128, 2))), ValueError, ["q", "contiguous", "(1024, 128, 2)"]),
+    "cu_dtype": (dict(cu_seqlens_q=fake_view(0, CU, "int64")), TypeError, ["cu_seqlens_q must be int32", "int64"]),
+    "cu_rank": (dict(cu_seqlens_k=fake_view(0, (2, 2), "int32")), ValueError, ["cu_seqlens_k", "(batch + 1,)", "(2, 2)"]),
+    "cu_mismatch": (dict(cu_seqlens_k=fake_view(0, (5,), "int32")), ValueError, ["cu_seqlens_k", "cu_seqlens_q's shape (4,)", "(5,)"]),
+    "cu_strided": (dict(cu_seqlens_q=fake_view(0, CU, "int32", strides=(2,))), ValueError, ["cu_seqlens_q", "contiguous"]),
+    "cu_device": (dict(cu_seqlens_k=fake_view(1, CU, "int32")), ValueError, ["cu_seqlens_k", "GPU 1", "GPU 0"]),
+    "cu_host": (dict(cu_seqlens_q=fake_view(-1, CU, "int32")), ValueError, ["cu_seqlens_q", "host memory"]),
+    "max_q_range": (dict(max_seqlen_q=11), ValueError, ["max_seqlen_q", "total_q (10)", "11"]),
+    "max_k_type": (dict(max_seqlen_k=9.0), TypeError, ["max_seqlen_k must be an int", "float"]),
+    "max_k_negative": (dict(max_seqlen_k=-1), ValueError, ["max_seqlen_k", "total_k (14)", "-1"]),
+    "dout_shape": (dict(dout=fake_view(0, (9, 8, 64))), ValueError, ["dout", "q's shape (10, 8, 64)", "(9, 8, 64)"]),
+    "out_dtype": (dict(out=fake_view(0, VQ, "bfloat16")), TypeError, ["out", "float16", "bfloat16"]),
+    "out_strided": (dict(out=fake_view(0, VQ, strides=(1024, 128, 2))), ValueError, ["out", "contiguous"]),
+    "lse_dense_layout": (dict(lse=fake_view(0, (3, 8, 6), "float32")), ValueError,
+                         ["lse", "(nheads, total_q) = (8, 10)", "(3, 8, 6)"]),
+    "lse_transposed": (dict(lse=fake_view(0, (10, 8), "float32")), ValueError, ["lse", "(8, 10)", "(10, 8)"]),
+    "lse_dtype": (dict(lse=fake_view(0, VLSE, "float16")), TypeError, ["lse must be float32", "float16"]),
+    "dq_shape": (dict(dq=fake_view(0, VKV)), ValueError, ["dq", "q's shape (10, 8, 64)", "(14, 4, 64)"]),
+    "dk_dtype": (dict(dk=fake_view(0, VKV, "bfloat16")), TypeError, ["dk", "k's dtype float16", "bfloat16"]),
+    "dv_framework": (dict(dv=_torch_view(VKV)), TypeError, ["dv", "cupy array like v", "torch"]),
+    "causal": (dict(causal="no"), TypeError, ["causal must be a bool", "str"]),
+    "deterministic": (dict(deterministic=0), TypeError, ["deterministic must be a bool", "int"]),
+    "scale": (dict(softmax_scale=0.0), ValueError, ["softmax_scale", "positive", "0.0"]),
+    "window": (dict(window_size=(4, -3)), ValueError, ["window_size", "-1 for unbounded", "(4, -3)"]),
+    "softcap": (dict(softcap=True), TypeError, ["softcap", "real number", "bool"]),
+    "alibi_batch": (dict(alibi_slopes=fake_view(0, (2, 8), "float32")), ValueError,
+                    ["alibi_slopes", "(8,) or (3, 8)", "(2, 8)"]),
+}
+
+
+@pytest.mark.parametrize("case", list(VBAD), ids=list(VBAD))
+def test_varlen_bad_arguments_raise_before_launch(no_launch, case):
+    over, exc, fragments = VBAD[case]
+    a, kw = _vargs(**dict(over))
+    with pytest.raises(exc) as info:
+        _call_varlen(a, kw)
+    msg = str(info.value)
+    for f in fragments:
+        assert f in msg, (f, msg)
+
+
+@pytest.mark.parametrize("kw", [{}, dict(causal=True, deterministic=True, softmax_scale=0.3),
+                                dict(dq=fake_view(0, VQ), dk=fake_view(0, VKV), dv=fake_view(0, VKV)),
+                                dict(window_size=(16, 0), softcap=30.0, alibi_slopes=fake_view(0, (3, 8), "float32")),
+                                dict(alibi_slopes=fake_view(0, (8,), "float32"), max_seqlen_q=0, max_seqlen_k=14)])
+def test_varlen_good_arguments_reach_the_device_path(no_launch, kw):
+    kw = dict(kw)
+    a, _ = _vargs(**{n: kw.pop(n) for n in ("max_seqlen_q", "max_seqlen_k") if n in kw})
+    with pytest.raises(AssertionError, match="validation passed"):
+        _call_varlen(a, kw)
+
+
+def test_varlen_signature_matches_the_torch_integration():
+    """cuflash.torch calls attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=, softmax_scale=, deterministic=, dq=, dk=,
+    dv=, window_size=, softcap=, alibi_slopes=)."""
+    import inspect
+    sig = inspect.signature(backward.attention_varlen_backward)
+    names = list(sig.parameters)
+    assert names[:10] == ["dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k",
+                          "max_seqlen_q", "max_seqlen_k"]
+    for kw in ("causal", "softmax_scale", "deterministic", "dq", "dk", "dv", "window_size", "softcap",
+               "alibi_slopes"):
+        assert sig.parameters[kw].kind is inspect.Parameter.KEYWORD_ONLY, kw
+    dense = inspect.signature(backward.attention_backward)
+    assert [n for n in dense.parameters if dense.parameters[n].kind is inspect.Parameter.KEYWORD_ONLY] == \
+        [n for n in names if sig.parameters[n].kind is inspect.Parameter.KEYWORD_ONLY]
+
+
+def test_varlen_host_arrays_are_validated(no_launch):
+    """Host arrays pass the same checks (a bad lse raises before any GPU is needed)."""
+    z = np.zeros(VQ, np.float16)
+    kv = np.zeros(VKV, np.float16)
+    cu = np.array([0, 4, 4, 10], np.int32)
+    cuk = np.array([0, 5, 9, 14], np.int32)
+    with pytest.raises(ValueError, match=r"lse must have shape \(nheads, total_q\)"):
+        backward.attention_varlen_backward(z, z, kv, kv, z, np.zeros((10, 8), np.float32), cu, cuk, 6, 5)

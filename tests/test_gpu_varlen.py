@@ -225,3 +225,11 @@ def test_kvcache_mods(rng, window, softcap, alibi, sq, splits):
         ref = reference.attention(*args, alibi_slopes=ai, **kw)
         same = reference.attention(*args, alibi_slopes=ai, precision="same", **kw)
         check_against(out[i:i + 1], None, ref, same, None)
+
+
+@pytest.mark.parametrize("d", [40, 59, 111])
+def test_varlen_head_dim_padded(rng, d):
+    """Head dims that are not multiples of 8 go through padded copies of the packed arrays."""
+    q, k, v, cq, ck, mq, mk = varlen_case(rng, 4, 113, 203, 6, 2, d, "float16")
+    out, lse = run_varlen(q, k, v, cq, ck, mq, mk, None, causal=True)
+    check_against(out, lse, *ref_varlen(q, k, v, cq, ck, None, dict(causal=True)))

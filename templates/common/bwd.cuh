@@ -118,39 +118,73 @@ __device__ __forceinline__ void c_to_a(u32 (&a)[kNT / 2][4], const float (&c)[kN
   }
 }
 
-// Mask on an S fragment of one 16-row tile (rows = queries, columns = keys): key j is visible to
-// query i iff j < seqlen_k and j <= i + diag. Invisible scores become -inf.
-template <int kNT>
-__device__ __forceinline__ void apply_mask_rows(float (&s)[kNT][4], int row0, int col0, int seqlen_k, int diag) {
-  const int lane = threadIdx.x & 31;
-  const int c0 = col0 + (lane & 3) * 2;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int limit = min(seqlen_k, row0 + (lane >> 2) + r * 8 + diag + 1) - c0;  // visible iff j * 8 + e < limit
-#pragma unroll
-    for (int j = 0; j < kNT; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-        if (j * 8 + e >= limit) s[j][2 * r + e] = neg_inf();
-  }
-}
-
 // Transposed mask on an S^T fragment of one 16-key tile (rows = keys, columns = queries): key j
-// is visible to query i iff j < seqlen_k and j <= i + diag. Invisible scores become -inf.
-template <int kQT>
-__device__ __forceinline__ void apply_mask_t(float (&s)[kQT][4], int key0, int q0, int seqlen_k, int diag) {
+// is visible to query i iff j < seqlen_k, j <= i + diag and, with kLower, j >= i + diag_lo
+// (mask.cuh's apply_mask seen from the keys). Invisible scores become -inf.
+template <int kQT, bool kLower>
+__device__ __forceinline__ void apply_mask_t(float (&s)[kQT][4], int key0, int q0, int seqlen_k, int diag,
+                                             int diag_lo) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = key0 + (lane >> 2) + r * 8;
-    // visible iff j * 8 + e >= lo (query q0 + j * 8 + 2t + e >= key - diag)
-    const int lo = key < seqlen_k ? key - diag - q0 - (lane & 3) * 2 : (1 << 30);
+    const int base = q0 + (lane & 3) * 2;  // this lane's first query
+    // visible iff lo <= j * 8 + e (query >= key - diag) and, with kLower, j * 8 + e <= hi
+    const int lo = key < seqlen_k ? key - diag - base : (1 << 30);
+    const int hi = key - diag_lo - base;
 #pragma unroll
     for (int j = 0; j < kQT; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e)
-        if (j * 8 + e < lo) s[j][2 * r + e] = neg_inf();
+        if (j * 8 + e < lo || (kLower && j * 8 + e > hi)) s[j][2 * r + e] = neg_inf();
   }
+}
+
+// Transposed ALiBi: s -= slope * |i + seqlen_k - seqlen_q - j| on an S^T fragment, with `pos0` =
+// q0 + seqlen_k - seqlen_q (the key aligned with the fragment's first query) and the slope in
+// the units of the raw scores (mask.cuh's apply_alibi seen from the keys).
+template <int kQT>
+__device__ __forceinline__ void apply_alibi_t(float (&s)[kQT][4], int key0, int pos0, float slope) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float base = static_cast<float>(pos0 + (lane & 3) * 2 - key0 - (lane >> 2) - r * 8);
+#pragma unroll
+    for (int j = 0; j < kQT; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) s[j][2 * r + e] -= slope * fabsf(base + static_cast<float>(j * 8 + e));
+  }
+}
+
+// Rows of the LSE/D workspace and of the fp32 dQ accumulator: row i of (sequence b, head h) is
+// stats_base(b) + h * head_rows + i. Dense batches: (batch, nheads, head_rows) with head_rows the
+// padded seqlen_q. Packed (varlen) batches: (nheads, head_rows), sequence b starting at
+// (cu_seqlens_q[b] rounded down to 4) + kVarlenRowGap * b, which leaves every sequence room for
+// its rows padded to a multiple of 128 (whole blocks, padding rows disjoint from its neighbour's)
+// and keeps 16-byte alignment. cuflash.backward mirrors this layout.
+constexpr int kVarlenRowGap = 132;
+__device__ __forceinline__ long long stats_base(const int* cu_seqlens_q, int b, int nheads, int head_rows) {
+  return cu_seqlens_q != nullptr ? (long long)((cu_seqlens_q[b] & ~3) + kVarlenRowGap * b)
+                                 : (long long)b * nheads * head_rows;
+}
+
+// Per-block scalars (sequence offsets and lengths, band edges) that the main loops need now and
+// then: staged in kInfoBytes of shared memory and re-read at each use, because kept in registers
+// through the loop they would push the dK/dV kernel into spills. The volatile loads cannot be
+// merged or hoisted, so the compiler never keeps the values live.
+constexpr int kInfoBytes = 48;
+enum {  // int slots (kInfoStats takes two)
+  kInfoQb, kInfoKb, kInfoSeqQ, kInfoSeqK, kInfoDiag, kInfoDiagLo, kInfoStats, kInfoUnmasked = kInfoStats + 2, kInfoLower
+};
+__device__ __forceinline__ int info_i32(u32 s_info, int slot) {
+  int v;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(s_info + slot * 4));
+  return v;
+}
+__device__ __forceinline__ long long info_i64(u32 s_info, int slot) {
+  long long v;
+  asm volatile("ld.shared.b64 %0, [%1];" : "=l"(v) : "r"(s_info + slot * 4));
+  return v;
 }
 
 // fp32 reduction into global memory (no return value: red, not atom).
