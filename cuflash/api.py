@@ -226,14 +226,19 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
                         softmax_scale=scale, return_lse=return_lse, num_splits=num_splits,
                         window_size=mods[0], softcap=mods[1],
                         alibi_slopes=None if mods[2] is None else dev_array(mods[2]))
-        o, lse = res if return_lse else (res, None)
-        o = arrays.hand_back(o, qv)
-        if out is not None:
-            out[...] = o
-            o = out
-        return (o, arrays.hand_back(lse, qv)) if return_lse else o
+        return _host_result(res, qv, out, return_lse)
 
     return _attention_device(qv, kv, vv, ov, bool(causal), scale, return_lse, num_splits, mods)
+
+
+def _host_result(res, qv, out, return_lse):
+    """A device result handed back as NumPy, written into the caller's ``out`` when given."""
+    o, lse = res if return_lse else (res, None)
+    o = arrays.hand_back(o, qv)
+    if out is not None:
+        out[...] = o
+        o = out
+    return (o, arrays.hand_back(lse, qv)) if return_lse else o
 
 
 def _padded(x, d_pad):
@@ -556,12 +561,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                max_sq, max_sk, causal=causal, softmax_scale=scale, window_size=window,
                                softcap=cap, alibi_slopes=dev_array(alibi), return_lse=return_lse,
                                num_splits=num_splits, block_table=dev_array(bt) if paged else None)
-        o, lse = res if return_lse else (res, None)
-        o = arrays.hand_back(o, qv)
-        if out is not None:
-            out[...] = o
-            o = out
-        return (o, arrays.hand_back(lse, qv)) if return_lse else o
+        return _host_result(res, qv, out, return_lse)
 
     o_view, lse_arr = _outputs(qv, ov, return_lse)
     if batch == 0 or total_q == 0 or h == 0 or max_sq == 0:

@@ -350,6 +350,19 @@ class Kernel:
                                f"(grid {tuple(grid)}, block {tuple(block)}, {shared_mem} B shared)")
 
 
+def compile_all(variants, workers: int | None = None) -> dict:
+    """Variant -> Compiled for each of ``variants``, in parallel (no disk cache, no GPU). The
+    first compile runs alone: NVRTC loads its builtins then."""
+    from concurrent.futures import ThreadPoolExecutor
+    variants = list(variants)
+    if not variants:
+        return {}
+    out = {variants[0]: compile_variant(variants[0])}
+    with ThreadPoolExecutor(workers or max(2, os.cpu_count() or 2)) as ex:
+        out.update(zip(variants[1:], ex.map(compile_variant, variants[1:])))
+    return out
+
+
 def warmup(variants, workers: int | None = None, progress=None) -> list[Variant]:
     """Fill the disk cache for ``variants`` in parallel (NVRTC releases the GIL). Needs no GPU.
     ``progress(done, total, variant)`` is called after each one. Returns the variants built."""

@@ -48,6 +48,34 @@ def _validate(q, k, v, window_size, alibi_slopes):
                          f"got {alibi_slopes.shape}")
 
 
+def _scores(qg, kg, scale, softcap, slopes, i0, i1, sq, sk, left, right):
+    """Masked scores (G, r, sk) of query rows i0:i1 of a KV head's group, and the softcap's
+    derivative d(softcap * t) / d(scale * q.k) = 1 - t^2 (1.0 without a softcap)."""
+    s = np.matmul(qg, kg.T) * scale
+    dcap = 1.0
+    if softcap > 0:
+        t = np.tanh(s / softcap)
+        s, dcap = softcap * t, 1.0 - t * t
+    j = np.arange(sk)
+    diag = (np.arange(i0, i1) + sk - sq)[:, None]  # key aligned with row i
+    if slopes is not None:
+        s = s - slopes[:, None, None] * np.abs(diag - j)
+    visible = np.ones((i1 - i0, sk), dtype=bool)
+    if left >= 0:
+        visible &= j >= diag - left
+    if right >= 0:
+        visible &= j <= diag + right
+    return np.where(visible, s, -np.inf), dcap
+
+
+def _softmax_parts(s):
+    """Row max m (0 for rows that see no key), p = exp(s - m) (0 where masked) and l = sum(p)."""
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m)
+    return m, p, p.sum(axis=-1, keepdims=True)
+
+
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
               window_size=(-1, -1), softcap=0.0, alibi_slopes=None, precision="float64"):
     """Reference attention; returns out (like q) or (out, lse) with lse (batch, nheads, seqlen_q)."""
@@ -79,7 +107,6 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
     lse = np.full((batch, nheads, sq), np.inf, dtype=np.float64)
     if sk > 0 and sq > 0:
         rows = max(1, _BUDGET // (group * sk))  # query rows per block
-        j = np.arange(sk)
         for b in range(batch):
             for g in range(nheads_k):
                 hs = slice(g * group, (g + 1) * group)
@@ -88,22 +115,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
                 for i0 in range(0, sq, rows):
                     i1 = min(sq, i0 + rows)
                     qg = q[b, i0:i1, hs].astype(np.float64).transpose(1, 0, 2)  # (G, r, d)
-                    s = np.matmul(qg, kg.T) * scale  # (G, r, sk)
-                    if softcap > 0:
-                        s = softcap * np.tanh(s / softcap)
-                    diag = (np.arange(i0, i1) + sk - sq)[:, None]  # key aligned with row i
-                    if alibi_slopes is not None:
-                        s = s - alibi_slopes[b, hs, None, None] * np.abs(diag - j)
-                    visible = np.ones((i1 - i0, sk), dtype=bool)
-                    if left >= 0:
-                        visible &= j >= diag - left
-                    if right >= 0:
-                        visible &= j <= diag + right
-                    s = np.where(visible, s, -np.inf)
-                    m = s.max(axis=-1, keepdims=True)
-                    m = np.where(np.isfinite(m), m, 0.0)
-                    p = np.exp(s - m)  # masked entries -> 0
-                    l = p.sum(axis=-1, keepdims=True)
+                    slopes = None if alibi_slopes is None else alibi_slopes[b, hs]
+                    s, _ = _scores(qg, kg, scale, softcap, slopes, i0, i1, sq, sk, left, right)
+                    m, p, l = _softmax_parts(s)
                     if precision == "same":
                         p = p.astype(out_dtype).astype(np.float64)
                     with np.errstate(divide="ignore", invalid="ignore"):
@@ -218,7 +232,6 @@ def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, windo
     dv = np.zeros(v.shape, dtype=np.float64)
     if sk > 0 and sq > 0:
         rows = max(1, _BUDGET // (group * sk))
-        j = np.arange(sk)
         for b in range(batch):
             for g in range(nheads_k):
                 hs = slice(g * group, (g + 1) * group)
@@ -228,24 +241,9 @@ def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, windo
                     i1 = min(sq, i0 + rows)
                     qg = q[b, i0:i1, hs].astype(np.float64).transpose(1, 0, 2)  # (G, r, d)
                     dog = dout[b, i0:i1, hs].astype(np.float64).transpose(1, 0, 2)
-                    s = np.matmul(qg, kg.T) * scale  # (G, r, sk)
-                    dcap = 1.0
-                    if softcap > 0:
-                        t = np.tanh(s / softcap)
-                        s, dcap = softcap * t, 1.0 - t * t  # d(softcap t) / d(scale q.k)
-                    diag = (np.arange(i0, i1) + sk - sq)[:, None]  # key aligned with row i
-                    if alibi_slopes is not None:
-                        s = s - alibi_slopes[b, hs, None, None] * np.abs(diag - j)
-                    visible = np.ones((i1 - i0, sk), dtype=bool)
-                    if left >= 0:
-                        visible &= j >= diag - left
-                    if right >= 0:
-                        visible &= j <= diag + right
-                    s = np.where(visible, s, -np.inf)
-                    m = s.max(axis=-1, keepdims=True)
-                    m = np.where(np.isfinite(m), m, 0.0)
-                    p = np.exp(s - m)
-                    l = p.sum(axis=-1, keepdims=True)
+                    slopes = None if alibi_slopes is None else alibi_slopes[b, hs]
+                    s, dcap = _scores(qg, kg, scale, softcap, slopes, i0, i1, sq, sk, left, right)
+                    m, p, l = _softmax_parts(s)
                     with np.errstate(divide="ignore", invalid="ignore"):
                         p = np.where(l == 0, 0.0, p / l)  # exp(s - lse); empty rows give 0
                     o = rnd(np.matmul(p, vg))  # the forward's output (stored in q's dtype)

@@ -2,9 +2,7 @@
 for sm_80 and sm_90 with a clean ptxas report and shared memory within the per-block limit; the
 float64 reference gradients agree with finite differences and with an independent per-row loop;
 bad arguments to attention_backward raise before any allocation or launch."""
-import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
 import numpy as np
@@ -95,11 +93,7 @@ def test_render(v):
 @pytest.fixture(scope="module")
 def compiled():
     """Every backward variant compiled once (the first alone: NVRTC loads its builtins then)."""
-    first, rest = VARIANTS[0], VARIANTS[1:]
-    out = {first: compiler.compile_variant(first)}
-    with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as ex:
-        out.update(zip(rest, ex.map(compiler.compile_variant, rest)))
-    return out
+    return compiler.compile_all(VARIANTS)
 
 
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)

@@ -6,26 +6,7 @@ import numpy as np
 import pytest
 
 from cuflash import reference
-
-
-def _loss(dout, q, k, v, **kw):
-    return float((reference.attention(q, k, v, **kw) * dout).sum())
-
-
-def _finite_diff(dout, q, k, v, eps=1e-6, **kw):
-    grads = []
-    for x in (q, k, v):
-        g = np.zeros_like(x)
-        for idx in np.ndindex(x.shape):
-            old = x[idx]
-            x[idx] = old + eps
-            up = _loss(dout, q, k, v, **kw)
-            x[idx] = old - eps
-            down = _loss(dout, q, k, v, **kw)
-            x[idx] = old
-            g[idx] = (up - down) / (2 * eps)
-        grads.append(g)
-    return grads
+from test_bwd_compile import _finite_diff  # central differences of the reference
 
 
 def _inputs(rng, b, sq, sk, h, hk, d):

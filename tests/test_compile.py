@@ -2,7 +2,6 @@
 resource report, and the disk cache: hits, corrupt entries, unusable directories, keys."""
 import os
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -17,11 +16,7 @@ ELF = b"\x7fELF"
 @pytest.fixture(scope="module")
 def compiled():
     """Every variant compiled once. The first compile runs alone (NVRTC loads its builtins then)."""
-    first, rest = VARIANTS[0], VARIANTS[1:]
-    out = {first: compiler.compile_variant(first)}
-    with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as ex:
-        out.update(zip(rest, ex.map(compiler.compile_variant, rest)))
-    return out
+    return compiler.compile_all(VARIANTS)
 
 
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
