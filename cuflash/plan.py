@@ -71,6 +71,14 @@ def split_block_n(d: int) -> int:
     return 256 if d <= 64 else (128 if d <= 128 else 64)
 
 
+def split_tile_n(bucket: int, all_mods: bool = False) -> int:
+    """Keys per K/V tile of the split-KV kernel: FA2's block_n, but at most 64 (32 above d=128)
+    with a window, softcap and ALiBi together, whose registers spill at FA2's tile with a paged
+    cache."""
+    bn = split_block_n(bucket)
+    return (64 if bucket <= 128 else 32) if all_mods else bn
+
+
 @dataclass(frozen=True)
 class DeviceFacts:
     num_sms: int
@@ -317,7 +325,8 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         launches.append(Launch(v, (cdiv(sq, bm), nh, p.batch), v.threads, v.smem_bytes))
         nbps, workspace = 0, 0
     else:
-        bm, bn, warps, stages = decode_tile(bucket) if decode else (SPLIT_BLOCK_M, bn, SPLIT_WARPS, 1)
+        bm, bn, warps, stages = decode_tile(bucket) if decode else (
+            SPLIT_BLOCK_M, split_tile_n(bucket, local and p.softcap and p.alibi), SPLIT_WARPS, 1)
         n_blocks = band_tiles(bm, window, p.seqlen_q, p.seqlen_k, bn)  # in the kernel's own K/V blocks
         nbps = cdiv(n_blocks, splits)
         v = Variant("fwd_split", bucket, p.dtype, causal, even, bm, bn, warps, dev.arch, stages, p.kv, **mods)
@@ -352,7 +361,8 @@ def all_variants(arch: int, mods: bool = True) -> list[Variant]:
                             bm, bn, w, st = fwd_tile(bucket, even, arch, kv, local or softcap or alibi)
                             out.append(Variant("fwd", bucket, dtype, causal, even, bm, bn, w, arch, st, kv, **m))
                             out.append(Variant("fwd_split", bucket, dtype, causal, even, SPLIT_BLOCK_M,
-                                               split_block_n(bucket), SPLIT_WARPS, arch, kv=kv, **m))
+                                               split_tile_n(bucket, local and softcap and alibi), SPLIT_WARPS,
+                                               arch, kv=kv, **m))
                             if even:
                                 bm, bn, w, st = decode_tile(bucket)
                                 for kind in ("fwd", "fwd_split"):
