@@ -163,6 +163,8 @@ def cmd_bench(a):
         rows = bench.bench_prefill(quick=a.quick)
     elif a.kind == "window":
         rows = bench.bench_window()
+    elif a.kind == "overhead":
+        rows = bench.bench_overhead()
     elif a.kind == "backward":
         rows = bench.bench_backward(quick=a.quick)
     else:
@@ -212,7 +214,7 @@ def main(argv=None):
     c.add_argument("action", choices=["list", "clear"])
 
     b = sub.add_parser("bench", help="benchmark against PyTorch SDPA (flash, cuDNN)")
-    b.add_argument("kind", choices=["prefill", "decode", "backward", "window"])
+    b.add_argument("kind", choices=["prefill", "decode", "backward", "window", "overhead"])
     b.add_argument("--quick", action="store_true")
     b.add_argument("--json")
     b.add_argument("--csv")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import sys
+from typing import NamedTuple
 
 import numpy as np
 
@@ -208,6 +210,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     softcap * tanh(score / softcap). ``alibi_slopes``: float32 (nheads,) or (batch, nheads),
     adding -slope * |i + sk - sq - j| to the scores.
     """
+    sig = _signature(q, k, v, out, causal, softmax_scale, return_lse, num_splits, window_size, softcap,
+                     alibi_slopes)
+    if sig is not None:
+        repeat = _repeats.get(sig)
+        if repeat is not None:
+            res = repeat(q, k, v, out)
+            if res is not None:
+                return res
     qv, kv, vv = arrays.view(q, "q"), arrays.view(k, "k"), arrays.view(v, "v")
     _check_operands(qv, kv, vv)
     ov = None
@@ -228,7 +238,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
                         alibi_slopes=None if mods[2] is None else dev_array(mods[2]))
         return _host_result(res, qv, out, return_lse)
 
-    return _attention_device(qv, kv, vv, ov, bool(causal), scale, return_lse, num_splits, mods)
+    return _attention_device(qv, kv, vv, ov, bool(causal), scale, return_lse, num_splits, mods, sig)
 
 
 def _host_result(res, qv, out, return_lse):
@@ -265,7 +275,7 @@ def _result(o_view, given_out, lse_arr, qv, return_lse):
     return (o, arrays.hand_back(lse_arr, qv)) if return_lse else o
 
 
-def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mods):
+def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mods, sig=None):
     b, sq, h, d = qv.shape
     sk, hk = kv.shape[1], kv.shape[2]
     o_view, lse_arr = _outputs(qv, ov, return_lse)
@@ -283,11 +293,85 @@ def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mod
     window, cap, alibi, alibi_sb = mods
     problem = (b, sq, sk, h, hk, d_pad, arrays.DTYPE_NAMES[qv.dtype], causal, return_lse, num_splits,
                window, cap > 0, alibi is not None)
-    _launch(problem, qv, *qk, kernel_out, lse_arr, scale, softcap=cap,
-            alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0))
+    recipe = _launch(problem, qv, *qk, kernel_out, lse_arr, scale, softcap=cap,
+                     alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0))
     if not direct_out:
         o_view.array[...] = kernel_out.array[..., :d]
+    elif sig is not None and qk == [qv, kv, vv]:  # read in place: the next such call can skip to here
+        if len(_repeats) >= 1024:
+            _repeats.clear()
+        contiguous = qv.strides == (sq * h * d, h * d, d, 1)
+        _repeats[sig] = _Repeat(recipe, qv.device, (b, h, sq) if return_lse else None, contiguous)
     return _result(o_view, ov is not None, lse_arr, qv, return_lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# Repeated calls from PyTorch: a call whose shapes, strides, dtypes, devices and options were
+# checked, planned and launched before reuses that launch's arguments, so it only reads the
+# data pointers, allocates the output and launches.
+
+_repeats: dict = {}  # signature (see _signature) -> _Repeat
+
+
+def _signature(q, k, v, out, causal, softmax_scale, return_lse, num_splits, window_size, softcap,
+               alibi_slopes):
+    """Everything the checks, the plan and the launch arguments of an ``attention`` call on
+    PyTorch CUDA tensors depend on, except the data pointers (values and their types: True is
+    not 1); None for other calls. Calls with one signature pass the same checks and launch the
+    same kernels with the same arguments."""
+    torch = sys.modules.get("torch")
+    if (torch is None or q.__class__ is not torch.Tensor or alibi_slopes is not None
+            or window_size.__class__ is not tuple or len(window_size) != 2):
+        return None
+    w0, w1 = window_size
+    if w0.__class__ is not int or w1.__class__ is not int:
+        return None
+    try:
+        o = None if out is None else (out.shape, out.stride(), out.dtype, out.get_device())
+        return (q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype,
+                k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(), o,
+                causal.__class__, causal, softmax_scale.__class__, softmax_scale, return_lse.__class__,
+                return_lse, num_splits.__class__, num_splits, w0, w1, softcap.__class__, softcap)
+    except (AttributeError, TypeError, RuntimeError):  # not all PyTorch tensors (or not strided)
+        return None
+
+
+class _Repeat(NamedTuple):
+    recipe: launch.Recipe
+    device: int
+    lse_shape: tuple | None  # (batch, nheads, seqlen_q) when the LSE is returned
+    q_contiguous: bool       # torch.empty_like(q) is then the contiguous output
+
+    def __call__(self, q, k, v, out):
+        """The call's result, or None when its pointers need the general path (alignment)."""
+        qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        op = 0 if out is None else out.data_ptr()
+        if (qp | kp | vp | op) & 15:
+            return None
+        torch = sys.modules["torch"]
+        if out is None:
+            out = torch.empty_like(q) if self.q_contiguous else q.new_empty(q.shape)
+            op = out.data_ptr()
+        lse = None if self.lse_shape is None else q.new_empty(self.lse_shape, dtype=torch.float32)
+        dev, recipe = self.device, self.recipe
+        stream = torch._C._cuda_getCurrentRawStream(dev)
+        held = []  # a per-call workspace (large, or inside a graph capture) lives until queued
+        workspace = None if not recipe.split else launch.workspace(recipe, dev, stream, lambda n: (
+            held.append(q.new_empty((n,), dtype=torch.float32)) or held[-1].data_ptr()))
+        if _current_device_id() == dev:
+            launch.fire(recipe, dev, stream, qp, kp, vp, op, 0 if lse is None else lse.data_ptr(), workspace)
+        else:
+            with arrays.on_device(dev):
+                launch.fire(recipe, dev, stream, qp, kp, vp, op, 0 if lse is None else lse.data_ptr(),
+                            workspace)
+        return (out, lse) if lse is not None else out
+
+
+def _current_device_id() -> int:
+    global _current_device_id
+    import cupy
+    _current_device_id = cupy.cuda.runtime.getDevice
+    return _current_device_id()
 
 
 _plans: dict = {}
@@ -309,20 +393,21 @@ def _plan_for(fields: tuple, device: int, kv: str = "dense", varlen: bool = Fals
 
 def _launch(problem, like, q, k, v, o, lse_arr, scale, kv="dense", varlen_kv=False, **extra):
     """Plan ``problem`` (the tuple of Problem's first fields, see _plan_for) and launch it on
-    ``like``'s stream, with a workspace from its framework; ``extra`` goes to launch.run (cache,
-    softcap, ALiBi and varlen arguments)."""
+    ``like``'s stream; ``extra`` goes to launch.prepare (cache, softcap, ALiBi and varlen
+    arguments). Returns the prepared launch (its Recipe)."""
     plan = _plan_for(problem, like.device, kv, varlen_kv)
-    problem = plan.problem
-    workspace = None
-    if plan.num_splits > 1:  # one fp32 buffer: partial outputs, then partial LSEs
-        rows = problem.batch * plan.nheads_eff * plan.seqlen_q_eff
-        n_o = plan.num_splits * rows * plan.launches[0].variant.head_dim
-        ws = arrays.device_ptr(arrays.empty_like_framework(like, (n_o + plan.num_splits * rows,), "float32"))
-        workspace = (ws, ws + 4 * n_o)
+    dev = like.device
+    stream = arrays.stream_for(like)
     lse_ptr = arrays.device_ptr(lse_arr) if lse_arr is not None else 0
-    with arrays.on_device(like.device):
-        launch.run(plan, q, k, v, o, lse_ptr, workspace, scale, arrays.stream_for(like), like.device, **extra)
-    return plan
+    with arrays.on_device(dev):
+        recipe = launch.prepare(plan, q, k, v, o, scale, dev, **extra)
+        workspace, held = None, []  # a per-call workspace lives until its kernels are queued
+        if recipe.split:
+            alloc = lambda n: arrays.device_ptr(  # noqa: E731
+                held.append(arrays.empty_like_framework(like, (n,), "float32")) or held[-1])
+            workspace = launch.workspace(recipe, dev, stream, alloc)
+        launch.fire(recipe, dev, stream, q.ptr, k.ptr, v.ptr, o.ptr, lse_ptr, workspace)
+    return recipe
 
 
 # ---------------------------------------------------------------------------------------------

@@ -76,32 +76,15 @@ def view(x, name: str) -> View:
 # ---------------------------------------------------------------------------------------------
 # Streams and allocation in the caller's framework (needs a GPU)
 
-_external_streams: dict[tuple[int, int], object] = {}
-
-
-class _RawStream:
-    """A stream handle speaking the CUDA stream protocol (for ``cupy.cuda.Stream.from_external``)."""
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-
-def stream_for(v: View):
-    """The CuPy stream object to launch on: the caller's current stream."""
-    import cupy
+def stream_for(v: View) -> int:
+    """The caller's current stream (a raw pointer) to launch on: torch's for PyTorch arrays,
+    CuPy's otherwise."""
     if v.framework == "torch":
         import torch
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the pointer, without a Stream object
-        ptr = raw(v.device) if raw else torch.cuda.current_stream(v.device).cuda_stream
-        s = _external_streams.get((v.device, ptr))
-        if s is None:
-            s = _external_streams[(v.device, ptr)] = cupy.cuda.Stream.from_external(_RawStream(ptr))
-        return s
-    return cupy.cuda.get_current_stream()
+        return raw(v.device) if raw else torch.cuda.current_stream(v.device).cuda_stream
+    import cupy
+    return cupy.cuda.get_current_stream().ptr
 
 
 def on_device(device: int):

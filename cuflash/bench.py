@@ -347,6 +347,63 @@ def bench_window(batch=1, seqlen=32768, d=128, model_dim=2048, windows=(4096, 10
     return rows
 
 
+def host_us(fn, reps=300, rounds=7):
+    """Median host microseconds per call of fn() over ``rounds`` runs of ``reps`` back-to-back
+    calls (synchronised between rounds): a call's Python, allocation and launch cost, as long as
+    its GPU work is shorter (the launch queue never fills)."""
+    torch = _torch()
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    per = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        per.append((time.perf_counter() - t0) / reps * 1e6)
+        torch.cuda.synchronize()
+    return sorted(per)[rounds // 2]
+
+
+def bench_overhead(verbose=True):
+    """Host time per call of repeated calls (kernels compiled, plans cached) from PyTorch:
+    ``cuflash.attention`` on the standard and split-KV paths, with ``out=`` and the LSE, the
+    differentiable ``cuflash.torch.attention`` (a torch.library custom op), and SDPA on the same
+    tensors for scale."""
+    torch = _torch()
+    import cuflash
+    import cuflash.torch as ct
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    q1, k1, v1 = (torch.randn(s, **bf) for s in ((1, 1, 32, 128), (1, 4096, 8, 128), (1, 4096, 8, 128)))
+    q2 = torch.randn(2, 256, 8, 64, **bf)
+    out2 = torch.empty_like(q2)
+    t1 = [x.transpose(1, 2) for x in (q1, k1, v1)]
+    t2 = q2.transpose(1, 2)
+    g2 = q2.clone().requires_grad_()
+    tg2 = g2.transpose(1, 2)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    cases = [
+        ("decode", "b=1, 32/8 heads, d=128, 4096 keys", lambda: cuflash.attention(q1, k1, v1, causal=True),
+         lambda: sdpa(*t1, enable_gqa=True), (q1, k1)),
+        ("prefill, out=", "b=2, s=256, 8 heads, d=64", lambda: cuflash.attention(q2, q2, q2, causal=True, out=out2),
+         lambda: sdpa(t2, t2, t2, is_causal=True), (q2, q2)),
+        ("prefill", "b=2, s=256, 8 heads, d=64", lambda: cuflash.attention(q2, q2, q2, causal=True),
+         lambda: sdpa(t2, t2, t2, is_causal=True), (q2, q2)),
+        ("prefill, return_lse", "b=2, s=256, 8 heads, d=64",
+         lambda: cuflash.attention(q2, q2, q2, causal=True, return_lse=True), None, (q2, q2)),
+        ("cuflash.torch.attention", "b=2, s=256, 8 heads, d=64",
+         lambda: ct.attention(q2, q2, q2, causal=True), None, (q2, q2)),
+        ("cuflash.torch.attention, requires_grad (custom op + autograd)", "b=2, s=256, 8 heads, d=64",
+         lambda: ct.attention(g2, g2, g2, causal=True), lambda: sdpa(tg2, tg2, tg2, is_causal=True), (q2, q2)),
+    ]
+    rows = []
+    for name, shape, fn, ref, (q, k) in cases:
+        row = dict(call=name, shape=shape, cuflash_us=host_us(fn), sdpa_us=host_us(ref) if ref else None,
+                   kernels="+".join(cuflash.plan(q, k, k, causal=True).kernels))
+        _emit(rows, row, "overhead", verbose)
+    return rows
+
+
 _f = lambda fmt: lambda x: "-" if x is None else format(x, fmt)  # noqa: E731
 _pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # noqa: E731
 
@@ -362,6 +419,8 @@ _COLUMNS = {
                ("cuDNN us", "cudnn_us", _f(".1f")), ("cuflash TB/s", "cuflash_tbps", _f(".2f")),
                ("cuDNN TB/s", "cudnn_tbps", _f(".2f")), ("%copy", "frac_copy", _pct), ("%read", "frac_read", _pct),
                ("kernels/splits", None, lambda r: f"{r.get('kernels') or '-'} / {r.get('num_splits') or '-'}")],
+    "overhead": [("call", "call", str), ("shape", "shape", str), ("cuflash host us", "cuflash_us", _f(".1f")),
+                 ("SDPA host us", "sdpa_us", _f(".1f")), ("kernels", "kernels", str)],
     "window": [("s", "seqlen", str), ("heads", "nheads", str), ("d", "d", str),
                ("window", "window", lambda w: f"({w[0]}, {w[1]})"), ("causal", "causal", lambda x: "Y" if x else "N"),
                ("ms", "cuflash_ms", _f(".3f")), ("full ms", "full_ms", _f(".3f")),

@@ -273,81 +273,82 @@ def _load(variant: Variant, device: int):
     return Kernel(fn, variant.name)
 
 
-class _Driver:
-    """cuLaunchKernel through ctypes, with the arguments packed into one buffer
-    (CU_LAUNCH_PARAM_BUFFER_POINTER): a launch costs one struct.pack_into and one foreign call."""
+class _Buffers:
+    """A thread's kernel-parameter buffer and the ``extra`` array of cuLaunchKernel pointing at
+    it (CU_LAUNCH_PARAM_BUFFER_POINTER / _SIZE): a launch packs its arguments into the buffer."""
 
     def __init__(self):
         import ctypes
-        self.ct = ctypes
-        self.lib = ctypes.CDLL("libcuda.so.1")
-        f = self.launch = self.lib.cuLaunchKernel
-        vp, u = ctypes.c_void_p, ctypes.c_uint
-        f.argtypes = [vp, u, u, u, u, u, u, u, vp, vp, vp]
-        f.restype = ctypes.c_int
-        self.lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
-        self.local = threading.local()
-
-    def buffers(self):
-        """This thread's argument buffer and the `extra` array pointing at it and at its size."""
-        st = getattr(self.local, "st", None)
-        if st is None:
-            ct = self.ct
-            buf, size = ct.create_string_buffer(1024), ct.c_size_t(0)
-            extra = (ct.c_void_p * 5)(1, ct.addressof(buf), 2, ct.addressof(size), 0)
-            st = self.local.st = (buf, size, extra)
-            ctx = ct.c_void_p()
-            self.lib.cuCtxGetCurrent(ct.byref(ctx))
-            if not ctx.value:  # a new thread: bind the current device's primary context
-                import cupy
-                cupy.cuda.runtime.setDevice(cupy.cuda.runtime.getDevice())
-        return st
+        import cupy
+        from cupy_backends.cuda.api import driver
+        self.buf, self.size = ctypes.create_string_buffer(1024), ctypes.c_size_t(0)
+        self.extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(self.buf), 2, ctypes.addressof(self.size), 0)
+        self.extra_ptr = ctypes.addressof(self.extra)
+        if not driver.ctxGetCurrent():  # a new thread: bind the current device's primary context
+            cupy.cuda.runtime.setDevice(cupy.cuda.runtime.getDevice())
 
 
-_driver: _Driver | None = None
+_thread = threading.local()
+
+
+def _buffers() -> _Buffers:
+    b = getattr(_thread, "buffers", None)
+    if b is None:
+        b = _thread.buffers = _Buffers()
+    return b
+
+
 _FORMATS = {int: "q", float: "d"}  # as CuPy passes them: Python int -> long long, float -> double
 
 
 class Kernel:
     """A loaded kernel. Calls look like CuPy's ``Function``: (grid, block, args, shared_mem,
     stream), arguments being Python ints (64-bit), floats (double) or NumPy scalars, and
-    ``stream`` a CuPy stream or a raw stream pointer."""
+    ``stream`` a CuPy stream or a raw stream pointer. ``params(args)`` + ``launch`` is the same
+    launch with the argument layout worked out once (the cached-call path)."""
 
-    __slots__ = ("fn", "ptr", "name", "_formats")
+    __slots__ = ("fn", "ptr", "name", "_params")
 
     def __init__(self, fn, name: str):
-        self.fn, self.ptr, self.name, self._formats = fn, fn.ptr, name, {}
+        self.fn, self.ptr, self.name, self._params = fn, fn.ptr, name, {}
 
-    def _format(self, types):
-        import struct
-        fmt = "@" + "".join(_FORMATS.get(t) or t().dtype.char for t in types)
-        size = struct.calcsize(fmt)
-        if size > 1024:
-            raise ValueError(f"{self.name}: {size} bytes of kernel arguments")
-        self._formats[types] = fmt, size
-        return fmt, size
+    def params(self, args):
+        """The packed layout (a ``struct.Struct``) of an argument tuple like ``args``."""
+        types = tuple(map(type, args))
+        st = self._params.get(types)
+        if st is None:
+            import struct
+            st = struct.Struct("@" + "".join(_FORMATS.get(t) or t().dtype.char for t in types))
+            if st.size > 1024:
+                raise ValueError(f"{self.name}: {st.size} bytes of kernel arguments")
+            self._params[types] = st
+        return st
+
+    def launch(self, params, grid: tuple, block: tuple, shared_mem: int, stream: int, args):
+        """One cuLaunchKernel: grid and block are 3-tuples, ``stream`` a raw pointer."""
+        b = _buffers()
+        params.pack_into(b.buf, 0, *args)
+        b.size.value = params.size
+        try:
+            _launch_kernel(self.ptr, *grid, *block, shared_mem, stream, 0, b.extra_ptr)
+        except Exception as e:
+            raise RuntimeError(f"launching {self.name} failed: {e} (grid {grid}, block {block}, "
+                               f"{shared_mem} B shared)") from None
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
-        global _driver
-        d = _driver
-        if d is None:
-            d = _driver = _Driver()
-        types = tuple(map(type, args))
-        fmt, size = self._formats.get(types) or self._format(types)
-        buf, nbytes, extra = d.buffers()
-        import struct
-        struct.pack_into(fmt, buf, 0, *args)
-        nbytes.value = size
-        g = tuple(grid) + (1, 1)
-        b = tuple(block) + (1, 1)
         if stream is None:  # as CuPy does: the current CuPy stream
             import cupy
             stream = cupy.cuda.get_current_stream()
         s = stream if isinstance(stream, int) else stream.ptr
-        err = d.launch(self.ptr, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, s, None, extra)
-        if err:
-            raise RuntimeError(f"launching {self.name} failed: CUDA driver error {err} "
-                               f"(grid {tuple(grid)}, block {tuple(block)}, {shared_mem} B shared)")
+        self.launch(self.params(args), (*grid, 1, 1)[:3], (*block, 1, 1)[:3], shared_mem, s, args)
+
+
+def _launch_kernel(*args):
+    """cuLaunchKernel (CuPy's binding: typed arguments, the GIL released, errors raised)."""
+    global _launch_kernel
+    from cupy_backends.cuda.api.driver import launchKernel
+    _launch_kernel = launchKernel
+    return launchKernel(*args)
 
 
 def compile_all(variants, workers: int | None = None) -> dict:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import numpy as np
 
@@ -16,7 +17,7 @@ NO_CACHE = (0, 0, 0, 0)  # seqlens_k, kv_batch_idx, block_table pointers; block-
 # separate combine kernel instead.
 FUSED_COMBINE = os.environ.get("CUFLASH_FUSED_COMBINE", "1") != "0"
 _counters: dict = {}  # (device, stream pointer) -> zeroed int32 CuPy array
-_retired: list = []   # outgrown counter arrays, kept alive: kernels queued earlier may use them
+_retired: list = []   # outgrown per-stream buffers, kept alive: kernels queued earlier may use them
 
 _LOG2E = math.log2(math.e)
 
@@ -60,36 +61,101 @@ def _scalars(plan: Plan, seqlen_k: int, softmax_scale: float, table_stride: int,
     return hit
 
 
-def _counter_ptr(device: int, stream, need: int) -> int:
-    """A zeroed int32 buffer of at least ``need`` counters for split kernels on ``stream`` (one
-    per stream: kernels on one stream run in order, and each leaves its counters zeroed), or 0
-    when none can be made now (inside a CUDA graph capture): the combine kernel then runs."""
-    buf = _counters.get((device, stream.ptr))
-    if buf is not None and buf.size >= need:
-        return buf.data.ptr
+def _capturing(stream: int) -> bool:
     import cupy
     try:
-        if cupy.cuda.runtime.streamIsCapturing(stream.ptr):
-            return 0
-    except Exception:  # no capture query: allocate as usual
-        pass
+        return bool(cupy.cuda.runtime.streamIsCapturing(stream))
+    except Exception:  # no capture query: treat as not capturing
+        return False
+
+
+def _per_stream(table: dict, device: int, stream: int, need: int, make):
+    """A cached device buffer of at least ``need`` elements for kernels on ``stream`` (kernels
+    on one stream run in order, so one buffer per stream is enough), made by ``make(size)``
+    on ``device``; None inside a CUDA graph capture, where nothing is cached."""
+    buf = table.get((device, stream))
+    if buf is not None and buf.size >= need:
+        return buf
+    if _capturing(stream):
+        return None
+    import cupy
     if buf is not None:
         _retired.append(buf)
-    with cupy.cuda.Device(device), stream:  # zeroed in stream order, before any kernel uses it
-        buf = _counters[(device, stream.ptr)] = cupy.zeros(max(need, 1 << 14), dtype=cupy.int32)
-    return buf.data.ptr
+        need = max(need, 2 * buf.size)  # grow geometrically: few buffers are ever retired
+    # Allocated (and zeroed) in stream order: CuPy's pool hands out blocks per stream.
+    with cupy.cuda.Device(device), cupy.cuda.Stream.from_external(_RawStream(stream)):
+        buf = table[(device, stream)] = make(need)
+    return buf
 
 
-def run(plan: Plan, q, k, v, o, lse_ptr: int, workspace, softmax_scale: float, stream, device: int,
-        cache=NO_CACHE, seqlen_k: int | None = None, page_size: int = 0, softcap: float = 0.0,
-        alibi=(0, 0), varlen=None):
-    """Launch ``plan``. q, k, v, o are views (arrays.View); ``workspace`` is the pair of device
-    pointers (fp32 partial O, fp32 partial LSE) when the plan splits, else None. For a KV cache,
-    ``cache`` holds the (seqlens_k, kv_batch_idx, block_table) pointers and the block table's row
-    stride, and ``seqlen_k`` is added to each seqlens_k entry (or is the key count without one).
-    ``alibi`` is (slopes pointer, batch stride of the slopes); ``varlen`` is (cu_seqlens_q
-    pointer, cu_seqlens_k pointer, total_q) for packed sequences, whose views then have token
-    strides as batch strides."""
+class _RawStream:
+    """A raw stream pointer speaking the CUDA stream protocol (``Stream.from_external``)."""
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def _counter_ptr(device: int, stream: int, need: int) -> int:
+    """A zeroed int32 buffer of at least ``need`` counters for split kernels on ``stream`` (each
+    kernel leaves its counters zeroed), or 0 when none can be made now (inside a CUDA graph
+    capture): the combine kernel then runs."""
+    buf = _counters.get((device, stream))
+    if buf is None or buf.size < need:
+        import cupy
+        buf = _per_stream(_counters, device, stream, need,
+                          lambda n: cupy.zeros(max(n, 1 << 14), dtype=cupy.int32))
+    return 0 if buf is None else buf.data.ptr
+
+
+WORKSPACE_CACHE_BYTES = 32 << 20  # split workspaces up to this size are kept per stream
+_workspaces: dict = {}  # (device, stream pointer) -> fp32 CuPy array
+
+
+def workspace(r: "Recipe", device: int, stream: int, alloc):
+    """(partial O pointer, partial LSE pointer) of a split launch's fp32 workspace: a buffer kept
+    per stream when small (decode), else ``alloc(n_floats)`` (a pointer from the caller's
+    allocator, e.g. torch's, for this call; also inside a graph capture)."""
+    buf = None
+    if 4 * r.ws_floats <= WORKSPACE_CACHE_BYTES:
+        buf = _workspaces.get((device, stream))
+        if buf is None or buf.size < r.ws_floats:
+            import cupy
+            buf = _per_stream(_workspaces, device, stream, r.ws_floats,
+                              lambda m: cupy.empty(max(m, 1 << 16), dtype=cupy.float32))
+    ptr = buf.data.ptr if buf is not None else alloc(r.ws_floats)
+    return ptr, ptr + 4 * r.ws_lse
+
+
+class Recipe(NamedTuple):
+    """A plan's launches with every argument but the data pointers worked out: what a repeated
+    call with the same shapes, strides and options reuses (see ``fire``)."""
+    plan: Plan
+    kernel: object             # compiler.Kernel of the main launch
+    params: object             # its struct.Struct
+    grid: tuple
+    block: tuple
+    smem: int
+    mid: tuple                 # arguments between the five leading pointers and the trailing three
+    split: bool                # partial outputs in a workspace, merged by LSE
+    combine: tuple             # the combine kernel's arguments after its four pointers (split plans)
+    n_counters: int            # merge counters (one per query block)
+    ws_floats: int             # workspace size: partial outputs, then partial LSEs
+    ws_lse: int                # where the partial LSEs start
+
+
+def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_CACHE,
+            seqlen_k: int | None = None, page_size: int = 0, softcap: float = 0.0, alibi=(0, 0),
+            varlen=None) -> Recipe:
+    """The launch arguments of ``plan`` for views q, k, v, o (their strides; pointers are given
+    to ``fire``). For a KV cache, ``cache`` holds the (seqlens_k, kv_batch_idx, block_table)
+    pointers and the block table's row stride, and ``seqlen_k`` is added to each seqlens_k entry
+    (or is the key count without one). ``alibi`` is (slopes pointer, batch stride of the slopes);
+    ``varlen`` is (cu_seqlens_q pointer, cu_seqlens_k pointer, total_q) for packed sequences,
+    whose views then have token strides as batch strides."""
     p = plan.problem
     ngroups = p.nheads // p.nheads_k
     seqlens_ptr, batch_idx_ptr, table_ptr, table_stride = cache
@@ -99,24 +165,41 @@ def run(plan: Plan, q, k, v, o, lse_ptr: int, workspace, softmax_scale: float, s
         softcap, alibi[1], total_q)
     kv = (seqlens_ptr, batch_idx_ptr, table_ptr, *table_args, cu_q, cu_k, *tail, *mods, alibi[0], *alibi_args)
     os_ = _strides(o, plan.pack_gqa, ngroups)
-    common = (*_strides(q, plan.pack_gqa, ngroups), *_strides(k, False, 1), *_strides(v, False, 1))
-
+    mid = (*_strides(q, plan.pack_gqa, ngroups), *_strides(k, False, 1), *_strides(v, False, 1), *os_, *shape, *kv)
     main = plan.launches[0]
-    fn = compiler.get_kernel(main.variant, device)
-    if plan.num_splits == 1 and main.variant.kind == "fwd":
-        args = (q.ptr, k.ptr, v.ptr, o.ptr, lse_ptr, *common, *os_, *shape, *kv, 0, 0, 0)
-        fn(main.grid, (main.threads,), args, shared_mem=main.smem, stream=stream)
+    kernel = compiler.get_kernel(main.variant, device)
+    params = kernel.params((0, 0, 0, 0, 0, *mid, 0, 0, 0))
+    split = not (plan.num_splits == 1 and main.variant.kind == "fwd")
+    rows = p.batch * plan.nheads_eff * plan.seqlen_q_eff
+    n_o = plan.num_splits * rows * main.variant.head_dim if split else 0
+    return Recipe(plan, kernel, params, (*main.grid, 1, 1)[:3], (main.threads, 1, 1), main.smem, mid,
+                  split, (*os_, *combine, cu_q, *tail), main.grid[0] * main.grid[1] * p.batch,
+                  n_o + plan.num_splits * rows if split else 0, n_o)
+
+
+def fire(r: Recipe, device: int, stream: int, q: int, k: int, v: int, o: int, lse: int, workspace=None):
+    """Launch a prepared plan on ``stream`` (a raw pointer) for these data pointers;
+    ``workspace`` is the (partial O, partial LSE) pointer pair when the plan splits."""
+    if not r.split:
+        r.kernel.launch(r.params, r.grid, r.block, r.smem, stream, (q, k, v, o, lse, *r.mid, 0, 0, 0))
         return
-    o_acc_ptr, lse_acc_ptr = workspace
-    g = main.grid
-    counters = _counter_ptr(device, stream, g[0] * g[1] * p.batch) if FUSED_COMBINE else 0
-    args = (q.ptr, k.ptr, v.ptr, o_acc_ptr, lse_acc_ptr, *common, *os_, *shape, *kv, o.ptr, lse_ptr, counters)
-    fn(main.grid, (main.threads,), args, shared_mem=main.smem, stream=stream)
+    o_acc, lse_acc = workspace
+    counters = _counter_ptr(device, stream, r.n_counters) if FUSED_COMBINE else 0
+    r.kernel.launch(r.params, r.grid, r.block, r.smem, stream,
+                    (q, k, v, o_acc, lse_acc, *r.mid, o, lse, counters))
     if counters:
         return
-    comb = plan.launches[1]
-    args = (o_acc_ptr, lse_acc_ptr, o.ptr, lse_ptr, *os_, *combine, cu_q, *tail)
-    compiler.get_kernel(comb.variant, device)(comb.grid, (comb.threads,), args, stream=stream)
+    comb = r.plan.launches[1]
+    compiler.get_kernel(comb.variant, device)(comb.grid, (comb.threads,), (o_acc, lse_acc, o, lse, *r.combine),
+                                              stream=stream)
+
+
+def run(plan: Plan, q, k, v, o, lse_ptr: int, workspace, softmax_scale: float, stream: int, device: int,
+        **extra):
+    """Launch ``plan`` for views q, k, v, o on ``stream`` (a raw pointer); ``workspace`` is the
+    pointer pair from ``workspace()`` when the plan splits, else None; ``extra`` as in prepare."""
+    fire(prepare(plan, q, k, v, o, softmax_scale, device, **extra), device, stream,
+         q.ptr, k.ptr, v.ptr, o.ptr, lse_ptr, workspace)
 
 
 def append_kv(k_new, v_new, k_cache, v_cache, seqlens_ptr: int, seqlen0: int, batch_idx_ptr: int,

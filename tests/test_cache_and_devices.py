@@ -262,12 +262,13 @@ def test_kernel_arguments_pack_like_c_parameters():
 
     import numpy as np
     k = compiler.Kernel.__new__(compiler.Kernel)
-    k.name, k._formats = "k", {}
-    fmt, size = k._format((int, np.int32, int, np.float32, np.int32, float))
-    assert fmt == "@qiqfid" and size == 40
-    buf = bytearray(size)
-    struct.pack_into(fmt, buf, 0, 1 << 40, np.int32(-3), 7, np.float32(0.5), np.int32(9), 2.0)
+    k.name, k._params = "k", {}
+    args = (1 << 40, np.int32(-3), 7, np.float32(0.5), np.int32(9), 2.0)
+    st = k.params(args)
+    assert st.format == "@qiqfid" and st.size == 40
+    buf = bytearray(st.size)
+    st.pack_into(buf, 0, *args)
     assert struct.unpack_from("<q", buf, 0)[0] == 1 << 40 and struct.unpack_from("<i", buf, 8)[0] == -3
     assert struct.unpack_from("<q", buf, 16)[0] == 7 and struct.unpack_from("<f", buf, 24)[0] == 0.5
     assert struct.unpack_from("<i", buf, 28)[0] == 9 and struct.unpack_from("<d", buf, 32)[0] == 2.0
-    assert k._formats[(int, np.int32, int, np.float32, np.int32, float)] == (fmt, size)
+    assert k.params((5, np.int32(0), 1, np.float32(0), np.int32(0), 0.0)) is st  # one layout per types

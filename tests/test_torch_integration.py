@@ -309,6 +309,26 @@ def test_autograd_plumbing(ref_kernels, causal):
 
 
 @requires_torch
+def test_eager_autograd_function_plumbing(ref_kernels):
+    """The autograd.Function that eager CUDA calls use: same forward, context and backward
+    bodies as the custom op (run here on CPU tensors with the reference kernels)."""
+    import torch
+    import cuflash.torch as ct
+    q, k, v = _cpu(2, 7, 4, 16, grad=True), _cpu(2, 11, 2, 16, seed=1, grad=True), _cpu(2, 11, 2, 16, seed=2, grad=True)
+    out, lse = ct._EagerAttention.apply(q, k, v, True, 0.3, 5, 0, 0.0, None, False)
+    ref, _ = ref_attention(q, k, v, True, 0.3, window_size=(5, 0))
+    torch.testing.assert_close(out, ref)
+    assert not lse.requires_grad
+    dout = _cpu(2, 7, 4, 16, seed=3)
+    out.backward(dout)
+    want = _ref_grads(lambda *x: ref_attention(*x, True, 0.3, window_size=(5, 0)), dout, (q, k, v))
+    for got, w in zip((q.grad, k.grad, v.grad), want):
+        torch.testing.assert_close(got, w)
+    assert [c[0] for c in ref_kernels] == ["attention", "backward"]
+    assert ref_kernels[0][3]["window_size"] == (5, 0) and ref_kernels[1][3]["window_size"] == (5, 0)
+
+
+@requires_torch
 def test_varlen_autograd_plumbing(ref_kernels):
     import torch
     import cuflash.torch as ct

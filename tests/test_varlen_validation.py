@@ -326,7 +326,7 @@ def test_valid_varlen_reaches_allocation_first():
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Record what reaches launch.run (then stop), on a pretend 132-SM sm_90 GPU."""
+    """Record what reaches launch.prepare (then stop), on a pretend 132-SM sm_90 GPU."""
     seen = []
 
     def record(plan, *args, **kw):
@@ -335,7 +335,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(api, "device_facts", lambda device: DeviceFacts(132, 90))
     monkeypatch.setattr(arrays, "on_device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(arrays, "stream_for", lambda like: None)
-    monkeypatch.setattr(api.launch, "run", record)
+    monkeypatch.setattr(api.launch, "prepare", record)
     return seen
 
 

@@ -1,0 +1,138 @@
+"""Repeated calls from PyTorch: a call with the signature of an earlier successful one reuses its
+checked plan and launch arguments. Each repeat must still compute the right answer for its own
+(fresh) data, on the current stream, and every input the general path rejects must still be
+rejected."""
+import numpy as np
+import pytest
+
+from conftest import requires_gpu, requires_torch
+from test_gpu_forward import check, to_np, torch_inputs
+
+pytestmark = [requires_gpu, requires_torch]
+
+
+@pytest.fixture
+def no_general_path(monkeypatch):
+    """Make the general path (views, checks, planning) fail loudly once armed."""
+    from cuflash import api
+
+    def arm():
+        def boom(*a, **k):
+            raise AssertionError("the general path ran for a repeated call")
+        monkeypatch.setattr(api, "_attention_device", boom)
+        monkeypatch.setattr(api, "_check_operands", boom)
+    return arm
+
+
+# (b, sq, sk, h, hk, d, num_splits): standard kernel, split-KV decode (GQA-packed), a forced split
+SHAPES = [(2, 77, 203, 4, 2, 64, 0), (1, 1, 4096, 32, 8, 128, 0), (2, 64, 1000, 4, 4, 128, 5)]
+
+
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,splits", SHAPES)
+@pytest.mark.parametrize("given_out", [False, True])
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_repeats_compute_fresh_data(rng, no_general_path, b, sq, sk, h, hk, d, splits, given_out, return_lse):
+    import torch
+
+    import cuflash
+    from cuflash import api
+    from cuflash.reference import attention as ref
+    kw = dict(causal=True, num_splits=splits, return_lse=return_lse)
+    first = torch_inputs(rng, b, sq, sk, h, hk, d, "bfloat16")
+    cuflash.attention(*first, out=torch.empty_like(first[0]) if given_out else None, **kw)
+    assert len(api._repeats) >= 1
+    no_general_path()
+    for _ in range(3):
+        q, k, v = torch_inputs(rng, b, sq, sk, h, hk, d, "bfloat16")
+        out = torch.full_like(q, float("nan")) if given_out else None
+        res = cuflash.attention(q, k, v, out=out, **kw)
+        o, lse = res if return_lse else (res, None)
+        if given_out:
+            assert o is out
+        assert o.shape == q.shape and o.dtype == q.dtype and o.is_contiguous()
+        check(o, q, k, v, causal=True)
+        if return_lse:
+            _, lse_ref = ref(to_np(q), to_np(k), to_np(v), causal=True, return_lse=True)
+            assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
+            np.testing.assert_allclose(lse.cpu().numpy(), lse_ref, rtol=1e-3, atol=2e-3)
+
+
+def test_repeat_follows_the_current_stream(rng):
+    """Decode (split-KV, workspace kept per stream) on two streams at once, repeated."""
+    import torch
+
+    import cuflash
+    args = [torch_inputs(rng, 1, 1, 4096, 32, 8, 128, "bfloat16") for _ in range(2)]
+    want = [cuflash.attention(*a, causal=True) for a in args]
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = [[], []]
+    for _ in range(20):
+        for i, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                outs[i].append(cuflash.attention(*args[i], causal=True))
+    torch.cuda.synchronize()
+    for i in range(2):
+        for o in outs[i]:
+            assert torch.equal(o, want[i])
+
+
+def test_repeat_inside_cuda_graph(rng):
+    """A repeated split-KV call captured into a CUDA graph, replayed on new data."""
+    import torch
+
+    import cuflash
+    q, k, v = torch_inputs(rng, 1, 1, 4096, 32, 8, 128, "bfloat16")
+    out = torch.empty_like(q)
+    cuflash.attention(q, k, v, causal=True, out=out)  # planned, compiled, workspace made
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        cuflash.attention(q, k, v, causal=True, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        cuflash.attention(q, k, v, causal=True, out=out)
+    for _ in range(3):
+        q2, k2, v2 = torch_inputs(rng, 1, 1, 4096, 32, 8, 128, "bfloat16")
+        q.copy_(q2), k.copy_(k2), v.copy_(v2)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check(out, q, k, v, causal=True)
+
+
+def test_unaligned_repeat_takes_the_general_path(rng):
+    """Same shapes and strides, but a pointer off 16 bytes: the call reads a padded copy."""
+    import torch
+
+    import cuflash
+    q, k, v = torch_inputs(rng, 2, 50, 70, 4, 4, 64, "float16")
+    cuflash.attention(q, k, v)
+    base = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)
+    q_off = base[1:].view(q.shape)  # 2-byte offset: same shape and strides
+    q_off.copy_(q)
+    assert q_off.data_ptr() % 16 and q_off.stride() == q.stride()
+    check(cuflash.attention(q_off, k, v), q_off, k, v)
+
+
+def test_repeat_still_rejects_what_the_general_path_rejects(rng):
+    """Values equal to a cached call's but of another type (1 vs True) and changed inputs
+    still meet the checks."""
+    import torch
+
+    import cuflash
+    q, k, v = torch_inputs(rng, 2, 40, 60, 4, 2, 64, "bfloat16")
+    cuflash.attention(q, k, v, causal=True, num_splits=0, softcap=0.0)
+    with pytest.raises(TypeError, match="causal"):
+        cuflash.attention(q, k, v, causal=1)
+    with pytest.raises(TypeError, match="num_splits"):
+        cuflash.attention(q, k, v, causal=True, num_splits=False)
+    with pytest.raises(TypeError, match="dtype"):
+        cuflash.attention(q, k.half(), v, causal=True)
+    with pytest.raises(ValueError, match="batch"):
+        cuflash.attention(q, k[:1], v[:1], causal=True)
+    with pytest.raises(ValueError, match="out"):
+        cuflash.attention(q, k, v, causal=True, out=torch.empty_like(q)[:, :10])
+    with pytest.raises(ValueError, match="CPU"):
+        cuflash.attention(q.cpu(), k.cpu(), v.cpu(), causal=True)
