@@ -79,9 +79,12 @@ def _plain_cuda_tensors(*xs) -> bool:
 def _wants_op(q, k, v, alibi_slopes=None) -> bool:
     """Go through the custom op (autograd, compilation, fake tensors) rather than calling the
     kernels directly."""
-    if torch.compiler.is_compiling() or not _plain_cuda_tensors(q, k, v, alibi_slopes):
+    if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and q.is_cuda and k.is_cuda
+            and v.is_cuda and (alibi_slopes is None or _plain_cuda_tensors(alibi_slopes))):
+        return True  # fake, functional or other subclasses, CPU tensors: the op handles them
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return True
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return torch.compiler.is_compiling()
 
 
 # ---------------------------------------------------------------------------------------------
