@@ -11,11 +11,10 @@ import pytest
 from cuflash import backward, compiler, reference
 from cuflash.arrays import View
 from cuflash.codegen import HEAD_DIM_BUCKETS, render
-from conftest import GPU_PROBLEM, fake_view
+from conftest import GPU_PROBLEM, assert_compiled_clean, fake_view
 
 VARIANTS = backward.bwd_variants(80) + backward.bwd_variants(90)
 SMEM_LIMIT = 227 * 1024  # per-block opt-in limit on sm_80 / sm_90
-ELF = b"\x7fELF"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,12 +97,8 @@ def compiled():
 
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
 def test_variant_compiles_without_spills(compiled, v):
-    c = compiled[v]
-    assert c.cubin[:4] == ELF
-    assert f"entry function '{v.name}'" in c.log and f"for 'sm_{v.arch}'" in c.log
-    r = c.resources
-    assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0), f"{v.name}: {r}\n{c.log}"
-    assert 0 < r.registers <= 255 and r.static_smem == 0, r
+    r = assert_compiled_clean(compiled[v], v)
+    assert r.static_smem == 0, r
     assert backward.smem_bytes(v) <= SMEM_LIMIT
     assert v.smem_bytes <= SMEM_LIMIT  # what the generic loader sets before backward raises it
 

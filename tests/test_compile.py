@@ -8,6 +8,7 @@ import pytest
 from cuflash import compiler
 from cuflash.codegen import Variant
 from cuflash.plan import all_variants
+from conftest import assert_compiled_clean
 
 VARIANTS = all_variants(80) + all_variants(90)
 ELF = b"\x7fELF"
@@ -21,12 +22,7 @@ def compiled():
 
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
 def test_variant_compiles_without_spills(compiled, v):
-    c = compiled[v]
-    assert c.cubin[:4] == ELF
-    assert f"entry function '{v.name}'" in c.log and f"for 'sm_{v.arch}'" in c.log
-    r = c.resources
-    assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0), f"{v.name}: {r}\n{c.log}"
-    assert 0 < r.registers <= 255, r
+    assert_compiled_clean(compiled[v], v)
 
 
 def test_compile_error_is_reported():
