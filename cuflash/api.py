@@ -550,6 +550,21 @@ def _batched(x, batch, max_len):
                        x.dtype, x.device, x.framework, x.array)
 
 
+def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k):
+    """Views of two int32 (batch + 1,) contiguous cumulative-length vectors, and the batch."""
+    cq, ck = arrays.view(cu_seqlens_q, "cu_seqlens_q"), arrays.view(cu_seqlens_k, "cu_seqlens_k")
+    for name, c in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
+        if c.dtype != "int32":
+            raise TypeError(f"{name} must be int32, got {c.dtype}")
+        if len(c.shape) != 1 or c.shape[0] < 1:
+            raise ValueError(f"{name} must have shape (batch + 1,), got {_shape_str(c)}")
+        if c.shape[0] > 1 and c.strides[0] != 1:
+            raise ValueError(f"{name} must be contiguous, got strides {tuple(c.strides)}")
+    if ck.shape != cq.shape:
+        raise ValueError(f"cu_seqlens_k must have cu_seqlens_q's shape {_shape_str(cq)}, got {_shape_str(ck)}")
+    return cq, ck, cq.shape[0] - 1
+
+
 def _check_max_seqlen(value, name, limit, what):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -584,17 +599,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     for name, x in (("k", kv), ("v", vv)):
         if len(x.shape) != (4 if paged else 3):
             raise ValueError(f"{name} must have {k_dims}, got shape {_shape_str(x)}")
-    cq, ck = arrays.view(cu_seqlens_q, "cu_seqlens_q"), arrays.view(cu_seqlens_k, "cu_seqlens_k")
-    for name, c in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
-        if c.dtype != "int32":
-            raise TypeError(f"{name} must be int32, got {c.dtype}")
-        if len(c.shape) != 1 or c.shape[0] < 1:
-            raise ValueError(f"{name} must have shape (batch + 1,), got {_shape_str(c)}")
-        if c.shape[0] > 1 and c.strides[0] != 1:
-            raise ValueError(f"{name} must be contiguous, got strides {tuple(c.strides)}")
-    if ck.shape != cq.shape:
-        raise ValueError(f"cu_seqlens_k must have cu_seqlens_q's shape {_shape_str(cq)}, got {_shape_str(ck)}")
-    batch = cq.shape[0] - 1
+    cq, ck, batch = _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
     total_q, h, d = qv.shape
     if paged:
         bt = _check_block_table(block_table, batch, qv)

@@ -218,17 +218,7 @@ def _validate_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_se
         if len(x.shape) != 3:
             raise ValueError(f"{name} must have 3 dims (total_k, nheads_k, headdim) (the backward has no "
                              f"paged K/V), got shape {api._shape_str(x)}")
-    cq, ck = arrays.view(cu_seqlens_q, "cu_seqlens_q"), arrays.view(cu_seqlens_k, "cu_seqlens_k")
-    for name, c in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
-        if c.dtype != "int32":
-            raise TypeError(f"{name} must be int32, got {c.dtype}")
-        if len(c.shape) != 1 or c.shape[0] < 1:
-            raise ValueError(f"{name} must have shape (batch + 1,), got {api._shape_str(c)}")
-        if c.shape[0] > 1 and c.strides[0] != 1:
-            raise ValueError(f"{name} must be contiguous, got strides {tuple(c.strides)}")
-    if ck.shape != cq.shape:
-        raise ValueError(f"cu_seqlens_k must have cu_seqlens_q's shape {api._shape_str(cq)}, got {api._shape_str(ck)}")
-    batch = cq.shape[0] - 1
+    cq, ck, batch = api._check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
     total_q, h, d = qv.shape
     max_sq = api._check_max_seqlen(max_seqlen_q, "max_seqlen_q", total_q, "total_q")
     max_sk = api._check_max_seqlen(max_seqlen_k, "max_seqlen_k", kv.shape[0], "total_k")
