@@ -354,7 +354,7 @@ class _Repeat(NamedTuple):
             op = out.data_ptr()
         lse = None if self.lse_shape is None else q.new_empty(self.lse_shape, dtype=torch.float32)
         dev, recipe = self.device, self.recipe
-        stream = torch._C._cuda_getCurrentRawStream(dev)
+        stream = arrays.torch_stream(dev)
         held = []  # a per-call workspace (large, or inside a graph capture) lives until queued
         workspace = None if not recipe.split else launch.workspace(recipe, dev, stream, lambda n: (
             held.append(q.new_empty((n,), dtype=torch.float32)) or held[-1].data_ptr()))
@@ -368,6 +368,7 @@ class _Repeat(NamedTuple):
 
 
 def _current_device_id() -> int:
+    """The current CUDA device (CuPy's runtime call, bound on first use)."""
     global _current_device_id
     import cupy
     _current_device_id = cupy.cuda.runtime.getDevice

@@ -80,11 +80,19 @@ def stream_for(v: View) -> int:
     """The caller's current stream (a raw pointer) to launch on: torch's for PyTorch arrays,
     CuPy's otherwise."""
     if v.framework == "torch":
-        import torch
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the pointer, without a Stream object
-        return raw(v.device) if raw else torch.cuda.current_stream(v.device).cuda_stream
+        return torch_stream(v.device)
     import cupy
     return cupy.cuda.get_current_stream().ptr
+
+
+def torch_stream(device: int) -> int:
+    """torch's current stream on ``device``, as a raw pointer (without a Stream object where
+    torch offers that)."""
+    global torch_stream
+    import torch
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    torch_stream = raw or (lambda d: torch.cuda.current_stream(d).cuda_stream)
+    return torch_stream(device)
 
 
 def on_device(device: int):
