@@ -229,6 +229,29 @@ def test_cpu_tensor_error_is_cuflash_s():
 
 
 @requires_torch
+def test_repeat_signature_keys_on_types_and_layout():
+    """The key of cuflash.attention's repeated-call table: values with their types (True is not
+    1), shapes, strides, dtypes and devices; None for calls the table never serves."""
+    import torch
+    from cuflash import api
+    q = torch.zeros(2, 8, 4, 64, dtype=torch.float16)
+    k = torch.zeros(2, 16, 2, 64, dtype=torch.float16)
+    base = dict(out=None, causal=True, softmax_scale=None, return_lse=False, num_splits=0,
+                window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
+    s0 = api._signature(q, k, k, **base)
+    assert s0 is not None and s0 == api._signature(q.clone(), k.clone(), k.clone(), **base)
+    for change in (dict(causal=1), dict(num_splits=False), dict(softcap=0), dict(return_lse=1),
+                   dict(softmax_scale=0.125), dict(window_size=(3, 0)), dict(out=torch.empty_like(q))):
+        assert api._signature(q, k, k, **{**base, **change}) != s0, change
+    assert api._signature(q.transpose(1, 2).contiguous().transpose(1, 2), k, k, **base) != s0
+    assert api._signature(q.to(torch.bfloat16), k, k, **base) != s0
+    for skip in (dict(alibi_slopes=torch.ones(4)), dict(window_size=[-1, -1]), dict(window_size=(True, 0))):
+        assert api._signature(q, k, k, **{**base, **skip}) is None, skip
+    assert api._signature(q.numpy(), k, k, **base) is None
+    assert api._signature(q, k.numpy(), k, **base) is None
+
+
+@requires_torch
 def test_extras_only_when_not_default():
     import cuflash.torch as ct
     assert ct._extras(-1, -1, 0.0, None) == {}

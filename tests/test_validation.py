@@ -22,7 +22,7 @@ def _no_launch(monkeypatch):
         raise AssertionError("validation passed: the device path was reached")
     monkeypatch.setattr(api, "_attention_device", boom)
     monkeypatch.setattr(arrays, "to_device", boom)
-    monkeypatch.setattr(api.launch, "run", boom)
+    monkeypatch.setattr(api.launch, "fire", boom)
 
 
 def z(shape, dt=F16):
