@@ -285,7 +285,8 @@ def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mod
     # Head dims that are not a multiple of 8, or unaligned operands, go through a padded copy
     # (as flash-attn does); everything else is read in place.
     d_pad = -(-d // 8) * 8
-    qk = [x if d_pad == d and _aligned(x) else _padded(x, d_pad) for x in (qv, kv, vv)]
+    in_place = [d_pad == d and _aligned(x) for x in (qv, kv, vv)]
+    qk = [x if ok else _padded(x, d_pad) for x, ok in zip((qv, kv, vv), in_place)]
     direct_out = d_pad == d and _aligned(o_view)
     kernel_out = o_view if direct_out else arrays.view(
         arrays.empty_like_framework(qv, (b, sq, h, d_pad), qv.dtype), "out")
@@ -297,7 +298,7 @@ def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mod
                      alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0))
     if not direct_out:
         o_view.array[...] = kernel_out.array[..., :d]
-    elif sig is not None and qk == [qv, kv, vv]:  # read in place: the next such call can skip to here
+    elif sig is not None and all(in_place):  # read in place: the next such call can skip to here
         if len(_repeats) >= 1024:
             _repeats.clear()
         contiguous = qv.strides == (sq * h * d, h * d, d, 1)
@@ -355,15 +356,14 @@ class _Repeat(NamedTuple):
         lse = None if self.lse_shape is None else q.new_empty(self.lse_shape, dtype=torch.float32)
         dev, recipe = self.device, self.recipe
         stream = arrays.torch_stream(dev)
-        held = []  # a per-call workspace (large, or inside a graph capture) lives until queued
-        workspace = None if not recipe.split else launch.workspace(recipe, dev, stream, lambda n: (
-            held.append(q.new_empty((n,), dtype=torch.float32)) or held[-1].data_ptr()))
+        workspace, held = launch.workspace(  # a per-call workspace is held until its kernels are queued
+            recipe, dev, stream, lambda n: q.new_empty((n,), dtype=torch.float32))
+        args = (recipe, dev, stream, qp, kp, vp, op, 0 if lse is None else lse.data_ptr(), workspace)
         if _current_device_id() == dev:
-            launch.fire(recipe, dev, stream, qp, kp, vp, op, 0 if lse is None else lse.data_ptr(), workspace)
+            launch.fire(*args)
         else:
             with arrays.on_device(dev):
-                launch.fire(recipe, dev, stream, qp, kp, vp, op, 0 if lse is None else lse.data_ptr(),
-                            workspace)
+                launch.fire(*args)
         return (out, lse) if lse is not None else out
 
 
@@ -402,11 +402,8 @@ def _launch(problem, like, q, k, v, o, lse_arr, scale, kv="dense", varlen_kv=Fal
     lse_ptr = arrays.device_ptr(lse_arr) if lse_arr is not None else 0
     with arrays.on_device(dev):
         recipe = launch.prepare(plan, q, k, v, o, scale, dev, **extra)
-        workspace, held = None, []  # a per-call workspace lives until its kernels are queued
-        if recipe.split:
-            alloc = lambda n: arrays.device_ptr(  # noqa: E731
-                held.append(arrays.empty_like_framework(like, (n,), "float32")) or held[-1])
-            workspace = launch.workspace(recipe, dev, stream, alloc)
+        workspace, held = launch.workspace(  # a per-call workspace is held until its kernels are queued
+            recipe, dev, stream, lambda n: arrays.empty_like_framework(like, (n,), "float32"))
         launch.fire(recipe, dev, stream, q.ptr, k.ptr, v.ptr, o.ptr, lse_ptr, workspace)
     return recipe
 

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import compiler
+from . import arrays, compiler
 from .codegen import Variant
 from .plan import Plan, cdiv
 
@@ -99,15 +99,21 @@ class _RawStream:
         return (0, self.ptr)
 
 
+def _new_counters(n: int):
+    import cupy
+    return cupy.zeros(max(n, 1 << 14), dtype=cupy.int32)
+
+
+def _new_workspace(n: int):
+    import cupy
+    return cupy.empty(max(n, 1 << 16), dtype=cupy.float32)
+
+
 def _counter_ptr(device: int, stream: int, need: int) -> int:
     """A zeroed int32 buffer of at least ``need`` counters for split kernels on ``stream`` (each
     kernel leaves its counters zeroed), or 0 when none can be made now (inside a CUDA graph
     capture): the combine kernel then runs."""
-    buf = _counters.get((device, stream))
-    if buf is None or buf.size < need:
-        import cupy
-        buf = _per_stream(_counters, device, stream, need,
-                          lambda n: cupy.zeros(max(n, 1 << 14), dtype=cupy.int32))
+    buf = _per_stream(_counters, device, stream, need, _new_counters)
     return 0 if buf is None else buf.data.ptr
 
 
@@ -115,19 +121,20 @@ WORKSPACE_CACHE_BYTES = 32 << 20  # split workspaces up to this size are kept pe
 _workspaces: dict = {}  # (device, stream pointer) -> fp32 CuPy array
 
 
-def workspace(r: "Recipe", device: int, stream: int, alloc):
-    """(partial O pointer, partial LSE pointer) of a split launch's fp32 workspace: a buffer kept
-    per stream when small (decode), else ``alloc(n_floats)`` (a pointer from the caller's
-    allocator, e.g. torch's, for this call; also inside a graph capture)."""
+def workspace(r: "Recipe", device: int, stream: int, new_array):
+    """((partial O pointer, partial LSE pointer), buffer) of a split launch's fp32 workspace, or
+    (None, None) when the launch does not split: a buffer kept per stream when small (decode),
+    else ``new_array(n_floats)`` from the caller's allocator for this call (also inside a graph
+    capture), which the caller holds until the launch is queued."""
+    if not r.split:
+        return None, None
     buf = None
     if 4 * r.ws_floats <= WORKSPACE_CACHE_BYTES:
-        buf = _workspaces.get((device, stream))
-        if buf is None or buf.size < r.ws_floats:
-            import cupy
-            buf = _per_stream(_workspaces, device, stream, r.ws_floats,
-                              lambda m: cupy.empty(max(m, 1 << 16), dtype=cupy.float32))
-    ptr = buf.data.ptr if buf is not None else alloc(r.ws_floats)
-    return ptr, ptr + 4 * r.ws_lse
+        buf = _per_stream(_workspaces, device, stream, r.ws_floats, _new_workspace)
+    if buf is None:
+        buf = new_array(r.ws_floats)
+    ptr = arrays.device_ptr(buf)
+    return (ptr, ptr + 4 * r.ws_lse), buf
 
 
 class Recipe(NamedTuple):

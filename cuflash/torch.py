@@ -76,15 +76,23 @@ def _plain_cuda_tensors(*xs) -> bool:
     return all(x is None or (type(x) is Tensor and x.is_cuda) for x in xs)
 
 
-def _wants_op(q, k, v, alibi_slopes=None) -> bool:
-    """Go through the custom op (autograd, compilation, fake tensors) rather than calling the
-    kernels directly."""
+def _route(q, k, v, alibi_slopes=None) -> str:
+    """How a call runs: "op", the custom op (torch.compile; fake, functional or other tensor
+    subclasses; CPU tensors, which the op reports); "autograd", the op's bodies as an eager
+    autograd.Function (real CUDA tensors that need gradients); "direct", the kernels alone."""
     if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and q.is_cuda and k.is_cuda
             and v.is_cuda and (alibi_slopes is None or _plain_cuda_tensors(alibi_slopes))):
-        return True  # fake, functional or other subclasses, CPU tensors: the op handles them
+        return "op"
+    if torch.compiler.is_compiling():
+        return "op"
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return True
-    return torch.compiler.is_compiling()
+        return "autograd"
+    return "direct"
+
+
+def _wants_op(q, k, v, alibi_slopes=None) -> bool:
+    """Go through the custom op (or its eager twin) rather than calling the kernels directly."""
+    return _route(q, k, v, alibi_slopes) != "direct"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,7 +275,7 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale:
 
 
 def _fwd_body(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-              deterministic=False):
+              deterministic=False):  # deterministic: taken like the op's inputs, used by the backward
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return _forward_kernel(q, k, v, out, causal, softmax_scale, window_left, window_right, softcap,
                            alibi_slopes, True)
@@ -434,13 +442,13 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
     """
     window_left, window_right = _window(window_size)
     softcap = float(softcap or 0.0)
-    if not _wants_op(q, k, v, alibi_slopes):
-        res = _forward_kernel(q, k, v, None, causal, softmax_scale, window_left, window_right,
-                              softcap, alibi_slopes, return_lse)
-        return res
+    route = _route(q, k, v, alibi_slopes)
+    if route == "direct":
+        return _forward_kernel(q, k, v, None, causal, softmax_scale, window_left, window_right,
+                               softcap, alibi_slopes, return_lse)
     args = (q, k, v, bool(causal), softmax_scale, window_left, window_right, softcap, alibi_slopes,
             bool(deterministic))
-    if torch.compiler.is_compiling() or not _plain_cuda_tensors(q, k, v, alibi_slopes):
+    if route == "op":
         out, lse = torch.ops.cuflash.attention_fwd(*args)
     else:
         out, lse = _EagerAttention.apply(*args)
