@@ -27,7 +27,10 @@ Kernels (``templates/``), all on the caller's stream:
    fp32 registers; P^T and dS^T go from the MMA outputs straight into the next MMA's operands.
    dK and dV are therefore complete in one block and written once: no atomics for them, GQA
    included. The ``_dq`` variant also stores dS^T in shared memory and adds dQ = dS K into an
-   fp32 buffer with atomic adds.
+   fp32 buffer with atomic adds. That is the "rows" layout (each warp owns 16 keys x every
+   column). At d = 64 and 128 the "grid" layout (bwd_grid.cu.j2, FlashAttention-2's) runs
+   instead: S and dP on a 2 x 4 grid of warps, P and dS through shared memory, dK/dV on a 4 x 2
+   grid (32 keys x d/2 per warp), so each warp reads half of Q and dO per step.
 3. ``bwd_convert`` (bwd_convert.cu.j2): dQ = scale * accumulator, in the input dtype.
 
 ``deterministic=True`` launches ``bwd_dkdv`` (no dQ) and, instead of atomics and the convert
@@ -48,16 +51,17 @@ from .codegen import HEAD_DIM_BUCKETS, Variant
 from .plan import cdiv, effective_window, head_dim_bucket
 
 # dK/dV kernel tiles per head-dim bucket: (block_m query rows per step, block_n keys per block,
-# warps, Q/dO stages). Every warp owns 16 keys (two warps share them above d = 128), so
-# block_m sets the S^T and dP^T registers; these compile with no spills under NVRTC 13.0 and
-# 13.5 for sm_80 and sm_90 (checked in the CPU tests).
+# warps, Q/dO stages, layout). In the "rows" layout every warp owns 16 keys (two warps share
+# them above d = 128), so block_m sets the S^T and dP^T registers; the "grid" layout holds
+# 32 x 32 of S and dP and 32 keys x d/2 of dK and dV per warp. These compile with no spills
+# under NVRTC 13.0 and 13.5 for sm_80 and sm_90 (checked in the CPU tests).
 DKDV_TILES = {
-    32: (64, 128, 8, 2),
-    64: (64, 128, 8, 2),
-    96: (32, 128, 8, 2),
-    128: (32, 128, 8, 2),
-    192: (32, 64, 8, 2),
-    256: (32, 64, 8, 2),
+    32: (64, 128, 8, 2, "rows"),
+    64: (128, 128, 8, 2, "grid"),
+    96: (32, 128, 8, 2, "rows"),
+    128: (64, 128, 8, 2, "grid"),
+    192: (32, 64, 8, 2, "rows"),
+    256: (32, 64, 8, 2, "rows"),
 }
 # Deterministic dQ kernel tiles: (block_m, block_n, warps, K/V stages).
 DQ_TILES = {
@@ -80,14 +84,21 @@ MASKS = ((False, False), (True, False), (False, True))  # (causal, local)
 MODS = ((False, False), (True, False), (False, True), (True, True))  # (softcap, alibi)
 
 
-# dK/dV tiles of the softcap variants where DKDV_TILES would spill: at d = 256 the 1 - t^2
-# factors cost the registers of the second Q/dO stage (NVRTC 13.0, sm_90, atomic dQ).
-DKDV_SOFTCAP_TILES = {256: (32, 64, 8, 1)}
+# dK/dV tiles where DKDV_TILES does not fit. The grid layout (d = 64, 128) has no registers
+# left for a window's bounds, a softcap's 1 - t^2 factors or ALiBi's bias, and its 175-180 KB
+# of shared memory need sm_90 (sm_80 has 163 KB): those run the rows layout. At d = 256 a
+# softcap costs the registers of the second Q/dO stage (NVRTC 13.0 and 13.5, sm_80 and sm_90).
+DKDV_ROWS_TILES = {64: (64, 128, 8, 2, "rows"), 128: (32, 128, 8, 2, "rows")}
+DKDV_SOFTCAP_TILES = {256: (32, 64, 8, 1, "rows")}
 
 
-def dkdv_tile(bucket: int, softcap: bool = False, alibi: bool = False) -> tuple[int, int, int, int]:
-    """The dK/dV kernel's tile: DKDV_TILES, or DKDV_SOFTCAP_TILES with a softcap. ALiBi and
-    windows fit the base tiles."""
+def dkdv_tile(bucket: int, softcap: bool = False, alibi: bool = False, local: bool = False,
+              arch: int = 90) -> tuple[int, int, int, int, str]:
+    """The dK/dV kernel's tile: DKDV_TILES; DKDV_ROWS_TILES where it has the bucket, with a
+    window, softcap or ALiBi or below sm_90; with a softcap DKDV_SOFTCAP_TILES where it has
+    the bucket."""
+    if (local or softcap or alibi or arch < 90) and bucket in DKDV_ROWS_TILES:
+        return DKDV_ROWS_TILES[bucket]
     if softcap and bucket in DKDV_SOFTCAP_TILES:
         return DKDV_SOFTCAP_TILES[bucket]
     return DKDV_TILES[bucket]
@@ -104,14 +115,15 @@ def variants(bucket: int, dtype: str, causal: bool, deterministic: bool, arch: i
     """The kernels one backward call launches, in launch order. ``causal``/``local`` are the
     mask as launched (plan.effective_window: a window that hides no key beyond the causal mask
     runs as causal)."""
+    bm, bn, w, st, layout = dkdv_tile(bucket, softcap, alibi, local, arch)
     mods = dict(local=local, softcap=softcap, alibi=alibi)
-    bm, bn, w, st = dkdv_tile(bucket, softcap, alibi)
+    dkdv = dict(mods, layout=layout)
     prep = Variant("bwd_prep", bucket, dtype, arch=arch, warps=PREP_ROWS_PER_BLOCK)
     if deterministic:
         qm, qn, qw, qst = dq_tile(bucket, softcap, alibi)
-        return (prep, Variant("bwd_dkdv", bucket, dtype, causal, False, bm, bn, w, arch, st, **mods),
+        return (prep, Variant("bwd_dkdv", bucket, dtype, causal, False, bm, bn, w, arch, st, **dkdv),
                 Variant("bwd_dq", bucket, dtype, causal, False, qm, qn, qw, arch, qst, **mods))
-    return (prep, Variant("bwd_dkdv_dq", bucket, dtype, causal, False, bm, bn, w, arch, st, **mods),
+    return (prep, Variant("bwd_dkdv_dq", bucket, dtype, causal, False, bm, bn, w, arch, st, **dkdv),
             Variant("bwd_convert", bucket, dtype, arch=arch, warps=CONVERT_THREADS // 32))
 
 
@@ -135,8 +147,11 @@ def smem_bytes(v: Variant) -> int:
     """Dynamic shared memory of a backward variant (mirrors kSmemBytes in its template)."""
     row = (v.head_dim + 8) * 2
     if v.kind in ("bwd_dkdv", "bwd_dkdv_dq"):
-        ds = v.block_n * (v.block_m + 8) * 2 if v.kind == "bwd_dkdv_dq" else 0
-        return 2 * v.block_n * row + 2 * v.stages * v.block_m * row + ds + 2 * v.stages * v.block_m * 4 + 48
+        if v.layout == "grid":  # P and dS, [query][key]
+            extra = 2 * v.block_m * (v.block_n + 8) * 2
+        else:  # dS^T, [key][query], for dQ
+            extra = v.block_n * (v.block_m + 8) * 2 if v.kind == "bwd_dkdv_dq" else 0
+        return 2 * v.block_n * row + 2 * v.stages * v.block_m * row + extra + 2 * v.stages * v.block_m * 4 + 48
     if v.kind == "bwd_dq":
         return 2 * v.block_m * row + 2 * v.stages * v.block_n * row
     return 0

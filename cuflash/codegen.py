@@ -15,6 +15,7 @@ KINDS = ("fwd", "fwd_split", "combine", "append",
          "bwd_prep", "bwd_dkdv", "bwd_dkdv_dq", "bwd_dq", "bwd_convert")
 DTYPES = ("fp16", "bf16")
 KV_SOURCES = ("dense", "cache", "paged")
+LAYOUTS = ("rows", "grid")
 
 
 def templates_dir() -> Path:
@@ -44,6 +45,7 @@ class Variant:
     local: bool = False       # sliding-window mask (window bounds are launch arguments)
     softcap: bool = False     # softcap * tanh(s / softcap) on the scores
     alibi: bool = False       # ALiBi bias -slope * |i + sk - sq - j|
+    layout: str = "rows"      # dK/dV kernels: warps own key rows ("rows") or a 2-D grid of tiles ("grid")
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -53,6 +55,9 @@ class Variant:
         if self.local and self.causal:
             raise ValueError("a local variant carries the causal bound as its window's right edge: "
                              "causal must be False")
+        if self.layout not in LAYOUTS or (self.layout != "rows" and self.kind not in ("bwd_dkdv", "bwd_dkdv_dq")):
+            raise ValueError(f"layout must be one of {LAYOUTS} for the dK/dV kinds and 'rows' for the "
+                             f"others, got {self.layout!r} for {self.kind!r}")
         if self.kind == "append":  # copies 16-byte chunks: no head-dim or dtype specialisation
             return
         if self.head_dim not in HEAD_DIM_BUCKETS:
@@ -71,7 +76,7 @@ class Variant:
             return f"{self.kind}_d{self.head_dim}_{self.dtype}_sm{self.arch}"
         mask = "local" if self.local else ("causal" if self.causal else "full")
         mods = ("_softcap" if self.softcap else "") + ("_alibi" if self.alibi else "")
-        even = "" if self.even_head_dim else "_dpred"
+        even = ("" if self.even_head_dim else "_dpred") + ("" if self.layout == "rows" else f"_{self.layout}")
         return (f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{mods}{even}{paged}"
                 f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}_sm{self.arch}")
 
@@ -102,6 +107,8 @@ def render(variant: Variant) -> str:
     template = {"combine": "combine.cu.j2", "append": "append.cu.j2",
                 "bwd_prep": "bwd_prep.cu.j2", "bwd_dkdv": "bwd.cu.j2", "bwd_dkdv_dq": "bwd.cu.j2",
                 "bwd_dq": "bwd_dq.cu.j2", "bwd_convert": "bwd_convert.cu.j2"}.get(variant.kind, "fwd.cu.j2")
+    if variant.layout == "grid":
+        template = "bwd_grid.cu.j2"
     return _environment().get_template(template).render(
         name=variant.name,
         head_dim=variant.head_dim,

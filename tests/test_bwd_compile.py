@@ -10,11 +10,11 @@ import pytest
 
 from cuflash import backward, compiler, reference
 from cuflash.arrays import View
-from cuflash.codegen import HEAD_DIM_BUCKETS, render
+from cuflash.codegen import HEAD_DIM_BUCKETS, LAYOUTS, Variant, render
 from conftest import GPU_PROBLEM, assert_compiled_clean, fake_view
 
 VARIANTS = backward.bwd_variants(80) + backward.bwd_variants(90)
-SMEM_LIMIT = 227 * 1024  # per-block opt-in limit on sm_80 / sm_90
+SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # per-block opt-in limit (A100 / H100)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -54,6 +54,28 @@ def test_base_tiles_unchanged():
                     assert dk == backward.DKDV_TILES[bucket] and dq == backward.DQ_TILES[bucket]
                 assert dk[0] <= backward.DKDV_TILES[bucket][0] and dq[0] <= backward.DQ_TILES[bucket][0]
                 assert backward.ROW_PAD % dk[0] == 0 and backward.ROW_PAD % dq[0] == 0
+
+
+def test_layout_choice():
+    """The grid layout runs the plain masks at d = 64 and 128 on sm_90; windows, softcap, ALiBi
+    and sm_80 keep the rows layout (registers, shared memory); its source is bwd_grid.cu.j2."""
+    for bucket in HEAD_DIM_BUCKETS:
+        for arch in (80, 90):
+            for local, softcap, alibi in ((False, False, False), (True, False, False), (False, True, False),
+                                          (False, False, True)):
+                for det in (False, True):
+                    dk = backward.variants(bucket, "fp16", not local, det, arch, local, softcap, alibi)[1]
+                    grid = arch == 90 and bucket in (64, 128) and not (local or softcap or alibi)
+                    assert dk.layout == ("grid" if grid else "rows"), dk.name
+                    assert dk.name.endswith(f"{'_grid' if grid else ''}_m{dk.block_m}n{dk.block_n}"
+                                            f"w{dk.warps}s{dk.stages}_sm{arch}")
+                    src = render(dk)
+                    assert ("bwd_grid.cu.j2" in src) == grid and ("kPStride" in src) == grid
+                    assert ("kSStride" in src) == (not grid)
+    with pytest.raises(ValueError, match="layout"):
+        Variant("bwd_dq", 64, "fp16", layout="grid")
+    with pytest.raises(ValueError, match="layout"):
+        Variant("bwd_dkdv", 64, "fp16", layout="cols")
 
 
 @pytest.mark.parametrize("causal,window,sq,sk,want", [
@@ -99,8 +121,8 @@ def compiled():
 def test_variant_compiles_without_spills(compiled, v):
     r = assert_compiled_clean(compiled[v], v)
     assert r.static_smem == 0, r
-    assert backward.smem_bytes(v) <= SMEM_LIMIT
-    assert v.smem_bytes <= SMEM_LIMIT  # what the generic loader sets before backward raises it
+    assert backward.smem_bytes(v) <= SMEM_LIMIT[v.arch]
+    assert v.smem_bytes <= SMEM_LIMIT[v.arch]  # what the generic loader sets before backward raises it
 
 
 @pytest.mark.parametrize("v", [v for v in backward.bwd_variants(90)
@@ -342,10 +364,13 @@ def test_numpy_inputs_need_a_gpu():
 
 
 def test_tiles_cover_every_bucket():
+    tiles = [t[:4] for t in backward.DKDV_TILES.values()] + list(backward.DQ_TILES.values())
     for table in (backward.DKDV_TILES, backward.DQ_TILES):
         assert sorted(table) == list(HEAD_DIM_BUCKETS)
-        for bm, bn, w, st in table.values():
-            assert backward.ROW_PAD % bm == 0 and bn % 16 == 0 and w in (4, 8) and st in (1, 2)
+    for bm, bn, w, st in tiles:
+        assert backward.ROW_PAD % bm == 0 and bn % 16 == 0 and w in (4, 8) and st in (1, 2)
+    for table in (backward.DKDV_TILES, backward.DKDV_ROWS_TILES, backward.DKDV_SOFTCAP_TILES):
+        assert all(t[4] in LAYOUTS for t in table.values())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -76,16 +76,20 @@ __device__ __forceinline__ void ldsm_x2_trans(u32 (&r)[2], u32 addr) {
                : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
 }
 
-// acc[kMT][kNT] += A . B with A (m x k) stored as k rows of m, B (k x n) stored by rows of k.
-// a: lane address of A's first k row at this warp's first m column (lane_off_at); b as in rs_tn.
+// acc[kMT][kNT] += A . B with A (m x k) stored as k rows of m (kAT) or as m rows of k, B (k x n)
+// stored by rows of k. a: lane address of A's first k row at this warp's first m column
+// (lane_off_at), or of its first m row (lane_off_a); b as in rs_tn.
 // An odd last n8 tile is read with ldmatrix .x2 (the lane offsets of lanes 0-15 are the same).
-template <int kMT, int kNT, int kK16, int kSA, int kSB>
+template <int kMT, int kNT, int kK16, int kSA, int kSB, bool kAT = true>
 __device__ __forceinline__ void gemm_st_tn(float (&acc)[kMT][kNT][4], u32 a, u32 b) {
 #pragma unroll
   for (int kk = 0; kk < kK16; ++kk) {
     u32 fa[kMT][4];
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) ldsm_x4_trans(fa[mt], a + (kk * 16 * kSA + mt * 16) * 2);
+    for (int mt = 0; mt < kMT; ++mt) {
+      if constexpr (kAT) ldsm_x4_trans(fa[mt], a + (kk * 16 * kSA + mt * 16) * 2);
+      else ldsm_x4(fa[mt], a + (mt * 16 * kSA + kk * 16) * 2);
+    }
 #pragma unroll
     for (int dj = 0; dj < kNT / 2; ++dj) {
       u32 fb[4];
