@@ -28,8 +28,8 @@ Kernels (``templates/``), all on the caller's stream:
    dK and dV are therefore complete in one block and written once: no atomics for them, GQA
    included. The ``_dq`` variant also stores dS^T in shared memory and adds dQ = dS K into an
    fp32 buffer with atomic adds. That is the "rows" layout (each warp owns 16 keys x every
-   column). At d = 64 and 128 the "grid" layout (bwd_grid.cu.j2, FlashAttention-2's) runs
-   instead: S and dP on a 2 x 4 grid of warps, P and dS through shared memory, dK/dV on a 4 x 2
+   column). At d = 64 and 128 on sm_90, without softcap or ALiBi, the "grid" layout
+   (bwd_grid.cu.j2, FlashAttention-2's) runs instead: S and dP on a 2 x 4 grid of warps, P and dS through shared memory, dK/dV on a 4 x 2
    grid (32 keys x d/2 per warp), so each warp reads half of Q and dO per step.
 3. ``bwd_convert`` (bwd_convert.cu.j2): dQ = scale * accumulator, in the input dtype.
 
@@ -85,9 +85,10 @@ MODS = ((False, False), (True, False), (False, True), (True, True))  # (softcap,
 
 
 # dK/dV tiles where DKDV_TILES does not fit. The grid layout (d = 64, 128) has no registers
-# left for a window's bounds, a softcap's 1 - t^2 factors or ALiBi's bias, and its 175-180 KB
-# of shared memory need sm_90 (sm_80 has 163 KB): those run the rows layout. At d = 256 a
-# softcap costs the registers of the second Q/dO stage (NVRTC 13.0 and 13.5, sm_80 and sm_90).
+# left for a softcap's 1 - t^2 factors or ALiBi's bias (a window's bounds fit), and its
+# 175-180 KB of shared memory need sm_90 (sm_80 has 163 KB): those run the rows layout. At
+# d = 256 a softcap costs the registers of the second Q/dO stage (NVRTC 13.0 and 13.5, sm_80
+# and sm_90).
 DKDV_ROWS_TILES = {64: (64, 128, 8, 2, "rows"), 128: (32, 128, 8, 2, "rows")}
 DKDV_SOFTCAP_TILES = {256: (32, 64, 8, 1, "rows")}
 
@@ -95,9 +96,9 @@ DKDV_SOFTCAP_TILES = {256: (32, 64, 8, 1, "rows")}
 def dkdv_tile(bucket: int, softcap: bool = False, alibi: bool = False, local: bool = False,
               arch: int = 90) -> tuple[int, int, int, int, str]:
     """The dK/dV kernel's tile: DKDV_TILES; DKDV_ROWS_TILES where it has the bucket, with a
-    window, softcap or ALiBi or below sm_90; with a softcap DKDV_SOFTCAP_TILES where it has
-    the bucket."""
-    if (local or softcap or alibi or arch < 90) and bucket in DKDV_ROWS_TILES:
+    softcap or ALiBi or below sm_90; with a softcap DKDV_SOFTCAP_TILES where it has the bucket.
+    Windows fit the base tiles."""
+    if (softcap or alibi or arch < 90) and bucket in DKDV_ROWS_TILES:
         return DKDV_ROWS_TILES[bucket]
     if softcap and bucket in DKDV_SOFTCAP_TILES:
         return DKDV_SOFTCAP_TILES[bucket]

@@ -57,15 +57,15 @@ def test_base_tiles_unchanged():
 
 
 def test_layout_choice():
-    """The grid layout runs the plain masks at d = 64 and 128 on sm_90; windows, softcap, ALiBi
-    and sm_80 keep the rows layout (registers, shared memory); its source is bwd_grid.cu.j2."""
+    """The grid layout runs d = 64 and 128 on sm_90, windows included; softcap, ALiBi and sm_80
+    keep the rows layout (registers, shared memory); its source is bwd_grid.cu.j2."""
     for bucket in HEAD_DIM_BUCKETS:
         for arch in (80, 90):
             for local, softcap, alibi in ((False, False, False), (True, False, False), (False, True, False),
                                           (False, False, True)):
                 for det in (False, True):
                     dk = backward.variants(bucket, "fp16", not local, det, arch, local, softcap, alibi)[1]
-                    grid = arch == 90 and bucket in (64, 128) and not (local or softcap or alibi)
+                    grid = arch == 90 and bucket in (64, 128) and not (softcap or alibi)
                     assert dk.layout == ("grid" if grid else "rows"), dk.name
                     assert dk.name.endswith(f"{'_grid' if grid else ''}_m{dk.block_m}n{dk.block_n}"
                                             f"w{dk.warps}s{dk.stages}_sm{arch}")
