@@ -1,6 +1,7 @@
 """Variant -> CUDA C++ source, rendered from the Jinja2 templates in ``templates/``.
 
-Jinja only sets constants and includes the shared partials; all logic is plain CUDA C++.
+Jinja only sets constants and includes the shared partials (bwd_grid.cu.j2 also replaces
+named blocks of bwd.cu.j2: the dK/dV warp layout); all logic is plain CUDA C++.
 """
 from __future__ import annotations
 
