@@ -29,8 +29,9 @@ Kernels (``templates/``), all on the caller's stream:
    included. The ``_dq`` variant also stores dS^T in shared memory and adds dQ = dS K into an
    fp32 buffer with atomic adds. That is the "rows" layout (each warp owns 16 keys x every
    column). At d = 64 and 128 on sm_90, without softcap or ALiBi, the "grid" layout
-   (bwd_grid.cu.j2, FlashAttention-2's) runs instead: S and dP on a 2 x 4 grid of warps, P and dS through shared memory, dK/dV on a 4 x 2
-   grid (32 keys x d/2 per warp), so each warp reads half of Q and dO per step.
+   (bwd_grid.cu.j2, FlashAttention-2's) runs instead: S and dP on a 2 x 4 grid of warps, P and
+   dS through shared memory, dK/dV on a 4 x 2 grid (32 keys x d/2 per warp), so each warp reads
+   half of Q and dO per step.
 3. ``bwd_convert`` (bwd_convert.cu.j2): dQ = scale * accumulator, in the input dtype.
 
 ``deterministic=True`` launches ``bwd_dkdv`` (no dQ) and, instead of atomics and the convert
@@ -53,8 +54,9 @@ from .plan import cdiv, effective_window, head_dim_bucket
 # dK/dV kernel tiles per head-dim bucket: (block_m query rows per step, block_n keys per block,
 # warps, Q/dO stages, layout). In the "rows" layout every warp owns 16 keys (two warps share
 # them above d = 128), so block_m sets the S^T and dP^T registers; the "grid" layout holds
-# 32 x 32 of S and dP and 32 keys x d/2 of dK and dV per warp. These compile with no spills
-# under NVRTC 13.0 and 13.5 for sm_80 and sm_90 (checked in the CPU tests).
+# block_m / 2 x 32 of S and dP and 32 keys x d/2 of dK and dV per warp. These compile with no
+# spills under NVRTC 13.0 and 13.5 (the grid tiles for sm_90 only, see dkdv_tile; the rest for
+# sm_80 and sm_90; checked in the CPU tests).
 DKDV_TILES = {
     32: (64, 128, 8, 2, "rows"),
     64: (128, 128, 8, 2, "grid"),
@@ -86,19 +88,20 @@ MODS = ((False, False), (True, False), (False, True), (True, True))  # (softcap,
 
 # dK/dV tiles where DKDV_TILES does not fit. The grid layout (d = 64, 128) has no registers
 # left for a softcap's 1 - t^2 factors or ALiBi's bias (a window's bounds fit), and its
-# 175-180 KB of shared memory need sm_90 (sm_80 has 163 KB): those run the rows layout. At
+# 171-178 KiB of shared memory need sm_90's 227 KiB (sm_80 has 163 KiB, sm_120 99 KiB): other
+# archs run the rows layout, as do softcap and ALiBi. At
 # d = 256 a softcap costs the registers of the second Q/dO stage (NVRTC 13.0 and 13.5, sm_80
 # and sm_90).
 DKDV_ROWS_TILES = {64: (64, 128, 8, 2, "rows"), 128: (32, 128, 8, 2, "rows")}
 DKDV_SOFTCAP_TILES = {256: (32, 64, 8, 1, "rows")}
 
 
-def dkdv_tile(bucket: int, softcap: bool = False, alibi: bool = False, local: bool = False,
+def dkdv_tile(bucket: int, softcap: bool = False, alibi: bool = False,
               arch: int = 90) -> tuple[int, int, int, int, str]:
     """The dK/dV kernel's tile: DKDV_TILES; DKDV_ROWS_TILES where it has the bucket, with a
-    softcap or ALiBi or below sm_90; with a softcap DKDV_SOFTCAP_TILES where it has the bucket.
-    Windows fit the base tiles."""
-    if (softcap or alibi or arch < 90) and bucket in DKDV_ROWS_TILES:
+    softcap or ALiBi or on an arch other than sm_90; with a softcap DKDV_SOFTCAP_TILES where it
+    has the bucket. Windows fit the base tiles."""
+    if (softcap or alibi or arch != 90) and bucket in DKDV_ROWS_TILES:
         return DKDV_ROWS_TILES[bucket]
     if softcap and bucket in DKDV_SOFTCAP_TILES:
         return DKDV_SOFTCAP_TILES[bucket]
@@ -116,7 +119,7 @@ def variants(bucket: int, dtype: str, causal: bool, deterministic: bool, arch: i
     """The kernels one backward call launches, in launch order. ``causal``/``local`` are the
     mask as launched (plan.effective_window: a window that hides no key beyond the causal mask
     runs as causal)."""
-    bm, bn, w, st, layout = dkdv_tile(bucket, softcap, alibi, local, arch)
+    bm, bn, w, st, layout = dkdv_tile(bucket, softcap, alibi, arch)
     mods = dict(local=local, softcap=softcap, alibi=alibi)
     dkdv = dict(mods, layout=layout)
     prep = Variant("bwd_prep", bucket, dtype, arch=arch, warps=PREP_ROWS_PER_BLOCK)

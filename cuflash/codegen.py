@@ -59,6 +59,8 @@ class Variant:
         if self.layout not in LAYOUTS or (self.layout != "rows" and self.kind not in ("bwd_dkdv", "bwd_dkdv_dq")):
             raise ValueError(f"layout must be one of {LAYOUTS} for the dK/dV kinds and 'rows' for the "
                              f"others, got {self.layout!r} for {self.kind!r}")
+        if self.layout == "grid" and (self.softcap or self.alibi):
+            raise ValueError("the grid layout has no softcap or ALiBi variant (they use layout='rows')")
         if self.kind == "append":  # copies 16-byte chunks: no head-dim or dtype specialisation
             return
         if self.head_dim not in HEAD_DIM_BUCKETS:
@@ -77,8 +79,9 @@ class Variant:
             return f"{self.kind}_d{self.head_dim}_{self.dtype}_sm{self.arch}"
         mask = "local" if self.local else ("causal" if self.causal else "full")
         mods = ("_softcap" if self.softcap else "") + ("_alibi" if self.alibi else "")
-        even = ("" if self.even_head_dim else "_dpred") + ("" if self.layout == "rows" else f"_{self.layout}")
-        return (f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{mods}{even}{paged}"
+        even = "" if self.even_head_dim else "_dpred"
+        layout = "" if self.layout == "rows" else f"_{self.layout}"
+        return (f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{mods}{even}{layout}{paged}"
                 f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}_sm{self.arch}")
 
     @property

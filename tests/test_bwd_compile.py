@@ -60,11 +60,12 @@ def test_layout_choice():
     """The grid layout runs d = 64 and 128 on sm_90, windows included; softcap, ALiBi and sm_80
     keep the rows layout (registers, shared memory); its source is bwd_grid.cu.j2."""
     for bucket in HEAD_DIM_BUCKETS:
-        for arch in (80, 90):
-            for local, softcap, alibi in ((False, False, False), (True, False, False), (False, True, False),
-                                          (False, False, True)):
+        for arch in (80, 90, 120):
+            for causal, local, softcap, alibi in ((False, False, False, False), (True, False, False, False),
+                                                  (False, True, False, False), (True, False, True, False),
+                                                  (True, False, False, True)):
                 for det in (False, True):
-                    dk = backward.variants(bucket, "fp16", not local, det, arch, local, softcap, alibi)[1]
+                    dk = backward.variants(bucket, "fp16", causal, det, arch, local, softcap, alibi)[1]
                     grid = arch == 90 and bucket in (64, 128) and not (softcap or alibi)
                     assert dk.layout == ("grid" if grid else "rows"), dk.name
                     assert dk.name.endswith(f"{'_grid' if grid else ''}_m{dk.block_m}n{dk.block_n}"
@@ -76,6 +77,8 @@ def test_layout_choice():
         Variant("bwd_dq", 64, "fp16", layout="grid")
     with pytest.raises(ValueError, match="layout"):
         Variant("bwd_dkdv", 64, "fp16", layout="cols")
+    with pytest.raises(ValueError, match="grid layout"):
+        Variant("bwd_dkdv_dq", 64, "fp16", block_m=128, block_n=128, warps=8, softcap=True, layout="grid")
 
 
 @pytest.mark.parametrize("causal,window,sq,sk,want", [
@@ -367,6 +370,7 @@ def test_tiles_cover_every_bucket():
     tiles = [t[:4] for t in backward.DKDV_TILES.values()] + list(backward.DQ_TILES.values())
     for table in (backward.DKDV_TILES, backward.DQ_TILES):
         assert sorted(table) == list(HEAD_DIM_BUCKETS)
+    tiles += [t[:4] for table in (backward.DKDV_ROWS_TILES, backward.DKDV_SOFTCAP_TILES) for t in table.values()]
     for bm, bn, w, st in tiles:
         assert backward.ROW_PAD % bm == 0 and bn % 16 == 0 and w in (4, 8) and st in (1, 2)
     for table in (backward.DKDV_TILES, backward.DKDV_ROWS_TILES, backward.DKDV_SOFTCAP_TILES):

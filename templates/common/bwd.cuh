@@ -7,7 +7,8 @@
 //          (Q K^T, dO V^T, K Q^T, V dO^T).
 //   rs_tn: acc[mt][nt] += A[mt] . B with A in registers (C fragments turned into A fragments)
 //          and B (k x n) stored by rows of k, read with ldmatrix.trans (P^T dO, dS^T Q, dS K).
-//   st_tn: as rs_tn, with A (m x k) stored transposed (k rows of m) and read with .trans.
+//   st_tn: as rs_tn, with A (m x k) stored transposed (k rows of m) and read with .trans, or
+//          (kAT = false) stored by rows of m and read as in ss_nt.
 
 // Per-lane byte offsets inside a tile with rows kS elements apart.
 template <int kS>
