@@ -89,9 +89,8 @@ MODS = ((False, False), (True, False), (False, True), (True, True))  # (softcap,
 # dK/dV tiles where DKDV_TILES does not fit. The grid layout (d = 64, 128) has no registers
 # left for a softcap's 1 - t^2 factors or ALiBi's bias (a window's bounds fit), and its
 # 171-178 KiB of shared memory need sm_90's 227 KiB (sm_80 has 163 KiB, sm_120 99 KiB): other
-# archs run the rows layout, as do softcap and ALiBi. At
-# d = 256 a softcap costs the registers of the second Q/dO stage (NVRTC 13.0 and 13.5, sm_80
-# and sm_90).
+# archs run the rows layout, as do softcap and ALiBi. At d = 256 a softcap costs the registers
+# of the second Q/dO stage (NVRTC 13.0 and 13.5, sm_80 and sm_90).
 DKDV_ROWS_TILES = {64: (64, 128, 8, 2, "rows"), 128: (32, 128, 8, 2, "rows")}
 DKDV_SOFTCAP_TILES = {256: (32, 64, 8, 1, "rows")}
 
