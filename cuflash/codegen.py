@@ -17,6 +17,7 @@ KINDS = ("fwd", "fwd_split", "combine", "append",
 DTYPES = ("fp16", "bf16")
 KV_SOURCES = ("dense", "cache", "paged")
 LAYOUTS = ("rows", "grid")
+MMAS = ("sync", "wgmma")
 
 
 def templates_dir() -> Path:
@@ -47,6 +48,7 @@ class Variant:
     softcap: bool = False     # softcap * tanh(s / softcap) on the scores
     alibi: bool = False       # ALiBi bias -slope * |i + sk - sq - j|
     layout: str = "rows"      # dK/dV kernels: warps own key rows ("rows") or a 2-D grid of tiles ("grid")
+    mma: str = "sync"         # forward product: warp-level mma.sync, or Hopper's warpgroup wgmma (sm_90a)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -61,6 +63,14 @@ class Variant:
                              f"others, got {self.layout!r} for {self.kind!r}")
         if self.layout == "grid" and (self.softcap or self.alibi):
             raise ValueError("the grid layout has no softcap or ALiBi variant (they use layout='rows')")
+        if self.mma not in MMAS:
+            raise ValueError(f"mma must be one of {MMAS}, got {self.mma!r}")
+        if self.mma == "wgmma" and not (self.kind == "fwd" and self.arch == 90 and self.head_dim % 64 == 0
+                                        and self.block_m == 16 * self.warps and self.warps % 4 == 0
+                                        and self.stages >= 2):
+            raise ValueError("a wgmma variant is a forward kernel for sm_90 with a head-dim bucket that is a "
+                             "multiple of 64, 64 query rows per warpgroup (block_m = 16 * warps, warps a "
+                             f"multiple of 4) and at least two K/V stages; got {self}")
         if self.kind == "append":  # copies 16-byte chunks: no head-dim or dtype specialisation
             return
         if self.head_dim not in HEAD_DIM_BUCKETS:
@@ -81,8 +91,14 @@ class Variant:
         mods = ("_softcap" if self.softcap else "") + ("_alibi" if self.alibi else "")
         even = "" if self.even_head_dim else "_dpred"
         layout = "" if self.layout == "rows" else f"_{self.layout}"
+        layout += "" if self.mma == "sync" else f"_{self.mma}"
         return (f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{mods}{even}{layout}{paged}"
                 f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}_sm{self.arch}")
+
+    @property
+    def target(self) -> str:
+        """The compile target after ``sm_``: wgmma needs the arch-specific ``90a``."""
+        return f"{self.arch}a" if self.mma == "wgmma" else str(self.arch)
 
     @property
     def threads(self) -> int:
@@ -93,6 +109,8 @@ class Variant:
         """Dynamic shared memory: padded Q tile and K/V tiles per stage (rows of d + 8, 2 bytes)."""
         if self.kind in ("combine", "append"):
             return 0
+        if self.mma == "wgmma":  # swizzled tiles, unpadded; the output staging reuses them
+            return max(self.block_m + 2 * self.block_n * self.stages, self.block_m + self.block_n) * self.head_dim * 2
         return (self.block_m + 2 * self.block_n * self.stages) * (self.head_dim + 8) * 2
 
 
@@ -113,6 +131,8 @@ def render(variant: Variant) -> str:
                 "bwd_dq": "bwd_dq.cu.j2", "bwd_convert": "bwd_convert.cu.j2"}.get(variant.kind, "fwd.cu.j2")
     if variant.layout == "grid":
         template = "bwd_grid.cu.j2"
+    if variant.mma == "wgmma":
+        template = "fwd_wgmma.cu.j2"
     return _environment().get_template(template).render(
         name=variant.name,
         head_dim=variant.head_dim,

@@ -141,8 +141,8 @@ class Compiled:
         return parse_resources(self.log)
 
 
-def compile_source(source: str, name: str, arch: int) -> Compiled:
-    """Compile CUDA C++ to a cubin for sm_<arch> with NVRTC. Needs no GPU."""
+def compile_source(source: str, name: str, arch: int | str) -> Compiled:
+    """Compile CUDA C++ to a cubin for sm_<arch> (e.g. 90 or "90a") with NVRTC. Needs no GPU."""
     ok, cubin, log = _nvrtc().compile(source, f"{name}.cu", [f"-arch=sm_{arch}", *NVRTC_OPTIONS])
     if not ok:
         raise RuntimeError(f"NVRTC failed to compile {name} for sm_{arch}:\n{log}")
@@ -150,7 +150,7 @@ def compile_source(source: str, name: str, arch: int) -> Compiled:
 
 
 def compile_variant(variant: Variant) -> Compiled:
-    return compile_source(render(variant), variant.name, variant.arch)
+    return compile_source(render(variant), variant.name, variant.target)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,7 +166,7 @@ def cache_dir() -> Path:
 
 def cache_key(variant: Variant) -> str:
     h = hashlib.sha256()
-    for part in (render(variant), " ".join(NVRTC_OPTIONS), str(variant.arch),
+    for part in (render(variant), " ".join(NVRTC_OPTIONS), variant.target,
                  "%d.%d" % nvrtc_version(), __version__):
         h.update(part.encode())
         h.update(b"\0")

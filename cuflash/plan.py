@@ -23,6 +23,10 @@ FWD_TILES = {
     192: (64, 64, 4, 1),
     256: (64, 64, 4, 1),
 }
+# Hopper (sm_90a) forward tiles: two warpgroups of 64 query rows share each K/V tile through
+# wgmma, two K/V stages. Used for head-dim buckets that are multiples of 64 (the 128-byte swizzle's
+# column block).
+WGMMA_TILES = {64: (128, 128, 8, 2), 128: (128, 128, 8, 2), 192: (128, 64, 8, 2), 256: (128, 64, 8, 2)}
 SPLIT_BLOCK_M, SPLIT_WARPS = 64, 4  # FA2's split-KV kernel: kBlockM 64, 4 warps
 # Decode (at most 16 query rows, e.g. one token per sequence or a GQA-packed group): one 16-row
 # tile per block, the 4 warps each take a quarter of every K/V tile (no wasted query rows).
@@ -37,8 +41,10 @@ def decode_tile(bucket: int) -> tuple[int, int, int, int]:
     return (DECODE_BLOCK_M, 64, DECODE_WARPS, 3 if bucket <= 128 else 1)
 
 
-def fwd_tile(bucket: int, even: bool, arch: int, kv: str = "dense", mods: bool = False) -> tuple[int, int, int, int]:
-    """The forward tile for a bucket. The second K/V stage was tuned on sm_90; head dims below
+def fwd_tile(bucket: int, even: bool, arch: int, kv: str = "dense",
+             mods: bool = False) -> tuple[int, int, int, int, str]:
+    """The forward tile for a bucket: (block_m, block_n, warps, stages, mma). On sm_90 buckets that
+    are multiples of 64 run the wgmma kernel (WGMMA_TILES). Otherwise mma.sync: the second K/V stage was tuned on sm_90; head dims below
     the bucket (column predicates on every load) and other archs use FA2's single buffer, where
     the second stage's registers would spill; those variants and KV caches (per-batch lengths,
     block-table lookups) also take at most 64 keys per tile (32 at d=128), for the same reason:
@@ -46,13 +52,16 @@ def fwd_tile(bucket: int, even: bool, arch: int, kv: str = "dense", mods: bool =
     slopes and tanh temporaries) costs registers that a 128-row tile at d >= 96 does not have:
     those variants run 64 query rows (one 16-row tile per warp) with at most 64 keys per tile
     (32 at d >= 192), and keep the second stage where the base tile has it."""
+    if arch == 90 and bucket in WGMMA_TILES:
+        return (*WGMMA_TILES[bucket], "wgmma")
     bm, bn, w, st = FWD_TILES[bucket]
     tuned = even and arch >= 90 and kv == "dense"
     if mods:
-        return (128 if bucket <= 64 else 64, 32 if bucket >= 192 else 64, w, 2 if tuned and bucket <= 128 else 1)
+        return (128 if bucket <= 64 else 64, 32 if bucket >= 192 else 64, w, 2 if tuned and bucket <= 128 else 1,
+                "sync")
     if tuned:
-        return (bm, bn, w, st)
-    return (bm, 32 if bucket == 128 else min(bn, 64), w, 1)
+        return (bm, bn, w, st, "sync")
+    return (bm, 32 if bucket == 128 else min(bn, 64), w, 1, "sync")
 
 
 COMBINE_ROWS_PER_BLOCK = 4          # one warp per row, 4 warps
@@ -318,10 +327,10 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                    f"{DECODE_WARPS} warps share each K/V tile's keys.")
     if splits <= 1:
         if decode:
-            bm, bn_fwd, warps, stages = decode_tile(bucket)
+            bm, bn_fwd, warps, stages, mma = (*decode_tile(bucket), "sync")
         else:
-            bm, bn_fwd, warps, stages = fwd_tile(bucket, even, dev.arch, p.kv, local or p.softcap or p.alibi)
-        v = Variant("fwd", bucket, p.dtype, causal, even, bm, bn_fwd, warps, dev.arch, stages, p.kv, **mods)
+            bm, bn_fwd, warps, stages, mma = fwd_tile(bucket, even, dev.arch, p.kv, local or p.softcap or p.alibi)
+        v = Variant("fwd", bucket, p.dtype, causal, even, bm, bn_fwd, warps, dev.arch, stages, p.kv, **mods, mma=mma)
         launches.append(Launch(v, (cdiv(sq, bm), nh, p.batch), v.threads, v.smem_bytes))
         nbps, workspace = 0, 0
     else:
@@ -358,8 +367,9 @@ def all_variants(arch: int, mods: bool = True) -> list[Variant]:
                     m = dict(local=local, softcap=softcap, alibi=alibi)
                     for even in (False, True):
                         for kv in KV_SOURCES:
-                            bm, bn, w, st = fwd_tile(bucket, even, arch, kv, local or softcap or alibi)
-                            out.append(Variant("fwd", bucket, dtype, causal, even, bm, bn, w, arch, st, kv, **m))
+                            bm, bn, w, st, mma = fwd_tile(bucket, even, arch, kv, local or softcap or alibi)
+                            out.append(Variant("fwd", bucket, dtype, causal, even, bm, bn, w, arch, st, kv, **m,
+                                               mma=mma))
                             out.append(Variant("fwd_split", bucket, dtype, causal, even, SPLIT_BLOCK_M,
                                                split_tile_n(bucket, local and softcap and alibi), SPLIT_WARPS,
                                                arch, kv=kv, **m))

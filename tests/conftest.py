@@ -36,7 +36,7 @@ def assert_compiled_clean(c, v):
     """A cubin of ``v`` for its arch whose ptxas report shows no spills, no stack and at most 255
     registers; returns the report."""
     assert c.cubin[:4] == b"\x7fELF"
-    assert f"entry function '{v.name}'" in c.log and f"for 'sm_{v.arch}'" in c.log
+    assert f"entry function '{v.name}'" in c.log and f"for 'sm_{v.target}'" in c.log
     r = c.resources
     assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0), f"{v.name}: {r}\n{c.log}"
     assert 0 < r.registers <= 255, r

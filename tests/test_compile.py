@@ -25,6 +25,19 @@ def test_variant_compiles_without_spills(compiled, v):
     assert_compiled_clean(compiled[v], v)
 
 
+WGMMA_SMEM = {64: 80 << 10, 128: 160 << 10, 192: 144 << 10, 256: 192 << 10}  # Q + 2 stages of K and V
+
+
+@pytest.mark.parametrize("v", [v for v in VARIANTS if v.mma == "wgmma"], ids=lambda v: v.name)
+def test_wgmma_variant_as_designed(compiled, v):
+    """sm_90a cubin, two warpgroups, the designed shared memory (under sm_90's 227 KiB), and no
+    wgmma that ptxas had to serialize (it warns when an accumulator is touched while in flight)."""
+    log = compiled[v].log
+    assert v.target == "90a" and "for 'sm_90a'" in log and v.threads == 256
+    assert v.smem_bytes == WGMMA_SMEM[v.head_dim] <= 227 << 10
+    assert "serialized" not in log, log
+
+
 def test_compile_error_is_reported():
     with pytest.raises(RuntimeError, match=r"NVRTC failed to compile broken for sm_90:\n.*error"):
         compiler.compile_source('extern "C" __global__ void broken() { int x = ; }', "broken", 90)

@@ -62,27 +62,30 @@ def test_band_tiles(rows, window, sq, sk, bn, expected):
 PREFILL = (2, 1024, 16, 128)  # 2*16*ceil(1024/64) = 512 blocks >= 0.8 * 264 slots: no split
 
 
-@pytest.mark.parametrize("kw,kernel", [
-    (dict(), "fwd_d128_bf16_full_m128n48w4s2_sm90"),
-    (dict(causal=True), "fwd_d128_bf16_causal_m128n48w4s2_sm90"),
-    (dict(window_size=(256, 0)), "fwd_d128_bf16_local_m64n64w4s2_sm90"),
-    (dict(window_size=(256, -1), causal=True), "fwd_d128_bf16_local_m64n64w4s2_sm90"),
-    (dict(window_size=(-1, 0)), "fwd_d128_bf16_causal_m128n48w4s2_sm90"),   # the causal window
-    (dict(window_size=(2000, 0)), "fwd_d128_bf16_causal_m128n48w4s2_sm90"),  # left past key 0
-    (dict(window_size=(1024, 1023)), "fwd_d128_bf16_full_m128n48w4s2_sm90"),  # hides nothing
-    (dict(window_size=(2000, -1), causal=True), "fwd_d128_bf16_causal_m128n48w4s2_sm90"),
-    # score modifiers take the single-stage tile with 32 keys at d=128
-    (dict(softcap=30.0), "fwd_d128_bf16_full_softcap_m64n64w4s2_sm90"),
-    (dict(alibi_slopes=True, causal=True), "fwd_d128_bf16_causal_alibi_m64n64w4s2_sm90"),
-    (dict(softcap=30.0, alibi_slopes=(2, 16)), "fwd_d128_bf16_full_softcap_alibi_m64n64w4s2_sm90"),
-    (dict(softcap=30.0, alibi_slopes=(16,), window_size=(128, 128)),
-     "fwd_d128_bf16_local_softcap_alibi_m64n64w4s2_sm90"),
-    (dict(softcap=0.0, window_size=(-1, -1)), "fwd_d128_bf16_full_m128n48w4s2_sm90"),
+@pytest.mark.parametrize("kw,mask,mods", [
+    (dict(), "full", ""),
+    (dict(causal=True), "causal", ""),
+    (dict(window_size=(256, 0)), "local", ""),
+    (dict(window_size=(256, -1), causal=True), "local", ""),
+    (dict(window_size=(-1, 0)), "causal", ""),   # the causal window
+    (dict(window_size=(2000, 0)), "causal", ""),  # left past key 0
+    (dict(window_size=(1024, 1023)), "full", ""),  # hides nothing
+    (dict(window_size=(2000, -1), causal=True), "causal", ""),
+    (dict(softcap=30.0), "full", "_softcap"),
+    (dict(alibi_slopes=True, causal=True), "causal", "_alibi"),
+    (dict(softcap=30.0, alibi_slopes=(2, 16)), "full", "_softcap_alibi"),
+    (dict(softcap=30.0, alibi_slopes=(16,), window_size=(128, 128)), "local", "_softcap_alibi"),
+    (dict(softcap=0.0, window_size=(-1, -1)), "full", ""),
 ])
-def test_prefill_kernel_names(kw, kernel):
-    p = plan(PREFILL, PREFILL, **kw)
+@pytest.mark.parametrize("arch", [90, 80])
+def test_prefill_kernel_names(kw, mask, mods, arch):
+    p = plan(PREFILL, PREFILL, **{**kw, "arch": arch})
+    if arch == 90:  # wgmma: two warpgroups of 64 rows, 128 keys, two stages, whatever the mask
+        kernel = f"fwd_d128_bf16_{mask}{mods}_wgmma_m128n128w8s2_sm90"
+    else:  # mma.sync, one K/V stage: 32 keys at d=128, or 64 rows x 64 keys with a window/softcap/ALiBi
+        kernel = f"fwd_d128_bf16_{mask}{mods}_" + ("m64n64" if mods or mask == "local" else "m128n32") + "w4s1_sm80"
     assert p.kernels == (kernel,) and p.num_splits == 1
-    block_m = p.launches[0].variant.block_m  # 128 query rows, 64 with a window/softcap/ALiBi
+    block_m = p.launches[0].variant.block_m
     assert p.launches[0].grid == (1024 // block_m, 16, 2) and block_m == (64 if "_m64" in kernel else 128)
 
 
@@ -104,7 +107,7 @@ def test_str_mentions_window_softcap_alibi():
     text = str(plan(PREFILL, PREFILL, window_size=(256, 0), softcap=30.0, alibi_slopes=True))
     first = text.splitlines()[0]
     assert "window=(256, 0)" in first and " softcap" in first and " alibi" in first
-    assert "fwd_d128_bf16_local_softcap_alibi_m64n64w4s2_sm90" in text
+    assert "fwd_d128_bf16_local_softcap_alibi_wgmma_m128n128w8s2_sm90" in text
     assert "softcapped (softcap * tanh(s / softcap)) and biased by ALiBi (-slope * distance)" in text
     plain = str(plan(PREFILL, PREFILL))
     assert "window=" not in plain and "softcap" not in plain and "alibi" not in plain
@@ -242,7 +245,7 @@ def test_varlen_problem_reason_mentions_cu_seqlens():
     p = make_plan(Problem(4, 512, 2048, 16, 4, 128, "bf16", causal=True, varlen=True), DeviceFacts(132, 90))
     assert ("varlen: 4 packed sequences of at most 512 queries and 2048 keys; each block reads its "
             "sequence's bounds from cu_seqlens." in p.reason)
-    assert p.kernels == ("fwd_d128_bf16_causal_m128n48w4s2_sm90",) and p.launches[0].grid == (4, 16, 4)
+    assert p.kernels == ("fwd_d128_bf16_causal_wgmma_m128n128w8s2_sm90",) and p.launches[0].grid == (4, 16, 4)
     assert "varlen (max lengths)" in str(p).splitlines()[0]
     dense = make_plan(Problem(4, 512, 2048, 16, 4, 128, "bf16", causal=True), DeviceFacts(132, 90))
     assert "cu_seqlens" not in dense.reason and "varlen" not in str(dense)

@@ -1,0 +1,60 @@
+// Hopper warpgroup MMA (wgmma.mma_async, sm_90a): one warpgroup (4 warps, 128 threads) computes
+// a 64 x N tile. Its fp32 accumulator has the mma.sync C layout per warp: warp w of the group
+// owns rows 16w..16w+15 and n8-tile j of a row-half r sits at d[j][2r], d[j][2r+1] (columns
+// 8j + 2(lane & 3) + {0, 1}, row (lane >> 2) + 8r). An A operand in registers has the
+// mma.sync A layout per warp, so P = exp(S) feeds the PV product without leaving registers.
+//
+// Shared operands use the 128-byte swizzle: a tile of R rows x kHeadDim columns is stored as
+// kHeadDim / 64 column blocks of R rows x 128 bytes, and 16-byte chunk c of row r sits at chunk
+// c ^ (r & 7) of its row (the hardware applies the same XOR on address bits [4,7) from bits
+// [7,10), so every tile starts 1024-byte aligned). ldmatrix-free: wgmma reads these directly.
+typedef unsigned long long u64;
+
+// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte
+// offsets (in 16-byte units). K-major tiles (Q, K: rows of the contraction dim) use SBO = 1024
+// (eight 128-byte rows) and ignore LBO; MN-major tiles (V, contracted over its rows) use SBO =
+// 1024 between 8-row groups and LBO = the column-block stride.
+__device__ __forceinline__ u64 wgmma_desc(u32 addr, u32 lbo, u32 sbo) {
+  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+// Shared-memory writes of the generic proxy (cp.async, st.shared) made visible to wgmma's reads.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Keep the compiler from moving accumulator reads or writes across a wgmma fence or wait.
+template <int kN>
+__device__ __forceinline__ void fence_regs(float (&d)[kN][4]) {
+#pragma unroll
+  for (int j = 0; j < kN; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e]) :: "memory");
+}
+
+{% set ab = "bf16" if bf16 else "f16" %}
+// S(64 x kBlockN) = A B^T (+ S when accumulate): A and B K-major in shared memory.
+__device__ __forceinline__ void wgmma_ss(float (&d)[kBlockN / 8][4], u64 desc_a, u64 desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %{{ block_n // 2 + 2 }}, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n{{ block_n }}k16.f32.{{ ab }}.{{ ab }} "
+      "{ {% for i in range(block_n // 2) %}%{{ i }}{{ ", " if not loop.last }}{% endfor %} }, "
+      "%{{ block_n // 2 }}, %{{ block_n // 2 + 1 }}, p, 1, 1, 0, 0;\n}\n"
+      : {% for i in range(block_n // 2) %}"+f"(d[{{ i // 4 }}][{{ i % 4 }}]){{ ", " if not loop.last }}{% endfor %}
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// O(64 x kHeadDim) += P V: P in registers (A fragment of one 16-key step), V MN-major in
+// shared memory (transposed B).
+__device__ __forceinline__ void wgmma_rs(float (&d)[kHeadDim / 8][4], const u32 (&a)[4], u64 desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %{{ head_dim // 2 + 5 }}, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n{{ head_dim }}k16.f32.{{ ab }}.{{ ab }} "
+      "{ {% for i in range(head_dim // 2) %}%{{ i }}{{ ", " if not loop.last }}{% endfor %} }, "
+      "{ %{{ head_dim // 2 }}, %{{ head_dim // 2 + 1 }}, %{{ head_dim // 2 + 2 }}, %{{ head_dim // 2 + 3 }} }, "
+      "%{{ head_dim // 2 + 4 }}, p, 1, 1, 1;\n}\n"
+      : {% for i in range(head_dim // 2) %}"+f"(d[{{ i // 4 }}][{{ i % 4 }}]){{ ", " if not loop.last }}{% endfor %}
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
