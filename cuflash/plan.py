@@ -331,6 +331,9 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         else:
             bm, bn_fwd, warps, stages, mma = fwd_tile(bucket, even, dev.arch, p.kv, local or p.softcap or p.alibi)
         v = Variant("fwd", bucket, p.dtype, causal, even, bm, bn_fwd, warps, dev.arch, stages, p.kv, **mods, mma=mma)
+        if mma == "wgmma":
+            why.append(f"sm_90: Hopper's warpgroup MMA (wgmma, sm_90a), {warps // 4} warpgroups of 64 query rows "
+                       f"sharing K/V tiles of {bn_fwd} keys.")
         launches.append(Launch(v, (cdiv(sq, bm), nh, p.batch), v.threads, v.smem_bytes))
         nbps, workspace = 0, 0
     else:
