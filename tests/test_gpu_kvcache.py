@@ -84,6 +84,25 @@ def test_kvcache(rng, sq, sk, mode, causal):
         assert torch.equal(rows(kc, i, int(lens[i])), ks[i]) and torch.equal(rows(vc, i, int(lens[i])), vs[i])
 
 
+@pytest.mark.parametrize("mode", ["dense", "batch_idx", "paged16", "paged64", "paged256"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_kvcache_chunked_prefill(rng, mode, causal, d):
+    """A chunk of 256 new tokens appended to caches of up to 900 rows: enough query blocks to fill
+    the GPU, so the standard kernel runs (on sm_90 the wgmma kernel, whose loads then apply the
+    per-sequence lengths, cache_batch_idx and page lookups)."""
+    import torch
+    import cuflash
+    b, sq, sk, h, hk = 4, 256, 900, 16, 4
+    assert cuflash.plan((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d), causal=causal).num_splits == 1
+    q, kc, vc, kn, vn, seqlens, kw, ks, vs, rows, lens = make_case(rng, b, sq, sk, h, hk, d, mode, sq)
+    out = torch.full_like(q, float("nan"))
+    cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, causal=causal, out=out, **kw)
+    check_batches(out, q, ks, vs, causal)
+    for i in range(b):
+        assert torch.equal(rows(kc, i, int(lens[i])), ks[i]) and torch.equal(rows(vc, i, int(lens[i])), vs[i])
+
+
 @pytest.mark.parametrize("num_splits", [0, 1, 3, 128])
 @pytest.mark.parametrize("h,hk", [(8, 8), (8, 2), (8, 1)])
 def test_kvcache_splits_and_heads(rng, num_splits, h, hk):
