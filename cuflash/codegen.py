@@ -109,8 +109,8 @@ class Variant:
         """Dynamic shared memory: padded Q tile and K/V tiles per stage (rows of d + 8, 2 bytes)."""
         if self.kind in ("combine", "append"):
             return 0
-        if self.mma == "wgmma":  # swizzled tiles, unpadded; the output staging reuses them
-            return max(self.block_m + 2 * self.block_n * self.stages, self.block_m + self.block_n) * self.head_dim * 2
+        if self.mma == "wgmma":  # unpadded swizzled tiles; the output staging (padded rows) fits in them
+            return (self.block_m + 2 * self.block_n * self.stages) * self.head_dim * 2
         return (self.block_m + 2 * self.block_n * self.stages) * (self.head_dim + 8) * 2
 
 

@@ -43,15 +43,16 @@ def decode_tile(bucket: int) -> tuple[int, int, int, int]:
 
 def fwd_tile(bucket: int, even: bool, arch: int, kv: str = "dense",
              mods: bool = False) -> tuple[int, int, int, int, str]:
-    """The forward tile for a bucket: (block_m, block_n, warps, stages, mma). On sm_90 buckets that
-    are multiples of 64 run the wgmma kernel (WGMMA_TILES). Otherwise mma.sync: the second K/V stage was tuned on sm_90; head dims below
-    the bucket (column predicates on every load) and other archs use FA2's single buffer, where
-    the second stage's registers would spill; those variants and KV caches (per-batch lengths,
-    block-table lookups) also take at most 64 keys per tile (32 at d=128), for the same reason:
-    no spills with NVRTC 13.0 or 13.5. ``mods`` (a sliding window, softcap or ALiBi: bounds,
-    slopes and tanh temporaries) costs registers that a 128-row tile at d >= 96 does not have:
-    those variants run 64 query rows (one 16-row tile per warp) with at most 64 keys per tile
-    (32 at d >= 192), and keep the second stage where the base tile has it."""
+    """The forward tile for a bucket: (block_m, block_n, warps, stages, mma). On sm_90, buckets
+    that are multiples of 64 run the wgmma kernel (WGMMA_TILES), whatever the K/V source and score
+    modifiers (no spills, checked in the CPU tests). Otherwise mma.sync: the second K/V stage was
+    tuned on sm_90; head dims below the bucket (column predicates on every load) and other archs
+    use FA2's single buffer, where the second stage's registers would spill; those variants and
+    KV caches (per-batch lengths, block-table lookups) also take at most 64 keys per tile (32 at
+    d=128), for the same reason: no spills with NVRTC 13.0 or 13.5. ``mods`` (a sliding window,
+    softcap or ALiBi: bounds, slopes and tanh temporaries) costs registers that a 128-row tile at
+    d >= 96 does not have: those variants run 64 query rows (one 16-row tile per warp) with at
+    most 64 keys per tile (32 at d >= 192), and keep the second stage where the base tile has it."""
     if arch == 90 and bucket in WGMMA_TILES:
         return (*WGMMA_TILES[bucket], "wgmma")
     bm, bn, w, st = FWD_TILES[bucket]
