@@ -21,6 +21,16 @@ __device__ __forceinline__ u32 tile_offset(int row, int ch) {
   return (row * kSmemStride + ch * 8) * 2;
 }
 
+// Rows one pass of the block's threads covers (one 16-byte chunk each); with the swizzle a
+// multiple of 8 that divides kRows, so every pass repeats the first pass's XOR pattern.
+template <int kRows, bool kSwizzle>
+__device__ __forceinline__ constexpr int tile_row_step() {
+  constexpr int kStep = kSwizzle ? kNThreads / (kHeadDim / 8) / 8 * 8 : kNThreads / (kHeadDim / 8);
+  static_assert(kStep > 0, "a pass must cover at least one row");
+  static_assert(!kSwizzle || (kStep % 8 == 0 && kRows % kStep == 0), "swizzle phase repeats per pass");
+  return kStep;
+}
+
 // Copy a kRows x kHeadDim tile (rows `row_stride` elements apart) into a shared tile.
 // Rows >= rows_valid and columns >= d_valid are zero-filled. Each thread owns one 16-byte column
 // chunk and walks rows kRowStep apart, so the addresses are one base plus a fixed increment
@@ -29,11 +39,8 @@ template <int kRows, bool kSwizzle = false>
 __device__ __forceinline__ void load_tile(u32 s_tile, const u16* g, long long row_stride,
                                           int rows_valid, int d_valid, int tid) {
   constexpr int kChunks = kHeadDim / 8;            // 16-byte chunks per row
-  // Rows covered per pass; with the swizzle a multiple of 8, so each pass repeats its XOR pattern.
-  constexpr int kRowStep = kSwizzle ? kNThreads / kChunks / 8 * 8 : kNThreads / kChunks;
+  constexpr int kRowStep = tile_row_step<kRows, kSwizzle>();
   constexpr int kPasses = (kRows + kRowStep - 1) / kRowStep;
-  static_assert(kRowStep > 0, "a pass must cover at least one row");
-  static_assert(!kSwizzle || (kRowStep % 8 == 0 && kRows % kRowStep == 0), "swizzle phase repeats per pass");
   const int ch = tid % kChunks, row0 = tid / kChunks;
   if (row0 >= kRowStep) return;  // threads beyond whole rows idle (e.g. d = 96 with 128 threads)
   const bool col_ok = kEvenHeadDim || ch * 8 < d_valid;
@@ -61,12 +68,11 @@ __device__ __forceinline__ void load_tile_paged(u32 s_tile, const u16* g, const 
                                                 long long page_stride, long long row_stride, int row_start,
                                                 int rows_valid, int d_valid, int tid) {
   constexpr int kChunks = kHeadDim / 8;
-  constexpr int kRowStep = kSwizzle ? kNThreads / kChunks / 8 * 8 : kNThreads / kChunks;
+  constexpr int kRowStep = tile_row_step<kRows, kSwizzle>();
   constexpr int kPasses = (kRows + kRowStep - 1) / kRowStep;
   const int ch = tid % kChunks, row0 = tid / kChunks;
   if (row0 >= kRowStep) return;
   const bool col_ok = kEvenHeadDim || ch * 8 < d_valid;
-  static_assert(!kSwizzle || (kRowStep % 8 == 0 && kRows % kRowStep == 0), "swizzle phase repeats per pass");
   const u32 dst = s_tile + tile_offset<kRows, kSwizzle>(row0, ch);
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
