@@ -65,7 +65,7 @@ def fwd_tile(bucket: int, even: bool, arch: int, kv: str = "dense",
     return (bm, 32 if bucket == 128 else min(bn, 64), w, 1, "sync")
 
 
-COMBINE_ROWS_PER_BLOCK = 4          # one warp per row, 4 warps
+COMBINE_ROWS_PER_BLOCK = 4          # rows per combine block (128 threads, four columns each)
 MAX_SPLITS = 128
 
 

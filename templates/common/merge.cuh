@@ -5,70 +5,62 @@ __device__ __forceinline__ float ld_cg(const float* p) {
   asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(x) : "l"(p));
   return x;
 }
-__device__ __forceinline__ float2 ld_cg2(const float* p) {
-  float2 x;
-  asm volatile("ld.global.cg.v2.f32 { %0, %1 }, [%2];" : "=f"(x.x), "=f"(x.y) : "l"(p));
+__device__ __forceinline__ float4 ld_cg4(const float* p) {
+  float4 x;
+  asm volatile("ld.global.cg.v4.f32 { %0, %1, %2, %3 }, [%4];" : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "l"(p));
   return x;
 }
 
-constexpr int kMergeSplitsPerLane = 4;  // up to 128 splits (cuflash.plan.MAX_SPLITS)
-
-// One output row, by one warp. Split s has its LSE at lse_acc[s * split_stride] and its O
-// (normalised by its own sum) at o_acc[s * split_stride * kHeadDim + c]. Writes
-// O = sum_s exp(lse_s - lse) O_s to out[0 .. head_dim) and returns lse = log(sum_s exp(lse_s))
-// (+inf when every split is empty, O then 0). Each lane keeps its splits' LSEs and weights in
-// registers (one round of loads), and the partial rows are read eight splits at a time.
-template <bool kEven>
-__device__ float merge_row(const float* lse_acc, const float* o_acc, long long split_stride,
-                           int num_splits, int head_dim, u16* out) {
-  const int lane = threadIdx.x & 31;
-  float w[kMergeSplitsPerLane];
-  float mx = neg_inf();
+// Merge `rows` consecutive partial rows with all kThreads threads of the block. Row r of split s
+// has its LSE at lse_acc[r + s * split_stride] and its O (normalised by its own sum) at
+// o_acc[(r + s * split_stride) * kHeadDim + c]. Writes O = sum_s exp(lse_s - lse) O_s and
+// lse = log(sum_s exp(lse_s)) (+inf when every split is empty, O then 0) where dest(r, &out,
+// &lse_out) points (false: row r does not exist; lse_out may be null). Each thread owns four
+// columns of a row and loads kMergeBatch splits' LSEs and partials before using any (one L2 round
+// trip per batch, not one per split), merging batches online like the softmax.
+template <int kThreads, bool kEven, class Dest>
+__device__ __forceinline__ void merge_rows(const float* lse_acc, const float* o_acc, long long split_stride,
+                                           int num_splits, int head_dim, int rows, Dest dest) {
+  constexpr int kQuads = kHeadDim / 4;
+  constexpr int kMergeBatch = 16;  // splits whose partials one thread has in flight at once
+  for (int item = threadIdx.x; item < rows * kQuads; item += kThreads) {
+    const int r = item / kQuads, c = item % kQuads * 4;
+    u16* out;
+    float* lse_out;
+    if (!dest(r, &out, &lse_out) || (!kEven && c >= head_dim)) continue;
+    float m = neg_inf(), l = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    const float* pl = lse_acc + r;             // split s0's LSE and partial columns; both step
+    const float* po = o_acc + (long long)r * kHeadDim + c;  // by one split per load
+    const long long po_step = split_stride * kHeadDim;
+    for (int s0 = 0; s0 < num_splits; s0 += kMergeBatch) {
+      float ls[kMergeBatch];
+      float4 x[kMergeBatch];
 #pragma unroll
-  for (int c = 0; c < kMergeSplitsPerLane; ++c) {
-    const int s = c * 32 + lane;
-    w[c] = s < num_splits ? ld_cg(lse_acc + s * split_stride) : neg_inf();
-    mx = fmaxf(mx, w[c]);
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
-  const float m_use = mx == neg_inf() ? 0.f : mx;
-  float sum = 0.f;
-#pragma unroll
-  for (int c = 0; c < kMergeSplitsPerLane; ++c) sum += __expf(w[c] - m_use);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, off);
-  const float row_lse = sum == 0.f ? pos_inf() : __logf(sum) + m_use;
-#pragma unroll
-  for (int c = 0; c < kMergeSplitsPerLane; ++c) w[c] = sum == 0.f ? 0.f : __expf(w[c] - row_lse);
-
-  constexpr int kPairs = (kHeadDim + 63) / 64;  // column pairs per lane
-  float acc[kPairs][2];
-#pragma unroll
-  for (int j = 0; j < kPairs; ++j) acc[j][0] = acc[j][1] = 0.f;
-#pragma unroll
-  for (int c = 0; c < kMergeSplitsPerLane; ++c) {
-    const int n = min(32, num_splits - c * 32);  // the same for the whole warp
-    if (n <= 0) break;
-    const float* part = o_acc + (long long)c * 32 * split_stride * kHeadDim;
-#pragma unroll 8
-    for (int t = 0; t < n; ++t) {
-      const float ws = __shfl_sync(0xffffffff, w[c], t);
-#pragma unroll
-      for (int j = 0; j < kPairs; ++j) {
-        const int col = j * 64 + lane * 2;
-        if (col < kHeadDim && (kEven || col < head_dim)) {
-          const float2 x = ld_cg2(part + t * split_stride * kHeadDim + col);
-          acc[j][0] += ws * x.x;
-          acc[j][1] += ws * x.y;
-        }
+      for (int j = 0; j < kMergeBatch; ++j) {
+        const bool ok = s0 + j < num_splits;
+        ls[j] = ok ? ld_cg(pl) : neg_inf();
+        x[j] = ok ? ld_cg4(po) : make_float4(0.f, 0.f, 0.f, 0.f);
+        pl += split_stride;
+        po += po_step;
       }
-    }
-  }
+      float mx = m;
 #pragma unroll
-  for (int j = 0; j < kPairs; ++j) {
-    const int col = j * 64 + lane * 2;
-    if (col < kHeadDim && (kEven || col < head_dim)) *reinterpret_cast<u32*>(out + col) = pack2(acc[j][0], acc[j][1]);
+      for (int j = 0; j < kMergeBatch; ++j) mx = fmaxf(mx, ls[j]);
+      const float m_use = mx == neg_inf() ? 0.f : mx;
+      const float alpha = __expf(m - m_use);
+      l *= alpha;
+      acc.x *= alpha, acc.y *= alpha, acc.z *= alpha, acc.w *= alpha;
+#pragma unroll
+      for (int j = 0; j < kMergeBatch; ++j) {
+        const float w = __expf(ls[j] - m_use);
+        l += w;
+        acc.x += w * x[j].x, acc.y += w * x[j].y, acc.z += w * x[j].z, acc.w += w * x[j].w;
+      }
+      m = mx;
+    }
+    const float inv = l == 0.f ? 0.f : 1.f / l;
+    *reinterpret_cast<uint2*>(out + c) = make_uint2(pack2(acc.x * inv, acc.y * inv), pack2(acc.z * inv, acc.w * inv));
+    if (c == 0 && lse_out != nullptr) *lse_out = l == 0.f ? pos_inf() : __logf(l) + m;
   }
-  return row_lse;
 }
