@@ -105,11 +105,19 @@ class Variant:
         return 32 * self.warps
 
     @property
+    def swizzled(self) -> bool:
+        """Shared tiles in the 128-byte swizzle rather than padded rows: wgmma's, and the decode
+        tile's (16 query rows shared by several warps) at head-dim buckets 64 and 128."""
+        return self.mma == "wgmma" or (self.kind in ("fwd", "fwd_split") and self.block_m == 16
+                                       and self.warps > 1 and self.head_dim in (64, 128))
+
+    @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: padded Q tile and K/V tiles per stage (rows of d + 8, 2 bytes)."""
+        """Dynamic shared memory: Q tile and K/V tiles per stage, 2-byte elements, in rows of d + 8
+        (padded) or d (swizzled)."""
         if self.kind in ("combine", "append"):
             return 0
-        if self.mma == "wgmma":  # unpadded swizzled tiles; the output staging (padded rows) fits in them
+        if self.swizzled:  # the output staging (padded rows) fits in the tiles
             return (self.block_m + 2 * self.block_n * self.stages) * self.head_dim * 2
         return (self.block_m + 2 * self.block_n * self.stages) * (self.head_dim + 8) * 2
 
@@ -149,4 +157,5 @@ def render(variant: Variant) -> str:
         even_head_dim=variant.even_head_dim,
         kv_cache=variant.kv != "dense",
         paged=variant.kv == "paged",
+        swizzle=variant.swizzled,
     )

@@ -68,3 +68,20 @@ def test_bad_variants_rejected():
         Variant("fwd", 64, "fp32")
     with pytest.raises(ValueError, match="causal must be False"):
         Variant("fwd", 64, "fp16", causal=True, local=True)
+
+
+@pytest.mark.parametrize("bucket,swizzled", [(32, False), (64, True), (96, False), (128, True), (192, False),
+                                             (256, False)])
+def test_decode_tile_layout(bucket, swizzled):
+    """The decode tile (16 rows, 4 warps) keeps its K/V rows 128-byte aligned through the swizzle
+    where the head dim allows it (64-column blocks, three stages): unpadded tiles, sized so."""
+    import importlib
+    bm, bn, w, st = importlib.import_module("cuflash.plan").decode_tile(bucket)
+    for kind in ("fwd", "fwd_split"):
+        v = Variant(kind, bucket, "bf16", even_head_dim=True, block_m=bm, block_n=bn, warps=w, stages=st)
+        assert v.swizzled is swizzled
+        assert f"constexpr bool kSwizzle = {str(swizzled).lower()};" in render(v)
+        row = bucket if swizzled else bucket + 8
+        assert v.smem_bytes == (bm + 2 * bn * st) * row * 2
+    prefill = Variant("fwd", bucket, "bf16", block_m=128, block_n=64, warps=4, arch=80, stages=2)
+    assert not prefill.swizzled and "constexpr bool kSwizzle = false;" in render(prefill)
