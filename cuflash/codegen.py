@@ -106,10 +106,13 @@ class Variant:
 
     @property
     def swizzled(self) -> bool:
-        """Shared tiles in the 128-byte swizzle rather than padded rows: wgmma's, and the decode
-        tile's (16 query rows shared by several warps) at head-dim buckets 64 and 128."""
-        return self.mma == "wgmma" or (self.kind in ("fwd", "fwd_split") and self.block_m == 16
-                                       and self.warps > 1 and self.head_dim in (64, 128))
+        """Shared tiles in the 128-byte swizzle rather than padded rows: wgmma's, and the standard
+        kernel's decode tile (16 query rows shared by several warps) at head-dim buckets 64 and
+        128. On an H100 the swizzle took batch-64 decode (two blocks per SM) from 5-6% behind
+        cuDNN to level with it, but made the split kernel (one block per SM) 2-5% slower, so the
+        split kernel keeps padded rows."""
+        return self.mma == "wgmma" or (self.kind == "fwd" and self.block_m == 16 and self.warps > 1
+                                       and self.head_dim in (64, 128))
 
     @property
     def smem_bytes(self) -> int:

@@ -73,15 +73,17 @@ def test_bad_variants_rejected():
 @pytest.mark.parametrize("bucket,swizzled", [(32, False), (64, True), (96, False), (128, True), (192, False),
                                              (256, False)])
 def test_decode_tile_layout(bucket, swizzled):
-    """The decode tile (16 rows, 4 warps) keeps its K/V rows 128-byte aligned through the swizzle
-    where the head dim allows it (64-column blocks, three stages): unpadded tiles, sized so."""
+    """The standard kernel's decode tile (16 rows, 4 warps) keeps its K/V rows 128-byte aligned
+    through the swizzle where the head dim allows it (64-column blocks, three stages): unpadded
+    tiles, sized so."""
     import importlib
     bm, bn, w, st = importlib.import_module("cuflash.plan").decode_tile(bucket)
-    for kind in ("fwd", "fwd_split"):
+    for kind in ("fwd", "fwd_split"):  # the split kernel keeps padded rows (measured faster)
         v = Variant(kind, bucket, "bf16", even_head_dim=True, block_m=bm, block_n=bn, warps=w, stages=st)
-        assert v.swizzled is swizzled
-        assert f"constexpr bool kSwizzle = {str(swizzled).lower()};" in render(v)
-        row = bucket if swizzled else bucket + 8
+        sw = swizzled and kind == "fwd"
+        assert v.swizzled is sw
+        assert f"constexpr bool kSwizzle = {str(sw).lower()};" in render(v)
+        row = bucket if sw else bucket + 8
         assert v.smem_bytes == (bm + 2 * bn * st) * row * 2
     prefill = Variant("fwd", bucket, "bf16", block_m=128, block_n=64, warps=4, arch=80, stages=2)
     assert not prefill.swizzled and "constexpr bool kSwizzle = false;" in render(prefill)
