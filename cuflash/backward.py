@@ -91,6 +91,9 @@ MODS = ((False, False), (True, False), (False, True), (True, True))  # (softcap,
 # 171-178 KiB of shared memory need sm_90's 227 KiB (sm_80 has 163 KiB, sm_120 99 KiB): other
 # archs run the rows layout, as do softcap and ALiBi. At d = 256 a softcap costs the registers
 # of the second Q/dO stage (NVRTC 13.0 and 13.5, sm_80 and sm_90).
+# sm_90 at d = 64 and 128 without softcap or ALiBi: the wgmma kernel (bwd_wgmma.cu.j2), two
+# warpgroups of 64 keys, steps of 128 queries at d = 64 and 64 at d = 128.
+DKDV_WGMMA_TILES = {64: (128, 128, 8, 2, "rows"), 128: (64, 128, 8, 2, "rows")}
 DKDV_ROWS_TILES = {64: (64, 128, 8, 2, "rows"), 128: (32, 128, 8, 2, "rows")}
 DKDV_SOFTCAP_TILES = {256: (32, 64, 8, 1, "rows")}
 
@@ -121,6 +124,9 @@ def variants(bucket: int, dtype: str, causal: bool, deterministic: bool, arch: i
     bm, bn, w, st, layout = dkdv_tile(bucket, softcap, alibi, arch)
     mods = dict(local=local, softcap=softcap, alibi=alibi)
     dkdv = dict(mods, layout=layout)
+    if arch == 90 and bucket in DKDV_WGMMA_TILES and not (softcap or alibi):
+        bm, bn, w, st, layout = DKDV_WGMMA_TILES[bucket]
+        dkdv = dict(mods, layout=layout, mma="wgmma")
     prep = Variant("bwd_prep", bucket, dtype, arch=arch, warps=PREP_ROWS_PER_BLOCK)
     if deterministic:
         qm, qn, qw, qst = dq_tile(bucket, softcap, alibi)
@@ -148,9 +154,11 @@ def bwd_variants(arch: int, mods: bool = True) -> list[Variant]:
 
 def smem_bytes(v: Variant) -> int:
     """Dynamic shared memory of a backward variant (mirrors kSmemBytes in its template)."""
-    row = (v.head_dim + 8) * 2
+    row = (v.head_dim + (0 if v.mma == "wgmma" else 8)) * 2
     if v.kind in ("bwd_dkdv", "bwd_dkdv_dq"):
-        if v.layout == "grid":  # P and dS, [query][key]
+        if v.mma == "wgmma":  # dS^T, [key][query] swizzled, for dQ
+            extra = v.block_n * v.block_m * 2 if v.kind == "bwd_dkdv_dq" else 0
+        elif v.layout == "grid":  # P and dS, [query][key]
             extra = 2 * v.block_m * (v.block_n + 8) * 2
         else:  # dS^T, [key][query], for dQ
             extra = v.block_n * (v.block_m + 8) * 2 if v.kind == "bwd_dkdv_dq" else 0

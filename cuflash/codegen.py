@@ -48,7 +48,7 @@ class Variant:
     softcap: bool = False     # softcap * tanh(s / softcap) on the scores
     alibi: bool = False       # ALiBi bias -slope * |i + sk - sq - j|
     layout: str = "rows"      # dK/dV kernels: warps own key rows ("rows") or a 2-D grid of tiles ("grid")
-    mma: str = "sync"         # forward product: warp-level mma.sync, or Hopper's warpgroup wgmma (sm_90a)
+    mma: str = "sync"         # products: warp-level mma.sync, or Hopper's warpgroup wgmma (sm_90a)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -68,9 +68,15 @@ class Variant:
         if self.mma == "wgmma" and not (self.kind == "fwd" and self.arch == 90 and self.head_dim % 64 == 0
                                         and self.block_m == 16 * self.warps and self.warps % 4 == 0
                                         and self.stages >= 2):
-            raise ValueError("a wgmma variant is a forward kernel for sm_90 with a head-dim bucket that is a "
-                             "multiple of 64, 64 query rows per warpgroup (block_m = 16 * warps, warps a "
-                             f"multiple of 4) and at least two K/V stages; got {self}")
+            if not (self.kind in ("bwd_dkdv", "bwd_dkdv_dq") and self.arch == 90 and self.head_dim in (64, 128)
+                    and (self.block_m, self.block_n, self.warps, self.stages) in ((64, 128, 8, 2), (128, 128, 8, 2))
+                    and (self.block_m == 64 or self.head_dim == 64)
+                    and self.layout == "rows" and not (self.softcap or self.alibi)):
+                raise ValueError(
+                    "a wgmma variant is a forward kernel for sm_90 with a head-dim bucket that is a multiple of "
+                    "64, 64 query rows per warpgroup (block_m = 16 * warps, warps a multiple of 4) and at least "
+                    "two K/V stages, or a dK/dV kernel for sm_90 at head-dim bucket 64 or 128 with 64-query "
+                    f"steps (or 128 at 64) over 128 keys, 8 warps, 2 stages, rows layout, no softcap or ALiBi; got {self}")
         if self.kind == "append":  # copies 16-byte chunks: no head-dim or dtype specialisation
             return
         if self.head_dim not in HEAD_DIM_BUCKETS:
@@ -143,7 +149,7 @@ def render(variant: Variant) -> str:
     if variant.layout == "grid":
         template = "bwd_grid.cu.j2"
     if variant.mma == "wgmma":
-        template = "fwd_wgmma.cu.j2"
+        template = "bwd_wgmma.cu.j2" if variant.kind.startswith("bwd") else "fwd_wgmma.cu.j2"
     return _environment().get_template(template).render(
         name=variant.name,
         head_dim=variant.head_dim,

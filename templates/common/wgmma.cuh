@@ -34,27 +34,51 @@ __device__ __forceinline__ void fence_regs(float (&d)[kN][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e]) :: "memory");
 }
 
-{% set ab = "bf16" if bf16 else "f16" %}
-// S(64 x kBlockN) = A B^T (+ S when accumulate): A and B K-major in shared memory.
-__device__ __forceinline__ void wgmma_ss(float (&d)[kBlockN / 8][4], u64 desc_a, u64 desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %{{ block_n // 2 + 2 }}, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n{{ block_n }}k16.f32.{{ ab }}.{{ ab }} "
-      "{ {% for i in range(block_n // 2) %}%{{ i }}{{ ", " if not loop.last }}{% endfor %} }, "
-      "%{{ block_n // 2 }}, %{{ block_n // 2 + 1 }}, p, 1, 1, 0, 0;\n}\n"
-      : {% for i in range(block_n // 2) %}"+f"(d[{{ i // 4 }}][{{ i % 4 }}]){{ ", " if not loop.last }}{% endfor %}
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+template <int kN>
+__device__ __forceinline__ void fence_regs(u32 (&a)[kN][4]) {
+#pragma unroll
+  for (int j = 0; j < kN; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[j][e]) :: "memory");
 }
 
-// O(64 x kHeadDim) += P V: P in registers (A fragment of one 16-key step), V MN-major in
-// shared memory (transposed B).
-__device__ __forceinline__ void wgmma_rs(float (&d)[kHeadDim / 8][4], const u32 (&a)[4], u64 desc_b) {
+{% set ab = "bf16" if bf16 else "f16" %}
+{#- wgmma with both operands in shared memory (m64 x n x k16; trans = 1 reads A and B MN-major),
+    and with A in registers (B MN-major). -#}
+{% macro wgmma_ss_fn(fn, n, trans) %}
+__device__ __forceinline__ void {{ fn }}(float (&d)[{{ n // 8 }}][4], u64 desc_a, u64 desc_b, int accumulate) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %{{ head_dim // 2 + 5 }}, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n{{ head_dim }}k16.f32.{{ ab }}.{{ ab }} "
-      "{ {% for i in range(head_dim // 2) %}%{{ i }}{{ ", " if not loop.last }}{% endfor %} }, "
-      "{ %{{ head_dim // 2 }}, %{{ head_dim // 2 + 1 }}, %{{ head_dim // 2 + 2 }}, %{{ head_dim // 2 + 3 }} }, "
-      "%{{ head_dim // 2 + 4 }}, p, 1, 1, 1;\n}\n"
-      : {% for i in range(head_dim // 2) %}"+f"(d[{{ i // 4 }}][{{ i % 4 }}]){{ ", " if not loop.last }}{% endfor %}
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %{{ n // 2 + 2 }}, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n{{ n }}k16.f32.{{ ab }}.{{ ab }} "
+      "{ {% for i in range(n // 2) %}%{{ i }}{{ ", " if not loop.last }}{% endfor %} }, "
+      "%{{ n // 2 }}, %{{ n // 2 + 1 }}, p, 1, 1, {{ trans }}, {{ trans }};\n}\n"
+      : {% for i in range(n // 2) %}"+f"(d[{{ i // 4 }}][{{ i % 4 }}]){{ ", " if not loop.last }}{% endfor %}
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+{% endmacro %}
+{% macro wgmma_rs_fn(fn, n) %}
+__device__ __forceinline__ void {{ fn }}(float (&d)[{{ n // 8 }}][4], const u32 (&a)[4], u64 desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %{{ n // 2 + 5 }}, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n{{ n }}k16.f32.{{ ab }}.{{ ab }} "
+      "{ {% for i in range(n // 2) %}%{{ i }}{{ ", " if not loop.last }}{% endfor %} }, "
+      "{ %{{ n // 2 }}, %{{ n // 2 + 1 }}, %{{ n // 2 + 2 }}, %{{ n // 2 + 3 }} }, "
+      "%{{ n // 2 + 4 }}, p, 1, 1, 1;\n}\n"
+      : {% for i in range(n // 2) %}"+f"(d[{{ i // 4 }}][{{ i % 4 }}]){{ ", " if not loop.last }}{% endfor %}
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
+{% endmacro %}
+{% if name.startswith("bwd") %}
+// S^T (64 keys x kBlockM queries) = K Q^T and dP^T = V dO^T: A and B K-major.
+{{ wgmma_ss_fn("wgmma_ss", block_m, 0) }}
+// dQ (64 queries x 64 columns) = dS K: dS^T and K stored MN-major (rows of keys).
+{{ wgmma_ss_fn("wgmma_ss_mn", 64, 1) }}
+// dV += P^T dO and dK += dS^T Q (64 keys x kHeadDim): P^T / dS^T in registers, dO / Q MN-major.
+{{ wgmma_rs_fn("wgmma_rs", head_dim) }}
+{% else %}
+// S(64 x kBlockN) = A B^T (+ S when accumulate): A and B K-major in shared memory.
+{{ wgmma_ss_fn("wgmma_ss", block_n, 0) }}
+// O(64 x kHeadDim) += P V: P in registers (A fragment of one 16-key step), V MN-major in
+// shared memory (transposed B).
+{{ wgmma_rs_fn("wgmma_rs", head_dim) }}
+{% endif %}
