@@ -27,11 +27,11 @@ Kernels (``templates/``), all on the caller's stream:
    fp32 registers; P^T and dS^T go from the MMA outputs straight into the next MMA's operands.
    dK and dV are therefore complete in one block and written once: no atomics for them, GQA
    included. The ``_dq`` variant also stores dS^T in shared memory and adds dQ = dS K into an
-   fp32 buffer with atomic adds. That is the "rows" layout (each warp owns 16 keys x every
-   column). At d = 64 and 128 on sm_90, without softcap or ALiBi, the "grid" layout
-   (bwd_grid.cu.j2, FlashAttention-2's) runs instead: S and dP on a 2 x 4 grid of warps, P and
-   dS through shared memory, dK/dV on a 4 x 2 grid (32 keys x d/2 per warp), so each warp reads
-   half of Q and dO per step.
+   fp32 buffer with atomic adds. Each warp owns 16 keys x every column. At d = 64 and 128 on
+   sm_90, without softcap or ALiBi, bwd_wgmma.cu.j2 runs the same algorithm on Hopper's
+   warpgroup MMA: two warpgroups of 64 keys, 128-byte-swizzled tiles read by wgmma.mma_async
+   (S^T, dP^T and dQ from shared memory; dV and dK with P^T and dS^T from registers), and a
+   swizzled dS^T tile from which each warpgroup computes a 64 x 64 piece of dQ.
 3. ``bwd_convert`` (bwd_convert.cu.j2): dQ = scale * accumulator, in the input dtype.
 
 ``deterministic=True`` launches ``bwd_dkdv`` (no dQ) and, instead of atomics and the convert
@@ -52,18 +52,16 @@ from .codegen import HEAD_DIM_BUCKETS, Variant
 from .plan import cdiv, effective_window, head_dim_bucket
 
 # dK/dV kernel tiles per head-dim bucket: (block_m query rows per step, block_n keys per block,
-# warps, Q/dO stages, layout). In the "rows" layout every warp owns 16 keys (two warps share
-# them above d = 128), so block_m sets the S^T and dP^T registers; the "grid" layout holds
-# block_m / 2 x 32 of S and dP and 32 keys x d/2 of dK and dV per warp. These compile with no
-# spills under NVRTC 13.0 and 13.5 (the grid tiles for sm_90 only, see dkdv_tile; the rest for
-# sm_80 and sm_90; checked in the CPU tests).
+# warps, Q/dO stages, mma). In the mma.sync kernel (bwd.cu.j2) every warp owns 16 keys (two warps
+# share them above d = 128), so block_m sets the S^T and dP^T registers. These compile with no
+# spills under NVRTC 13.0 and 13.5 for sm_80 and sm_90 (checked in the CPU tests).
 DKDV_TILES = {
-    32: (64, 128, 8, 2, "rows"),
-    64: (128, 128, 8, 2, "grid"),
-    96: (32, 128, 8, 2, "rows"),
-    128: (64, 128, 8, 2, "grid"),
-    192: (32, 64, 8, 2, "rows"),
-    256: (32, 64, 8, 2, "rows"),
+    32: (64, 128, 8, 2, "sync"),
+    64: (64, 128, 8, 2, "sync"),
+    96: (32, 128, 8, 2, "sync"),
+    128: (32, 128, 8, 2, "sync"),
+    192: (32, 64, 8, 2, "sync"),
+    256: (32, 64, 8, 2, "sync"),
 }
 # Deterministic dQ kernel tiles: (block_m, block_n, warps, K/V stages).
 DQ_TILES = {
@@ -86,25 +84,22 @@ MASKS = ((False, False), (True, False), (False, True))  # (causal, local)
 MODS = ((False, False), (True, False), (False, True), (True, True))  # (softcap, alibi)
 
 
-# dK/dV tiles where DKDV_TILES does not fit. The grid layout (d = 64, 128) has no registers
-# left for a softcap's 1 - t^2 factors or ALiBi's bias (a window's bounds fit), and its
-# 171-178 KiB of shared memory need sm_90's 227 KiB (sm_80 has 163 KiB, sm_120 99 KiB): other
-# archs run the rows layout, as do softcap and ALiBi. At d = 256 a softcap costs the registers
-# of the second Q/dO stage (NVRTC 13.0 and 13.5, sm_80 and sm_90).
 # sm_90 at d = 64 and 128 without softcap or ALiBi: the wgmma kernel (bwd_wgmma.cu.j2), two
-# warpgroups of 64 keys, steps of 128 queries at d = 64 and 64 at d = 128.
-DKDV_WGMMA_TILES = {64: (128, 128, 8, 2, "rows"), 128: (64, 128, 8, 2, "rows")}
-DKDV_ROWS_TILES = {64: (64, 128, 8, 2, "rows"), 128: (32, 128, 8, 2, "rows")}
-DKDV_SOFTCAP_TILES = {256: (32, 64, 8, 1, "rows")}
+# warpgroups of 64 keys, steps of 128 queries at d = 64 and 64 at d = 128 (its dK and dV
+# accumulators leave no registers for a softcap's 1 - t^2 factors or ALiBi's bias).
+DKDV_WGMMA_TILES = {64: (128, 128, 8, 2, "wgmma"), 128: (64, 128, 8, 2, "wgmma")}
+# With a softcap at d = 256 the second Q/dO stage does not fit the registers (NVRTC 13.0 and
+# 13.5, sm_80 and sm_90).
+DKDV_SOFTCAP_TILES = {256: (32, 64, 8, 1, "sync")}
 
 
 def dkdv_tile(bucket: int, softcap: bool = False, alibi: bool = False,
               arch: int = 90) -> tuple[int, int, int, int, str]:
-    """The dK/dV kernel's tile: DKDV_TILES; DKDV_ROWS_TILES where it has the bucket, with a
-    softcap or ALiBi or on an arch other than sm_90; with a softcap DKDV_SOFTCAP_TILES where it
-    has the bucket. Windows fit the base tiles."""
-    if (softcap or alibi or arch != 90) and bucket in DKDV_ROWS_TILES:
-        return DKDV_ROWS_TILES[bucket]
+    """The dK/dV kernel's tile: DKDV_WGMMA_TILES on sm_90 where it has the bucket and there is
+    no softcap or ALiBi; DKDV_SOFTCAP_TILES with a softcap where it has the bucket; else
+    DKDV_TILES. Windows fit every tile."""
+    if arch == 90 and bucket in DKDV_WGMMA_TILES and not (softcap or alibi):
+        return DKDV_WGMMA_TILES[bucket]
     if softcap and bucket in DKDV_SOFTCAP_TILES:
         return DKDV_SOFTCAP_TILES[bucket]
     return DKDV_TILES[bucket]
@@ -121,12 +116,9 @@ def variants(bucket: int, dtype: str, causal: bool, deterministic: bool, arch: i
     """The kernels one backward call launches, in launch order. ``causal``/``local`` are the
     mask as launched (plan.effective_window: a window that hides no key beyond the causal mask
     runs as causal)."""
-    bm, bn, w, st, layout = dkdv_tile(bucket, softcap, alibi, arch)
+    bm, bn, w, st, mma = dkdv_tile(bucket, softcap, alibi, arch)
     mods = dict(local=local, softcap=softcap, alibi=alibi)
-    dkdv = dict(mods, layout=layout)
-    if arch == 90 and bucket in DKDV_WGMMA_TILES and not (softcap or alibi):
-        bm, bn, w, st, layout = DKDV_WGMMA_TILES[bucket]
-        dkdv = dict(mods, layout=layout, mma="wgmma")
+    dkdv = dict(mods, mma=mma)
     prep = Variant("bwd_prep", bucket, dtype, arch=arch, warps=PREP_ROWS_PER_BLOCK)
     if deterministic:
         qm, qn, qw, qst = dq_tile(bucket, softcap, alibi)
@@ -156,12 +148,8 @@ def smem_bytes(v: Variant) -> int:
     """Dynamic shared memory of a backward variant (mirrors kSmemBytes in its template)."""
     row = (v.head_dim + (0 if v.mma == "wgmma" else 8)) * 2
     if v.kind in ("bwd_dkdv", "bwd_dkdv_dq"):
-        if v.mma == "wgmma":  # dS^T, [key][query] swizzled, for dQ
-            extra = v.block_n * v.block_m * 2 if v.kind == "bwd_dkdv_dq" else 0
-        elif v.layout == "grid":  # P and dS, [query][key]
-            extra = 2 * v.block_m * (v.block_n + 8) * 2
-        else:  # dS^T, [key][query], for dQ
-            extra = v.block_n * (v.block_m + 8) * 2 if v.kind == "bwd_dkdv_dq" else 0
+        # dS^T, [key][query] (swizzled or padded), for dQ
+        extra = v.block_n * (v.block_m + (0 if v.mma == "wgmma" else 8)) * 2 if v.kind == "bwd_dkdv_dq" else 0
         return 2 * v.block_n * row + 2 * v.stages * v.block_m * row + extra + 2 * v.stages * v.block_m * 4 + 48
     if v.kind == "bwd_dq":
         return 2 * v.block_m * row + 2 * v.stages * v.block_n * row

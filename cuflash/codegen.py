@@ -1,7 +1,7 @@
 """Variant -> CUDA C++ source, rendered from the Jinja2 templates in ``templates/``.
 
-Jinja only sets constants and includes the shared partials (bwd_grid.cu.j2 also replaces
-named blocks of bwd.cu.j2: the dK/dV warp layout); all logic is plain CUDA C++.
+Jinja only sets constants and includes the shared partials (fwd_wgmma.cu.j2 and bwd_wgmma.cu.j2
+also replace named blocks of fwd.cu.j2 and bwd.cu.j2: the products); all logic is plain CUDA C++.
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ KINDS = ("fwd", "fwd_split", "combine", "append",
          "bwd_prep", "bwd_dkdv", "bwd_dkdv_dq", "bwd_dq", "bwd_convert")
 DTYPES = ("fp16", "bf16")
 KV_SOURCES = ("dense", "cache", "paged")
-LAYOUTS = ("rows", "grid")
 MMAS = ("sync", "wgmma")
 
 
@@ -47,7 +46,6 @@ class Variant:
     local: bool = False       # sliding-window mask (window bounds are launch arguments)
     softcap: bool = False     # softcap * tanh(s / softcap) on the scores
     alibi: bool = False       # ALiBi bias -slope * |i + sk - sq - j|
-    layout: str = "rows"      # dK/dV kernels: warps own key rows ("rows") or a 2-D grid of tiles ("grid")
     mma: str = "sync"         # products: warp-level mma.sync, or Hopper's warpgroup wgmma (sm_90a)
 
     def __post_init__(self):
@@ -58,11 +56,6 @@ class Variant:
         if self.local and self.causal:
             raise ValueError("a local variant carries the causal bound as its window's right edge: "
                              "causal must be False")
-        if self.layout not in LAYOUTS or (self.layout != "rows" and self.kind not in ("bwd_dkdv", "bwd_dkdv_dq")):
-            raise ValueError(f"layout must be one of {LAYOUTS} for the dK/dV kinds and 'rows' for the "
-                             f"others, got {self.layout!r} for {self.kind!r}")
-        if self.layout == "grid" and (self.softcap or self.alibi):
-            raise ValueError("the grid layout has no softcap or ALiBi variant (they use layout='rows')")
         if self.mma not in MMAS:
             raise ValueError(f"mma must be one of {MMAS}, got {self.mma!r}")
         if self.mma == "wgmma" and not (self.kind == "fwd" and self.arch == 90 and self.head_dim % 64 == 0
@@ -71,12 +64,12 @@ class Variant:
             if not (self.kind in ("bwd_dkdv", "bwd_dkdv_dq") and self.arch == 90 and self.head_dim in (64, 128)
                     and (self.block_m, self.block_n, self.warps, self.stages) in ((64, 128, 8, 2), (128, 128, 8, 2))
                     and (self.block_m == 64 or self.head_dim == 64)
-                    and self.layout == "rows" and not (self.softcap or self.alibi)):
+                    and not (self.softcap or self.alibi)):
                 raise ValueError(
                     "a wgmma variant is a forward kernel for sm_90 with a head-dim bucket that is a multiple of "
                     "64, 64 query rows per warpgroup (block_m = 16 * warps, warps a multiple of 4) and at least "
                     "two K/V stages, or a dK/dV kernel for sm_90 at head-dim bucket 64 or 128 with 64-query "
-                    f"steps (or 128 at 64) over 128 keys, 8 warps, 2 stages, rows layout, no softcap or ALiBi; got {self}")
+                    f"steps (or 128 at 64) over 128 keys, 8 warps, 2 stages, no softcap or ALiBi; got {self}")
         if self.kind == "append":  # copies 16-byte chunks: no head-dim or dtype specialisation
             return
         if self.head_dim not in HEAD_DIM_BUCKETS:
@@ -96,8 +89,7 @@ class Variant:
         mask = "local" if self.local else ("causal" if self.causal else "full")
         mods = ("_softcap" if self.softcap else "") + ("_alibi" if self.alibi else "")
         even = "" if self.even_head_dim else "_dpred"
-        layout = "" if self.layout == "rows" else f"_{self.layout}"
-        layout += "" if self.mma == "sync" else f"_{self.mma}"
+        layout = "" if self.mma == "sync" else f"_{self.mma}"
         return (f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{mods}{even}{layout}{paged}"
                 f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}_sm{self.arch}")
 
@@ -146,8 +138,6 @@ def render(variant: Variant) -> str:
     template = {"combine": "combine.cu.j2", "append": "append.cu.j2",
                 "bwd_prep": "bwd_prep.cu.j2", "bwd_dkdv": "bwd.cu.j2", "bwd_dkdv_dq": "bwd.cu.j2",
                 "bwd_dq": "bwd_dq.cu.j2", "bwd_convert": "bwd_convert.cu.j2"}.get(variant.kind, "fwd.cu.j2")
-    if variant.layout == "grid":
-        template = "bwd_grid.cu.j2"
     if variant.mma == "wgmma":
         template = "bwd_wgmma.cu.j2" if variant.kind.startswith("bwd") else "fwd_wgmma.cu.j2"
     return _environment().get_template(template).render(

@@ -10,7 +10,7 @@ import pytest
 
 from cuflash import backward, compiler, reference
 from cuflash.arrays import View
-from cuflash.codegen import HEAD_DIM_BUCKETS, LAYOUTS, Variant, render
+from cuflash.codegen import HEAD_DIM_BUCKETS, MMAS, Variant, render
 from conftest import GPU_PROBLEM, assert_compiled_clean, fake_view
 
 VARIANTS = backward.bwd_variants(80) + backward.bwd_variants(90)
@@ -45,20 +45,22 @@ def test_variant_set_and_names():
 
 
 def test_base_tiles_unchanged():
-    """The tiles without window/softcap/ALiBi are the verified ones; a flag only ever shrinks."""
+    """The mma.sync tiles without window/softcap/ALiBi are the verified ones; a flag only ever
+    shrinks them."""
     for bucket in HEAD_DIM_BUCKETS:
         for softcap in (False, True):
             for alibi in (False, True):
-                dk, dq = backward.dkdv_tile(bucket, softcap, alibi), backward.dq_tile(bucket, softcap, alibi)
+                dk, dq = backward.dkdv_tile(bucket, softcap, alibi, 80), backward.dq_tile(bucket, softcap, alibi)
                 if not (softcap or alibi):
                     assert dk == backward.DKDV_TILES[bucket] and dq == backward.DQ_TILES[bucket]
                 assert dk[0] <= backward.DKDV_TILES[bucket][0] and dq[0] <= backward.DQ_TILES[bucket][0]
                 assert backward.ROW_PAD % dk[0] == 0 and backward.ROW_PAD % dq[0] == 0
 
 
-def test_layout_choice():
-    """The grid layout runs d = 64 and 128 on sm_90, windows included; softcap, ALiBi and sm_80
-    keep the rows layout (registers, shared memory); its source is bwd_grid.cu.j2."""
+def test_mma_choice():
+    """The wgmma dK/dV kernel runs d = 64 and 128 on sm_90, windows and deterministic mode
+    included; softcap, ALiBi, other buckets and other archs run the mma.sync kernel (bwd.cu.j2).
+    Its source is bwd_wgmma.cu.j2, compiled for sm_90a."""
     for bucket in HEAD_DIM_BUCKETS:
         for arch in (80, 90, 120):
             for causal, local, softcap, alibi in ((False, False, False, False), (True, False, False, False),
@@ -66,19 +68,23 @@ def test_layout_choice():
                                                   (True, False, False, True)):
                 for det in (False, True):
                     dk = backward.variants(bucket, "fp16", causal, det, arch, local, softcap, alibi)[1]
-                    grid = arch == 90 and bucket in (64, 128) and not (softcap or alibi)
-                    assert dk.layout == ("grid" if grid else "rows"), dk.name
-                    assert dk.name.endswith(f"{'_grid' if grid else ''}_m{dk.block_m}n{dk.block_n}"
+                    wg = arch == 90 and bucket in (64, 128) and not (softcap or alibi)
+                    assert dk.mma == ("wgmma" if wg else "sync"), dk.name
+                    assert dk.name.endswith(f"{'_wgmma' if wg else ''}_m{dk.block_m}n{dk.block_n}"
                                             f"w{dk.warps}s{dk.stages}_sm{arch}")
+                    assert dk.target == (f"{arch}a" if wg else str(arch))
                     src = render(dk)
-                    assert ("bwd_grid.cu.j2" in src) == grid and ("kPStride" in src) == grid
-                    assert ("kSStride" in src) == (not grid)
-    with pytest.raises(ValueError, match="layout"):
-        Variant("bwd_dq", 64, "fp16", layout="grid")
-    with pytest.raises(ValueError, match="layout"):
-        Variant("bwd_dkdv", 64, "fp16", layout="cols")
-    with pytest.raises(ValueError, match="grid layout"):
-        Variant("bwd_dkdv_dq", 64, "fp16", block_m=128, block_n=128, warps=8, softcap=True, layout="grid")
+                    assert ("bwd_wgmma.cu.j2" in src) == wg and ("wgmma.mma_async" in src) == wg
+                    assert ("kSStride" in src) == (not wg)
+    ok = dict(block_m=128, block_n=128, warps=8, stages=2, arch=90, mma="wgmma")
+    assert Variant("bwd_dkdv_dq", 64, "fp16", **ok).name.endswith("_wgmma_m128n128w8s2_sm90")
+    for bad in (dict(softcap=True), dict(alibi=True), dict(arch=80), dict(block_m=32), dict(stages=1)):
+        with pytest.raises(ValueError, match="wgmma"):
+            Variant("bwd_dkdv_dq", 64, "fp16", **{**ok, **bad})
+    with pytest.raises(ValueError, match="wgmma"):  # 128-query steps only at d = 64
+        Variant("bwd_dkdv", 128, "fp16", **ok)
+    with pytest.raises(ValueError, match="wgmma"):
+        Variant("bwd_dq", 64, "fp16", **ok)
 
 
 @pytest.mark.parametrize("causal,window,sq,sk,want", [
@@ -370,11 +376,12 @@ def test_tiles_cover_every_bucket():
     tiles = [t[:4] for t in backward.DKDV_TILES.values()] + list(backward.DQ_TILES.values())
     for table in (backward.DKDV_TILES, backward.DQ_TILES):
         assert sorted(table) == list(HEAD_DIM_BUCKETS)
-    tiles += [t[:4] for table in (backward.DKDV_ROWS_TILES, backward.DKDV_SOFTCAP_TILES) for t in table.values()]
+    tiles += [t[:4] for table in (backward.DKDV_WGMMA_TILES, backward.DKDV_SOFTCAP_TILES) for t in table.values()]
     for bm, bn, w, st in tiles:
         assert backward.ROW_PAD % bm == 0 and bn % 16 == 0 and w in (4, 8) and st in (1, 2)
-    for table in (backward.DKDV_TILES, backward.DKDV_ROWS_TILES, backward.DKDV_SOFTCAP_TILES):
-        assert all(t[4] in LAYOUTS for t in table.values())
+    for table in (backward.DKDV_TILES, backward.DKDV_WGMMA_TILES, backward.DKDV_SOFTCAP_TILES):
+        assert all(t[4] in MMAS for t in table.values())
+    assert all(t[4] == "wgmma" for t in backward.DKDV_WGMMA_TILES.values())
 
 
 # ---------------------------------------------------------------------------------------------
