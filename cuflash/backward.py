@@ -146,10 +146,10 @@ def bwd_variants(arch: int, mods: bool = True) -> list[Variant]:
 
 def smem_bytes(v: Variant) -> int:
     """Dynamic shared memory of a backward variant (mirrors kSmemBytes in its template)."""
-    row = (v.head_dim + (0 if v.mma == "wgmma" else 8)) * 2
+    pad = 0 if v.swizzled else 8  # padded rows, or wgmma's 128-byte swizzle
+    row = (v.head_dim + pad) * 2
     if v.kind in ("bwd_dkdv", "bwd_dkdv_dq"):
-        # dS^T, [key][query] (swizzled or padded), for dQ
-        extra = v.block_n * (v.block_m + (0 if v.mma == "wgmma" else 8)) * 2 if v.kind == "bwd_dkdv_dq" else 0
+        extra = v.block_n * (v.block_m + pad) * 2 if v.kind == "bwd_dkdv_dq" else 0  # dS^T, [key][query], for dQ
         return 2 * v.block_n * row + 2 * v.stages * v.block_m * row + extra + 2 * v.stages * v.block_m * 4 + 48
     if v.kind == "bwd_dq":
         return 2 * v.block_m * row + 2 * v.stages * v.block_n * row

@@ -58,24 +58,29 @@ class Variant:
                              "causal must be False")
         if self.mma not in MMAS:
             raise ValueError(f"mma must be one of {MMAS}, got {self.mma!r}")
-        if self.mma == "wgmma" and not (self.kind == "fwd" and self.arch == 90 and self.head_dim % 64 == 0
-                                        and self.block_m == 16 * self.warps and self.warps % 4 == 0
-                                        and self.stages >= 2):
-            if not (self.kind in ("bwd_dkdv", "bwd_dkdv_dq") and self.arch == 90 and self.head_dim in (64, 128)
-                    and (self.block_m, self.block_n, self.warps, self.stages) in ((64, 128, 8, 2), (128, 128, 8, 2))
-                    and (self.block_m == 64 or self.head_dim == 64)
-                    and not (self.softcap or self.alibi)):
-                raise ValueError(
-                    "a wgmma variant is a forward kernel for sm_90 with a head-dim bucket that is a multiple of "
-                    "64, 64 query rows per warpgroup (block_m = 16 * warps, warps a multiple of 4) and at least "
-                    "two K/V stages, or a dK/dV kernel for sm_90 at head-dim bucket 64 or 128 with 64-query "
-                    f"steps (or 128 at 64) over 128 keys, 8 warps, 2 stages, no softcap or ALiBi; got {self}")
+        if self.mma == "wgmma" and not self._wgmma_fits():
+            raise ValueError(
+                "a wgmma variant is a forward kernel for sm_90 with a head-dim bucket that is a multiple of "
+                "64, 64 query rows per warpgroup (block_m = 16 * warps, warps a multiple of 4) and at least "
+                "two K/V stages, or a dK/dV kernel for sm_90 at head-dim bucket 64 or 128 with 64-query "
+                f"steps (or 128 at 64) over 128 keys, 8 warps, 2 stages, no softcap or ALiBi; got {self}")
         if self.kind == "append":  # copies 16-byte chunks: no head-dim or dtype specialisation
             return
         if self.head_dim not in HEAD_DIM_BUCKETS:
             raise ValueError(f"head_dim must be one of {HEAD_DIM_BUCKETS}, got {self.head_dim}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    def _wgmma_fits(self) -> bool:
+        """The shapes the wgmma templates are written for (their static_asserts, checked early)."""
+        if self.arch != 90:
+            return False
+        if self.kind == "fwd":
+            return (self.head_dim % 64 == 0 and self.block_m == 16 * self.warps and self.warps % 4 == 0
+                    and self.stages >= 2)
+        return (self.kind in ("bwd_dkdv", "bwd_dkdv_dq") and not (self.softcap or self.alibi)
+                and (self.block_n, self.warps, self.stages) == (128, 8, 2)
+                and self.block_m * self.head_dim == 128 * 64 and self.head_dim in (64, 128))
 
     @functools.cached_property
     def name(self) -> str:
