@@ -10,6 +10,7 @@ directory falls back to memory with a warning.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import re
@@ -259,6 +260,14 @@ def get_kernel(variant: Variant, device: int):
     return fn
 
 
+def exclusive_smem(variant: Variant) -> int:
+    """Dynamic shared memory a launch of ``variant`` asks for at least (0: none beyond its own).
+    The decode tile's split-KV grid has about one block per SM (the plan's rule); launched early (programmatic stream
+    serialisation), its blocks are placed while the previous grid's still run, and two of them
+    could share an SM that had room. Over half of an sm_90 SM's 228 KB keeps each block alone."""
+    return 116 * 1024 if variant.kind == "fwd_split" and variant.block_m == 16 and variant.arch >= 90 else 0
+
+
 def _load(variant: Variant, device: int):
     import cupy
     from cupy_backends.cuda.api import driver
@@ -267,9 +276,9 @@ def _load(variant: Variant, device: int):
         mod = cupy.cuda.function.Module()
         mod.load(cubin)
         fn = mod.get_function(variant.name)
-        if variant.smem_bytes > 48 * 1024:
-            driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                    variant.smem_bytes)
+        smem = max(variant.smem_bytes, exclusive_smem(variant))
+        if smem > 48 * 1024:
+            driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
     return Kernel(fn, variant.name)
 
 
@@ -284,8 +293,53 @@ class _Buffers:
         self.buf, self.size = ctypes.create_string_buffer(1024), ctypes.c_size_t(0)
         self.extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(self.buf), 2, ctypes.addressof(self.size), 0)
         self.extra_ptr = ctypes.addressof(self.extra)
+        self.launch_ex = _LaunchEx(self.extra_ptr) if _cuda_driver() is not None else None
         if not driver.ctxGetCurrent():  # a new thread: bind the current device's primary context
             cupy.cuda.runtime.setDevice(cupy.cuda.runtime.getDevice())
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+
+
+@functools.lru_cache(maxsize=1)
+def _cuda_driver():
+    """cuLaunchKernelEx from the CUDA driver (CUDA 12+), or None where it is missing."""
+    import ctypes
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p] * 4
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class _LaunchEx:
+    """A thread's CUlaunchConfig with one attribute, programmatic stream serialisation, for
+    cuLaunchKernelEx with the thread's packed parameters (``extra``)."""
+
+    def __init__(self, extra_ptr: int):
+        import ctypes
+
+        class Attr(ctypes.Structure):  # CUlaunchAttribute: id, 4 pad bytes, a 64-byte value union
+            _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_uint), ("value", ctypes.c_int * 16)]
+
+        class Config(ctypes.Structure):  # CUlaunchConfig
+            _fields_ = [("dims", ctypes.c_uint * 7), ("stream", ctypes.c_void_p),
+                        ("attrs", ctypes.POINTER(Attr)), ("num_attrs", ctypes.c_uint)]
+
+        self.attr = Attr(_PROGRAMMATIC_STREAM_SERIALIZATION)
+        self.attr.value[0] = 1  # programmaticStreamSerializationAllowed
+        self.config = Config(attrs=ctypes.pointer(self.attr), num_attrs=1)
+        self.config_ptr, self.extra_ptr, self.fn = ctypes.addressof(self.config), extra_ptr, _cuda_driver()
+
+    def __call__(self, fn_ptr: int, grid: tuple, block: tuple, shared_mem: int, stream: int):
+        self.config.dims[:] = (*grid, *block, shared_mem)
+        self.config.stream = stream
+        rc = self.fn(self.config_ptr, fn_ptr, None, self.extra_ptr)
+        if rc:
+            from cupy_backends.cuda.api import driver
+            raise driver.CUDADriverError(rc)
 
 
 _thread = threading.local()
@@ -324,13 +378,20 @@ class Kernel:
             self._params[types] = st
         return st
 
-    def launch(self, params, grid: tuple, block: tuple, shared_mem: int, stream: int, args):
-        """One cuLaunchKernel: grid and block are 3-tuples, ``stream`` a raw pointer."""
+    def launch(self, params, grid: tuple, block: tuple, shared_mem: int, stream: int, args,
+               early: bool = False):
+        """One cuLaunchKernel: grid and block are 3-tuples, ``stream`` a raw pointer. ``early``
+        launches with programmatic stream serialisation (sm_90, cuLaunchKernelEx): the grid may
+        start while the stream's previous kernel finishes, so the kernel must wait for it
+        (``griddepcontrol.wait``) before it touches memory."""
         b = _buffers()
         params.pack_into(b.buf, 0, *args)
         b.size.value = params.size
         try:
-            _launch_kernel(self.ptr, *grid, *block, shared_mem, stream, 0, b.extra_ptr)
+            if early and b.launch_ex is not None:
+                b.launch_ex(self.ptr, grid, block, shared_mem, stream)
+            else:
+                _launch_kernel(self.ptr, *grid, *block, shared_mem, stream, 0, b.extra_ptr)
         except Exception as e:
             raise RuntimeError(f"launching {self.name} failed: {e} (grid {grid}, block {block}, "
                                f"{shared_mem} B shared)") from None

@@ -16,6 +16,11 @@ NO_CACHE = (0, 0, 0, 0)  # seqlens_k, kv_batch_idx, block_table pointers; block-
 # in a zeroed int per block that the kernel leaves zeroed); CUFLASH_FUSED_COMBINE=0 runs the
 # separate combine kernel instead.
 FUSED_COMBINE = os.environ.get("CUFLASH_FUSED_COMBINE", "1") != "0"
+# Forward kernels on sm_90 launch with programmatic stream serialisation: a grid may start while
+# the stream's previous kernel finishes (the kernel waits for it with griddepcontrol.wait before
+# touching memory, and lets the next grid start once its K/V loop is done), which hides the launch
+# gap between back-to-back kernels. CUFLASH_EARLY_LAUNCH=0 launches them plainly.
+EARLY_LAUNCH = os.environ.get("CUFLASH_EARLY_LAUNCH", "1") != "0"
 _counters: dict = {}  # (device, stream pointer) -> zeroed int32 CuPy array
 _retired: list = []   # outgrown per-stream buffers, kept alive: kernels queued earlier may use them
 
@@ -152,6 +157,7 @@ class Recipe(NamedTuple):
     n_counters: int            # merge counters (one per query block)
     ws_floats: int             # workspace size: partial outputs, then partial LSEs
     ws_lse: int                # where the partial LSEs start
+    early: bool                # launch with programmatic stream serialisation (see EARLY_LAUNCH)
 
 
 def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_CACHE,
@@ -179,21 +185,23 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
     split = not (plan.num_splits == 1 and main.variant.kind == "fwd")
     rows = p.batch * plan.nheads_eff * plan.seqlen_q_eff
     n_o = plan.num_splits * rows * main.variant.head_dim if split else 0
-    return Recipe(plan, kernel, params, (*main.grid, 1, 1)[:3], (main.threads, 1, 1), main.smem, mid,
+    early = EARLY_LAUNCH and main.variant.arch >= 90
+    smem = max(main.smem, compiler.exclusive_smem(main.variant)) if early else main.smem
+    return Recipe(plan, kernel, params, (*main.grid, 1, 1)[:3], (main.threads, 1, 1), smem, mid,
                   split, (*os_, *combine, cu_q, *tail), main.grid[0] * main.grid[1] * p.batch,
-                  n_o + plan.num_splits * rows if split else 0, n_o)
+                  n_o + plan.num_splits * rows if split else 0, n_o, early)
 
 
 def fire(r: Recipe, device: int, stream: int, q: int, k: int, v: int, o: int, lse: int, workspace=None):
     """Launch a prepared plan on ``stream`` (a raw pointer) for these data pointers;
     ``workspace`` is the (partial O, partial LSE) pointer pair when the plan splits."""
     if not r.split:
-        r.kernel.launch(r.params, r.grid, r.block, r.smem, stream, (q, k, v, o, lse, *r.mid, 0, 0, 0))
+        r.kernel.launch(r.params, r.grid, r.block, r.smem, stream, (q, k, v, o, lse, *r.mid, 0, 0, 0), r.early)
         return
     o_acc, lse_acc = workspace
     counters = _counter_ptr(device, stream, r.n_counters) if FUSED_COMBINE else 0
     r.kernel.launch(r.params, r.grid, r.block, r.smem, stream,
-                    (q, k, v, o_acc, lse_acc, *r.mid, o, lse, counters))
+                    (q, k, v, o_acc, lse_acc, *r.mid, o, lse, counters), r.early)
     if counters:
         return
     comb = r.plan.launches[1]

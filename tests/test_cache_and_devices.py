@@ -272,3 +272,32 @@ def test_kernel_arguments_pack_like_c_parameters():
     assert struct.unpack_from("<q", buf, 16)[0] == 7 and struct.unpack_from("<f", buf, 24)[0] == 0.5
     assert struct.unpack_from("<i", buf, 28)[0] == 9 and struct.unpack_from("<d", buf, 32)[0] == 2.0
     assert k.params((5, np.int32(0), 1, np.float32(0), np.int32(0), 0.0)) is st  # one layout per types
+
+
+def test_early_launch_config_is_cuda_h_layout():
+    """cuLaunchKernelEx's structs as cuda.h lays them out: CUlaunchAttribute is 72 bytes (id, 4
+    pad bytes, a 64-byte value union), CUlaunchConfig 56 (seven uints, then stream, attribute
+    pointer and count on 8-byte boundaries); the one attribute allows programmatic stream
+    serialisation."""
+    import ctypes
+    ex = compiler._LaunchEx(0)
+    C, A = type(ex.config), type(ex.attr)
+    assert ctypes.sizeof(A) == 72 and A.value.offset == 8
+    assert ctypes.sizeof(C) == 56 and (C.stream.offset, C.attrs.offset, C.num_attrs.offset) == (32, 40, 48)
+    assert ex.attr.id == 6 and ex.attr.value[0] == 1 and ex.config.num_attrs == 1
+    assert ctypes.addressof(ex.config.attrs.contents) == ctypes.addressof(ex.attr)
+
+
+def test_early_launched_decode_split_blocks_stay_alone_on_an_sm():
+    """An early-launched decode split grid asks for over half of an sm_90 SM's 228 KB of shared
+    memory (and at most the 227 KB a block may have), so two of its blocks never share an SM;
+    other kernels and archs ask for their own size."""
+    from cuflash.plan import DeviceFacts, Problem, make_plan
+    sm = 228 * 1024
+    for arch, sq, want in ((90, 1, True), (80, 1, False), (90, 256, False)):
+        plan = make_plan(Problem(1, sq, 32768, 32, 8, 128, "bf16", num_splits=0 if sq == 1 else 4),
+                         DeviceFacts(132, arch))
+        v = plan.launches[0].variant
+        assert v.kind == "fwd_split", plan.kernels
+        ask = max(v.smem_bytes, compiler.exclusive_smem(v))
+        assert (2 * (ask + 1024) > sm) == want and ask <= 227 * 1024, (v.name, ask)

@@ -136,3 +136,23 @@ def test_repeat_still_rejects_what_the_general_path_rejects(rng):
         cuflash.attention(q, k, v, causal=True, out=torch.empty_like(q)[:, :10])
     with pytest.raises(ValueError, match="CPU"):
         cuflash.attention(q.cpu(), k.cpu(), v.cpu(), causal=True)
+
+
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,splits", SHAPES + [(2, 1, 128, 32, 8, 128, 0)])
+@pytest.mark.parametrize("between", [None, "scale"])
+def test_back_to_back_calls_see_the_previous_output(rng, b, sq, sk, h, hk, d, splits, between):
+    """Forward kernels on sm_90 may start before the stream's previous kernel ends. A chain of
+    calls queued without a sync, each taking the previous output (directly, or through a PyTorch
+    kernel that scales it) as its queries, must read each query only once it is written: every
+    step matches the reference for the queries it got."""
+    import torch
+
+    import cuflash
+    q, k, v = torch_inputs(rng, b, sq, sk, h, hk, d, "bfloat16")
+    qs = [q]
+    for _ in range(6):
+        out = cuflash.attention(qs[-1], k, v, causal=True, num_splits=splits)
+        qs.append(out if between is None else out * 4)
+    torch.cuda.synchronize()
+    for q_in, q_out in zip(qs, qs[1:]):
+        check(q_out if between is None else q_out / 4, q_in, k, v, causal=True)
