@@ -261,10 +261,11 @@ def get_kernel(variant: Variant, device: int):
 
 
 def exclusive_smem(variant: Variant) -> int:
-    """Dynamic shared memory a launch of ``variant`` asks for at least (0: none beyond its own).
-    The decode tile's split-KV grid has about one block per SM (the plan's rule); launched early (programmatic stream
-    serialisation), its blocks are placed while the previous grid's still run, and two of them
-    could share an SM that had room. Over half of an sm_90 SM's 228 KB keeps each block alone."""
+    """Dynamic shared memory an early launch (programmatic stream serialisation) of ``variant``
+    asks for at least when its grid has no more blocks than SMs (0: none beyond its own). Such a
+    grid (the decode tile's split-KV kernel: about one block per SM by the plan's rule) has its
+    blocks placed while the previous grid's still run, and two of them could share an SM that had
+    room. Over half of an sm_90 SM's 228 KB keeps each block alone."""
     return 116 * 1024 if variant.kind == "fwd_split" and variant.block_m == 16 and variant.arch >= 90 else 0
 
 

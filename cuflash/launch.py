@@ -186,7 +186,8 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
     rows = p.batch * plan.nheads_eff * plan.seqlen_q_eff
     n_o = plan.num_splits * rows * main.variant.head_dim if split else 0
     early = EARLY_LAUNCH and main.variant.arch >= 90
-    smem = max(main.smem, compiler.exclusive_smem(main.variant)) if early else main.smem
+    alone = early and math.prod(main.grid) <= plan.device.num_sms  # one wave: keep a block per SM
+    smem = max(main.smem, compiler.exclusive_smem(main.variant)) if alone else main.smem
     return Recipe(plan, kernel, params, (*main.grid, 1, 1)[:3], (main.threads, 1, 1), smem, mid,
                   split, (*os_, *combine, cu_q, *tail), main.grid[0] * main.grid[1] * p.batch,
                   n_o + plan.num_splits * rows if split else 0, n_o, early)
