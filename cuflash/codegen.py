@@ -109,12 +109,13 @@ class Variant:
 
     @property
     def swizzled(self) -> bool:
-        """Shared tiles in the 128-byte swizzle rather than padded rows: wgmma's, and the standard
-        kernel's decode tile (16 query rows shared by several warps) at head-dim buckets 64 and
-        128. On an H100 the swizzle took batch-64 decode (two blocks per SM) from 5-6% behind
-        cuDNN to level with it, but made the split kernel (one block per SM) 2-5% slower, so the
-        split kernel keeps padded rows."""
-        return self.mma == "wgmma" or (self.kind == "fwd" and self.block_m == 16 and self.warps > 1
+        """Shared tiles in the 128-byte swizzle rather than padded rows: wgmma's, and the decode
+        tile's (16 query rows shared by several warps; standard and split-KV kernels) at head-dim
+        buckets 64 and 128. Rows then start on 128-byte lines, so no cp.async row is requested
+        from L2 twice: on an H100 this took batch-64 decode from 5-6% behind cuDNN to level with
+        it. (The split kernel measured slower swizzled until its tiles were 128-byte aligned past
+        its static shared memory.)"""
+        return self.mma == "wgmma" or (self.kind in ("fwd", "fwd_split") and self.block_m == 16 and self.warps > 1
                                        and self.head_dim in (64, 128))
 
     @property
