@@ -73,14 +73,14 @@ def test_bad_variants_rejected():
 @pytest.mark.parametrize("bucket,swizzled", [(32, False), (64, True), (96, False), (128, True), (192, False),
                                              (256, False)])
 def test_decode_tile_layout(bucket, swizzled):
-    """The standard kernel's decode tile (16 rows, 4 warps) keeps its K/V rows 128-byte aligned
-    through the swizzle where the head dim allows it (64-column blocks, three stages): unpadded
-    tiles, sized so."""
+    """The decode tile (16 rows, 4 warps; standard and split-KV kernels) keeps its K/V rows
+    128-byte aligned through the swizzle where the head dim allows it (64-column blocks, three
+    stages): unpadded tiles, sized so."""
     import importlib
     bm, bn, w, st = importlib.import_module("cuflash.plan").decode_tile(bucket)
-    for kind in ("fwd", "fwd_split"):  # the split kernel keeps padded rows (measured faster)
+    for kind in ("fwd", "fwd_split"):
         v = Variant(kind, bucket, "bf16", even_head_dim=True, block_m=bm, block_n=bn, warps=w, stages=st)
-        sw = swizzled and kind == "fwd"
+        sw = swizzled
         assert v.swizzled is sw
         assert f"constexpr bool kSwizzle = {str(sw).lower()};" in render(v)
         row = bucket if sw else bucket + 8
