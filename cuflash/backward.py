@@ -15,11 +15,11 @@ launched is plan.effective_window's, so the masks match the keys the LSE summed 
 
 Kernels (``templates/``), all on the caller's stream:
 
-1. ``bwd_prep`` (bwd_prep.cu.j2): one warp per query row writes D and LSE * log2(e) into an fp32
+1. ``bwd_prep`` (bwd/prep.cu.j2): one warp per query row writes D and LSE * log2(e) into an fp32
    workspace padded to whole query blocks (padding rows: D = 0, LSE = +inf, so P = 0 there),
    and zeroes the row of the fp32 dQ accumulator when one is used. Packed (varlen) sequences
    each get their own padded rows (layout: stats_base in templates/common/bwd.cuh).
-2. ``bwd_dkdv_dq`` / ``bwd_dkdv`` (bwd.cu.j2): one block per (key block, KV head, batch) keeps
+2. ``bwd_dkdv_dq`` / ``bwd_dkdv`` (bwd/dkdv.cu.j2): one block per (key block, KV head, batch) keeps
    its K and V tiles in shared memory and walks the query heads of its group and the query
    blocks that see its keys (causal: blocks entirely above the diagonal are skipped, blocks on
    it are masked). Per step it recomputes S^T = K Q^T with mma.sync, P^T = exp2(S^T c - LSE2),
@@ -28,14 +28,14 @@ Kernels (``templates/``), all on the caller's stream:
    dK and dV are therefore complete in one block and written once: no atomics for them, GQA
    included. The ``_dq`` variant also stores dS^T in shared memory and adds dQ = dS K into an
    fp32 buffer with atomic adds. Each warp owns 16 keys x every column. At d = 64 and 128 on
-   sm_90, without softcap or ALiBi, bwd_wgmma.cu.j2 runs the same algorithm on Hopper's
+   sm_90, without softcap or ALiBi, bwd/dkdv_wgmma.cu.j2 runs the same algorithm on Hopper's
    warpgroup MMA: two warpgroups of 64 keys, 128-byte-swizzled tiles read by wgmma.mma_async
    (S^T, dP^T and dQ from shared memory; dV and dK with P^T and dS^T from registers), and a
    swizzled dS^T tile from which each warpgroup computes a 64 x 64 piece of dQ.
-3. ``bwd_convert`` (bwd_convert.cu.j2): dQ = scale * accumulator, in the input dtype.
+3. ``bwd_convert`` (bwd/convert.cu.j2): dQ = scale * accumulator, in the input dtype.
 
 ``deterministic=True`` launches ``bwd_dkdv`` (no dQ) and, instead of atomics and the convert
-kernel, ``bwd_dq`` (bwd_dq.cu.j2): one block per query block walks the K/V blocks it sees,
+kernel, ``bwd_dq`` (bwd/dq.cu.j2): one block per query block walks the K/V blocks it sees,
 recomputing P and dS, and writes dQ once; every gradient is then bitwise repeatable.
 
 Windows, softcap and ALiBi are template flags (Variant.local/softcap/alibi); varlen is a
@@ -52,7 +52,7 @@ from .codegen import HEAD_DIM_BUCKETS, Variant
 from .plan import cdiv, effective_window, head_dim_bucket
 
 # dK/dV kernel tiles per head-dim bucket: (block_m query rows per step, block_n keys per block,
-# warps, Q/dO stages, mma). In the mma.sync kernel (bwd.cu.j2) every warp owns 16 keys (two warps
+# warps, Q/dO stages, mma). In the mma.sync kernel (bwd/dkdv.cu.j2) every warp owns 16 keys (two warps
 # share them above d = 128), so block_m sets the S^T and dP^T registers. These compile with no
 # spills under NVRTC 13.0 and 13.5 for sm_80 and sm_90 (checked in the CPU tests).
 DKDV_TILES = {
@@ -84,7 +84,7 @@ MASKS = ((False, False), (True, False), (False, True))  # (causal, local)
 MODS = ((False, False), (True, False), (False, True), (True, True))  # (softcap, alibi)
 
 
-# sm_90 at d = 64 and 128 without softcap or ALiBi: the wgmma kernel (bwd_wgmma.cu.j2), two
+# sm_90 at d = 64 and 128 without softcap or ALiBi: the wgmma kernel (bwd/dkdv_wgmma.cu.j2), two
 # warpgroups of 64 keys, steps of 128 queries at d = 64 and 64 at d = 128 (its dK and dV
 # accumulators leave no registers for a softcap's 1 - t^2 factors or ALiBi's bias).
 DKDV_WGMMA_TILES = {64: (128, 128, 8, 2, "wgmma"), 128: (64, 128, 8, 2, "wgmma")}

@@ -23,7 +23,7 @@ def templates_dir() -> Path:
     """The installed copy (``cuflash/templates``) or the source tree's top-level ``templates/``."""
     here = Path(__file__).resolve().parent
     for cand in (here / "templates", here.parent / "templates"):
-        if (cand / "fwd.cu.j2").is_file():
+        if (cand / "fwd" / "fwd.cu.j2").is_file():
             return cand
     raise FileNotFoundError(f"cuflash templates not found next to {here}")
 
@@ -141,11 +141,11 @@ def _environment() -> jinja2.Environment:
 @functools.lru_cache(maxsize=None)
 def render(variant: Variant) -> str:
     """CUDA C++ source of one variant."""
-    template = {"combine": "combine.cu.j2", "append": "append.cu.j2",
-                "bwd_prep": "bwd_prep.cu.j2", "bwd_dkdv": "bwd.cu.j2", "bwd_dkdv_dq": "bwd.cu.j2",
-                "bwd_dq": "bwd_dq.cu.j2", "bwd_convert": "bwd_convert.cu.j2"}.get(variant.kind, "fwd.cu.j2")
+    template = {"combine": "combine/combine.cu.j2", "append": "append/append.cu.j2",
+                "bwd_prep": "bwd/prep.cu.j2", "bwd_dkdv": "bwd/dkdv.cu.j2", "bwd_dkdv_dq": "bwd/dkdv.cu.j2",
+                "bwd_dq": "bwd/dq.cu.j2", "bwd_convert": "bwd/convert.cu.j2"}.get(variant.kind, "fwd/fwd.cu.j2")
     if variant.mma == "wgmma":
-        template = "bwd_wgmma.cu.j2" if variant.kind.startswith("bwd") else "fwd_wgmma.cu.j2"
+        template = "bwd/dkdv_wgmma.cu.j2" if variant.kind.startswith("bwd") else "fwd/fwd_wgmma.cu.j2"
     return _environment().get_template(template).render(
         name=variant.name,
         head_dim=variant.head_dim,

@@ -59,8 +59,8 @@ def test_base_tiles_unchanged():
 
 def test_mma_choice():
     """The wgmma dK/dV kernel runs d = 64 and 128 on sm_90, windows and deterministic mode
-    included; softcap, ALiBi, other buckets and other archs run the mma.sync kernel (bwd.cu.j2).
-    Its source is bwd_wgmma.cu.j2, compiled for sm_90a."""
+    included; softcap, ALiBi, other buckets and other archs run the mma.sync kernel (bwd/dkdv.cu.j2).
+    Its source is bwd/dkdv_wgmma.cu.j2, compiled for sm_90a."""
     for bucket in HEAD_DIM_BUCKETS:
         for arch in (80, 90, 120):
             for causal, local, softcap, alibi in ((False, False, False, False), (True, False, False, False),
@@ -74,7 +74,7 @@ def test_mma_choice():
                                             f"w{dk.warps}s{dk.stages}_sm{arch}")
                     assert dk.target == (f"{arch}a" if wg else str(arch))
                     src = render(dk)
-                    assert ("bwd_wgmma.cu.j2" in src) == wg and ("wgmma.mma_async" in src) == wg
+                    assert ("bwd/dkdv_wgmma.cu.j2" in src) == wg and ("wgmma.mma_async" in src) == wg
                     assert ("kSStride" in src) == (not wg)
     ok = dict(block_m=128, block_n=128, warps=8, stages=2, arch=90, mma="wgmma")
     assert Variant("bwd_dkdv_dq", 64, "fp16", **ok).name.endswith("_wgmma_m128n128w8s2_sm90")

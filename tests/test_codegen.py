@@ -13,7 +13,7 @@ VARIANTS = all_variants(90)
 
 def test_templates_folder_is_found():
     d = codegen.templates_dir()
-    assert d.is_dir() and (d / "fwd.cu.j2").is_file() and (d / "combine.cu.j2").is_file()
+    assert d.is_dir() and (d / "fwd" / "fwd.cu.j2").is_file() and (d / "combine" / "combine.cu.j2").is_file()
     assert (d / "common").is_dir()
 
 
