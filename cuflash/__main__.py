@@ -80,19 +80,20 @@ def _arch_of(a) -> int:
 
 def cmd_warmup(a):
     from cuflash import compiler
-    from cuflash.plan import all_variants, head_dim_bucket
+    from cuflash.kernels import all_variants, head_dim_bucket
     arch = _arch_of(a)
-    variants = all_variants(arch)
+    variants = all_variants(arch, families=a.family or ("fwd", "combine", "append", "bwd"))
     dims = set()
     if a.preset:
         dims.add(head_dim_bucket(PRESETS[a.preset][2]))
     if a.head_dim:
         dims.update(head_dim_bucket(d) for d in a.head_dim)
-    keep = lambda v, ok: v.kind == "append" or ok  # noqa: E731  (append kernels serve every shape)
+    # append kernels have no head-dim or dtype: they serve every shape
     if dims:
-        variants = [v for v in variants if keep(v, v.head_dim in dims)]
+        variants = [v for v in variants if getattr(v, "head_dim", None) in dims or v.family == "append"]
     if a.dtype:
-        variants = [v for v in variants if keep(v, v.dtype == {"bfloat16": "bf16", "float16": "fp16"}[a.dtype])]
+        want = {"bfloat16": "bf16", "float16": "fp16"}[a.dtype]
+        variants = [v for v in variants if getattr(v, "dtype", want) == want]
     t0 = time.perf_counter()
 
     def progress(i, n, v):
@@ -209,6 +210,8 @@ def main(argv=None):
     w.add_argument("--preset", choices=sorted(PRESETS))
     w.add_argument("--head-dim", type=int, nargs="+")
     w.add_argument("--dtype", choices=["bfloat16", "float16"])
+    w.add_argument("--family", action="append", choices=["fwd", "combine", "append", "bwd"],
+                   help="only these kernel families (repeatable; default: all)")
 
     c = sub.add_parser("cache", help="list or clear the kernel cache")
     c.add_argument("action", choices=["list", "clear"])

@@ -48,112 +48,11 @@ import math
 import numpy as np
 
 from . import api, arrays, compiler
-from .codegen import HEAD_DIM_BUCKETS, Variant
-from .plan import cdiv, effective_window, head_dim_bucket
+from .kernels.bwd import ROW_PAD, VARLEN_ROW_GAP
+from .plan import Problem, cdiv, make_backward_plan
 
-# dK/dV kernel tiles per head-dim bucket: (block_m query rows per step, block_n keys per block,
-# warps, Q/dO stages, mma). In the mma.sync kernel (bwd/dkdv.cu.j2) every warp owns 16 keys (two warps
-# share them above d = 128), so block_m sets the S^T and dP^T registers. These compile with no
-# spills under NVRTC 13.0 and 13.5 for sm_80 and sm_90 (checked in the CPU tests).
-DKDV_TILES = {
-    32: (64, 128, 8, 2, "sync"),
-    64: (64, 128, 8, 2, "sync"),
-    96: (32, 128, 8, 2, "sync"),
-    128: (32, 128, 8, 2, "sync"),
-    192: (32, 64, 8, 2, "sync"),
-    256: (32, 64, 8, 2, "sync"),
-}
-# Deterministic dQ kernel tiles: (block_m, block_n, warps, K/V stages).
-DQ_TILES = {
-    32: (64, 128, 4, 2),
-    64: (128, 64, 8, 2),
-    96: (64, 64, 4, 2),
-    128: (64, 64, 4, 2),
-    192: (64, 32, 4, 2),
-    256: (64, 32, 4, 2),
-}
-ROW_PAD = 128          # LSE/D/dQ-accumulator rows are padded to a multiple of every block_m
-VARLEN_ROW_GAP = ROW_PAD + 4  # packed sequences: rows between sequence starts (kVarlenRowGap, bwd.cuh)
-PREP_ROWS_PER_BLOCK = 8
-CONVERT_THREADS = 256
 _LOG2E = math.log2(math.e)
 _DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
-
-
-MASKS = ((False, False), (True, False), (False, True))  # (causal, local)
-MODS = ((False, False), (True, False), (False, True), (True, True))  # (softcap, alibi)
-
-
-# sm_90 at d = 64 and 128 without softcap or ALiBi: the wgmma kernel (bwd/dkdv_wgmma.cu.j2), two
-# warpgroups of 64 keys, steps of 128 queries at d = 64 and 64 at d = 128 (its dK and dV
-# accumulators leave no registers for a softcap's 1 - t^2 factors or ALiBi's bias).
-DKDV_WGMMA_TILES = {64: (128, 128, 8, 2, "wgmma"), 128: (64, 128, 8, 2, "wgmma")}
-# With a softcap at d = 256 the second Q/dO stage does not fit the registers (NVRTC 13.0 and
-# 13.5, sm_80 and sm_90).
-DKDV_SOFTCAP_TILES = {256: (32, 64, 8, 1, "sync")}
-
-
-def dkdv_tile(bucket: int, softcap: bool = False, alibi: bool = False,
-              arch: int = 90) -> tuple[int, int, int, int, str]:
-    """The dK/dV kernel's tile: DKDV_WGMMA_TILES on sm_90 where it has the bucket and there is
-    no softcap or ALiBi; DKDV_SOFTCAP_TILES with a softcap where it has the bucket; else
-    DKDV_TILES. Windows fit every tile."""
-    if arch == 90 and bucket in DKDV_WGMMA_TILES and not (softcap or alibi):
-        return DKDV_WGMMA_TILES[bucket]
-    if softcap and bucket in DKDV_SOFTCAP_TILES:
-        return DKDV_SOFTCAP_TILES[bucket]
-    return DKDV_TILES[bucket]
-
-
-def dq_tile(bucket: int, softcap: bool = False, alibi: bool = False) -> tuple[int, int, int, int]:
-    """The deterministic dQ kernel's tile: DQ_TILES (every window/softcap/ALiBi combination fits
-    them with no spills)."""
-    return DQ_TILES[bucket]
-
-
-def variants(bucket: int, dtype: str, causal: bool, deterministic: bool, arch: int, local: bool = False,
-             softcap: bool = False, alibi: bool = False) -> tuple[Variant, ...]:
-    """The kernels one backward call launches, in launch order. ``causal``/``local`` are the
-    mask as launched (plan.effective_window: a window that hides no key beyond the causal mask
-    runs as causal)."""
-    bm, bn, w, st, mma = dkdv_tile(bucket, softcap, alibi, arch)
-    mods = dict(local=local, softcap=softcap, alibi=alibi)
-    dkdv = dict(mods, mma=mma)
-    prep = Variant("bwd_prep", bucket, dtype, arch=arch, warps=PREP_ROWS_PER_BLOCK)
-    if deterministic:
-        qm, qn, qw, qst = dq_tile(bucket, softcap, alibi)
-        return (prep, Variant("bwd_dkdv", bucket, dtype, causal, False, bm, bn, w, arch, st, **dkdv),
-                Variant("bwd_dq", bucket, dtype, causal, False, qm, qn, qw, arch, qst, **mods))
-    return (prep, Variant("bwd_dkdv_dq", bucket, dtype, causal, False, bm, bn, w, arch, st, **dkdv),
-            Variant("bwd_convert", bucket, dtype, arch=arch, warps=CONVERT_THREADS // 32))
-
-
-def bwd_variants(arch: int, mods: bool = True) -> list[Variant]:
-    """Every backward kernel variant that can launch on ``arch`` (what warmup/CI compile):
-    per head-dim bucket and dtype, every mask (full, causal, sliding window) with and without
-    softcap and ALiBi, atomic and deterministic. ``mods=False`` leaves out the window, softcap
-    and ALiBi variants. Backward kernels always predicate head-dim columns (a per-thread
-    compare), so the real head dim never doubles the variant count."""
-    out = []
-    for bucket in HEAD_DIM_BUCKETS:
-        for dtype in ("fp16", "bf16"):
-            for causal, local in MASKS if mods else MASKS[:2]:
-                for softcap, alibi in MODS if mods else MODS[:1]:
-                    for det in (False, True):
-                        out.extend(variants(bucket, dtype, causal, det, arch, local, softcap, alibi))
-    return list(dict.fromkeys(out))
-
-
-def smem_bytes(v: Variant) -> int:
-    """Dynamic shared memory of a backward variant (mirrors kSmemBytes in its template)."""
-    pad = 0 if v.swizzled else 8  # padded rows, or wgmma's 128-byte swizzle
-    row = (v.head_dim + pad) * 2
-    if v.kind in ("bwd_dkdv", "bwd_dkdv_dq"):
-        extra = v.block_n * (v.block_m + pad) * 2 if v.kind == "bwd_dkdv_dq" else 0  # dS^T, [key][query], for dQ
-        return 2 * v.block_n * row + 2 * v.stages * v.block_m * row + extra + 2 * v.stages * v.block_m * 4 + 48
-    if v.kind == "bwd_dq":
-        return 2 * v.block_m * row + 2 * v.stages * v.block_n * row
-    return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,14 +264,6 @@ def _padded(x, d_pad):
     return arrays.view(buf, "copy")
 
 
-def mask_of(causal: bool, window, seqlen_q: int, seqlen_k: int):
-    """(causal, local, (left, right)) as the kernels run them: the forward's effective window
-    (plan.effective_window), so the backward masks exactly the keys its LSE summed over."""
-    left, right = effective_window(causal, window, seqlen_q, seqlen_k)
-    causal_eff = left < 0 and right == 0
-    return causal_eff, (left, right) != (-1, -1) and not causal_eff, (left, right)
-
-
 def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministic, mods, varlen=None):
     if varlen is None:
         b, sq, h, d = qv.shape
@@ -394,12 +285,13 @@ def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministi
     # (zero columns change no score and no gradient).
     ops = [x if d_pad == d and _aligned(x) else _padded(x, d_pad) for x in (qv, kv, vv, dov, ov)]
     window, cap, alibi, alibi_sb = mods
-    causal, local, (left, right) = mask_of(causal, window, sq, sk)
-    bucket = head_dim_bucket(d_pad)
-    dtype = _DTYPES[qv.dtype]
     dev = qv.device
-    arch = api.device_facts(dev).arch
-    kernels = variants(bucket, dtype, causal, deterministic, arch, local, cap > 0, alibi is not None)
+    plan = make_backward_plan(Problem(b, sq, sk, h, hk, d_pad, _DTYPES[qv.dtype], causal=causal, window=window,
+                                      softcap=cap > 0, alibi=alibi is not None, varlen=varlen is not None,
+                                      deterministic=deterministic), api.device_facts(dev))
+    kernels = tuple(launch.variant for launch in plan.launches)
+    left, right = plan.window_eff
+    bucket = kernels[0].head_dim
 
     # LSE/D/dQ-accumulator rows (the layout of stats_base in templates/common/bwd.cuh): dense
     # (batch, nheads, seqlen_q padded to ROW_PAD); packed sequences (nheads, head_rows) with
@@ -427,9 +319,9 @@ def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministi
         lse_st = tuple(lv.strides)
         cu = (0, 0)
     post = cap if cap > 0 else scale  # the factor the softmax applies to the raw scores
-    score = (np.float32(post * _LOG2E), np.float32(scale), *cu, np.int32(left), np.int32(right),
-             np.float32(scale / cap if cap > 0 else 0.0), alibi.ptr if alibi is not None else 0,
-             np.int32(alibi_sb), np.float32(1.0 / post))
+    score = dict(scale_log2=post * _LOG2E, scale=scale, cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], window_left=left,
+                 window_right=right, softcap_scale=scale / cap if cap > 0 else 0.0,
+                 alibi_slopes=alibi.ptr if alibi is not None else 0, alibi_sb=alibi_sb, alibi_scale=1.0 / post)
     with arrays.on_device(dev):
         _launch(kernels, ops, lv, lse_st, kern_grads, (lse2_ptr, dsum_ptr, acc_ptr),
                 (b, sq, sk, h, hk, d_pad, head_rows), score, arrays.stream_for(qv), dev)
@@ -445,52 +337,31 @@ def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministi
 # ---------------------------------------------------------------------------------------------
 # Launch
 
-_smem_set: set[tuple[str, int]] = set()
-
-
-def _kernel(v: Variant, device: int):
-    """The loaded kernel, with its dynamic shared-memory limit raised to what it uses."""
-    fn = compiler.get_kernel(v, device)
-    key = (v.name, device)
-    if key not in _smem_set:
-        need = smem_bytes(v)
-        if need > 48 * 1024:
-            from cupy_backends.cuda.api import driver
-            driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, need)
-        _smem_set.add(key)
-    return fn
-
-
-def _st(x):
-    return tuple(x.strides[:3])  # (batch, seq, head) strides in elements, 64-bit
+def _st(prefix: str, x) -> dict:
+    """An operand's (batch, seq, head) strides in elements, named as the parameter structs do."""
+    return {f"{prefix}_sb": x.strides[0], f"{prefix}_ss": x.strides[1], f"{prefix}_sh": x.strides[2]}
 
 
 def _launch(kernels, ops, lse, lse_st, grads, ws, shape, score, stream, device):
-    """``score``: (scale_log2, scale, cu_seqlens_q, cu_seqlens_k, window_left, window_right,
-    softcap_scale, alibi pointer, alibi batch stride, alibi_scale), the kernels' trailing
-    arguments from scale_log2 on."""
+    """``score``: the kernels' scale, varlen, window, softcap and ALiBi fields by name."""
     q, k, v, do, o = ops
     dq, dk, dv = grads
     lse2, dsum, acc = ws
     b, sq, sk, h, hk, d, head_rows = shape
-    i32, f32 = np.int32, np.float32
     prep, main, last = kernels
-    cu_q = score[2]
-    _kernel(prep, device)((cdiv(cdiv(sq, ROW_PAD) * ROW_PAD, PREP_ROWS_PER_BLOCK), h, b), (prep.threads,),
-                          (do.ptr, o.ptr, lse.ptr, lse2, dsum, acc, *_st(do), *_st(o), *lse_st,
-                           i32(sq), i32(h), i32(d), i32(head_rows), cu_q), stream=stream)
-    shape_args = (i32(sq), i32(sk), i32(h), i32(h // hk), i32(d), i32(head_rows))
-    common = (*_st(q), *_st(k), *_st(v), *_st(do))
-    _kernel(main, device)((cdiv(sk, main.block_n), hk, b), (main.threads,),
-                          (q.ptr, k.ptr, v.ptr, do.ptr, lse2, dsum, acc, dk.ptr, dv.ptr,
-                           *common, *_st(dk), *_st(dv), *shape_args, *score),
-                          shared_mem=smem_bytes(main), stream=stream)
+    cu_q = score["cu_seqlens_q"]
+    run = lambda var, grid, **f: compiler.get_kernel(var, device)(  # noqa: E731
+        grid, (var.threads,), stream, var.smem_bytes, **f)
+    rows = dict(seqlen_q_arg=sq, nheads=h, head_dim=d, head_rows=head_rows)
+    run(prep, prep.grid(b, sq, h, d), dout=do.ptr, out=o.ptr, lse=lse.ptr, lse2=lse2, dsum=dsum, dq_accum=acc,
+        **_st("do", do), **_st("o", o), lse_sb=lse_st[0], lse_sh=lse_st[1], lse_ss=lse_st[2], **rows,
+        cu_seqlens_q=cu_q)
+    common = dict(q=q.ptr, k=k.ptr, v=v.ptr, dout=do.ptr, lse2=lse2, dsum=dsum, **_st("q", q), **_st("k", k),
+                  **_st("v", v), **_st("do", do), **rows, seqlen_k_arg=sk, ngroups=h // hk, **score)
+    run(main, main.grid(b, sq, sk, h, hk), dq_accum=acc, dk=dk.ptr, dv=dv.ptr, **_st("dk", dk), **_st("dv", dv),
+        **common)
     if last.kind == "bwd_dq":
-        _kernel(last, device)((cdiv(sq, last.block_m), h, b), (last.threads,),
-                              (q.ptr, k.ptr, v.ptr, do.ptr, lse2, dsum, dq.ptr, *common, *_st(dq),
-                               *shape_args, *score),
-                              shared_mem=smem_bytes(last), stream=stream)
+        run(last, last.grid(b, sq, sk, h, hk), dq=dq.ptr, **_st("dq", dq), **common)
     else:
-        _kernel(last, device)((cdiv(sq * h * (d // 8), CONVERT_THREADS), 1, b), (CONVERT_THREADS,),
-                              (acc, dq.ptr, *_st(dq), i32(sq), i32(h), i32(d), i32(head_rows), f32(score[1]),
-                               cu_q), stream=stream)
+        run(last, last.grid(b, sq, h, d), dq_accum=acc, dq=dq.ptr, **_st("dq", dq), **rows, scale=score["scale"],
+            cu_seqlens_q=cu_q)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
-from .codegen import Variant, render
+from .codegen import render
+from .kernels import KernelVariant as Variant
 
 NVRTC_OPTIONS = ("-std=c++17", "-default-device", "-ftz=true", "--ptxas-options=-v")
 _MAGIC = b"CUFLASH-CUBIN-1\n"
@@ -260,15 +261,6 @@ def get_kernel(variant: Variant, device: int):
     return fn
 
 
-def exclusive_smem(variant: Variant) -> int:
-    """Dynamic shared memory an early launch (programmatic stream serialisation) of ``variant``
-    asks for at least when its grid has no more blocks than SMs (0: none beyond its own). Such a
-    grid (the decode tile's split-KV kernel: about one block per SM by the plan's rule) has its
-    blocks placed while the previous grid's still run, and two of them could share an SM that had
-    room. Over half of an sm_90 SM's 228 KB keeps each block alone."""
-    return 116 * 1024 if variant.kind == "fwd_split" and variant.block_m == 16 and variant.arch >= 90 else 0
-
-
 def _load(variant: Variant, device: int):
     import cupy
     from cupy_backends.cuda.api import driver
@@ -277,10 +269,10 @@ def _load(variant: Variant, device: int):
         mod = cupy.cuda.function.Module()
         mod.load(cubin)
         fn = mod.get_function(variant.name)
-        smem = max(variant.smem_bytes, exclusive_smem(variant))
+        smem = variant.smem_limit
         if smem > 48 * 1024:
             driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
-    return Kernel(fn, variant.name)
+    return Kernel(fn, variant)
 
 
 class _Buffers:
@@ -353,41 +345,28 @@ def _buffers() -> _Buffers:
     return b
 
 
-_FORMATS = {int: "q", float: "d"}  # as CuPy passes them: Python int -> long long, float -> double
-
-
 class Kernel:
-    """A loaded kernel. Calls look like CuPy's ``Function``: (grid, block, args, shared_mem,
-    stream), arguments being Python ints (64-bit), floats (double) or NumPy scalars, and
-    ``stream`` a CuPy stream or a raw stream pointer. ``params(args)`` + ``launch`` is the same
-    launch with the argument layout worked out once (the cached-call path)."""
+    """A loaded kernel taking one parameter struct (the variant's ``params`` table).
+    ``launch`` takes the struct's values in field order (the cached-call path builds them once);
+    calling the kernel takes them by name."""
 
-    __slots__ = ("fn", "ptr", "name", "_params")
+    __slots__ = ("fn", "ptr", "name", "table", "layout")
 
-    def __init__(self, fn, name: str):
-        self.fn, self.ptr, self.name, self._params = fn, fn.ptr, name, {}
+    def __init__(self, fn, variant: Variant):
+        self.fn, self.ptr, self.name = fn, fn.ptr, variant.name
+        self.table, self.layout = variant.params, variant.params.layout
+        if self.layout.size > 1024:
+            raise ValueError(f"{self.name}: {self.layout.size} bytes of kernel parameters")
 
-    def params(self, args):
-        """The packed layout (a ``struct.Struct``) of an argument tuple like ``args``."""
-        types = tuple(map(type, args))
-        st = self._params.get(types)
-        if st is None:
-            import struct
-            st = struct.Struct("@" + "".join(_FORMATS.get(t) or t().dtype.char for t in types))
-            if st.size > 1024:
-                raise ValueError(f"{self.name}: {st.size} bytes of kernel arguments")
-            self._params[types] = st
-        return st
-
-    def launch(self, params, grid: tuple, block: tuple, shared_mem: int, stream: int, args,
-               early: bool = False):
-        """One cuLaunchKernel: grid and block are 3-tuples, ``stream`` a raw pointer. ``early``
-        launches with programmatic stream serialisation (sm_90, cuLaunchKernelEx): the grid may
-        start while the stream's previous kernel finishes, so the kernel must wait for it
-        (``griddepcontrol.wait``) before it touches memory."""
+    def launch(self, grid: tuple, block: tuple, shared_mem: int, stream: int, values, early: bool = False):
+        """One cuLaunchKernel: grid and block are 3-tuples, ``stream`` a raw pointer, ``values``
+        the struct's fields in order. ``early`` launches with programmatic stream serialisation
+        (sm_90, cuLaunchKernelEx): the grid may start while the stream's previous kernel
+        finishes, so the kernel must wait for it (``griddepcontrol.wait``) before it touches
+        memory."""
         b = _buffers()
-        params.pack_into(b.buf, 0, *args)
-        b.size.value = params.size
+        self.layout.pack_into(b.buf, 0, *values)
+        b.size.value = self.layout.size
         try:
             if early and b.launch_ex is not None:
                 b.launch_ex(self.ptr, grid, block, shared_mem, stream)
@@ -397,12 +376,9 @@ class Kernel:
             raise RuntimeError(f"launching {self.name} failed: {e} (grid {grid}, block {block}, "
                                f"{shared_mem} B shared)") from None
 
-    def __call__(self, grid, block, args, shared_mem=0, stream=None):
-        if stream is None:  # as CuPy does: the current CuPy stream
-            import cupy
-            stream = cupy.cuda.get_current_stream()
-        s = stream if isinstance(stream, int) else stream.ptr
-        self.launch(self.params(args), (*grid, 1, 1)[:3], (*block, 1, 1)[:3], shared_mem, s, args)
+    def __call__(self, grid, block, stream: int, shared_mem: int = 0, **values):
+        """Launch with the struct's fields given by name (every one of them)."""
+        self.launch((*grid, 1, 1)[:3], (*block, 1, 1)[:3], shared_mem, stream, self.table.values(**values))
 
 
 def _launch_kernel(*args):

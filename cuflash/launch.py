@@ -5,11 +5,10 @@ import math
 import os
 from typing import NamedTuple
 
-import numpy as np
-
 from . import arrays, compiler
-from .codegen import Variant
-from .plan import Plan, cdiv
+from .kernels import fwd
+from .kernels.append import AppendVariant
+from .plan import Plan
 
 NO_CACHE = (0, 0, 0, 0)  # seqlens_k, kv_batch_idx, block_table pointers; block-table row stride
 # Split-KV merges its partials in the split kernel (the last split of each query block, counted
@@ -28,25 +27,27 @@ _LOG2E = math.log2(math.e)
 
 
 def _strides(view, pack: bool, ngroups: int):
-    """(batch, row, head) strides in elements; with GQA packing a KV head's query heads are rows.
-    Python ints reach the kernel as 64-bit values."""
+    """(batch, row, head) strides in elements; with GQA packing a KV head's query heads are rows."""
     sb, ss, sh = view.strides[0], view.strides[1], view.strides[2]
     return (sb, sh, sh * ngroups) if pack else (sb, ss, sh)
 
 
+def _named_strides(prefix: str, st) -> dict:
+    return {f"{prefix}_sb": st[0], f"{prefix}_ss": st[1], f"{prefix}_sh": st[2]}
+
+
 def _scalars(plan: Plan, seqlen_k: int, softmax_scale: float, table_stride: int, page_size: int,
-             softcap: float, alibi_sb: int, total_q: int):
-    """The scalar arguments of a plan's launches (built once per plan and call shape): the
-    problem's sizes, the cache's, and the varlen/mask/score-modifier group."""
+             softcap: float, alibi_sb: int, total_q: int) -> tuple[dict, dict]:
+    """The scalar fields of a plan's launches (built once per plan and call shape), by name: the
+    forward kernel's (sizes, the cache's, the varlen/mask/score-modifier group) and the combine
+    kernel's."""
     key = (seqlen_k, softmax_scale, table_stride, page_size, softcap, alibi_sb, total_q)
     hit = plan.memo.get(key)
     if hit is not None:
         return hit
-    p, i32, f32 = plan.problem, np.int32, np.float32
+    p = plan.problem
     # With a softcap the softmax scales tanh(s * scale / softcap) by softcap.
     post = softcap if softcap > 0 else softmax_scale
-    shape = (i32(plan.seqlen_q_eff), i32(seqlen_k), i32(plan.nheads_eff), i32(plan.ngroups_eff),
-             i32(p.head_dim), f32(post * _LOG2E), i32(plan.num_splits), i32(plan.n_blocks_per_split))
     rows = p.batch * plan.nheads_eff * plan.seqlen_q_eff
     # Row i of (sequence b, head h) of the LSE: standard (batch, nheads, seqlen_q); varlen
     # (nheads, total_q), where a packed GQA group's rows are heads.
@@ -55,14 +56,19 @@ def _scalars(plan: Plan, seqlen_k: int, softmax_scale: float, table_stride: int,
         lse_strides = (plan.nheads_eff * plan.seqlen_q_eff, plan.seqlen_q_eff, 1)
     else:
         lse_strides = (1, per_token * total_q, total_q) if plan.pack_gqa else (1, total_q, 1)
+    lse = dict(lse_sb=lse_strides[0], lse_sh=lse_strides[1], lse_sr=lse_strides[2], q_rows_per_token=per_token)
     left, right = plan.window_eff
-    tail = (i32(per_token), *lse_strides)
-    mods = (i32(left), i32(right), f32(softmax_scale / softcap if softcap > 0 else 0.0))
-    alibi = (i32(alibi_sb), f32(1.0 / post))
-    combine = (i32(rows), i32(plan.nheads_eff), i32(plan.seqlen_q_eff), i32(p.head_dim), i32(plan.num_splits))
+    fwd = dict(seqlen_q_arg=plan.seqlen_q_eff, seqlen_k_arg=seqlen_k, nheads=plan.nheads_eff,
+               ngroups=plan.ngroups_eff, head_dim=p.head_dim, scale_log2=post * _LOG2E,
+               num_splits=plan.num_splits, n_blocks_per_split=plan.n_blocks_per_split,
+               block_table_stride=table_stride, page_size=page_size, window_left=left, window_right=right,
+               softcap_scale=softmax_scale / softcap if softcap > 0 else 0.0, alibi_sb=alibi_sb,
+               alibi_scale=1.0 / post, **lse)
+    combine = dict(rows=rows, nheads=plan.nheads_eff, seqlen_q=plan.seqlen_q_eff, head_dim=p.head_dim,
+                   num_splits=plan.num_splits, **lse)
     if len(plan.memo) > 64:  # many distinct scales or KV lengths: keep the memo small
         plan.memo.clear()
-    hit = plan.memo[key] = (shape, (i32(table_stride), i32(page_size)), combine, tail, mods, alibi)
+    hit = plan.memo[key] = (fwd, combine)
     return hit
 
 
@@ -147,13 +153,12 @@ class Recipe(NamedTuple):
     call with the same shapes, strides and options reuses (see ``fire``)."""
     plan: Plan
     kernel: object             # compiler.Kernel of the main launch
-    params: object             # its struct.Struct
     grid: tuple
     block: tuple
     smem: int
-    mid: tuple                 # arguments between the five leading pointers and the trailing three
+    mid: tuple                 # the struct's fields between its leading and trailing data pointers
     split: bool                # partial outputs in a workspace, merged by LSE
-    combine: tuple             # the combine kernel's arguments after its four pointers (split plans)
+    combine: dict              # the combine kernel's fields but its four data pointers (split plans)
     n_counters: int            # merge counters (one per query block)
     ws_floats: int             # workspace size: partial outputs, then partial LSEs
     ws_lse: int                # where the partial LSEs start
@@ -173,41 +178,42 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
     ngroups = p.nheads // p.nheads_k
     seqlens_ptr, batch_idx_ptr, table_ptr, table_stride = cache
     cu_q, cu_k, total_q = varlen if varlen is not None else (0, 0, -1)
-    shape, table_args, combine, tail, mods, alibi_args = _scalars(
-        plan, p.seqlen_k if seqlen_k is None else seqlen_k, softmax_scale, table_stride, page_size,
-        softcap, alibi[1], total_q)
-    kv = (seqlens_ptr, batch_idx_ptr, table_ptr, *table_args, cu_q, cu_k, *tail, *mods, alibi[0], *alibi_args)
-    os_ = _strides(o, plan.pack_gqa, ngroups)
-    mid = (*_strides(q, plan.pack_gqa, ngroups), *_strides(k, False, 1), *_strides(v, False, 1), *os_, *shape, *kv)
+    scalars, combine = _scalars(plan, p.seqlen_k if seqlen_k is None else seqlen_k, softmax_scale, table_stride,
+                                page_size, softcap, alibi[1], total_q)
+    o_strides = _named_strides("o", _strides(o, plan.pack_gqa, ngroups))
     main = plan.launches[0]
     kernel = compiler.get_kernel(main.variant, device)
-    params = kernel.params((0, 0, 0, 0, 0, *mid, 0, 0, 0))
+    values = kernel.table.values(
+        q=0, k=0, v=0, o=0, lse=0, o_final=0, lse_final=0, counters=0,
+        **_named_strides("q", _strides(q, plan.pack_gqa, ngroups)), **_named_strides("k", _strides(k, False, 1)),
+        **_named_strides("v", _strides(v, False, 1)), **o_strides, **scalars,
+        seqlens_k=seqlens_ptr, kv_batch_idx=batch_idx_ptr, block_table=table_ptr, cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k, alibi_slopes=alibi[0])
     split = not (plan.num_splits == 1 and main.variant.kind == "fwd")
     rows = p.batch * plan.nheads_eff * plan.seqlen_q_eff
     n_o = plan.num_splits * rows * main.variant.head_dim if split else 0
     early = EARLY_LAUNCH and main.variant.arch >= 90
     alone = early and math.prod(main.grid) <= plan.device.num_sms  # one wave: keep a block per SM
-    smem = max(main.smem, compiler.exclusive_smem(main.variant)) if alone else main.smem
-    return Recipe(plan, kernel, params, (*main.grid, 1, 1)[:3], (main.threads, 1, 1), smem, mid,
-                  split, (*os_, *combine, cu_q, *tail), main.grid[0] * main.grid[1] * p.batch,
-                  n_o + plan.num_splits * rows if split else 0, n_o, early)
+    smem = main.variant.smem_limit if alone else main.smem
+    return Recipe(plan, kernel, (*main.grid, 1, 1)[:3], (main.threads, 1, 1), smem,
+                  values[fwd.DATA_HEAD:-fwd.DATA_TAIL], split, dict(combine, **o_strides, cu_seqlens_q=cu_q),
+                  main.grid[0] * main.grid[1] * p.batch, n_o + plan.num_splits * rows if split else 0, n_o, early)
 
 
 def fire(r: Recipe, device: int, stream: int, q: int, k: int, v: int, o: int, lse: int, workspace=None):
     """Launch a prepared plan on ``stream`` (a raw pointer) for these data pointers;
     ``workspace`` is the (partial O, partial LSE) pointer pair when the plan splits."""
     if not r.split:
-        r.kernel.launch(r.params, r.grid, r.block, r.smem, stream, (q, k, v, o, lse, *r.mid, 0, 0, 0), r.early)
+        r.kernel.launch(r.grid, r.block, r.smem, stream, (q, k, v, o, lse, *r.mid, 0, 0, 0), r.early)
         return
     o_acc, lse_acc = workspace
     counters = _counter_ptr(device, stream, r.n_counters) if FUSED_COMBINE else 0
-    r.kernel.launch(r.params, r.grid, r.block, r.smem, stream,
-                    (q, k, v, o_acc, lse_acc, *r.mid, o, lse, counters), r.early)
+    r.kernel.launch(r.grid, r.block, r.smem, stream, (q, k, v, o_acc, lse_acc, *r.mid, o, lse, counters), r.early)
     if counters:
         return
     comb = r.plan.launches[1]
-    compiler.get_kernel(comb.variant, device)(comb.grid, (comb.threads,), (o_acc, lse_acc, o, lse, *r.combine),
-                                              stream=stream)
+    compiler.get_kernel(comb.variant, device)(comb.grid, (comb.threads,), stream, o_acc=o_acc, lse_acc=lse_acc,
+                                              o=o, lse=lse, **r.combine)
 
 
 def run(plan: Plan, q, k, v, o, lse_ptr: int, workspace, softmax_scale: float, stream: int, device: int,
@@ -222,12 +228,11 @@ def append_kv(k_new, v_new, k_cache, v_cache, seqlens_ptr: int, seqlen0: int, ba
               table, page_size: int, stream, device: int, arch: int):
     """Write new K/V rows into the caches at each sequence's current length (views in)."""
     b, s_new, hk, d = k_new.shape
-    total = b * s_new * hk * (d // 8)
-    variant = Variant("append", 0, "", arch=arch, warps=8, kv="paged" if page_size else "cache")
-    i32 = np.int32
-    args = (k_new.ptr, v_new.ptr, k_cache.ptr, v_cache.ptr,
-            *_strides(k_new, False, 1), *_strides(v_new, False, 1),
-            *_strides(k_cache, False, 1), *_strides(v_cache, False, 1),
-            i32(b), i32(s_new), i32(hk), i32(d), seqlens_ptr, i32(seqlen0), batch_idx_ptr,
-            table[0], i32(table[1]), i32(page_size))
-    compiler.get_kernel(variant, device)((cdiv(total, 256),), (256,), args, stream=stream)
+    variant = AppendVariant(kv="paged" if page_size else "cache", arch=arch)
+    compiler.get_kernel(variant, device)(
+        variant.grid(b * s_new * hk * (d // 8)), (variant.threads,), stream,
+        k_new=k_new.ptr, v_new=v_new.ptr, k_cache=k_cache.ptr, v_cache=v_cache.ptr,
+        **_named_strides("kn", _strides(k_new, False, 1)), **_named_strides("vn", _strides(v_new, False, 1)),
+        **_named_strides("kc", _strides(k_cache, False, 1)), **_named_strides("vc", _strides(v_cache, False, 1)),
+        batch=b, seqlen_new=s_new, nheads_k=hk, head_dim=d, seqlens=seqlens_ptr, seqlen0=seqlen0,
+        kv_batch_idx=batch_idx_ptr, block_table=table[0], block_table_stride=table[1], page_size=page_size)

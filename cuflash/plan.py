@@ -10,83 +10,14 @@ import functools
 import math
 from dataclasses import dataclass
 
-from .codegen import HEAD_DIM_BUCKETS, KV_SOURCES, Variant
+from .kernels import KernelVariant, head_dim_bucket
+from .kernels import bwd
+from .kernels.combine import CombineVariant
+from .kernels.fwd import (DECODE_BLOCK_M, DECODE_MAX_ROWS, DECODE_WARPS, SPLIT_BLOCK_M, SPLIT_WARPS, FwdVariant,
+                          decode_tile, fwd_tile, split_block_n, split_tile_n)
 
-# Forward tiles per head-dim bucket: (block_m, block_n, warps, K/V stages), FA2 kernel_traits
-# style, tuned on an H200 (scripts/tune_tiles.py); every variant compiles with no register
-# spills (checked in the CPU tests).
-FWD_TILES = {
-    32: (128, 128, 4, 1),
-    64: (128, 96, 4, 2),
-    96: (128, 64, 4, 2),
-    128: (128, 48, 4, 2),
-    192: (64, 64, 4, 1),
-    256: (64, 64, 4, 1),
-}
-# Hopper (sm_90a) forward tiles: two warpgroups of 64 query rows share each K/V tile through
-# wgmma, two K/V stages. Used for head-dim buckets that are multiples of 64 (the 128-byte swizzle's
-# column block).
-WGMMA_TILES = {64: (128, 128, 8, 2), 128: (128, 128, 8, 2), 192: (128, 64, 8, 2), 256: (128, 64, 8, 2)}
-SPLIT_BLOCK_M, SPLIT_WARPS = 64, 4  # FA2's split-KV kernel: kBlockM 64, 4 warps
-# Decode (at most 16 query rows, e.g. one token per sequence or a GQA-packed group): one 16-row
-# tile per block, the 4 warps each take a quarter of every K/V tile (no wasted query rows).
-DECODE_BLOCK_M, DECODE_WARPS, DECODE_MAX_ROWS = 16, 4, 16
 DECODE_WIDE_SPLITS = 16  # more splits than this need four K/V tiles each (the merge's cost)
-
-
-def decode_tile(bucket: int) -> tuple[int, int, int, int]:
-    """(block_m, block_n, warps, stages) of the decode kernel. On an H200 (d=128, batch 1 to 64,
-    4k and 32k keys) a three-deep pipeline of 64-key tiles beat one or two stages by 5-16%: with
-    little math per byte, decode needs bytes in flight. d > 128 keeps one stage (shared memory)."""
-    return (DECODE_BLOCK_M, 64, DECODE_WARPS, 3 if bucket <= 128 else 1)
-
-
-def fwd_tile(bucket: int, even: bool, arch: int, kv: str = "dense",
-             mods: bool = False) -> tuple[int, int, int, int, str]:
-    """The forward tile for a bucket: (block_m, block_n, warps, stages, mma). On sm_90, buckets
-    that are multiples of 64 run the wgmma kernel (WGMMA_TILES), whatever the K/V source and score
-    modifiers (no spills, checked in the CPU tests). Otherwise mma.sync: the second K/V stage was
-    tuned on sm_90; head dims below the bucket (column predicates on every load) and other archs
-    use FA2's single buffer, where the second stage's registers would spill; those variants and
-    KV caches (per-batch lengths, block-table lookups) also take at most 64 keys per tile (32 at
-    d=128), for the same reason: no spills with NVRTC 13.0 or 13.5. ``mods`` (a sliding window,
-    softcap or ALiBi: bounds, slopes and tanh temporaries) costs registers that a 128-row tile at
-    d >= 96 does not have: those variants run 64 query rows (one 16-row tile per warp) with at
-    most 64 keys per tile (32 at d >= 192), and keep the second stage where the base tile has it."""
-    if arch == 90 and bucket in WGMMA_TILES:
-        return (*WGMMA_TILES[bucket], "wgmma")
-    bm, bn, w, st = FWD_TILES[bucket]
-    tuned = even and arch >= 90 and kv == "dense"
-    if mods:
-        return (128 if bucket <= 64 else 64, 32 if bucket >= 192 else 64, w, 2 if tuned and bucket <= 128 else 1,
-                "sync")
-    if tuned:
-        return (bm, bn, w, st, "sync")
-    return (bm, 32 if bucket == 128 else min(bn, 64), w, 1, "sync")
-
-
-COMBINE_ROWS_PER_BLOCK = 4          # rows per combine block (128 threads, four columns each)
 MAX_SPLITS = 128
-
-
-def head_dim_bucket(d: int) -> int:
-    for b in HEAD_DIM_BUCKETS:
-        if d <= b:
-            return b
-    raise ValueError(f"head dim must be at most {HEAD_DIM_BUCKETS[-1]}, got {d}")
-
-
-def split_block_n(d: int) -> int:
-    """FA2's split-KV kBlockN (and the block_n of its heuristic): 256 / 128 / 64."""
-    return 256 if d <= 64 else (128 if d <= 128 else 64)
-
-
-def split_tile_n(bucket: int, all_mods: bool = False) -> int:
-    """Keys per K/V tile of the split-KV kernel: FA2's block_n, but at most 64 (32 above d=128)
-    with a window, softcap and ALiBi together, whose registers spill at FA2's tile with a paged
-    cache."""
-    bn = split_block_n(bucket)
-    return (64 if bucket <= 128 else 32) if all_mods else bn
 
 
 @dataclass(frozen=True)
@@ -114,11 +45,12 @@ class Problem:
     softcap: bool = False
     alibi: bool = False
     varlen: bool = False   # packed sequences: seqlen_q/seqlen_k are the maxima
+    deterministic: bool = False  # backward: dQ without atomics, bitwise repeatable
 
 
 @dataclass(frozen=True)
 class Launch:
-    variant: Variant
+    variant: KernelVariant
     grid: tuple[int, int, int]
     threads: int
     smem: int
@@ -144,6 +76,7 @@ class Plan:
     workspace_bytes: int
     efficiency: tuple[tuple[int, float | None], ...]  # (splits, wave efficiency or None if ineligible)
     reason: str
+    backward: bool = False  # the launches compute the gradients of the problem's forward
 
     @functools.cached_property
     def memo(self) -> dict:
@@ -166,13 +99,16 @@ class Plan:
                           " softcap" if p.softcap else "", " alibi" if p.alibi else "",
                           " varlen (max lengths)" if p.varlen else ""])
         lines = [
-            f"cuflash plan: batch={p.batch} seqlen_q={p.seqlen_q} seqlen_k={p.seqlen_k} "
+            f"cuflash {'backward ' if self.backward else ''}plan: batch={p.batch} seqlen_q={p.seqlen_q} seqlen_k={p.seqlen_k} "
             f"heads={p.nheads}/{p.nheads_k} d={p.head_dim} {p.dtype} causal={p.causal}{extras} "
             f"on {self.device.num_sms} SMs (sm_{self.device.arch})",
         ]
         for l in self.launches:
             lines.append(f"  launch {l.name}  grid={l.grid} threads={l.threads} smem={l.smem} B")
-        lines.append(f"  num_splits={self.num_splits}  workspace={self.workspace_bytes} B")
+        if self.backward:
+            lines.append(f"  deterministic={p.deterministic}  workspace={self.workspace_bytes} B")
+        else:
+            lines.append(f"  num_splits={self.num_splits}  workspace={self.workspace_bytes} B")
         if self.efficiency:
             table = ", ".join(f"{s}:{'-' if e is None else f'{e:.3f}'}" for s, e in self.efficiency)
             lines.append(f"  wave efficiency by split count: {table}")
@@ -331,7 +267,8 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
             bm, bn_fwd, warps, stages, mma = (*decode_tile(bucket), "sync")
         else:
             bm, bn_fwd, warps, stages, mma = fwd_tile(bucket, even, dev.arch, p.kv, local or p.softcap or p.alibi)
-        v = Variant("fwd", bucket, p.dtype, causal, even, bm, bn_fwd, warps, dev.arch, stages, p.kv, **mods, mma=mma)
+        v = FwdVariant(kind="fwd", head_dim=bucket, dtype=p.dtype, causal=causal, even_head_dim=even, block_m=bm,
+                       block_n=bn_fwd, warps=warps, arch=dev.arch, stages=stages, kv=p.kv, **mods, mma=mma)
         if mma == "wgmma":
             why.append(f"sm_90: Hopper's warpgroup MMA (wgmma, sm_90a), {warps // 4} warpgroups of 64 query rows "
                        f"sharing K/V tiles of {bn_fwd} keys.")
@@ -342,11 +279,12 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
             SPLIT_BLOCK_M, split_tile_n(bucket, local and p.softcap and p.alibi), SPLIT_WARPS, 1)
         n_blocks = band_tiles(bm, window, p.seqlen_q, p.seqlen_k, bn)  # in the kernel's own K/V blocks
         nbps = cdiv(n_blocks, splits)
-        v = Variant("fwd_split", bucket, p.dtype, causal, even, bm, bn, warps, dev.arch, stages, p.kv, **mods)
+        v = FwdVariant(kind="fwd_split", head_dim=bucket, dtype=p.dtype, causal=causal, even_head_dim=even,
+                       block_m=bm, block_n=bn, warps=warps, arch=dev.arch, stages=stages, kv=p.kv, **mods)
         launches.append(Launch(v, (cdiv(sq, bm), nh, p.batch * splits), v.threads, v.smem_bytes))
         rows = p.batch * nh * sq
-        c = Variant("combine", bucket, p.dtype, arch=dev.arch)
-        launches.append(Launch(c, (cdiv(rows, COMBINE_ROWS_PER_BLOCK), 1, 1), c.threads, 0))
+        c = CombineVariant(head_dim=bucket, dtype=p.dtype, arch=dev.arch)
+        launches.append(Launch(c, c.grid(rows), c.threads, 0))
         workspace = splits * rows * (bucket + 1) * 4
         empty = splits - cdiv(n_blocks, nbps)
         why.append(f"Each split walks {nbps} K/V block(s) of {bn} keys"
@@ -358,28 +296,48 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                 workspace, table, " ".join(why))
 
 
-def all_variants(arch: int, mods: bool = True) -> list[Variant]:
-    """Every kernel variant a plan can launch on ``arch`` (what warmup/CI compile). ``mods=False``
-    leaves out the window/softcap/ALiBi variants."""
-    out = [Variant("append", 0, "", arch=arch, warps=8, kv=kv) for kv in ("cache", "paged")]
-    masks = ((False, False), (True, False), (False, True))  # (causal, local)
-    flags = ((False, False), (True, False), (False, True), (True, True)) if mods else ((False, False),)
-    for bucket in HEAD_DIM_BUCKETS:
-        for dtype in ("fp16", "bf16"):
-            for causal, local in masks if mods else masks[:2]:
-                for softcap, alibi in flags:
-                    m = dict(local=local, softcap=softcap, alibi=alibi)
-                    for even in (False, True):
-                        for kv in KV_SOURCES:
-                            bm, bn, w, st, mma = fwd_tile(bucket, even, arch, kv, local or softcap or alibi)
-                            out.append(Variant("fwd", bucket, dtype, causal, even, bm, bn, w, arch, st, kv, **m,
-                                               mma=mma))
-                            out.append(Variant("fwd_split", bucket, dtype, causal, even, SPLIT_BLOCK_M,
-                                               split_tile_n(bucket, local and softcap and alibi), SPLIT_WARPS,
-                                               arch, kv=kv, **m))
-                            if even:
-                                bm, bn, w, st = decode_tile(bucket)
-                                for kind in ("fwd", "fwd_split"):
-                                    out.append(Variant(kind, bucket, dtype, causal, even, bm, bn, w, arch, st, kv, **m))
-            out.append(Variant("combine", bucket, dtype, arch=arch))
-    return out
+def backward_kernels(bucket: int, dtype: str, causal: bool, deterministic: bool, arch: int, local: bool = False,
+                     softcap: bool = False, alibi: bool = False) -> tuple[KernelVariant, ...]:
+    """The kernels one backward call launches, in launch order (prep, dK/dV, dQ); ``causal`` and
+    ``local`` are the mask as launched (effective_window)."""
+    return bwd.kernels(bucket, dtype, causal, deterministic, arch, local, softcap, alibi)
+
+
+@functools.lru_cache(maxsize=1024)
+def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
+    """The backward of ``p``'s forward: FlashAttention-2's algorithm in three kernels, with the
+    forward's effective mask (the keys its LSE summed over)."""
+    bucket = head_dim_bucket(p.head_dim)
+    window = effective_window(p.causal, p.window, p.seqlen_q, p.seqlen_k)
+    causal = window[0] < 0 and window[1] == 0
+    local = window != (-1, -1) and not causal
+    prep, main, last = backward_kernels(bucket, p.dtype, causal, p.deterministic, dev.arch, local, p.softcap, p.alibi)
+    sq, sk, b = p.seqlen_q, p.seqlen_k, p.batch
+    launches = (Launch(prep, prep.grid(b, sq, p.nheads, p.head_dim), prep.threads, prep.smem_bytes),
+                Launch(main, main.grid(b, sq, sk, p.nheads, p.nheads_k), main.threads, main.smem_bytes),
+                Launch(last, last.grid(b, sq, sk, p.nheads, p.nheads_k) if last.kind == "bwd_dq"
+                       else last.grid(b, sq, p.nheads, p.head_dim), last.threads, last.smem_bytes))
+    # fp32 rows of LSE and D (and of the dQ accumulator), each sequence padded to bwd.ROW_PAD rows;
+    # packed sequences are bounded by batch * max length.
+    rows = b * p.nheads * (cdiv(sq, bwd.ROW_PAD) * bwd.ROW_PAD + (bwd.VARLEN_ROW_GAP if p.varlen else 0))
+    workspace = 4 * rows * (2 + (0 if p.deterministic else bucket))
+    why = []
+    if p.window != (-1, -1):
+        why.append(f"window {p.window} runs as " + (f"a local band {window}" if local else
+                                                     "causal" if causal else "no mask") + ", as in the forward.")
+    why.append(f"bwd_prep: D = rowsum(dO * O) and the LSE in the log2 domain for each of {p.nheads} heads' query "
+               f"rows, padded to multiples of {bwd.ROW_PAD}.")
+    kind = ("Hopper's warpgroup MMA (wgmma, sm_90a), two warpgroups of 64 keys" if main.mma == "wgmma" else
+            "mma.sync" + (" (the wgmma kernel has no registers for softcap/ALiBi)" if dev.arch == 90
+                          and bucket in bwd.DKDV_WGMMA_TILES else ""))
+    why.append(f"{main.kind}: a block per {main.block_n} keys of a KV head keeps K and V in shared memory and walks "
+               f"its {p.nheads // p.nheads_k} query head(s) in steps of {main.block_m} query rows, with {kind}; "
+               "dK and dV are summed in registers and written once.")
+    if p.deterministic:
+        why.append(f"deterministic=True: dQ has its own kernel, a block per {last.block_m} query rows walking the "
+                   "K/V blocks it sees and writing dQ once: no atomics, every gradient is bitwise repeatable.")
+    else:
+        why.append("deterministic=False: the dK/dV kernel also adds dQ = dS K into an fp32 accumulator with "
+                   "atomics (the order of additions varies), and bwd_convert scales it into the input dtype.")
+    return Plan(p, dev, launches, 1, 0, False, sq, p.nheads, p.nheads // p.nheads_k, causal, window, workspace,
+                (), " ".join(why), backward=True)

@@ -10,35 +10,35 @@ import pytest
 
 from cuflash import backward, compiler, reference
 from cuflash.arrays import View
-from cuflash.codegen import HEAD_DIM_BUCKETS, MMAS, Variant, render
-from conftest import GPU_PROBLEM, assert_compiled_clean, fake_view
-
-VARIANTS = backward.bwd_variants(80) + backward.bwd_variants(90)
-SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # per-block opt-in limit (A100 / H100)
+from cuflash.codegen import render
+from cuflash.kernels import HEAD_DIM_BUCKETS, bwd as family
+from cuflash.kernels.bwd import BwdTileVariant
+from cuflash.plan import DeviceFacts, Problem, make_backward_plan
+from conftest import GPU_PROBLEM, fake_view
 
 
 # ---------------------------------------------------------------------------------------------
 # Variants, rendering, compilation
 
 def test_variant_set_and_names():
-    vs = backward.bwd_variants(90)
+    vs = family.variants(90)
     # 6 buckets x 2 dtypes x (3 masks x 4 softcap/ALiBi x {dkdv_dq, dkdv, dq} + prep + convert)
     assert len(vs) == len(HEAD_DIM_BUCKETS) * 2 * (3 * 4 * 3 + 2) == 456
-    base = backward.bwd_variants(90, mods=False)
+    base = family.variants(90, mods=False)
     assert len(base) == len(HEAD_DIM_BUCKETS) * 2 * (2 * 3 + 2) == 96 and set(base) <= set(vs)
     assert not any(v.local or v.softcap or v.alibi for v in base)
     names = [v.name for v in vs]
     assert len(set(names)) == len(names) and all(n.endswith("_sm90") for n in names)
-    assert set(names).isdisjoint(v.name for v in backward.bwd_variants(80))
+    assert set(names).isdisjoint(v.name for v in family.variants(80))
     assert {v.kind for v in vs} == {"bwd_prep", "bwd_dkdv", "bwd_dkdv_dq", "bwd_dq", "bwd_convert"}
     for bucket in HEAD_DIM_BUCKETS:
         for det in (False, True):
-            ks = backward.variants(bucket, "bf16", True, det, 90)
+            ks = family.kernels(bucket, "bf16", True, det, 90)
             assert [v.kind for v in ks] == (["bwd_prep", "bwd_dkdv", "bwd_dq"] if det
                                             else ["bwd_prep", "bwd_dkdv_dq", "bwd_convert"])
             assert all(v in vs for v in ks)
             for local, softcap, alibi in ((True, False, False), (False, True, True), (True, True, False)):
-                ks = backward.variants(bucket, "fp16", False, det, 90, local, softcap, alibi)
+                ks = family.kernels(bucket, "fp16", False, det, 90, local, softcap, alibi)
                 assert all(v in vs for v in ks)
                 assert all((v.local, v.softcap, v.alibi) == (local, softcap, alibi)
                            for v in ks if v.kind not in ("bwd_prep", "bwd_convert"))
@@ -50,11 +50,11 @@ def test_base_tiles_unchanged():
     for bucket in HEAD_DIM_BUCKETS:
         for softcap in (False, True):
             for alibi in (False, True):
-                dk, dq = backward.dkdv_tile(bucket, softcap, alibi, 80), backward.dq_tile(bucket, softcap, alibi)
+                dk, dq = family.dkdv_tile(bucket, softcap, alibi, 80), family.DQ_TILES[bucket]
                 if not (softcap or alibi):
-                    assert dk == backward.DKDV_TILES[bucket] and dq == backward.DQ_TILES[bucket]
-                assert dk[0] <= backward.DKDV_TILES[bucket][0] and dq[0] <= backward.DQ_TILES[bucket][0]
-                assert backward.ROW_PAD % dk[0] == 0 and backward.ROW_PAD % dq[0] == 0
+                    assert dk == family.DKDV_TILES[bucket] and dq == family.DQ_TILES[bucket]
+                assert dk[0] <= family.DKDV_TILES[bucket][0] and dq[0] <= family.DQ_TILES[bucket][0]
+                assert family.ROW_PAD % dk[0] == 0 and family.ROW_PAD % dq[0] == 0
 
 
 def test_mma_choice():
@@ -67,7 +67,7 @@ def test_mma_choice():
                                                   (False, True, False, False), (True, False, True, False),
                                                   (True, False, False, True)):
                 for det in (False, True):
-                    dk = backward.variants(bucket, "fp16", causal, det, arch, local, softcap, alibi)[1]
+                    dk = family.kernels(bucket, "fp16", causal, det, arch, local, softcap, alibi)[1]
                     wg = arch == 90 and bucket in (64, 128) and not (softcap or alibi)
                     assert dk.mma == ("wgmma" if wg else "sync"), dk.name
                     assert dk.name.endswith(f"{'_wgmma' if wg else ''}_m{dk.block_m}n{dk.block_n}"
@@ -77,14 +77,15 @@ def test_mma_choice():
                     assert ("bwd/dkdv_wgmma.cu.j2" in src) == wg and ("wgmma.mma_async" in src) == wg
                     assert ("kSStride" in src) == (not wg)
     ok = dict(block_m=128, block_n=128, warps=8, stages=2, arch=90, mma="wgmma")
-    assert Variant("bwd_dkdv_dq", 64, "fp16", **ok).name.endswith("_wgmma_m128n128w8s2_sm90")
+    v = lambda kind, d, **kw: BwdTileVariant(kind=kind, head_dim=d, dtype="fp16", **kw)  # noqa: E731
+    assert v("bwd_dkdv_dq", 64, **ok).name.endswith("_wgmma_m128n128w8s2_sm90")
     for bad in (dict(softcap=True), dict(alibi=True), dict(arch=80), dict(block_m=32), dict(stages=1)):
         with pytest.raises(ValueError, match="wgmma"):
-            Variant("bwd_dkdv_dq", 64, "fp16", **{**ok, **bad})
+            v("bwd_dkdv_dq", 64, **{**ok, **bad})
     with pytest.raises(ValueError, match="wgmma"):  # 128-query steps only at d = 64
-        Variant("bwd_dkdv", 128, "fp16", **ok)
+        v("bwd_dkdv", 128, **ok)
     with pytest.raises(ValueError, match="wgmma"):
-        Variant("bwd_dq", 64, "fp16", **ok)
+        v("bwd_dq", 64, **ok)
 
 
 @pytest.mark.parametrize("causal,window,sq,sk,want", [
@@ -97,10 +98,13 @@ def test_mma_choice():
     (True, (-1, -1), 1, 12, (False, False, (-1, -1))),     # one query sees every key
     (False, (0, 0), 10, 10, (False, True, (0, 0)))])
 def test_mask_as_launched(causal, window, sq, sk, want):
-    assert backward.mask_of(causal, window, sq, sk) == want
+    plan = make_backward_plan(Problem(1, sq, sk, 2, 2, 64, "bf16", causal=causal, window=window), DeviceFacts(132, 90))
+    local = plan.launches[1].variant.local
+    assert (plan.causal_eff, local, plan.window_eff) == want
+    assert plan.launches[1].variant.causal == plan.causal_eff
 
 
-@pytest.mark.parametrize("v", backward.bwd_variants(90), ids=lambda v: v.name)
+@pytest.mark.parametrize("v", family.variants(90), ids=lambda v: v.name)
 def test_render(v):
     src = render(v)
     assert "{{" not in src and "{%" not in src and "%}" not in src and "{#" not in src
@@ -120,30 +124,17 @@ def test_render(v):
         assert f"constexpr bool kDqAtomic = {b(v.kind == 'bwd_dkdv_dq')};" in src
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    """Every backward variant compiled once (the first alone: NVRTC loads its builtins then)."""
-    return compiler.compile_all(VARIANTS)
+_SHAPES = {(v.kind, v.head_dim, v.block_m, v.block_n, v.stages, v.mma): v for arch in (80, 90)
+           for v in family.variants(arch) if v.kind in family.TILE_KINDS}  # what kSmemBytes depends on
 
 
-@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
-def test_variant_compiles_without_spills(compiled, v):
-    r = assert_compiled_clean(compiled[v], v)
-    assert r.static_smem == 0, r
-    assert backward.smem_bytes(v) <= SMEM_LIMIT[v.arch]
-    assert v.smem_bytes <= SMEM_LIMIT[v.arch]  # what the generic loader sets before backward raises it
-    if v.mma == "wgmma":  # two warpgroups; ptxas warns when it had to serialize a wgmma
-        assert v.threads == 256 and "serialized" not in compiled[v].log, compiled[v].log
-
-
-@pytest.mark.parametrize("v", [v for v in backward.bwd_variants(90)
-                               if v.kind in ("bwd_dkdv", "bwd_dkdv_dq", "bwd_dq")], ids=lambda v: v.name)
+@pytest.mark.parametrize("v", list(_SHAPES.values()), ids=lambda v: v.name)
 def test_smem_bytes_matches_template(v):
-    """backward.smem_bytes (what the launch asks for) equals the template's kSmemBytes: compile
+    """smem_bytes (what the launch asks for) equals the template's kSmemBytes: compile
     the template's constants with a static_assert (a fraction of a second, no kernel)."""
     src = render(v)
     consts = src[:src.index('// Element types and conversions')]
-    check = consts + f'\nstatic_assert(kSmemBytes == {backward.smem_bytes(v)}, "smem mismatch");\n'
+    check = consts + f'\nstatic_assert(kSmemBytes == {v.smem_bytes}, "smem mismatch");\n'
     compiler.compile_source(check, v.name + "_smem", 90)
 
 
@@ -375,15 +366,15 @@ def test_numpy_inputs_need_a_gpu():
 
 
 def test_tiles_cover_every_bucket():
-    tiles = [t[:4] for t in backward.DKDV_TILES.values()] + list(backward.DQ_TILES.values())
-    for table in (backward.DKDV_TILES, backward.DQ_TILES):
+    tiles = [t[:4] for t in family.DKDV_TILES.values()] + list(family.DQ_TILES.values())
+    for table in (family.DKDV_TILES, family.DQ_TILES):
         assert sorted(table) == list(HEAD_DIM_BUCKETS)
-    tiles += [t[:4] for table in (backward.DKDV_WGMMA_TILES, backward.DKDV_SOFTCAP_TILES) for t in table.values()]
+    tiles += [t[:4] for table in (family.DKDV_WGMMA_TILES, family.DKDV_SOFTCAP_TILES) for t in table.values()]
     for bm, bn, w, st in tiles:
-        assert backward.ROW_PAD % bm == 0 and bn % 16 == 0 and w in (4, 8) and st in (1, 2)
-    for table in (backward.DKDV_TILES, backward.DKDV_WGMMA_TILES, backward.DKDV_SOFTCAP_TILES):
+        assert family.ROW_PAD % bm == 0 and bn % 16 == 0 and w in (4, 8) and st in (1, 2)
+    for table in (family.DKDV_TILES, family.DKDV_WGMMA_TILES, family.DKDV_SOFTCAP_TILES):
         assert all(t[4] in MMAS for t in table.values())
-    assert all(t[4] == "wgmma" for t in backward.DKDV_WGMMA_TILES.values())
+    assert all(t[4] == "wgmma" for t in family.DKDV_WGMMA_TILES.values())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,12 +16,12 @@ import pytest
 
 import cuflash
 from cuflash import compiler
-from cuflash.codegen import Variant
+from cuflash.kernels.combine import CombineVariant
 from conftest import fake_view
 
 ROOT = str(Path(__file__).resolve().parents[1])
 ELF = b"\x7fELF"
-V = Variant("combine", 64, "fp16", arch=90)  # compiles in ~0.1 s
+V = CombineVariant(head_dim=64, dtype="fp16", arch=90)  # compiles in ~0.1 s
 
 
 @pytest.fixture
@@ -47,8 +47,8 @@ def _child(root, cache_dir, barrier, results):
     sys.path.insert(0, root)
     os.environ["CUFLASH_CACHE_DIR"] = cache_dir
     from cuflash import compiler
-    from cuflash.codegen import Variant
-    v = Variant("combine", 64, "fp16", arch=90)
+    from cuflash.kernels.combine import CombineVariant
+    v = CombineVariant(head_dim=64, dtype="fp16", arch=90)
     compiler.cache_path(v)  # NVRTC loaded and the key computed before the start line
     barrier.wait(timeout=60)
     results.put(compiler.cubin_for(v))
@@ -151,7 +151,7 @@ def test_kernel_loaded_once_per_device(loads):
 
 
 def test_kernel_loaded_once_per_device_from_threads(loads):
-    w = Variant("combine", 128, "bf16", arch=90)
+    w = CombineVariant(head_dim=128, dtype="bf16", arch=90)
     start = threading.Barrier(8)
 
     def go(i):
@@ -224,12 +224,12 @@ def test_cli_toolbox(tmp_path):
     if GPU_PROBLEM:
         assert "GPU: none" in r.stdout
 
-    r = cli(d, "warmup", "--arch", "sm_90", "--head-dim", "64", "--dtype", "float16")
+    r = cli(d, "warmup", "--arch", "sm_90", "--head-dim", "64", "--family", "combine", "--family", "append")
     assert r.returncode == 0, r.stderr + r.stdout[-2000:]
     m = re.search(r"compiled (\d+) kernels for sm_90 in [\d.]+ s", r.stdout)
     assert m, r.stdout[-500:]
     n = int(m.group(1))
-    assert n > 1 and len(list(d.glob("*.cubin"))) == n
+    assert n == 4 and len(list(d.glob("*.cubin"))) == n  # combine d64 fp16/bf16, append contiguous/paged
 
     r = cli(d, "cache", "list")
     lines = r.stdout.splitlines()
@@ -255,23 +255,39 @@ def test_cache_clear_keeps_other_files(tmp_path):
     assert (tmp_path / "notes.txt").exists()
 
 
-def test_kernel_arguments_pack_like_c_parameters():
-    """Launch arguments are packed with C alignment: 64-bit ints and pointers on 8 bytes,
-    int32/float32 on 4 (the layout cuLaunchKernel's parameter buffer expects)."""
+def test_kernel_parameters_pack_like_the_generated_struct():
+    """A parameter table packs with C alignment (pointers and 64-bit ints on 8 bytes, int32 and
+    float32 on 4, the end padded to 8) and generates the CUDA struct with the same offsets; the
+    field types, not the values' Python types, decide the width, so an int32 field cannot carry a
+    64-bit value."""
     import struct
 
     import numpy as np
-    k = compiler.Kernel.__new__(compiler.Kernel)
-    k.name, k._params = "k", {}
-    args = (1 << 40, np.int32(-3), 7, np.float32(0.5), np.int32(9), 2.0)
-    st = k.params(args)
-    assert st.format == "@qiqfid" and st.size == 40
+    from cuflash.kernels.params import ParamTable
+    t = ParamTable("P", (("a", "long long"), ("b", "int"), ("c", "const int*"), ("d", "float"), ("e", "int")))
+    st = t.layout
+    assert st.format == "@qiQfi0q" and st.size == 32
     buf = bytearray(st.size)
-    st.pack_into(buf, 0, *args)
+    st.pack_into(buf, 0, *t.values(a=1 << 40, b=np.int32(-3), c=7, d=0.5, e=9))
     assert struct.unpack_from("<q", buf, 0)[0] == 1 << 40 and struct.unpack_from("<i", buf, 8)[0] == -3
-    assert struct.unpack_from("<q", buf, 16)[0] == 7 and struct.unpack_from("<f", buf, 24)[0] == 0.5
-    assert struct.unpack_from("<i", buf, 28)[0] == 9 and struct.unpack_from("<d", buf, 32)[0] == 2.0
-    assert k.params((5, np.int32(0), 1, np.float32(0), np.int32(0), 0.0)) is st  # one layout per types
+    assert struct.unpack_from("<Q", buf, 16)[0] == 7 and struct.unpack_from("<f", buf, 24)[0] == 0.5
+    assert struct.unpack_from("<i", buf, 28)[0] == 9
+    src = t.cuda()
+    assert "static_assert(sizeof(P) == 32" in src and "__builtin_offsetof(P, d) == 24" in src
+    with pytest.raises(struct.error):
+        st.pack(*t.values(a=0, b=1 << 31, c=0, d=0.0, e=0))  # out of int32's range
+    with pytest.raises(TypeError, match="missing \\['e'\\], unknown \\['x'\\]"):
+        t.values(a=0, b=0, c=0, d=0.0, x=1)
+
+
+def test_every_kernel_struct_compiles_with_its_host_layout():
+    """Each family's generated struct and its static_asserts compile for the device: host and
+    device agree on every offset and the size."""
+    from cuflash.kernels import append, bwd, combine, fwd
+    tables = (fwd.PARAMS, combine.PARAMS, append.PARAMS, bwd.PREP_PARAMS, bwd.DKDV_PARAMS, bwd.DQ_PARAMS,
+              bwd.CONVERT_PARAMS)
+    src = "typedef unsigned short u16;\n" + "\n".join(t.cuda() for t in tables)
+    compiler.compile_source(src + '\nextern "C" __global__ void k() {}\n', "structs", 80)
 
 
 def test_early_launch_config_is_cuda_h_layout():
@@ -299,5 +315,5 @@ def test_early_launched_decode_split_blocks_stay_alone_on_an_sm():
                          DeviceFacts(132, arch))
         v = plan.launches[0].variant
         assert v.kind == "fwd_split", plan.kernels
-        ask = max(v.smem_bytes, compiler.exclusive_smem(v))
+        ask = v.smem_limit
         assert (2 * (ask + 1024) > sm) == want and ask <= 227 * 1024, (v.name, ask)

@@ -5,8 +5,15 @@ import re
 import pytest
 
 from cuflash import codegen
-from cuflash.codegen import Variant, render
-from cuflash.plan import all_variants
+from cuflash.codegen import render
+from cuflash.kernels import all_variants as every_variant
+from cuflash.kernels.combine import CombineVariant
+from cuflash.kernels.fwd import FwdVariant, decode_tile
+
+
+def all_variants(arch, mods=True):
+    return every_variant(arch, mods, families=("fwd", "combine", "append"))
+
 
 VARIANTS = all_variants(90)
 
@@ -37,11 +44,11 @@ def test_render(v):
     assert re.search(r'extern "C"\s+__global__\s+void\s+(__launch_bounds__\([^)]*\)\s*)?'
                      + re.escape(v.name) + r"\(", src), "kernel name is not the extern \"C\" symbol"
     b = lambda x: "true" if x else "false"
-    if v.kind == "append":
+    if v.family == "append":
         assert f"constexpr bool kPaged = {b(v.kv == 'paged')};" in src
         return
     consts = [f"constexpr int kHeadDim = {v.head_dim};", f"constexpr bool kIsBF16 = {b(v.dtype == 'bf16')};"]
-    if v.kind == "combine":
+    if v.family == "combine":
         consts.append("constexpr int kNWarps = 4;")
     else:
         consts += [f"constexpr int kBlockM = {v.block_m};", f"constexpr int kBlockN = {v.block_n};",
@@ -59,15 +66,30 @@ def test_render(v):
     assert render(v) is src  # cached per variant
 
 
+TILE = dict(block_m=128, block_n=64, warps=4, stages=1, arch=90)
+
+
 def test_bad_variants_rejected():
     with pytest.raises(ValueError, match="kind"):
-        Variant("bwd", 64, "fp16")
+        FwdVariant(kind="bwd", head_dim=64, dtype="fp16", **TILE)
     with pytest.raises(ValueError, match="head_dim must be one of .* got 80"):
-        Variant("fwd", 80, "fp16")
+        FwdVariant(kind="fwd", head_dim=80, dtype="fp16", **TILE)
     with pytest.raises(ValueError, match="dtype"):
-        Variant("fwd", 64, "fp32")
+        FwdVariant(kind="fwd", head_dim=64, dtype="fp32", **TILE)
     with pytest.raises(ValueError, match="causal must be False"):
-        Variant("fwd", 64, "fp16", causal=True, local=True)
+        FwdVariant(kind="fwd", head_dim=64, dtype="fp16", causal=True, local=True, **TILE)
+    with pytest.raises(ValueError, match="arch must be an int >= 80"):
+        CombineVariant(head_dim=64, dtype="fp16", arch=75)
+    with pytest.raises(ValueError, match="block_m must be"):
+        FwdVariant(kind="fwd", head_dim=64, dtype="fp16", **{**TILE, "block_m": 0})
+
+
+def test_variants_are_keyword_only_with_no_default_tile():
+    """A variant names its whole tile: there is no 0 x 0 default."""
+    with pytest.raises(TypeError):
+        FwdVariant("fwd", 64, "bf16")
+    with pytest.raises(TypeError, match="block_m"):
+        FwdVariant(kind="fwd", head_dim=64, dtype="bf16", arch=90)
 
 
 @pytest.mark.parametrize("bucket,swizzled", [(32, False), (64, True), (96, False), (128, True), (192, False),
@@ -76,14 +98,15 @@ def test_decode_tile_layout(bucket, swizzled):
     """The decode tile (16 rows, 4 warps; standard and split-KV kernels) keeps its K/V rows
     128-byte aligned through the swizzle where the head dim allows it (64-column blocks, three
     stages): unpadded tiles, sized so."""
-    import importlib
-    bm, bn, w, st = importlib.import_module("cuflash.plan").decode_tile(bucket)
+    bm, bn, w, st = decode_tile(bucket)
     for kind in ("fwd", "fwd_split"):
-        v = Variant(kind, bucket, "bf16", even_head_dim=True, block_m=bm, block_n=bn, warps=w, stages=st)
+        v = FwdVariant(kind=kind, head_dim=bucket, dtype="bf16", even_head_dim=True, block_m=bm, block_n=bn, warps=w,
+                       stages=st, arch=90)
+        assert v.decode
         sw = swizzled
         assert v.swizzled is sw
         assert f"constexpr bool kSwizzle = {str(sw).lower()};" in render(v)
         row = bucket if sw else bucket + 8
         assert v.smem_bytes == (bm + 2 * bn * st) * row * 2
-    prefill = Variant("fwd", bucket, "bf16", block_m=128, block_n=64, warps=4, arch=80, stages=2)
+    prefill = FwdVariant(kind="fwd", head_dim=bucket, dtype="bf16", block_m=128, block_n=64, warps=4, arch=80, stages=2)
     assert not prefill.swizzled and "constexpr bool kSwizzle = false;" in render(prefill)

@@ -1,42 +1,66 @@
-"""Offline NVRTC compilation (no GPU) of every variant for sm_80 and sm_90 with a clean ptxas
-resource report, and the disk cache: hits, corrupt entries, unusable directories, keys."""
+"""Offline NVRTC compilation (no GPU) of a covering sample of the kernel variants for sm_80 and
+sm_90 with a clean ptxas resource report, and the disk cache: hits, corrupt entries, unusable
+directories, keys. Every variant is compiled by ``python -m cuflash warmup --all --check``."""
 import os
 import warnings
 
 import pytest
 
 from cuflash import compiler
-from cuflash.codegen import Variant
-from cuflash.plan import all_variants
+from cuflash.kernels import covering_sample, features
+from cuflash.kernels.combine import CombineVariant
 from conftest import assert_compiled_clean
 
-VARIANTS = all_variants(80) + all_variants(90)
+VARIANTS = covering_sample()
 ELF = b"\x7fELF"
+SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # per-block opt-in limit (A100 / H100)
+
+
+def test_sample_is_printed_and_covers_every_kind_and_feature_pair():
+    """The sample is deterministic, small, and crosses what the full set crosses."""
+    import itertools
+    from cuflash.kernels import all_variants
+    assert [v.name for v in covering_sample()] == [v.name for v in VARIANTS]
+    print(f"\ncovering sample: {len(VARIANTS)} variants\n" + "\n".join(v.name for v in VARIANTS))
+    for arch in (80, 90):
+        full = all_variants(arch)
+        sample = [v for v in VARIANTS if v.arch == arch]
+        assert len(sample) < len(full) / 10
+        kinds = lambda vs: {(getattr(v, "kind", v.family), getattr(v, "head_dim", 0), getattr(v, "dtype", ""))
+                            for v in vs}
+        assert kinds(sample) == kinds(full)
+        pairs = lambda vs: {p for v in vs for p in itertools.combinations(sorted(features(v)), 2)}
+        assert pairs(sample) == pairs(full)
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    """Every variant compiled once. The first compile runs alone (NVRTC loads its builtins then)."""
+    """The sample compiled once. The first compile runs alone (NVRTC loads its builtins then)."""
     return compiler.compile_all(VARIANTS)
 
 
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
 def test_variant_compiles_without_spills(compiled, v):
     r = assert_compiled_clean(compiled[v], v)
-    if v.swizzled:  # dynamic shared memory follows the static: its tiles start on a 128-byte line
+    assert v.smem_limit <= SMEM_LIMIT[v.arch]
+    if getattr(v, "swizzled", False):  # dynamic shared memory follows the static: tiles start on a 128-byte line
         assert r.static_smem % 128 == 0, r
+    if v.family == "bwd":
+        assert r.static_smem == 0, r
 
 
 WGMMA_SMEM = {64: 80 << 10, 128: 160 << 10, 192: 144 << 10, 256: 192 << 10}  # Q + 2 stages of K and V
 
 
-@pytest.mark.parametrize("v", [v for v in VARIANTS if v.mma == "wgmma"], ids=lambda v: v.name)
+@pytest.mark.parametrize("v", [v for v in VARIANTS if getattr(v, "mma", "") == "wgmma"], ids=lambda v: v.name)
 def test_wgmma_variant_as_designed(compiled, v):
-    """sm_90a cubin, two warpgroups, the designed shared memory (under sm_90's 227 KiB), and no
-    wgmma that ptxas had to serialize (it warns when an accumulator is touched while in flight)."""
+    """sm_90a cubin, two warpgroups, the designed shared memory (forward; under sm_90's 227 KiB),
+    and no wgmma that ptxas had to serialize (it warns when an accumulator is touched while in
+    flight)."""
     log = compiled[v].log
     assert v.target == "90a" and "for 'sm_90a'" in log and v.threads == 256
-    assert v.smem_bytes == WGMMA_SMEM[v.head_dim] <= 227 << 10
+    if v.family == "fwd":
+        assert v.smem_bytes == WGMMA_SMEM[v.head_dim] <= 227 << 10
     assert "serialized" not in log, log
 
 
@@ -48,7 +72,7 @@ def test_compile_error_is_reported():
 # ---------------------------------------------------------------------------------------------
 # Disk cache
 
-SMALL = Variant("combine", 32, "fp16", arch=80)  # compiles in a fraction of a second
+SMALL = CombineVariant(head_dim=32, dtype="fp16", arch=80)  # compiles in a fraction of a second
 
 
 @pytest.fixture
@@ -139,8 +163,8 @@ def test_read_only_cache_dir_warns_and_still_compiles(monkeypatch, tmp_path):
 def test_cache_key_depends_on_version_options_and_arch(cache, monkeypatch):
     key = compiler.cache_key(SMALL)
     assert key == compiler.cache_key(SMALL) and len(key) == 20
-    assert compiler.cache_key(Variant("combine", 32, "fp16", arch=90)) != key
-    assert compiler.cache_key(Variant("combine", 32, "bf16", arch=80)) != key
+    assert compiler.cache_key(CombineVariant(head_dim=32, dtype="fp16", arch=90)) != key
+    assert compiler.cache_key(CombineVariant(head_dim=32, dtype="bf16", arch=80)) != key
     with monkeypatch.context() as m:
         m.setattr(compiler, "__version__", compiler.__version__ + ".post1")
         assert compiler.cache_key(SMALL) != key
@@ -162,7 +186,7 @@ def test_version_change_misses_the_cache(cache, monkeypatch):
 
 
 def test_warmup_fills_the_cache(cache):
-    vs = [Variant("combine", d, "bf16", arch=90) for d in (32, 64, 96)]
+    vs = [CombineVariant(head_dim=d, dtype="bf16", arch=90) for d in (32, 64, 96)]
     seen = []
     built = compiler.warmup(vs + vs[:1], workers=2, progress=lambda i, n, v: seen.append((i, n)))
     assert built == vs and sorted(seen) == [(1, 3), (2, 3), (3, 3)]

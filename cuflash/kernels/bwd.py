@@ -1,0 +1,279 @@
+"""Backward family (templates/bwd/): FlashAttention-2's backward in four kernels, launched in
+this order on the caller's stream (cuflash/backward.py describes the algorithm):
+
+1. ``bwd_prep`` (prep.cu.j2): D = rowsum(dO * O) and LSE * log2(e) per query row, padded rows,
+   and a zeroed fp32 dQ accumulator when one is used;
+2. ``bwd_dkdv_dq`` (dkdv.cu.j2; dkdv_wgmma.cu.j2 on sm_90a): dK and dV per key block, dQ added
+   into the fp32 accumulator with atomics; or ``bwd_dkdv`` (no dQ) with ``deterministic=True``;
+3. ``bwd_convert`` (convert.cu.j2): dQ = scale * accumulator in the input dtype; or, with
+   ``deterministic=True``, ``bwd_dq`` (dq.cu.j2): dQ per query block, written once.
+
+Tiles compile with no spills under NVRTC 13.0 and 13.5 for sm_80 and sm_90 (checked in the CPU
+tests).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from . import HEAD_DIM_BUCKETS, KernelVariant, tile_name
+from .params import ParamTable, strides
+
+ROW_KINDS = ("bwd_prep", "bwd_convert")
+TILE_KINDS = ("bwd_dkdv", "bwd_dkdv_dq", "bwd_dq")
+MMAS = ("sync", "wgmma")
+
+# dK/dV kernel tiles per head-dim bucket: (block_m query rows per step, block_n keys per block,
+# warps, Q/dO stages, mma). In the mma.sync kernel every warp owns 16 keys (two warps share them
+# above d = 128), so block_m sets the S^T and dP^T registers.
+DKDV_TILES = {
+    32: (64, 128, 8, 2, "sync"),
+    64: (64, 128, 8, 2, "sync"),
+    96: (32, 128, 8, 2, "sync"),
+    128: (32, 128, 8, 2, "sync"),
+    192: (32, 64, 8, 2, "sync"),
+    256: (32, 64, 8, 2, "sync"),
+}
+# sm_90 at d = 64 and 128 without softcap or ALiBi: the wgmma kernel, two warpgroups of 64 keys,
+# steps of 128 queries at d = 64 and 64 at d = 128 (its dK and dV accumulators leave no
+# registers for a softcap's 1 - t^2 factors or ALiBi's bias).
+DKDV_WGMMA_TILES = {64: (128, 128, 8, 2, "wgmma"), 128: (64, 128, 8, 2, "wgmma")}
+# With a softcap at d = 256 the second Q/dO stage does not fit the registers.
+DKDV_SOFTCAP_TILES = {256: (32, 64, 8, 1, "sync")}
+# Deterministic dQ kernel tiles: (block_m, block_n, warps, K/V stages); every window, softcap
+# and ALiBi combination fits them.
+DQ_TILES = {
+    32: (64, 128, 4, 2),
+    64: (128, 64, 8, 2),
+    96: (64, 64, 4, 2),
+    128: (64, 64, 4, 2),
+    192: (64, 32, 4, 2),
+    256: (64, 32, 4, 2),
+}
+ROW_PAD = 128          # LSE/D/dQ-accumulator rows are padded to a multiple of every block_m
+VARLEN_ROW_GAP = ROW_PAD + 4  # packed sequences: rows between sequence starts (stats_base, bwd.cuh)
+PREP_ROWS_PER_BLOCK = 8  # one warp per row
+CONVERT_THREADS = 256    # one thread per 8 output elements
+INFO_BYTES = 48          # per-block scalars the dK/dV kernel stages in shared memory (bwd.cuh)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def dkdv_tile(bucket: int, softcap: bool = False, alibi: bool = False,
+              arch: int = 90) -> tuple[int, int, int, int, str]:
+    """The dK/dV kernel's tile: DKDV_WGMMA_TILES on sm_90 where it has the bucket and there is
+    no softcap or ALiBi; DKDV_SOFTCAP_TILES with a softcap where it has the bucket; else
+    DKDV_TILES. Windows fit every tile."""
+    if arch == 90 and bucket in DKDV_WGMMA_TILES and not (softcap or alibi):
+        return DKDV_WGMMA_TILES[bucket]
+    if softcap and bucket in DKDV_SOFTCAP_TILES:
+        return DKDV_SOFTCAP_TILES[bucket]
+    return DKDV_TILES[bucket]
+
+
+_SCORE = (
+    ("scale_log2", "float"), ("scale", "float"),
+    ("cu_seqlens_q", "const int*"), ("cu_seqlens_k", "const int*"),
+    ("window_left", "int"), ("window_right", "int"), ("softcap_scale", "float"),
+    ("alibi_slopes", "const float*"), ("alibi_sb", "int"), ("alibi_scale", "float"),
+)
+_SHAPE = (("seqlen_q_arg", "int"), ("seqlen_k_arg", "int"), ("nheads", "int"), ("ngroups", "int"),
+          ("head_dim", "int"), ("head_rows", "int"))
+_QKVDO = (*strides("q", "sb", "ss", "sh"), *strides("k", "sb", "ss", "sh"), *strides("v", "sb", "ss", "sh"),
+          *strides("do", "sb", "ss", "sh"))
+PREP_PARAMS = ParamTable("BwdPrepParams", (
+    ("dout", "const u16*"), ("out", "const u16*"), ("lse", "const float*"),
+    ("lse2", "float*"), ("dsum", "float*"), ("dq_accum", "float*"),
+    *strides("do", "sb", "ss", "sh"), *strides("o", "sb", "ss", "sh"), *strides("lse", "sb", "sh", "ss"),
+    ("seqlen_q_arg", "int"), ("nheads", "int"), ("head_dim", "int"), ("head_rows", "int"),
+    ("cu_seqlens_q", "const int*"),
+))
+DKDV_PARAMS = ParamTable("BwdDkdvParams", (
+    ("q", "const u16*"), ("k", "const u16*"), ("v", "const u16*"), ("dout", "const u16*"),
+    ("lse2", "const float*"), ("dsum", "const float*"), ("dq_accum", "float*"), ("dk", "u16*"), ("dv", "u16*"),
+    *_QKVDO, *strides("dk", "sb", "ss", "sh"), *strides("dv", "sb", "ss", "sh"), *_SHAPE, *_SCORE,
+))
+DQ_PARAMS = ParamTable("BwdDqParams", (
+    ("q", "const u16*"), ("k", "const u16*"), ("v", "const u16*"), ("dout", "const u16*"),
+    ("lse2", "const float*"), ("dsum", "const float*"), ("dq", "u16*"),
+    *_QKVDO, *strides("dq", "sb", "ss", "sh"), *_SHAPE, *_SCORE,
+))
+CONVERT_PARAMS = ParamTable("BwdConvertParams", (
+    ("dq_accum", "const float*"), ("dq", "u16*"), *strides("dq", "sb", "ss", "sh"),
+    ("seqlen_q_arg", "int"), ("nheads", "int"), ("head_dim", "int"), ("head_rows", "int"), ("scale", "float"),
+    ("cu_seqlens_q", "const int*"),
+))
+
+
+@dataclass(frozen=True, kw_only=True)
+class BwdRowVariant(KernelVariant):
+    """A per-row backward kernel: ``bwd_prep`` or ``bwd_convert`` (no tile, no mask)."""
+
+    family = "bwd"
+
+    kind: str
+    head_dim: int
+    dtype: str
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.kind not in ROW_KINDS:
+            raise ValueError(f"kind must be one of {ROW_KINDS}, got {self.kind!r}")
+        self._check_head_dim_dtype()
+
+    @property
+    def params(self) -> ParamTable:
+        return PREP_PARAMS if self.kind == "bwd_prep" else CONVERT_PARAMS
+
+    @functools.cached_property
+    def name(self) -> str:
+        return f"{self.kind}_d{self.head_dim}_{self.dtype}_sm{self.arch}"
+
+    @property
+    def template(self) -> str:
+        return "bwd/prep.cu.j2" if self.kind == "bwd_prep" else "bwd/convert.cu.j2"
+
+    @property
+    def threads(self) -> int:
+        return 32 * PREP_ROWS_PER_BLOCK if self.kind == "bwd_prep" else CONVERT_THREADS
+
+    def grid(self, batch: int, seqlen_q: int, nheads: int, head_dim: int) -> tuple[int, int, int]:
+        if self.kind == "bwd_prep":  # a warp per row of the padded rows
+            return (cdiv(cdiv(seqlen_q, ROW_PAD) * ROW_PAD, PREP_ROWS_PER_BLOCK), nheads, batch)
+        return (cdiv(seqlen_q * nheads * (head_dim // 8), CONVERT_THREADS), 1, batch)
+
+    def constants(self) -> dict:
+        return dict(head_dim=self.head_dim, bf16=self.dtype == "bf16", warps=PREP_ROWS_PER_BLOCK,
+                    threads=CONVERT_THREADS, varlen_row_gap=VARLEN_ROW_GAP)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BwdTileVariant(KernelVariant):
+    """A tiled backward kernel: ``bwd_dkdv_dq`` / ``bwd_dkdv`` (a block per key block) or the
+    deterministic ``bwd_dq`` (a block per query block). Head-dim columns are always predicated
+    (a per-thread compare), so the real head dim never doubles the variant count."""
+
+    family = "bwd"
+
+    kind: str
+    head_dim: int
+    dtype: str
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    causal: bool = False
+    local: bool = False
+    softcap: bool = False
+    alibi: bool = False
+    mma: str = "sync"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.kind not in TILE_KINDS:
+            raise ValueError(f"kind must be one of {TILE_KINDS}, got {self.kind!r}")
+        self._check_head_dim_dtype()
+        if self.mma not in MMAS:
+            raise ValueError(f"mma must be one of {MMAS}, got {self.mma!r}")
+        if self.local and self.causal:
+            raise ValueError("a local variant carries the causal bound as its window's right edge: "
+                             "causal must be False")
+        for f in ("block_m", "block_n", "warps", "stages"):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+                raise ValueError(f"{f} must be a positive int, got {getattr(self, f)!r}")
+        if self.mma == "wgmma" and not (
+                self.arch == 90 and self.kind in ("bwd_dkdv", "bwd_dkdv_dq") and not (self.softcap or self.alibi)
+                and (self.block_n, self.warps, self.stages) == (128, 8, 2)
+                and self.block_m * self.head_dim == 128 * 64 and self.head_dim in (64, 128)):
+            raise ValueError("a wgmma backward variant is a dK/dV kernel for sm_90 at head-dim bucket 64 or 128 "
+                             "with 64-query steps (or 128 at 64) over 128 keys, 8 warps, 2 stages, no softcap "
+                             f"or ALiBi; got {self}")
+
+    @property
+    def params(self) -> ParamTable:
+        return DQ_PARAMS if self.kind == "bwd_dq" else DKDV_PARAMS
+
+    @functools.cached_property
+    def name(self) -> str:
+        return tile_name(self.kind, self.head_dim, self.dtype, causal=self.causal, local=self.local,
+                         softcap=self.softcap, alibi=self.alibi, even_head_dim=False, mma=self.mma,
+                         kv="dense", block_m=self.block_m, block_n=self.block_n, warps=self.warps,
+                         stages=self.stages, arch=self.arch)
+
+    @property
+    def template(self) -> str:
+        if self.kind == "bwd_dq":
+            return "bwd/dq.cu.j2"
+        return "bwd/dkdv_wgmma.cu.j2" if self.mma == "wgmma" else "bwd/dkdv.cu.j2"
+
+    @property
+    def target(self) -> str:
+        return f"{self.arch}a" if self.mma == "wgmma" else str(self.arch)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def swizzled(self) -> bool:
+        """wgmma reads 128-byte-swizzled tiles; the mma.sync kernels pad rows."""
+        return self.mma == "wgmma"
+
+    @property
+    def smem_bytes(self) -> int:
+        """Mirrors kSmemBytes in the template: K and V tiles, Q and dO per stage, the dS^T tile
+        for dQ ([key][query]), LSE and D per stage, and the per-block scalars; the dQ kernel: Q,
+        dO, and K and V per stage."""
+        pad = 0 if self.swizzled else 8
+        row = (self.head_dim + pad) * 2
+        if self.kind == "bwd_dq":
+            return 2 * self.block_m * row + 2 * self.stages * self.block_n * row
+        ds = self.block_n * (self.block_m + pad) * 2 if self.kind == "bwd_dkdv_dq" else 0
+        return (2 * self.block_n * row + 2 * self.stages * self.block_m * row + ds
+                + 2 * self.stages * self.block_m * 4 + INFO_BYTES)
+
+    def grid(self, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int) -> tuple[int, int, int]:
+        if self.kind == "bwd_dq":
+            return (cdiv(seqlen_q, self.block_m), nheads, batch)
+        return (cdiv(seqlen_k, self.block_n), nheads_k, batch)
+
+    def constants(self) -> dict:
+        return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, warps=self.warps,
+                    stages=self.stages, causal=self.causal, local=self.local, softcap=self.softcap,
+                    alibi=self.alibi, bf16=self.dtype == "bf16", dq=self.kind == "bwd_dkdv_dq",
+                    even_head_dim=False, swizzle=self.swizzled, varlen_row_gap=VARLEN_ROW_GAP)
+
+
+def kernels(bucket: int, dtype: str, causal: bool, deterministic: bool, arch: int, local: bool = False,
+            softcap: bool = False, alibi: bool = False) -> tuple[KernelVariant, ...]:
+    """The kernels one backward call launches, in launch order. ``causal``/``local`` are the
+    mask as launched (a window that hides no key beyond the causal mask runs as causal)."""
+    bm, bn, w, st, mma = dkdv_tile(bucket, softcap, alibi, arch)
+    mods = dict(head_dim=bucket, dtype=dtype, arch=arch, causal=causal, local=local, softcap=softcap, alibi=alibi)
+    prep = BwdRowVariant(kind="bwd_prep", head_dim=bucket, dtype=dtype, arch=arch)
+    if deterministic:
+        qm, qn, qw, qst = DQ_TILES[bucket]
+        return (prep, BwdTileVariant(kind="bwd_dkdv", block_m=bm, block_n=bn, warps=w, stages=st, mma=mma, **mods),
+                BwdTileVariant(kind="bwd_dq", block_m=qm, block_n=qn, warps=qw, stages=qst, **mods))
+    return (prep, BwdTileVariant(kind="bwd_dkdv_dq", block_m=bm, block_n=bn, warps=w, stages=st, mma=mma, **mods),
+            BwdRowVariant(kind="bwd_convert", head_dim=bucket, dtype=dtype, arch=arch))
+
+
+MASKS = ((False, False), (True, False), (False, True))  # (causal, local)
+MODS = ((False, False), (True, False), (False, True), (True, True))  # (softcap, alibi)
+
+
+def variants(arch: int, mods: bool = True) -> list[KernelVariant]:
+    """Every backward variant that can launch on ``arch``: per head-dim bucket and dtype, every
+    mask (full, causal, sliding window) with and without softcap and ALiBi, atomic and
+    deterministic. ``mods=False`` leaves out the window, softcap and ALiBi variants."""
+    out = []
+    for bucket in HEAD_DIM_BUCKETS:
+        for dtype in ("fp16", "bf16"):
+            for causal, local in MASKS if mods else MASKS[:2]:
+                for softcap, alibi in MODS if mods else MODS[:1]:
+                    for det in (False, True):
+                        out.extend(kernels(bucket, dtype, causal, det, arch, local, softcap, alibi))
+    return list(dict.fromkeys(out))

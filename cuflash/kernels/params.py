@@ -1,0 +1,86 @@
+"""Kernel parameter structs, defined once per kernel as a table of (name, C type).
+
+The table generates both sides of the ABI: the CUDA struct the kernel receives as its one
+``const __grid_constant__`` parameter (with a static_assert on every field's offset and on the
+size), and the ``struct.Struct`` that packs the values on the host. Packing follows the table's
+types, not the values' Python types, so an int32 field can never be sent as 64 bits: a value out
+of the field's range raises instead.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+# C type -> struct format code (native alignment, as the CUDA struct is laid out on x86-64/aarch64).
+_FORMATS = {"int": "i", "long long": "q", "float": "f"}
+
+
+def _format(ctype: str) -> str:
+    return "Q" if ctype.endswith("*") else _FORMATS[ctype]
+
+
+@dataclass(frozen=True)
+class ParamTable:
+    """One kernel's parameters: ``fields`` is a tuple of (name, C type); pointer types may carry
+    ``const`` and are declared ``__restrict__`` in the kernel."""
+    struct_name: str
+    fields: tuple[tuple[str, str], ...]
+
+    def __post_init__(self):
+        names = [n for n, _ in self.fields]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{self.struct_name}: duplicate field names")
+        for _, ctype in self.fields:
+            _format(ctype)  # an unknown C type fails here, at import
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.fields)
+
+    @property
+    def layout(self) -> struct.Struct:
+        # "0q" pads the end to 8 bytes, as C pads a struct holding 8-byte members.
+        return struct.Struct("@" + "".join(_format(c) for _, c in self.fields) + "0q")
+
+    def values(self, **kw) -> tuple:
+        """The values in field order; every field must be given, and nothing else."""
+        missing = [n for n in self.names if n not in kw]
+        extra = [n for n in kw if n not in self.names]
+        if missing or extra:
+            raise TypeError(f"{self.struct_name}: missing {missing}, unknown {extra}")
+        return tuple(kw[n] for n in self.names)
+
+    def index(self, name: str) -> int:
+        return self.names.index(name)
+
+    def cuda(self) -> str:
+        """The CUDA struct, its layout checks, and the unpacking of its fields into locals named
+        like the fields (so a kernel body reads ``seqlen_k`` rather than ``p.seqlen_k``)."""
+        st = self.layout
+        offsets, off = [], 0
+        for _, ctype in self.fields:
+            size = struct.calcsize(_format(ctype))
+            off = -(-off // size) * size
+            offsets.append(off)
+            off += size
+        lines = [f"struct {self.struct_name} {{"]
+        lines += [f"  {ctype} {name};" for name, ctype in self.fields]
+        lines.append("};")
+        lines.append(f"static_assert(sizeof({self.struct_name}) == {st.size}, "
+                     f"\"{self.struct_name}: host and device layouts differ\");")
+        lines += [f"static_assert(__builtin_offsetof({self.struct_name}, {name}) == {o}, "
+                  f"\"{self.struct_name}::{name}\");" for (name, _), o in zip(self.fields, offsets)]
+        return "\n".join(lines)
+
+    def unpack(self, var: str = "p") -> str:
+        """Declarations of the fields as locals (pointers ``__restrict__``)."""
+        out = []
+        for name, ctype in self.fields:
+            decl = f"{ctype} __restrict__" if ctype.endswith("*") else ctype
+            out.append(f"  {decl} {name} = {var}.{name};")
+        return "\n".join(out)
+
+
+def strides(prefix: str, *dims: str) -> tuple[tuple[str, str], ...]:
+    """64-bit element strides ``<prefix>_<dim>`` of one operand."""
+    return tuple((f"{prefix}_{d}", "long long") for d in dims)
