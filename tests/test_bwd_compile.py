@@ -26,7 +26,7 @@ def test_variant_set_and_names():
     assert len(vs) == len(HEAD_DIM_BUCKETS) * 2 * (3 * 4 * 3 + 2) == 456
     base = family.variants(90, mods=False)
     assert len(base) == len(HEAD_DIM_BUCKETS) * 2 * (2 * 3 + 2) == 96 and set(base) <= set(vs)
-    assert not any(v.local or v.softcap or v.alibi for v in base)
+    assert not any(getattr(v, f, False) for v in base for f in ("local", "softcap", "alibi"))
     names = [v.name for v in vs]
     assert len(set(names)) == len(names) and all(n.endswith("_sm90") for n in names)
     assert set(names).isdisjoint(v.name for v in family.variants(80))
@@ -373,7 +373,7 @@ def test_tiles_cover_every_bucket():
     for bm, bn, w, st in tiles:
         assert family.ROW_PAD % bm == 0 and bn % 16 == 0 and w in (4, 8) and st in (1, 2)
     for table in (family.DKDV_TILES, family.DKDV_WGMMA_TILES, family.DKDV_SOFTCAP_TILES):
-        assert all(t[4] in MMAS for t in table.values())
+        assert all(t[4] in family.MMAS for t in table.values())
     assert all(t[4] == "wgmma" for t in family.DKDV_WGMMA_TILES.values())
 
 
