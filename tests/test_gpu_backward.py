@@ -21,9 +21,9 @@ LONG_SHAPES = [(1024, 1024), (1023, 1024), (1024, 1023), (256, 512), (512, 256),
 def _compile_everything():
     """Build every backward variant once, in parallel, before the tests."""
     import cupy
-    from cuflash.backward import bwd_variants
     from cuflash.compiler import warmup
-    warmup(bwd_variants(int(cupy.cuda.Device().compute_capability)))
+    from cuflash.kernels import bwd
+    warmup(bwd.variants(int(cupy.cuda.Device().compute_capability)))
 
 
 def to_np(x):

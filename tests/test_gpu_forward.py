@@ -19,8 +19,8 @@ def _compile_everything():
     (later calls hit the cache; the others compile when first used)."""
     import cupy
     from cuflash.compiler import warmup
-    from cuflash.plan import all_variants
-    warmup(all_variants(int(cupy.cuda.Device().compute_capability), mods=False))
+    from cuflash.kernels import all_variants
+    warmup(all_variants(int(cupy.cuda.Device().compute_capability), mods=False, families=("fwd", "combine", "append")))
 
 
 def torch_inputs(rng, b, sq, sk, h, hk, d, dtype):

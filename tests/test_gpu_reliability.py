@@ -303,7 +303,7 @@ def _config_variants(cfg):
     b, sq, sk, h, hk, d, dtype, causal, splits, _ = cfg
     p = cuflash.plan((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d), causal=causal, num_splits=splits,
                      dtype=dtype)
-    return {l.variant for l in p.launches if not (launch.FUSED_COMBINE and l.variant.kind == "combine")}
+    return {l.variant for l in p.launches if not (launch.FUSED_COMBINE and l.variant.family == "combine")}
 
 
 def test_threads_and_streams(rng, monkeypatch, tmp_path):
