@@ -273,7 +273,7 @@ def test_kernel_parameters_pack_like_the_generated_struct():
     assert struct.unpack_from("<Q", buf, 16)[0] == 7 and struct.unpack_from("<f", buf, 24)[0] == 0.5
     assert struct.unpack_from("<i", buf, 28)[0] == 9
     src = t.cuda()
-    assert "static_assert(sizeof(P) == 32" in src and "__builtin_offsetof(P, d) == 24" in src
+    assert "static_assert(sizeof(P) == 32" in src and src.index("const int* c;") < src.index("float d;")
     with pytest.raises(struct.error):
         st.pack(*t.values(a=0, b=1 << 31, c=0, d=0.0, e=0))  # out of int32's range
     with pytest.raises(TypeError, match="missing \\['e'\\], unknown \\['x'\\]"):
@@ -281,8 +281,8 @@ def test_kernel_parameters_pack_like_the_generated_struct():
 
 
 def test_every_kernel_struct_compiles_with_its_host_layout():
-    """Each family's generated struct and its static_asserts compile for the device: host and
-    device agree on every offset and the size."""
+    """Each family's generated struct and its static_assert compile for the device: host and
+    device agree on the size."""
     from cuflash.kernels import append, bwd, combine, fwd
     tables = (fwd.PARAMS, combine.PARAMS, append.PARAMS, bwd.PREP_PARAMS, bwd.DKDV_PARAMS, bwd.DQ_PARAMS,
               bwd.CONVERT_PARAMS)

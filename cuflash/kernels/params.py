@@ -1,8 +1,8 @@
 """Kernel parameter structs, defined once per kernel as a table of (name, C type).
 
 The table generates both sides of the ABI: the CUDA struct the kernel receives as its one
-``const __grid_constant__`` parameter (with a static_assert on every field's offset and on the
-size), and the ``struct.Struct`` that packs the values on the host. Packing follows the table's
+``const __grid_constant__`` parameter (with a static_assert on its size), and the
+``struct.Struct`` that packs the values on the host. Packing follows the table's
 types, not the values' Python types, so an int32 field can never be sent as 64 bits: a value out
 of the field's range raises instead.
 """
@@ -54,22 +54,13 @@ class ParamTable:
         return self.names.index(name)
 
     def cuda(self) -> str:
-        """The CUDA struct, its layout checks, and the unpacking of its fields into locals named
-        like the fields (so a kernel body reads ``seqlen_k`` rather than ``p.seqlen_k``)."""
-        st = self.layout
-        offsets, off = [], 0
-        for _, ctype in self.fields:
-            size = struct.calcsize(_format(ctype))
-            off = -(-off // size) * size
-            offsets.append(off)
-            off += size
+        """The CUDA struct and its size check (both sides lay the fields out by C's rules, in the
+        table's order, so equal sizes mean equal field widths)."""
         lines = [f"struct {self.struct_name} {{"]
         lines += [f"  {ctype} {name};" for name, ctype in self.fields]
         lines.append("};")
-        lines.append(f"static_assert(sizeof({self.struct_name}) == {st.size}, "
+        lines.append(f"static_assert(sizeof({self.struct_name}) == {self.layout.size}, "
                      f"\"{self.struct_name}: host and device layouts differ\");")
-        lines += [f"static_assert(__builtin_offsetof({self.struct_name}, {name}) == {o}, "
-                  f"\"{self.struct_name}::{name}\");" for (name, _), o in zip(self.fields, offsets)]
         return "\n".join(lines)
 
     def unpack(self, var: str = "p") -> str:
