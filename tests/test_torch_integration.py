@@ -213,10 +213,10 @@ def test_fake_shapes_meta(h, hk):
 @requires_torch
 def test_fast_path_only_for_plain_cuda_inference():
     import torch
-    import cuflash.torch as ct
+    from cuflash.torch import ops
     q = torch.empty(1, 4, 2, 8)
-    assert ct._wants_op(q, q, q)  # CPU tensors: through the op (which reports the CPU tensor)
-    assert ct._wants_op(torch.empty(1, 4, 2, 8, device="meta"), q, q)
+    assert ops._wants_op(q, q, q)  # CPU tensors: through the op (which reports the CPU tensor)
+    assert ops._wants_op(torch.empty(1, 4, 2, 8, device="meta"), q, q)
 
 
 @requires_torch
@@ -253,9 +253,9 @@ def test_repeat_signature_keys_on_types_and_layout():
 
 @requires_torch
 def test_extras_only_when_not_default():
-    import cuflash.torch as ct
-    assert ct._extras(-1, -1, 0.0, None) == {}
-    assert ct._extras(3, 0, 30.0, None) == {"window_size": (3, 0), "softcap": 30.0}
+    from cuflash.torch import ops
+    assert ops._extras(-1, -1, 0.0, None) == {}
+    assert ops._extras(3, 0, 30.0, None) == {"window_size": (3, 0), "softcap": 30.0}
 
 
 @requires_torch
@@ -299,7 +299,7 @@ def test_calls_bind_to_cuflash_signatures():
 @requires_torch
 def test_backward_without_window_support_is_not_implemented():
     import torch
-    import cuflash.torch as ct
+    from cuflash.torch import ops
     try:
         from cuflash import backward
     except ImportError:
@@ -309,7 +309,7 @@ def test_backward_without_window_support_is_not_implemented():
         pytest.skip("this build's backward supports windows")
     x = torch.zeros(1, 4, 2, 8, dtype=torch.float16)
     with pytest.raises(NotImplementedError, match="window_size"):
-        ct._backward_kernel(x, x, x, x, x, x, x, x, x, True, None, 2, 0, 0.0, None, False)
+        ops._backward_kernel(x, x, x, x, x, x, x, x, x, True, None, 2, 0, 0.0, None, False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,9 +336,9 @@ def test_eager_autograd_function_plumbing(ref_kernels):
     """The autograd.Function that eager CUDA calls use: same forward, context and backward
     bodies as the custom op (run here on CPU tensors with the reference kernels)."""
     import torch
-    import cuflash.torch as ct
+    from cuflash.torch import ops
     q, k, v = _cpu(2, 7, 4, 16, grad=True), _cpu(2, 11, 2, 16, seed=1, grad=True), _cpu(2, 11, 2, 16, seed=2, grad=True)
-    out, lse = ct._EagerAttention.apply(q, k, v, True, 0.3, 5, 0, 0.0, None, False)
+    out, lse = ops._EagerAttention.apply(q, k, v, True, 0.3, 5, 0, 0.0, None, False)
     ref, _ = ref_attention(q, k, v, True, 0.3, window_size=(5, 0))
     torch.testing.assert_close(out, ref)
     assert not lse.requires_grad
@@ -507,8 +507,8 @@ def test_hf_padding_falls_back_to_sdpa_without_varlen(ref_kernels, monkeypatch):
     ids = torch.randint(1, 512, (2, 9), generator=torch.Generator().manual_seed(2))
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, :3] = 0
-    import cuflash.torch as ct
-    ct._warned.clear()
+    from cuflash.torch import hf
+    hf._warned.clear()
     with torch.no_grad(), warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         la, lb = a(ids, attention_mask=mask).logits, b(ids, attention_mask=mask).logits
@@ -579,14 +579,14 @@ def test_hf_training_step_plumbing(ref_kernels, padded):
 def test_hf_padded_training_without_varlen_backward_uses_sdpa(ref_kernels, monkeypatch):
     import torch
     import cuflash
-    import cuflash.torch as ct
+    from cuflash.torch import hf
     monkeypatch.delattr(cuflash.backward, "attention_varlen_backward")
     a, b = _pair()
     a.train(), b.train()
     ids = torch.randint(1, 512, (2, 10), generator=torch.Generator().manual_seed(6))
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0
-    ct._warned.clear()
+    hf._warned.clear()
     with pytest.warns(UserWarning, match="varlen backward"):
         la = a(ids, attention_mask=mask).logits
     lb = b(ids, attention_mask=mask).logits

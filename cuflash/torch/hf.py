@@ -1,0 +1,250 @@
+"""An attention backend for Hugging Face transformers running cuflash: :func:`hf_attention_forward`
+and :func:`register_transformers`."""
+import warnings
+import weakref
+
+import torch
+
+import cuflash
+
+from .ops import attention, attention_varlen
+
+
+_warned: set = set()
+
+
+def _warn_once(key, message):
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+class _PerTensorMemo:
+    """Remembers results per (tensor, version, extra) for the last few tensors: every layer of a
+    forward pass gets the same mask / position_ids tensor (one per layer type), so their
+    host-side lengths are read once per pass, not once per layer."""
+
+    def __init__(self, size=4):
+        self.size, self.entries = size, []  # [(weakref, key, value)], most recent last
+
+    def get(self, t, extra, compute):
+        """``compute(t)``, or its remembered value for the same tensor, version and ``extra``."""
+        if torch.compiler.is_compiling():
+            return compute(t)
+        key = (t._version, extra)
+        for ref, k, value in self.entries:
+            if ref() is t and k == key:
+                return value
+        value = compute(t)
+        self.entries = [e for e in self.entries if e[0]() is not None][-(self.size - 1):]
+        self.entries.append((weakref.ref(t), key, value))
+        return value
+
+
+_mask_memo, _mask_q_memo, _posid_memo = _PerTensorMemo(), _PerTensorMemo(), _PerTensorMemo()
+
+
+def _unpad_data(mask):
+    """(batch, seqlen) mask -> (flat indices of kept tokens, cu_seqlens int32, max length)."""
+    mask = mask.bool()
+    seqlens = mask.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
+    max_len = int(seqlens.max()) if seqlens.numel() else 0  # host read, once per pass
+    cu = torch.nn.functional.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
+    return indices, cu, max_len
+
+
+def _packed_data(position_ids):
+    """Batch-1 position_ids of several packed sequences -> (cu_seqlens, max length), or None
+    when they are one increasing sequence (read on the host once per pass)."""
+    pos = position_ids.reshape(-1)
+    starts = (pos == pos.min()).nonzero().flatten().to(torch.int32)
+    if starts.numel() <= 1:
+        return None
+    total = torch.tensor([pos.numel()], dtype=torch.int32, device=pos.device)
+    cu = torch.cat([starts, total])
+    if int(cu[0]) != 0:
+        return None
+    return cu, int(cu.diff().max())
+
+
+def _gather_rows(x, flat_idx, seqlen):
+    """x[b, s] for flat indices b * seqlen + s: one gather, whatever x's strides."""
+    return x[flat_idx // seqlen, flat_idx % seqlen]
+
+
+def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
+                   softcap, causal, kwargs, why):
+    """PyTorch SDPA through transformers' own backend, for masks cuflash cannot express."""
+    if softcap:
+        raise NotImplementedError(f"cuflash backend: {why}, and the SDPA fallback has no softcap")
+    _warn_once(why, f"cuflash backend: {why}; using PyTorch SDPA for these calls")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    if attention_mask is not None and attention_mask.dim() == 2:
+        # padding mask (batch, kv_len) -> boolean (batch, 1, q_len, kv_len) with the causal and
+        # sliding-window limits aligned bottom-right; rows that see no key output zeros
+        b, _, sq, _ = query.shape
+        mask = attention_mask.bool()
+        if key.shape[2] > mask.shape[1]:  # static cache longer than the mask
+            key, value = key[:, :, :mask.shape[1]], value[:, :, :mask.shape[1]]
+        sk = key.shape[2]
+        i = torch.arange(sq, device=query.device)[:, None] + (sk - sq)
+        j = torch.arange(sk, device=query.device)[None, :]
+        vis = mask[:, None, None, :].expand(b, 1, sq, sk)
+        if causal:
+            vis = vis & (j <= i)
+        if sliding_window is not None and sk > sliding_window:
+            vis = vis & (j >= i - (sliding_window - 1)) & (j <= i + (sliding_window - 1))
+        empty = ~vis.any(dim=-1, keepdim=True)
+        out, _ = sdpa_attention_forward(module, query, key, value, vis | empty, dropout=dropout,
+                                        scaling=scaling, is_causal=False, **kwargs)
+        return out.masked_fill(empty[:, 0, :, :, None], 0), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, is_causal=causal, **kwargs)
+
+
+def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                         sliding_window=None, softcap=None, is_causal=None, **kwargs):
+    """A transformers attention function (``AttentionInterface``) running cuflash.
+
+    query (batch, nheads, q_len, d), key/value (batch, nheads_k, kv_len, d) -> (attn_output
+    (batch, q_len, nheads, d), None). Masks come from transformers' flash-attention mask
+    function (registered with the backend): None when there is no padding, else a (batch, kv_len)
+    padding mask, run through ``attention_varlen``.
+    """
+    if kwargs.get("output_attentions", False):
+        _warn_once("output_attentions", "cuflash backend does not return attention weights "
+                   "(output_attentions=True); they are None")
+    if dropout:
+        raise NotImplementedError(f"cuflash backend has no attention dropout (got {dropout}); "
+                                  "use model.eval() or attention_dropout=0.0")
+    for name in ("s_aux", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"cuflash backend does not support {name}")
+
+    b, h, sq, d = query.shape
+    sk = key.shape[2]
+    if query.dtype == torch.float32:  # as transformers' flash backend: run in the autocast dtype
+        dev = query.device.type
+        if torch.is_autocast_enabled(dev):
+            dt = torch.get_autocast_dtype(dev)
+            query, key, value = query.to(dt), key.to(dt), value.to(dt)
+    v_head_dim = value.shape[-1]
+    if v_head_dim != d:  # e.g. MLA: pad V to the query head dim, crop the output
+        value = torch.nn.functional.pad(value, [0, d - v_head_dim])
+
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    causal = causal and sq > 1  # one query row, aligned bottom-right, sees every key
+    # transformers' flash convention: a window of `sliding_window` tokens including the current
+    # one is flash-attn's window_size=(sliding_window - 1, sliding_window - 1)
+    window = (sliding_window - 1, sliding_window - 1) if (
+        sliding_window is not None and sk > sliding_window) else (-1, -1)
+    cap = float(softcap) if softcap else 0.0
+    det = bool(kwargs.get("deterministic") or False)
+    feats = dict(causal=causal, softmax_scale=scaling, window_size=window, softcap=cap,
+                 deterministic=det)
+
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # views
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    position_ids = kwargs.get("position_ids")
+    has_varlen = hasattr(cuflash, "attention_varlen")
+
+    if attention_mask is not None and attention_mask.dim() != 2:
+        return _crop(_sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling,
+                                    sliding_window, cap, causal, _fwd_kwargs(kwargs),
+                                    "a prepared 4D attention mask is not supported"), v_head_dim)
+
+    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    no_varlen = ("this build lacks cuflash.attention_varlen" if not has_varlen else
+                 "this build lacks a varlen backward pass" if training and not _has_varlen_backward()
+                 else None)
+
+    if attention_mask is not None:  # padding: unpad, run varlen, pad back
+        if no_varlen:
+            return _crop(_sdpa_fallback(module, query, key, value, attention_mask, dropout,
+                                        scaling, sliding_window, cap, causal, _fwd_kwargs(kwargs),
+                                        f"padding masks need varlen attention and {no_varlen}"),
+                         v_head_dim)
+        mask = attention_mask
+        if k.shape[1] > mask.shape[1]:  # a static cache longer than the tokens seen
+            k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
+        kv_len = k.shape[1]
+        idx_k, cu_k, max_k = _mask_memo.get(mask, None, _unpad_data)
+        k_u, v_u = _gather_rows(k, idx_k, kv_len), _gather_rows(v, idx_k, kv_len)
+        if sq == kv_len:
+            idx_q, cu_q, max_q = idx_k, cu_k, max_k
+            q_u = _gather_rows(q, idx_q, sq)
+        elif sq == 1:
+            idx_q = None
+            cu_q, max_q = torch.arange(b + 1, dtype=torch.int32, device=q.device), 1
+            q_u = q[:, 0]
+        else:  # queries are the last sq positions (left padding)
+            idx_q, cu_q, max_q = _mask_q_memo.get(mask, sq, lambda m: _unpad_data(m[:, -sq:]))
+            q_u = _gather_rows(q, idx_q, sq)
+        o_u = attention_varlen(q_u, k_u, v_u, cu_q, cu_k, max_q, max_k, **feats)
+        if idx_q is None:
+            out = o_u.view(b, 1, h, d)
+        else:
+            out = o_u.new_zeros((b * sq, h, d)).index_copy(0, idx_q, o_u).view(b, sq, h, d)
+        return _crop((out, None), v_head_dim)
+
+    packed = None
+    if cu_q is not None and cu_k is not None and max_q is not None and max_k is not None:
+        packed = (cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k))
+    elif position_ids is not None and b == 1 and sq > 1 and sq == sk:
+        pk = _posid_memo.get(position_ids, None, _packed_data)
+        if pk is not None:
+            packed = (pk[0], pk[0], pk[1], pk[1])
+    if packed is not None:  # several sequences packed in one row: each attends on its own
+        if no_varlen:
+            raise NotImplementedError("cuflash backend: packed sequences (cu_seq_lens or "
+                                      "position_ids restarting within a row) need varlen "
+                                      f"attention, and {no_varlen}")
+        o = attention_varlen(q.reshape(b * sq, h, d), k.reshape(b * sk, k.shape[2], d),
+                             v.reshape(b * sk, v.shape[2], d), *packed, **feats)
+        return _crop((o.view(b, sq, h, d), None), v_head_dim)
+
+    out = attention(q, k, v, **feats)
+    return _crop((out, None), v_head_dim)
+
+
+def _has_varlen_backward() -> bool:
+    try:
+        from cuflash import backward
+    except ImportError:
+        return False
+    return hasattr(backward, "attention_varlen_backward")
+
+
+def _fwd_kwargs(kwargs):
+    return {n: x for n, x in kwargs.items() if n not in ("sliding_window", "softcap")}
+
+
+def _crop(res, v_head_dim):
+    out, w = res
+    return (out[..., :v_head_dim] if out.shape[-1] != v_head_dim else out), w
+
+
+HF_NAME = "cuFlash"
+
+
+def register_transformers(name: str = HF_NAME) -> str:
+    """Register cuflash as the transformers attention implementation ``name`` (default
+    ``"cuFlash"``), with transformers' flash-attention mask function (None without padding, else
+    a 2D padding mask). Then ``from_pretrained(..., attn_implementation="cuFlash")`` or
+    ``model.set_attn_implementation("cuFlash")``. Returns ``name``.
+
+    The name must not contain the lowercase substring "flash": transformers takes any such
+    implementation name for a flash-attn build and tries to load one (from the flash_attn
+    package or a hub kernel repository) when a model is created with it.
+    """
+    if "flash" in name:
+        raise ValueError(f"transformers treats attention implementations whose name contains "
+                         f"'flash' as flash-attn builds and tries to load one for {name!r}; "
+                         f"register cuflash under another name (default {HF_NAME!r})")
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    AttentionInterface.register(name, hf_attention_forward)
+    AttentionMaskInterface.register(name, flash_attention_mask)
+    return name
