@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cuflash import reference
-from test_bwd_compile import _finite_diff, check_same_precision  # shared reference checks
+from conftest import check_same_precision, finite_diff, naive_backward  # shared reference checks
 
 
 def _inputs(rng, b, sq, sk, h, hk, d):
@@ -36,43 +36,10 @@ def test_reference_matches_finite_differences(rng, b, sq, sk, h, hk, d, causal, 
     slopes = None if alibi is None else rng.uniform(0.1, 1.0, (h,) if alibi == "h" else (b, h))
     kw = dict(causal=causal, softmax_scale=0.7, window_size=window, softcap=softcap, alibi_slopes=slopes)
     got = reference.attention_backward(dout, q, k, v, **kw)
-    want = _finite_diff(dout, q, k, v, **kw)
+    want = finite_diff(lambda: float((reference.attention(q, k, v, **kw) * dout).sum()), (q, k, v))
     for name, g, w in zip("qkv", got, want):
         assert g.dtype == np.float64
         np.testing.assert_allclose(g, w, atol=1e-7, rtol=1e-6, err_msg=f"d{name}")
-
-
-def _naive_backward(dout, q, k, v, scale, left, right, softcap, slopes):
-    """One query row at a time, with the softmax Jacobian and the softcap derivative written
-    out (independent of the blocked reference). slopes: (batch, nheads) or None."""
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
-    for bi in range(b):
-        for hi in range(h):
-            g = hi // (h // hk)
-            for i in range(sq):
-                c = i + sk - sq
-                keys = [j for j in range(sk) if (left < 0 or j >= c - left) and (right < 0 or j <= c + right)]
-                if not keys:
-                    continue
-                raw = np.array([scale * q[bi, i, hi] @ k[bi, j, g] for j in keys])
-                s, dcap = raw, np.ones(len(keys))
-                if softcap > 0:
-                    s = softcap * np.tanh(raw / softcap)
-                    dcap = 1 - np.tanh(raw / softcap) ** 2
-                if slopes is not None:
-                    s = s - slopes[bi, hi] * np.abs(c - np.array(keys))
-                p = np.exp(s - s.max())
-                p /= p.sum()
-                jac = np.diag(p) - np.outer(p, p)
-                dp = np.array([dout[bi, i, hi] @ v[bi, j, g] for j in keys])
-                ds = (jac @ dp) * dcap
-                for n, j in enumerate(keys):
-                    dv[bi, j, g] += p[n] * dout[bi, i, hi]
-                    dq[bi, i, hi] += scale * ds[n] * k[bi, j, g]
-                    dk[bi, j, g] += scale * ds[n] * q[bi, i, hi]
-    return dq, dk, dv
 
 
 @pytest.mark.parametrize("sq,sk,h,hk,window,causal,softcap,alibi", [
@@ -86,7 +53,7 @@ def test_reference_matches_naive_loop(rng, sq, sk, h, hk, window, causal, softca
     got = reference.attention_backward(dout, q, k, v, causal=causal, window_size=window, softcap=softcap,
                                        alibi_slopes=slopes)
     left, right = window[0], (0 if causal else window[1])
-    want = _naive_backward(dout, q, k, v, d ** -0.5, left, right, softcap, slopes)
+    want = naive_backward(dout, q, k, v, d ** -0.5, left, right, softcap, slopes)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, atol=1e-12, rtol=1e-10)
 
@@ -175,18 +142,9 @@ def test_varlen_reference_matches_finite_differences(rng):
     slopes = rng.uniform(0.1, 0.5, (4, 2))
     kw = dict(window_size=(2, 1), softcap=1.5, alibi_slopes=slopes, softmax_scale=0.8)
     got = reference.attention_varlen_backward(dout, q, k, v, cq, ck, **kw)
-    eps = 1e-6
-    loss = lambda: float((reference.attention_varlen(q, k, v, cq, ck, **kw) * dout).sum())
-    for x, g in zip((q, k, v), got):
-        want = np.zeros_like(x)
-        for idx in np.ndindex(x.shape):
-            old = x[idx]
-            x[idx] = old + eps
-            up = loss()
-            x[idx] = old - eps
-            want[idx] = (up - loss()) / (2 * eps)
-            x[idx] = old
-        np.testing.assert_allclose(g, want, atol=1e-7, rtol=1e-6)
+    want = finite_diff(lambda: float((reference.attention_varlen(q, k, v, cq, ck, **kw) * dout).sum()), (q, k, v))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-7, rtol=1e-6)
 
 
 def test_varlen_reference_same_precision_and_bad_arguments(rng):

@@ -14,17 +14,21 @@ VARIANTS = all_variants(80) + all_variants(90)
 ELF = b"\x7fELF"
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    """Every variant compiled once. The first compile runs alone (NVRTC loads its builtins then)."""
-    return compiler.compile_all(VARIANTS)
-
-
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
 def test_variant_compiles_without_spills(compiled, v):
     r = assert_compiled_clean(compiled[v], v)
     if v.swizzled:  # dynamic shared memory follows the static: its tiles start on a 128-byte line
         assert r.static_smem % 128 == 0, r
+
+
+def test_compile_variants_compiles_each_variant_once(compile_variants, monkeypatch):
+    """conftest's session cache: a variant asked for again (or twice in one list) is not rebuilt."""
+    vs = [Variant("combine", 32, "bf16", arch=80), Variant("combine", 64, "bf16", arch=80)]
+    first = compile_variants(vs + vs[:1])
+    assert list(first) == vs and all(first[v].cubin[:4] == ELF for v in vs)
+    monkeypatch.setattr(compiler, "compile_all", lambda todo: pytest.fail(f"recompiled {todo}"))
+    again = compile_variants(vs[::-1])
+    assert list(again) == vs[::-1] and all(again[v] is first[v] for v in vs)
 
 
 WGMMA_SMEM = {64: 80 << 10, 128: 160 << 10, 192: 144 << 10, 256: 192 << 10}  # Q + 2 stages of K and V
