@@ -11,7 +11,9 @@ right = 0).  A row that sees no key outputs 0 and reports LSE = +inf.
 ``precision="float64"`` computes everything in float64.  ``precision="same"``
 mimics a fused kernel: float64 scores from the given inputs, row max m,
 p = exp(s - m), l = sum of the unrounded p, then p is rounded to q's dtype,
-O = (p @ v) / l in float64 and O is finally rounded to q's dtype.
+O = (p @ v) / l in float64 and O is finally rounded to q's dtype.  The backward's
+``precision="same"`` forms D = rowsum(dO * O) from that same rounded O (see
+:func:`attention_backward`).
 """
 
 import ml_dtypes
@@ -85,6 +87,8 @@ class _Args:
             causal, softmax_scale, window_size, softcap, d)
         self.out_dtype = _out_dtype(precision, self.q)
         self.slopes = None if slopes is None else np.broadcast_to(slopes, (batch, nheads))
+        same = precision == "same"
+        self.rnd = (lambda x: x.astype(self.out_dtype).astype(np.float64)) if same else (lambda x: x)
 
     def blocks(self):
         """Per (batch b, KV head g, block of query rows i0:i1): b, g, the query heads hs of g,
@@ -139,6 +143,14 @@ def _softmax_parts(s):
     return m, p, p.sum(axis=-1, keepdims=True)
 
 
+def _output(p, l, vg, rnd):
+    """The forward's output before its final rounding: (rnd(p) @ v) / l from p = exp(s - m) and
+    the unrounded l = sum(p), as a fused kernel rounds p for its P V product (rows with l = 0
+    give 0; NaN scores propagate, as in FA2)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(l == 0, 0.0, np.matmul(rnd(p), vg) / l)
+
+
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
               window_size=(-1, -1), softcap=0.0, alibi_slopes=None, precision="float64"):
     """Reference attention; returns out (like q) or (out, lse) with lse (batch, nheads, seqlen_q).
@@ -153,13 +165,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
     lse = np.full((batch, nheads, sq), np.inf, dtype=np.float64)
     for b, _, hs, i0, i1, _, _, vg, s, _ in a.blocks():
         m, p, l = _softmax_parts(s)
-        if precision == "same":
-            p = p.astype(a.out_dtype).astype(np.float64)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            # rows that see no key give 0 / +inf; NaN scores propagate (as in FA2)
-            o = np.where(l == 0, 0.0, np.matmul(p, vg) / l)
+        with np.errstate(divide="ignore"):  # rows that see no key: LSE = +inf
             lse[b, hs, i0:i1] = np.where(l == 0, np.inf, m + np.log(l))[..., 0]
-        out[b, i0:i1, hs] = o.transpose(1, 0, 2)
+        out[b, i0:i1, hs] = _output(p, l, vg, a.rnd).transpose(1, 0, 2)
     out = out.astype(a.out_dtype)
     lse_dtype = np.float64 if precision == "float64" else np.float32
     return (out, lse.astype(lse_dtype)) if return_lse else out
@@ -250,25 +258,28 @@ def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, windo
     dq = scale dS k, dk = scale dS^T q. The ALiBi bias has no gradient. With GQA a KV head's dk,
     dv are summed over its query heads.
     ``precision="float64"`` computes everything in float64 and returns float64.
-    ``precision="same"`` mimics a fused kernel: O is rounded to q's dtype before D is formed
-    (the forward's stored output), P is rounded to q's dtype for dv, dS is rounded to q's dtype
-    for dq and dk, accumulation is float64 and the gradients are rounded to q's dtype.
+    ``precision="same"`` mimics a fused kernel: D is formed from the output that the forward
+    stores, i.e. that of ``attention(..., precision="same")`` (p = exp(s - m) rounded to q's
+    dtype before the P V product, divided by the unrounded row sum, the result rounded to q's
+    dtype); P is rounded to q's dtype for dv, dS is rounded to q's dtype for dq and dk,
+    accumulation is float64 and the gradients are rounded to q's dtype. (The forward's rounding
+    of p matters in D: with few keys per row, dS = P (dP - D) cancels and D's error is the
+    gradients' largest; scripts/bwd_rounding_study.py measures it.)
     """
     a = _Args(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, precision)
     dout = np.asarray(dout)
     if dout.shape != a.q.shape:
         raise ValueError(f"dout: expected shape {a.q.shape} (same as q), got {dout.shape}")
-    rnd = (lambda x: x.astype(a.out_dtype).astype(np.float64)) if precision == "same" else (lambda x: x)
-    scale = a.scale
+    rnd, scale = a.rnd, a.scale
     dq = np.zeros(a.q.shape, dtype=np.float64)
     dk = np.zeros(a.k.shape, dtype=np.float64)
     dv = np.zeros(a.v.shape, dtype=np.float64)
     for b, g, hs, i0, i1, qg, kg, vg, s, dcap in a.blocks():
         dog = dout[b, i0:i1, hs].astype(np.float64).transpose(1, 0, 2)
         m, p, l = _softmax_parts(s)
+        o = rnd(_output(p, l, vg, rnd))  # the forward's output (stored in q's dtype)
         with np.errstate(divide="ignore", invalid="ignore"):
             p = np.where(l == 0, 0.0, p / l)  # exp(s - lse); empty rows give 0
-        o = rnd(np.matmul(p, vg))  # the forward's output (stored in q's dtype)
         dsum = (dog * o).sum(axis=-1, keepdims=True)
         dv[b, :, g] += np.matmul(rnd(p).transpose(0, 2, 1), dog).sum(axis=0)
         dp = np.matmul(dog, vg.T)

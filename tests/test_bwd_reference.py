@@ -92,6 +92,36 @@ def test_reference_same_precision_with_mods(rng, dt):
     check_same_precision(low, ref, dt)
 
 
+@pytest.mark.parametrize("dt", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("sk", [2, 3, 40])
+def test_same_precision_d_uses_the_same_precision_forward_output(rng, dt, sk):
+    """D = rowsum(dO * O) is formed from the output that the same-precision forward returns (P
+    rounded before its P V product, as the kernels' forward stores it), not from round(P V):
+    with few keys per row dS = P (dP - D) cancels and D's rounding is the gradients' largest
+    (issue 18: a 2-key bf16 backward missed the rule against a reference without it)."""
+    dout, q, k, v = (rng.standard_normal(s).astype(dt) for s in ((2, 9, 2, 16), (2, 9, 2, 16), (2, sk, 1, 16),
+                                                                  (2, sk, 1, 16)))
+    kw = dict(window_size=(-1, 0), softmax_scale=0.3)
+    got = reference.attention_backward(dout, q, k, v, precision="same", **kw)
+    rnd = lambda x: np.asarray(x, np.float64).astype(dt).astype(np.float64)  # noqa: E731
+    o = reference.attention(q, k, v, precision="same", **kw).astype(np.float64)
+    _, lse = reference.attention(q, k, v, return_lse=True, **kw)
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    vis = np.arange(sk)[None] <= np.arange(9)[:, None] + sk - 9
+    for b in range(2):
+        for h in range(2):
+            qh, kh, vh, doh = (x[b, :, hh].astype(np.float64) for x, hh in ((q, h), (k, 0), (v, 0), (dout, h)))
+            with np.errstate(invalid="ignore"):
+                p = np.where(vis, np.exp(0.3 * qh @ kh.T - lse[b, h][:, None]), 0.0)
+            ds = rnd(p * (doh @ vh.T - (doh * o[b, :, h]).sum(-1, keepdims=True)))
+            dq[b, :, h] = 0.3 * ds @ kh
+            dk[b, :, 0] += 0.3 * ds.T @ qh
+            dv[b, :, 0] += rnd(p).T @ doh
+    for g, w in zip(got, (dq, dk, dv)):
+        np.testing.assert_allclose(g.astype(np.float64), rnd(w), rtol=1e-2, atol=1e-6)
+        assert np.mean(g.astype(np.float64) == rnd(w)) > 0.97  # bitwise but for a few roundings
+
+
 def test_softcap_changes_the_gradient(rng):
     dout, q, k, v = _inputs(rng, 1, 8, 8, 2, 2, 8)
     q *= 4  # large scores: the cap matters
