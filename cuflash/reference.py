@@ -11,20 +11,27 @@ right = 0).  A row that sees no key outputs 0 and reports LSE = +inf.
 ``precision="float64"`` computes everything in float64.  ``precision="same"``
 mimics a fused kernel: float64 scores from the given inputs, row max m,
 p = exp(s - m), l = sum of the unrounded p, then p is rounded to q's dtype,
-O = (p @ v) / l in float64 and O is finally rounded to q's dtype.
+O = (p @ v) / l in float64 and O is finally rounded to q's dtype.  The backward's
+``precision="same"`` forms D = rowsum(dO * O) from that same rounded O (see
+:func:`attention_backward`).
 """
 
 import ml_dtypes
 import numpy as np
 
-__all__ = ["attention", "attention_varlen", "max_abs_err", "check_close"]
+# The library's own argument rules (types, window entries >= -1, softcap >= 0 and finite, scale
+# positive and finite), so that the reference accepts exactly what cuflash.attention accepts.
+from .api import _check_causal, _check_scale, _check_softcap, _check_window
+
+__all__ = ["attention", "attention_varlen", "attention_backward", "attention_varlen_backward",
+           "max_abs_err", "check_close"]
 
 _BUDGET = 1 << 22  # max float64 elements of one score block (32 MiB)
 _LOW_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16),
                np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _validate(q, k, v, window_size, alibi_slopes):
+def _validate(q, k, v, alibi_slopes):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name}: expected rank 4 (batch, seqlen, nheads, d), "
@@ -41,11 +48,71 @@ def _validate(q, k, v, window_size, alibi_slopes):
     hk = k.shape[2]
     if hk == 0 or h % hk != 0:
         raise ValueError(f"k: nheads ({h}) must be a multiple of nheads_k, got nheads_k={hk}")
-    if len(window_size) != 2:
-        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
     if alibi_slopes is not None and alibi_slopes.shape not in ((h,), (b, h)):
         raise ValueError(f"alibi_slopes: expected shape ({h},) or ({b}, {h}), "
                          f"got {alibi_slopes.shape}")
+
+
+def _out_dtype(precision, q):
+    """The dtype of the results: float64, or q's dtype for ``precision="same"``."""
+    if precision == "float64":
+        return np.dtype(np.float64)
+    if precision == "same":
+        if q.dtype not in _LOW_DTYPES:
+            raise ValueError(f"q: precision='same' needs a float16/bfloat16/float32/float64 "
+                             f"dtype, got {q.dtype}")
+        return q.dtype
+    raise ValueError(f"precision: expected 'float64' or 'same', got {precision!r}")
+
+
+def _check_mods(causal, softmax_scale, window_size, softcap, d):
+    """The library's checks of the scalar arguments -> (scale, left, right, softcap); causal sets
+    right = 0."""
+    _check_causal(causal)
+    scale = _check_scale(softmax_scale, d)
+    left, right = _check_window(window_size)
+    return scale, left, 0 if causal else right, _check_softcap(softcap)
+
+
+class _Args:
+    """Validated arguments of a dense call: arrays, result dtype, scale, window and softcap, and
+    the ALiBi slopes as float64 (batch, nheads) or None."""
+
+    def __init__(self, q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, precision):
+        self.q, self.k, self.v = np.asarray(q), np.asarray(k), np.asarray(v)
+        slopes = None if alibi_slopes is None else np.asarray(alibi_slopes, dtype=np.float64)
+        _validate(self.q, self.k, self.v, slopes)
+        batch, _, nheads, d = self.q.shape
+        self.scale, self.left, self.right, self.softcap = _check_mods(
+            causal, softmax_scale, window_size, softcap, d)
+        self.out_dtype = _out_dtype(precision, self.q)
+        self.slopes = None if slopes is None else np.broadcast_to(slopes, (batch, nheads))
+        same = precision == "same"
+        self.rnd = (lambda x: x.astype(self.out_dtype).astype(np.float64)) if same else (lambda x: x)
+
+    def blocks(self):
+        """Per (batch b, KV head g, block of query rows i0:i1): b, g, the query heads hs of g,
+        i0, i1, and in float64 qg (G, r, d), kg and vg (sk, d), the masked scores s (G, r, sk)
+        and the softcap's derivative (see :func:`_scores`)."""
+        q, k, v = self.q, self.k, self.v
+        batch, sq, nheads, _ = q.shape
+        sk, nheads_k = k.shape[1], k.shape[2]
+        group = nheads // nheads_k
+        if sk == 0 or sq == 0:
+            return
+        rows = max(1, _BUDGET // (group * sk))  # query rows per block
+        for b in range(batch):
+            for g in range(nheads_k):
+                hs = slice(g * group, (g + 1) * group)
+                kg = k[b, :, g].astype(np.float64)  # (sk, d)
+                vg = v[b, :, g].astype(np.float64)
+                slopes = None if self.slopes is None else self.slopes[b, hs]
+                for i0 in range(0, sq, rows):
+                    i1 = min(sq, i0 + rows)
+                    qg = q[b, i0:i1, hs].astype(np.float64).transpose(1, 0, 2)  # (G, r, d)
+                    s, dcap = _scores(qg, kg, self.scale, self.softcap, slopes, i0, i1, sq, sk,
+                                      self.left, self.right)
+                    yield b, g, hs, i0, i1, qg, kg, vg, s, dcap
 
 
 def _scores(qg, kg, scale, softcap, slopes, i0, i1, sq, sk, left, right):
@@ -76,56 +143,33 @@ def _softmax_parts(s):
     return m, p, p.sum(axis=-1, keepdims=True)
 
 
+def _output(p, l, vg, rnd):
+    """The forward's output before its final rounding: (rnd(p) @ v) / l from p = exp(s - m) and
+    the unrounded l = sum(p), as a fused kernel rounds p for its P V product (rows with l = 0
+    give 0; NaN scores propagate, as in FA2)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(l == 0, 0.0, np.matmul(rnd(p), vg) / l)
+
+
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
               window_size=(-1, -1), softcap=0.0, alibi_slopes=None, precision="float64"):
-    """Reference attention; returns out (like q) or (out, lse) with lse (batch, nheads, seqlen_q)."""
-    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
-    if alibi_slopes is not None:
-        alibi_slopes = np.asarray(alibi_slopes, dtype=np.float64)
-    _validate(q, k, v, window_size, alibi_slopes)
-    if precision == "float64":
-        out_dtype, lse_dtype = np.dtype(np.float64), np.float64
-    elif precision == "same":
-        out_dtype, lse_dtype = q.dtype, np.float32
-        if out_dtype not in _LOW_DTYPES:
-            raise ValueError(f"q: precision='same' needs a float16/bfloat16/float32/float64 "
-                             f"dtype, got {q.dtype}")
-    else:
-        raise ValueError(f"precision: expected 'float64' or 'same', got {precision!r}")
+    """Reference attention; returns out (like q) or (out, lse) with lse (batch, nheads, seqlen_q).
 
-    batch, sq, nheads, d = q.shape
-    sk, nheads_k = k.shape[1], k.shape[2]
-    group = nheads // nheads_k
-    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
-    left, right = int(window_size[0]), int(window_size[1])
-    if causal:
-        right = 0
-    if alibi_slopes is not None and alibi_slopes.ndim == 1:
-        alibi_slopes = np.broadcast_to(alibi_slopes, (batch, nheads))
-
+    Arguments follow cuflash.attention's rules: ``causal`` a bool, ``softmax_scale`` None or a
+    positive finite real, ``window_size`` a pair of ints >= -1, ``softcap`` a finite real >= 0;
+    anything else raises TypeError (wrong type) or ValueError (bad value).
+    """
+    a = _Args(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, precision)
+    batch, sq, nheads, d = a.q.shape
     out = np.zeros((batch, sq, nheads, d), dtype=np.float64)
     lse = np.full((batch, nheads, sq), np.inf, dtype=np.float64)
-    if sk > 0 and sq > 0:
-        rows = max(1, _BUDGET // (group * sk))  # query rows per block
-        for b in range(batch):
-            for g in range(nheads_k):
-                hs = slice(g * group, (g + 1) * group)
-                kg = k[b, :, g].astype(np.float64)  # (sk, d)
-                vg = v[b, :, g].astype(np.float64)
-                for i0 in range(0, sq, rows):
-                    i1 = min(sq, i0 + rows)
-                    qg = q[b, i0:i1, hs].astype(np.float64).transpose(1, 0, 2)  # (G, r, d)
-                    slopes = None if alibi_slopes is None else alibi_slopes[b, hs]
-                    s, _ = _scores(qg, kg, scale, softcap, slopes, i0, i1, sq, sk, left, right)
-                    m, p, l = _softmax_parts(s)
-                    if precision == "same":
-                        p = p.astype(out_dtype).astype(np.float64)
-                    with np.errstate(divide="ignore", invalid="ignore"):
-                        # rows that see no key give 0 / +inf; NaN scores propagate (as in FA2)
-                        o = np.where(l == 0, 0.0, np.matmul(p, vg) / l)
-                        lse[b, hs, i0:i1] = np.where(l == 0, np.inf, m + np.log(l))[..., 0]
-                    out[b, i0:i1, hs] = o.transpose(1, 0, 2)
-    out = out.astype(out_dtype)
+    for b, _, hs, i0, i1, _, _, vg, s, _ in a.blocks():
+        m, p, l = _softmax_parts(s)
+        with np.errstate(divide="ignore"):  # rows that see no key: LSE = +inf
+            lse[b, hs, i0:i1] = np.where(l == 0, np.inf, m + np.log(l))[..., 0]
+        out[b, i0:i1, hs] = _output(p, l, vg, a.rnd).transpose(1, 0, 2)
+    out = out.astype(a.out_dtype)
+    lse_dtype = np.float64 if precision == "float64" else np.float32
     return (out, lse.astype(lse_dtype)) if return_lse else out
 
 
@@ -142,7 +186,7 @@ def max_abs_err(a, b) -> float:
 def check_close(out, q, k, v, *, rtol_factor=2.0, atol=1e-5, **kwargs):
     """flash-attn's test rule: |out - ref64| <= rtol_factor * |ref_lp - ref64| + atol.
 
-    Returns (ok, err, bound); ``kwargs`` are forwarded to :func:`attention`.
+    Returns (ok, err, bound); ``kwargs`` are forwarded to :func:`attention` (and checked by it).
     """
     out, q = np.asarray(out), np.asarray(q)
     if out.shape != q.shape:
@@ -155,41 +199,58 @@ def check_close(out, q, k, v, *, rtol_factor=2.0, atol=1e-5, **kwargs):
     return bool(err <= bound), err, float(bound)
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, return_lse=False, **kwargs):
+def _sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, precision, mods):
+    """Packed arguments, checked up front (also when no sequence will be attended) -> q, k, v as
+    arrays, the result dtype and per sequence (its q rows, its k rows, its ALiBi slopes)."""
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    cq, ck = np.asarray(cu_seqlens_q, dtype=np.int64), np.asarray(cu_seqlens_k, dtype=np.int64)
+    if cq.shape != ck.shape or cq.ndim != 1 or cq.size < 1:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must be (batch + 1,) vectors, got "
+                         f"{cq.shape} and {ck.shape}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 3:
+            raise ValueError(f"{name}: expected rank 3 (total, nheads, d), "
+                             f"got rank {x.ndim} with shape {x.shape}")
+    _validate(q[None], k[None], v[None], None)
+    _check_mods(d=q.shape[-1], **mods)
+    out_dtype = _out_dtype(precision, q)
+    batch, h = cq.size - 1, q.shape[1]
+    slopes = None if alibi_slopes is None else np.asarray(alibi_slopes, dtype=np.float64)
+    if slopes is not None and slopes.shape not in ((h,), (batch, h)):
+        raise ValueError(f"alibi_slopes: expected shape ({h},) or ({batch}, {h}), got {slopes.shape}")
+    seqs = [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1]),
+             None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b])) for b in range(batch)]
+    return q, k, v, out_dtype, seqs
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softmax_scale=None,
+                     return_lse=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                     precision="float64"):
     """Reference for packed variable-length batches (flash-attn's ``flash_attn_varlen_func``).
 
     q is (total_q, nheads, d), k and v (total_k, nheads_k, d); sequence b holds rows
     cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of k and v.
     Every sequence is attended independently (causal and windows aligned bottom-right per
     sequence); rows of empty sequences do not exist. Returns out (like q) or (out, lse) with
-    lse (nheads, total_q). ``alibi_slopes`` may be (nheads,) or (batch, nheads); other keyword
-    arguments are those of :func:`attention`.
+    lse (nheads, total_q). ``alibi_slopes`` may be (nheads,) or (batch, nheads); the other
+    keyword arguments are those of :func:`attention`.
     """
-    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
-    cq, ck = np.asarray(cu_seqlens_q, dtype=np.int64), np.asarray(cu_seqlens_k, dtype=np.int64)
-    if cq.shape != ck.shape or cq.ndim != 1 or cq.size < 1:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must be (batch + 1,) vectors, got "
-                         f"{cq.shape} and {ck.shape}")
-    slopes = kwargs.pop("alibi_slopes", None)
-    slopes = None if slopes is None else np.asarray(slopes, dtype=np.float64)
-    precision = kwargs.get("precision", "float64")
-    out_dtype = np.float64 if precision == "float64" else q.dtype
+    mods = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
+    q, k, v, out_dtype, seqs = _sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, precision, mods)
     out = np.zeros(q.shape, dtype=out_dtype)
     lse = np.full((q.shape[1], q.shape[0]), np.inf,
                   dtype=np.float64 if precision == "float64" else np.float32)
-    for b in range(cq.size - 1):
-        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
-        s = None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b])
-        o, l = attention(q[None, qs], k[None, ks], v[None, ks], return_lse=True,
-                         alibi_slopes=s, **kwargs)
+    for qs, ks, s in seqs:
+        o, l = attention(q[None, qs], k[None, ks], v[None, ks], return_lse=True, alibi_slopes=s,
+                         precision=precision, **mods)
         out[qs], lse[:, qs] = o[0], l[0]
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, precision="float64"):
-    """Reference gradients (dq, dk, dv) of :func:`attention` (same masking and score rules) for
-    the output gradient ``dout`` (shaped like q).
+    """Reference gradients (dq, dk, dv) of :func:`attention` (same masking, score and argument
+    rules) for the output gradient ``dout`` (shaped like q).
 
     With s the scores after softcap and ALiBi, P = exp(s - lse) (0 where masked and on rows
     that see no key), O = P v and D = rowsum(dout * O): dv = P^T dout, dP = dout v^T,
@@ -197,88 +258,55 @@ def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, windo
     dq = scale dS k, dk = scale dS^T q. The ALiBi bias has no gradient. With GQA a KV head's dk,
     dv are summed over its query heads.
     ``precision="float64"`` computes everything in float64 and returns float64.
-    ``precision="same"`` mimics a fused kernel: O is rounded to q's dtype before D is formed
-    (the forward's stored output), P is rounded to q's dtype for dv, dS is rounded to q's dtype
-    for dq and dk, accumulation is float64 and the gradients are rounded to q's dtype.
+    ``precision="same"`` mimics a fused kernel: D is formed from the output that the forward
+    stores, i.e. that of ``attention(..., precision="same")`` (p = exp(s - m) rounded to q's
+    dtype before the P V product, divided by the unrounded row sum, the result rounded to q's
+    dtype); P is rounded to q's dtype for dv, dS is rounded to q's dtype for dq and dk,
+    accumulation is float64 and the gradients are rounded to q's dtype. (The forward's rounding
+    of p matters in D: with few keys per row, dS = P (dP - D) cancels and D's error is the
+    gradients' largest; scripts/bwd_rounding_study.py measures it.)
     """
-    dout, q, k, v = np.asarray(dout), np.asarray(q), np.asarray(k), np.asarray(v)
-    if alibi_slopes is not None:
-        alibi_slopes = np.asarray(alibi_slopes, dtype=np.float64)
-    _validate(q, k, v, window_size, alibi_slopes)
-    if dout.shape != q.shape:
-        raise ValueError(f"dout: expected shape {q.shape} (same as q), got {dout.shape}")
-    if precision == "float64":
-        out_dtype = np.dtype(np.float64)
-    elif precision == "same":
-        out_dtype = q.dtype
-        if out_dtype not in _LOW_DTYPES:
-            raise ValueError(f"q: precision='same' needs a float16/bfloat16/float32/float64 "
-                             f"dtype, got {q.dtype}")
-    else:
-        raise ValueError(f"precision: expected 'float64' or 'same', got {precision!r}")
-    rnd = (lambda x: x.astype(out_dtype).astype(np.float64)) if precision == "same" else (lambda x: x)
-
-    batch, sq, nheads, d = q.shape
-    sk, nheads_k = k.shape[1], k.shape[2]
-    group = nheads // nheads_k
-    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
-    left, right = int(window_size[0]), int(window_size[1])
-    if causal:
-        right = 0
-    if alibi_slopes is not None and alibi_slopes.ndim == 1:
-        alibi_slopes = np.broadcast_to(alibi_slopes, (batch, nheads))
-    dq = np.zeros(q.shape, dtype=np.float64)
-    dk = np.zeros(k.shape, dtype=np.float64)
-    dv = np.zeros(v.shape, dtype=np.float64)
-    if sk > 0 and sq > 0:
-        rows = max(1, _BUDGET // (group * sk))
-        for b in range(batch):
-            for g in range(nheads_k):
-                hs = slice(g * group, (g + 1) * group)
-                kg = k[b, :, g].astype(np.float64)  # (sk, d)
-                vg = v[b, :, g].astype(np.float64)
-                for i0 in range(0, sq, rows):
-                    i1 = min(sq, i0 + rows)
-                    qg = q[b, i0:i1, hs].astype(np.float64).transpose(1, 0, 2)  # (G, r, d)
-                    dog = dout[b, i0:i1, hs].astype(np.float64).transpose(1, 0, 2)
-                    slopes = None if alibi_slopes is None else alibi_slopes[b, hs]
-                    s, dcap = _scores(qg, kg, scale, softcap, slopes, i0, i1, sq, sk, left, right)
-                    m, p, l = _softmax_parts(s)
-                    with np.errstate(divide="ignore", invalid="ignore"):
-                        p = np.where(l == 0, 0.0, p / l)  # exp(s - lse); empty rows give 0
-                    o = rnd(np.matmul(p, vg))  # the forward's output (stored in q's dtype)
-                    dsum = (dog * o).sum(axis=-1, keepdims=True)
-                    dv[b, :, g] += np.matmul(rnd(p).transpose(0, 2, 1), dog).sum(axis=0)
-                    dp = np.matmul(dog, vg.T)
-                    ds = rnd(p * (dp - dsum) * dcap)
-                    dq[b, i0:i1, hs] = (scale * np.matmul(ds, kg)).transpose(1, 0, 2)
-                    dk[b, :, g] += scale * np.matmul(ds.transpose(0, 2, 1), qg).sum(axis=0)
-    return dq.astype(out_dtype), dk.astype(out_dtype), dv.astype(out_dtype)
+    a = _Args(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, precision)
+    dout = np.asarray(dout)
+    if dout.shape != a.q.shape:
+        raise ValueError(f"dout: expected shape {a.q.shape} (same as q), got {dout.shape}")
+    rnd, scale = a.rnd, a.scale
+    dq = np.zeros(a.q.shape, dtype=np.float64)
+    dk = np.zeros(a.k.shape, dtype=np.float64)
+    dv = np.zeros(a.v.shape, dtype=np.float64)
+    for b, g, hs, i0, i1, qg, kg, vg, s, dcap in a.blocks():
+        dog = dout[b, i0:i1, hs].astype(np.float64).transpose(1, 0, 2)
+        m, p, l = _softmax_parts(s)
+        o = rnd(_output(p, l, vg, rnd))  # the forward's output (stored in q's dtype)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            p = np.where(l == 0, 0.0, p / l)  # exp(s - lse); empty rows give 0
+        dsum = (dog * o).sum(axis=-1, keepdims=True)
+        dv[b, :, g] += np.matmul(rnd(p).transpose(0, 2, 1), dog).sum(axis=0)
+        dp = np.matmul(dog, vg.T)
+        ds = rnd(p * (dp - dsum) * dcap)
+        dq[b, i0:i1, hs] = (scale * np.matmul(ds, kg)).transpose(1, 0, 2)
+        dk[b, :, g] += scale * np.matmul(ds.transpose(0, 2, 1), qg).sum(axis=0)
+    return dq.astype(a.out_dtype), dk.astype(a.out_dtype), dv.astype(a.out_dtype)
 
 
-def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
+def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False,
+                              softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                              alibi_slopes=None, precision="float64"):
     """Reference gradients (dq, dk, dv) of :func:`attention_varlen` for packed sequences: q, dout
     (total_q, nheads, d), k, v (total_k, nheads_k, d); every sequence is differentiated on its
     own (causal and windows aligned per sequence). Rows of k and v outside every sequence get
-    zero gradient. ``alibi_slopes`` may be (nheads,) or (batch, nheads); other keyword
+    zero gradient. ``alibi_slopes`` may be (nheads,) or (batch, nheads); the other keyword
     arguments are those of :func:`attention_backward`.
     """
-    dout, q, k, v = np.asarray(dout), np.asarray(q), np.asarray(k), np.asarray(v)
-    cq, ck = np.asarray(cu_seqlens_q, dtype=np.int64), np.asarray(cu_seqlens_k, dtype=np.int64)
-    if cq.shape != ck.shape or cq.ndim != 1 or cq.size < 1:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must be (batch + 1,) vectors, got "
-                         f"{cq.shape} and {ck.shape}")
+    mods = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
+    q, k, v, out_dtype, seqs = _sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, precision, mods)
+    dout = np.asarray(dout)
     if dout.shape != q.shape:
         raise ValueError(f"dout: expected shape {q.shape} (same as q), got {dout.shape}")
-    slopes = kwargs.pop("alibi_slopes", None)
-    slopes = None if slopes is None else np.asarray(slopes, dtype=np.float64)
-    precision = kwargs.get("precision", "float64")
-    out_dtype = np.float64 if precision == "float64" else q.dtype
     grads = [np.zeros(x.shape, dtype=out_dtype) for x in (q, k, v)]
-    for b in range(cq.size - 1):
-        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
-        s = None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b])
-        g = attention_backward(dout[None, qs], q[None, qs], k[None, ks], v[None, ks], alibi_slopes=s, **kwargs)
+    for qs, ks, s in seqs:
+        g = attention_backward(dout[None, qs], q[None, qs], k[None, ks], v[None, ks], alibi_slopes=s,
+                               precision=precision, **mods)
         for out, x, sl in zip(grads, g, (qs, ks, ks)):
             out[sl] = x[0]
     return tuple(grads)

@@ -43,6 +43,45 @@ def assert_compiled_clean(c, v):
     return r
 
 
+@pytest.fixture(scope="session")
+def compile_variants():
+    """``compile_variants(variants)`` -> {variant: Compiled}: each variant compiled offline (NVRTC,
+    no GPU; in parallel through cuflash.compiler.compile_all, the first alone) once per test
+    session, however many modules ask for it."""
+    from cuflash import compiler
+    done = {}
+
+    def compile_variants(variants):
+        variants = list(dict.fromkeys(variants))
+        todo = [v for v in variants if v not in done]
+        if todo:
+            done.update(compiler.compile_all(todo))
+        return {v: done[v] for v in variants}
+    return compile_variants
+
+
+class _Compiled(dict):
+    """Variant -> Compiled; a variant not compiled yet is compiled on first use."""
+
+    def __init__(self, compile_variants, variants):
+        super().__init__(compile_variants(variants))
+        self._compile = compile_variants
+
+    def __missing__(self, v):
+        self[v] = self._compile([v])[v]
+        return self[v]
+
+
+@pytest.fixture(scope="module")
+def compiled(compile_variants, request):
+    """{variant: Compiled} for a module's tests parametrized by a variant ``v``: the variants of
+    its selected tests (all of them, or the few that ``-k`` picks) compiled together, in parallel,
+    before the first of those tests runs (through the session's compile_variants)."""
+    params = [getattr(getattr(item, "callspec", None), "params", {}) for item in request.session.items
+              if item.module is request.module]
+    return _Compiled(compile_variants, [p["v"] for p in params if "v" in p])
+
+
 @pytest.fixture
 def rng(request):
     # a fresh, test-specific stream of random numbers
@@ -70,3 +109,68 @@ def fake_views(monkeypatch):
     monkeypatch.setattr(arrays, "empty_like_framework", boom)
     monkeypatch.setattr(api.launch, "run", boom)
     monkeypatch.setattr(api.launch, "append_kv", boom)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks of the reference gradients (cuflash.reference.attention_backward)
+
+def finite_diff(loss, xs, eps=1e-6):
+    """Central differences of ``loss()`` (a float) with respect to every element of each array in
+    ``xs``, which are perturbed in place and restored."""
+    grads = []
+    for x in xs:
+        g = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            old = x[idx]
+            x[idx] = old + eps
+            up = loss()
+            x[idx] = old - eps
+            down = loss()
+            x[idx] = old
+            g[idx] = (up - down) / (2 * eps)
+        grads.append(g)
+    return grads
+
+
+def naive_backward(dout, q, k, v, scale, left=-1, right=-1, softcap=0.0, slopes=None):
+    """Gradients (dq, dk, dv) one query row at a time, with the softmax Jacobian and the softcap
+    derivative written out (independent of the blocked reference). Window (left, right) as
+    launched (-1 = unbounded; causal is right = 0); slopes: (batch, nheads) or None."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for bi in range(b):
+        for hi in range(h):
+            g = hi // (h // hk)
+            for i in range(sq):
+                c = i + sk - sq
+                keys = [j for j in range(sk) if (left < 0 or j >= c - left) and (right < 0 or j <= c + right)]
+                if not keys:
+                    continue
+                raw = np.array([scale * q[bi, i, hi] @ k[bi, j, g] for j in keys])
+                s, dcap = raw, np.ones(len(keys))
+                if softcap > 0:
+                    s = softcap * np.tanh(raw / softcap)
+                    dcap = 1 - np.tanh(raw / softcap) ** 2
+                if slopes is not None:
+                    s = s - slopes[bi, hi] * np.abs(c - np.array(keys))
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                jac = np.diag(p) - np.outer(p, p)  # d softmax / d s
+                dp = np.array([dout[bi, i, hi] @ v[bi, j, g] for j in keys])
+                ds = (jac @ dp) * dcap
+                for n, j in enumerate(keys):
+                    dv[bi, j, g] += p[n] * dout[bi, i, hi]
+                    dq[bi, i, hi] += scale * ds[n] * k[bi, j, g]
+                    dk[bi, j, g] += scale * ds[n] * q[bi, i, hi]
+    return dq, dk, dv
+
+
+def check_same_precision(low, ref, dt):
+    """The same-precision reference rounds to ``dt`` and stays close to the float64 one."""
+    from cuflash import reference
+    tol = 0.05 if dt == np.float16 else 0.2
+    for lo, r in zip(low, ref):
+        assert lo.dtype == np.dtype(dt) and r.dtype == np.float64
+        err = reference.max_abs_err(lo, r)
+        assert 0 < err < tol * max(1.0, np.abs(r).max()), err

@@ -14,7 +14,7 @@ from cuflash.codegen import render
 from cuflash.kernels import HEAD_DIM_BUCKETS, bwd as family
 from cuflash.kernels.bwd import BwdTileVariant
 from cuflash.plan import DeviceFacts, Problem, make_backward_plan
-from conftest import GPU_PROBLEM, fake_view
+from conftest import GPU_PROBLEM, check_same_precision, fake_view, finite_diff, naive_backward
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,19 +146,7 @@ def _loss(dout, q, k, v, **kw):
 
 
 def _finite_diff(dout, q, k, v, eps=1e-6, **kw):
-    grads = []
-    for x in (q, k, v):
-        g = np.zeros_like(x)
-        for idx in np.ndindex(x.shape):
-            old = x[idx]
-            x[idx] = old + eps
-            up = _loss(dout, q, k, v, **kw)
-            x[idx] = old - eps
-            down = _loss(dout, q, k, v, **kw)
-            x[idx] = old
-            g[idx] = (up - down) / (2 * eps)
-        grads.append(g)
-    return grads
+    return finite_diff(lambda: _loss(dout, q, k, v, **kw), (q, k, v), eps)
 
 
 @pytest.mark.parametrize("b,sq,sk,h,hk,d,causal", [
@@ -174,32 +162,6 @@ def test_reference_matches_finite_differences(rng, b, sq, sk, h, hk, d, causal):
         np.testing.assert_allclose(g, w, atol=1e-7, rtol=1e-6, err_msg=f"d{name}")
 
 
-def _naive_backward(dout, q, k, v, causal, scale):
-    """One query row at a time, with the softmax Jacobian written out (independent of the
-    blocked reference)."""
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
-    for bi in range(b):
-        for hi in range(h):
-            g = hi // (h // hk)
-            for i in range(sq):
-                keys = [j for j in range(sk) if not causal or j <= i + sk - sq]
-                if not keys:
-                    continue
-                s = np.array([scale * q[bi, i, hi] @ k[bi, j, g] for j in keys])
-                p = np.exp(s - s.max())
-                p /= p.sum()
-                jac = np.diag(p) - np.outer(p, p)  # d softmax / d s
-                dp = np.array([dout[bi, i, hi] @ v[bi, j, g] for j in keys])
-                ds = jac @ dp
-                for n, j in enumerate(keys):
-                    dv[bi, j, g] += p[n] * dout[bi, i, hi]
-                    dq[bi, i, hi] += scale * ds[n] * k[bi, j, g]
-                    dk[bi, j, g] += scale * ds[n] * q[bi, i, hi]
-    return dq, dk, dv
-
-
 @pytest.mark.parametrize("sq,sk,h,hk,causal", [(9, 13, 4, 2, True), (13, 9, 4, 1, True),
                                               (8, 8, 2, 2, False), (1, 17, 6, 3, True)])
 def test_reference_matches_naive_loop(rng, sq, sk, h, hk, causal):
@@ -207,7 +169,7 @@ def test_reference_matches_naive_loop(rng, sq, sk, h, hk, causal):
     q, k, v = (rng.standard_normal(s) for s in ((2, sq, h, d), (2, sk, hk, d), (2, sk, hk, d)))
     dout = rng.standard_normal((2, sq, h, d))
     got = reference.attention_backward(dout, q, k, v, causal=causal)
-    want = _naive_backward(dout, q, k, v, causal, d ** -0.5)
+    want = naive_backward(dout, q, k, v, d ** -0.5, right=0 if causal else -1)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, atol=1e-12, rtol=1e-10)
 
@@ -233,15 +195,6 @@ def test_reference_same_precision(rng, dt):
     low = reference.attention_backward(dout, q, k, v, causal=True, precision="same")
     ref = reference.attention_backward(dout, q, k, v, causal=True)
     check_same_precision(low, ref, dt)
-
-
-def check_same_precision(low, ref, dt):
-    """The same-precision reference rounds to ``dt`` and stays close to the float64 one."""
-    tol = 0.05 if dt == np.float16 else 0.2
-    for lo, r in zip(low, ref):
-        assert lo.dtype == np.dtype(dt) and r.dtype == np.float64
-        err = reference.max_abs_err(lo, r)
-        assert 0 < err < tol * max(1.0, np.abs(r).max()), err
 
 
 def test_reference_gqa_sums_over_group(rng):

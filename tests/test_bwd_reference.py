@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cuflash import reference
-from test_bwd_compile import _finite_diff, check_same_precision  # shared reference checks
+from conftest import check_same_precision, finite_diff, naive_backward  # shared reference checks
 
 
 def _inputs(rng, b, sq, sk, h, hk, d):
@@ -36,43 +36,10 @@ def test_reference_matches_finite_differences(rng, b, sq, sk, h, hk, d, causal, 
     slopes = None if alibi is None else rng.uniform(0.1, 1.0, (h,) if alibi == "h" else (b, h))
     kw = dict(causal=causal, softmax_scale=0.7, window_size=window, softcap=softcap, alibi_slopes=slopes)
     got = reference.attention_backward(dout, q, k, v, **kw)
-    want = _finite_diff(dout, q, k, v, **kw)
+    want = finite_diff(lambda: float((reference.attention(q, k, v, **kw) * dout).sum()), (q, k, v))
     for name, g, w in zip("qkv", got, want):
         assert g.dtype == np.float64
         np.testing.assert_allclose(g, w, atol=1e-7, rtol=1e-6, err_msg=f"d{name}")
-
-
-def _naive_backward(dout, q, k, v, scale, left, right, softcap, slopes):
-    """One query row at a time, with the softmax Jacobian and the softcap derivative written
-    out (independent of the blocked reference). slopes: (batch, nheads) or None."""
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
-    for bi in range(b):
-        for hi in range(h):
-            g = hi // (h // hk)
-            for i in range(sq):
-                c = i + sk - sq
-                keys = [j for j in range(sk) if (left < 0 or j >= c - left) and (right < 0 or j <= c + right)]
-                if not keys:
-                    continue
-                raw = np.array([scale * q[bi, i, hi] @ k[bi, j, g] for j in keys])
-                s, dcap = raw, np.ones(len(keys))
-                if softcap > 0:
-                    s = softcap * np.tanh(raw / softcap)
-                    dcap = 1 - np.tanh(raw / softcap) ** 2
-                if slopes is not None:
-                    s = s - slopes[bi, hi] * np.abs(c - np.array(keys))
-                p = np.exp(s - s.max())
-                p /= p.sum()
-                jac = np.diag(p) - np.outer(p, p)
-                dp = np.array([dout[bi, i, hi] @ v[bi, j, g] for j in keys])
-                ds = (jac @ dp) * dcap
-                for n, j in enumerate(keys):
-                    dv[bi, j, g] += p[n] * dout[bi, i, hi]
-                    dq[bi, i, hi] += scale * ds[n] * k[bi, j, g]
-                    dk[bi, j, g] += scale * ds[n] * q[bi, i, hi]
-    return dq, dk, dv
 
 
 @pytest.mark.parametrize("sq,sk,h,hk,window,causal,softcap,alibi", [
@@ -86,7 +53,7 @@ def test_reference_matches_naive_loop(rng, sq, sk, h, hk, window, causal, softca
     got = reference.attention_backward(dout, q, k, v, causal=causal, window_size=window, softcap=softcap,
                                        alibi_slopes=slopes)
     left, right = window[0], (0 if causal else window[1])
-    want = _naive_backward(dout, q, k, v, d ** -0.5, left, right, softcap, slopes)
+    want = naive_backward(dout, q, k, v, d ** -0.5, left, right, softcap, slopes)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, atol=1e-12, rtol=1e-10)
 
@@ -123,6 +90,36 @@ def test_reference_same_precision_with_mods(rng, dt):
     low = reference.attention_backward(dout, q, k, v, precision="same", **kw)
     ref = reference.attention_backward(dout, q, k, v, **kw)
     check_same_precision(low, ref, dt)
+
+
+@pytest.mark.parametrize("dt", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("sk", [2, 3, 40])
+def test_same_precision_d_uses_the_same_precision_forward_output(rng, dt, sk):
+    """D = rowsum(dO * O) is formed from the output that the same-precision forward returns (P
+    rounded before its P V product, as the kernels' forward stores it), not from round(P V):
+    with few keys per row dS = P (dP - D) cancels and D's rounding is the gradients' largest
+    (issue 18: a 2-key bf16 backward missed the rule against a reference without it)."""
+    dout, q, k, v = (rng.standard_normal(s).astype(dt) for s in ((2, 9, 2, 16), (2, 9, 2, 16), (2, sk, 1, 16),
+                                                                  (2, sk, 1, 16)))
+    kw = dict(window_size=(-1, 0), softmax_scale=0.3)
+    got = reference.attention_backward(dout, q, k, v, precision="same", **kw)
+    rnd = lambda x: np.asarray(x, np.float64).astype(dt).astype(np.float64)  # noqa: E731
+    o = reference.attention(q, k, v, precision="same", **kw).astype(np.float64)
+    _, lse = reference.attention(q, k, v, return_lse=True, **kw)
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    vis = np.arange(sk)[None] <= np.arange(9)[:, None] + sk - 9
+    for b in range(2):
+        for h in range(2):
+            qh, kh, vh, doh = (x[b, :, hh].astype(np.float64) for x, hh in ((q, h), (k, 0), (v, 0), (dout, h)))
+            with np.errstate(invalid="ignore"):
+                p = np.where(vis, np.exp(0.3 * qh @ kh.T - lse[b, h][:, None]), 0.0)
+            ds = rnd(p * (doh @ vh.T - (doh * o[b, :, h]).sum(-1, keepdims=True)))
+            dq[b, :, h] = 0.3 * ds @ kh
+            dk[b, :, 0] += 0.3 * ds.T @ qh
+            dv[b, :, 0] += rnd(p).T @ doh
+    for g, w in zip(got, (dq, dk, dv)):
+        np.testing.assert_allclose(g.astype(np.float64), rnd(w), rtol=1e-2, atol=1e-6)
+        assert np.mean(g.astype(np.float64) == rnd(w)) > 0.97  # bitwise but for a few roundings
 
 
 def test_softcap_changes_the_gradient(rng):
@@ -175,18 +172,9 @@ def test_varlen_reference_matches_finite_differences(rng):
     slopes = rng.uniform(0.1, 0.5, (4, 2))
     kw = dict(window_size=(2, 1), softcap=1.5, alibi_slopes=slopes, softmax_scale=0.8)
     got = reference.attention_varlen_backward(dout, q, k, v, cq, ck, **kw)
-    eps = 1e-6
-    loss = lambda: float((reference.attention_varlen(q, k, v, cq, ck, **kw) * dout).sum())
-    for x, g in zip((q, k, v), got):
-        want = np.zeros_like(x)
-        for idx in np.ndindex(x.shape):
-            old = x[idx]
-            x[idx] = old + eps
-            up = loss()
-            x[idx] = old - eps
-            want[idx] = (up - loss()) / (2 * eps)
-            x[idx] = old
-        np.testing.assert_allclose(g, want, atol=1e-7, rtol=1e-6)
+    want = finite_diff(lambda: float((reference.attention_varlen(q, k, v, cq, ck, **kw) * dout).sum()), (q, k, v))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-7, rtol=1e-6)
 
 
 def test_varlen_reference_same_precision_and_bad_arguments(rng):

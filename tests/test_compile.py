@@ -33,12 +33,6 @@ def test_sample_is_printed_and_covers_every_kind_and_feature_pair():
         assert pairs(sample) == pairs(full)
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    """The sample compiled once. The first compile runs alone (NVRTC loads its builtins then)."""
-    return compiler.compile_all(VARIANTS)
-
-
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
 def test_variant_compiles_without_spills(compiled, v):
     r = assert_compiled_clean(compiled[v], v)
@@ -47,6 +41,16 @@ def test_variant_compiles_without_spills(compiled, v):
         assert r.static_smem % 128 == 0, r
     if v.family == "bwd":
         assert r.static_smem == 0, r
+
+
+def test_compile_variants_compiles_each_variant_once(compile_variants, monkeypatch):
+    """conftest's session cache: a variant asked for again (or twice in one list) is not rebuilt."""
+    vs = [CombineVariant(head_dim=32, dtype="bf16", arch=80), CombineVariant(head_dim=64, dtype="bf16", arch=80)]
+    first = compile_variants(vs + vs[:1])
+    assert list(first) == vs and all(first[v].cubin[:4] == ELF for v in vs)
+    monkeypatch.setattr(compiler, "compile_all", lambda todo: pytest.fail(f"recompiled {todo}"))
+    again = compile_variants(vs[::-1])
+    assert list(again) == vs[::-1] and all(again[v] is first[v] for v in vs)
 
 
 WGMMA_SMEM = {64: 80 << 10, 128: 160 << 10, 192: 144 << 10, 256: 192 << 10}  # Q + 2 stages of K and V

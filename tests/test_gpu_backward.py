@@ -1,6 +1,7 @@
 """Backward pass on the GPU against the float64 reference, with flash-attn's rule for gradients:
 max|grad - ref64| <= 3 * max|ref_same - ref64| + 1e-4 (ref_same rounds P, dS and the gradients
-to the input dtype like a fused kernel), on fresh random inputs, gradients written into
+to the input dtype like a fused kernel, and forms D from the same-precision forward's output),
+on fresh random inputs, gradients written into
 NaN-poisoned buffers. Deterministic mode is checked for bitwise repeatability. Sliding windows,
 softcap and ALiBi are crossed with causal, GQA and both dQ paths; attention_varlen_backward runs
 on random packed lengths (empty and length-1 sequences included)."""

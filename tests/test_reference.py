@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from cuflash import reference
 from cuflash.reference import attention, check_close, max_abs_err
 
 
@@ -213,7 +214,7 @@ def test_bad_inputs():
         attention(q, k[:1], v[:1])
     with pytest.raises(ValueError, match="alibi_slopes"):
         attention(q, k, v, alibi_slopes=np.ones(3, np.float32))
-    with pytest.raises(ValueError, match="window_size"):
+    with pytest.raises(TypeError, match="window_size"):  # the library's rule: a pair of ints
         attention(q, k, v, window_size=(1,))
 
 
@@ -243,3 +244,108 @@ def test_large_shapes_chunked():
     q, k, v = _qkv(26, b=1, sq=300, sk=20000, h=1, d=4)  # 300*20000 > one block
     out = attention(q, k, v, causal=True)
     np.testing.assert_allclose(out[:, -2:], attention(q[:, -2:], k, v, causal=True), rtol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scalar arguments: the library's rules (cuflash.attention), in every public function
+
+def _call(fn, **kw):
+    """Call one public reference function on small float16 inputs with keyword arguments kw."""
+    q, k, v = _qkv(27, b=2, sq=3, sk=4, h=2, d=8, dtype=np.float16)
+    dout = q.copy()
+    flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
+    cq, ck = np.array([0, 3, 6]), np.array([0, 4, 8])
+    if fn == "attention":
+        return reference.attention(q, k, v, **kw)
+    if fn == "check_close":
+        return reference.check_close(q, q, k, v, **kw)
+    if fn == "attention_varlen":
+        return reference.attention_varlen(flat(q), flat(k), flat(v), cq, ck, **kw)
+    if fn == "attention_backward":
+        return reference.attention_backward(dout, q, k, v, **kw)
+    assert fn == "attention_varlen_backward"
+    return reference.attention_varlen_backward(flat(dout), flat(q), flat(k), flat(v), cq, ck, **kw)
+
+
+FUNCTIONS = ["attention", "check_close", "attention_varlen", "attention_backward", "attention_varlen_backward"]
+BAD_SCALARS = {  # keyword arguments -> exception, fragments of its message
+    "window_minus_2": (dict(window_size=(-2, 0)), ValueError, ["window_size", ">= 0", "-1", "(-2, 0)"]),
+    "window_right": (dict(window_size=(3, -5)), ValueError, ["window_size", ">= 0", "(3, -5)"]),
+    "window_float": (dict(window_size=(1.0, 0)), TypeError, ["window_size", "pair of ints", "(1.0, 0)"]),
+    "window_bool": (dict(window_size=(True, 0)), TypeError, ["window_size", "pair of ints"]),
+    "window_length": (dict(window_size=(1, 2, 3)), TypeError, ["window_size", "pair of ints", "(1, 2, 3)"]),
+    "window_int": (dict(window_size=4), TypeError, ["window_size", "pair of ints", "4"]),
+    "softcap_negative": (dict(softcap=-1.0), ValueError, ["softcap", ">= 0", "-1.0"]),
+    "softcap_nan": (dict(softcap=float("nan")), ValueError, ["softcap", "finite", "nan"]),
+    "softcap_inf": (dict(softcap=float("inf")), ValueError, ["softcap", "finite", "inf"]),
+    "softcap_str": (dict(softcap="30"), TypeError, ["softcap", "real number", "str"]),
+    "softcap_bool": (dict(softcap=True), TypeError, ["softcap", "real number", "bool"]),
+    "softcap_none": (dict(softcap=None), TypeError, ["softcap", "real number", "NoneType"]),
+    "scale_nan": (dict(softmax_scale=float("nan")), ValueError, ["softmax_scale", "positive finite", "nan"]),
+    "scale_negative": (dict(softmax_scale=-1), ValueError, ["softmax_scale", "positive finite", "-1"]),
+    "scale_zero": (dict(softmax_scale=0.0), ValueError, ["softmax_scale", "positive finite", "0.0"]),
+    "scale_inf": (dict(softmax_scale=float("inf")), ValueError, ["softmax_scale", "positive finite", "inf"]),
+    "scale_str": (dict(softmax_scale="0.1"), TypeError, ["softmax_scale", "real number", "str"]),
+    "scale_bool": (dict(softmax_scale=True), TypeError, ["softmax_scale", "real number", "bool"]),
+    "causal_int": (dict(causal=1), TypeError, ["causal must be a bool", "int"]),
+    "causal_str": (dict(causal="yes"), TypeError, ["causal must be a bool", "str"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SCALARS), ids=list(BAD_SCALARS))
+@pytest.mark.parametrize("fn", FUNCTIONS)
+def test_bad_scalar_arguments(fn, case):
+    kw, exc, fragments = BAD_SCALARS[case]
+    with pytest.raises(exc) as info:
+        _call(fn, **kw)
+    for f in fragments:
+        assert f in str(info.value), (f, str(info.value))
+
+
+def test_the_library_agrees_on_bad_scalars():
+    """The same cases are rejected by cuflash's own checks with the same exception."""
+    from cuflash import api
+    for kw, exc, _ in BAD_SCALARS.values():
+        (name, value), = kw.items()
+        check = {"window_size": api._check_window, "softcap": api._check_softcap, "causal": api._check_causal,
+                 "softmax_scale": lambda s: api._check_scale(s, 8)}[name]
+        with pytest.raises(exc):
+            check(value)
+
+
+@pytest.mark.parametrize("fn", FUNCTIONS)
+def test_good_scalar_arguments(fn):
+    """What the library accepts: lists, NumPy integers, floats and bools, -1 = unbounded."""
+    for kw in (dict(window_size=[2, -1]), dict(window_size=(np.int64(1), np.int32(0))),
+               dict(softcap=np.float32(5.0)), dict(softcap=0), dict(softmax_scale=np.float32(0.3)),
+               dict(softmax_scale=2), dict(causal=np.bool_(True)), dict(window_size=(-1, -1), softcap=0.0)):
+        _call(fn, **kw)
+
+
+def test_scalar_arguments_change_nothing_once_valid():
+    """A list window and NumPy scalars give the results of the plain Python values."""
+    q, k, v = _qkv(28, sq=6, sk=9)
+    a = attention(q, k, v, window_size=(3, 1), softcap=2.0, softmax_scale=0.5)
+    b = attention(q, k, v, window_size=[np.int64(3), 1], softcap=np.float32(2.0), softmax_scale=np.float64(0.5))
+    np.testing.assert_array_equal(a, b)
+
+
+def test_varlen_checks_arguments_without_sequences():
+    """An empty batch (cu_seqlens = [0]) attends nothing but still checks its arguments."""
+    z = np.zeros((0, 2, 8), np.float16)
+    calls = (lambda **kw: reference.attention_varlen(z, z, z, [0], [0], **kw),
+             lambda **kw: reference.attention_varlen_backward(z, z, z, z, [0], [0], **kw)[0])
+    for call in calls:
+        assert call().shape == (0, 2, 8)
+        for kw, exc, match in ((dict(window_size=(-2, 0)), ValueError, "window_size"),
+                               (dict(softcap=-1.0), ValueError, "softcap"),
+                               (dict(softmax_scale=float("nan")), ValueError, "softmax_scale"),
+                               (dict(causal=0), TypeError, "causal"),
+                               (dict(precision="half"), ValueError, "precision"),
+                               (dict(alibi_slopes=np.ones(3)), ValueError, "alibi_slopes")):
+            with pytest.raises(exc, match=match):
+                call(**kw)
+    with pytest.raises(ValueError, match="q: expected rank 3"):
+        reference.attention_varlen(z[None], z, z, [0], [0])
+    with pytest.raises(ValueError, match="v: expected shape"):
+        reference.attention_varlen_backward(z, z, z, z[:, :1], [0], [0])
