@@ -1,0 +1,107 @@
+// Where a block's sequence lives and which blocks of the other side its rows see: the sequence
+// bounds of dense, packed (varlen) and KV-cache batches, and the causal / sliding-window band.
+// Needs types.cuh (cdiv).
+
+// Rows of one sequence: they start `start` batch strides into the tensor (with packed sequences
+// the batch stride is a token stride) and number `len`.
+struct SeqRows {
+  int start, len;
+};
+
+// Rows of packed (varlen) sequence b: rows cu_seqlens[b] ... cu_seqlens[b + 1] - 1, each
+// rows_per_token rows when a KV head's query heads run as rows. A kernel whose grid is sized for
+// the longest sequence returns early when its block lies past `len`.
+__device__ __forceinline__ SeqRows packed_rows(const int* cu_seqlens, int b, int rows_per_token = 1) {
+  return {cu_seqlens[b], (cu_seqlens[b + 1] - cu_seqlens[b]) * rows_per_token};
+}
+
+// Query rows of sequence b: packed (cu_seqlens_q), or batch row b and seqlen_q rows.
+__device__ __forceinline__ SeqRows query_rows(const int* cu_seqlens_q, int b, int seqlen_q) {
+  return cu_seqlens_q != nullptr ? packed_rows(cu_seqlens_q, b) : SeqRows{b, seqlen_q};
+}
+
+// Key/value rows of sequence b: packed (cu_seqlens_k); otherwise, with kKVCache, cache batch row
+// kv_batch_idx[b] (or b) and seqlens_k[b] + seqlen_k keys (seqlen_k then counts the tokens just
+// appended; either array may be null); dense, batch row b and seqlen_k keys.
+template <bool kKVCache = false>
+__device__ __forceinline__ SeqRows key_rows(const int* cu_seqlens_k, int b, int seqlen_k,
+                                            const int* seqlens_k = nullptr, const int* kv_batch_idx = nullptr) {
+  SeqRows r = {b, seqlen_k};
+  if (cu_seqlens_k != nullptr) {
+    r = packed_rows(cu_seqlens_k, b);
+  } else if constexpr (kKVCache) {
+    if (seqlens_k != nullptr) r.len += seqlens_k[b];
+    if (kv_batch_idx != nullptr) r.start = kv_batch_idx[b];
+  }
+  return r;
+}
+
+// A band edge that bounds nothing (an enumerator, so that it is no device global in the module
+// as namespace-scope constexpr variables are under -default-device).
+enum : int { kUnbounded = 1 << 30 };
+
+// Key j is visible to query i iff i + diag_lo <= j <= i + diag. Bottom-right aligned: causal is
+// diag = seqlen_k - seqlen_q; a window adds -window_left / +window_right, -1 meaning unbounded.
+struct Band {
+  int diag, diag_lo;
+};
+template <bool kIsCausal, bool kIsLocal>
+__device__ __forceinline__ Band make_band(int seqlen_q, int seqlen_k, int window_left, int window_right) {
+  Band band;
+  band.diag = kIsLocal ? (window_right < 0 ? seqlen_k : seqlen_k - seqlen_q + window_right)
+                       : (kIsCausal ? seqlen_k - seqlen_q : kUnbounded);
+  band.diag_lo = kIsLocal && window_left >= 0 ? seqlen_k - seqlen_q - window_left : -kUnbounded;
+  return band;
+}
+
+// The block ranges below take kHasUpper (the band has an upper edge that depends on the row:
+// causal or a window) and kIsLocal (a window: a lower edge too).
+
+// K/V blocks (kBlockN keys each) that the kBlockM query rows from m0 see: [lo, hi), blocks
+// outside it are never loaded. Blocks >= full hold the sequence's tail or cross the band's upper
+// edge, blocks < left (kIsLocal) cross its lower edge: both need a mask, the ones between none.
+struct KvBlocks {
+  int lo, hi, full, left;
+};
+template <int kBlockM, int kBlockN, bool kHasUpper, bool kIsLocal>
+__device__ __forceinline__ KvBlocks kv_blocks(int m0, int seqlen_k, Band band) {
+  KvBlocks r;
+  r.hi = cdiv(seqlen_k, kBlockN);
+  if constexpr (kHasUpper) r.hi = min(r.hi, cdiv(max(0, m0 + kBlockM + band.diag), kBlockN));
+  r.lo = kIsLocal ? max(0, (m0 + band.diag_lo) / kBlockN) : 0;
+  r.full = seqlen_k / kBlockN;
+  if constexpr (kHasUpper) r.full = min(r.full, max(0, m0 + band.diag + 1) / kBlockN);
+  r.left = kIsLocal ? cdiv(m0 + kBlockM - 1 + band.diag_lo, kBlockN) : 0;
+  return r;
+}
+
+// Call step(n, Bool<masked>) for the K/V blocks of r from hi - 1 down to lo: first the masked
+// ones at the top (sequence tail, upper band edge), then the plain ones, then (kIsLocal) the
+// masked ones on the window's lower edge.
+template <bool kIsLocal, class Step>
+__device__ __forceinline__ void for_each_kv_block(const KvBlocks& r, Step&& step) {
+  int n = r.hi - 1;
+  for (; n >= max(r.lo, r.full); --n) step(n, Bool<true>{});
+  for (; n >= max(r.lo, r.left); --n) step(n, Bool<false>{});
+  if constexpr (kIsLocal)
+    for (; n >= r.lo; --n) step(n, Bool<true>{});
+}
+
+// Query blocks (kBlockM rows each) that see a key of the kBlockN keys from n0: [lo, hi). A step
+// over the rows from m0 needs a mask iff m0 < unmasked (it crosses the band's upper edge; every
+// step does when the key block holds the sequence's tail) or, with kIsLocal, m0 > lower (it
+// crosses the window's lower edge).
+struct QBlocks {
+  int lo, hi, unmasked, lower;
+};
+template <int kBlockM, int kBlockN, bool kHasUpper, bool kIsLocal>
+__device__ __forceinline__ QBlocks q_blocks(int n0, int seqlen_q, int seqlen_k, Band band) {
+  const int last_key = min(n0 + kBlockN, seqlen_k) - 1;
+  QBlocks r;
+  r.hi = cdiv(seqlen_q, kBlockM);
+  if constexpr (kIsLocal) r.hi = min(r.hi, cdiv(max(0, last_key + 1 - band.diag_lo), kBlockM));
+  r.lo = kHasUpper ? min(r.hi, max(0, n0 - band.diag) / kBlockM) : 0;
+  r.unmasked = n0 + kBlockN > seqlen_k ? kUnbounded : (kHasUpper ? max(0, n0 + kBlockN - 1 - band.diag) : 0);
+  r.lower = kIsLocal ? n0 - band.diag_lo - kBlockM + 1 : kUnbounded;
+  return r;
+}
