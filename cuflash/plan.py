@@ -383,3 +383,14 @@ def all_variants(arch: int, mods: bool = True) -> list[Variant]:
                                     out.append(Variant(kind, bucket, dtype, causal, even, bm, bn, w, arch, st, kv, **m))
             out.append(Variant("combine", bucket, dtype, arch=arch))
     return out
+
+
+def empty_plan(p: Problem, dev: DeviceFacts) -> Plan | None:
+    """The plan of a call with nothing to compute (batch, seqlen_q or nheads 0: attention returns
+    at once), which launches nothing and says why; None when there is work to plan."""
+    empty = [f"{name}=0" for name, n in (("batch", p.batch), ("seqlen_q", p.seqlen_q), ("nheads", p.nheads))
+             if n == 0]
+    if not empty:
+        return None
+    return Plan(p, dev, (), 0, 0, False, p.seqlen_q, p.nheads, p.nheads // p.nheads_k, p.causal,
+                p.window, 0, (), f"{', '.join(empty)}: nothing to compute, no kernel is launched.")
