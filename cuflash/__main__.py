@@ -74,7 +74,7 @@ def _arch_of(a) -> int:
         return validate.arch(a.arch)
     err = _gpu_error()
     if err:
-        raise SystemExit(f"no GPU here ({err}); pass --arch sm_90 (or sm_80) to compile offline")
+        raise SystemExit(f"cuflash: error: no GPU here ({err}); pass --arch sm_90 (or sm_80) to compile offline")
     import cupy
     return int(cupy.cuda.Device().compute_capability)
 

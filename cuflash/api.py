@@ -64,7 +64,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     sig = _signature(q, k, v, out, causal, softmax_scale, return_lse, num_splits, window_size, softcap,
                      alibi_slopes)
     if sig is not None:
-        repeat = _repeats.get(sig)
+        try:
+            repeat = _repeats.get(sig)
+        except Exception:  # an option that cannot be hashed or compared: the checks below name it
+            repeat = None
         if repeat is not None:
             res = repeat(q, k, v, out)
             if res is not None:
@@ -164,9 +167,6 @@ def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mod
 # data pointers, allocates the output and launches.
 
 _repeats: dict = {}  # signature (see _signature) -> _Repeat
-# Option types a signature may hold: hashable, with plain equality (a list or a 0-dim array as an
-# option takes the general path, whose checks name it).
-_PLAIN = frozenset({bool, int, float, type(None), np.bool_, np.int32, np.int64, np.float32, np.float64})
 
 
 def _signature(q, k, v, out, causal, softmax_scale, return_lse, num_splits, window_size, softcap,
@@ -177,10 +177,7 @@ def _signature(q, k, v, out, causal, softmax_scale, return_lse, num_splits, wind
     same kernels with the same arguments."""
     torch = sys.modules.get("torch")
     if (torch is None or q.__class__ is not torch.Tensor or alibi_slopes is not None
-            or window_size.__class__ is not tuple or len(window_size) != 2
-            or causal.__class__ not in _PLAIN or softmax_scale.__class__ not in _PLAIN
-            or return_lse.__class__ not in _PLAIN or num_splits.__class__ not in _PLAIN
-            or softcap.__class__ not in _PLAIN):
+            or window_size.__class__ is not tuple or len(window_size) != 2):
         return None
     w0, w1 = window_size
     if w0.__class__ is not int or w1.__class__ is not int:
