@@ -25,14 +25,15 @@ def _gpu_error() -> str | None:
 
 def cmd_explain(a):
     import cuflash
-    h, hk, d = PRESETS[a.preset] if a.preset else (a.nheads, a.nheads_k or a.nheads, a.head_dim)
-    sks = [a.seqlen_k] if a.seqlen_k else [a.prompt + n for n in a.new_tokens]
+    h, hk, d = PRESETS[a.preset] if a.preset else (
+        a.nheads, a.nheads if a.nheads_k is None else a.nheads_k, a.head_dim)
+    sks = [a.seqlen_k] if a.seqlen_k is not None else [a.prompt + n for n in a.new_tokens]
     for sk in sks:
         q, kv = (a.batch, a.seqlen_q, h, d), (a.batch, sk, hk, d)
         p = cuflash.plan(q, kv, kv, causal=not a.no_causal, num_sms=a.num_sms, arch=a.arch,
                          num_splits=a.num_splits, dtype=a.dtype, heuristic=a.heuristic)
         label = f"{a.preset}: " if a.preset else ""
-        if not a.seqlen_k:
+        if a.seqlen_k is None:
             label += f"{a.prompt}-token prompt + {sk - a.prompt} new tokens (seqlen_k={sk})"
         print(f"== {label or f'seqlen_k={sk}'}")
         print(p)
@@ -68,12 +69,12 @@ def cmd_info(a):
 
 
 def _arch_of(a) -> int:
-    from cuflash.api import _parse_arch
+    from cuflash import validate
     if a.arch:
-        return _parse_arch(a.arch)
+        return validate.arch(a.arch)
     err = _gpu_error()
     if err:
-        raise SystemExit(f"no GPU here ({err}); pass --arch sm_90 (or sm_80) to compile offline")
+        raise SystemExit(f"cuflash: error: no GPU here ({err}); pass --arch sm_90 (or sm_80) to compile offline")
     import cupy
     return int(cupy.cuda.Device().compute_capability)
 
@@ -100,9 +101,12 @@ def cmd_warmup(a):
         bar = "#" * (30 * i // n)
         print(f"\r[{bar:<30}] {i}/{n} {v.name:<60}", end="", flush=True)
 
-    compiler.warmup(variants, progress=progress)
-    print(f"\ncompiled {len(variants)} kernels for sm_{arch} in {time.perf_counter() - t0:.1f} s "
-          f"into {compiler.cache_dir()}")
+    try:
+        compiled, cached = compiler.warmup(variants, progress=progress)
+    finally:
+        print()  # ends the progress line
+    print(f"compiled {len(compiled)} kernels" + (f" ({len(cached)} already cached)" if cached else "")
+          + f" for sm_{arch} in {time.perf_counter() - t0:.1f} s into {compiler.cache_dir()}")
 
 
 def cmd_cache(a):
@@ -160,6 +164,10 @@ def cmd_demo(a):
 
 def cmd_bench(a):
     from cuflash import bench
+    try:
+        bench._torch()
+    except RuntimeError as e:  # no PyTorch, or no CUDA device for it
+        raise SystemExit(f"cuflash: error: {e}") from None
     if a.kind == "prefill":
         rows = bench.bench_prefill(quick=a.quick)
     elif a.kind == "window":
@@ -179,36 +187,58 @@ def cmd_bench(a):
         bench.plot(rows, "prefill" if a.kind == "backward" else a.kind, a.plot)
 
 
+def _int_in(lo, hi=None):
+    """An argparse type: an int >= lo (and <= hi)."""
+    def parse(text):
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+        if n < lo or (hi is not None and n > hi):
+            bounds = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+            raise argparse.ArgumentTypeError(f"expected an int {bounds}, got {n}")
+        return n
+    return parse
+
+
+SIZE, HEAD_DIM = _int_in(0), _int_in(1, 256)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line on stderr, without the usage block
+        self.exit(2, f"cuflash: error: {message} (see: {self.prog} --help)\n")
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__)
+    ap = _Parser(prog="python -m cuflash", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     sub.add_parser("demo", help="run attention on random data and check it (or plan+compile with no GPU)")
 
     e = sub.add_parser("explain", help="print the dispatch plan for a shape or model preset")
     e.add_argument("--preset", choices=sorted(PRESETS))
-    e.add_argument("--batch", type=int, default=1)
-    e.add_argument("--seqlen-q", type=int, default=1)
-    e.add_argument("--seqlen-k", type=int)
-    e.add_argument("--prompt", type=int, default=40, help="prompt length (with --new-tokens)")
-    e.add_argument("--new-tokens", type=int, nargs="+", default=[64, 512])
-    e.add_argument("--nheads", type=int, default=32)
-    e.add_argument("--nheads-k", type=int)
-    e.add_argument("--head-dim", type=int, default=128)
+    e.add_argument("--batch", type=SIZE, default=1)
+    e.add_argument("--seqlen-q", type=SIZE, default=1)
+    e.add_argument("--seqlen-k", type=SIZE)
+    e.add_argument("--prompt", type=SIZE, default=40, help="prompt length (with --new-tokens)")
+    e.add_argument("--new-tokens", type=SIZE, nargs="+", default=[64, 512])
+    e.add_argument("--nheads", type=SIZE, default=32)
+    e.add_argument("--nheads-k", type=SIZE)
+    e.add_argument("--head-dim", type=HEAD_DIM, default=128)
     e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     e.add_argument("--no-causal", action="store_true")
-    e.add_argument("--num-splits", type=int, default=0)
+    e.add_argument("--num-splits", type=_int_in(0, 128), default=0)
     e.add_argument("--heuristic", default="cuflash", choices=["cuflash", "fa2"],
                    help="split rule: cuflash's own (default) or FlashAttention-2's")
-    e.add_argument("--num-sms", type=int, default=132, help="SM count (132: H100/H200 SXM)")
+    e.add_argument("--num-sms", type=_int_in(1), default=132, help="SM count (132: H100/H200 SXM)")
     e.add_argument("--arch", default="sm_90")
 
     sub.add_parser("info", help="GPU, versions and cache")
 
     w = sub.add_parser("warmup", help="precompile kernels into the disk cache")
-    w.add_argument("--arch", help="e.g. sm_90; needed when there is no GPU")
+    w.add_argument("--arch", help="e.g. sm_90 or sm_80; needed when there is no GPU")
     w.add_argument("--preset", choices=sorted(PRESETS))
-    w.add_argument("--head-dim", type=int, nargs="+")
+    w.add_argument("--head-dim", type=HEAD_DIM, nargs="+")
     w.add_argument("--dtype", choices=["bfloat16", "float16"])
     w.add_argument("--family", action="append", choices=["fwd", "combine", "append", "bwd"],
                    help="only these kernel families (repeatable; default: all)")
@@ -224,8 +254,15 @@ def main(argv=None):
     b.add_argument("--plot")
 
     a = ap.parse_args(argv)
-    {"demo": cmd_demo, "explain": cmd_explain, "info": cmd_info, "warmup": cmd_warmup,
-     "cache": cmd_cache, "bench": cmd_bench}[a.cmd](a)
+    command = {"demo": cmd_demo, "explain": cmd_explain, "info": cmd_info, "warmup": cmd_warmup,
+               "cache": cmd_cache, "bench": cmd_bench}[a.cmd]
+    try:
+        command(a)
+    except (ValueError, TypeError) as e:  # the library's argument checks: one line, no traceback
+        raise SystemExit(f"cuflash: error: {' '.join(str(e).split())}") from None
+    except KeyboardInterrupt:
+        print("cuflash: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ ValueError/TypeError naming the argument and leaves ``out`` untouched.
 from __future__ import annotations
 
 import functools
-import math
 import numbers
 import sys
 from typing import NamedTuple
@@ -14,159 +13,11 @@ from typing import NamedTuple
 import numpy as np
 
 from . import arrays, launch
-from .plan import MAX_SPLITS, DeviceFacts, Problem, make_plan
+from . import validate
+from .plan import DeviceFacts, Problem, empty_plan, make_plan
 
-SUPPORTED_DTYPES = ("float16", "bfloat16")
-
-
-def _shape_str(v):
-    return tuple(int(s) for s in v.shape)
-
-
-def _check_operands(q, k, v, same_batch=True, names=("q", "k", "v")):
-    """Rank, dtype, shape and layout rules shared by every entry point (views in). A KV cache's
-    batch dim may differ from q's (cache_batch_idx, pages): ``same_batch=False``."""
-    nq, nk, nv = names
-    for name, x in ((nq, q), (nk, k), (nv, v)):
-        if len(x.shape) != 4:
-            raise ValueError(f"{name} must have 4 dims (batch, seqlen, nheads, headdim); "
-                             f"got shape {_shape_str(x)}")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}; cast it first "
-                        "(e.g. q.to(torch.bfloat16) or q.astype(cupy.float16))")
-    for name, x in ((nk, k), (nv, v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}; cast it first")
-    b, _, h, d = q.shape
-    if same_batch and k.shape[0] != b:
-        raise ValueError(f"{nk} must have q's batch size {b}, got shape {_shape_str(k)}")
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"{nv} must have {nk}'s shape {_shape_str(k)}, got {_shape_str(v)}")
-    if k.shape[3] != d:
-        raise ValueError(f"{nk} must have q's head dim {d}, got {k.shape[3]} (q {_shape_str(q)}, "
-                         f"{nk} {_shape_str(k)})")
-    if not 1 <= d <= 256:
-        raise ValueError(f"head dim (last dim of q and k) must be between 1 and 256, got {d}")
-    hk = k.shape[2]
-    if hk == 0 or h % hk:
-        raise ValueError(f"nheads ({h}) must be divisible by nheads_k ({hk})")
-    for name, x in ((nq, q), (nk, k), (nv, v)):
-        if x.shape[3] > 1 and x.strides[3] != 1 and 0 not in x.shape:
-            raise ValueError(f"{name} must be contiguous in its last dim (stride 1), "
-                             f"got strides {tuple(x.strides)}")
-    _check_same_place((nq, q), (nk, k), (nv, v))
-
-
-def _check_same_place(*named):
-    (n0, x0), *rest = named
-    if x0.device == -2:  # shapes only (cuflash.plan)
-        return
-    for name, x in rest:
-        if (x.device < 0) != (x0.device < 0):
-            where = lambda y: "host memory" if y.device < 0 else f"GPU {y.device}"
-            raise ValueError(f"{name} is in {where(x)} but {n0} is in {where(x0)}; "
-                             "host arrays cannot be mixed with device arrays")
-        if x.device != x0.device:
-            raise ValueError(f"{name} is on GPU {x.device} but {n0} is on GPU {x0.device}; "
-                             "all arrays must be on one device")
-    if x0.framework == "torch" and x0.device < 0:
-        raise ValueError(f"{n0} is a CPU tensor; move it to the GPU (e.g. {n0}.cuda())")
-
-
-def _check_out(out, q, original=None):
-    """``original`` is the object the caller passed (host ``out`` must be a writable ndarray)."""
-    if out.framework == "dlpack":
-        raise TypeError("out must be a PyTorch, CuPy or NumPy array (arrays written in place); "
-                        f"got {type(out.array[0]).__name__}")
-    if out.framework != q.framework:
-        raise TypeError(f"out must be a {q.framework} array like q, got a {out.framework} array")
-    if original is not None and out.framework == "numpy" and not (
-            isinstance(original, np.ndarray) and original.flags.writeable):
-        raise TypeError(f"out in host memory must be a writable NumPy array, got {type(original).__name__}")
-    if tuple(out.shape) != tuple(q.shape):
-        raise ValueError(f"out must have q's shape {_shape_str(q)}, got {_shape_str(out)}")
-    if out.dtype != q.dtype:
-        raise TypeError(f"out must have q's dtype {q.dtype}, got {out.dtype}")
-    _check_same_place(("q", q), ("out", out))
-    if out.shape[-1] > 1 and out.strides[-1] != 1 and 0 not in out.shape:
-        raise ValueError(f"out must be contiguous in its last dim, got strides {tuple(out.strides)}")
-
-
-def _check_scale(softmax_scale, d):
-    if softmax_scale is None:
-        return d ** -0.5
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a real number, got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
-    return float(softmax_scale)
-
-
-def _check_causal(causal):
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-
-
-def _check_num_splits(num_splits):
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
-        raise TypeError(f"num_splits must be an int, got {type(num_splits).__name__}")
-    if not 0 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be between 0 (heuristic) and {MAX_SPLITS}, got {num_splits}")
-    return int(num_splits)
-
-
-def _check_window(window_size):
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in window_size)):
-        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
-    left, right = (int(w) for w in window_size)
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded; got {window_size!r}")
-    return (left, right)
-
-
-def _check_softcap(softcap):
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
-    if not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {softcap}")
-    return float(softcap)
-
-
-def _check_alibi(alibi_slopes, batch, nheads, like):
-    """(view, batch stride) of float32 slopes shaped (nheads,) or (batch, nheads), or (None, 0)."""
-    if alibi_slopes is None:
-        return None, 0
-    a = alibi_slopes if isinstance(alibi_slopes, _Shape) else arrays.view(alibi_slopes, "alibi_slopes")
-    if a.dtype != "float32":
-        raise TypeError(f"alibi_slopes must be float32, got {a.dtype}")
-    if tuple(a.shape) not in ((nheads,), (batch, nheads)):
-        raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), got {_shape_str(a)}")
-    if nheads > 1 and a.strides[-1] != 1:
-        raise ValueError(f"alibi_slopes must be contiguous in its last dim, got strides {tuple(a.strides)}")
-    _check_same_place(("q", like), ("alibi_slopes", a))
-    return a, (a.strides[0] if len(a.shape) == 2 else 0)
-
-
-_NO_MODS = ((-1, -1), 0.0, None, 0)
-
-
-def _check_mods(window_size, softcap, alibi_slopes, batch, nheads, like):
-    """Window, softcap and ALiBi arguments -> (window, softcap, alibi view, alibi batch stride)."""
-    if (alibi_slopes is None and type(window_size) is tuple and window_size == (-1, -1)
-            and type(softcap) is float and softcap == 0.0):
-        return _NO_MODS  # the defaults (the common case, kept cheap)
-    window = _check_window(window_size)
-    cap = _check_softcap(softcap)
-    a, a_sb = _check_alibi(alibi_slopes, batch, nheads, like)
-    return window, cap, a, a_sb
-
-
-def _aligned(x) -> bool:
-    """16-byte loads need an aligned base and batch/seq/head strides in multiples of 8 elements."""
-    st, sh = x.strides, x.shape
-    return (x.ptr % 16 == 0 and (st[0] % 8 == 0 or sh[0] <= 1) and (st[1] % 8 == 0 or sh[1] <= 1)
-            and (st[2] % 8 == 0 or sh[2] <= 1))
+# validate.aligned and validate.batched are used by the launch paths here and in backward.py
+_aligned, _batched = validate.aligned, validate.batched
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,21 +64,25 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     sig = _signature(q, k, v, out, causal, softmax_scale, return_lse, num_splits, window_size, softcap,
                      alibi_slopes)
     if sig is not None:
-        repeat = _repeats.get(sig)
+        try:
+            repeat = _repeats.get(sig)
+        except Exception:  # an option that cannot be hashed or compared: the checks below name it
+            repeat = None
         if repeat is not None:
             res = repeat(q, k, v, out)
             if res is not None:
                 return res
-    qv, kv, vv = arrays.view(q, "q"), arrays.view(k, "k"), arrays.view(v, "v")
-    _check_operands(qv, kv, vv)
+    qv, kv, vv = validate.view(q, "q"), validate.view(k, "k"), validate.view(v, "v")
+    validate.operands(qv, kv, vv)
     ov = None
     if out is not None:
-        ov = arrays.view(out, "out")
-        _check_out(ov, qv, out)
-    scale = _check_scale(softmax_scale, qv.shape[3])
-    num_splits = _check_num_splits(num_splits)
-    _check_causal(causal)
-    mods = _check_mods(window_size, softcap, alibi_slopes, qv.shape[0], qv.shape[2], qv)
+        ov = validate.view(out, "out")
+        validate.out(ov, qv, out)
+    scale = validate.scale(softmax_scale, qv.shape[3])
+    num_splits = validate.num_splits(num_splits)
+    causal = validate.boolean(causal, "causal")
+    return_lse = validate.boolean(return_lse, "return_lse")
+    mods = validate.mods(window_size, softcap, alibi_slopes, qv.shape[0], qv.shape[2], qv, scale)
 
     if qv.device < 0:  # NumPy in, NumPy out: compute on the current GPU
         dev = _current_device()
@@ -238,7 +93,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
                         alibi_slopes=None if mods[2] is None else dev_array(mods[2]))
         return _host_result(res, qv, out, return_lse)
 
-    return _attention_device(qv, kv, vv, ov, bool(causal), scale, return_lse, num_splits, mods, sig)
+    return _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mods, sig)
 
 
 def _host_result(res, qv, out, return_lse):
@@ -411,30 +266,6 @@ def _launch(problem, like, q, k, v, o, lse_arr, scale, kv="dense", varlen_kv=Fal
 # ---------------------------------------------------------------------------------------------
 # KV cache
 
-def _check_block_table(block_table, batch, like):
-    """The view of an int32 (batch, pages_per_seq) block table with contiguous rows, on q's device."""
-    bt = arrays.view(block_table, "block_table")
-    if bt.dtype != "int32" or len(bt.shape) != 2 or bt.shape[0] != batch:
-        raise ValueError(f"block_table must be int32 of shape ({batch}, pages_per_seq), "
-                         f"got {bt.dtype} {_shape_str(bt)}")
-    if bt.shape[1] > 1 and bt.strides[1] != 1:
-        raise ValueError(f"block_table rows must be contiguous, got strides {tuple(bt.strides)}")
-    _check_same_place(("q", like), ("block_table", bt))
-    return bt
-
-
-def _int32_vector(x, name, length, like):
-    v = arrays.view(x, name)
-    if v.dtype != "int32":
-        raise TypeError(f"{name} must be int32, got {v.dtype}")
-    if tuple(v.shape) != (length,):
-        raise ValueError(f"{name} must have shape ({length},), got {_shape_str(v)}")
-    if len(v.strides) and length > 1 and v.strides[0] != 1:
-        raise ValueError(f"{name} must be contiguous, got strides {tuple(v.strides)}")
-    _check_same_place(("q", like), (name, v))
-    return v
-
-
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
                            cache_batch_idx=None, block_table=None, causal=False, softmax_scale=None,
                            num_splits=0, return_lse=False, out=None, window_size=(-1, -1),
@@ -453,9 +284,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     ``window_size``, ``softcap`` and ``alibi_slopes`` are those of :func:`attention`, aligned
     per sequence.
     """
-    qv = arrays.view(q, "q")
-    kc, vc = arrays.view(k_cache, "k_cache"), arrays.view(v_cache, "v_cache")
-    _check_operands(qv, kc, vc, same_batch=False, names=("q", "k_cache", "v_cache"))
+    qv = validate.view(q, "q")
+    kc, vc = validate.view(k_cache, "k_cache"), validate.view(v_cache, "v_cache")
+    validate.operands(qv, kc, vc, same_batch=False, names=("q", "k_cache", "v_cache"))
     if qv.device < 0:
         raise TypeError("attention_with_kvcache needs device arrays: the caches are updated in place")
     b, sq, h, d = qv.shape
@@ -466,59 +297,63 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         if not _aligned(x):
             raise ValueError(f"{name} must be 16-byte aligned with strides in multiples of 8 elements, "
                              f"got strides {tuple(x.strides)}")
-    scale = _check_scale(softmax_scale, d)
-    _check_causal(causal)
-    num_splits = _check_num_splits(num_splits)
-    window, softcap, alibi, alibi_sb = _check_mods(window_size, softcap, alibi_slopes, b, h, qv)
+    scale = validate.scale(softmax_scale, d)
+    causal = validate.boolean(causal, "causal")
+    return_lse = validate.boolean(return_lse, "return_lse")
+    num_splits = validate.num_splits(num_splits)
+    window, softcap, alibi, alibi_sb = validate.mods(window_size, softcap, alibi_slopes, b, h, qv, scale)
 
     paged = block_table is not None
     if paged:
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx cannot be combined with block_table (a paged cache)")
-        bt = _check_block_table(block_table, b, qv)
+        bt = validate.block_table(block_table, b, qv)
         if cap == 0 or cap % 16:
             raise ValueError(f"page size (k_cache.shape[1]) must be a positive multiple of 16, got {cap}")
         page_size, capacity, table = cap, bt.shape[1] * cap, (bt.ptr, bt.strides[0])
+        validate.sizes(("pages_per_seq * page_size (the cache's capacity)", capacity))
     else:
         page_size, capacity, table = 0, cap, (0, 0)
         if cache_batch_idx is None and kc.shape[0] != b:
             raise ValueError(f"k_cache must have q's batch size {b} (or pass cache_batch_idx), "
-                             f"got shape {_shape_str(kc)}")
-    batch_idx = _int32_vector(cache_batch_idx, "cache_batch_idx", b, qv).ptr if cache_batch_idx is not None else 0
+                             f"got shape {validate.shape_str(kc)}")
+    batch_idx = (validate.int32_vector(cache_batch_idx, "cache_batch_idx", b, qv).ptr
+                 if cache_batch_idx is not None else 0)
 
     s_new = 0
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
     if k is not None:
-        kn, vn = arrays.view(k, "k"), arrays.view(v, "v")
+        kn, vn = validate.view(k, "k"), validate.view(v, "v")
         s_new = kn.shape[1] if len(kn.shape) == 4 else -1
         want = (b, s_new, hk, d)
         for name, x in (("k", kn), ("v", vn)):
             if tuple(x.shape) != want or x.dtype != qv.dtype:
                 raise ValueError(f"{name} must be {qv.dtype} of shape (batch, seqlen_new, nheads_k, d) = "
-                                 f"{want}, got {x.dtype} {_shape_str(x)}")
+                                 f"{want}, got {x.dtype} {validate.shape_str(x)}")
             if not _aligned(x) or (d > 1 and x.strides[3] != 1):
                 raise ValueError(f"{name} must be contiguous in its last dim and 16-byte aligned, "
                                  f"got strides {tuple(x.strides)}")
-            _check_same_place(("q", qv), (name, x))
+            validate.same_place(("q", qv), (name, x))
+        validate.sizes(("k.shape[1] (seqlen_new)", s_new))
         if cache_seqlens is None:
             raise ValueError("cache_seqlens is required when appending k and v")
 
     if cache_seqlens is None:
         seqlens_ptr, seqlen_k_arg = 0, capacity
-    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, (bool, np.bool_)):
         if not 0 <= cache_seqlens <= capacity - s_new:
             raise ValueError(f"cache_seqlens + seqlen_new must fit the cache: {cache_seqlens} + {s_new} "
                              f"> capacity {capacity}" if cache_seqlens >= 0 else
                              f"cache_seqlens must be >= 0, got {cache_seqlens}")
         seqlens_ptr, seqlen_k_arg = 0, int(cache_seqlens) + s_new
     else:
-        seqlens_ptr, seqlen_k_arg = _int32_vector(cache_seqlens, "cache_seqlens", b, qv).ptr, s_new
+        seqlens_ptr, seqlen_k_arg = validate.int32_vector(cache_seqlens, "cache_seqlens", b, qv).ptr, s_new
 
     ov = None
     if out is not None:
-        ov = arrays.view(out, "out")
-        _check_out(ov, qv, out)
+        ov = validate.view(out, "out")
+        validate.out(ov, qv, out)
         if not _aligned(ov):
             raise ValueError("out must be 16-byte aligned with strides in multiples of 8 elements")
     o_view, lse_arr = _outputs(qv, ov, return_lse)
@@ -529,7 +364,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                                  batch_idx, table, page_size, arrays.stream_for(qv), qv.device,
                                  device_facts(qv.device).arch)
         if sq:
-            problem = (b, sq, capacity, h, hk, d, arrays.DTYPE_NAMES[qv.dtype], bool(causal),
+            problem = (b, sq, capacity, h, hk, d, arrays.DTYPE_NAMES[qv.dtype], causal,
                        return_lse, num_splits, window, softcap > 0, alibi is not None)
             _launch(problem, qv, qv, kc, vc, o_view, lse_arr, scale, kv="paged" if paged else "cache",
                     cache=(seqlens_ptr, batch_idx, *table), seqlen_k=seqlen_k_arg, page_size=page_size,
@@ -539,37 +374,6 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
 
 # ---------------------------------------------------------------------------------------------
 # Variable-length (packed) batches
-
-def _batched(x, batch, max_len):
-    """A packed (total, nheads, d) view seen as (batch, max_len, nheads, d) with the token stride
-    as batch stride: the kernels offset sequence b by cu_seqlens[b] tokens."""
-    st = x.strides
-    return arrays.View(x.ptr, (batch, max_len, x.shape[1], x.shape[2]), (st[0], st[0], st[1], st[2]),
-                       x.dtype, x.device, x.framework, x.array)
-
-
-def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k):
-    """Views of two int32 (batch + 1,) contiguous cumulative-length vectors, and the batch."""
-    cq, ck = arrays.view(cu_seqlens_q, "cu_seqlens_q"), arrays.view(cu_seqlens_k, "cu_seqlens_k")
-    for name, c in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
-        if c.dtype != "int32":
-            raise TypeError(f"{name} must be int32, got {c.dtype}")
-        if len(c.shape) != 1 or c.shape[0] < 1:
-            raise ValueError(f"{name} must have shape (batch + 1,), got {_shape_str(c)}")
-        if c.shape[0] > 1 and c.strides[0] != 1:
-            raise ValueError(f"{name} must be contiguous, got strides {tuple(c.strides)}")
-    if ck.shape != cq.shape:
-        raise ValueError(f"cu_seqlens_k must have cu_seqlens_q's shape {_shape_str(cq)}, got {_shape_str(ck)}")
-    return cq, ck, cq.shape[0] - 1
-
-
-def _check_max_seqlen(value, name, limit, what):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if not 0 <= value <= limit:
-        raise ValueError(f"{name} must be between 0 and {what} ({limit}), got {value}")
-    return int(value)
-
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
@@ -588,59 +392,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     nheads, d), or (out, lse) with lse float32 (nheads, total_q). Other arguments as in
     :func:`attention`; ALiBi slopes may be (nheads,) or (batch, nheads).
     """
-    qv, kv, vv = arrays.view(q, "q"), arrays.view(k, "k"), arrays.view(v, "v")
-    paged = block_table is not None
-    if len(qv.shape) != 3:
-        raise ValueError(f"q must have 3 dims (total_q, nheads, headdim), got shape {_shape_str(qv)}")
-    k_dims = "4 dims (num_pages, page_size, nheads_k, headdim) with block_table" if paged else \
-        "3 dims (total_k, nheads_k, headdim)"
-    for name, x in (("k", kv), ("v", vv)):
-        if len(x.shape) != (4 if paged else 3):
-            raise ValueError(f"{name} must have {k_dims}, got shape {_shape_str(x)}")
-    cq, ck, batch = _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
+    qv, kv, vv, cq, ck, bt, batch, max_sq, max_sk = validate.varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+    paged = bt is not None
     total_q, h, d = qv.shape
-    if paged:
-        bt = _check_block_table(block_table, batch, qv)
-        if kv.shape[1] == 0 or kv.shape[1] % 16:
-            raise ValueError(f"page size (k.shape[1]) must be a positive multiple of 16, got {kv.shape[1]}")
-        if d % 8:
-            raise ValueError(f"head dim must be a multiple of 8 with a paged cache, got {d}")
-        k_limit, k_what = bt.shape[1] * kv.shape[1], "pages_per_seq * page_size"
-    else:
-        k_limit, k_what = kv.shape[0], "total_k"
-    max_sq = _check_max_seqlen(max_seqlen_q, "max_seqlen_q", total_q, "total_q")
-    max_sk = _check_max_seqlen(max_seqlen_k, "max_seqlen_k", k_limit, k_what)
-    # Head dims and last-dim strides on the arrays as given, then the dense API's rules on the
-    # batched views (dtypes, heads, placement).
-    if kv.shape[-1] != d:
-        raise ValueError(f"k must have q's head dim {d}, got {kv.shape[-1]} (q {_shape_str(qv)}, k {_shape_str(kv)})")
-    for name, x in (("q", qv), ("k", kv), ("v", vv)):
-        if x.shape[-1] > 1 and x.strides[-1] != 1 and 0 not in x.shape:
-            raise ValueError(f"{name} must be contiguous in its last dim (stride 1), "
-                             f"got strides {tuple(x.strides)}")
-    if paged:
-        for name, x in (("q", qv), ("k", kv), ("v", vv)):
-            if not _aligned(x if len(x.shape) == 4 else _batched(x, batch, 1)):
-                raise ValueError(f"{name} must be 16-byte aligned with strides in multiples of 8 elements "
-                                 f"with a paged cache, got strides {tuple(x.strides)}")
-    q4 = _batched(qv, batch, max_sq)
-    k4, v4 = (x if paged else _batched(x, batch, max_sk) for x in (kv, vv))
-    if paged:
-        _check_operands(q4, k4, v4, same_batch=False)
-    else:
-        if kv.shape != vv.shape:
-            raise ValueError(f"v must have k's shape {_shape_str(kv)}, got {_shape_str(vv)}")
-        _check_operands(q4, k4, v4)
-    for name, c in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)) + ((("block_table", bt),) if paged else ()):
-        _check_same_place(("q", qv), (name, c))
     ov = None
     if out is not None:
-        ov = arrays.view(out, "out")
-        _check_out(ov, qv, out)
-    scale = _check_scale(softmax_scale, d)
-    _check_causal(causal)
-    num_splits = _check_num_splits(num_splits)
-    window, cap, alibi, alibi_sb = _check_mods(window_size, softcap, alibi_slopes, batch, h, qv)
+        ov = validate.view(out, "out")
+        validate.out(ov, qv, out)
+    scale = validate.scale(softmax_scale, d)
+    causal = validate.boolean(causal, "causal")
+    return_lse = validate.boolean(return_lse, "return_lse")
+    num_splits = validate.num_splits(num_splits)
+    window, cap, alibi, alibi_sb = validate.mods(window_size, softcap, alibi_slopes, batch, h, qv, scale)
 
     if qv.device < 0:  # NumPy in, NumPy out: compute on the current GPU
         dev = _current_device()
@@ -656,6 +420,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if lse_arr is not None:
             lse_arr[...] = np.inf
         return _result(o_view, ov is not None, lse_arr, qv, return_lse)
+    q4 = _batched(qv, batch, max_sq)
+    k4, v4 = (x if paged else _batched(x, batch, max_sk) for x in (kv, vv))
     d_pad = -(-d // 8) * 8
     if not paged:
         q4, k4, v4 = (x if d_pad == d and _aligned(x) else _batched(_padded(y, d_pad), batch, n)
@@ -665,7 +431,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     kernel_out = o4 if direct_out else _batched(arrays.view(
         arrays.empty_like_framework(qv, (total_q, h, d_pad), qv.dtype), "out"), batch, max_sq)
     problem = (batch, max_sq, max_sk, h, kv.shape[-2], d_pad, arrays.DTYPE_NAMES[qv.dtype],
-               bool(causal), return_lse, num_splits, window, cap > 0, alibi is not None)
+               causal, return_lse, num_splits, window, cap > 0, alibi is not None)
     extra = dict(cache=(0, 0, bt.ptr, bt.strides[0]), page_size=kv.shape[1]) if paged else {}
     _launch(problem, qv, q4, k4, v4, kernel_out, lse_arr, scale, kv="paged" if paged else "dense", varlen_kv=True,
             softcap=cap,
@@ -679,19 +445,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 # ---------------------------------------------------------------------------------------------
 # Planning without running
 
-class _Shape:
-    """A shape-only stand-in for an array, so plans can be made from tuples."""
-
-    def __init__(self, shape, dtype):
-        self.shape = tuple(int(s) for s in shape)
-        self.dtype = dtype
-        self.strides = tuple(int(np.prod(self.shape[i + 1:])) for i in range(len(self.shape)))
-        self.device = -2  # "anywhere": shapes carry no placement
-        self.framework = "shape"
-
-
-def _shape_view(x, name, dtype):
-    return _Shape(x, dtype) if isinstance(x, (tuple, list)) else arrays.view(x, name)
+def _plan_operands(q, k, v, dtype):
+    """Views of plan's q, k, v: all arrays, or all shape tuples (of ``dtype``)."""
+    tuples = [isinstance(x, (tuple, list)) for x in (q, k, v)]
+    if any(tuples) and not all(tuples):
+        raise TypeError("q, k and v must be all arrays or all shape tuples, got "
+                        + ", ".join(f"{n}: {type(x).__name__}" for n, x in zip("qkv", (q, k, v))))
+    if tuples[0]:
+        return (validate.Shape(x, dtype, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    return (validate.view(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
 
 
 def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_splits=0,
@@ -706,33 +468,25 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     ``num_splits_heuristic``, to see what FA2 would do). ``window_size``, ``softcap`` and
     ``alibi_slopes`` (an array, a shape tuple, or True) are those of :func:`attention`.
     """
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
-    qv, kv, vv = (_shape_view(x, n, dtype) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    _check_operands(qv, kv, vv)
-    _check_scale(softmax_scale, qv.shape[3])
-    _check_causal(causal)
-    num_splits = _check_num_splits(num_splits)
+    dtype = validate.dtype_name(dtype)
+    qv, kv, vv = _plan_operands(q, k, v, dtype)
+    validate.operands(qv, kv, vv)
+    scale = validate.scale(softmax_scale, qv.shape[3])
+    causal = validate.boolean(causal, "causal")
+    return_lse = validate.boolean(return_lse, "return_lse")
+    num_splits = validate.num_splits(num_splits)
+    heuristic = validate.heuristic(heuristic)
     b, sq, h, d = qv.shape
     if alibi_slopes is True or isinstance(alibi_slopes, (tuple, list)):
-        alibi_slopes = _Shape((h,) if alibi_slopes is True else alibi_slopes, "float32")
-    window, cap, alibi, _ = _check_mods(window_size, softcap, alibi_slopes, b, h, qv)
+        alibi_slopes = validate.Shape((h,) if alibi_slopes is True else alibi_slopes, "float32", "alibi_slopes")
+    window, cap, alibi, _ = validate.mods(window_size, softcap, alibi_slopes, b, h, qv, scale)
+    arch = None if arch is None else validate.arch(arch)
     if num_sms is None:
         dev = device_facts(qv.device if qv.device >= 0 else _current_device())
-        facts = DeviceFacts(dev.num_sms, _parse_arch(arch) if arch is not None else dev.arch)
+        facts = DeviceFacts(dev.num_sms, arch or dev.arch)
     else:
-        if isinstance(num_sms, bool) or not isinstance(num_sms, numbers.Integral) or num_sms < 1:
-            raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
-        facts = DeviceFacts(int(num_sms), _parse_arch(arch) if arch is not None else 90)
+        facts = DeviceFacts(validate.num_sms(num_sms), arch or 90)
     problem = Problem(b, sq, kv.shape[1], h, kv.shape[2], -(-d // 8) * 8,
-                      arrays.DTYPE_NAMES[qv.dtype], bool(causal), bool(return_lse), num_splits,
+                      arrays.DTYPE_NAMES[qv.dtype], causal, return_lse, num_splits,
                       heuristic, window=window, softcap=cap > 0, alibi=alibi is not None)
-    return make_plan(problem, facts)
-
-
-def _parse_arch(arch) -> int:
-    """90, "90", "sm_90" or "sm90" -> 90."""
-    s = str(arch).lower().removeprefix("sm_").removeprefix("sm")
-    if not s.isdigit():
-        raise ValueError(f"arch must look like 'sm_90' or 90, got {arch!r}")
-    return int(s)
+    return empty_plan(problem, facts) or make_plan(problem, facts)

@@ -47,7 +47,7 @@ import math
 
 import numpy as np
 
-from . import api, arrays, compiler
+from . import api, arrays, compiler, validate
 from .kernels.bwd import ROW_PAD, VARLEN_ROW_GAP
 from .plan import Problem, cdiv, make_backward_plan
 
@@ -58,112 +58,49 @@ _DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 # ---------------------------------------------------------------------------------------------
 # Validation
 
-def _check_like(x, like, name, like_name):
-    """``x`` must have ``like``'s shape, dtype and place, last dim contiguous."""
-    if tuple(x.shape) != tuple(like.shape):
-        raise ValueError(f"{name} must have {like_name}'s shape {api._shape_str(like)}, got {api._shape_str(x)}")
-    if x.dtype != like.dtype:
-        raise TypeError(f"{name} must have {like_name}'s dtype {like.dtype}, got {x.dtype}")
-    if len(x.shape) >= 3 and x.shape[-1] > 1 and x.strides[-1] != 1 and 0 not in x.shape:
-        raise ValueError(f"{name} must be contiguous in its last dim (stride 1), got strides {tuple(x.strides)}")
-    api._check_same_place((like_name, like), (name, x))
-
-
-def _check_grad_out(x, like, name, like_name, original):
-    """A caller-provided gradient buffer: written in place, so it must be a plain array of the
-    caller's framework with ``like``'s shape and dtype."""
-    if x.framework == "dlpack":
-        raise TypeError(f"{name} must be a PyTorch, CuPy or NumPy array (written in place); "
-                        f"got {type(x.array[0]).__name__}")
-    if x.framework != like.framework:
-        raise TypeError(f"{name} must be a {like.framework} array like {like_name}, got a {x.framework} array")
-    if x.framework == "numpy" and not (isinstance(original, np.ndarray) and original.flags.writeable):
-        raise TypeError(f"{name} in host memory must be a writable NumPy array, got {type(original).__name__}")
-    _check_like(x, like, name, like_name)
-
-
-def _check_bool(value, name):
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-
-
-def _check_grads(dq, dk, dv, qv, kv, vv):
-    grads = []
-    for name, x, like, like_name in (("dq", dq, qv, "q"), ("dk", dk, kv, "k"), ("dv", dv, vv, "v")):
-        if x is None:
-            grads.append(None)
-            continue
-        g = arrays.view(x, name)
-        _check_grad_out(g, like, name, like_name, x)
-        grads.append(g)
-    return grads
-
-
 def _validate(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dq, dk, dv,
               window_size, softcap, alibi_slopes):
-    qv, kv, vv = arrays.view(q, "q"), arrays.view(k, "k"), arrays.view(v, "v")
-    api._check_operands(qv, kv, vv)
-    dov, ov = arrays.view(dout, "dout"), arrays.view(out, "out")
-    _check_like(dov, qv, "dout", "q")
-    _check_like(ov, qv, "out", "q")
-    lv = arrays.view(lse, "lse")
+    """attention's rules plus the backward's own arguments; views and checked values."""
+    qv, kv, vv = validate.view(q, "q"), validate.view(k, "k"), validate.view(v, "v")
+    validate.operands(qv, kv, vv)
     b, sq, h, d = qv.shape
-    if tuple(lv.shape) != (b, h, sq):
-        raise ValueError(f"lse must have shape (batch, nheads, seqlen_q) = {(b, h, sq)}, got {api._shape_str(lv)}")
-    if lv.dtype != "float32":
-        raise TypeError(f"lse must be float32 (as attention(..., return_lse=True) returns it), got {lv.dtype}")
-    api._check_same_place(("q", qv), ("lse", lv))
-    grads = _check_grads(dq, dk, dv, qv, kv, vv)
-    scale = api._check_scale(softmax_scale, d)
-    api._check_causal(causal)
-    _check_bool(deterministic, "deterministic")
-    mods = api._check_mods(window_size, softcap, alibi_slopes, b, h, qv)
-    return qv, kv, vv, dov, ov, lv, grads, scale, mods
+    dov, ov, lv = _forward_results(dout, out, lse, qv, (b, h, sq), "(batch, nheads, seqlen_q)", "attention")
+    grads = validate.grads(dq, dk, dv, qv, kv, vv)
+    scale, causal, deterministic, mods = _options(causal, softmax_scale, deterministic, window_size, softcap,
+                                                  alibi_slopes, b, qv)
+    return qv, kv, vv, dov, ov, lv, grads, scale, causal, deterministic, mods
 
 
 def _validate_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      causal, softmax_scale, deterministic, dq, dk, dv, window_size, softcap, alibi_slopes):
     """The rules of cuflash.attention_varlen (dense K/V) plus the backward's own arguments."""
-    qv, kv, vv = arrays.view(q, "q"), arrays.view(k, "k"), arrays.view(v, "v")
-    if len(qv.shape) != 3:
-        raise ValueError(f"q must have 3 dims (total_q, nheads, headdim), got shape {api._shape_str(qv)}")
-    for name, x in (("k", kv), ("v", vv)):
-        if len(x.shape) != 3:
-            raise ValueError(f"{name} must have 3 dims (total_k, nheads_k, headdim) (the backward has no "
-                             f"paged K/V), got shape {api._shape_str(x)}")
-    cq, ck, batch = api._check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
-    total_q, h, d = qv.shape
-    max_sq = api._check_max_seqlen(max_seqlen_q, "max_seqlen_q", total_q, "total_q")
-    max_sk = api._check_max_seqlen(max_seqlen_k, "max_seqlen_k", kv.shape[0], "total_k")
-    if kv.shape[-1] != d:
-        raise ValueError(f"k must have q's head dim {d}, got {kv.shape[-1]} (q {api._shape_str(qv)}, "
-                         f"k {api._shape_str(kv)})")
-    for name, x in (("q", qv), ("k", kv), ("v", vv)):
-        if x.shape[-1] > 1 and x.strides[-1] != 1 and 0 not in x.shape:
-            raise ValueError(f"{name} must be contiguous in its last dim (stride 1), "
-                             f"got strides {tuple(x.strides)}")
-    if kv.shape != vv.shape:
-        raise ValueError(f"v must have k's shape {api._shape_str(kv)}, got {api._shape_str(vv)}")
-    api._check_operands(api._batched(qv, batch, max_sq), api._batched(kv, batch, max_sk),
-                        api._batched(vv, batch, max_sk))
-    for name, c in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
-        api._check_same_place(("q", qv), (name, c))
-    dov, ov = arrays.view(dout, "dout"), arrays.view(out, "out")
-    _check_like(dov, qv, "dout", "q")
-    _check_like(ov, qv, "out", "q")
-    lv = arrays.view(lse, "lse")
-    if tuple(lv.shape) != (h, total_q):
-        raise ValueError(f"lse must have shape (nheads, total_q) = {(h, total_q)}, got {api._shape_str(lv)}")
-    if lv.dtype != "float32":
-        raise TypeError(f"lse must be float32 (as attention_varlen(..., return_lse=True) returns it), "
-                        f"got {lv.dtype}")
-    api._check_same_place(("q", qv), ("lse", lv))
-    grads = _check_grads(dq, dk, dv, qv, kv, vv)
-    scale = api._check_scale(softmax_scale, d)
-    api._check_causal(causal)
-    _check_bool(deterministic, "deterministic")
-    mods = api._check_mods(window_size, softcap, alibi_slopes, batch, h, qv)
-    return qv, kv, vv, dov, ov, lv, cq, ck, max_sq, max_sk, grads, scale, mods
+    qv, kv, vv, cq, ck, _, batch, max_sq, max_sk = validate.varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, paged_ok=False)
+    total_q, h, _ = qv.shape
+    # The LSE/D/dQ-accumulator rows per head (head_rows in _backward_device) are a 32-bit argument.
+    validate.sizes((f"total_q + {VARLEN_ROW_GAP} * batch (the backward's padded rows)",
+                    total_q + VARLEN_ROW_GAP * batch))
+    dov, ov, lv = _forward_results(dout, out, lse, qv, (h, total_q), "(nheads, total_q)", "attention_varlen")
+    grads = validate.grads(dq, dk, dv, qv, kv, vv)
+    scale, causal, deterministic, mods = _options(causal, softmax_scale, deterministic, window_size, softcap,
+                                                  alibi_slopes, batch, qv)
+    return qv, kv, vv, dov, ov, lv, cq, ck, max_sq, max_sk, grads, scale, causal, deterministic, mods
+
+
+def _forward_results(dout, out, lse, qv, lse_shape, lse_layout, forward):
+    """Views of dout and out (shaped like q) and of the forward's LSE."""
+    dov, ov = validate.view(dout, "dout"), validate.view(out, "out")
+    validate.like(dov, qv, "dout", "q")
+    validate.like(ov, qv, "out", "q")
+    return dov, ov, validate.lse(lse, lse_shape, lse_layout, qv, forward)
+
+
+def _options(causal, softmax_scale, deterministic, window_size, softcap, alibi_slopes, batch, qv):
+    scale = validate.scale(softmax_scale, qv.shape[-1])
+    causal = validate.boolean(causal, "causal")
+    deterministic = validate.boolean(deterministic, "deterministic")
+    return scale, causal, deterministic, validate.mods(window_size, softcap, alibi_slopes, batch, qv.shape[-2],
+                                                       qv, scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,10 +121,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     into. Returns the caller's array type (NumPy inputs are computed on the current GPU and
     come back as NumPy).
     """
-    qv, kv, vv, dov, ov, lv, grads, scale, mods = _validate(
+    qv, kv, vv, dov, ov, lv, grads, scale, causal, deterministic, mods = _validate(
         dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dq, dk, dv, window_size, softcap,
         alibi_slopes)
-    causal, deterministic = bool(causal), bool(deterministic)
     if qv.device < 0:  # NumPy in, NumPy out: compute on the current GPU
         dev = api._current_device()
         on = lambda x: None if x is None else arrays.to_device(np.asarray(x.array), dev)
@@ -211,10 +147,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     the forward). Sequences may be empty. Other arguments as in :func:`attention_backward`;
     ALiBi slopes may be (nheads,) or (batch, nheads).
     """
-    (qv, kv, vv, dov, ov, lv, cq, ck, max_sq, max_sk, grads, scale, mods) = _validate_varlen(
+    (qv, kv, vv, dov, ov, lv, cq, ck, max_sq, max_sk, grads, scale, causal, deterministic, mods) = _validate_varlen(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
         deterministic, dq, dk, dv, window_size, softcap, alibi_slopes)
-    causal, deterministic = bool(causal), bool(deterministic)
     if qv.device < 0:  # NumPy in, NumPy out: compute on the current GPU
         dev = api._current_device()
         on = lambda x: None if x is None else arrays.to_device(np.asarray(x.array), dev)

@@ -402,16 +402,32 @@ def compile_all(variants, workers: int | None = None) -> dict:
     return out
 
 
-def warmup(variants, workers: int | None = None, progress=None) -> list[Variant]:
+def warmup(variants, workers: int | None = None, progress=None) -> tuple[list[Variant], list[Variant]]:
     """Fill the disk cache for ``variants`` in parallel (NVRTC releases the GIL). Needs no GPU.
-    ``progress(done, total, variant)`` is called after each one. Returns the variants built."""
+    ``progress(done, total, variant)`` is called after each one. Returns (the variants compiled
+    now, those already cached), each in the given order. On an exception (KeyboardInterrupt
+    included) the compiles not yet started are cancelled, those under way finish, and it
+    propagates."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
     variants = list(dict.fromkeys(variants))
     workers = workers or min(16, os.cpu_count() or 1)
+    was_cached = {}
+
+    def warm(v):  # True if v's cubin was in the disk cache already
+        if _read_entry(cache_path(v)) is not None:
+            return True
+        cubin_for(v)
+        return False
+
     with ThreadPoolExecutor(workers) as ex:
-        futures = {ex.submit(cubin_for, v): v for v in variants}
-        for i, f in enumerate(as_completed(futures), 1):
-            f.result()
-            if progress:
-                progress(i, len(variants), futures[f])
-    return variants
+        futures = {ex.submit(warm, v): v for v in variants}
+        try:
+            for i, f in enumerate(as_completed(futures), 1):
+                was_cached[futures[f]] = f.result()
+                if progress:
+                    progress(i, len(variants), futures[f])
+        except BaseException:
+            ex.shutdown(wait=False, cancel_futures=True)
+            raise
+    return ([v for v in variants if not was_cached[v]], [v for v in variants if was_cached[v]])
+

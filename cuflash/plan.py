@@ -341,3 +341,14 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
                    "atomics (the order of additions varies), and bwd_convert scales it into the input dtype.")
     return Plan(p, dev, launches, 1, 0, False, sq, p.nheads, p.nheads // p.nheads_k, causal, window, workspace,
                 (), " ".join(why), backward=True)
+
+
+def empty_plan(p: Problem, dev: DeviceFacts) -> Plan | None:
+    """The plan of a call with nothing to compute (batch, seqlen_q or nheads 0: attention returns
+    at once), which launches nothing and says why; None when there is work to plan."""
+    empty = [f"{name}=0" for name, n in (("batch", p.batch), ("seqlen_q", p.seqlen_q), ("nheads", p.nheads))
+             if n == 0]
+    if not empty:
+        return None
+    return Plan(p, dev, (), 0, 0, False, p.seqlen_q, p.nheads, p.nheads // p.nheads_k, p.causal,
+                p.window, 0, (), f"{', '.join(empty)}: nothing to compute, no kernel is launched.")

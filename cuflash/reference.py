@@ -21,7 +21,7 @@ import numpy as np
 
 # The library's own argument rules (types, window entries >= -1, softcap >= 0 and finite, scale
 # positive and finite), so that the reference accepts exactly what cuflash.attention accepts.
-from .api import _check_causal, _check_scale, _check_softcap, _check_window
+from . import validate
 
 __all__ = ["attention", "attention_varlen", "attention_backward", "attention_varlen_backward",
            "max_abs_err", "check_close"]
@@ -68,10 +68,10 @@ def _out_dtype(precision, q):
 def _check_mods(causal, softmax_scale, window_size, softcap, d):
     """The library's checks of the scalar arguments -> (scale, left, right, softcap); causal sets
     right = 0."""
-    _check_causal(causal)
-    scale = _check_scale(softmax_scale, d)
-    left, right = _check_window(window_size)
-    return scale, left, 0 if causal else right, _check_softcap(softcap)
+    validate.boolean(causal, "causal")
+    scale = validate.scale(softmax_scale, d)
+    left, right = validate.window(window_size)
+    return scale, left, 0 if causal else right, validate.softcap(softcap, scale)
 
 
 class _Args:

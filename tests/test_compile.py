@@ -192,6 +192,7 @@ def test_version_change_misses_the_cache(cache, monkeypatch):
 def test_warmup_fills_the_cache(cache):
     vs = [CombineVariant(head_dim=d, dtype="bf16", arch=90) for d in (32, 64, 96)]
     seen = []
-    built = compiler.warmup(vs + vs[:1], workers=2, progress=lambda i, n, v: seen.append((i, n)))
-    assert built == vs and sorted(seen) == [(1, 3), (2, 3), (3, 3)]
+    compiled, cached = compiler.warmup(vs + vs[:1], workers=2, progress=lambda i, n, v: seen.append((i, n)))
+    assert compiled == vs and cached == [] and sorted(seen) == [(1, 3), (2, 3), (3, 3)]
     assert entries(cache) == sorted(compiler.cache_path(v).name for v in vs)
+    assert compiler.warmup(vs[::-1], workers=2) == ([], vs[::-1])  # a second run finds them cached

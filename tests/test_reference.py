@@ -304,11 +304,12 @@ def test_bad_scalar_arguments(fn, case):
 
 def test_the_library_agrees_on_bad_scalars():
     """The same cases are rejected by cuflash's own checks with the same exception."""
-    from cuflash import api
+    from cuflash import validate
     for kw, exc, _ in BAD_SCALARS.values():
         (name, value), = kw.items()
-        check = {"window_size": api._check_window, "softcap": api._check_softcap, "causal": api._check_causal,
-                 "softmax_scale": lambda s: api._check_scale(s, 8)}[name]
+        check = {"window_size": validate.window, "softcap": lambda c: validate.softcap(c, 0.125),
+                 "causal": lambda c: validate.boolean(c, "causal"),
+                 "softmax_scale": lambda s: validate.scale(s, 8)}[name]
         with pytest.raises(exc):
             check(value)
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import api, arrays
+from cuflash import api, arrays, validate
 from cuflash.arrays import View
 from conftest import GPU_PROBLEM
 
@@ -189,21 +189,21 @@ def fake(device, framework=None, shape=(2, 4, 8, 64), dtype="float16"):
 def test_mixed_placement(devs, fragments):
     named = [(n, fake(d)) for n, d in zip("qkv", devs)]
     with pytest.raises(ValueError) as ei:
-        api._check_same_place(*named)
+        validate.same_place(*named)
     for frag in fragments:
         assert frag in str(ei.value), str(ei.value)
     with pytest.raises(ValueError, match=fragments[0]):  # and through the full operand check
-        api._check_operands(*(fake(d, shape=s) for d, s in zip(devs, (Q, KV, KV))))
+        validate.operands(*(fake(d, shape=s) for d, s in zip(devs, (Q, KV, KV))))
 
 
 @pytest.mark.parametrize("devs", [(-1, -1, -1), (0, 0, 0), (3, 3, 3)])
 def test_same_placement_passes(devs):
-    api._check_same_place(*[(n, fake(d)) for n, d in zip("qkv", devs)])
+    validate.same_place(*[(n, fake(d)) for n, d in zip("qkv", devs)])
 
 
 def test_torch_cpu_tensor_is_rejected():
     with pytest.raises(ValueError, match=r"q is a CPU tensor; move it to the GPU \(e\.g\. q\.cuda\(\)\)"):
-        api._check_same_place(*[(n, fake(-1, "torch")) for n in "qkv"])
+        validate.same_place(*[(n, fake(-1, "torch")) for n in "qkv"])
 
 
 @pytest.mark.parametrize("q,out,exc,fragments", [
@@ -215,7 +215,7 @@ def test_torch_cpu_tensor_is_rejected():
 ])
 def test_out_placement_and_framework(q, out, exc, fragments):
     with pytest.raises(exc) as ei:
-        api._check_out(out, q)
+        validate.out(out, q)
     for frag in fragments:
         assert frag in str(ei.value), str(ei.value)
 
@@ -225,7 +225,7 @@ def test_out_dlpack_only_producer_is_rejected():
         pass
     out = View(1 << 20, Q, (2048, 512, 64, 1), "float16", 0, "dlpack", (Producer(), None))
     with pytest.raises(TypeError, match=r"out must be a PyTorch, CuPy or NumPy array .*got Producer"):
-        api._check_out(out, fake(0))
+        validate.out(out, fake(0))
 
 
 class _HostDLPack:

@@ -1,0 +1,461 @@
+"""Argument checks shared by every entry point: ``attention``, ``attention_varlen``,
+``attention_with_kvcache``, ``cuflash.plan`` and the backward.
+
+Each check raises a TypeError (wrong kind of value) or a ValueError (wrong value) whose message
+names the argument, what was expected and what was given. The checks read views
+(``arrays.View``: pointer, shape, strides, dtype, device, framework) and plain values only, so
+they run before anything is allocated or launched.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import re
+
+import numpy as np
+
+from . import arrays
+from .plan import MAX_SPLITS
+
+SUPPORTED_DTYPES = ("float16", "bfloat16")
+# The kernels take sizes as 32-bit ints and round them up to whole tiles (at most 256 rows) in
+# 32-bit arithmetic, so every size keeps that headroom below 2**31. Strides are 64-bit.
+MAX_SIZE = 2**31 - 1024
+INT32_MAX = 2**31 - 1
+SHAPE_ONLY = -2  # the device of a shape-only stand-in (cuflash.plan): it has no place
+# The kernels compute in float32 with subnormals flushed to zero: scalars they receive must be
+# normal float32 values.
+_F32_TINY, _F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+_LOG2E = math.log2(math.e)
+
+
+def shape_str(v):
+    return tuple(int(s) for s in v.shape)
+
+
+def _type(x) -> str:
+    return type(x).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# Arrays
+
+def view(x, name):
+    """``arrays.view(x, name)``, refusing NumPy/CuPy arrays whose byte strides are not whole
+    elements (a view keeps strides in elements)."""
+    v = arrays.view(x, name)
+    if v.framework in ("numpy", "cupy") and isinstance(getattr(v.array, "dtype", None), np.dtype):
+        item, strides = v.array.dtype.itemsize, v.array.strides
+        if any(s % item for s in strides):
+            raise ValueError(f"{name} must have strides in whole elements ({item} bytes), "
+                             f"got byte strides {tuple(strides)}")
+    return v
+
+
+def sizes(*named):
+    """(name, value) pairs: each must fit the kernels' 32-bit sizes."""
+    for name, n in named:
+        if n > MAX_SIZE:
+            raise ValueError(f"{name} must be at most {MAX_SIZE} (the kernels index with 32-bit ints), "
+                             f"got {n}")
+
+
+def same_place(*named):
+    """(name, view) pairs: all in host memory or all on one GPU, the first one being the
+    reference. Shape-only stand-ins have no place; PyTorch CPU tensors are refused anywhere."""
+    for name, x in named:
+        if x.framework == "torch" and x.device < 0:
+            raise ValueError(f"{name} is a CPU tensor; move it to the GPU (e.g. {name}.cuda())")
+    placed = [(n, x) for n, x in named if x.device != SHAPE_ONLY]
+    if not placed:
+        return
+    (n0, x0), *rest = placed
+    where = lambda y: "host memory" if y.device < 0 else f"GPU {y.device}"  # noqa: E731
+    for name, x in rest:
+        if (x.device < 0) != (x0.device < 0):
+            raise ValueError(f"{name} is in {where(x)} but {n0} is in {where(x0)}; "
+                             "host arrays cannot be mixed with device arrays")
+        if x.device != x0.device:
+            raise ValueError(f"{name} is on GPU {x.device} but {n0} is on GPU {x0.device}; "
+                             "all arrays must be on one device")
+
+
+def _last_dim_contiguous(x, name, what="contiguous in its last dim (stride 1)"):
+    if x.shape and x.shape[-1] > 1 and x.strides[-1] != 1 and 0 not in x.shape:
+        raise ValueError(f"{name} must be {what}, got strides {tuple(x.strides)}")
+
+
+def operands(q, k, v, same_batch=True, names=("q", "k", "v")):
+    """Rank, dtype, shape, size, layout and placement rules shared by every entry point (views
+    of 4 dims: varlen calls pass their packed arrays seen as batches). A KV cache's batch dim may
+    differ from q's (cache_batch_idx, pages): ``same_batch=False``."""
+    nq, nk, nv = names
+    for name, x in ((nq, q), (nk, k), (nv, v)):
+        if len(x.shape) != 4:
+            raise ValueError(f"{name} must have 4 dims (batch, seqlen, nheads, headdim); "
+                             f"got shape {shape_str(x)}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}; cast it first "
+                        "(e.g. q.to(torch.bfloat16) or q.astype(cupy.float16))")
+    for name, x in ((nk, k), (nv, v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}; cast it first")
+    b, sq, h, d = q.shape
+    if same_batch and k.shape[0] != b:
+        raise ValueError(f"{nk} must have q's batch size {b}, got shape {shape_str(k)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"{nv} must have {nk}'s shape {shape_str(k)}, got {shape_str(v)}")
+    if k.shape[3] != d:
+        raise ValueError(f"{nk} must have q's head dim {d}, got {k.shape[3]} (q {shape_str(q)}, "
+                         f"{nk} {shape_str(k)})")
+    if not 1 <= d <= 256:
+        raise ValueError(f"head dim (last dim of q and k) must be between 1 and 256, got {d}")
+    hk = k.shape[2]
+    if hk == 0 or h % hk:
+        raise ValueError(f"nheads ({h}) must be divisible by nheads_k ({hk})")
+    if max(*q.shape, *k.shape, b * h * sq) > MAX_SIZE:  # (messages only built when needed)
+        sizes(*((f"{name}.shape[{i}]", n) for name, x in ((nq, q), (nk, k)) for i, n in enumerate(x.shape)),
+              (f"{nq}'s batch * nheads * seqlen ({b} * {h} * {sq})", b * h * sq))
+    for name, x in ((nq, q), (nk, k), (nv, v)):
+        _last_dim_contiguous(x, name)
+    same_place((nq, q), (nk, k), (nv, v))
+
+
+def out(o, q, original=None):
+    """A caller's ``out`` view for ``q``; ``original`` is the object the caller passed (host
+    ``out`` must be a writable ndarray)."""
+    if o.framework == "dlpack":
+        raise TypeError("out must be a PyTorch, CuPy or NumPy array (arrays written in place); "
+                        f"got {_type(o.array[0])}")
+    if o.framework != q.framework:
+        raise TypeError(f"out must be a {q.framework} array like q, got a {o.framework} array")
+    if original is not None and o.framework == "numpy" and not (
+            isinstance(original, np.ndarray) and original.flags.writeable):
+        raise TypeError(f"out in host memory must be a writable NumPy array, got {_type(original)}")
+    if tuple(o.shape) != tuple(q.shape):
+        raise ValueError(f"out must have q's shape {shape_str(q)}, got {shape_str(o)}")
+    if o.dtype != q.dtype:
+        raise TypeError(f"out must have q's dtype {q.dtype}, got {o.dtype}")
+    same_place(("q", q), ("out", o))
+    _last_dim_contiguous(o, "out", "contiguous in its last dim")
+
+
+def like(x, ref, name, ref_name):
+    """``x`` must have ``ref``'s shape, dtype and place, last dim contiguous (the backward's
+    dout, out and gradient buffers)."""
+    if tuple(x.shape) != tuple(ref.shape):
+        raise ValueError(f"{name} must have {ref_name}'s shape {shape_str(ref)}, got {shape_str(x)}")
+    if x.dtype != ref.dtype:
+        raise TypeError(f"{name} must have {ref_name}'s dtype {ref.dtype}, got {x.dtype}")
+    if len(x.shape) >= 3:
+        _last_dim_contiguous(x, name)
+    same_place((ref_name, ref), (name, x))
+
+
+def grads(dq, dk, dv, qv, kv, vv):
+    """Views of the caller's optional gradient buffers (None where not given): written in place,
+    so each must be a plain array of the caller's framework shaped like its operand."""
+    result = []
+    for name, x, ref, ref_name in (("dq", dq, qv, "q"), ("dk", dk, kv, "k"), ("dv", dv, vv, "v")):
+        if x is None:
+            result.append(None)
+            continue
+        g = view(x, name)
+        if g.framework == "dlpack":
+            raise TypeError(f"{name} must be a PyTorch, CuPy or NumPy array (written in place); "
+                            f"got {_type(g.array[0])}")
+        if g.framework != ref.framework:
+            raise TypeError(f"{name} must be a {ref.framework} array like {ref_name}, got a {g.framework} array")
+        if g.framework == "numpy" and not (isinstance(x, np.ndarray) and x.flags.writeable):
+            raise TypeError(f"{name} in host memory must be a writable NumPy array, got {_type(x)}")
+        like(g, ref, name, ref_name)
+        result.append(g)
+    return result
+
+
+def lse(x, shape, layout, q, producer):
+    """The forward's LSE for the backward: float32 ``shape`` (named ``layout``) on q's place."""
+    lv = view(x, "lse")
+    if tuple(lv.shape) != shape:
+        raise ValueError(f"lse must have shape {layout} = {shape}, got {shape_str(lv)}")
+    if lv.dtype != "float32":
+        raise TypeError(f"lse must be float32 (as {producer}(..., return_lse=True) returns it), got {lv.dtype}")
+    same_place(("q", q), ("lse", lv))
+    return lv
+
+
+def aligned(x) -> bool:
+    """16-byte loads need an aligned base and batch/seq/head strides in multiples of 8 elements."""
+    st, sh = x.strides, x.shape
+    return (x.ptr % 16 == 0 and (st[0] % 8 == 0 or sh[0] <= 1) and (st[1] % 8 == 0 or sh[1] <= 1)
+            and (st[2] % 8 == 0 or sh[2] <= 1))
+
+
+def batched(x, batch, max_len):
+    """A packed (total, nheads, d) view seen as (batch, max_len, nheads, d) with the token stride
+    as batch stride: the kernels offset sequence b by cu_seqlens[b] tokens."""
+    st = x.strides
+    return arrays.View(x.ptr, (batch, max_len, x.shape[1], x.shape[2]), (st[0], st[0], st[1], st[2]),
+                       x.dtype, x.device, x.framework, x.array)
+
+
+def block_table(table, batch, q):
+    """The view of an int32 (batch, pages_per_seq) block table with contiguous rows, on q's place."""
+    bt = view(table, "block_table")
+    if bt.dtype != "int32" or len(bt.shape) != 2 or bt.shape[0] != batch:
+        raise ValueError(f"block_table must be int32 of shape ({batch}, pages_per_seq), "
+                         f"got {bt.dtype} {shape_str(bt)}")
+    if bt.shape[1] > 1 and bt.strides[1] != 1:
+        raise ValueError(f"block_table rows must be contiguous, got strides {tuple(bt.strides)}")
+    if bt.strides[0] > INT32_MAX:
+        raise ValueError(f"block_table's row stride must be at most {INT32_MAX} (a 32-bit kernel "
+                         f"argument), got {bt.strides[0]}")
+    same_place(("q", q), ("block_table", bt))
+    return bt
+
+
+def int32_vector(x, name, length, q):
+    """The view of a contiguous int32 (length,) array on q's place (cache_seqlens, cache_batch_idx)."""
+    v = view(x, name)
+    if v.dtype != "int32":
+        raise TypeError(f"{name} must be int32, got {v.dtype}")
+    if tuple(v.shape) != (length,):
+        raise ValueError(f"{name} must have shape ({length},), got {shape_str(v)}")
+    if len(v.strides) and length > 1 and v.strides[0] != 1:
+        raise ValueError(f"{name} must be contiguous, got strides {tuple(v.strides)}")
+    same_place(("q", q), (name, v))
+    return v
+
+
+def cu_seqlens(cu_seqlens_q, cu_seqlens_k):
+    """Views of two int32 (batch + 1,) contiguous cumulative-length vectors, and the batch."""
+    cq, ck = view(cu_seqlens_q, "cu_seqlens_q"), view(cu_seqlens_k, "cu_seqlens_k")
+    for name, c in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
+        if c.dtype != "int32":
+            raise TypeError(f"{name} must be int32, got {c.dtype}")
+        if len(c.shape) != 1 or c.shape[0] < 1:
+            raise ValueError(f"{name} must have shape (batch + 1,), got {shape_str(c)}")
+        if c.shape[0] > 1 and c.strides[0] != 1:
+            raise ValueError(f"{name} must be contiguous, got strides {tuple(c.strides)}")
+    if ck.shape != cq.shape:
+        raise ValueError(f"cu_seqlens_k must have cu_seqlens_q's shape {shape_str(cq)}, got {shape_str(ck)}")
+    return cq, ck, cq.shape[0] - 1
+
+
+def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, table=None, paged_ok=True):
+    """The packed-batch rules of attention_varlen and its backward: views (q, k, v, cu_q, cu_k,
+    block table or None), batch, max_seqlen_q and max_seqlen_k. ``table`` is the caller's
+    block_table (paged K/V); ``paged_ok=False`` for the backward, which has no paged K/V."""
+    qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
+    paged = table is not None
+    if len(qv.shape) != 3:
+        raise ValueError(f"q must have 3 dims (total_q, nheads, headdim), got shape {shape_str(qv)}")
+    k_dims = ("4 dims (num_pages, page_size, nheads_k, headdim) with block_table" if paged else
+              "3 dims (total_k, nheads_k, headdim)" + ("" if paged_ok else " (the backward has no paged K/V)"))
+    for name, x in (("k", kv), ("v", vv)):
+        if len(x.shape) != (4 if paged else 3):
+            raise ValueError(f"{name} must have {k_dims}, got shape {shape_str(x)}")
+    cq, ck, batch = cu_seqlens(cu_seqlens_q, cu_seqlens_k)
+    total_q, h, d = qv.shape
+    sizes(("q.shape[0] (total_q)", total_q), ("k.shape[0]", kv.shape[0]), ("batch (cu_seqlens_q.shape[0] - 1)", batch))
+    bt = None
+    if paged:
+        bt = block_table(table, batch, qv)
+        if kv.shape[1] == 0 or kv.shape[1] % 16:
+            raise ValueError(f"page size (k.shape[1]) must be a positive multiple of 16, got {kv.shape[1]}")
+        if d % 8:
+            raise ValueError(f"head dim must be a multiple of 8 with a paged cache, got {d}")
+        k_limit, k_what = bt.shape[1] * kv.shape[1], "pages_per_seq * page_size"
+    else:
+        k_limit, k_what = kv.shape[0], "total_k"
+    max_sq = max_seqlen(max_seqlen_q, "max_seqlen_q", total_q, "total_q")
+    max_sk = max_seqlen(max_seqlen_k, "max_seqlen_k", k_limit, k_what)
+    # Head dims and last-dim strides on the arrays as given, then the dense rules on the batched
+    # views (dtypes, heads, sizes, placement).
+    if kv.shape[-1] != d:
+        raise ValueError(f"k must have q's head dim {d}, got {kv.shape[-1]} (q {shape_str(qv)}, k {shape_str(kv)})")
+    for name, x in (("q", qv), ("k", kv), ("v", vv)):
+        _last_dim_contiguous(x, name)
+    if paged:
+        for name, x in (("q", qv), ("k", kv), ("v", vv)):
+            if not aligned(x if len(x.shape) == 4 else batched(x, batch, 1)):
+                raise ValueError(f"{name} must be 16-byte aligned with strides in multiples of 8 elements "
+                                 f"with a paged cache, got strides {tuple(x.strides)}")
+        operands(batched(qv, batch, max_sq), kv, vv, same_batch=False)
+    else:
+        if kv.shape != vv.shape:
+            raise ValueError(f"v must have k's shape {shape_str(kv)}, got {shape_str(vv)}")
+        operands(batched(qv, batch, max_sq), batched(kv, batch, max_sk), batched(vv, batch, max_sk))
+    for name, c in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
+        same_place(("q", qv), (name, c))
+    return qv, kv, vv, cq, ck, bt, batch, max_sq, max_sk
+
+
+# ---------------------------------------------------------------------------------------------
+# Scalars
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def boolean(value, name):
+    """A bool (or NumPy bool), never a truthy stand-in: "no" and [] are not False."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {_type(value)}")
+    return bool(value)
+
+
+def max_seqlen(value, name, limit, what):
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int, got {_type(value)}")
+    if not 0 <= value <= limit:
+        raise ValueError(f"{name} must be between 0 and {what} ({limit}), got {value}")
+    sizes((name, value))
+    return int(value)
+
+
+def num_splits(n):
+    if not _is_int(n):
+        raise TypeError(f"num_splits must be an int, got {_type(n)}")
+    if not 0 <= n <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be between 0 (heuristic) and {MAX_SPLITS}, got {n}")
+    return int(n)
+
+
+def _real(x, name):
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {_type(x)}")
+    return float(x)
+
+
+def _f32_normal(x: float) -> bool:
+    return _F32_TINY <= abs(x) <= _F32_MAX
+
+
+def scale(softmax_scale, d):
+    """The softmax scale (default headdim ** -0.5): positive and finite, and a normal float32
+    also times log2(e) (the kernels' exp2-domain factor)."""
+    if softmax_scale is None:
+        return d ** -0.5
+    s = _real(softmax_scale, "softmax_scale")
+    if not math.isfinite(s) or s <= 0:
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    if not (_f32_normal(s) and _f32_normal(s * _LOG2E)):
+        raise ValueError("softmax_scale must be a positive finite number in float32's normal range "
+                         f"(the kernels compute in float32), got {softmax_scale}")
+    return s
+
+
+def window(window_size):
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(_is_int(w) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded; got {window_size!r}")
+    return (left, right)
+
+
+def softcap(cap, scale_):
+    """The softcap (0 disables it). The kernels compute tanh(score * scale / softcap) and
+    multiply by softcap (times log2(e)) in float32, so each of those must be a normal float32."""
+    c = _real(cap, "softcap")
+    if not math.isfinite(c) or c < 0:
+        raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {cap}")
+    if c > 0 and not all(_f32_normal(x) for x in (c, c * _LOG2E, 1 / c)):
+        raise ValueError("softcap must be 0 or in float32's normal range (the kernels compute in "
+                         f"float32), got {cap}")
+    if c > 0 and not _f32_normal(scale_ / c):
+        raise ValueError("softmax_scale / softcap must be in float32's normal range (the kernels "
+                         f"compute tanh(score * softmax_scale / softcap) in float32), got {scale_} / {cap}")
+    return c
+
+
+class Shape:
+    """A shape-only stand-in for an array, so plans can be made from tuples."""
+
+    def __init__(self, shape, dtype, name):
+        if not all(_is_int(s) for s in shape):
+            raise TypeError(f"{name} must be an array or a shape tuple of ints, got {tuple(shape)!r}")
+        if any(s < 0 for s in shape):
+            raise ValueError(f"{name} must have sizes >= 0, got {tuple(shape)!r}")
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = dtype
+        self.strides = tuple(math.prod(self.shape[i + 1:]) for i in range(len(self.shape)))
+        self.ptr = 0
+        self.device = SHAPE_ONLY
+        self.framework = "shape"
+
+
+def alibi(alibi_slopes, batch, nheads, q):
+    """(view, batch stride) of float32 slopes shaped (nheads,) or (batch, nheads), or (None, 0).
+    ``alibi_slopes`` may be a Shape (cuflash.plan)."""
+    if alibi_slopes is None:
+        return None, 0
+    a = alibi_slopes if isinstance(alibi_slopes, Shape) else view(alibi_slopes, "alibi_slopes")
+    if a.dtype != "float32":
+        raise TypeError(f"alibi_slopes must be float32, got {a.dtype}")
+    if tuple(a.shape) not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), got {shape_str(a)}")
+    if nheads > 1 and a.strides[-1] != 1:
+        raise ValueError(f"alibi_slopes must be contiguous in its last dim, got strides {tuple(a.strides)}")
+    batch_stride = a.strides[0] if len(a.shape) == 2 else 0
+    if batch_stride > INT32_MAX:
+        raise ValueError(f"alibi_slopes' batch stride must be at most {INT32_MAX} (a 32-bit kernel "
+                         f"argument), got {batch_stride}")
+    same_place(("q", q), ("alibi_slopes", a))
+    return a, batch_stride
+
+
+NO_MODS = ((-1, -1), 0.0, None, 0)
+
+
+def mods(window_size, cap, alibi_slopes, batch, nheads, q, scale_):
+    """Window, softcap and ALiBi arguments -> (window, softcap, alibi view, alibi batch stride);
+    ``scale_`` is the checked softmax scale."""
+    if (alibi_slopes is None and type(window_size) is tuple and window_size == (-1, -1)
+            and type(cap) is float and cap == 0.0):
+        return NO_MODS  # the defaults (the common case, kept cheap)
+    w = window(window_size)
+    c = softcap(cap, scale_)
+    a, a_sb = alibi(alibi_slopes, batch, nheads, q)
+    return w, c, a, a_sb
+
+
+# ---------------------------------------------------------------------------------------------
+# cuflash.plan's own arguments
+
+def dtype_name(dtype):
+    if not isinstance(dtype, str) or dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
+    return dtype
+
+
+def heuristic(h):
+    if not isinstance(h, str):
+        raise TypeError(f"heuristic must be 'cuflash' or 'fa2', got {h!r}")
+    if h not in ("cuflash", "fa2"):
+        raise ValueError(f"heuristic must be 'cuflash' or 'fa2', got {h!r}")
+    return h
+
+
+def num_sms(n):
+    if not _is_int(n) or n < 1:
+        raise ValueError(f"num_sms must be a positive int, got {n!r}")
+    return int(n)
+
+
+_ARCH = re.compile(r"(?:sm_?)?(\d{2,3})a?", re.IGNORECASE)
+
+
+def arch(a) -> int:
+    """80, "80", "sm_80", "sm80", "sm_90a" (Hopper's arch-specific features: cuflash picks
+    them itself) -> 80 or 90. cuflash needs compute capability 8.0 or newer."""
+    m = _ARCH.fullmatch(a) if isinstance(a, str) else None
+    if _is_int(a) or m:
+        cc = int(a) if m is None else int(m.group(1))
+        if 80 <= cc <= 999:
+            return cc
+        raise ValueError(f"arch must be 80 (sm_80) or newer: cuflash's kernels need compute capability "
+                         f"8.0+, got {a!r}")
+    raise ValueError(f"arch must look like 'sm_90' or 90, got {a!r}")
