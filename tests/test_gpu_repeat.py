@@ -14,13 +14,13 @@ pytestmark = [requires_gpu, requires_torch]
 @pytest.fixture
 def no_general_path(monkeypatch):
     """Make the general path (views, checks, planning) fail loudly once armed."""
-    from cuflash import api
+    from cuflash import api, validate
 
     def arm():
         def boom(*a, **k):
             raise AssertionError("the general path ran for a repeated call")
         monkeypatch.setattr(api, "_attention_device", boom)
-        monkeypatch.setattr(api, "_check_operands", boom)
+        monkeypatch.setattr(validate, "operands", boom)
     return arm
 
 

@@ -3,6 +3,7 @@ cuflash.plan and the command line) now raises a TypeError/ValueError naming the 
 anything is allocated, or gives the promised result. No GPU needed: hand-made device views stand
 in for device arrays, and reaching an allocation or launch fails the call (conftest's
 fake_views)."""
+import os
 import sys
 import time
 
@@ -313,7 +314,8 @@ def test_warmup_ctrl_c_cancels_pending_compiles(capsys, monkeypatch, cache):
     monkeypatch.setattr(compiler, "cubin_for", compile_once)
     code, out, err = run_cli(capsys, "warmup", "--arch", "sm_90", "--head-dim", "64")
     assert code == 130 and err == "cuflash: interrupted\n"
-    assert len(started) <= 4  # the rest (about 80 kernels) never started
+    workers = min(16, os.cpu_count() or 1)  # warmup's thread pool
+    assert len(started) <= workers + 2  # the rest (hundreds of kernels) never started
     assert out.endswith("\n") and "compiled" not in out
 
 
