@@ -1,6 +1,7 @@
 """The disk cache against other users and odd files (issue 18): a cache directory or entry that
 is not this user's, or is writable by group or others, is refused (warning, memory only); no
-symlink is followed, no FIFO blocks, temporary files are fresh. No GPU.
+symlink is followed, no FIFO blocks, temporary files are fresh; `cache list/clear` and `info`
+touch only cuflash's own names and survive directories, symlinks and permission errors. No GPU.
 
 Tests run as root here, so "another user" is simulated by changing the uid cuflash takes for
 its own (compiler._euid)."""
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from cuflash import compiler
+from cuflash.__main__ import main
 from cuflash.codegen import Variant
 
 ELF = b"\x7fELF"
@@ -224,3 +226,114 @@ def test_directory_at_entry_name(cache):
     with pytest.warns(RuntimeWarning, match="is not a regular file"):
         assert compiler.cubin_for(V)[:4] == ELF
     assert compiler.cache_path(V).is_dir()
+
+
+# ---------------------------------------------------------------------------------------------
+# python -m cuflash cache list|clear and info
+
+def cli(capsys, *args):
+    """(exit status, stdout, stderr) of `python -m cuflash ARGS`, run in this process."""
+    try:
+        main(list(args))
+        rc = 0
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else 1
+        if not isinstance(e.code, int) and e.code:
+            print(e.code, file=__import__("sys").stderr)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture
+def messy(cache, tmp_path):
+    """A cache directory with two real entries (a lock, a leftover temp file) among things that
+    are not cuflash's: other .cubin files, a directory and dangling symlinks named *.cubin."""
+    quiet_cubin(V)
+    quiet_cubin(W)
+    ours = {compiler.cache_path(V).name, compiler.cache_path(W).name}
+    (cache / f".{compiler.cache_path(V).name}.abc123.tmp").write_bytes(b"interrupted")
+    (cache / "mine.cubin").write_bytes(b"someone's own cubin")
+    (cache / "x.cubin").mkdir()
+    (cache / "y.cubin").symlink_to(tmp_path / "nowhere")
+    (cache / "notes.txt").write_text("not a kernel")
+    fake = f"{V.name}-{'0' * 20}.cubin"  # cuflash's naming, but a dangling symlink
+    (cache / fake).symlink_to(tmp_path / "nowhere")
+    keep = {"mine.cubin", "x.cubin", "y.cubin", "notes.txt"}
+    return cache, ours, keep, fake
+
+
+def test_cache_list_and_info_skip_what_is_not_an_entry(messy, capsys):
+    d, ours, keep, fake = messy
+    rc, out, err = cli(capsys, "cache", "list")
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[-1] == f"2 kernels in {d}"
+    assert sorted(ln.split()[-1] for ln in lines[:-1]) == sorted(ours)
+    rc, out, err = cli(capsys, "info")
+    assert rc == 0, err
+    assert f"cache: {d}  (2 kernels," in out
+
+
+def test_cache_clear_removes_only_cuflash_files(messy, capsys):
+    d, ours, keep, fake = messy
+    rc, out, err = cli(capsys, "cache", "clear")
+    assert rc == 0, err
+    assert f"removed 2 kernels from {d}" in out
+    assert {p.name for p in d.iterdir()} == keep  # entries, lock, temp file and the fake link gone
+    assert (d / "mine.cubin").read_bytes() == b"someone's own cubin" and (d / "x.cubin").is_dir()
+
+
+def test_cache_clear_reports_what_it_cannot_remove(messy, capsys, monkeypatch):
+    d, ours, keep, fake = messy
+    odd = d / f"{W.name}-{'1' * 20}.cubin"
+    odd.mkdir()  # cuflash's name, but a directory
+    stuck = compiler.cache_path(V)
+    real_unlink = Path.unlink
+
+    def unlink(self, missing_ok=False):
+        if self == stuck:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_unlink(self, missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    rc, out, err = cli(capsys, "cache", "clear")
+    assert rc == 1
+    assert f"removed 1 kernels from {d}" in out
+    assert f"not removed: {stuck} (Permission denied)" in err
+    assert f"not removed: {odd} (a directory)" in err
+    assert stuck.exists() and not compiler.cache_path(W).exists()
+
+
+def test_cache_clear_leaves_other_users_files(messy, capsys, other_user):
+    d, ours, keep, fake = messy
+    rc, out, err = cli(capsys, "cache", "clear")
+    assert rc == 1 and "removed 0 kernels" in out
+    assert all(os.path.lexists(d / n) for n in ours | keep | {fake})
+    assert err.count("owned by uid") == len(ours) * 2 + 2  # entries, their locks, the temp file, the link
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_cache_clear_in_read_only_dir(messy, capsys):
+    d = messy[0]
+    d.chmod(0o500)
+    try:
+        rc, out, err = cli(capsys, "cache", "clear")
+    finally:
+        d.chmod(0o700)
+    assert rc == 1 and "Permission denied" in err and "Traceback" not in err
+
+
+def test_cache_commands_on_a_file_or_untrusted_dir(cache, capsys, monkeypatch):
+    cache.parent.mkdir(exist_ok=True)
+    cache.write_text("a file, not a directory")
+    rc, out, err = cli(capsys, "cache", "list")
+    assert rc == 1 and f"cannot read the cache directory {cache}" in err
+    rc, out, err = cli(capsys, "info")
+    assert rc == 0 and f"cache: {cache}  (not readable:" in out
+    cache.unlink()
+    cache.mkdir(mode=0o777)
+    cache.chmod(0o777)
+    rc, out, err = cli(capsys, "cache", "list")
+    assert rc == 0 and "does not use this directory" in err and "writable by group or others" in err
+    rc, out, err = cli(capsys, "info")
+    assert "0 kernels, 0.0 MB); not used: it is writable by group or others" in out
