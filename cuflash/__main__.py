@@ -63,9 +63,13 @@ def cmd_info(a):
             d = cupy.cuda.Device(i)
             print(f"GPU {i}: {props['name'].decode()}  sm_{d.compute_capability}  "
                   f"{d.attributes['MultiProcessorCount']} SMs  driver {cupy.cuda.runtime.driverGetVersion()}")
-    entries = sorted(compiler.cache_dir().glob("*.cubin")) if compiler.cache_dir().is_dir() else []
-    size = sum(p.stat().st_size for p in entries)
-    print(f"cache: {compiler.cache_dir()}  ({len(entries)} kernels, {size / 1e6:.1f} MB)")
+    d = compiler.cache_dir()
+    try:
+        entries, problem = compiler.cache_entries(d), compiler.cache_dir_problem(d)
+        print(f"cache: {d}  ({len(entries)} kernels, {sum(s for _, s in entries) / 1e6:.1f} MB)"
+              + (f"; not used: it is {problem}" if problem else ""))
+    except OSError as e:
+        print(f"cache: {d}  (not readable: {e.strerror or e})")
 
 
 def _arch_of(a) -> int:
@@ -112,15 +116,25 @@ def cmd_warmup(a):
 def cmd_cache(a):
     from cuflash import compiler
     d = compiler.cache_dir()
-    entries = sorted(d.glob("*.cubin")) if d.is_dir() else []
-    if a.action == "list":
-        for p in entries:
-            print(f"{p.stat().st_size:>9}  {p.name}")
-        print(f"{len(entries)} kernels in {d}")
-    else:  # only what cuflash writes there: entries, their locks and interrupted temp files
-        for p in [*entries, *d.glob("*.cubin.lock"), *d.glob(".*.cubin.*.tmp")]:
-            p.unlink(missing_ok=True)
-        print(f"removed {len(entries)} kernels from {d}")
+    try:
+        if a.action == "list":
+            entries = compiler.cache_entries(d)
+            for p, size in entries:
+                print(f"{size:>9}  {p.name}")
+            print(f"{len(entries)} kernels in {d}")
+            problem = compiler.cache_dir_problem(d)
+            if problem:
+                print(f"cuflash does not use this directory: it is {problem}", file=sys.stderr)
+            return
+        # only what cuflash writes there: entries, their locks and interrupted temp files
+        removed, left = compiler.clear_cache(d)
+    except OSError as e:
+        raise SystemExit(f"cannot read the cache directory {d}: {e.strerror or e}") from None
+    print(f"removed {removed} kernels from {d}")
+    for line in left:
+        print(f"not removed: {line}", file=sys.stderr)
+    if left:
+        raise SystemExit(1)
 
 
 def cmd_demo(a):

@@ -157,6 +157,23 @@ def compile_variant(variant: Variant) -> Compiled:
 
 # ---------------------------------------------------------------------------------------------
 # Disk cache
+#
+# A cubin is code that runs on the GPU, and the checksum in an entry detects corruption, not
+# tampering. So the cache directory and every file used in it must belong to this user (the
+# effective uid) and be writable by no one else: a directory under /tmp or a shared
+# XDG_CACHE_HOME may have been made by another user. Anything else is refused with a warning and
+# the kernel is kept in memory; another user's file is left alone. Files are opened without
+# following a symlink and without blocking on a FIFO, and accepted only when regular; entries are
+# written to a fresh temporary file (mkstemp: O_EXCL, mode 0600) renamed into place.
+
+_ENTRY_NAME = r"[A-Za-z0-9_]+-[0-9a-f]{20}\.cubin"  # <variant name>-<key>.cubin
+_ENTRY_RE = re.compile(_ENTRY_NAME)
+_OWN_RE = re.compile(rf"{_ENTRY_NAME}(\.lock)?|\.{_ENTRY_NAME}\.[A-Za-z0-9_.]+\.tmp")  # + locks, temp files
+
+
+class _Refused(Exception):
+    """Something at a cache path that is not this user's own regular file: neither used nor replaced."""
+
 
 def cache_dir() -> Path:
     env = os.environ.get("CUFLASH_CACHE_DIR")
@@ -179,10 +196,56 @@ def cache_path(variant: Variant) -> Path:
     return cache_dir() / f"{variant.name}-{cache_key(variant)}.cubin"
 
 
-def _read_entry(path: Path) -> bytes | None:
-    """The cubin stored at ``path``, or None if absent. Corrupt entries are removed."""
+def _euid() -> int:
+    return os.geteuid()
+
+
+def _untrusted(st: os.stat_result) -> str | None:
+    """Why a file or directory with status ``st`` is not to be trusted, or None."""
+    if st.st_uid != _euid():
+        return f"owned by uid {st.st_uid}, not by this user (uid {_euid()})"
+    if st.st_mode & 0o022:
+        return f"writable by group or others (mode {st.st_mode & 0o7777:o})"
+    return None
+
+
+def cache_dir_problem(d: Path | None = None) -> str | None:
+    """Why the cache directory (``d`` or cache_dir()) is refused, or None (a missing one is fine)."""
+    import stat
     try:
-        data = path.read_bytes()
+        st = os.stat(cache_dir() if d is None else d)
+    except FileNotFoundError:
+        return None
+    return _untrusted(st) if stat.S_ISDIR(st.st_mode) else "not a directory"
+
+
+def _open_own(path: Path, flags: int) -> int:
+    """A descriptor of ``path`` (created mode 0600 with O_CREAT) if it is this user's regular file,
+    writable by no one else; _Refused otherwise. Never follows a symlink at ``path``, never blocks
+    on a FIFO there."""
+    import errno
+    import stat
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        what = {errno.ELOOP: "a symbolic link", errno.EISDIR: "a directory"}.get(e.errno)
+        if what:
+            raise _Refused(f"{path} is {what}") from None
+        raise
+    st = os.fstat(fd)
+    why = _untrusted(st) if stat.S_ISREG(st.st_mode) else "not a regular file"
+    if why:
+        os.close(fd)
+        raise _Refused(f"{path} is {why}")
+    return fd
+
+
+def _read_entry(path: Path) -> bytes | None:
+    """The cubin stored at ``path``, or None if absent. Corrupt entries are removed. _Refused if
+    something there is not this user's own regular file."""
+    try:
+        with open(_open_own(path, os.O_RDONLY), "rb") as f:
+            data = f.read()
     except FileNotFoundError:
         return None
     except OSError as e:
@@ -199,45 +262,117 @@ def _read_entry(path: Path) -> bytes | None:
 
 
 def _write_entry(path: Path, cubin: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_bytes(_MAGIC + hashlib.sha256(cubin).digest() + cubin)
-    os.replace(tmp, path)  # atomic: readers see the old entry or the whole new one
+    import tempfile
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # O_EXCL, 0600
+    try:
+        with open(fd, "wb") as f:
+            f.write(_MAGIC + hashlib.sha256(cubin).digest() + cubin)
+        os.replace(tmp, path)  # atomic: readers see the old entry or the whole new one
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 @contextlib.contextmanager
 def _file_lock(path: Path):
     import fcntl
-    with open(path, "a+b") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    fd = _open_own(path, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 _warned_dirs: set[str] = set()
 
 
+def _warn_dir(d: Path, why: str) -> None:
+    if str(d) not in _warned_dirs:
+        _warned_dirs.add(str(d))
+        warnings.warn(f"cuflash: cache directory {d} {why}; compiled kernels are kept in memory only",
+                      RuntimeWarning)
+
+
 def cubin_for(variant: Variant) -> bytes:
-    """The variant's cubin: from the disk cache, or compiled now and stored there."""
+    """The variant's cubin: from the disk cache, or compiled now and stored there. A cache
+    directory or entry that is refused or unusable leaves it in memory only, with a warning."""
     path = cache_path(variant)
-    cubin = _read_entry(path)
-    if cubin is not None:
-        return cubin
+    cubin = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with _file_lock(path.with_name(path.name + ".lock")):
-            cubin = _read_entry(path)  # another process may have built it while we waited
-            if cubin is None:
-                cubin = compile_variant(variant).cubin
-                _write_entry(path, cubin)
+        os.makedirs(path.parent, mode=0o700, exist_ok=True)
+        problem = cache_dir_problem(path.parent)
+        if problem:
+            _warn_dir(path.parent, f"is {problem}: not using it (chmod 700 a directory of your own, "
+                                    "or set CUFLASH_CACHE_DIR to one)")
+            return compile_variant(variant).cubin
+        cubin = _read_entry(path)
+        if cubin is None:
+            with _file_lock(path.with_name(path.name + ".lock")):
+                cubin = _read_entry(path)  # another process may have built it while we waited
+                if cubin is None:
+                    cubin = compile_variant(variant).cubin
+                    _write_entry(path, cubin)
         return cubin
+    except _Refused as e:
+        warnings.warn(f"cuflash: not using the cache file {e}; the kernel is kept in memory only",
+                      RuntimeWarning)
     except OSError as e:
-        if str(path.parent) not in _warned_dirs:
-            _warned_dirs.add(str(path.parent))
-            warnings.warn(f"cuflash: cache directory {path.parent} is not usable ({e}); "
-                          "compiled kernels are kept in memory only", RuntimeWarning)
-        return compile_variant(variant).cubin
+        _warn_dir(path.parent, f"is not usable ({e})")
+    return cubin if cubin is not None else compile_variant(variant).cubin
+
+
+def cache_entries(d: Path | None = None) -> list[tuple[Path, int]]:
+    """(path, size) of each entry in the cache directory (``d`` or cache_dir()): regular files
+    named as cuflash names them, nothing else. [] if there is no directory; OSError if it cannot
+    be read."""
+    import stat
+    d = cache_dir() if d is None else Path(d)
+    try:
+        names = sorted(os.listdir(d))
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        if _ENTRY_RE.fullmatch(name):
+            try:
+                st = os.lstat(d / name)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                out.append((d / name, st.st_size))
+    return out
+
+
+def clear_cache(d: Path | None = None) -> tuple[int, list[str]]:
+    """Remove cuflash's own files from the cache directory (``d`` or cache_dir()): entries, their
+    locks and interrupted temporary files, recognised by name, and only this user's (a directory or
+    another user's file of such a name stays). Returns the number of entries removed and one line
+    for each such file left in place. OSError if the directory cannot be read."""
+    import stat
+    d = cache_dir() if d is None else Path(d)
+    try:
+        names = sorted(os.listdir(d))
+    except FileNotFoundError:
+        return 0, []
+    removed, left = 0, []
+    for name in filter(_OWN_RE.fullmatch, names):
+        p = d / name
+        try:
+            st = os.lstat(p)
+            why = ("a directory" if stat.S_ISDIR(st.st_mode) else
+                   f"owned by uid {st.st_uid}" if st.st_uid != _euid() else None)
+            if why is None:
+                p.unlink()  # a symlink is removed, not followed
+                removed += name.endswith(".cubin") and stat.S_ISREG(st.st_mode)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            why = e.strerror or str(e)
+        if why:
+            left.append(f"{p} ({why})")
+    return removed, left
 
 
 # ---------------------------------------------------------------------------------------------
