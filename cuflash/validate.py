@@ -37,6 +37,12 @@ def _type(x) -> str:
     return type(x).__name__
 
 
+def show(x) -> str:
+    """repr(x) on one line and at most 80 characters (arrays print over several)."""
+    text = " ".join(repr(x).split())
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 # ---------------------------------------------------------------------------------------------
 # Arrays
 
@@ -220,7 +226,7 @@ def int32_vector(x, name, length, q):
     if v.dtype != "int32":
         raise TypeError(f"{name} must be int32, got {v.dtype}")
     if tuple(v.shape) != (length,):
-        raise ValueError(f"{name} must have shape ({length},), got {shape_str(v)}")
+        raise ValueError(f"{name} must have shape (batch,) = ({length},), got {shape_str(v)}")
     if len(v.strides) and length > 1 and v.strides[0] != 1:
         raise ValueError(f"{name} must be contiguous, got strides {tuple(v.strides)}")
     same_place(("q", q), (name, v))
@@ -349,10 +355,10 @@ def scale(softmax_scale, d):
 def window(window_size):
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or not all(_is_int(w) for w in window_size)):
-        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {show(window_size)}")
     left, right = (int(w) for w in window_size)
     if left < -1 or right < -1:
-        raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded; got {window_size!r}")
+        raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded; got {show(window_size)}")
     return (left, right)
 
 
@@ -376,9 +382,9 @@ class Shape:
 
     def __init__(self, shape, dtype, name):
         if not all(_is_int(s) for s in shape):
-            raise TypeError(f"{name} must be an array or a shape tuple of ints, got {tuple(shape)!r}")
+            raise TypeError(f"{name} must be an array or a shape tuple of ints, got {show(tuple(shape))}")
         if any(s < 0 for s in shape):
-            raise ValueError(f"{name} must have sizes >= 0, got {tuple(shape)!r}")
+            raise ValueError(f"{name} must have sizes >= 0, got {show(tuple(shape))}")
         self.shape = tuple(int(s) for s in shape)
         self.dtype = dtype
         self.strides = tuple(math.prod(self.shape[i + 1:]) for i in range(len(self.shape)))
@@ -413,9 +419,10 @@ NO_MODS = ((-1, -1), 0.0, None, 0)
 def mods(window_size, cap, alibi_slopes, batch, nheads, q, scale_):
     """Window, softcap and ALiBi arguments -> (window, softcap, alibi view, alibi batch stride);
     ``scale_`` is the checked softmax scale."""
-    if (alibi_slopes is None and type(window_size) is tuple and window_size == (-1, -1)
-            and type(cap) is float and cap == 0.0):
-        return NO_MODS  # the defaults (the common case, kept cheap)
+    if (alibi_slopes is None and type(cap) is float and cap == 0.0 and type(window_size) is tuple
+            and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int
+            and window_size == (-1, -1)):
+        return NO_MODS  # the defaults (the common case, kept cheap; == only on ints)
     w = window(window_size)
     c = softcap(cap, scale_)
     a, a_sb = alibi(alibi_slopes, batch, nheads, q)
@@ -427,21 +434,21 @@ def mods(window_size, cap, alibi_slopes, batch, nheads, q, scale_):
 
 def dtype_name(dtype):
     if not isinstance(dtype, str) or dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
+        raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {show(dtype)}")
     return dtype
 
 
 def heuristic(h):
     if not isinstance(h, str):
-        raise TypeError(f"heuristic must be 'cuflash' or 'fa2', got {h!r}")
+        raise TypeError(f"heuristic must be 'cuflash' or 'fa2', got {show(h)}")
     if h not in ("cuflash", "fa2"):
-        raise ValueError(f"heuristic must be 'cuflash' or 'fa2', got {h!r}")
+        raise ValueError(f"heuristic must be 'cuflash' or 'fa2', got {show(h)}")
     return h
 
 
 def num_sms(n):
     if not _is_int(n) or n < 1:
-        raise ValueError(f"num_sms must be a positive int, got {n!r}")
+        raise ValueError(f"num_sms must be a positive int, got {show(n)}")
     return int(n)
 
 
@@ -457,5 +464,5 @@ def arch(a) -> int:
         if 80 <= cc <= 999:
             return cc
         raise ValueError(f"arch must be 80 (sm_80) or newer: cuflash's kernels need compute capability "
-                         f"8.0+, got {a!r}")
-    raise ValueError(f"arch must look like 'sm_90' or 90, got {a!r}")
+                         f"8.0+, got {show(a)}")
+    raise ValueError(f"arch must look like 'sm_90' or 90, got {show(a)}")
