@@ -39,7 +39,7 @@ def _type(x) -> str:
 
 def show(x) -> str:
     """repr(x) on one line and at most 80 characters (arrays print over several)."""
-    text = " ".join(repr(x).split())
+    text = " ".join((str(x) if isinstance(x, numbers.Number) else repr(x)).split())
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -331,7 +331,10 @@ def num_splits(n):
 def _real(x, name):
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {_type(x)}")
-    return float(x)
+    try:
+        return float(x)
+    except OverflowError:  # an int beyond any float
+        return math.inf
 
 
 def _f32_normal(x: float) -> bool:
@@ -345,10 +348,10 @@ def scale(softmax_scale, d):
         return d ** -0.5
     s = _real(softmax_scale, "softmax_scale")
     if not math.isfinite(s) or s <= 0:
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+        raise ValueError(f"softmax_scale must be a positive finite number, got {show(softmax_scale)}")
     if not (_f32_normal(s) and _f32_normal(s * _LOG2E)):
         raise ValueError("softmax_scale must be a positive finite number in float32's normal range "
-                         f"(the kernels compute in float32), got {softmax_scale}")
+                         f"(the kernels compute in float32), got {show(softmax_scale)}")
     return s
 
 
@@ -367,13 +370,13 @@ def softcap(cap, scale_):
     multiply by softcap (times log2(e)) in float32, so each of those must be a normal float32."""
     c = _real(cap, "softcap")
     if not math.isfinite(c) or c < 0:
-        raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {cap}")
+        raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {show(cap)}")
     if c > 0 and not all(_f32_normal(x) for x in (c, c * _LOG2E, 1 / c)):
         raise ValueError("softcap must be 0 or in float32's normal range (the kernels compute in "
-                         f"float32), got {cap}")
+                         f"float32), got {show(cap)}")
     if c > 0 and not _f32_normal(scale_ / c):
         raise ValueError("softmax_scale / softcap must be in float32's normal range (the kernels "
-                         f"compute tanh(score * softmax_scale / softcap) in float32), got {scale_} / {cap}")
+                         f"compute tanh(score * softmax_scale / softcap) in float32), got {show(scale_)} / {show(cap)}")
     return c
 
 
@@ -447,8 +450,11 @@ def heuristic(h):
 
 
 def num_sms(n):
+    """A GPU's SM count (cuflash.plan's target): a positive int, at most 2**16."""
     if not _is_int(n) or n < 1:
         raise ValueError(f"num_sms must be a positive int, got {show(n)}")
+    if n > 2**16:
+        raise ValueError(f"num_sms must be at most 65536 (an SM count), got {show(n)}")
     return int(n)
 
 

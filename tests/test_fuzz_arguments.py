@@ -40,7 +40,7 @@ def view(shape, dtype="float16", device=0, framework="cupy", strides=None, ptr=1
 
 # Hostile values: wrong types, NaN/inf, huge and negative ints, lists, NumPy scalars and arrays,
 # strings, None, bools for ints (some are valid for some arguments: those calls pass validation).
-SCALARS = [None, True, False, np.bool_(False), 0, 1, -1, 7, 129, 2**31, 2**63, -2**40, 0.0, -0.0, 1.5,
+SCALARS = [None, True, False, np.bool_(False), 0, 1, -1, 7, 129, 2**31, 2**63, -2**40, 10**400, 0.0, -0.0, 1.5,
            1e-46, 1e-39, 1e39, float("nan"), float("inf"), -float("inf"), np.float32("nan"), np.float64(0.1),
            np.int64(2), np.int32(-2), np.array(0.1), np.array(True), np.array([1, 2]), "", "2", "no",
            "sm_90", b"1", [], [0.1], [2], (1, 2, 3), (True, 0), (0.5, 1), (-5, 0), (2**40, -1), (3, 0), {},
@@ -124,7 +124,7 @@ INVALID = {
     "window_size": lambda x: not (isinstance(x, (tuple, list)) and len(x) == 2
                                   and all(_int(w) and w >= -1 for w in x)),
     "heuristic": lambda x: not (isinstance(x, str) and x in ("cuflash", "fa2")),
-    "num_sms": lambda x: x is not None and not (_int(x) and x >= 1),
+    "num_sms": lambda x: x is not None and not (_int(x) and 1 <= x <= 2**16),
     "dtype": lambda x: not (isinstance(x, str) and x in ("float16", "bfloat16")),
     "max_seqlen_q": lambda x: not (_int(x) and x >= 0), "max_seqlen_k": lambda x: not (_int(x) and x >= 0),
 }
