@@ -15,6 +15,12 @@ PRESETS = {
 }
 
 
+def _fail(message: str, code: int = 1):
+    """Exit with ``message`` as one line on stderr."""
+    print(message, file=sys.stderr)
+    raise SystemExit(code)
+
+
 def _gpu_error() -> str | None:
     try:
         import cupy
@@ -78,7 +84,7 @@ def _arch_of(a) -> int:
         return validate.arch(a.arch)
     err = _gpu_error()
     if err:
-        raise SystemExit(f"cuflash: error: no GPU here ({err}); pass --arch sm_90 (or sm_80) to compile offline")
+        _fail(f"cuflash: error: no GPU here ({err}); pass --arch sm_90 (or sm_80) to compile offline")
     import cupy
     return int(cupy.cuda.Device().compute_capability)
 
@@ -181,7 +187,7 @@ def cmd_bench(a):
     try:
         bench._torch()
     except RuntimeError as e:  # no PyTorch, or no CUDA device for it
-        raise SystemExit(f"cuflash: error: {e}") from None
+        _fail(f"cuflash: error: {e}")
     if a.kind == "prefill":
         rows = bench.bench_prefill(quick=a.quick)
     elif a.kind == "window":
@@ -273,10 +279,9 @@ def main(argv=None):
     try:
         command(a)
     except (ValueError, TypeError) as e:  # the library's argument checks: one line, no traceback
-        raise SystemExit(f"cuflash: error: {' '.join(str(e).split())}") from None
+        _fail(f"cuflash: error: {' '.join(str(e).split())}")
     except KeyboardInterrupt:
-        print("cuflash: interrupted", file=sys.stderr)
-        raise SystemExit(130) from None
+        _fail("cuflash: interrupted", 130)
 
 
 if __name__ == "__main__":

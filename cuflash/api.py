@@ -462,8 +462,10 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     """The plan ``attention(q, k, v, ...)`` would run: kernels, tiles, grids, splits and why.
 
     q, k, v may be arrays (any framework, NumPy included) or shape tuples (then ``dtype`` gives
-    the element type). ``num_sms``/``arch`` describe the target GPU; without them the current
-    GPU is asked. Works on machines with no GPU when ``num_sms`` is given. ``heuristic``:
+    the element type). ``num_sms``/``arch`` describe the target GPU (``arch``: 80, "sm_80", 90,
+    "sm_90", "sm_90a", ...; 8.0 or newer); without them the current GPU is asked. Works on
+    machines with no GPU when ``num_sms`` is given. A call with nothing to compute (batch,
+    seqlen_q or nheads 0) gives a plan that launches nothing. ``heuristic``:
     "cuflash" (default; decode splits tuned for cuflash's kernels) or "fa2" (FlashAttention-2's
     ``num_splits_heuristic``, to see what FA2 would do). ``window_size``, ``softcap`` and
     ``alibi_slopes`` (an array, a shape tuple, or True) are those of :func:`attention`.

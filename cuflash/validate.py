@@ -37,6 +37,12 @@ def _type(x) -> str:
     return type(x).__name__
 
 
+def show(x) -> str:
+    """repr(x) on one line and at most 80 characters (arrays print over several)."""
+    text = " ".join((str(x) if isinstance(x, numbers.Number) else repr(x)).split())
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 # ---------------------------------------------------------------------------------------------
 # Arrays
 
@@ -220,7 +226,7 @@ def int32_vector(x, name, length, q):
     if v.dtype != "int32":
         raise TypeError(f"{name} must be int32, got {v.dtype}")
     if tuple(v.shape) != (length,):
-        raise ValueError(f"{name} must have shape ({length},), got {shape_str(v)}")
+        raise ValueError(f"{name} must have shape (batch,) = ({length},), got {shape_str(v)}")
     if len(v.strides) and length > 1 and v.strides[0] != 1:
         raise ValueError(f"{name} must be contiguous, got strides {tuple(v.strides)}")
     same_place(("q", q), (name, v))
@@ -325,7 +331,10 @@ def num_splits(n):
 def _real(x, name):
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {_type(x)}")
-    return float(x)
+    try:
+        return float(x)
+    except OverflowError:  # an int beyond any float
+        return math.inf
 
 
 def _f32_normal(x: float) -> bool:
@@ -339,20 +348,20 @@ def scale(softmax_scale, d):
         return d ** -0.5
     s = _real(softmax_scale, "softmax_scale")
     if not math.isfinite(s) or s <= 0:
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+        raise ValueError(f"softmax_scale must be a positive finite number, got {show(softmax_scale)}")
     if not (_f32_normal(s) and _f32_normal(s * _LOG2E)):
         raise ValueError("softmax_scale must be a positive finite number in float32's normal range "
-                         f"(the kernels compute in float32), got {softmax_scale}")
+                         f"(the kernels compute in float32), got {show(softmax_scale)}")
     return s
 
 
 def window(window_size):
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or not all(_is_int(w) for w in window_size)):
-        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {show(window_size)}")
     left, right = (int(w) for w in window_size)
     if left < -1 or right < -1:
-        raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded; got {window_size!r}")
+        raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded; got {show(window_size)}")
     return (left, right)
 
 
@@ -361,13 +370,13 @@ def softcap(cap, scale_):
     multiply by softcap (times log2(e)) in float32, so each of those must be a normal float32."""
     c = _real(cap, "softcap")
     if not math.isfinite(c) or c < 0:
-        raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {cap}")
+        raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {show(cap)}")
     if c > 0 and not all(_f32_normal(x) for x in (c, c * _LOG2E, 1 / c)):
         raise ValueError("softcap must be 0 or in float32's normal range (the kernels compute in "
-                         f"float32), got {cap}")
+                         f"float32), got {show(cap)}")
     if c > 0 and not _f32_normal(scale_ / c):
         raise ValueError("softmax_scale / softcap must be in float32's normal range (the kernels "
-                         f"compute tanh(score * softmax_scale / softcap) in float32), got {scale_} / {cap}")
+                         f"compute tanh(score * softmax_scale / softcap) in float32), got {show(scale_)} / {show(cap)}")
     return c
 
 
@@ -376,9 +385,9 @@ class Shape:
 
     def __init__(self, shape, dtype, name):
         if not all(_is_int(s) for s in shape):
-            raise TypeError(f"{name} must be an array or a shape tuple of ints, got {tuple(shape)!r}")
+            raise TypeError(f"{name} must be an array or a shape tuple of ints, got {show(tuple(shape))}")
         if any(s < 0 for s in shape):
-            raise ValueError(f"{name} must have sizes >= 0, got {tuple(shape)!r}")
+            raise ValueError(f"{name} must have sizes >= 0, got {show(tuple(shape))}")
         self.shape = tuple(int(s) for s in shape)
         self.dtype = dtype
         self.strides = tuple(math.prod(self.shape[i + 1:]) for i in range(len(self.shape)))
@@ -413,9 +422,10 @@ NO_MODS = ((-1, -1), 0.0, None, 0)
 def mods(window_size, cap, alibi_slopes, batch, nheads, q, scale_):
     """Window, softcap and ALiBi arguments -> (window, softcap, alibi view, alibi batch stride);
     ``scale_`` is the checked softmax scale."""
-    if (alibi_slopes is None and type(window_size) is tuple and window_size == (-1, -1)
-            and type(cap) is float and cap == 0.0):
-        return NO_MODS  # the defaults (the common case, kept cheap)
+    if (alibi_slopes is None and type(cap) is float and cap == 0.0 and type(window_size) is tuple
+            and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int
+            and window_size == (-1, -1)):
+        return NO_MODS  # the defaults (the common case, kept cheap; == only on ints)
     w = window(window_size)
     c = softcap(cap, scale_)
     a, a_sb = alibi(alibi_slopes, batch, nheads, q)
@@ -427,21 +437,24 @@ def mods(window_size, cap, alibi_slopes, batch, nheads, q, scale_):
 
 def dtype_name(dtype):
     if not isinstance(dtype, str) or dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
+        raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {show(dtype)}")
     return dtype
 
 
 def heuristic(h):
     if not isinstance(h, str):
-        raise TypeError(f"heuristic must be 'cuflash' or 'fa2', got {h!r}")
+        raise TypeError(f"heuristic must be 'cuflash' or 'fa2', got {show(h)}")
     if h not in ("cuflash", "fa2"):
-        raise ValueError(f"heuristic must be 'cuflash' or 'fa2', got {h!r}")
+        raise ValueError(f"heuristic must be 'cuflash' or 'fa2', got {show(h)}")
     return h
 
 
 def num_sms(n):
+    """A GPU's SM count (cuflash.plan's target): a positive int, at most 2**16."""
     if not _is_int(n) or n < 1:
-        raise ValueError(f"num_sms must be a positive int, got {n!r}")
+        raise ValueError(f"num_sms must be a positive int, got {show(n)}")
+    if n > 2**16:
+        raise ValueError(f"num_sms must be at most 65536 (an SM count), got {show(n)}")
     return int(n)
 
 
@@ -457,5 +470,5 @@ def arch(a) -> int:
         if 80 <= cc <= 999:
             return cc
         raise ValueError(f"arch must be 80 (sm_80) or newer: cuflash's kernels need compute capability "
-                         f"8.0+, got {a!r}")
-    raise ValueError(f"arch must look like 'sm_90' or 90, got {a!r}")
+                         f"8.0+, got {show(a)}")
+    raise ValueError(f"arch must look like 'sm_90' or 90, got {show(a)}")

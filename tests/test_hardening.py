@@ -4,6 +4,7 @@ anything is allocated, or gives the promised result. No GPU needed: hand-made de
 in for device arrays, and reaching an allocation or launch fails the call (conftest's
 fake_views)."""
 import os
+import subprocess
 import sys
 import time
 
@@ -269,6 +270,15 @@ def test_cli_errors_are_one_line(capsys, argv, fragment):
     code, out, err = run_cli(capsys, *argv)
     assert code != 0 and out == ""
     assert err.count("\n") == 1 and err.startswith("cuflash: error: ") and fragment in err, err
+
+
+def test_cli_error_in_a_real_process():
+    """No traceback and exit code 1 from ``python -m cuflash`` itself (this checkout's package)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-m", "cuflash", "explain", "--nheads", "7", "--nheads-k", "3"],
+                       cwd=root, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stdout == ""
+    assert p.stderr == "cuflash: error: nheads (7) must be divisible by nheads_k (3)\n"
 
 
 @pytest.mark.parametrize("argv,fragment", [
