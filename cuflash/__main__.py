@@ -78,21 +78,19 @@ def cmd_info(a):
         print(f"cache: {d}  (not readable: {e.strerror or e})")
 
 
-def _arch_of(a) -> int:
+def _archs_of(a) -> list[int]:
     from cuflash import validate
     if a.arch:
-        return validate.arch(a.arch)
+        return list(dict.fromkeys(validate.arch(x) for x in a.arch))
     err = _gpu_error()
     if err:
         _fail(f"cuflash: error: no GPU here ({err}); pass --arch sm_90 (or sm_80) to compile offline")
     import cupy
-    return int(cupy.cuda.Device().compute_capability)
+    return [int(cupy.cuda.Device().compute_capability)]
 
 
-def cmd_warmup(a):
-    from cuflash import compiler
+def _selected(a, arch: int) -> list:
     from cuflash.kernels import all_variants, head_dim_bucket
-    arch = _arch_of(a)
     variants = all_variants(arch, families=a.family or ("fwd", "combine", "append", "bwd"))
     dims = set()
     if a.preset:
@@ -105,18 +103,61 @@ def cmd_warmup(a):
     if a.dtype:
         want = {"bfloat16": "bf16", "float16": "fp16"}[a.dtype]
         variants = [v for v in variants if getattr(v, "dtype", want) == want]
-    t0 = time.perf_counter()
+    return variants
 
-    def progress(i, n, v):
-        bar = "#" * (30 * i // n)
-        print(f"\r[{bar:<30}] {i}/{n} {v.name:<60}", end="", flush=True)
 
-    try:
-        compiled, cached = compiler.warmup(variants, progress=progress)
-    finally:
-        print()  # ends the progress line
-    print(f"compiled {len(compiled)} kernels" + (f" ({len(cached)} already cached)" if cached else "")
-          + f" for sm_{arch} in {time.perf_counter() - t0:.1f} s into {compiler.cache_dir()}")
+def _progress(i, n, v):
+    bar = "#" * (30 * i // n)
+    print(f"\r[{bar:<30}] {i}/{n} {v.name:<60}", end="", flush=True)
+
+
+def _check(variants) -> list[str]:
+    """Compile each variant afresh (NVRTC, no disk cache) and return what ptxas reports wrong:
+    spills, a stack frame, more than 255 registers."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+    from cuflash import compiler
+    bad = []
+    compiler.compile_variant(variants[0])  # alone first: NVRTC loads its builtins then
+    with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as ex:
+        futures = {ex.submit(compiler.compile_variant, v): v for v in variants}
+        try:
+            for i, f in enumerate(as_completed(futures), 1):
+                v, r = futures[f], f.result().resources
+                if r.spill_stores or r.spill_loads or r.stack_bytes or not 0 < r.registers <= 255:
+                    bad.append(f"{v.name}: {r}")
+                _progress(i, len(variants), v)
+        except BaseException:
+            ex.shutdown(wait=False, cancel_futures=True)
+            raise
+    return bad
+
+
+def cmd_warmup(a):
+    from cuflash import compiler
+    if a.all and (a.preset or a.head_dim or a.dtype or a.family):
+        _fail("cuflash: error: --all compiles every variant: leave out --preset, --head-dim, --dtype and --family")
+    for arch in _archs_of(a):
+        variants = _selected(a, arch)
+        t0 = time.perf_counter()
+        try:
+            if a.check:
+                bad = _check(variants)
+            else:
+                compiled, cached = compiler.warmup(variants, progress=_progress)
+        finally:
+            print()  # ends the progress line
+        took = time.perf_counter() - t0
+        if a.check:
+            print(f"checked {len(variants)} kernels for sm_{arch} in {took:.1f} s: "
+                  + ("no spills, no stack, at most 255 registers" if not bad else f"{len(bad)} with problems"))
+            for line in bad:
+                print("  " + line)
+            if bad:
+                raise SystemExit(1)
+        else:
+            print(f"compiled {len(compiled)} kernels" + (f" ({len(cached)} already cached)" if cached else "")
+                  + f" for sm_{arch} in {took:.1f} s into {compiler.cache_dir()}")
 
 
 def cmd_cache(a):
@@ -256,7 +297,10 @@ def main(argv=None):
     sub.add_parser("info", help="GPU, versions and cache")
 
     w = sub.add_parser("warmup", help="precompile kernels into the disk cache")
-    w.add_argument("--arch", help="e.g. sm_90 or sm_80; needed when there is no GPU")
+    w.add_argument("--arch", action="append", help="e.g. sm_90 or sm_80 (repeatable); needed when there is no GPU")
+    w.add_argument("--all", action="store_true", help="every variant of every family (the default selection)")
+    w.add_argument("--check", action="store_true",
+                   help="compile afresh (no disk cache) and fail on register spills, stack or > 255 registers")
     w.add_argument("--preset", choices=sorted(PRESETS))
     w.add_argument("--head-dim", type=HEAD_DIM, nargs="+")
     w.add_argument("--dtype", choices=["bfloat16", "float16"])

@@ -15,11 +15,11 @@ import pytest
 
 from cuflash import compiler
 from cuflash.__main__ import main
-from cuflash.codegen import Variant
+from cuflash.kernels.combine import CombineVariant
 
 ELF = b"\x7fELF"
-V = Variant("combine", 32, "fp16", arch=80)  # compiles in a fraction of a second
-W = Variant("combine", 64, "fp16", arch=80)
+V = CombineVariant(head_dim=32, dtype="fp16", arch=80)  # compiles in a fraction of a second
+W = CombineVariant(head_dim=64, dtype="fp16", arch=80)
 POISON = b"\x7fELF not a kernel: planted by another user"
 
 
