@@ -37,7 +37,8 @@ def cmd_explain(a):
     for sk in sks:
         q, kv = (a.batch, a.seqlen_q, h, d), (a.batch, sk, hk, d)
         p = cuflash.plan(q, kv, kv, causal=not a.no_causal, num_sms=a.num_sms, arch=a.arch,
-                         num_splits=a.num_splits, dtype=a.dtype, heuristic=a.heuristic)
+                         num_splits=a.num_splits, dtype=a.dtype, heuristic=a.heuristic,
+                         backward=a.backward, deterministic=a.deterministic)
         label = f"{a.preset}: " if a.preset else ""
         if a.seqlen_k is None:
             label += f"{a.prompt}-token prompt + {sk - a.prompt} new tokens (seqlen_k={sk})"
@@ -293,6 +294,8 @@ def main(argv=None):
                    help="split rule: cuflash's own (default) or FlashAttention-2's")
     e.add_argument("--num-sms", type=_int_in(1), default=132, help="SM count (132: H100/H200 SXM)")
     e.add_argument("--arch", default="sm_90")
+    e.add_argument("--backward", action="store_true", help="the backward pass's plan")
+    e.add_argument("--deterministic", action="store_true", help="with --backward: dQ without atomics")
 
     sub.add_parser("info", help="GPU, versions and cache")
 

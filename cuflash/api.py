@@ -14,7 +14,7 @@ import numpy as np
 
 from . import arrays, launch
 from . import validate
-from .plan import DeviceFacts, Problem, empty_plan, make_plan
+from .plan import DeviceFacts, Problem, empty_plan, make_backward_plan, make_plan
 
 # validate.aligned and validate.batched are used by the launch paths here and in backward.py
 _aligned, _batched = validate.aligned, validate.batched
@@ -458,8 +458,9 @@ def _plan_operands(q, k, v, dtype):
 
 def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_splits=0,
          heuristic="cuflash", num_sms=None, arch=None, dtype="bfloat16", window_size=(-1, -1),
-         softcap=0.0, alibi_slopes=None):
-    """The plan ``attention(q, k, v, ...)`` would run: kernels, tiles, grids, splits and why.
+         softcap=0.0, alibi_slopes=None, backward=False, deterministic=False):
+    """The plan ``attention(q, k, v, ...)`` would run: kernels, tiles, grids, splits and why; with
+    ``backward=True``, the plan of its backward (``attention_backward(..., deterministic=...)``).
 
     q, k, v may be arrays (any framework, NumPy included) or shape tuples (then ``dtype`` gives
     the element type). ``num_sms``/``arch`` describe the target GPU (``arch``: 80, "sm_80", 90,
@@ -478,6 +479,8 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     return_lse = validate.boolean(return_lse, "return_lse")
     num_splits = validate.num_splits(num_splits)
     heuristic = validate.heuristic(heuristic)
+    backward = validate.boolean(backward, "backward")
+    deterministic = validate.boolean(deterministic, "deterministic")
     b, sq, h, d = qv.shape
     if alibi_slopes is True or isinstance(alibi_slopes, (tuple, list)):
         alibi_slopes = validate.Shape((h,) if alibi_slopes is True else alibi_slopes, "float32", "alibi_slopes")
@@ -490,5 +493,8 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
         facts = DeviceFacts(validate.num_sms(num_sms), arch or 90)
     problem = Problem(b, sq, kv.shape[1], h, kv.shape[2], -(-d // 8) * 8,
                       arrays.DTYPE_NAMES[qv.dtype], causal, return_lse, num_splits,
-                      heuristic, window=window, softcap=cap > 0, alibi=alibi is not None)
+                      heuristic, window=window, softcap=cap > 0, alibi=alibi is not None,
+                      deterministic=deterministic)
+    if backward:
+        return empty_plan(problem, facts) or make_backward_plan(problem, facts)
     return empty_plan(problem, facts) or make_plan(problem, facts)

@@ -231,3 +231,22 @@ def test_qwen_explain_defaults_agree_with_fa2_on_the_motivating_question():
 def test_unknown_heuristic_rejected():
     with pytest.raises(ValueError, match="heuristic must be 'cuflash' or 'fa2'"):
         qwen_decode(552, heuristic="other")
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_plan_names_its_kernels_and_why(deterministic):
+    """cuflash.plan(..., backward=True) plans the backward: prep, dK/dV (wgmma on sm_90 at d=128,
+    mma.sync on sm_80), and atomic dQ + convert or the deterministic dQ kernel."""
+    import cuflash
+    for arch, mma in ((90, "_wgmma_"), (80, "_dpred_m")):
+        p = cuflash.plan((2, 1000, 16, 128), (2, 1000, 4, 128), (2, 1000, 4, 128), causal=True, num_sms=132,
+                         arch=arch, backward=True, deterministic=deterministic)
+        assert p.backward and str(p).startswith("cuflash backward plan:")
+        kinds = [l.variant.kind for l in p.launches]
+        assert kinds == (["bwd_prep", "bwd_dkdv", "bwd_dq"] if deterministic
+                         else ["bwd_prep", "bwd_dkdv_dq", "bwd_convert"])
+        assert mma in p.launches[1].name and f"deterministic={deterministic}" in str(p)
+        assert p.launches[1].grid == (8, 4, 2)  # 1000 keys in blocks of 128, KV heads, batch
+        assert ("bitwise repeatable" in p.reason) == deterministic
+    with pytest.raises(TypeError, match="backward must be a bool"):
+        cuflash.plan((1, 8, 2, 64), (1, 8, 2, 64), (1, 8, 2, 64), num_sms=132, backward="yes")
