@@ -22,6 +22,7 @@ from .params import ParamTable
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
 DTYPES = ("fp16", "bf16")
 MIN_ARCH = 80  # cp.async and mma.sync with bf16
+MMAS = ("sync", "wgmma")  # warp-level mma.sync, or Hopper's warpgroup wgmma (sm_90a)
 
 
 def head_dim_bucket(d: int) -> int:
@@ -49,6 +50,18 @@ class KernelVariant:
             raise ValueError(f"head_dim must be one of {HEAD_DIM_BUCKETS}, got {self.head_dim!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    def _check_tile(self):
+        """A tiled attention kernel's choices: a known product, a mask that is causal or local
+        (not both), and a positive tile."""
+        if self.mma not in MMAS:
+            raise ValueError(f"mma must be one of {MMAS}, got {self.mma!r}")
+        if self.local and self.causal:
+            raise ValueError("a local variant carries the causal bound as its window's right edge: "
+                             "causal must be False")
+        for f in ("block_m", "block_n", "warps", "stages"):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+                raise ValueError(f"{f} must be a positive int, got {getattr(self, f)!r}")
 
     @functools.cached_property
     def name(self) -> str:

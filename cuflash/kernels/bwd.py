@@ -16,12 +16,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from . import HEAD_DIM_BUCKETS, KernelVariant, tile_name
+from . import HEAD_DIM_BUCKETS, MMAS, KernelVariant, tile_name
 from .params import ParamTable, strides
 
 ROW_KINDS = ("bwd_prep", "bwd_convert")
 TILE_KINDS = ("bwd_dkdv", "bwd_dkdv_dq", "bwd_dq")
-MMAS = ("sync", "wgmma")
 
 # dK/dV kernel tiles per head-dim bucket: (block_m query rows per step, block_n keys per block,
 # warps, Q/dO stages, mma). In the mma.sync kernel every warp owns 16 keys (two warps share them
@@ -175,14 +174,7 @@ class BwdTileVariant(KernelVariant):
         if self.kind not in TILE_KINDS:
             raise ValueError(f"kind must be one of {TILE_KINDS}, got {self.kind!r}")
         self._check_head_dim_dtype()
-        if self.mma not in MMAS:
-            raise ValueError(f"mma must be one of {MMAS}, got {self.mma!r}")
-        if self.local and self.causal:
-            raise ValueError("a local variant carries the causal bound as its window's right edge: "
-                             "causal must be False")
-        for f in ("block_m", "block_n", "warps", "stages"):
-            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
-                raise ValueError(f"{f} must be a positive int, got {getattr(self, f)!r}")
+        self._check_tile()
         if self.mma == "wgmma" and not (
                 self.arch == 90 and self.kind in ("bwd_dkdv", "bwd_dkdv_dq") and not (self.softcap or self.alibi)
                 and (self.block_n, self.warps, self.stages) == (128, 8, 2)

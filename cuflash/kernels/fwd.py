@@ -14,7 +14,6 @@ from .params import ParamTable, strides
 
 KINDS = ("fwd", "fwd_split")
 KV_SOURCES = ("dense", "cache", "paged")
-MMAS = ("sync", "wgmma")
 
 # Standard kernel tiles per head-dim bucket (FA2 kernel_traits style), tuned on an H200
 # (scripts/tune_tiles.py).
@@ -129,14 +128,7 @@ class FwdVariant(KernelVariant):
         self._check_head_dim_dtype()
         if self.kv not in KV_SOURCES:
             raise ValueError(f"kv must be one of {KV_SOURCES}, got {self.kv!r}")
-        if self.mma not in MMAS:
-            raise ValueError(f"mma must be one of {MMAS}, got {self.mma!r}")
-        if self.local and self.causal:
-            raise ValueError("a local variant carries the causal bound as its window's right edge: "
-                             "causal must be False")
-        for f in ("block_m", "block_n", "warps", "stages"):
-            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
-                raise ValueError(f"{f} must be a positive int, got {getattr(self, f)!r}")
+        self._check_tile()
         if self.block_m % 16 or self.block_n % 16 or (self.block_m > 16 and self.block_m % (16 * self.warps)):
             raise ValueError(f"block_m must be 16 or a multiple of 16 * warps and block_n a multiple of 16, "
                              f"got {self.block_m}x{self.block_n} with {self.warps} warps")
