@@ -18,6 +18,19 @@ from .kernels.fwd import (DECODE_BLOCK_M, DECODE_MAX_ROWS, DECODE_WARPS, SPLIT_B
 
 DECODE_WIDE_SPLITS = 16  # more splits than this need four K/V tiles each (the merge's cost)
 MAX_SPLITS = 128
+MAX_GRID_X, MAX_GRID_YZ = 2**31 - 1, 65535  # CUDA's grid limits
+
+
+def check_grids(launches) -> None:
+    """Raise a ValueError naming the sizes when a launch's grid is beyond CUDA's limits (x < 2^31,
+    y and z <= 65535: y counts heads, z batch x splits), before anything is allocated."""
+    for l in launches:
+        x, y, z = l.grid
+        if x > MAX_GRID_X or y > MAX_GRID_YZ or z > MAX_GRID_YZ:
+            raise ValueError(f"{l.name} would launch a grid of {l.grid} blocks; CUDA allows at most "
+                             f"({MAX_GRID_X}, {MAX_GRID_YZ}, {MAX_GRID_YZ}): the grid's y is the number of "
+                             "heads (KV heads for decode), z the batch (times num_splits); use fewer heads, "
+                             "a smaller batch or fewer splits per call")
 
 
 @dataclass(frozen=True)
@@ -228,7 +241,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         # split's partials: 28/4 heads, 4k keys ran 13.7 us at 32 splits, 12.3 us at 16).
         per_sm = dev.num_sms // d_work
         per_tiles = max(d_blocks // 4, min(d_blocks // 2, DECODE_WIDE_SPLITS))
-        splits = max(1, min(per_sm, per_tiles, MAX_SPLITS))
+        splits = max(1, min(per_sm, per_tiles, MAX_SPLITS, MAX_GRID_YZ // p.batch))
         splits = cdiv(d_blocks, cdiv(d_blocks, splits))  # fewest splits with the same tiles per split
         why.append(f"decode: {d_work} block(s) of {DECODE_BLOCK_M} query rows on {dev.num_sms} SMs and "
                    f"{d_blocks} K/V tiles of {dbn} keys; splits are capped by one block per SM "
@@ -237,7 +250,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                    + (f"{splits} splits" if splits > 1 else "no split")
                    + f" (FA2's rule would pick {fa2_splits}: heuristic='fa2').")
     else:
-        splits, table = num_splits_heuristic(work, slots, n_blocks)
+        splits, table = num_splits_heuristic(work, slots, n_blocks, max(1, min(MAX_SPLITS, MAX_GRID_YZ // p.batch)))
         head = (f"batch*heads*m_blocks = {p.batch}*{nh}*{m_blocks} = {work} blocks of 64 query rows "
                 f"against {slots} slots (2 per SM x {dev.num_sms} SMs)")
         if not table:
@@ -292,6 +305,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                    + "; the partial outputs are merged by log-sum-exp: by the last split of each "
                    "query block (combine fused into the split kernel), or by the combine kernel "
                    "where no counter buffer can be made (a first call inside a CUDA graph capture).")
+    check_grids(launches)
     return Plan(p, dev, tuple(launches), max(splits, 1), nbps, pack, sq, nh, ng, causal, window,
                 workspace, table, " ".join(why))
 
@@ -339,6 +353,7 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     else:
         why.append("deterministic=False: the dK/dV kernel also adds dQ = dS K into an fp32 accumulator with "
                    "atomics (the order of additions varies), and bwd_convert scales it into the input dtype.")
+    check_grids(launches)
     return Plan(p, dev, launches, 1, 0, False, sq, p.nheads, p.nheads // p.nheads_k, causal, window, workspace,
                 (), " ".join(why), backward=True)
 
