@@ -237,8 +237,8 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         dbn = decode_tile(bucket)[1]
         d_blocks = band_tiles(DECODE_BLOCK_M, window, p.seqlen_q, p.seqlen_k, dbn)
         d_work = p.batch * nh * cdiv(sq, DECODE_BLOCK_M)
-        # At least two tiles per split; beyond 16 splits at least four (the merge reads every
-        # split's partials: 28/4 heads, 4k keys ran 13.7 us at 32 splits, 12.3 us at 16).
+        # At least two tiles per split; beyond 16 splits at least four: the merge reads every
+        # split's partials, so more splits must each bring more keys (BENCHMARKS.md, decode splits).
         per_sm = dev.num_sms // d_work
         per_tiles = max(d_blocks // 4, min(d_blocks // 2, DECODE_WIDE_SPLITS))
         splits = max(1, min(per_sm, per_tiles, MAX_SPLITS, MAX_GRID_YZ // p.batch))
