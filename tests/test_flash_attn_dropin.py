@@ -360,6 +360,25 @@ def test_varlen_kvpacked_gradients(ref_kernels):
     assert [c[0] for c in ref_kernels] == ["varlen", "varlen_backward"]
 
 
+def test_compile_fullgraph(ref_kernels):
+    """torch.compile traces through the drop-in (packed views, window, return_attn_probs)."""
+    import torch
+    from cuflash.flash_attn import flash_attn_qkvpacked_func
+
+    def f(qkv):
+        out, lse, _ = flash_attn_qkvpacked_func(qkv, 0.0, None, True, (3, -2), return_attn_probs=True)
+        return out.square().sum() + lse.sum()
+
+    qkv = _cpu(1, 6, 3, 2, 8, grad=True)
+    torch._dynamo.reset()
+    torch.compile(f, fullgraph=True, backend="aot_eager")(qkv).backward()
+    got = qkv.grad.clone()
+    qkv.grad = None
+    f(qkv).backward()
+    torch.testing.assert_close(got, qkv.grad)
+    assert {c[3].get("window_size") for c in ref_kernels} == {(3, -1)}  # causal bounds the right
+
+
 # ---------------------------------------------------------------------------------------------
 # bert_padding
 
