@@ -1,0 +1,195 @@
+"""flash-attn 2.8's Python API on cuflash's kernels, for switching by changing an import:
+
+    from flash_attn import flash_attn_func, flash_attn_varlen_func      # before
+    from cuflash.flash_attn import flash_attn_func, flash_attn_varlen_func  # after
+    from cuflash.flash_attn.bert_padding import pad_input, unpad_input
+
+The functions keep flash-attn 2.8.x's signatures (names, positional order, defaults; its
+``flash_attn/flash_attn_interface.py``) and return conventions: ``out``, or with
+``return_attn_probs=True`` ``(out, softmax_lse, S_dmask)``, where S_dmask is an empty tensor
+(shape (0,), q's dtype) as flash-attn returns it without dropout. The dense and varlen functions
+are differentiable (:func:`cuflash.torch.attention` / :func:`cuflash.torch.attention_varlen`,
+``deterministic`` passed to their backward); ``flash_attn_with_kvcache`` is forward only, as in
+flash-attn (:func:`cuflash.attention_with_kvcache`).
+
+What cuflash does not do yet raises NotImplementedError naming the argument, never ignoring it:
+``dropout_p > 0``, ``rotary_cos``/``rotary_sin``, ``cache_leftpad``, and the vLLM extras
+``seqused_k`` without a ``block_table`` and ``s_aux`` (attention sinks).
+"""
+import operator
+
+import torch
+
+import cuflash
+from cuflash.torch import ops
+
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
+           "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
+
+
+# ---------------------------------------------------------------------------------------------
+# flash-attn's argument conventions -> cuflash's
+
+def _not_supported(what, hint):
+    raise NotImplementedError(f"{what} is not supported by cuflash yet ({hint})")
+
+
+def _no_dropout(dropout_p):
+    if dropout_p != 0:
+        _not_supported(f"dropout_p={dropout_p!r}", "cuflash has no attention dropout; pass "
+                       "dropout_p=0.0, as flash-attn users do in evaluation")
+
+
+def _window(window_size):
+    """flash-attn's window_size -> cuflash's (left, right): a pair of ints, given as a tuple, a
+    list or a tensor/array of 2 integers (a CUDA tensor is read on the host). flash-attn takes
+    any negative bound as unbounded, cuflash wants -1 for it."""
+    if hasattr(window_size, "tolist"):
+        window_size = window_size.tolist()
+    try:
+        left, right = (operator.index(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise TypeError("window_size must be a pair of ints (left, right), or a tensor of 2 ints; "
+                        f"got {window_size!r}") from None
+    return max(left, -1), max(right, -1)
+
+
+def _softcap(softcap):
+    """flash-attn turns softcapping off for softcap <= 0; cuflash wants 0 for off."""
+    return float(softcap) if softcap > 0 else 0.0
+
+
+def _contiguous_last(x):
+    """flash-attn copies an operand whose last dim is not contiguous; cuflash needs a unit stride
+    there and reads every other stride in place."""
+    return x.contiguous() if x is not None and x.stride(-1) != 1 else x
+
+
+def _with_probs(res, q):
+    """(out, softmax_lse) -> flash-attn's (out, softmax_lse, S_dmask), S_dmask being the empty
+    (0,) tensor that flash-attn returns when there is no dropout."""
+    out, lse = res
+    return out, lse, q.new_empty((0,))
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense batches (batch, seqlen, nheads, headdim)
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False):
+    """flash-attn's ``flash_attn_func`` (differentiable): q (batch, seqlen_q, nheads, d), k, v
+    (batch, seqlen_k, nheads_k, d). Returns out, or (out, softmax_lse (batch, nheads, seqlen_q),
+    empty S_dmask) with ``return_attn_probs=True``."""
+    _no_dropout(dropout_p)
+    q, k, v = (_contiguous_last(x) for x in (q, k, v))
+    res = ops.attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                        window_size=_window(window_size), softcap=_softcap(softcap),
+                        alibi_slopes=alibi_slopes, deterministic=deterministic,
+                        return_lse=bool(return_attn_probs))
+    return _with_probs(res, q) if return_attn_probs else res
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False):
+    """flash-attn's ``flash_attn_kvpacked_func``: kv (batch, seqlen_k, 2, nheads_k, d), split
+    into k and v by views (no copies)."""
+    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
+                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False):
+    """flash-attn's ``flash_attn_qkvpacked_func``: qkv (batch, seqlen, 3, nheads, d), split into
+    q, k and v by views (no copies)."""
+    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
+                           causal, window_size, softcap, alibi_slopes, deterministic,
+                           return_attn_probs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed variable-length batches (total, nheads, headdim)
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None, *, seqused_k=None,
+                           return_softmax_lse=False, s_aux=None):
+    """flash-attn's ``flash_attn_varlen_func`` (differentiable without ``block_table``): q
+    (total_q, nheads, d), k, v (total_k, nheads_k, d) or a paged cache (num_pages, page_size,
+    nheads_k, d) with ``block_table``. Returns out, or (out, softmax_lse (nheads, total_q),
+    empty S_dmask) with ``return_attn_probs=True``.
+
+    Keyword-only extras from vLLM's fork (not in upstream flash-attn 2.8): ``seqused_k`` int32
+    (batch,) key counts of a paged cache (then ``cu_seqlens_k`` is not read and may be None; a
+    dense K/V with ``seqused_k`` raises NotImplementedError), ``return_softmax_lse=True``
+    returning (out, softmax_lse), and ``s_aux`` (attention sinks, NotImplementedError).
+    """
+    _no_dropout(dropout_p)
+    if s_aux is not None:
+        _not_supported("s_aux (attention sinks)", "pass s_aux=None")
+    if seqused_k is not None:
+        if block_table is None:
+            _not_supported("seqused_k without a block_table", "dense K/V rows of sequence b are "
+                           "cu_seqlens_k[b] to cu_seqlens_k[b + 1]; seqused_k needs a paged cache")
+        # A paged sequence's keys are found through its block-table row: cuflash reads only the
+        # key counts (offset differences) from cu_seqlens_k, so the counts' prefix sums serve.
+        cu_seqlens_k = torch.nn.functional.pad(torch.cumsum(seqused_k, 0, dtype=torch.int32), (1, 0))
+    q, k, v = (_contiguous_last(x) for x in (q, k, v))
+    res = ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               causal=causal, softmax_scale=softmax_scale,
+                               window_size=_window(window_size), softcap=_softcap(softcap),
+                               alibi_slopes=alibi_slopes, deterministic=deterministic,
+                               return_lse=bool(return_attn_probs or return_softmax_lse),
+                               block_table=block_table)
+    return _with_probs(res, q) if return_attn_probs else res  # out, or (out, lse) for vLLM
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    dropout_p=0.0, softmax_scale=None, causal=False,
+                                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                    deterministic=False, return_attn_probs=False):
+    """flash-attn's ``flash_attn_varlen_kvpacked_func``: kv (total_k, 2, nheads_k, d), split into
+    k and v by views (no copies)."""
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                  softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash-attn's ``flash_attn_varlen_qkvpacked_func``: qkv (total, 3, nheads, d), split into
+    q, k and v by views (no copies); ``cu_seqlens``/``max_seqlen`` serve queries and keys."""
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens,
+                                  max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
+                                  window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache (forward only, as in flash-attn)
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                            block_table=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """flash-attn's ``flash_attn_with_kvcache``: new k, v are appended to the caches in place at
+    ``cache_seqlens``, then q attends to the caches. Returns out, or (out, softmax_lse) with
+    ``return_softmax_lse=True``. ``rotary_interleaved`` only qualifies rotary_cos/rotary_sin."""
+    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if x is not None:
+            _not_supported(name, "apply the rotary embedding to q and k before the call")
+    if cache_leftpad is not None:
+        _not_supported("cache_leftpad", "every cached sequence starts at position 0")
+    q, k, v = (_contiguous_last(x) for x in (q, k, v))
+    return cuflash.attention_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+        block_table=block_table, causal=causal, softmax_scale=softmax_scale,
+        num_splits=num_splits, return_lse=bool(return_softmax_lse),
+        window_size=_window(window_size), softcap=_softcap(softcap), alibi_slopes=alibi_slopes)
