@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .kernels import KernelVariant, head_dim_bucket
 from .kernels import bwd
@@ -367,3 +368,63 @@ def empty_plan(p: Problem, dev: DeviceFacts) -> Plan | None:
         return None
     return Plan(p, dev, (), 0, 0, False, p.seqlen_q, p.nheads, p.nheads // p.nheads_k, p.causal,
                 p.window, 0, (), f"{', '.join(empty)}: nothing to compute, no kernel is launched.")
+
+
+# ---------------------------------------------------------------------------------------------
+# FlashMask tiles (cuflash.masks): planned only; no kernel runs startend_row_indices yet.
+
+SKIPPED, MASKED, UNMASKED = 0, 1, 2
+
+
+class MaskTiles(NamedTuple):
+    skipped: int
+    masked: int    # masked element by element
+    unmasked: int
+
+    @property
+    def total(self) -> int:
+        return self.skipped + self.masked + self.unmasked
+
+
+def tile_classes(startend_row_indices, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, causal: bool):
+    """FlashMask's tile classification (the paper's Algorithm 1) -> int8 (batch, heads, m_blocks,
+    n_blocks) of SKIPPED, MASKED (masked element by element) or UNMASKED. Per key block, the min and
+    max of each interval's start and end over its keys decide: query rows [r0, r1) are fully masked
+    by an interval if r0 >= max(start) and r1 <= min(end), untouched by it if r0 >= max(end) or
+    r1 <= min(start). With causal=True the causal mask (bottom-right) classifies the tile too.
+    Conservative: SKIPPED and UNMASKED hold for every element; MASKED may be either."""
+    import numpy as np
+    from .masks import intervals
+    a = np.asarray(startend_row_indices)
+    b, h = a.shape[:2]
+    nm, nn = cdiv(seqlen_q, block_m), cdiv(seqlen_k, block_n)
+    r0 = np.arange(nm)[:, None] * block_m                  # (m, 1): a tile's rows [r0, r1)
+    r1 = np.minimum(r0 + block_m, seqlen_q)
+    full = np.zeros((b, h, nm, nn), dtype=bool)
+    part = np.zeros((b, h, nm, nn), dtype=bool)
+    pad = nn * block_n - seqlen_k
+    for start, end in intervals(a, seqlen_q, causal):
+        def per_block(x, fill, reduce):  # (b, h, seqlen_k) -> (b, h, 1, n_blocks); padding is neutral
+            x = np.pad(x, ((0, 0), (0, 0), (0, pad)), constant_values=fill)
+            return reduce(x.reshape(b, h, nn, block_n), axis=-1)[:, :, None, :]
+        s_min, s_max = per_block(start, np.iinfo(np.int64).max, np.min), per_block(start, -1, np.max)
+        e_min, e_max = per_block(end, np.iinfo(np.int64).max, np.min), per_block(end, -1, np.max)
+        full |= (r0 >= s_max) & (r1 <= e_min)
+        part |= (r0 < e_max) & (r1 > s_min)
+    if causal:  # key j is seen by row i iff j <= i + seqlen_k - seqlen_q
+        c0 = np.arange(nn) * block_n
+        c1 = np.minimum(c0 + block_n, seqlen_k)
+        full |= c0 > r1 - 1 + seqlen_k - seqlen_q
+        part |= c1 - 1 > r0 + seqlen_k - seqlen_q
+    return np.where(full, SKIPPED, np.where(part, MASKED, UNMASKED)).astype(np.int8)
+
+
+def mask_tiles(startend_row_indices, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
+               causal: bool) -> MaskTiles:
+    """How many (query block, key block) tiles of block_m x block_n, over the indices' batch and
+    heads, a FlashMask kernel would skip, mask element by element and run unmasked
+    (:func:`tile_classes`)."""
+    import numpy as np
+    counts = np.bincount(tile_classes(startend_row_indices, seqlen_q, seqlen_k, block_m, block_n,
+                                      causal).ravel(), minlength=3)
+    return MaskTiles(*(int(c) for c in counts))
