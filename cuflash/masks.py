@@ -73,7 +73,7 @@ def to_dense(startend_row_indices, seqlen_q, causal, rows=None):
 def _pack(batch, *cols):
     """Columns (seqlen,) each -> int32 (batch, 1, seqlen, len(cols))."""
     x = np.stack([np.asarray(c, dtype=np.int64) for c in cols], axis=-1).astype(np.int32)
-    return np.ascontiguousarray(np.broadcast_to(x, (batch, 1) + x.shape))
+    return np.broadcast_to(x, (batch, 1) + x.shape).copy()
 
 
 def _lengths(lengths, name, minimum=1):

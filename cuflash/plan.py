@@ -428,3 +428,30 @@ def mask_tiles(startend_row_indices, seqlen_q: int, seqlen_k: int, block_m: int,
     counts = np.bincount(tile_classes(startend_row_indices, seqlen_q, seqlen_k, block_m, block_n,
                                       causal).ravel(), minlength=3)
     return MaskTiles(*(int(c) for c in counts))
+
+
+def with_flashmask(plan: Plan, shape: tuple[int, ...], values=None) -> Plan:
+    """``plan`` with a sentence on FlashMask's tiles added to its reason: the tiles of the launch
+    that walks K/V (the forward's first, the backward's dK/dV kernel) over batch x nheads, and,
+    when the indices' ``values`` are given (a host array of ``shape``), how many are skipped,
+    masked and unmasked (:func:`mask_tiles`; indices shared by several query heads count once
+    per head)."""
+    import dataclasses
+    p = plan.problem
+    later = (" The kernels do not run FlashMask yet (cuflash.attention does not take startend_row_indices): "
+             "the launches above are those of the call without it.")
+    if not plan.launches:
+        return dataclasses.replace(plan, reason=f"{plan.reason} FlashMask: no tile to classify.{later}")
+    v = plan.launches[1 if plan.backward else 0].variant
+    bm, bn = v.block_m, v.block_n
+    n = p.batch * p.nheads * cdiv(p.seqlen_q, bm) * cdiv(p.seqlen_k, bn)
+    if values is None:
+        counts = ("; how many are skipped, masked or unmasked depends on the indices' values, "
+                  "which are not on the host (pass them as a NumPy array to count them)")
+    else:
+        t = mask_tiles(values, p.seqlen_q, p.seqlen_k, bm, bn, p.causal)
+        per = p.nheads // shape[1]
+        counts = (f": {t.skipped * per} skipped, {t.masked * per} masked, {t.unmasked * per} unmasked "
+                  "(from each key block's min and max of the row bounds)")
+    return dataclasses.replace(plan, reason=f"{plan.reason} FlashMask: {n} tiles of {bm} x {bn} "
+                                            f"(batch {p.batch} x {p.nheads} heads){counts}.{later}")

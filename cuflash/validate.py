@@ -503,7 +503,7 @@ def check_startend_row_indices(x, batch, nheads, seqlen_q, seqlen_k, causal, *, 
         raise ValueError(f"{name} must have shape (batch, 1 or nheads_k or nheads, seqlen_k, n) = "
                          f"({batch}, {heads}, {seqlen_k}, {'|'.join(map(str, ns))}), got {shape}")
     if shape[3] not in ns:
-        raise ValueError(f"{name}'s last dim must be " + " or ".join(f"{n} ({c})" for n, c in ns.items())
+        raise ValueError(f"the last dim of {name} must be " + " or ".join(f"{n} ({c})" for n, c in ns.items())
                          + f" with causal={bool(causal)}, got {shape[3]}")
     if tuple(window) != (-1, -1):
         raise ValueError(f"{name} cannot be combined with window_size (as in Paddle's flashmask_attention), "
