@@ -244,7 +244,7 @@ def plot(startend_row_indices, seqlen_q, causal, path, *, batch=0, head=0, block
     a = np.asarray(startend_row_indices)
     masked = to_dense(a, seqlen_q, causal)[batch, head]
     sq, sk = masked.shape
-    fig, ax = plt.subplots(figsize=(6, 6 * max(sq, 1) / max(sk, 1) + 0.6))
+    fig, ax = plt.subplots(figsize=(6, 6 * max(sq, 1) / max(sk, 1) + 1.2))
     ax.imshow(~masked, cmap="Blues", vmin=-0.4, vmax=1, interpolation="nearest",
               extent=(-0.5, sk - 0.5, sq - 0.5, -0.5))
     handles = [Patch(color=plt.get_cmap("Blues")(1.0), label="visible"),
@@ -254,15 +254,17 @@ def plot(startend_row_indices, seqlen_q, causal, path, *, batch=0, head=0, block
         bm, bn = block
         colors = {0: "tab:gray", 1: "tab:orange", 2: "tab:green"}
         cls = tile_classes(a[batch:batch + 1, head:head + 1], sq, sk, bm, bn, causal)[0, 0]
+        inset = 0.06 * min(bm, bn)  # tiles drawn inside their bounds, so that neighbours' edges do not overlap
         for (m, n), c in np.ndenumerate(cls):
-            ax.add_patch(Rectangle((n * bn - 0.5, m * bm - 0.5), min(bn, sk - n * bn), min(bm, sq - m * bm),
-                                   fill=False, edgecolor=colors[c], linewidth=1.5, hatch="//" if c == 0 else None))
+            ax.add_patch(Rectangle((n * bn - 0.5 + inset, m * bm - 0.5 + inset), min(bn, sk - n * bn) - 2 * inset,
+                                   min(bm, sq - m * bm) - 2 * inset, fill=False, edgecolor=colors[c],
+                                   linewidth=1.5, hatch="//" if c == 0 else None))
         handles += [Patch(fill=False, edgecolor=colors[c], label=f"{name} tile ({bm} x {bn})")
                     for c, name in ((0, "skipped"), (1, "masked"), (2, "unmasked"))]
     ax.set_xlabel("key j")
     ax.set_ylabel("query i")
     ax.set_title(title or f"FlashMask, n={a.shape[-1]}, causal={bool(causal)}")
-    ax.legend(handles=handles, loc="upper right", fontsize=8, framealpha=0.9)
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
