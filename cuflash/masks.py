@@ -231,7 +231,7 @@ def random_eviction(seqlen, start_row, seed=0, batch=1, nheads=1):
 def plot(startend_row_indices, seqlen_q, causal, path, *, batch=0, head=0, block=None, title=None):
     """Write a PNG of the dense mask of (batch, head) to ``path``: visible entries dark, masked
     ones light. ``block=(block_m, block_n)`` overlays the tile grid coloured by the planner's
-    classification (cuflash.plan.mask_tiles: skipped, masked, unmasked). Needs matplotlib
+    classification (tile_classes in cuflash/plan.py: skipped, masked, unmasked). Needs matplotlib
     (the ``plot`` extra: pip install 'cuflash[plot]')."""
     try:
         import matplotlib

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from .kernels import KernelVariant, head_dim_bucket
@@ -402,13 +402,15 @@ def tile_classes(startend_row_indices, seqlen_q: int, seqlen_k: int, block_m: in
     r1 = np.minimum(r0 + block_m, seqlen_q)
     full = np.zeros((b, h, nm, nn), dtype=bool)
     part = np.zeros((b, h, nm, nn), dtype=bool)
-    pad = nn * block_n - seqlen_k
+    big = np.iinfo(np.int64).max
+
+    def per_block(x, fill, reduce):  # (b, h, seqlen_k) -> (b, h, 1, n_blocks); the padding keys are neutral
+        x = np.pad(x, ((0, 0), (0, 0), (0, nn * block_n - seqlen_k)), constant_values=fill)
+        return reduce(x.reshape(b, h, nn, block_n), axis=-1)[:, :, None, :]
+
     for start, end in intervals(a, seqlen_q, causal):
-        def per_block(x, fill, reduce):  # (b, h, seqlen_k) -> (b, h, 1, n_blocks); padding is neutral
-            x = np.pad(x, ((0, 0), (0, 0), (0, pad)), constant_values=fill)
-            return reduce(x.reshape(b, h, nn, block_n), axis=-1)[:, :, None, :]
-        s_min, s_max = per_block(start, np.iinfo(np.int64).max, np.min), per_block(start, -1, np.max)
-        e_min, e_max = per_block(end, np.iinfo(np.int64).max, np.min), per_block(end, -1, np.max)
+        s_min, s_max = per_block(start, big, np.min), per_block(start, -1, np.max)
+        e_min, e_max = per_block(end, big, np.min), per_block(end, -1, np.max)
         full |= (r0 >= s_max) & (r1 <= e_min)
         part |= (r0 < e_max) & (r1 > s_min)
     if causal:  # key j is seen by row i iff j <= i + seqlen_k - seqlen_q
@@ -436,12 +438,11 @@ def with_flashmask(plan: Plan, shape: tuple[int, ...], values=None) -> Plan:
     when the indices' ``values`` are given (a host array of ``shape``), how many are skipped,
     masked and unmasked (:func:`mask_tiles`; indices shared by several query heads count once
     per head)."""
-    import dataclasses
     p = plan.problem
     later = (" The kernels do not run FlashMask yet (cuflash.attention does not take startend_row_indices): "
              "the launches above are those of the call without it.")
     if not plan.launches:
-        return dataclasses.replace(plan, reason=f"{plan.reason} FlashMask: no tile to classify.{later}")
+        return replace(plan, reason=f"{plan.reason} FlashMask: no tile to classify.{later}")
     v = plan.launches[1 if plan.backward else 0].variant
     bm, bn = v.block_m, v.block_n
     n = p.batch * p.nheads * cdiv(p.seqlen_q, bm) * cdiv(p.seqlen_k, bn)
@@ -453,5 +454,5 @@ def with_flashmask(plan: Plan, shape: tuple[int, ...], values=None) -> Plan:
         per = p.nheads // shape[1]
         counts = (f": {t.skipped * per} skipped, {t.masked * per} masked, {t.unmasked * per} unmasked "
                   "(from each key block's min and max of the row bounds)")
-    return dataclasses.replace(plan, reason=f"{plan.reason} FlashMask: {n} tiles of {bm} x {bn} "
-                                            f"(batch {p.batch} x {p.nheads} heads){counts}.{later}")
+    return replace(plan, reason=f"{plan.reason} FlashMask: {n} tiles of {bm} x {bn} "
+                                f"(batch {p.batch} x {p.nheads} heads){counts}.{later}")

@@ -151,43 +151,20 @@ def _one(cols):
     return np.array(cols, dtype=np.int32).T[None, None]
 
 
-def test_to_dense_causal_n1():
-    # seqlen 4: column 0 masked from row 2, column 1 from row 4 (never), column 2 from row 3
-    got = masks.to_dense(_one([[2, 4, 3, 4]]), 4, True)[0, 0]
-    expected = [[0, 1, 1, 1],
-                [0, 0, 1, 1],
-                [1, 0, 0, 1],
-                [1, 0, 1, 0]]
-    np.testing.assert_array_equal(got, np.array(expected, dtype=bool))
-
-
-def test_to_dense_causal_n2():
-    got = masks.to_dense(_one([[1, 2, 2, 4], [3, 3, 4, 4]]), 4, True)[0, 0]
-    expected = [[0, 1, 1, 1],
-                [1, 0, 1, 1],
-                [1, 1, 1, 1],
-                [0, 0, 1, 0]]
-    np.testing.assert_array_equal(got, np.array(expected, dtype=bool))
-
-
-def test_to_dense_noncausal_n2():
-    # rows >= LTS or rows < UTE are masked
-    got = masks.to_dense(_one([[2, 4, 4, 1], [0, 1, 4, 0]]), 4, False)[0, 0]
-    expected = [[0, 1, 1, 0],
-                [0, 0, 1, 1],
-                [1, 0, 1, 1],
-                [1, 0, 1, 1]]
-    np.testing.assert_array_equal(got, np.array(expected, dtype=bool))
-
-
-def test_to_dense_noncausal_n4():
-    # rows in [LTS, LTE) or [UTS, UTE) are masked
-    got = masks.to_dense(_one([[3, 1, 4, 2], [4, 2, 4, 3], [0, 0, 1, 0], [1, 0, 3, 0]]), 4, False)[0, 0]
-    expected = [[1, 0, 0, 0],
-                [0, 1, 1, 0],
-                [0, 0, 1, 1],
-                [1, 0, 0, 0]]
-    np.testing.assert_array_equal(got, np.array(expected, dtype=bool))
+@pytest.mark.parametrize("cols, causal, expected", [
+    # causal, LTS: column 0 masked from row 2, column 1 from row 4 (never), column 2 from row 3
+    ([[2, 4, 3, 4]], True, ["0111", "0011", "1001", "1010"]),
+    # causal, LTS, LTE: rows in [LTS, LTE), and the causal mask
+    ([[1, 2, 2, 4], [3, 3, 4, 4]], True, ["0111", "1011", "1111", "0010"]),
+    # not causal, LTS, UTE: rows >= LTS or rows < UTE
+    ([[2, 4, 4, 1], [0, 1, 4, 0]], False, ["0110", "0011", "1011", "1011"]),
+    # not causal, LTS, LTE, UTS, UTE: rows in [LTS, LTE) or [UTS, UTE)
+    ([[3, 1, 4, 2], [4, 2, 4, 3], [0, 0, 1, 0], [1, 0, 3, 0]], False, ["1000", "0110", "0011", "1000"]),
+])
+def test_to_dense_semantics(cols, causal, expected):
+    """Hand-made 4 x 4 examples, one per (causal, n); expected rows as strings, 1 = masked."""
+    got = masks.to_dense(_one(cols), 4, causal)[0, 0]
+    np.testing.assert_array_equal(got, np.array([[c == "1" for c in row] for row in expected]))
 
 
 def test_to_dense_causal_is_bottom_right_and_rows():
@@ -200,7 +177,7 @@ def test_to_dense_causal_is_bottom_right_and_rows():
 
 def test_to_dense_heads_and_batch():
     x = np.stack([masks.causal_document([2, 2])[0], masks.causal(4)[0]])  # (2, 1, 4, 1)
-    x = np.concatenate([x, x[:, :, ::-1] * 0 + 4], axis=1)  # a second head: plain causal
+    x = np.concatenate([x, np.full_like(x, 4)], axis=1)  # a second head: plain causal
     got = masks.to_dense(x, 4, True)
     assert got.shape == (2, 2, 4, 4)
     causal = np.triu(np.ones((4, 4), dtype=bool), 1)
