@@ -6,10 +6,10 @@
 """
 __version__ = "0.1.0"
 
-from . import reference  # noqa: E402
+from . import masks, reference  # noqa: E402
 from .api import attention, attention_varlen, attention_with_kvcache, plan  # noqa: E402
 from . import kernels  # noqa: E402
 from .kernels.fwd import FwdVariant  # noqa: E402
 from .compiler import compile_variant  # noqa: E402
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "plan", "reference", "kernels", "FwdVariant", "compile_variant", "__version__"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "plan", "masks", "reference", "kernels", "FwdVariant", "compile_variant", "__version__"]

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import arrays, launch
 from . import validate
-from .plan import DeviceFacts, Problem, empty_plan, make_backward_plan, make_plan
+from .plan import DeviceFacts, Problem, empty_plan, make_backward_plan, make_plan, with_flashmask
 
 # validate.aligned and validate.batched are used by the launch paths here and in backward.py
 _aligned, _batched = validate.aligned, validate.batched
@@ -458,7 +458,7 @@ def _plan_operands(q, k, v, dtype):
 
 def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_splits=0,
          heuristic="cuflash", num_sms=None, arch=None, dtype="bfloat16", window_size=(-1, -1),
-         softcap=0.0, alibi_slopes=None, backward=False, deterministic=False):
+         softcap=0.0, alibi_slopes=None, backward=False, deterministic=False, startend_row_indices=None):
     """The plan ``attention(q, k, v, ...)`` would run: kernels, tiles, grids, splits and why; with
     ``backward=True``, the plan of its backward (``attention_backward(..., deterministic=...)``).
 
@@ -470,6 +470,12 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     "cuflash" (default; decode splits tuned for cuflash's kernels) or "fa2" (FlashAttention-2's
     ``num_splits_heuristic``, to see what FA2 would do). ``window_size``, ``softcap`` and
     ``alibi_slopes`` (an array, a shape tuple, or True) are those of :func:`attention`.
+
+    ``startend_row_indices`` (FlashMask, cuflash.masks: an int32 array or a shape tuple) is
+    checked and the reason gains a sentence on the tiles a FlashMask kernel would skip, mask and
+    leave unmasked (counted from the values when they are a NumPy array; a shape or a device
+    array gives the tile count only). The kernels do not run FlashMask yet: the plan's launches
+    are those of the call without it, and cuflash.attention does not take the argument.
     """
     dtype = validate.dtype_name(dtype)
     qv, kv, vv = _plan_operands(q, k, v, dtype)
@@ -485,6 +491,14 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     if alibi_slopes is True or isinstance(alibi_slopes, (tuple, list)):
         alibi_slopes = validate.Shape((h,) if alibi_slopes is True else alibi_slopes, "float32", "alibi_slopes")
     window, cap, alibi, _ = validate.mods(window_size, softcap, alibi_slopes, b, h, qv, scale)
+    fm = None
+    if startend_row_indices is not None:
+        fm = startend_row_indices
+        if isinstance(fm, (tuple, list)):
+            fm = validate.Shape(fm, "int32", "startend_row_indices")
+        fm = validate.check_startend_row_indices(fm, b, h, sq, kv.shape[1], causal, nheads_k=kv.shape[2],
+                                                 window=window)
+        validate.same_place(("q", qv), ("startend_row_indices", fm))
     arch = None if arch is None else validate.arch(arch)
     if num_sms is None:
         dev = device_facts(qv.device if qv.device >= 0 else _current_device())
@@ -495,6 +509,7 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
                       arrays.DTYPE_NAMES[qv.dtype], causal, return_lse, num_splits,
                       heuristic, window=window, softcap=cap > 0, alibi=alibi is not None,
                       deterministic=deterministic)
-    if backward:
-        return empty_plan(problem, facts) or make_backward_plan(problem, facts)
-    return empty_plan(problem, facts) or make_plan(problem, facts)
+    result = empty_plan(problem, facts) or (make_backward_plan if backward else make_plan)(problem, facts)
+    if fm is not None:
+        result = with_flashmask(result, fm.shape, fm.array if fm.framework == "numpy" else None)
+    return result

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from .kernels import KernelVariant, head_dim_bucket
 from .kernels import bwd
@@ -367,3 +368,91 @@ def empty_plan(p: Problem, dev: DeviceFacts) -> Plan | None:
         return None
     return Plan(p, dev, (), 0, 0, False, p.seqlen_q, p.nheads, p.nheads // p.nheads_k, p.causal,
                 p.window, 0, (), f"{', '.join(empty)}: nothing to compute, no kernel is launched.")
+
+
+# ---------------------------------------------------------------------------------------------
+# FlashMask tiles (cuflash.masks): planned only; no kernel runs startend_row_indices yet.
+
+SKIPPED, MASKED, UNMASKED = 0, 1, 2
+
+
+class MaskTiles(NamedTuple):
+    skipped: int
+    masked: int    # masked element by element
+    unmasked: int
+
+    @property
+    def total(self) -> int:
+        return self.skipped + self.masked + self.unmasked
+
+
+def tile_classes(startend_row_indices, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, causal: bool):
+    """FlashMask's tile classification (the paper's Algorithm 1) -> int8 (batch, heads, m_blocks,
+    n_blocks) of SKIPPED, MASKED (masked element by element) or UNMASKED. Per key block, the min and
+    max of each interval's start and end over its keys decide: query rows [r0, r1) are fully masked
+    by an interval if r0 >= max(start) and r1 <= min(end), untouched by it if r0 >= max(end) or
+    r1 <= min(start). With causal=True the causal mask (bottom-right) classifies the tile too.
+    Conservative: SKIPPED and UNMASKED hold for every element; MASKED may be either."""
+    import numpy as np
+    from .masks import intervals
+    a = np.asarray(startend_row_indices)
+    b, h = a.shape[:2]
+    nm, nn = cdiv(seqlen_q, block_m), cdiv(seqlen_k, block_n)
+    r0 = np.arange(nm)[:, None] * block_m                  # (m, 1): a tile's rows [r0, r1)
+    r1 = np.minimum(r0 + block_m, seqlen_q)
+    full = np.zeros((b, h, nm, nn), dtype=bool)
+    part = np.zeros((b, h, nm, nn), dtype=bool)
+    big = np.iinfo(np.int64).max
+
+    def per_block(x, fill, reduce):  # (b, h, seqlen_k) -> (b, h, 1, n_blocks); the padding keys are neutral
+        x = np.pad(x, ((0, 0), (0, 0), (0, nn * block_n - seqlen_k)), constant_values=fill)
+        return reduce(x.reshape(b, h, nn, block_n), axis=-1)[:, :, None, :]
+
+    for start, end in intervals(a, seqlen_q, causal):
+        s_min, s_max = per_block(start, big, np.min), per_block(start, -1, np.max)
+        e_min, e_max = per_block(end, big, np.min), per_block(end, -1, np.max)
+        full |= (r0 >= s_max) & (r1 <= e_min)
+        part |= (r0 < e_max) & (r1 > s_min)
+    if causal:  # key j is seen by row i iff j <= i + seqlen_k - seqlen_q
+        c0 = np.arange(nn) * block_n
+        c1 = np.minimum(c0 + block_n, seqlen_k)
+        full |= c0 > r1 - 1 + seqlen_k - seqlen_q
+        part |= c1 - 1 > r0 + seqlen_k - seqlen_q
+    return np.where(full, SKIPPED, np.where(part, MASKED, UNMASKED)).astype(np.int8)
+
+
+def mask_tiles(startend_row_indices, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
+               causal: bool) -> MaskTiles:
+    """How many (query block, key block) tiles of block_m x block_n, over the indices' batch and
+    heads, a FlashMask kernel would skip, mask element by element and run unmasked
+    (:func:`tile_classes`)."""
+    import numpy as np
+    counts = np.bincount(tile_classes(startend_row_indices, seqlen_q, seqlen_k, block_m, block_n,
+                                      causal).ravel(), minlength=3)
+    return MaskTiles(*(int(c) for c in counts))
+
+
+def with_flashmask(plan: Plan, shape: tuple[int, ...], values=None) -> Plan:
+    """``plan`` with a sentence on FlashMask's tiles added to its reason: the tiles of the launch
+    that walks K/V (the forward's first, the backward's dK/dV kernel) over batch x nheads, and,
+    when the indices' ``values`` are given (a host array of ``shape``), how many are skipped,
+    masked and unmasked (:func:`mask_tiles`; indices shared by several query heads count once
+    per head)."""
+    p = plan.problem
+    later = (" The kernels do not run FlashMask yet (cuflash.attention does not take startend_row_indices): "
+             "the launches above are those of the call without it.")
+    if not plan.launches:
+        return replace(plan, reason=f"{plan.reason} FlashMask: no tile to classify.{later}")
+    v = plan.launches[1 if plan.backward else 0].variant
+    bm, bn = v.block_m, v.block_n
+    n = p.batch * p.nheads * cdiv(p.seqlen_q, bm) * cdiv(p.seqlen_k, bn)
+    if values is None:
+        counts = ("; how many are skipped, masked or unmasked depends on the indices' values, "
+                  "which are not on the host (pass them as a NumPy array to count them)")
+    else:
+        t = mask_tiles(values, p.seqlen_q, p.seqlen_k, bm, bn, p.causal)
+        per = p.nheads // shape[1]
+        counts = (f": {t.skipped * per} skipped, {t.masked * per} masked, {t.unmasked * per} unmasked "
+                  "(from each key block's min and max of the row bounds)")
+    return replace(plan, reason=f"{plan.reason} FlashMask: {n} tiles of {bm} x {bn} "
+                                f"(batch {p.batch} x {p.nheads} heads){counts}.{later}")

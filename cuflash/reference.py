@@ -6,7 +6,8 @@ Query head h reads kv head h // (nheads // nheads_k) (GQA / MQA).  Scores are
 (``softcap * tanh(s / softcap)``), then ALiBi adds ``-slope * |i + sk - sq - j|``.
 Masks are aligned bottom-right: query i sees key j iff
 ``i + sk - sq - left <= j <= i + sk - sq + right`` (-1 = unbounded; causal sets
-right = 0).  A row that sees no key outputs 0 and reports LSE = +inf.
+right = 0).  FlashMask's ``startend_row_indices`` (cuflash.masks: PaddlePaddle's column-wise
+row intervals) mask further entries.  A row that sees no key outputs 0 and reports LSE = +inf.
 
 ``precision="float64"`` computes everything in float64.  ``precision="same"``
 mimics a fused kernel: float64 scores from the given inputs, row max m,
@@ -21,7 +22,7 @@ import numpy as np
 
 # The library's own argument rules (types, window entries >= -1, softcap >= 0 and finite, scale
 # positive and finite), so that the reference accepts exactly what cuflash.attention accepts.
-from . import validate
+from . import masks, validate
 
 __all__ = ["attention", "attention_varlen", "attention_backward", "attention_varlen_backward",
            "max_abs_err", "check_close"]
@@ -78,13 +79,19 @@ class _Args:
     """Validated arguments of a dense call: arrays, result dtype, scale, window and softcap, and
     the ALiBi slopes as float64 (batch, nheads) or None."""
 
-    def __init__(self, q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, precision):
+    def __init__(self, q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, precision,
+                 startend_row_indices=None):
         self.q, self.k, self.v = np.asarray(q), np.asarray(k), np.asarray(v)
         slopes = None if alibi_slopes is None else np.asarray(alibi_slopes, dtype=np.float64)
         _validate(self.q, self.k, self.v, slopes)
-        batch, _, nheads, d = self.q.shape
+        batch, sq, nheads, d = self.q.shape
         self.scale, self.left, self.right, self.softcap = _check_mods(
             causal, softmax_scale, window_size, softcap, d)
+        self.causal = causal
+        self.flashmask = None if startend_row_indices is None else np.asarray(startend_row_indices)
+        if self.flashmask is not None:
+            validate.check_startend_row_indices(self.flashmask, batch, nheads, sq, self.k.shape[1], causal,
+                                                nheads_k=self.k.shape[2], window=validate.window(window_size))
         self.out_dtype = _out_dtype(precision, self.q)
         self.slopes = None if slopes is None else np.broadcast_to(slopes, (batch, nheads))
         same = precision == "same"
@@ -111,13 +118,25 @@ class _Args:
                     i1 = min(sq, i0 + rows)
                     qg = q[b, i0:i1, hs].astype(np.float64).transpose(1, 0, 2)  # (G, r, d)
                     s, dcap = _scores(qg, kg, self.scale, self.softcap, slopes, i0, i1, sq, sk,
-                                      self.left, self.right)
+                                      self.left, self.right, self._flashmask(b, g, hs, i0, i1))
                     yield b, g, hs, i0, i1, qg, kg, vg, s, dcap
 
+    def _flashmask(self, b, g, hs, i0, i1):
+        """FlashMask's dense mask of query rows i0:i1 for KV head g's query heads hs, (G or 1, r,
+        sk), True = masked; None without startend_row_indices. The indices' heads are the query
+        heads, the KV heads or one for all."""
+        x = self.flashmask
+        if x is None:
+            return None
+        nheads, nheads_k = self.q.shape[2], self.k.shape[2]
+        heads = hs if x.shape[1] == nheads else slice(g, g + 1) if x.shape[1] == nheads_k else slice(0, 1)
+        return masks.to_dense(x[b:b + 1, heads], self.q.shape[1], self.causal, rows=(i0, i1))[0]
 
-def _scores(qg, kg, scale, softcap, slopes, i0, i1, sq, sk, left, right):
+
+def _scores(qg, kg, scale, softcap, slopes, i0, i1, sq, sk, left, right, masked=None):
     """Masked scores (G, r, sk) of query rows i0:i1 of a KV head's group, and the softcap's
-    derivative d(softcap * t) / d(scale * q.k) = 1 - t^2 (1.0 without a softcap)."""
+    derivative d(softcap * t) / d(scale * q.k) = 1 - t^2 (1.0 without a softcap). ``masked``
+    (True = masked, broadcast to (G, r, sk)) hides more entries (FlashMask)."""
     s = np.matmul(qg, kg.T) * scale
     dcap = 1.0
     if softcap > 0:
@@ -132,6 +151,8 @@ def _scores(qg, kg, scale, softcap, slopes, i0, i1, sq, sk, left, right):
         visible &= j >= diag - left
     if right >= 0:
         visible &= j <= diag + right
+    if masked is not None:
+        visible = visible & ~masked
     return np.where(visible, s, -np.inf), dcap
 
 
@@ -152,14 +173,19 @@ def _output(p, l, vg, rnd):
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
-              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, precision="float64"):
+              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, precision="float64",
+              startend_row_indices=None):
     """Reference attention; returns out (like q) or (out, lse) with lse (batch, nheads, seqlen_q).
 
     Arguments follow cuflash.attention's rules: ``causal`` a bool, ``softmax_scale`` None or a
     positive finite real, ``window_size`` a pair of ints >= -1, ``softcap`` a finite real >= 0;
     anything else raises TypeError (wrong type) or ValueError (bad value).
+    ``startend_row_indices`` is FlashMask's int32 (batch, 1 or nheads_k or nheads, seqlen_k, n)
+    mask (cuflash.masks; not combined with a window, as in Paddle), which cuflash.attention does
+    not run yet: the reference applies it for tests.
     """
-    a = _Args(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, precision)
+    a = _Args(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, precision,
+              startend_row_indices)
     batch, sq, nheads, d = a.q.shape
     out = np.zeros((batch, sq, nheads, d), dtype=np.float64)
     lse = np.full((batch, nheads, sq), np.inf, dtype=np.float64)
@@ -248,9 +274,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softm
 
 
 def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                       softcap=0.0, alibi_slopes=None, precision="float64"):
-    """Reference gradients (dq, dk, dv) of :func:`attention` (same masking, score and argument
-    rules) for the output gradient ``dout`` (shaped like q).
+                       softcap=0.0, alibi_slopes=None, precision="float64", startend_row_indices=None):
+    """Reference gradients (dq, dk, dv) of :func:`attention` (same masking, FlashMask's
+    ``startend_row_indices`` included, score and argument rules) for the output gradient
+    ``dout`` (shaped like q).
 
     With s the scores after softcap and ALiBi, P = exp(s - lse) (0 where masked and on rows
     that see no key), O = P v and D = rowsum(dout * O): dv = P^T dout, dP = dout v^T,
@@ -266,7 +293,8 @@ def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, windo
     of p matters in D: with few keys per row, dS = P (dP - D) cancels and D's error is the
     gradients' largest; scripts/bwd_rounding_study.py measures it.)
     """
-    a = _Args(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, precision)
+    a = _Args(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, precision,
+              startend_row_indices)
     dout = np.asarray(dout)
     if dout.shape != a.q.shape:
         raise ValueError(f"dout: expected shape {a.q.shape} (same as q), got {dout.shape}")

@@ -472,3 +472,55 @@ def arch(a) -> int:
         raise ValueError(f"arch must be 80 (sm_80) or newer: cuflash's kernels need compute capability "
                          f"8.0+, got {show(a)}")
     raise ValueError(f"arch must look like 'sm_90' or 90, got {show(a)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# FlashMask (cuflash.masks, cuflash.plan, cuflash.reference)
+
+# The row-bound columns of startend_row_indices by its last dim, with causal=True and False
+# (PaddlePaddle's flashmask_attention).
+FLASHMASK_COLUMNS = {True: {1: "LTS", 2: "LTS, LTE"}, False: {2: "LTS, UTE", 4: "LTS, LTE, UTS, UTE"}}
+
+
+def check_startend_row_indices(x, batch, nheads, seqlen_q, seqlen_k, causal, *, nheads_k=None,
+                               window=(-1, -1)):
+    """FlashMask's int32 ``startend_row_indices`` of shape (batch, 1 or nheads_k or nheads,
+    seqlen_k, n), n in {1, 2} with causal=True and {2, 4} without -> its view (a ``Shape`` stays
+    one). Row bounds are checked when the values are on the host (NumPy): each in
+    [0, seqlen_q], and LTS <= LTE, UTS <= UTE where both are given. As in Paddle, a window
+    cannot be combined with the indices (build it into them: cuflash.masks.sliding_window)."""
+    nheads_k = nheads if nheads_k is None else nheads_k
+    name = "startend_row_indices"
+    v = x if isinstance(x, Shape) else view(x, name)
+    if v.dtype != "int32":
+        raise TypeError(f"{name} must be int32, got {v.dtype}")
+    ns = FLASHMASK_COLUMNS[bool(causal)]
+    heads = "|".join(str(h) for h in dict.fromkeys((1, nheads_k, nheads)))
+    shape = shape_str(v)
+    if len(shape) != 4:
+        raise ValueError(f"{name} must have 4 dims (batch, heads, seqlen_k, n), got shape {shape}")
+    if shape[0] != batch or shape[1] not in (1, nheads_k, nheads) or shape[2] != seqlen_k:
+        raise ValueError(f"{name} must have shape (batch, 1 or nheads_k or nheads, seqlen_k, n) = "
+                         f"({batch}, {heads}, {seqlen_k}, {'|'.join(map(str, ns))}), got {shape}")
+    if shape[3] not in ns:
+        raise ValueError(f"the last dim of {name} must be " + " or ".join(f"{n} ({c})" for n, c in ns.items())
+                         + f" with causal={bool(causal)}, got {shape[3]}")
+    if tuple(window) != (-1, -1):
+        raise ValueError(f"{name} cannot be combined with window_size (as in Paddle's flashmask_attention), "
+                         f"got window_size={show(tuple(window))}: build the window into the indices "
+                         "(cuflash.masks.sliding_window)")
+    if v.framework == "numpy" and v.array.size:
+        a = v.array
+        bad = (a < 0) | (a > seqlen_q)
+        if bad.any():
+            at = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"{name} must lie in [0, seqlen_q] = [0, {seqlen_q}], got {a[at]} at {at}")
+        cols = ns[shape[3]].split(", ")
+        for s, e in (("LTS", "LTE"), ("UTS", "UTE")):
+            if s in cols and e in cols:
+                lo, hi = a[..., cols.index(s)], a[..., cols.index(e)]
+                if (lo > hi).any():
+                    at = tuple(int(i) for i in np.argwhere(lo > hi)[0])
+                    raise ValueError(f"{name} must have {s} <= {e} in every key column, got {s}={lo[at]} > "
+                                     f"{e}={hi[at]} at (batch, head, key) = {at}")
+    return v
