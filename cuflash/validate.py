@@ -69,21 +69,25 @@ def sizes(*named):
 def same_place(*named):
     """(name, view) pairs: all in host memory or all on one GPU, the first one being the
     reference. Shape-only stand-ins have no place; PyTorch CPU tensors are refused anywhere."""
+    ref = None
     for name, x in named:
-        if x.framework == "torch" and x.device < 0:
+        if x.device < 0 and x.framework == "torch":
             raise ValueError(f"{name} is a CPU tensor; move it to the GPU (e.g. {name}.cuda())")
-    placed = [(n, x) for n, x in named if x.device != SHAPE_ONLY]
-    if not placed:
-        return
-    (n0, x0), *rest = placed
-    where = lambda y: "host memory" if y.device < 0 else f"GPU {y.device}"  # noqa: E731
-    for name, x in rest:
-        if (x.device < 0) != (x0.device < 0):
-            raise ValueError(f"{name} is in {where(x)} but {n0} is in {where(x0)}; "
-                             "host arrays cannot be mixed with device arrays")
-        if x.device != x0.device:
-            raise ValueError(f"{name} is on GPU {x.device} but {n0} is on GPU {x0.device}; "
-                             "all arrays must be on one device")
+        if x.device == SHAPE_ONLY:
+            continue
+        if ref is None:
+            ref = name, x
+        elif x.device != ref[1].device:
+            _misplaced(name, x, *ref)
+
+
+def _misplaced(name, x, n0, x0):
+    if (x.device < 0) != (x0.device < 0):
+        where = lambda y: "host memory" if y.device < 0 else f"GPU {y.device}"  # noqa: E731
+        raise ValueError(f"{name} is in {where(x)} but {n0} is in {where(x0)}; "
+                         "host arrays cannot be mixed with device arrays")
+    raise ValueError(f"{name} is on GPU {x.device} but {n0} is on GPU {x0.device}; "
+                     "all arrays must be on one device")
 
 
 def _last_dim_contiguous(x, name, what="contiguous in its last dim (stride 1)"):
@@ -119,11 +123,12 @@ def operands(q, k, v, same_batch=True, names=("q", "k", "v")):
     hk = k.shape[2]
     if hk == 0 or h % hk:
         raise ValueError(f"nheads ({h}) must be divisible by nheads_k ({hk})")
-    if max(*q.shape, *k.shape, b * h * sq) > MAX_SIZE:  # (messages only built when needed)
+    if max(q.shape) > MAX_SIZE or max(k.shape) > MAX_SIZE or b * h * sq > MAX_SIZE:  # (messages built only then)
         sizes(*((f"{name}.shape[{i}]", n) for name, x in ((nq, q), (nk, k)) for i, n in enumerate(x.shape)),
               (f"{nq}'s batch * nheads * seqlen ({b} * {h} * {sq})", b * h * sq))
     for name, x in ((nq, q), (nk, k), (nv, v)):
-        _last_dim_contiguous(x, name)
+        if x.shape[3] > 1 and x.strides[3] != 1:
+            _last_dim_contiguous(x, name)
     same_place((nq, q), (nk, k), (nv, v))
 
 
@@ -301,7 +306,7 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tabl
 # Scalars
 
 def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_)))
 
 
 def boolean(value, name):
