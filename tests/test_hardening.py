@@ -127,7 +127,8 @@ def test_cpu_tensors_are_refused_wherever_they_appear():
     qn, kn = np.zeros(Q, np.float16), np.zeros(KV, np.float16)
     qt, kt = torch.zeros(Q, dtype=torch.float16), torch.zeros(KV, dtype=torch.float16)
     for args, name in (((qt, kn, kn), "q"), ((qn, kt, kn), "k"), ((qn, kn, kt), "v")):
-        with pytest.raises(ValueError, match=rf"^{name} is a CPU tensor; move it to the GPU \(e\.g\. {name}\.cuda\(\)\)"):
+        with pytest.raises(ValueError, match=rf"^{name} is a CPU tensor; move it to the GPU "
+                                             rf"\(e\.g\. {name}\.cuda\(\)\)"):
             cuflash.attention(*args)
     with pytest.raises(ValueError, match="^alibi_slopes is a CPU tensor"):
         cuflash.attention(qn, kn, kn, alibi_slopes=torch.zeros(8))
@@ -202,7 +203,8 @@ def test_plan_with_nothing_to_compute_launches_nothing(q, kv, why, heuristic):
     ((True, 4, 8, 64), KV, TypeError, "q must be an array or a shape tuple of ints"),
     ((2, None, 8, 64), KV, TypeError, "q must be an array or a shape tuple of ints"),
     (Q, (2, 6, 4), ValueError, "k must have 4 dims"),
-    (np.zeros(Q, np.float16), KV, TypeError, "q, k and v must be all arrays or all shape tuples, got q: ndarray, k: tuple"),
+    (np.zeros(Q, np.float16), KV, TypeError,
+     "q, k and v must be all arrays or all shape tuples, got q: ndarray, k: tuple"),
 ])
 def test_plan_checks_shape_tuples_like_arrays(q, kv, exc, fragment):
     with pytest.raises(exc) as ei:
