@@ -6,6 +6,7 @@ fake_views)."""
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -316,15 +317,17 @@ def cache(monkeypatch, tmp_path):
 def test_warmup_ctrl_c_cancels_pending_compiles(capsys, monkeypatch, cache):
     started = []
 
-    def compile_once(v):
+    def compile_once(v):  # a compile takes 20 ms; Ctrl-C comes during the second one
         started.append(v)
+        time.sleep(0.02)
         if len(started) == 2:
             raise KeyboardInterrupt
         return b"cubin"
     monkeypatch.setattr(compiler, "cubin_for", compile_once)
     code, out, err = run_cli(capsys, "warmup", "--arch", "sm_90", "--head-dim", "64")
     assert code == 130 and err == "cuflash: interrupted\n"
-    assert len(started) <= 4  # the rest (about 80 kernels) never started
+    workers = min(16, os.cpu_count() or 1)  # compiler.warmup's threads
+    assert len(started) < 3 * workers + 2  # the rest (over 400 kernels) never started
     assert out.endswith("\n") and "compiled" not in out
 
 
