@@ -147,9 +147,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     the forward). Sequences may be empty. Other arguments as in :func:`attention_backward`;
     ALiBi slopes may be (nheads,) or (batch, nheads).
     """
-    (qv, kv, vv, dov, ov, lv, cq, ck, max_sq, max_sk, grads, scale, causal, deterministic, mods) = _validate_varlen(
-        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-        deterministic, dq, dk, dv, window_size, softcap, alibi_slopes)
+    qv, kv, vv, dov, ov, lv, cq, ck, max_sq, max_sk, grads, scale, causal, deterministic, mods = \
+        _validate_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                         softmax_scale, deterministic, dq, dk, dv, window_size, softcap, alibi_slopes)
     if qv.device < 0:  # NumPy in, NumPy out: compute on the current GPU
         dev = api._current_device()
         on = lambda x: None if x is None else arrays.to_device(np.asarray(x.array), dev)

@@ -38,7 +38,8 @@ def _type(x) -> str:
 
 
 def show(x) -> str:
-    """repr(x) on one line and at most 80 characters (arrays print over several)."""
+    """x for a message: str for numbers, repr otherwise, on one line (arrays print over several)
+    and at most 80 characters."""
     text = " ".join((str(x) if isinstance(x, numbers.Number) else repr(x)).split())
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -69,21 +70,25 @@ def sizes(*named):
 def same_place(*named):
     """(name, view) pairs: all in host memory or all on one GPU, the first one being the
     reference. Shape-only stand-ins have no place; PyTorch CPU tensors are refused anywhere."""
+    ref = None
     for name, x in named:
-        if x.framework == "torch" and x.device < 0:
+        if x.device < 0 and x.framework == "torch":
             raise ValueError(f"{name} is a CPU tensor; move it to the GPU (e.g. {name}.cuda())")
-    placed = [(n, x) for n, x in named if x.device != SHAPE_ONLY]
-    if not placed:
-        return
-    (n0, x0), *rest = placed
-    where = lambda y: "host memory" if y.device < 0 else f"GPU {y.device}"  # noqa: E731
-    for name, x in rest:
-        if (x.device < 0) != (x0.device < 0):
-            raise ValueError(f"{name} is in {where(x)} but {n0} is in {where(x0)}; "
-                             "host arrays cannot be mixed with device arrays")
-        if x.device != x0.device:
-            raise ValueError(f"{name} is on GPU {x.device} but {n0} is on GPU {x0.device}; "
-                             "all arrays must be on one device")
+        if x.device == SHAPE_ONLY:
+            continue
+        if ref is None:
+            ref = name, x
+        elif x.device != ref[1].device:
+            _misplaced(name, x, *ref)
+
+
+def _misplaced(name, x, n0, x0):
+    if (x.device < 0) != (x0.device < 0):
+        where = lambda y: "host memory" if y.device < 0 else f"GPU {y.device}"  # noqa: E731
+        raise ValueError(f"{name} is in {where(x)} but {n0} is in {where(x0)}; "
+                         "host arrays cannot be mixed with device arrays")
+    raise ValueError(f"{name} is on GPU {x.device} but {n0} is on GPU {x0.device}; "
+                     "all arrays must be on one device")
 
 
 def _last_dim_contiguous(x, name, what="contiguous in its last dim (stride 1)"):
@@ -119,11 +124,12 @@ def operands(q, k, v, same_batch=True, names=("q", "k", "v")):
     hk = k.shape[2]
     if hk == 0 or h % hk:
         raise ValueError(f"nheads ({h}) must be divisible by nheads_k ({hk})")
-    if max(*q.shape, *k.shape, b * h * sq) > MAX_SIZE:  # (messages only built when needed)
+    if max(q.shape) > MAX_SIZE or max(k.shape) > MAX_SIZE or b * h * sq > MAX_SIZE:  # names built only then
         sizes(*((f"{name}.shape[{i}]", n) for name, x in ((nq, q), (nk, k)) for i, n in enumerate(x.shape)),
               (f"{nq}'s batch * nheads * seqlen ({b} * {h} * {sq})", b * h * sq))
     for name, x in ((nq, q), (nk, k), (nv, v)):
-        _last_dim_contiguous(x, name)
+        if x.shape[3] > 1 and x.strides[3] != 1:
+            _last_dim_contiguous(x, name)
     same_place((nq, q), (nk, k), (nv, v))
 
 
@@ -263,7 +269,8 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tabl
             raise ValueError(f"{name} must have {k_dims}, got shape {shape_str(x)}")
     cq, ck, batch = cu_seqlens(cu_seqlens_q, cu_seqlens_k)
     total_q, h, d = qv.shape
-    sizes(("q.shape[0] (total_q)", total_q), ("k.shape[0]", kv.shape[0]), ("batch (cu_seqlens_q.shape[0] - 1)", batch))
+    sizes(("q.shape[0] (total_q)", total_q), ("k.shape[0]", kv.shape[0]),
+          ("batch (cu_seqlens_q.shape[0] - 1)", batch))
     bt = None
     if paged:
         bt = block_table(table, batch, qv)
@@ -279,7 +286,8 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tabl
     # Head dims and last-dim strides on the arrays as given, then the dense rules on the batched
     # views (dtypes, heads, sizes, placement).
     if kv.shape[-1] != d:
-        raise ValueError(f"k must have q's head dim {d}, got {kv.shape[-1]} (q {shape_str(qv)}, k {shape_str(kv)})")
+        raise ValueError(f"k must have q's head dim {d}, got {kv.shape[-1]} "
+                         f"(q {shape_str(qv)}, k {shape_str(kv)})")
     for name, x in (("q", qv), ("k", kv), ("v", vv)):
         _last_dim_contiguous(x, name)
     if paged:
@@ -301,7 +309,7 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tabl
 # Scalars
 
 def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_)))
 
 
 def boolean(value, name):
@@ -376,7 +384,8 @@ def softcap(cap, scale_):
                          f"float32), got {show(cap)}")
     if c > 0 and not _f32_normal(scale_ / c):
         raise ValueError("softmax_scale / softcap must be in float32's normal range (the kernels "
-                         f"compute tanh(score * softmax_scale / softcap) in float32), got {show(scale_)} / {show(cap)}")
+                         "compute tanh(score * softmax_scale / softcap) in float32), "
+                         f"got {show(scale_)} / {show(cap)}")
     return c
 
 

@@ -150,7 +150,8 @@ def varlen_args():
                 cu_seqlens_k=view((3,), "int32"), max_seqlen_q=5, max_seqlen_k=6)
 
 
-MODS = dict(causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=view((8,), "float32"))
+MODS = dict(causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+            alibi_slopes=view((8,), "float32"))
 Q, KV, LSE = (2, 4, 8, 64), (2, 6, 4, 64), (2, 8, 4)
 
 # entry point -> (call(args), valid arguments); the arguments are passed by name
