@@ -78,12 +78,12 @@ class KernelVariant:
 
     @property
     def target(self) -> str:
-        """The compile target after ``sm_``."""
-        return str(self.arch)
+        """The compile target after ``sm_``: wgmma needs the arch-specific ``90a``."""
+        return f"{self.arch}a" if getattr(self, "mma", "sync") == "wgmma" else str(self.arch)
 
     @property
     def threads(self) -> int:
-        raise NotImplementedError
+        return 32 * self.warps
 
     @property
     def smem_bytes(self) -> int:

@@ -201,14 +201,6 @@ class BwdTileVariant(KernelVariant):
         return "bwd/dkdv_wgmma.cu.j2" if self.mma == "wgmma" else "bwd/dkdv.cu.j2"
 
     @property
-    def target(self) -> str:
-        return f"{self.arch}a" if self.mma == "wgmma" else str(self.arch)
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
-
-    @property
     def swizzled(self) -> bool:
         """wgmma reads 128-byte-swizzled tiles; the mma.sync kernels pad rows."""
         return self.mma == "wgmma"

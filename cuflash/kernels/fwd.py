@@ -151,14 +151,6 @@ class FwdVariant(KernelVariant):
         return "fwd/fwd_wgmma.cu.j2" if self.mma == "wgmma" else "fwd/fwd.cu.j2"
 
     @property
-    def target(self) -> str:
-        return f"{self.arch}a" if self.mma == "wgmma" else str(self.arch)
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
-
-    @property
     def decode(self) -> bool:
         """The decode tile: one 16-row query tile whose warps split each K/V tile's keys."""
         return self.block_m == DECODE_BLOCK_M and self.warps > 1
