@@ -104,8 +104,9 @@ class Plan:
 
     @property
     def local(self) -> bool:
-        """A sliding-window (local) kernel runs; a plain causal mask is not one."""
-        return self.launches[0].variant.local
+        """A sliding-window (local) kernel runs; a plain causal mask is not one (and a plan that
+        launches nothing runs none)."""
+        return bool(self.launches) and self.launches[0].variant.local
 
     def __str__(self) -> str:
         p = self.problem

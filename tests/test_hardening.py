@@ -340,3 +340,8 @@ def test_warmup_reports_cached_kernels_apart(capsys, monkeypatch, cache):
     assert code == 0 and n > 10 and f"compiled {n} kernels for sm_90 in " in out
     code, out, _ = run_cli(capsys, "warmup", "--arch", "sm_90", "--head-dim", "64", "--dtype", "float16")
     assert code == 0 and len(built) == n and f"compiled 0 kernels ({n} already cached) for sm_90" in out
+
+
+def test_empty_plan_is_not_local():
+    p = cuflash.plan((0, 1, 8, 64), (0, 128, 8, 64), (0, 128, 8, 64), num_sms=132, window_size=(4, 0))
+    assert p.launches == () and p.local is False
