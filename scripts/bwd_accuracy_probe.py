@@ -61,17 +61,13 @@ def warmup(shapes):
     use otherwise)."""
     try:
         import cuflash
-        from cuflash import api, backward, compiler
-        from cuflash.plan import head_dim_bucket
-        import torch
-        arch = api.device_facts(torch.cuda.current_device()).arch
+        from cuflash import compiler
         vs = []
         for b, sq, sk, h, hk, d, causal, window, _ in shapes:
-            p = cuflash.plan((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d), causal=causal, window_size=window,
-                             return_lse=True, dtype="bfloat16")
-            vs += [launch.variant for launch in p.launches]
-            c, local, _ = backward.mask_of(causal, window, sq, sk)
-            vs += backward.variants(head_dim_bucket(-(-d // 8) * 8), "bf16", c, False, arch, local)
+            for bwd in (False, True):  # the forward's kernels and the backward's
+                p = cuflash.plan((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d), causal=causal, window_size=window,
+                                 return_lse=True, dtype="bfloat16", backward=bwd)
+                vs += [launch.variant for launch in p.launches]
         t0 = time.time()
         compiler.warmup(vs)
         return f"warmup: {len(set(vs))} kernels ready in {time.time() - t0:.1f} s"
