@@ -54,54 +54,43 @@ __device__ __forceinline__ Band make_band(int seqlen_q, int seqlen_k, int window
   return band;
 }
 
-// The block ranges below take kHasUpper (the band has an upper edge that depends on the row:
-// causal or a window) and kIsLocal (a window: a lower edge too).
+// The block ranges below are structs built by their constructor (the values stay in registers
+// through the kernel's loops): kHasUpper, the band has an upper edge that depends on the row
+// (causal or a window); kIsLocal, a window, so a lower edge too.
 
 // K/V blocks (kBlockN keys each) that the kBlockM query rows from m0 see: [lo, hi), blocks
 // outside it are never loaded. Blocks >= full hold the sequence's tail or cross the band's upper
 // edge, blocks < left (kIsLocal) cross its lower edge: both need a mask, the ones between none.
+// The kernels write the walk over these blocks out themselves: a loop inside an inlined helper
+// gets other loop code (induction variables, registers) from NVVM.
+template <int kBlockM, int kBlockN, bool kHasUpper, bool kIsLocal>
 struct KvBlocks {
   int lo, hi, full, left;
-};
-template <int kBlockM, int kBlockN, bool kHasUpper, bool kIsLocal>
-__device__ __forceinline__ KvBlocks kv_blocks(int m0, int seqlen_k, Band band) {
-  KvBlocks r;
-  r.hi = cdiv(seqlen_k, kBlockN);
-  if constexpr (kHasUpper) r.hi = min(r.hi, cdiv(max(0, m0 + kBlockM + band.diag), kBlockN));
-  r.lo = kIsLocal ? max(0, (m0 + band.diag_lo) / kBlockN) : 0;
-  r.full = seqlen_k / kBlockN;
-  if constexpr (kHasUpper) r.full = min(r.full, max(0, m0 + band.diag + 1) / kBlockN);
-  r.left = kIsLocal ? cdiv(m0 + kBlockM - 1 + band.diag_lo, kBlockN) : 0;
-  return r;
-}
 
-// Call step(n, Bool<masked>) for the K/V blocks of r from hi - 1 down to lo: first the masked
-// ones at the top (sequence tail, upper band edge), then the plain ones, then (kIsLocal) the
-// masked ones on the window's lower edge.
-template <bool kIsLocal, class Step>
-__device__ __forceinline__ void for_each_kv_block(const KvBlocks& r, Step&& step) {
-  int n = r.hi - 1;
-  for (; n >= max(r.lo, r.full); --n) step(n, Bool<true>{});
-  for (; n >= max(r.lo, r.left); --n) step(n, Bool<false>{});
-  if constexpr (kIsLocal)
-    for (; n >= r.lo; --n) step(n, Bool<true>{});
-}
+  __device__ __forceinline__ KvBlocks(int m0, int seqlen_k, Band band) {
+    hi = cdiv(seqlen_k, kBlockN);
+    if constexpr (kHasUpper) hi = min(hi, cdiv(max(0, m0 + kBlockM + band.diag), kBlockN));
+    lo = kIsLocal ? max(0, (m0 + band.diag_lo) / kBlockN) : 0;
+    full = seqlen_k / kBlockN;
+    if constexpr (kHasUpper) full = min(full, max(0, m0 + band.diag + 1) / kBlockN);
+    left = kIsLocal ? cdiv(m0 + kBlockM - 1 + band.diag_lo, kBlockN) : 0;
+  }
+};
 
 // Query blocks (kBlockM rows each) that see a key of the kBlockN keys from n0: [lo, hi). A step
 // over the rows from m0 needs a mask iff m0 < unmasked (it crosses the band's upper edge; every
 // step does when the key block holds the sequence's tail) or, with kIsLocal, m0 > lower (it
 // crosses the window's lower edge).
+template <int kBlockM, int kBlockN, bool kHasUpper, bool kIsLocal>
 struct QBlocks {
   int lo, hi, unmasked, lower;
+
+  __device__ __forceinline__ QBlocks(int n0, int seqlen_q, int seqlen_k, Band band) {
+    const int last_key = min(n0 + kBlockN, seqlen_k) - 1;
+    hi = cdiv(seqlen_q, kBlockM);
+    if constexpr (kIsLocal) hi = min(hi, cdiv(max(0, last_key + 1 - band.diag_lo), kBlockM));
+    lo = kHasUpper ? min(hi, max(0, n0 - band.diag) / kBlockM) : 0;
+    unmasked = n0 + kBlockN > seqlen_k ? kUnbounded : (kHasUpper ? max(0, n0 + kBlockN - 1 - band.diag) : 0);
+    lower = kIsLocal ? n0 - band.diag_lo - kBlockM + 1 : kUnbounded;
+  }
 };
-template <int kBlockM, int kBlockN, bool kHasUpper, bool kIsLocal>
-__device__ __forceinline__ QBlocks q_blocks(int n0, int seqlen_q, int seqlen_k, Band band) {
-  const int last_key = min(n0 + kBlockN, seqlen_k) - 1;
-  QBlocks r;
-  r.hi = cdiv(seqlen_q, kBlockM);
-  if constexpr (kIsLocal) r.hi = min(r.hi, cdiv(max(0, last_key + 1 - band.diag_lo), kBlockM));
-  r.lo = kHasUpper ? min(r.hi, max(0, n0 - band.diag) / kBlockM) : 0;
-  r.unmasked = n0 + kBlockN > seqlen_k ? kUnbounded : (kHasUpper ? max(0, n0 + kBlockN - 1 - band.diag) : 0);
-  r.lower = kIsLocal ? n0 - band.diag_lo - kBlockM + 1 : kUnbounded;
-  return r;
-}
