@@ -10,7 +10,8 @@ struct SeqRows {
 
 // Rows of packed (varlen) sequence b: rows cu_seqlens[b] ... cu_seqlens[b + 1] - 1, each
 // rows_per_token rows when a KV head's query heads run as rows. A kernel whose grid is sized for
-// the longest sequence returns early when its block lies past `len`.
+// the longest sequence returns early when its block lies past `len`, inside its own branch on
+// cu_seqlens (so the dense path has no compare).
 __device__ __forceinline__ SeqRows packed_rows(const int* cu_seqlens, int b, int rows_per_token = 1) {
   return {cu_seqlens[b], (cu_seqlens[b + 1] - cu_seqlens[b]) * rows_per_token};
 }
@@ -54,9 +55,10 @@ __device__ __forceinline__ Band make_band(int seqlen_q, int seqlen_k, int window
   return band;
 }
 
-// The block ranges below are structs built by their constructor (the values stay in registers
-// through the kernel's loops): kHasUpper, the band has an upper edge that depends on the row
-// (causal or a window); kIsLocal, a window, so a lower edge too.
+// The block ranges below are built in place by a constructor: returned by value, a struct of
+// four ints goes through memory and the kernels' loops get other code from NVVM. kHasUpper: the
+// band has an upper edge that depends on the row (causal or a window); kIsLocal: a window, so a
+// lower edge too.
 
 // K/V blocks (kBlockN keys each) that the kBlockM query rows from m0 see: [lo, hi), blocks
 // outside it are never loaded. Blocks >= full hold the sequence's tail or cross the band's upper
