@@ -2,10 +2,10 @@
 // bounds of dense, packed (varlen) and KV-cache batches, and the causal / sliding-window band.
 // Needs types.cuh (cdiv).
 
-// Rows of one sequence: they start `start` batch strides into the tensor (with packed sequences
-// the batch stride is a token stride) and number `len`.
+// Rows of one sequence.
 struct SeqRows {
-  int start, len;
+  int len;    // how many
+  int start;  // the first, in batch strides (token strides for packed sequences)
 };
 
 // Rows of packed (varlen) sequence b: rows cu_seqlens[b] ... cu_seqlens[b + 1] - 1, each
@@ -13,12 +13,15 @@ struct SeqRows {
 // the longest sequence returns early when its block lies past `len`, inside its own branch on
 // cu_seqlens (so the dense path has no compare).
 __device__ __forceinline__ SeqRows packed_rows(const int* cu_seqlens, int b, int rows_per_token = 1) {
-  return {cu_seqlens[b], (cu_seqlens[b + 1] - cu_seqlens[b]) * rows_per_token};
+  SeqRows r;
+  r.start = cu_seqlens[b];
+  r.len = (cu_seqlens[b + 1] - cu_seqlens[b]) * rows_per_token;
+  return r;
 }
 
 // Query rows of sequence b: packed (cu_seqlens_q), or batch row b and seqlen_q rows.
 __device__ __forceinline__ SeqRows query_rows(const int* cu_seqlens_q, int b, int seqlen_q) {
-  return cu_seqlens_q != nullptr ? packed_rows(cu_seqlens_q, b) : SeqRows{b, seqlen_q};
+  return cu_seqlens_q != nullptr ? packed_rows(cu_seqlens_q, b) : SeqRows{seqlen_q, b};
 }
 
 // Key/value rows of sequence b: packed (cu_seqlens_k); otherwise, with kKVCache, cache batch row
@@ -27,7 +30,7 @@ __device__ __forceinline__ SeqRows query_rows(const int* cu_seqlens_q, int b, in
 template <bool kKVCache = false>
 __device__ __forceinline__ SeqRows key_rows(const int* cu_seqlens_k, int b, int seqlen_k,
                                             const int* seqlens_k = nullptr, const int* kv_batch_idx = nullptr) {
-  SeqRows r = {b, seqlen_k};
+  SeqRows r = {seqlen_k, b};
   if (cu_seqlens_k != nullptr) {
     r = packed_rows(cu_seqlens_k, b);
   } else if constexpr (kKVCache) {
@@ -63,16 +66,20 @@ __device__ __forceinline__ Band make_band(int seqlen_q, int seqlen_k, int window
 // K/V blocks (kBlockN keys each) that the kBlockM query rows from m0 see: [lo, hi), blocks
 // outside it are never loaded. Blocks >= full hold the sequence's tail or cross the band's upper
 // edge, blocks < left (kIsLocal) cross its lower edge: both need a mask, the ones between none.
-// The kernels write the walk over these blocks out themselves: a loop inside an inlined helper
+// With kSplit (a split-KV partial) only `count` blocks from lo + first are walked. The kernels write the walk over these blocks out themselves: a loop inside an inlined helper
 // gets other loop code (induction variables, registers) from NVVM.
-template <int kBlockM, int kBlockN, bool kHasUpper, bool kIsLocal>
+template <int kBlockM, int kBlockN, bool kHasUpper, bool kIsLocal, bool kSplit = false>
 struct KvBlocks {
   int lo, hi, full, left;
 
-  __device__ __forceinline__ KvBlocks(int m0, int seqlen_k, Band band) {
+  __device__ __forceinline__ KvBlocks(int m0, int seqlen_k, Band band, int first = 0, int count = 0) {
     hi = cdiv(seqlen_k, kBlockN);
     if constexpr (kHasUpper) hi = min(hi, cdiv(max(0, m0 + kBlockM + band.diag), kBlockN));
     lo = kIsLocal ? max(0, (m0 + band.diag_lo) / kBlockN) : 0;
+    if constexpr (kSplit) {
+      lo += first;
+      hi = min(hi, lo + count);
+    }
     full = seqlen_k / kBlockN;
     if constexpr (kHasUpper) full = min(full, max(0, m0 + band.diag + 1) / kBlockN);
     left = kIsLocal ? cdiv(m0 + kBlockM - 1 + band.diag_lo, kBlockN) : 0;
