@@ -2,22 +2,26 @@
 // bounds of dense, packed (varlen) and KV-cache batches, and the causal / sliding-window band.
 // Needs types.cuh (cdiv).
 
-// Rows of one sequence: they start `start` batch strides into the tensor (with packed sequences
-// the batch stride is a token stride) and number `len`.
+// Rows of one sequence.
 struct SeqRows {
-  int start, len;
+  int len;    // how many
+  int start;  // the first, in batch strides (token strides for packed sequences)
 };
 
 // Rows of packed (varlen) sequence b: rows cu_seqlens[b] ... cu_seqlens[b + 1] - 1, each
 // rows_per_token rows when a KV head's query heads run as rows. A kernel whose grid is sized for
-// the longest sequence returns early when its block lies past `len`.
+// the longest sequence returns early when its block lies past `len`, inside its own branch on
+// cu_seqlens (so the dense path has no compare).
 __device__ __forceinline__ SeqRows packed_rows(const int* cu_seqlens, int b, int rows_per_token = 1) {
-  return {cu_seqlens[b], (cu_seqlens[b + 1] - cu_seqlens[b]) * rows_per_token};
+  SeqRows r;
+  r.start = cu_seqlens[b];
+  r.len = (cu_seqlens[b + 1] - cu_seqlens[b]) * rows_per_token;
+  return r;
 }
 
 // Query rows of sequence b: packed (cu_seqlens_q), or batch row b and seqlen_q rows.
 __device__ __forceinline__ SeqRows query_rows(const int* cu_seqlens_q, int b, int seqlen_q) {
-  return cu_seqlens_q != nullptr ? packed_rows(cu_seqlens_q, b) : SeqRows{b, seqlen_q};
+  return cu_seqlens_q != nullptr ? packed_rows(cu_seqlens_q, b) : SeqRows{seqlen_q, b};
 }
 
 // Key/value rows of sequence b: packed (cu_seqlens_k); otherwise, with kKVCache, cache batch row
@@ -26,7 +30,7 @@ __device__ __forceinline__ SeqRows query_rows(const int* cu_seqlens_q, int b, in
 template <bool kKVCache = false>
 __device__ __forceinline__ SeqRows key_rows(const int* cu_seqlens_k, int b, int seqlen_k,
                                             const int* seqlens_k = nullptr, const int* kv_batch_idx = nullptr) {
-  SeqRows r = {b, seqlen_k};
+  SeqRows r = {seqlen_k, b};
   if (cu_seqlens_k != nullptr) {
     r = packed_rows(cu_seqlens_k, b);
   } else if constexpr (kKVCache) {
@@ -54,54 +58,48 @@ __device__ __forceinline__ Band make_band(int seqlen_q, int seqlen_k, int window
   return band;
 }
 
-// The block ranges below take kHasUpper (the band has an upper edge that depends on the row:
-// causal or a window) and kIsLocal (a window: a lower edge too).
+// The block ranges below are built in place by a constructor: returned by value, a struct of
+// four ints goes through memory and the kernels' loops get other code from NVVM. kHasUpper: the
+// band has an upper edge that depends on the row (causal or a window); kIsLocal: a window, so a
+// lower edge too.
 
 // K/V blocks (kBlockN keys each) that the kBlockM query rows from m0 see: [lo, hi), blocks
 // outside it are never loaded. Blocks >= full hold the sequence's tail or cross the band's upper
 // edge, blocks < left (kIsLocal) cross its lower edge: both need a mask, the ones between none.
+// With kSplit (a split-KV partial) only `count` blocks from lo + first are walked. The kernels write the walk over these blocks out themselves: a loop inside an inlined helper
+// gets other loop code (induction variables, registers) from NVVM.
+template <int kBlockM, int kBlockN, bool kHasUpper, bool kIsLocal, bool kSplit = false>
 struct KvBlocks {
   int lo, hi, full, left;
-};
-template <int kBlockM, int kBlockN, bool kHasUpper, bool kIsLocal>
-__device__ __forceinline__ KvBlocks kv_blocks(int m0, int seqlen_k, Band band) {
-  KvBlocks r;
-  r.hi = cdiv(seqlen_k, kBlockN);
-  if constexpr (kHasUpper) r.hi = min(r.hi, cdiv(max(0, m0 + kBlockM + band.diag), kBlockN));
-  r.lo = kIsLocal ? max(0, (m0 + band.diag_lo) / kBlockN) : 0;
-  r.full = seqlen_k / kBlockN;
-  if constexpr (kHasUpper) r.full = min(r.full, max(0, m0 + band.diag + 1) / kBlockN);
-  r.left = kIsLocal ? cdiv(m0 + kBlockM - 1 + band.diag_lo, kBlockN) : 0;
-  return r;
-}
 
-// Call step(n, Bool<masked>) for the K/V blocks of r from hi - 1 down to lo: first the masked
-// ones at the top (sequence tail, upper band edge), then the plain ones, then (kIsLocal) the
-// masked ones on the window's lower edge.
-template <bool kIsLocal, class Step>
-__device__ __forceinline__ void for_each_kv_block(const KvBlocks& r, Step&& step) {
-  int n = r.hi - 1;
-  for (; n >= max(r.lo, r.full); --n) step(n, Bool<true>{});
-  for (; n >= max(r.lo, r.left); --n) step(n, Bool<false>{});
-  if constexpr (kIsLocal)
-    for (; n >= r.lo; --n) step(n, Bool<true>{});
-}
+  __device__ __forceinline__ KvBlocks(int m0, int seqlen_k, Band band, int first = 0, int count = 0) {
+    hi = cdiv(seqlen_k, kBlockN);
+    if constexpr (kHasUpper) hi = min(hi, cdiv(max(0, m0 + kBlockM + band.diag), kBlockN));
+    lo = kIsLocal ? max(0, (m0 + band.diag_lo) / kBlockN) : 0;
+    if constexpr (kSplit) {
+      lo += first;
+      hi = min(hi, lo + count);
+    }
+    full = seqlen_k / kBlockN;
+    if constexpr (kHasUpper) full = min(full, max(0, m0 + band.diag + 1) / kBlockN);
+    left = kIsLocal ? cdiv(m0 + kBlockM - 1 + band.diag_lo, kBlockN) : 0;
+  }
+};
 
 // Query blocks (kBlockM rows each) that see a key of the kBlockN keys from n0: [lo, hi). A step
 // over the rows from m0 needs a mask iff m0 < unmasked (it crosses the band's upper edge; every
 // step does when the key block holds the sequence's tail) or, with kIsLocal, m0 > lower (it
 // crosses the window's lower edge).
+template <int kBlockM, int kBlockN, bool kHasUpper, bool kIsLocal>
 struct QBlocks {
   int lo, hi, unmasked, lower;
+
+  __device__ __forceinline__ QBlocks(int n0, int seqlen_q, int seqlen_k, Band band) {
+    const int last_key = min(n0 + kBlockN, seqlen_k) - 1;
+    hi = cdiv(seqlen_q, kBlockM);
+    if constexpr (kIsLocal) hi = min(hi, cdiv(max(0, last_key + 1 - band.diag_lo), kBlockM));
+    lo = kHasUpper ? min(hi, max(0, n0 - band.diag) / kBlockM) : 0;
+    unmasked = n0 + kBlockN > seqlen_k ? kUnbounded : (kHasUpper ? max(0, n0 + kBlockN - 1 - band.diag) : 0);
+    lower = kIsLocal ? n0 - band.diag_lo - kBlockM + 1 : kUnbounded;
+  }
 };
-template <int kBlockM, int kBlockN, bool kHasUpper, bool kIsLocal>
-__device__ __forceinline__ QBlocks q_blocks(int n0, int seqlen_q, int seqlen_k, Band band) {
-  const int last_key = min(n0 + kBlockN, seqlen_k) - 1;
-  QBlocks r;
-  r.hi = cdiv(seqlen_q, kBlockM);
-  if constexpr (kIsLocal) r.hi = min(r.hi, cdiv(max(0, last_key + 1 - band.diag_lo), kBlockM));
-  r.lo = kHasUpper ? min(r.hi, max(0, n0 - band.diag) / kBlockM) : 0;
-  r.unmasked = n0 + kBlockN > seqlen_k ? kUnbounded : (kHasUpper ? max(0, n0 + kBlockN - 1 - band.diag) : 0);
-  r.lower = kIsLocal ? n0 - band.diag_lo - kBlockM + 1 : kUnbounded;
-  return r;
-}

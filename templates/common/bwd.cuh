@@ -1,5 +1,6 @@
 // Backward-pass primitives: warp-level GEMMs on shared-memory tiles, the transposed mask, fp32
-// reductions into global memory and element conversions. Needs types.cuh and mma.cuh.
+// reductions into global memory and element conversions. Needs types.cuh and mma.cuh. kBF16
+// selects the element type (bf16, else fp16) of the products and of what is packed.
 //
 // Operand conventions (lane l, g = l >> 2, t = l & 3). A tile "stored by rows" holds row r at
 // byte offset r * stride * 2; ldmatrix fetches four 8x8 matrices per call.
@@ -30,7 +31,7 @@ __device__ __forceinline__ u32 lane_off_at(int lane) {  // A stored as k rows of
 
 // acc[kMT][kNT] += A . B^T over kK16 steps of 16 along the inner dim.
 // a: lane address of A's first row (lane_off_a), b: lane address of B's first row (lane_off_b).
-template <int kMT, int kNT, int kK16, int kSA, int kSB>
+template <bool kBF16, int kMT, int kNT, int kK16, int kSA, int kSB>
 __device__ __forceinline__ void gemm_ss_nt(float (&acc)[kMT][kNT][4], u32 a, u32 b) {
   static_assert(kNT % 2 == 0, "n8 tiles come in pairs");
 #pragma unroll
@@ -44,8 +45,8 @@ __device__ __forceinline__ void gemm_ss_nt(float (&acc)[kMT][kNT][4], u32 a, u32
       ldsm_x4(fb, b + (j * 16 * kSB + kk * 16) * 2);
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        mma16816(acc[mt][2 * j], fa[mt], fb[0], fb[1]);
-        mma16816(acc[mt][2 * j + 1], fa[mt], fb[2], fb[3]);
+        mma16816<kBF16>(acc[mt][2 * j], fa[mt], fb[0], fb[1]);
+        mma16816<kBF16>(acc[mt][2 * j + 1], fa[mt], fb[2], fb[3]);
       }
     }
   }
@@ -53,7 +54,7 @@ __device__ __forceinline__ void gemm_ss_nt(float (&acc)[kMT][kNT][4], u32 a, u32
 
 // acc[kMT][kNT] += A . B, A from registers (kK16 16-wide k steps), B (k x n) stored by rows of k.
 // b: lane address of B's first row and first column (lane_off_bt).
-template <int kMT, int kNT, int kK16, int kSB>
+template <bool kBF16, int kMT, int kNT, int kK16, int kSB>
 __device__ __forceinline__ void gemm_rs_tn(float (&acc)[kMT][kNT][4], const u32 (&fa)[kMT][kK16][4], u32 b) {
   static_assert(kNT % 2 == 0, "n8 tiles come in pairs");
 #pragma unroll
@@ -64,8 +65,8 @@ __device__ __forceinline__ void gemm_rs_tn(float (&acc)[kMT][kNT][4], const u32 
       ldsm_x4_trans(fb, b + (kk * 16 * kSB + dj * 16) * 2);
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        mma16816(acc[mt][2 * dj], fa[mt][kk], fb[0], fb[1]);
-        mma16816(acc[mt][2 * dj + 1], fa[mt][kk], fb[2], fb[3]);
+        mma16816<kBF16>(acc[mt][2 * dj], fa[mt][kk], fb[0], fb[1]);
+        mma16816<kBF16>(acc[mt][2 * dj + 1], fa[mt][kk], fb[2], fb[3]);
       }
     }
   }
@@ -81,7 +82,7 @@ __device__ __forceinline__ void ldsm_x2_trans(u32 (&r)[2], u32 addr) {
 // stored by rows of k. a: lane address of A's first k row at this warp's first m column
 // (lane_off_at), or of its first m row (lane_off_a); b as in rs_tn.
 // An odd last n8 tile is read with ldmatrix .x2 (the lane offsets of lanes 0-15 are the same).
-template <int kMT, int kNT, int kK16, int kSA, int kSB, bool kAT = true>
+template <bool kBF16, int kMT, int kNT, int kK16, int kSA, int kSB, bool kAT = true>
 __device__ __forceinline__ void gemm_st_tn(float (&acc)[kMT][kNT][4], u32 a, u32 b) {
 #pragma unroll
   for (int kk = 0; kk < kK16; ++kk) {
@@ -97,29 +98,29 @@ __device__ __forceinline__ void gemm_st_tn(float (&acc)[kMT][kNT][4], u32 a, u32
       ldsm_x4_trans(fb, b + (kk * 16 * kSB + dj * 16) * 2);
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        mma16816(acc[mt][2 * dj], fa[mt], fb[0], fb[1]);
-        mma16816(acc[mt][2 * dj + 1], fa[mt], fb[2], fb[3]);
+        mma16816<kBF16>(acc[mt][2 * dj], fa[mt], fb[0], fb[1]);
+        mma16816<kBF16>(acc[mt][2 * dj + 1], fa[mt], fb[2], fb[3]);
       }
     }
     if constexpr (kNT % 2 == 1) {
       u32 fb[2];
       ldsm_x2_trans(fb, b + (kk * 16 * kSB + (kNT - 1) * 8) * 2);
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) mma16816(acc[mt][kNT - 1], fa[mt], fb[0], fb[1]);
+      for (int mt = 0; mt < kMT; ++mt) mma16816<kBF16>(acc[mt][kNT - 1], fa[mt], fb[0], fb[1]);
     }
   }
 }
 
 // C fragments of n8 tiles 2kk and 2kk+1 (16 rows x 16 columns) as one A fragment, packed to the
 // element type: the product's k dim is the C tile's columns.
-template <int kNT>
+template <bool kBF16, int kNT>
 __device__ __forceinline__ void c_to_a(u32 (&a)[kNT / 2][4], const float (&c)[kNT][4]) {
 #pragma unroll
   for (int kk = 0; kk < kNT / 2; ++kk) {
-    a[kk][0] = pack2(c[2 * kk][0], c[2 * kk][1]);
-    a[kk][1] = pack2(c[2 * kk][2], c[2 * kk][3]);
-    a[kk][2] = pack2(c[2 * kk + 1][0], c[2 * kk + 1][1]);
-    a[kk][3] = pack2(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+    a[kk][0] = pack2<kBF16>(c[2 * kk][0], c[2 * kk][1]);
+    a[kk][1] = pack2<kBF16>(c[2 * kk][2], c[2 * kk][3]);
+    a[kk][2] = pack2<kBF16>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+    a[kk][3] = pack2<kBF16>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
   }
 }
 
@@ -207,7 +208,7 @@ __device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
 
 // Write a warp's C fragments (kMT 16-row tiles x kNT n8 tiles, times `mul`) into a padded
 // shared tile as the element type: rows row0 + mt * 16 + g (+8), columns col0 + nt * 8 + 2t.
-template <int kMT, int kNT, int kS>
+template <bool kBF16, int kMT, int kNT, int kS>
 __device__ __forceinline__ void stage_c(u16* tile, const float (&c)[kMT][kNT][4], int row0, int col0, float mul) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -218,21 +219,22 @@ __device__ __forceinline__ void stage_c(u16* tile, const float (&c)[kMT][kNT][4]
       for (int nt = 0; nt < kNT; ++nt) {
         const int row = row0 + mt * 16 + (lane >> 2) + r * 8;
         *reinterpret_cast<u32*>(tile + row * kS + col0 + nt * 8 + (lane & 3) * 2) =
-            pack2(c[mt][nt][2 * r] * mul, c[mt][nt][2 * r + 1] * mul);
+            pack2<kBF16>(c[mt][nt][2 * r] * mul, c[mt][nt][2 * r + 1] * mul);
       }
 }
 
-// Store rows [0, rows) of a padded shared tile (kRows x kHeadDim, rows kSmemStride apart) to
-// global memory in 16-byte chunks, columns below d_valid only. All kNThreads threads take part.
-template <int kRows>
+// Store rows [0, rows) of a padded shared tile (kRows x kCols, rows kStride apart) to global
+// memory in 16-byte chunks, columns below d_valid only (unless kEvenCols). All kThreads threads
+// take part.
+template <int kRows, int kCols, int kStride, int kThreads, bool kEvenCols>
 __device__ __forceinline__ void store_tile(u16* g, long long row_stride, const u16* tile, int rows,
                                            int d_valid, int tid) {
-  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kChunks = kCols / 8;
 #pragma unroll
-  for (int c = tid; c < kRows * kChunks; c += kNThreads) {
+  for (int c = tid; c < kRows * kChunks; c += kThreads) {
     const int row = c / kChunks, ch = c % kChunks;
-    if (row < rows && (kEvenHeadDim || ch * 8 < d_valid))
+    if (row < rows && (kEvenCols || ch * 8 < d_valid))
       *reinterpret_cast<uint4*>(g + row * row_stride + ch * 8) =
-          *reinterpret_cast<const uint4*>(tile + row * kSmemStride + ch * 8);
+          *reinterpret_cast<const uint4*>(tile + row * kStride + ch * 8);
   }
 }

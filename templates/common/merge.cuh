@@ -12,16 +12,17 @@ __device__ __forceinline__ float4 ld_cg4(const float* p) {
 }
 
 // Merge `rows` consecutive partial rows with all kThreads threads of the block. Row r of split s
-// has its LSE at lse_acc[r + s * split_stride] and its O (normalised by its own sum) at
-// o_acc[(r + s * split_stride) * kHeadDim + c]. Writes O = sum_s exp(lse_s - lse) O_s and
-// lse = log(sum_s exp(lse_s)) (+inf when every split is empty, O then 0) where dest(r, &out,
+// has its LSE at lse_acc[r + s * split_stride] and its O (normalised by its own sum; kCols fp32
+// columns a row, the head-dim bucket) at o_acc[(r + s * split_stride) * kCols + c]. Writes O =
+// sum_s exp(lse_s - lse) O_s in bf16 (kBF16) or fp16, columns below head_dim only unless kEven,
+// and lse = log(sum_s exp(lse_s)) (+inf when every split is empty, O then 0) where dest(r, &out,
 // &lse_out) points (false: row r does not exist; lse_out may be null). Each thread owns four
 // columns of a row and loads kMergeBatch splits' LSEs and partials before using any (one L2 round
 // trip per batch, not one per split), merging batches online like the softmax.
-template <int kThreads, bool kEven, class Dest>
+template <int kThreads, int kCols, bool kBF16, bool kEven, class Dest>
 __device__ __forceinline__ void merge_rows(const float* lse_acc, const float* o_acc, long long split_stride,
                                            int num_splits, int head_dim, int rows, Dest dest) {
-  constexpr int kQuads = kHeadDim / 4;
+  constexpr int kQuads = kCols / 4;
   constexpr int kMergeBatch = 16;  // splits whose partials one thread has in flight at once
   for (int item = threadIdx.x; item < rows * kQuads; item += kThreads) {
     const int r = item / kQuads, c = item % kQuads * 4;
@@ -31,8 +32,8 @@ __device__ __forceinline__ void merge_rows(const float* lse_acc, const float* o_
     float m = neg_inf(), l = 0.f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     const float* pl = lse_acc + r;             // split s0's LSE and partial columns; both step
-    const float* po = o_acc + (long long)r * kHeadDim + c;  // by one split per load
-    const long long po_step = split_stride * kHeadDim;
+    const float* po = o_acc + (long long)r * kCols + c;  // by one split per load
+    const long long po_step = split_stride * kCols;
     for (int s0 = 0; s0 < num_splits; s0 += kMergeBatch) {
       float ls[kMergeBatch];
       float4 x[kMergeBatch];
@@ -60,7 +61,8 @@ __device__ __forceinline__ void merge_rows(const float* lse_acc, const float* o_
       m = mx;
     }
     const float inv = l == 0.f ? 0.f : 1.f / l;
-    *reinterpret_cast<uint2*>(out + c) = make_uint2(pack2(acc.x * inv, acc.y * inv), pack2(acc.z * inv, acc.w * inv));
+    *reinterpret_cast<uint2*>(out + c) =
+        make_uint2(pack2<kBF16>(acc.x * inv, acc.y * inv), pack2<kBF16>(acc.z * inv, acc.w * inv));
     if (c == 0 && lse_out != nullptr) *lse_out = l == 0.f ? pos_inf() : __logf(l) + m;
   }
 }

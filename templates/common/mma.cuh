@@ -4,8 +4,10 @@
 //   B 16x8 ("col", stored as rows of B^T): b0 = B[2t..][g], b1 = B[2t+8..][g]
 //   C 16x8 fp32: c0,c1 = C[g][2t..2t+1], c2,c3 = C[g+8][2t..2t+1]
 
+// D += A B with A and B in bf16 (kBF16) or fp16.
+template <bool kBF16>
 __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-  if constexpr (kIsBF16) {
+  if constexpr (kBF16) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{ %0,%1,%2,%3}, { %4,%5,%6,%7}, { %8,%9}, { %0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])

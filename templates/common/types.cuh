@@ -6,10 +6,12 @@ typedef unsigned int u32;
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
 
-// Pack two fp32 values into one 32-bit word of the element type, lo in the low half.
+// Pack two fp32 values into one 32-bit word of the element type (bf16 with kBF16, else fp16),
+// lo in the low half.
+template <bool kBF16>
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
   u32 r;
-  if constexpr (kIsBF16) {
+  if constexpr (kBF16) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   } else {
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));

@@ -4,8 +4,8 @@
 // 8j + 2(lane & 3) + {0, 1}, row (lane >> 2) + 8r). An A operand in registers has the
 // mma.sync A layout per warp, so P = exp(S) feeds the PV product without leaving registers.
 //
-// Shared operands use the 128-byte swizzle: a tile of R rows x kHeadDim columns is stored as
-// kHeadDim / 64 column blocks of R rows x 128 bytes, and 16-byte chunk c of row r sits at chunk
+// Shared operands use the 128-byte swizzle: a tile of R rows x C columns is stored as C / 64
+// column blocks of R rows x 128 bytes, and 16-byte chunk c of row r sits at chunk
 // c ^ (r & 7) of its row (the hardware applies the same XOR on address bits [4,7) from bits
 // [7,10), so every tile starts 1024-byte aligned). ldmatrix-free: wgmma reads these directly.
 typedef unsigned long long u64;
@@ -42,10 +42,13 @@ __device__ __forceinline__ void fence_regs(u32 (&a)[kN][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[j][e]) :: "memory");
 }
 
-{% set ab = "bf16" if bf16 else "f16" %}
-{#- wgmma with both operands in shared memory (m64 x n x k16; trans = 1 reads A and B MN-major),
-    and with A in registers (B MN-major). -#}
-{% macro wgmma_ss_fn(fn, n, trans) %}
+{#- The wgmma instructions themselves, as Jinja macros that a kernel template imports and calls
+    for the shapes and element type it uses (an inline asm statement names every accumulator
+    register, so each N needs its own operand list). fn: the function's name; n: the product's N;
+    bf16: the element type (bf16, else fp16). -#}
+{#- Both operands from shared memory (m64 x n x k16; trans = 1 reads A and B MN-major). -#}
+{% macro wgmma_ss_fn(fn, n, trans, bf16) %}
+{%- set ab = "bf16" if bf16 else "f16" %}
 __device__ __forceinline__ void {{ fn }}(float (&d)[{{ n // 8 }}][4], u64 desc_a, u64 desc_b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %{{ n // 2 + 2 }}, 0;\n"
@@ -56,7 +59,9 @@ __device__ __forceinline__ void {{ fn }}(float (&d)[{{ n // 8 }}][4], u64 desc_a
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 {% endmacro %}
-{% macro wgmma_rs_fn(fn, n) %}
+{#- A from registers, B MN-major from shared memory. -#}
+{% macro wgmma_rs_fn(fn, n, bf16) %}
+{%- set ab = "bf16" if bf16 else "f16" %}
 __device__ __forceinline__ void {{ fn }}(float (&d)[{{ n // 8 }}][4], const u32 (&a)[4], u64 desc_b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %{{ n // 2 + 5 }}, 0;\n"
@@ -68,17 +73,3 @@ __device__ __forceinline__ void {{ fn }}(float (&d)[{{ n // 8 }}][4], const u32 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 {% endmacro %}
-{% if name.startswith("bwd") %}
-// S^T (64 keys x kBlockM queries) = K Q^T and dP^T = V dO^T: A and B K-major.
-{{ wgmma_ss_fn("wgmma_ss", block_m, 0) }}
-// dQ (64 queries x 64 columns) = dS K: dS^T and K stored MN-major (rows of keys).
-{{ wgmma_ss_fn("wgmma_ss_mn", 64, 1) }}
-// dV += P^T dO and dK += dS^T Q (64 keys x kHeadDim): P^T / dS^T in registers, dO / Q MN-major.
-{{ wgmma_rs_fn("wgmma_rs", head_dim) }}
-{% else %}
-// S(64 x kBlockN) = A B^T (+ S when accumulate): A and B K-major in shared memory.
-{{ wgmma_ss_fn("wgmma_ss", block_n, 0) }}
-// O(64 x kHeadDim) += P V: P in registers (A fragment of one 16-key step), V MN-major in
-// shared memory (transposed B).
-{{ wgmma_rs_fn("wgmma_rs", head_dim) }}
-{% endif %}
