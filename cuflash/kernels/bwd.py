@@ -227,7 +227,7 @@ class BwdTileVariant(KernelVariant):
         return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, warps=self.warps,
                     stages=self.stages, causal=self.causal, local=self.local, softcap=self.softcap,
                     alibi=self.alibi, bf16=self.dtype == "bf16", dq=self.kind == "bwd_dkdv_dq",
-                    even_head_dim=False, swizzle=self.swizzled, varlen_row_gap=VARLEN_ROW_GAP)
+                    even_head_dim=False, swizzle=self.swizzled, varlen_row_gap=VARLEN_ROW_GAP, info_bytes=INFO_BYTES)
 
 
 def kernels(bucket: int, dtype: str, causal: bool, deterministic: bool, arch: int, local: bool = False,

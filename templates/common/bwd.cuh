@@ -168,7 +168,7 @@ __device__ __forceinline__ void apply_alibi_t(float (&s)[kQT][4], int key0, int 
 // (cu_seqlens_q[b] rounded down to 4) + kVarlenRowGap * b, which leaves every sequence room for
 // its rows padded to a multiple of 128 (whole blocks, padding rows disjoint from its neighbour's)
 // and keeps 16-byte alignment. cuflash.backward mirrors this layout.
-constexpr int kVarlenRowGap = 132;
+constexpr int kVarlenRowGap = {{ varlen_row_gap }};  // cuflash.kernels.bwd.VARLEN_ROW_GAP
 __device__ __forceinline__ long long stats_base(const int* cu_seqlens_q, int b, int nheads, int head_rows) {
   return cu_seqlens_q != nullptr ? (long long)((cu_seqlens_q[b] & ~3) + kVarlenRowGap * b)
                                  : (long long)b * nheads * head_rows;
@@ -178,7 +178,7 @@ __device__ __forceinline__ long long stats_base(const int* cu_seqlens_q, int b, 
 // then: staged in kInfoBytes of shared memory and re-read at each use, because kept in registers
 // through the loop they would push the dK/dV kernel into spills. The volatile loads cannot be
 // merged or hoisted, so the compiler never keeps the values live.
-constexpr int kInfoBytes = 48;
+constexpr int kInfoBytes = {{ info_bytes }};  // cuflash.kernels.bwd.INFO_BYTES
 enum {  // int slots (kInfoStats takes two)
   kInfoQb, kInfoKb, kInfoSeqQ, kInfoSeqK, kInfoDiag, kInfoDiagLo, kInfoStats, kInfoUnmasked = kInfoStats + 2, kInfoLower
 };
