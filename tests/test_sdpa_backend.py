@@ -200,6 +200,25 @@ def test_fallback_calls_pytorch_kernel(any_device, ref_kernels, monkeypatch):
         bwd.redispatch(ks, q, q, q, q, q, lse, None, None, 4, 4, 0.25, True, lse, lse)
 
 
+def test_pytorch_kernel_takes_undefined_tensors():
+    """The fallback hands PyTorch's kernel the backward's arguments as it got them: the flash
+    forward returns no cum_seq tensors (None), and call_boxed passes None on as undefined."""
+    import torch
+    seen = []
+    lib = torch.library.Library("aten", "IMPL", "CPU")
+    try:
+        lib.impl(BWD, lambda ks, *a, **kw: seen.append((a, kw)) or a[1:4], "CPU", with_keyset=True)
+        kernel = torch.library.get_kernel(f"aten::{BWD}", "CPU")
+        q, lse = _bhsd(1, 2, 4, 8), torch.zeros(1, 2, 4)
+        ks = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+        res = kernel.call_boxed(ks, q, q, q, q, q, lse, None, None, 4, 4, 0.25, True, lse, lse, scale=0.5)
+    finally:
+        lib._destroy()
+    (args, kwargs), = seen
+    assert args[6] is None and args[7] is None and args[10:12] == (0.25, True) and kwargs == dict(scale=0.5)
+    assert all(r is q for r in res)
+
+
 # ---------------------------------------------------------------------------------------------
 # CPU: the mapping onto cuflash's calls
 
