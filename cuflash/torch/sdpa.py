@@ -1,0 +1,245 @@
+"""cuflash behind ``torch.nn.functional.scaled_dot_product_attention``: :func:`activate_sdpa` and
+:func:`restore_sdpa`.
+
+Activation overrides the CUDA kernels of SDPA's flash-attention ops,
+``aten::_scaled_dot_product_flash_attention`` and ``..._backward``, through ``torch.library``
+(as PyTorch's own FA3 and FA4 adapters in ``torch/nn/attention/_fa3.py`` / ``_fa4.py`` do), so
+SDPA's flash path runs cuflash's kernels under autograd, ``torch.compile`` and CUDA graphs alike.
+Calls cuflash cannot serve (dropout, the debug mask, other dtypes, ...) go to PyTorch's own kernel,
+fetched with ``torch.library.get_kernel`` before the override. On PyTorch >= 2.11 cuflash is also
+in SDPA's registry: ``torch.nn.attention.activate_flash_attention_impl("cuflash")`` and
+``restore_flash_attention_impl()`` do the same as these two functions.
+
+The flash ops take (batch, nheads, seqlen, headdim) tensors, transposed views of cuflash's
+(batch, seqlen, nheads, headdim) layout, so they are passed as views, never copied. Their LSE is
+cuflash's: float32 (batch, nheads, seqlen_q), natural log. ``is_causal`` on these ops is aligned to
+the bottom-right corner, as in cuflash (SDPA itself only sends causal calls with seqlen_q ==
+seqlen_k to them; ``torch.nn.attention.bias.causal_lower_right`` sends the others). K/V may have
+fewer heads than Q (SDPA's ``enable_gqa``).
+"""
+import functools
+import warnings
+
+import torch
+import torch.nn.attention
+
+from cuflash import validate
+
+from . import ops
+
+NAME = "cuflash"
+_FWD = "aten::_scaled_dot_product_flash_attention"
+_BWD = "aten::_scaled_dot_product_flash_attention_backward"
+_FLASH = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+
+_active = None  # the _Activation while cuflash serves SDPA
+
+
+# ---------------------------------------------------------------------------------------------
+# Which calls cuflash serves
+
+def _unsupported(query, key, value, dropout_p, scale):
+    """Why cuflash cannot serve a flash-attention call on these operands, or None if it can."""
+    if dropout_p != 0:
+        return f"dropout_p={dropout_p}"
+    if query.dtype not in (torch.float16, torch.bfloat16) or not query.dtype == key.dtype == value.dtype:
+        return f"dtypes {query.dtype}, {key.dtype}, {value.dtype}"
+    if not query.dim() == key.dim() == value.dim() == 4:
+        return "operands that are not 4-dim"
+    b, h, sq, d = query.shape
+    hk, sk = key.shape[1], key.shape[2]
+    if key.shape != value.shape or key.shape[0] != b or key.shape[3] != d:
+        return f"shapes q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}"
+    if not 1 <= d <= 256 or hk == 0 or h % hk or 0 in (b, sq, sk):
+        return f"head dim {d}, heads {h}/{hk}, seqlens {sq}/{sk}"
+    if max(b, h, sq, sk, b * h * sq) > validate.MAX_SIZE:
+        return "sizes past cuflash's limits"
+    if any(x.shape[-1] > 1 and x.stride(-1) != 1 for x in (query, key, value)):
+        return "a last dim that is not contiguous"
+    try:
+        validate.scale(scale, d)
+    except (TypeError, ValueError):
+        return f"scale={scale}"
+    return _device_problem(query, key, value)
+
+
+def _unsupported_backward(grad_out, query, out, logsumexp):
+    """The backward's own operands, or None where cuflash can take them."""
+    b, h, sq, _ = query.shape
+    if grad_out.shape != query.shape or out.shape != query.shape or not (
+            grad_out.dtype == out.dtype == query.dtype):
+        return "grad_out or out unlike query"
+    if out.shape[-1] > 1 and out.stride(-1) != 1:
+        return "out's last dim is not contiguous"
+    if logsumexp.dtype != torch.float32 or tuple(logsumexp.shape) != (b, h, sq):
+        return f"logsumexp {logsumexp.dtype} {tuple(logsumexp.shape)}"
+    return _device_problem(grad_out, query, out, logsumexp)
+
+
+def _device_problem(*xs):
+    dev = xs[0].device
+    if dev.type != "cuda" or any(x.device != dev for x in xs):
+        return "operands not on one CUDA device"
+    if _capability(dev.index) < (8, 0):
+        return "a GPU older than sm_80"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index):
+    return torch.cuda.get_device_capability(index)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels registered for the CUDA key
+
+def _bshd(*xs):
+    """(batch, nheads, seqlen, d) tensors as cuflash's (batch, seqlen, nheads, d): views."""
+    return tuple(x.transpose(1, 2) for x in xs)
+
+
+def _forward(query, key, value, is_causal, scale):
+    """cuflash's forward, returned as the flash op's tuple (output, logsumexp, cum_seq_q,
+    cum_seq_k, max_q, max_k, rng_state, unused, debug_attn_mask); output has query's layout."""
+    out = torch.empty_like(query)
+    _, lse = ops._forward_kernel(*_bshd(query, key, value, out), is_causal, scale, -1, -1, 0.0,
+                                 None, True)
+    rng = torch.empty(2, dtype=torch.uint64, device=query.device)  # no dropout: never read
+    unused = torch.empty((), dtype=torch.uint64, device=query.device)
+    return out, lse, None, None, query.shape[2], key.shape[2], rng, unused, query.new_empty(0)
+
+
+def _backward(grad_out, query, key, value, out, logsumexp, is_causal, scale):
+    """cuflash's backward: (grad_query, grad_key, grad_value), each with its input's layout."""
+    grads = tuple(torch.empty_like(x) for x in (query, key, value))
+    views = _bshd(*grads)
+    res = ops._backward_kernel(*_bshd(ops._last_dim_contiguous(grad_out), query, key, value, out),
+                               logsumexp, *views, is_causal, scale, -1, -1, 0.0, None,
+                               torch.are_deterministic_algorithms_enabled())
+    ops._into(views, res)
+    return grads
+
+
+def _forward_impl(keyset, query, key, value, dropout_p=0.0, is_causal=False,
+                  return_debug_mask=False, *, scale=None):
+    why = "return_debug_mask=True" if return_debug_mask else _unsupported(query, key, value,
+                                                                          dropout_p, scale)
+    if why:
+        return _pytorch(_FWD, why, keyset, query, key, value, dropout_p, is_causal,
+                        return_debug_mask, scale=scale)
+    return _forward(query, key, value, is_causal, scale)
+
+
+def _backward_impl(keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
+                   max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+    why = (_unsupported(query, key, value, dropout_p, scale)
+           or _unsupported_backward(grad_out, query, out, logsumexp))
+    if why:
+        return _pytorch(_BWD, why, keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q,
+                        cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset,
+                        scale=scale)
+    return _backward(grad_out, query, key, value, out, logsumexp, is_causal, scale)
+
+
+def _pytorch(op, why, keyset, *args, **kwargs):
+    """PyTorch's own kernel for a call cuflash cannot serve."""
+    kernel = _active.kernels.get(op) if _active is not None else None
+    if kernel is None:
+        raise NotImplementedError(f"cuflash cannot serve this {op} call ({why}) and this PyTorch "
+                                  "build has no CUDA kernel of its own for it")
+    return kernel.call_boxed(keyset, *args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation
+
+class _Activation:
+    """What activation changed, undone by :meth:`remove` (the registry's handle protocol): the
+    library holding the overrides, PyTorch's kernels behind them, SDPA's backend order."""
+
+    def __init__(self):
+        if not hasattr(torch.library, "get_kernel"):
+            raise NotImplementedError("cuflash behind scaled_dot_product_attention needs PyTorch "
+                                      f">= 2.9 (torch.library.get_kernel); this is {torch.__version__}")
+        self.kernels = {op: _kernel(op) for op in (_FWD, _BWD)}
+        self.order = _flash_first()
+        self.library = torch.library.Library("aten", "IMPL", "CUDA")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", ".*Overriding a previously registered kernel")
+            for op, fn in ((_FWD, _forward_impl), (_BWD, _backward_impl)):
+                self.library.impl(op.split("::")[1], fn, "CUDA", with_keyset=True)
+
+    def remove(self):
+        global _active
+        if self.library is not None:
+            self.library._destroy()
+            self.library = None
+            torch._C._set_sdp_priority_order(self.order)
+        if _active is self:
+            _active = None
+
+
+def _kernel(op):
+    """PyTorch's CUDA kernel of ``op`` as it is now, or None where this build has none."""
+    try:
+        return torch.library.get_kernel(op, "CUDA")
+    except RuntimeError:
+        return None
+
+
+def _flash_first():
+    """Put SDPA's flash backend first among its backends and return the previous order. PyTorch
+    picks cuDNN before flash on sm_90 and sm_100 with cuDNN newer than 9.15 (PyTorch 2.11's own
+    wheels), setting that order on its first choice: one choice is made first, so it cannot
+    overwrite this one later."""
+    if torch.cuda.is_available():
+        x = torch.empty(1, 1, 1, 8, dtype=torch.float16, device="cuda")
+        try:
+            torch._fused_sdp_choice(x, x, x)
+        except RuntimeError:  # every backend disabled: nothing is chosen, nothing to do
+            pass
+    before = torch._C._get_sdp_priority_order()
+    torch._C._set_sdp_priority_order([_FLASH] + [b for b in before if b != _FLASH])
+    return before
+
+
+def _register():
+    """The registry's ``register_fn``: activates (once) and returns the handle."""
+    global _active
+    if _active is None:
+        _active = _Activation()
+    return _active
+
+
+def _registry():
+    """torch.nn.attention when its flash-attention registry can restore (PyTorch >= 2.11)."""
+    att = torch.nn.attention
+    return att if hasattr(att, "restore_flash_attention_impl") else None
+
+
+def activate_sdpa():
+    """Run SDPA's flash-attention path on cuflash from now on (forward and backward, eager,
+    ``torch.compile`` and CUDA graphs), with SDPA's flash backend moved first in its priority
+    order. Calls cuflash cannot serve run PyTorch's own kernels. Undone by :func:`restore_sdpa`."""
+    if _registry() is not None:
+        _registry().activate_flash_attention_impl(NAME)  # undoes any other impl first
+    else:
+        _register()
+
+
+def restore_sdpa():
+    """Give SDPA's flash path, and its backend order, back to PyTorch."""
+    reg = _registry()
+    if reg is not None and reg.current_flash_attention_impl() == NAME:
+        reg.restore_flash_attention_impl()
+    elif _active is not None:
+        _active.remove()
+
+
+def sdpa_active() -> bool:
+    """Whether cuflash serves SDPA's flash path now."""
+    return _active is not None
+
+
+if _registry() is not None:
+    _registry().register_flash_attention_impl(NAME, register_fn=_register)

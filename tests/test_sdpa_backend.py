@@ -1,0 +1,496 @@
+"""cuflash behind torch.nn.functional.scaled_dot_product_attention (cuflash.torch.sdpa).
+
+CPU tests check which calls cuflash serves, the activation bookkeeping (the dispatcher's CUDA
+kernels, SDPA's registry and backend order), and, with cuflash's kernels replaced by the float64
+reference (``ref_kernels``), the layout and argument mapping: through the dispatcher (the CUDA
+key reached by redispatch on CPU tensors) and through the aten ops' own autograd formula (the
+same overrides registered for the CPU key). GPU tests run SDPA itself against PyTorch's kernels.
+"""
+import pytest
+
+from conftest import requires_gpu, requires_torch
+from test_torch_integration import _cpu, ref_kernels  # noqa: F401 (a fixture)
+
+pytestmark = [requires_torch]
+
+FWD = "_scaled_dot_product_flash_attention"
+BWD = "_scaled_dot_product_flash_attention_backward"
+
+
+@pytest.fixture
+def sdpa(monkeypatch):
+    """cuflash.torch.sdpa, inactive before and after the test."""
+    import cuflash.torch.sdpa as s
+    s.restore_sdpa()
+    yield s
+    s.restore_sdpa()
+
+
+@pytest.fixture
+def any_device(sdpa, monkeypatch):
+    """CPU tensors pass the device check."""
+    monkeypatch.setattr(sdpa, "_device_problem", lambda *xs: None)
+    return sdpa
+
+
+def _bhsd(b, h, s, d, dtype="bfloat16", seed=0, grad=False, contiguous=False):
+    """(batch, nheads, seqlen, d) as SDPA gets it: a transposed view of (batch, seqlen, nheads, d)
+    (the usual projection output), or a contiguous tensor."""
+    x = _cpu(b, h, s, d, dtype=dtype, seed=seed) if contiguous else \
+        _cpu(b, s, h, d, dtype=dtype, seed=seed).transpose(1, 2)
+    return x.detach().requires_grad_(grad)
+
+
+def _reference(q, k, v, causal, scale=None):
+    """PyTorch's math SDPA in float64; causal aligned bottom-right (the flash ops' meaning)."""
+    import warnings
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    mask = None
+    if causal:
+        with warnings.catch_warnings():  # seqlen_q > seqlen_k: rows without keys, handled here
+            warnings.simplefilter("ignore")
+            mask = causal_lower_right(q.shape[2], k.shape[2])._materialize(q.device)
+        mask = mask | ~mask.any(-1, keepdim=True)  # rows that see no key: compared separately
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out, (q, k, v)
+
+
+CASES = [  # b, h, hk, sq, sk, d, causal, contiguous
+    (2, 4, 4, 7, 7, 16, True, False),
+    (1, 6, 2, 5, 9, 8, False, True),     # GQA, cross lengths
+    (2, 4, 1, 3, 8, 24, True, False),    # MQA, causal with seqlen_q < seqlen_k (bottom-right)
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: which calls cuflash serves
+
+def _ok_args(**over):
+    args = dict(query=_bhsd(1, 4, 5, 16), key=_bhsd(1, 2, 6, 16, seed=1), value=_bhsd(1, 2, 6, 16, seed=2),
+                dropout_p=0.0, scale=None)
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize("over,why", [
+    ({}, None),
+    (dict(scale=0.3), None),
+    (dict(dropout_p=0.1), "dropout"),
+    (dict(query=_bhsd(1, 4, 5, 16, dtype="float32")), "dtypes"),
+    (dict(query=_bhsd(1, 4, 5, 16, dtype="float16")), "dtypes"),
+    (dict(query=_bhsd(1, 4, 5, 16)[0]), "4-dim"),
+    (dict(value=_bhsd(1, 2, 6, 8)), "shapes"),
+    (dict(query=_bhsd(1, 3, 5, 16)), "heads 3/2"),
+    (dict(query=_bhsd(1, 4, 0, 16)), "seqlens 0/6"),
+    (dict(query=_bhsd(1, 4, 5, 264)[..., :260], key=_bhsd(1, 2, 6, 260), value=_bhsd(1, 2, 6, 260)),
+     "head dim 260"),
+    (dict(key=_bhsd(1, 2, 6, 32)[..., ::2]), "last dim"),
+    (dict(scale=0.0), "scale"),
+    (dict(scale=-1.0), "scale"),
+    (dict(scale=float("inf")), "scale"),
+])
+def test_unsupported(any_device, over, why):
+    got = any_device._unsupported(**_ok_args(**over))
+    assert (got is None) if why is None else (why in got), got
+
+
+def test_device_check_rejects_cpu(sdpa):
+    assert "CUDA" in sdpa._unsupported(**_ok_args())
+
+
+def test_unsupported_backward(any_device):
+    import torch
+    q = _bhsd(1, 4, 5, 16)
+    lse = torch.zeros(1, 4, 5)
+    assert any_device._unsupported_backward(q, q, q, lse) is None
+    assert "logsumexp" in any_device._unsupported_backward(q, q, q, lse.double())
+    assert "logsumexp" in any_device._unsupported_backward(q, q, q, lse[..., :4])
+    assert "unlike" in any_device._unsupported_backward(q.half(), q, q, lse)
+    assert "last dim" in any_device._unsupported_backward(q, q, _bhsd(1, 4, 5, 32)[..., ::2], lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: activation bookkeeping
+
+def test_registered_as_cuflash(sdpa):
+    import torch.nn.attention as att
+    if not hasattr(att, "restore_flash_attention_impl"):
+        pytest.skip("this PyTorch has no flash-attention registry with restore (PyTorch < 2.11)")
+    assert "cuflash" in att.list_flash_attention_impls()
+    att.activate_flash_attention_impl("cuflash")
+    assert sdpa.sdpa_active() and att.current_flash_attention_impl() == "cuflash"
+    att.restore_flash_attention_impl()
+    assert not sdpa.sdpa_active() and att.current_flash_attention_impl() is None
+
+
+def test_activate_restore_bookkeeping(sdpa):
+    import torch
+    from torch.library import _impls
+    before = torch._C._get_sdp_priority_order()
+    keys = {f"aten/{op}/CUDA" for op in (FWD, BWD)}
+    sdpa.activate_sdpa()
+    sdpa.activate_sdpa()  # again: still one override
+    assert sdpa.sdpa_active() and keys <= _impls
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{FWD}", "CUDA")
+    order = torch._C._get_sdp_priority_order()
+    assert order[0] == int(torch.nn.attention.SDPBackend.FLASH_ATTENTION) and sorted(order) == sorted(before)
+    sdpa.restore_sdpa()
+    sdpa.restore_sdpa()  # again: nothing to do
+    assert not sdpa.sdpa_active() and not keys & _impls
+    assert torch._C._get_sdp_priority_order() == before
+
+
+def _cuda_keyset():
+    import torch
+    return torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+
+
+def test_dispatcher_reaches_cuflash_only_while_active(any_device, ref_kernels):
+    """The aten op's CUDA kernel (reached on CPU tensors by redispatching to the CUDA key) is
+    cuflash's while active, and no longer cuflash's after restore."""
+    import torch
+    op = getattr(torch.ops.aten, FWD).default
+    q, k, v = _bhsd(1, 2, 4, 8), _bhsd(1, 2, 4, 8, seed=1), _bhsd(1, 2, 4, 8, seed=2)
+    any_device.activate_sdpa()
+    out = op.redispatch(_cuda_keyset(), q, k, v, 0.0, True, scale=0.25)
+    assert [c[:3] for c in ref_kernels] == [("attention", (1, 4, 2, 8), (1, 4, 2, 8))]
+    torch.testing.assert_close(out[0].double(), _reference(q, k, v, True, 0.25)[0], atol=2e-2, rtol=0)
+    any_device.restore_sdpa()
+    with pytest.raises(Exception):  # PyTorch's kernel (or none, on a CPU build): not on CPU tensors
+        op.redispatch(_cuda_keyset(), q, k, v, 0.0, True, scale=0.25)
+    assert len(ref_kernels) == 1
+
+
+def test_fallback_calls_pytorch_kernel(any_device, ref_kernels, monkeypatch):
+    """Calls cuflash cannot serve go to the kernel that was there before, with the same
+    arguments and dispatch keys."""
+    import torch
+    seen = []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def call_boxed(self, keyset, *args, **kwargs):
+            seen.append((self.name, keyset, args, kwargs))
+            return "pytorch"
+
+    any_device.activate_sdpa()
+    kernels = {any_device._FWD: Kernel("fwd"), any_device._BWD: Kernel("bwd")}
+    monkeypatch.setattr(any_device._active, "kernels", kernels)
+    q = _bhsd(1, 2, 4, 8)
+    fwd, bwd = getattr(torch.ops.aten, FWD).default, getattr(torch.ops.aten, BWD).default
+    ks = _cuda_keyset()
+    assert any_device._forward_impl(ks, q, q, q, 0.25, True, scale=0.5) == "pytorch"
+    assert any_device._forward_impl(ks, q, q, q, 0.0, False, True) == "pytorch"
+    assert any_device._forward_impl(ks, q.float(), q.float(), q.float()) == "pytorch"
+    lse = torch.zeros(1, 2, 4)
+    assert any_device._backward_impl(ks, q, q, q, q, q, lse, None, None, 4, 4, 0.25, True, lse, lse,
+                                     scale=0.5) == "pytorch"
+    assert [s[0] for s in seen] == ["fwd", "fwd", "fwd", "bwd"] and not ref_kernels
+    assert seen[0][1:] == (ks, (q, q, q, 0.25, True, False), dict(scale=0.5))
+    assert seen[3][2][10:12] == (0.25, True) and seen[3][3] == dict(scale=0.5)
+    with pytest.raises(Exception):  # through the dispatcher too (the real op checks the result)
+        fwd.redispatch(ks, q, q, q, 0.25, True)
+    monkeypatch.setattr(any_device._active, "kernels", {})
+    with pytest.raises(NotImplementedError, match="dropout_p=0.25"):
+        bwd.redispatch(ks, q, q, q, q, q, lse, None, None, 4, 4, 0.25, True, lse, lse)
+
+
+def test_pytorch_kernel_takes_undefined_tensors():
+    """The fallback hands PyTorch's kernel the backward's arguments as it got them: the flash
+    forward returns no cum_seq tensors (None), and call_boxed passes None on as undefined."""
+    import torch
+    seen = []
+    lib = torch.library.Library("aten", "IMPL", "CPU")
+    try:
+        lib.impl(BWD, lambda ks, *a, **kw: seen.append((a, kw)) or a[1:4], "CPU", with_keyset=True)
+        kernel = torch.library.get_kernel(f"aten::{BWD}", "CPU")
+        q, lse = _bhsd(1, 2, 4, 8), torch.zeros(1, 2, 4)
+        ks = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+        res = kernel.call_boxed(ks, q, q, q, q, q, lse, None, None, 4, 4, 0.25, True, lse, lse, scale=0.5)
+    finally:
+        lib._destroy()
+    (args, kwargs), = seen
+    assert args[6] is None and args[7] is None and args[10:12] == (0.25, True) and kwargs == dict(scale=0.5)
+    assert all(r is q for r in res)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the mapping onto cuflash's calls
+
+@pytest.mark.parametrize("b,h,hk,sq,sk,d,causal,contiguous", CASES + [(1, 2, 2, 6, 4, 8, True, True)])
+def test_forward_mapping(any_device, ref_kernels, b, h, hk, sq, sk, d, causal, contiguous):
+    import torch
+    q = _bhsd(b, h, sq, d, contiguous=contiguous)
+    k, v = (_bhsd(b, hk, sk, d, seed=i, contiguous=contiguous) for i in (1, 2))
+    res = any_device._forward(q, k, v, causal, None)
+    out, lse, cq, ck, max_q, max_k, rng, unused, debug = res
+    assert ref_kernels == [("attention", (b, sq, h, d), (b, sk, hk, d), dict(causal=causal))]
+    assert out.shape == q.shape and out.stride() == torch.empty_like(q).stride() and out.dtype == q.dtype
+    assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
+    assert (cq, ck, max_q, max_k) == (None, None, sq, sk)
+    assert (rng.shape, rng.dtype, unused.shape, unused.dtype) == ((2,), torch.uint64, (), torch.uint64)
+    assert debug.shape == (0,) and debug.dtype == q.dtype
+    want, _ = _reference(q, k, v, causal)
+    seen = torch.ones(sq, dtype=torch.bool) if not causal else torch.arange(sq) + sk - sq >= 0
+    torch.testing.assert_close(out.double()[:, :, seen], want[:, :, seen], atol=2e-2, rtol=0)
+    assert (out[:, :, ~seen] == 0).all() and (lse[:, :, ~seen] == float("inf")).all()
+
+
+@pytest.mark.parametrize("b,h,hk,sq,sk,d,causal,contiguous", CASES)
+def test_backward_mapping(any_device, ref_kernels, b, h, hk, sq, sk, d, causal, contiguous):
+    import torch
+    q = _bhsd(b, h, sq, d, contiguous=contiguous)
+    k, v = (_bhsd(b, hk, sk, d, seed=i, contiguous=contiguous) for i in (1, 2))
+    out, lse = any_device._forward(q, k, v, causal, 0.3)[:2]
+    dout = _cpu(b, h, sq, d, dtype="bfloat16", seed=3)
+    grads = any_device._backward(dout, q, k, v, out, lse, causal, 0.3)
+    assert ref_kernels[-1][:4] == ("backward", (b, sq, h, d), (b, sk, hk, d), dict(causal=causal))
+    want, leaves = _reference(q, k, v, causal, 0.3)
+    torch.autograd.backward(want, dout.double())
+    for g, x, leaf in zip(grads, (q, k, v), leaves):
+        assert g.shape == x.shape and g.stride() == torch.empty_like(x).stride() and g.dtype == x.dtype
+        torch.testing.assert_close(g.double(), leaf.grad, atol=3e-2, rtol=0)
+
+
+def test_backward_copies_expanded_grad(any_device, ref_kernels):
+    """An expanded output gradient (stride 0 in the last dim) is copied, as the custom op does."""
+    import torch
+    q = _bhsd(1, 2, 4, 8)
+    out, lse = any_device._forward(q, q, q, False, None)[:2]
+    ones = torch.ones((), dtype=q.dtype).expand(q.shape)
+    grads = any_device._backward(ones, q, q, q, out, lse, False, None)
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.fixture
+def cpu_overrides(any_device):
+    """The CUDA overrides also registered for the CPU key (where these aten ops have no kernel),
+    so the ops run on CPU tensors under autograd and torch.compile."""
+    import torch
+    lib = torch.library.Library("aten", "IMPL", "CPU")
+    lib.impl(FWD, any_device._forward_impl, "CPU", with_keyset=True)
+    lib.impl(BWD, any_device._backward_impl, "CPU", with_keyset=True)
+    yield any_device
+    lib._destroy()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_autograd_formula_plumbing(cpu_overrides, ref_kernels, compiled):
+    """The aten op's derivative (the one SDPA's flash path uses) feeds cuflash's backward with
+    cuflash's forward results; eager and compiled (aot_eager: fake tensors from the op's meta
+    function, then the real kernels) agree with float64 autograd."""
+    import torch
+    b, h, hk, sq, sk, d = 2, 4, 2, 6, 6, 16
+    q = _bhsd(b, h, sq, d, grad=True)
+    k, v = _bhsd(b, hk, sk, d, seed=1, grad=True), _bhsd(b, hk, sk, d, seed=2, grad=True)
+
+    def f(q, k, v):
+        return getattr(torch.ops.aten, FWD)(q, k, v, is_causal=True, scale=0.4)[0].float().sin().sum()
+
+    if compiled:
+        torch._dynamo.reset()
+        f = torch.compile(f, fullgraph=True, backend="aot_eager")
+    f(q, k, v).backward()
+    assert [c[0] for c in ref_kernels] == ["attention", "backward"]
+    want, leaves = _reference(q, k, v, True, 0.4)
+    want.sin().sum().backward()
+    for x, leaf in zip((q, k, v), leaves):
+        torch.testing.assert_close(x.grad.double(), leaf.grad, atol=5e-2, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: SDPA itself
+
+def _cuda_bhsd(g, b, h, s, d, dtype="bfloat16"):
+    import torch
+    x = torch.randn(b, s, h, d, generator=g, device="cuda", dtype=torch.float32)
+    return x.to(getattr(torch, dtype)).transpose(1, 2).requires_grad_()
+
+
+def _kernels(fn):
+    """(result of fn(), names of the CUDA kernels it ran)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        res = fn()
+        torch.cuda.synchronize()
+    return res, {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+def _is_cuflash(names):
+    return any(n.startswith(("fwd_", "bwd_")) for n in names)
+
+
+def _fwd_bwd(q, k, v, dout, **kw):
+    import torch
+    import torch.nn.functional as F
+    for x in (q, k, v):
+        x.grad = None
+    out = F.scaled_dot_product_attention(q, k, v, **kw)
+    out.backward(dout)
+    return [out.detach().clone()] + [x.grad.clone() for x in (q, k, v)]
+
+
+def _max_err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("b,h,hk,sq,sk,d,causal", [
+    (2, 8, 8, 256, 256, 128, True), (2, 16, 4, 200, 200, 64, True), (2, 4, 4, 113, 203, 64, False),
+    (1, 8, 2, 1, 300, 128, False), (2, 4, 4, 97, 97, 40, True)])
+def test_gpu_sdpa_matches_pytorch(sdpa, dtype, b, h, hk, sq, sk, d, causal):
+    """Forward and backward through F.scaled_dot_product_attention (flash backend forced), with
+    flash-attn's rule against float64: cuflash's error at most 2x (outputs) and 3x + 1e-4
+    (gradients) PyTorch's own flash kernel's."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    g = torch.Generator(device="cuda").manual_seed(sq * 31 + sk)
+    q = _cuda_bhsd(g, b, h, sq, d, dtype)
+    k, v = _cuda_bhsd(g, b, hk, sk, d, dtype), _cuda_bhsd(g, b, hk, sk, d, dtype)
+    dout = torch.randn(b, h, sq, d, generator=g, device="cuda").to(q.dtype)
+    kw = dict(is_causal=causal, enable_gqa=h != hk)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        pt, names = _kernels(lambda: _fwd_bwd(q, k, v, dout, **kw))
+        assert not _is_cuflash(names)
+        sdpa.activate_sdpa()
+        got, names = _kernels(lambda: _fwd_bwd(q, k, v, dout, **kw))
+        assert _is_cuflash(names) and not any("flash_fwd" in n or "flash_bwd" in n for n in names), names
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = _fwd_bwd(*(x.detach().double().requires_grad_() for x in (q, k, v)), dout.double(), **kw)
+    for name, a, p, r, (factor, tol) in zip(("out", "dq", "dk", "dv"), got, pt, ref,
+                                            [(2, 1e-5)] + [(3, 1e-4)] * 3):
+        assert _max_err(a, r) <= factor * _max_err(p, r) + tol, name
+
+
+@requires_gpu
+def test_gpu_lse_and_lower_right_causal_match_pytorch(sdpa):
+    """The op called directly, causal with seqlen_q != seqlen_k (bottom-right on this op, as
+    causal_lower_right sends it): LSE and output against PyTorch's own kernel."""
+    import torch
+    from torch.nn.attention.bias import causal_lower_right
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (_cuda_bhsd(g, 2, 4, s, 64).detach() for s in (77, 300, 300))
+    op = getattr(torch.ops.aten, FWD)
+    want = op(q, k, v, is_causal=True)
+    sdpa.activate_sdpa()
+    got, names = _kernels(lambda: op(q, k, v, is_causal=True))
+    assert _is_cuflash(names)
+    torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=0)
+    torch.testing.assert_close(got[1], want[1], atol=1e-3, rtol=1e-4)
+    mask = causal_lower_right(77, 300)
+    out, names = _kernels(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    assert _is_cuflash(names)
+    torch.testing.assert_close(out, want[0], atol=2e-2, rtol=0)
+
+
+@requires_gpu
+def test_gpu_default_order_and_restore(sdpa):
+    """Without sdpa_kernel, an activated SDPA call runs cuflash (flash is moved ahead of cuDNN,
+    which PyTorch prefers on sm_90/sm_100); restore brings PyTorch's kernels and order back."""
+    import torch
+    import torch.nn.functional as F
+    g = torch.Generator(device="cuda").manual_seed(6)
+    q, k, v = (_cuda_bhsd(g, 2, 8, 256, 128).detach() for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    order = torch._C._get_sdp_priority_order()
+    sdpa.activate_sdpa()
+    got, names = _kernels(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert _is_cuflash(names), names
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
+    sdpa.restore_sdpa()
+    _, names = _kernels(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert not _is_cuflash(names) and torch._C._get_sdp_priority_order() == order
+
+
+@requires_gpu
+def test_gpu_fallbacks_run_pytorch(sdpa):
+    """fp32 (never sent to flash) and dropout (sent to flash, not served) run PyTorch's kernels,
+    forward and backward."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    g = torch.Generator(device="cuda").manual_seed(7)
+    sdpa.activate_sdpa()
+    q, k, v = (_cuda_bhsd(g, 2, 4, 128, 64, "float32") for _ in range(3))
+    out, names = _kernels(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert not _is_cuflash(names) and torch.isfinite(out).all()
+    q, k, v = (_cuda_bhsd(g, 2, 4, 128, 64) for _ in range(3))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        def run():
+            F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True).float().sum().backward()
+        _, names = _kernels(run)
+    assert not _is_cuflash(names) and all(torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+@requires_gpu
+def test_gpu_torch_compile(sdpa):
+    import torch
+    import torch.nn.functional as F
+    g = torch.Generator(device="cuda").manual_seed(8)
+    q, k, v = _cuda_bhsd(g, 2, 16, 256, 128), _cuda_bhsd(g, 2, 4, 256, 128), _cuda_bhsd(g, 2, 4, 256, 128)
+
+    def f(q, k, v):
+        out = F.scaled_dot_product_attention(q * 0.5, k, v, is_causal=True, enable_gqa=True)
+        return out.float().square().sum()
+
+    sdpa.activate_sdpa()
+    eager = [f(q, k, v)]
+    eager[0].backward()
+    eager += [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    torch._dynamo.reset()
+    fc = torch.compile(f, fullgraph=True)
+
+    def run():
+        loss = fc(q, k, v)
+        loss.backward()
+        return loss
+    loss, names = _kernels(run)
+    assert _is_cuflash(names), names
+    for a, b in zip([loss] + [x.grad for x in (q, k, v)], eager):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+@requires_gpu
+def test_gpu_cuda_graph(sdpa):
+    """An activated SDPA call captured in a CUDA graph replays cuflash on new inputs, bitwise
+    equal to eager calls."""
+    import torch
+    import torch.nn.functional as F
+    from test_torch_integration import _capture
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q, k, v = (_cuda_bhsd(g, 2, 16, 512, 128).detach() for _ in range(3))
+    sdpa.activate_sdpa()
+    graph, out = _capture(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    for _ in range(2):
+        for x in (q, k, v):
+            x.copy_(torch.randn(x.shape, generator=g, device="cuda"))
+        _, names = _kernels(graph.replay)
+        assert _is_cuflash(names)
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
+@requires_gpu
+def test_gpu_transformers_sdpa_backend(sdpa):
+    """transformers' own "sdpa" backend (no padding: no mask, so SDPA's flash path) runs cuflash
+    once activated, with logits close to PyTorch's."""
+    pytest.importorskip("transformers")
+    import torch
+    from test_torch_integration import _tiny_qwen2
+    model = _tiny_qwen2("sdpa", dtype="bfloat16", device="cuda")
+    ids = torch.randint(0, 512, (2, 64), device="cuda")
+    with torch.no_grad():
+        want = model(ids).logits.float()
+        sdpa.activate_sdpa()
+        got, names = _kernels(lambda: model(ids).logits.float())
+    assert _is_cuflash(names), names
+    torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
