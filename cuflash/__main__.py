@@ -138,7 +138,8 @@ def cmd_warmup(a):
     from cuflash import compiler
     if a.all and (a.preset or a.head_dim or a.dtype or a.family):
         _fail("cuflash: error: --all compiles every variant: leave out --preset, --head-dim, --dtype and --family")
-    for arch in _archs_of(a):
+    failed = False
+    for arch in _archs_of(a):  # every arch is checked before a failure is reported
         variants = _selected(a, arch)
         t0 = time.perf_counter()
         try:
@@ -154,11 +155,12 @@ def cmd_warmup(a):
                   + ("no spills, no stack, at most 255 registers" if not bad else f"{len(bad)} with problems"))
             for line in bad:
                 print("  " + line)
-            if bad:
-                raise SystemExit(1)
+            failed = failed or bool(bad)
         else:
             print(f"compiled {len(compiled)} kernels" + (f" ({len(cached)} already cached)" if cached else "")
                   + f" for sm_{arch} in {took:.1f} s into {compiler.cache_dir()}")
+    if failed:
+        raise SystemExit(1)
 
 
 def cmd_cache(a):

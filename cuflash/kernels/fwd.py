@@ -71,11 +71,13 @@ def split_block_n(d: int) -> int:
     return 256 if d <= 64 else (128 if d <= 128 else 64)
 
 
-def split_tile_n(bucket: int, all_mods: bool = False) -> int:
+def split_tile_n(bucket: int, local: bool = False, softcap: bool = False, alibi: bool = False,
+                 kv: str = "dense") -> int:
     """Keys per K/V tile of the split-KV kernel (outside decode): FA2's block_n, but at most 64
-    (32 above d = 128) with a window, softcap and ALiBi together, whose registers spill at FA2's
-    tile with a paged cache."""
-    return (64 if bucket <= 128 else 32) if all_mods else split_block_n(bucket)
+    (32 above d = 128) where its registers spill at FA2's tile: a window with softcap and ALiBi
+    together, or a window with either of them over a paged cache (block-table lookups)."""
+    heavy = local and ((softcap and alibi) or (kv == "paged" and (softcap or alibi)))
+    return (64 if bucket <= 128 else 32) if heavy else split_block_n(bucket)
 
 
 PARAMS = ParamTable("FwdParams", (
@@ -207,7 +209,7 @@ def variants(arch: int, mods: bool = True) -> list[FwdVariant]:
                                                   warps=w, stages=st, mma=mma, **m))
                             out.append(FwdVariant(kind="fwd_split", even_head_dim=even, kv=kv,
                                                   block_m=SPLIT_BLOCK_M,
-                                                  block_n=split_tile_n(bucket, local and softcap and alibi),
+                                                  block_n=split_tile_n(bucket, local, softcap, alibi, kv),
                                                   warps=SPLIT_WARPS, stages=1, **m))
                             if even:
                                 bm, bn, w, st = decode_tile(bucket)
