@@ -196,3 +196,16 @@ def test_warmup_fills_the_cache(cache):
     assert compiled == vs and cached == [] and sorted(seen) == [(1, 3), (2, 3), (3, 3)]
     assert entries(cache) == sorted(compiler.cache_path(v).name for v in vs)
     assert compiler.warmup(vs[::-1], workers=2) == ([], vs[::-1])  # a second run finds them cached
+
+
+# Triples of features that the pairwise sample need not cross, found spilling by the full
+# sweep (warmup --all --check) at FA2's split tile: a window with ALiBi or softcap over a paged cache.
+HEAVY_SPLITS = [v for v in __import__("cuflash.kernels.fwd", fromlist=["variants"]).variants(90)
+                if v.kind == "fwd_split" and not v.decode and v.local and v.kv == "paged" and v.dtype == "bf16"
+                and (v.softcap != v.alibi) and v.head_dim in (64, 256) and v.even_head_dim]
+
+
+@pytest.mark.parametrize("v", HEAVY_SPLITS, ids=lambda v: v.name)
+def test_heavy_split_variants_compile_without_spills(compiled, v):
+    assert v.block_n == (64 if v.head_dim <= 128 else 32)
+    assert_compiled_clean(compiled[v], v)
