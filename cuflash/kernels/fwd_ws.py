@@ -127,18 +127,23 @@ CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0  # out-of-bounds elements read as zeros
 RANK = 4  # (d, seqlen, heads, batch), innermost first
 
 
+# cuTensorMapEncodeTiled's C signature: CUresult (CUtensorMap* tensorMap, CUtensorMapDataType,
+# cuuint32_t tensorRank, void* globalAddress, const cuuint64_t* globalDim,
+# const cuuint64_t* globalStrides, const cuuint32_t* boxDim, const cuuint32_t* elementStrides,
+# CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+# the enums are C ints, CUresult too.
+ENCODE_RESTYPE = ctypes.c_int
+ENCODE_ARGTYPES = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                   ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                   ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)
+
+
 @functools.lru_cache(maxsize=1)
 def _driver_encode():
-    """cuTensorMapEncodeTiled from libcuda.so.1, with its C signature:
-    CUresult (CUtensorMap*, CUtensorMapDataType, cuuint32_t rank, void* globalAddress,
-    const cuuint64_t* globalDim, const cuuint64_t* globalStrides, const cuuint32_t* boxDim,
-    const cuuint32_t* elementStrides, CUtensorMapInterleave, CUtensorMapSwizzle,
-    CUtensorMapL2promotion, CUtensorMapFloatOOBfill). The enums are C ints."""
+    """cuTensorMapEncodeTiled from the CUDA driver (libcuda.so.1), typed as above."""
     fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
-    u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    fn.restype = ctypes.c_int
+    fn.argtypes, fn.restype = list(ENCODE_ARGTYPES), ENCODE_RESTYPE
     return fn
 
 
