@@ -65,20 +65,21 @@ def test_registered_for_warmup_but_not_planned():
 def test_params_struct_holds_three_aligned_tensor_maps():
     t = fwd_ws.PARAMS
     assert [t.offset(n) for n in ("tma_q", "tma_k", "tma_v", "o")] == [0, 128, 256, 384]
-    assert t.layout.size % 64 == 0 and t.layout.size <= 1024  # compiler.Kernel's parameter buffer
+    assert t.layout.size == 512 and t.layout.size <= 1024  # compiler.Kernel's parameter buffer
     src = t.cuda()
     assert f"static_assert(sizeof(FwdWsParams) == {t.layout.size}" in src
     assert "__builtin_offsetof(FwdWsParams, tma_v) == 256" in src
     assert "const CUtensorMap& tma_q = p.tma_q;" in t.unpack()
 
 
-def test_tensor_map_fields_are_padded_to_64_and_checked():
+def test_tensor_map_fields_are_padded_to_128_and_checked():
+    """C's layout with cuda.h's alignas(128) CUtensorMap: padding before each map, size rounded up."""
     t = ParamTable("T", (("a", "int"), ("m", "CUtensorMap"), ("p", "void*"), ("m2", "CUtensorMap"), ("x", "float")))
-    assert [t.offset(n) for n in t.names] == [0, 64, 192, 256, 384]
-    assert t.layout.size == 448  # rounded up to the 64-byte alignment
+    assert [t.offset(n) for n in t.names] == [0, 128, 256, 384, 512]
+    assert t.layout.size == 640
     maps = dict(m=bytes(range(128)), m2=b"\xee" * 128)
     raw = t.layout.pack(*t.values(a=7, p=5, x=1.5, **maps))
-    assert raw[64:192] == maps["m"] and raw[256:384] == maps["m2"] and raw[4:64] == bytes(60)
+    assert raw[128:256] == maps["m"] and raw[384:512] == maps["m2"] and raw[4:128] == bytes(124)
     for bad in (b"\0" * 127, b"\0" * 129, bytearray(128), 0):
         with pytest.raises(TypeError, match="CUtensorMap"):
             t.values(a=7, p=5, x=1.5, m=bad, m2=maps["m2"])
@@ -123,7 +124,7 @@ def test_encode_tensor_map_arguments(dtype, code):
     m = fwd_ws.encode_tensor_map(0x7F0000001000, (b, s, h, d), strides, dtype, 128, encode=fake.fn)
     assert m == bytes((i * 7 + 3) % 256 for i in range(128))
     (c,) = fake.calls
-    assert c["tmap"] % 64 == 0  # the driver writes the map to a 64-byte-aligned address
+    assert c["tmap"] % 128 == 0  # the map is written to a 128-byte-aligned address
     assert (c["dtype"], c["rank"], c["addr"]) == (code, 4, 0x7F0000001000)
     assert c["gdim"] == [d, s, h, b]
     assert c["gstride"] == [h * d * 2, d * 2, s * h * d * 2]  # bytes: seqlen, heads, batch
@@ -170,7 +171,7 @@ def test_encode_tensor_map_reports_driver_errors():
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
 def test_renders(v):
     src = codegen.render(v)
-    assert "struct alignas(64) CUtensorMap" in src and "setmaxnreg.dec.sync.aligned.u32" in src
+    assert "struct alignas(128) CUtensorMap" in src and "setmaxnreg.dec.sync.aligned.u32" in src
     assert f"constexpr int kProducerRegs = {fwd_ws.PRODUCER_REGS};" in src
 
 

@@ -26,6 +26,10 @@ BLOCK_M, BLOCK_N, STAGES = 128, 128, 2  # two consumer warpgroups of 64 rows; tw
 PRODUCER_REGS, CONSUMER_REGS = 24, 240  # setmaxnreg: 128 * 24 + 256 * 240 = 64512 <= 65536
 BOX_COLS = 64                           # one TMA box is 64 columns (128 bytes: the swizzle's width)
 BARRIER_BYTES = 128                     # 1 + 4 * stages mbarriers of 8 bytes, rounded up
+# Until the kernel is validated on a GPU, an mbarrier wait that lasts 2^32 clock cycles (about
+# 2 s) traps, so a wrong byte count or a bad tensor map fails the launch instead of hanging the
+# GPU. 0 turns the check off (planned for once the GPU tests pass).
+HANG_TRAP_CYCLES = 1 << 32
 
 PARAMS = ParamTable("FwdWsParams", (
     ("tma_q", "CUtensorMap"), ("tma_k", "CUtensorMap"), ("tma_v", "CUtensorMap"),
@@ -103,7 +107,7 @@ class FwdWsVariant(KernelVariant):
     def constants(self) -> dict:
         return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, stages=self.stages,
                     causal=self.causal, bf16=self.dtype == "bf16", producer_regs=PRODUCER_REGS,
-                    consumer_regs=CONSUMER_REGS)
+                    consumer_regs=CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES)
 
 
 def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
@@ -179,9 +183,10 @@ def encode_tensor_map(ptr: int, shape: tuple, strides: tuple, dtype: str, box_ro
     global_strides = (ctypes.c_uint64 * (RANK - 1))(*byte_strides)
     box_dim = (ctypes.c_uint32 * RANK)(BOX_COLS, box_rows, 1, 1)
     element_strides = (ctypes.c_uint32 * RANK)(1, 1, 1, 1)
-    # The map must be written to a 64-byte-aligned address: over-allocate and align.
-    buf = ctypes.create_string_buffer(TENSOR_MAP_BYTES + 64)
-    addr = ctypes.addressof(buf) + (-ctypes.addressof(buf) % 64)
+    # The driver writes the map to an address aligned to 64 bytes at least (cuda.h aligns the
+    # type to 128): over-allocate and align.
+    buf = ctypes.create_string_buffer(TENSOR_MAP_BYTES + 128)
+    addr = ctypes.addressof(buf) + (-ctypes.addressof(buf) % 128)
     fn = encode or _driver_encode()
     rc = fn(addr, CU_TENSOR_MAP_DATA_TYPE[dtype], RANK, ptr, global_dim, global_strides, box_dim,
             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,

@@ -13,10 +13,11 @@ import struct
 from dataclasses import dataclass
 
 # C type -> struct format code (native alignment, as the CUDA struct is laid out on x86-64/aarch64).
-# CUtensorMap is the driver's opaque 128-byte TMA descriptor (cuTensorMapEncodeTiled); its C
-# alignment, 64, is more than the struct module gives "128s" (1), so layout() pads before it.
+# CUtensorMap is the driver's opaque 128-byte TMA descriptor (cuTensorMapEncodeTiled). cuda.h
+# (CUDA 13) declares it alignas(128) (the driver API asks for at least 64); the struct module
+# gives "128s" no alignment, so layout() pads before it.
 _FORMATS = {"int": "i", "long long": "q", "float": "f", "CUtensorMap": "128s"}
-_ALIGN = {"CUtensorMap": 64}  # C alignments the struct module does not apply itself
+_ALIGN = {"CUtensorMap": 128}  # C alignments the struct module does not apply itself
 TENSOR_MAP_BYTES = 128
 
 

@@ -7,8 +7,9 @@
 
 // The driver's tensor map (CUtensorMap in cuda.h, which NVRTC does not see here): 128 opaque
 // bytes built on the host by cuTensorMapEncodeTiled, passed inside the __grid_constant__
-// parameter struct (kernels/params.py pads it to its 64-byte alignment).
-struct alignas(64) CUtensorMap {
+// parameter struct. Aligned as cuda.h (CUDA 13) aligns it, to 128 bytes (the driver asks for
+// at least 64); kernels/params.py pads the host struct the same way.
+struct alignas(128) CUtensorMap {
   unsigned long long opaque[16];
 };
 static_assert(sizeof(CUtensorMap) == 128, "a tensor map is 128 bytes");
@@ -59,8 +60,23 @@ __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
   return done != 0;
 }
 
+// Wait for the phase of parity `parity` to complete. With kTrapAfter > 0, a wait that lasts
+// more than kTrapAfter clock cycles executes trap (the launch fails with an error) instead of
+// hanging: for kernels not yet validated, where a wrong byte count or tensor map never
+// completes a phase. The clock is read only once the first try has failed.
+template <long long kTrapAfter = 0>
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-  while (!mbar_try_wait(bar, parity)) {
+  if constexpr (kTrapAfter > 0) {
+    if (mbar_try_wait(bar, parity)) return;
+    long long t0, t;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t0));
+    while (!mbar_try_wait(bar, parity)) {
+      asm volatile("mov.u64 %0, %%clock64;" : "=l"(t));
+      if (t - t0 > kTrapAfter) asm volatile("trap;");
+    }
+  } else {
+    while (!mbar_try_wait(bar, parity)) {
+    }
   }
 }
 
