@@ -2,8 +2,11 @@
 // functions: mbarriers (phase-tracked barriers in shared memory whose phase completes when the
 // expected arrivals AND the expected transaction bytes have come in), TMA tile loads (the bulk
 // tensor copy engine: global -> shared, completing bytes on an mbarrier), setmaxnreg (sm_90a),
-// named barriers and elect.sync. Needs types.cuh (u32) and wgmma.cuh (u64, fence_proxy_async).
-// Forms checked against the PTX ISA (mbarrier, cp.async.bulk.tensor, setmaxnreg, bar, elect).
+// named barriers and elect.sync. Needs types.cuh (u32) and wgmma.cuh (u64). The generic-to-async
+// proxy fence (fence.proxy.async.shared::cta, for shared memory written by ordinary stores and
+// then read by wgmma or a TMA store) is wgmma.cuh's fence_proxy_async.
+// Forms checked against the PTX ISA (mbarrier, cp.async.bulk.tensor, prefetch, setmaxnreg, bar,
+// elect) and assembled by ptxas for sm_90a.
 
 // The driver's tensor map (CUtensorMap in cuda.h, which NVRTC does not see here): 128 opaque
 // bytes built on the host by cuTensorMapEncodeTiled, passed inside the __grid_constant__
