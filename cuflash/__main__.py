@@ -91,8 +91,8 @@ def _archs_of(a) -> list[int]:
 
 
 def _selected(a, arch: int) -> list:
-    from cuflash.kernels import all_variants, head_dim_bucket
-    variants = all_variants(arch, families=a.family or ("fwd", "combine", "append", "bwd"))
+    from cuflash.kernels import FAMILIES, all_variants, head_dim_bucket
+    variants = all_variants(arch, families=a.family or FAMILIES)
     dims = set()
     if a.preset:
         dims.add(head_dim_bucket(PRESETS[a.preset][2]))
@@ -309,7 +309,7 @@ def main(argv=None):
     w.add_argument("--preset", choices=sorted(PRESETS))
     w.add_argument("--head-dim", type=HEAD_DIM, nargs="+")
     w.add_argument("--dtype", choices=["bfloat16", "float16"])
-    w.add_argument("--family", action="append", choices=["fwd", "combine", "append", "bwd"],
+    w.add_argument("--family", action="append", choices=["fwd", "combine", "append", "bwd", "fwd_ws"],
                    help="only these kernel families (repeatable; default: all)")
 
     c = sub.add_parser("cache", help="list or clear the kernel cache")

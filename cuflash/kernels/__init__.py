@@ -6,6 +6,7 @@
 | ``combine.py`` | ``combine/`` | log-sum-exp merge of split-KV partials |
 | ``append.py`` | ``append/`` | KV-cache append (contiguous and paged caches) |
 | ``bwd.py`` | ``bwd/`` | backward: prep (D, LSE), dK/dV(+dQ), deterministic dQ, dQ convert |
+| ``fwd_ws.py`` | ``fwd_ws/`` | warp-specialised Hopper forward (TMA + mbarriers + wgmma, sm_90a); compiled and warmed up, not yet selected by the planner |
 
 A family module owns its keyword-only variant classes (the compile-time choices and the variant's
 name, template, threads and shared memory), its tile tables, and its kernels' parameter tables
@@ -23,6 +24,7 @@ HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
 DTYPES = ("fp16", "bf16")
 MIN_ARCH = 80  # cp.async and mma.sync with bf16
 MMAS = ("sync", "wgmma")  # warp-level mma.sync, or Hopper's warpgroup wgmma (sm_90a)
+FAMILIES = ("fwd", "combine", "append", "bwd", "fwd_ws")  # all_variants' default: every family
 
 
 def head_dim_bucket(d: int) -> int:
@@ -111,11 +113,12 @@ def tile_name(kind: str, head_dim: int, dtype: str, *, causal: bool, local: bool
             f"_m{block_m}n{block_n}w{warps}s{stages}_sm{arch}")
 
 
-def all_variants(arch: int, mods: bool = True, families=("fwd", "combine", "append", "bwd")) -> list:
+def all_variants(arch: int, mods: bool = True, families=FAMILIES) -> list:
     """Every kernel variant a plan can launch on ``arch``, family by family (what warmup
-    compiles). ``mods=False`` leaves out the window/softcap/ALiBi variants."""
-    from . import append, bwd, combine, fwd
-    modules = {"fwd": fwd, "combine": combine, "append": append, "bwd": bwd}
+    compiles; fwd_ws is compiled and warmed up though no plan launches it yet). ``mods=False``
+    leaves out the window/softcap/ALiBi variants."""
+    from . import append, bwd, combine, fwd, fwd_ws
+    modules = {"fwd": fwd, "combine": combine, "append": append, "bwd": bwd, "fwd_ws": fwd_ws}
     out = []
     for f in families:
         out.extend(modules[f].variants(arch, mods))

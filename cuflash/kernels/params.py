@@ -8,11 +8,17 @@ of the field's range raises instead.
 """
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 
 # C type -> struct format code (native alignment, as the CUDA struct is laid out on x86-64/aarch64).
-_FORMATS = {"int": "i", "long long": "q", "float": "f"}
+# CUtensorMap is the driver's opaque 128-byte TMA descriptor (cuTensorMapEncodeTiled). cuda.h
+# (CUDA 13) declares it alignas(128) (the driver API asks for at least 64); the struct module
+# gives "128s" no alignment, so layout() pads before it.
+_FORMATS = {"int": "i", "long long": "q", "float": "f", "CUtensorMap": "128s"}
+_ALIGN = {"CUtensorMap": 128}  # C alignments the struct module does not apply itself
+TENSOR_MAP_BYTES = 128
 
 
 def _format(ctype: str) -> str:
@@ -37,10 +43,30 @@ class ParamTable:
     def names(self) -> tuple[str, ...]:
         return tuple(n for n, _ in self.fields)
 
+    @functools.cached_property
+    def _walk(self) -> tuple[str, tuple[int, ...]]:
+        """The struct format and each field's byte offset. "0q" pads the end to 8 bytes, as C
+        pads a struct holding 8-byte members. A member of an _ALIGN type gets explicit "x"
+        padding up to its alignment, and the size is then rounded up to the largest such
+        alignment (C's rules, done by hand where the struct module does not apply them)."""
+        fmt, align, offsets = "@", 8, []
+        for _, ctype in self.fields:
+            a = _ALIGN.get(ctype)
+            if a:
+                fmt += "x" * (-struct.calcsize(fmt) % a)
+                align = max(align, a)
+            fmt += _format(ctype)
+            offsets.append(struct.calcsize(fmt) - struct.calcsize("@" + _format(ctype)))
+        fmt += "0q"
+        return fmt + "x" * (-struct.calcsize(fmt) % align), tuple(offsets)
+
     @property
     def layout(self) -> struct.Struct:
-        # "0q" pads the end to 8 bytes, as C pads a struct holding 8-byte members.
-        return struct.Struct("@" + "".join(_format(c) for _, c in self.fields) + "0q")
+        return struct.Struct(self._walk[0])
+
+    def offset(self, name: str) -> int:
+        """Byte offset of field ``name`` in the packed struct."""
+        return self._walk[1][self.index(name)]
 
     def values(self, **kw) -> tuple:
         """The values in field order; every field must be given, and nothing else."""
@@ -48,6 +74,9 @@ class ParamTable:
         extra = [n for n in kw if n not in self.names]
         if missing or extra:
             raise TypeError(f"{self.struct_name}: missing {missing}, unknown {extra}")
+        for name, ctype in self.fields:  # "128s" would silently pad or cut a wrong-sized map
+            if ctype == "CUtensorMap" and not (isinstance(kw[name], bytes) and len(kw[name]) == TENSOR_MAP_BYTES):
+                raise TypeError(f"{self.struct_name}.{name}: a CUtensorMap is {TENSOR_MAP_BYTES} bytes")
         return tuple(kw[n] for n in self.names)
 
     def index(self, name: str) -> int:
@@ -61,12 +90,19 @@ class ParamTable:
         lines.append("};")
         lines.append(f"static_assert(sizeof({self.struct_name}) == {self.layout.size}, "
                      f"\"{self.struct_name}: host and device layouts differ\");")
+        for name, ctype in self.fields:  # the hand-padded members: their offsets too
+            if ctype in _ALIGN:
+                lines.append(f"static_assert(__builtin_offsetof({self.struct_name}, {name}) == {self.offset(name)}, "
+                             f"\"{self.struct_name}.{name}: host and device offsets differ\");")
         return "\n".join(lines)
 
     def unpack(self, var: str = "p") -> str:
         """Declarations of the fields as locals (pointers ``__restrict__``)."""
         out = []
         for name, ctype in self.fields:
+            if ctype == "CUtensorMap":  # a reference: the TMA reads the map where the launch put it
+                out.append(f"  const CUtensorMap& {name} = {var}.{name};")
+                continue
             decl = f"{ctype} __restrict__" if ctype.endswith("*") else ctype
             out.append(f"  {decl} {name} = {var}.{name};")
         return "\n".join(out)

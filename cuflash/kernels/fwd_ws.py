@@ -1,0 +1,240 @@
+"""Warp-specialised forward for Hopper (templates/fwd_ws/, sm_90a): the first step of a
+FlashAttention-3-class kernel (issue #19). A producer warpgroup issues TMA tile loads that
+complete on mbarriers; two consumer warpgroups of 64 query rows each run wgmma and the online
+softmax. Dense K/V, head dims 64 and 128 (exactly), fp16/bf16, causal or not, GQA, LSE.
+
+NOT VERIFIED ON A GPU YET: compiled offline only (tests/test_fwd_ws.py). The planner does not
+select it; ``run`` below launches it directly, for the GPU tests and benchmarks.
+
+The host side builds the three tensor maps (CUtensorMap, 128 opaque bytes each) with the CUDA
+driver's ``cuTensorMapEncodeTiled`` through ctypes, and passes them by value inside the kernel's
+one ``const __grid_constant__`` parameter struct.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from . import DTYPES, KernelVariant
+from .params import TENSOR_MAP_BYTES, ParamTable, strides
+
+HEAD_DIMS = (64, 128)
+BLOCK_M, BLOCK_N, STAGES = 128, 128, 2  # two consumer warpgroups of 64 rows; two K/V stages
+PRODUCER_REGS, CONSUMER_REGS = 24, 240  # setmaxnreg: 128 * 24 + 256 * 240 = 64512 <= 65536
+BOX_COLS = 64                           # one TMA box is 64 columns (128 bytes: the swizzle's width)
+BARRIER_BYTES = 128                     # 1 + 4 * stages mbarriers of 8 bytes, rounded up
+# Until the kernel is validated on a GPU, an mbarrier wait that lasts 2^32 clock cycles (about
+# 2 s) traps, so a wrong byte count or a bad tensor map fails the launch instead of hanging the
+# GPU. 0 turns the check off (planned for once the GPU tests pass).
+HANG_TRAP_CYCLES = 1 << 32
+
+PARAMS = ParamTable("FwdWsParams", (
+    ("tma_q", "CUtensorMap"), ("tma_k", "CUtensorMap"), ("tma_v", "CUtensorMap"),
+    ("o", "void*"), ("lse", "float*"),
+    *strides("o", "sb", "ss", "sh"), *strides("lse", "sb", "sh", "sr"),
+    ("seqlen_q", "int"), ("seqlen_k", "int"), ("ngroups", "int"),
+    ("scale_log2", "float"),
+))
+
+
+@dataclass(frozen=True, kw_only=True)
+class FwdWsVariant(KernelVariant):
+    """One warp-specialised forward kernel (``kind="fwd_ws"``)."""
+
+    family = "fwd_ws"
+    kind: ClassVar[str] = "fwd_ws"
+    params = PARAMS
+
+    head_dim: int             # 64 or 128: the real head dim (no column predicates)
+    dtype: str                # "fp16" or "bf16"
+    causal: bool = False
+    block_m: int = BLOCK_M
+    block_n: int = BLOCK_N
+    stages: int = STAGES
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.arch != 90:
+            raise ValueError(f"fwd_ws is a Hopper kernel (sm_90a): arch must be 90, got {self.arch!r}")
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"causal must be a bool, got {self.causal!r}")
+        for f in ("block_m", "block_n", "stages"):
+            if not isinstance(getattr(self, f), int) or isinstance(getattr(self, f), bool):
+                raise ValueError(f"{f} must be an int, got {getattr(self, f)!r}")
+        if self.block_m % 64 or not 64 <= self.block_m <= 256 or self.block_n % 16 or not 16 <= self.block_n <= 256:
+            raise ValueError(f"block_m must be 64, 128, 192 or 256 (64 rows per consumer warpgroup) and block_n "
+                             f"a multiple of 16 up to 256 (a TMA box's rows), got {self.block_m}x{self.block_n}")
+        if self.stages < 2:
+            raise ValueError(f"stages must be at least 2, got {self.stages!r}")
+
+    @functools.cached_property
+    def name(self) -> str:
+        mask = "causal" if self.causal else "full"
+        return (f"fwd_ws_d{self.head_dim}_{self.dtype}_{mask}"
+                f"_m{self.block_m}n{self.block_n}s{self.stages}_sm{self.arch}")
+
+    @property
+    def template(self) -> str:
+        return "fwd_ws/fwd_ws.cu.j2"
+
+    @property
+    def target(self) -> str:
+        return "90a"  # wgmma and setmaxnreg
+
+    @property
+    def consumers(self) -> int:
+        return self.block_m // 64
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.consumers)  # the producer warpgroup, then the consumers
+
+    @property
+    def smem_bytes(self) -> int:
+        """Q, kStages K and V tiles (2-byte elements), then the mbarriers."""
+        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + BARRIER_BYTES
+
+    def grid(self, batch: int, seqlen_q: int, nheads: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_q / self.block_m), nheads, batch)
+
+    def constants(self) -> dict:
+        return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, stages=self.stages,
+                    causal=self.causal, bf16=self.dtype == "bf16", producer_regs=PRODUCER_REGS,
+                    consumer_regs=CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES)
+
+
+def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
+    """The fwd_ws variants of ``arch``: sm_90 only, none with window/softcap/ALiBi (``mods`` is
+    accepted for all_variants and changes nothing)."""
+    if arch != 90:
+        return []
+    return [FwdWsVariant(head_dim=d, dtype=dt, causal=c, arch=arch)
+            for d in HEAD_DIMS for dt in DTYPES for c in (False, True)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor maps (host, CUDA driver)
+
+# cuda.h enum values (CUDA 12/13 driver API, unchanged since 12.0).
+CU_TENSOR_MAP_DATA_TYPE = {"fp16": 6, "bf16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
+CU_TENSOR_MAP_INTERLEAVE_NONE = 0
+CU_TENSOR_MAP_SWIZZLE_128B = 3
+CU_TENSOR_MAP_L2_PROMOTION = {0: 0, 64: 1, 128: 2, 256: 3}  # NONE, L2_64B, L2_128B, L2_256B
+CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0  # out-of-bounds elements read as zeros
+RANK = 4  # (d, seqlen, heads, batch), innermost first
+
+
+# cuTensorMapEncodeTiled's C signature: CUresult (CUtensorMap* tensorMap, CUtensorMapDataType,
+# cuuint32_t tensorRank, void* globalAddress, const cuuint64_t* globalDim,
+# const cuuint64_t* globalStrides, const cuuint32_t* boxDim, const cuuint32_t* elementStrides,
+# CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+# the enums are C ints, CUresult too.
+ENCODE_RESTYPE = ctypes.c_int
+ENCODE_ARGTYPES = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                   ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                   ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)
+
+
+@functools.lru_cache(maxsize=1)
+def _driver_encode():
+    """cuTensorMapEncodeTiled from the CUDA driver (libcuda.so.1), typed as above."""
+    fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    fn.argtypes, fn.restype = list(ENCODE_ARGTYPES), ENCODE_RESTYPE
+    return fn
+
+
+def encode_tensor_map(ptr: int, shape: tuple, strides: tuple, dtype: str, box_rows: int, *,
+                      l2_promotion: int = 256, encode=None) -> bytes:
+    """The 128-byte CUtensorMap of a (batch, seqlen, heads, d) tensor of 2-byte elements at
+    device address ``ptr`` with element strides ``strides`` (the last one 1): a 4-D map with
+    dims (d, seqlen, heads, batch), byte strides (seqlen, heads, batch), boxes of 64 columns x
+    ``box_rows`` rows x 1 head x 1 batch, the 128-byte swizzle, no interleave, L2 promotion
+    ``l2_promotion`` bytes and zero fill out of bounds (so a tile past the sequence's end reads
+    zeros). ``encode`` replaces the driver's cuTensorMapEncodeTiled (tests)."""
+    b, s, h, d = (int(x) for x in shape)
+    sb, ss, sh, sd = (int(x) for x in strides)
+    if dtype not in CU_TENSOR_MAP_DATA_TYPE:
+        raise ValueError(f"dtype must be one of {tuple(CU_TENSOR_MAP_DATA_TYPE)}, got {dtype!r}")
+    if sd != 1:
+        raise ValueError(f"the head dim must be contiguous (stride 1), got stride {sd}")
+    if min(b, s, h, d) < 1 or max(b, s, h, d) > 1 << 31:
+        raise ValueError(f"every dim must be in 1 .. 2^31, got {shape}")
+    if d % BOX_COLS:
+        raise ValueError(f"the head dim must be a multiple of {BOX_COLS}, got {d}")
+    if ptr % 16:
+        raise ValueError(f"the base address must be 16-byte aligned, got {ptr:#x}")
+    byte_strides = (ss * 2, sh * 2, sb * 2)  # dims 1, 2, 3 (dim 0's stride is the element size)
+    for st in byte_strides:
+        if st <= 0 or st % 16 or st >= 1 << 40:
+            raise ValueError(f"byte strides must be positive multiples of 16 below 2^40, got {byte_strides}")
+    if not 1 <= box_rows <= 256:
+        raise ValueError(f"box_rows must be in 1 .. 256, got {box_rows}")
+    if l2_promotion not in CU_TENSOR_MAP_L2_PROMOTION:
+        raise ValueError(f"l2_promotion must be one of {tuple(CU_TENSOR_MAP_L2_PROMOTION)}, got {l2_promotion}")
+    global_dim = (ctypes.c_uint64 * RANK)(d, s, h, b)
+    global_strides = (ctypes.c_uint64 * (RANK - 1))(*byte_strides)
+    box_dim = (ctypes.c_uint32 * RANK)(BOX_COLS, box_rows, 1, 1)
+    element_strides = (ctypes.c_uint32 * RANK)(1, 1, 1, 1)
+    # The driver writes the map to an address aligned to 64 bytes at least (cuda.h aligns the
+    # type to 128): over-allocate and align.
+    buf = ctypes.create_string_buffer(TENSOR_MAP_BYTES + 128)
+    addr = ctypes.addressof(buf) + (-ctypes.addressof(buf) % 128)
+    fn = encode or _driver_encode()
+    rc = fn(addr, CU_TENSOR_MAP_DATA_TYPE[dtype], RANK, ptr, global_dim, global_strides, box_dim,
+            element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+            CU_TENSOR_MAP_L2_PROMOTION[l2_promotion], CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if rc:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {rc} (shape {shape}, strides {strides}, "
+                           f"{dtype}, box 64 x {box_rows})")
+    return ctypes.string_at(addr, TENSOR_MAP_BYTES)
+
+
+# ---------------------------------------------------------------------------------------------
+# A direct launch (GPU), for the tests and benchmarks: the planner does not select fwd_ws yet.
+
+_LOG2E = 1.4426950408889634
+
+
+def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, out=None, return_lse: bool = False):
+    """Attention with the fwd_ws kernel on (batch, seqlen, heads, d) CUDA arrays (PyTorch or
+    CuPy) of fp16/bf16, d 64 or 128, nheads a multiple of k's heads. Returns out, or (out, lse)
+    with lse (batch, nheads, seqlen_q) fp32. Minimal checks: this is a test entry point, not the
+    public API."""
+    from .. import arrays, compiler
+    qv, kv, vv = arrays.view(q, "q"), arrays.view(k, "k"), arrays.view(v, "v")
+    dtype = arrays.DTYPE_NAMES.get(qv.dtype)
+    b, sq, h, d = qv.shape
+    sk, hk = kv.shape[1], kv.shape[2]
+    if dtype is None or kv.dtype != qv.dtype or vv.dtype != qv.dtype:
+        raise ValueError("q, k, v must be float16 or bfloat16, all the same")
+    if d not in HEAD_DIMS or kv.shape != (b, sk, hk, d) or vv.shape != kv.shape or h % hk:
+        raise ValueError(f"shapes q {qv.shape}, k {kv.shape}, v {vv.shape}: d must be 64 or 128, k and v alike, "
+                         "nheads a multiple of k's heads")
+    if out is None:
+        out = arrays.empty_like_framework(qv, qv.shape, qv.dtype)
+    ov = arrays.view(out, "out")
+    if ov.shape != qv.shape or ov.dtype != qv.dtype or ov.strides[3] != 1 or ov.ptr % 16 or any(
+            s % 8 for s in ov.strides[:3]):
+        raise ValueError("out must be like q, 16-byte aligned rows")
+    lse = arrays.empty_like_framework(qv, (b, h, sq), "float32") if return_lse else None
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    variant = FwdWsVariant(head_dim=d, dtype=dtype, causal=bool(causal), arch=90)
+    with arrays.on_device(qv.device):
+        kernel = compiler.get_kernel(variant, qv.device)
+        kernel(variant.grid(b, sq, h), (variant.threads,), arrays.stream_for(qv), shared_mem=variant.smem_bytes,
+               tma_q=encode_tensor_map(qv.ptr, qv.shape, qv.strides, dtype, variant.block_m),
+               tma_k=encode_tensor_map(kv.ptr, kv.shape, kv.strides, dtype, variant.block_n),
+               tma_v=encode_tensor_map(vv.ptr, vv.shape, vv.strides, dtype, variant.block_n),
+               o=ov.ptr, lse=arrays.device_ptr(lse) if lse is not None else 0,
+               o_sb=ov.strides[0], o_ss=ov.strides[1], o_sh=ov.strides[2],
+               lse_sb=h * sq, lse_sh=sq, lse_sr=1,
+               seqlen_q=sq, seqlen_k=sk, ngroups=h // hk, scale_log2=scale * _LOG2E)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,47 @@
+"""Time the warp-specialised forward (cuflash.kernels.fwd_ws, not planned yet) against the
+planned forward (the wgmma kernel on sm_90) and SDPA's cuDNN backend, on an H100/H200, after
+checking that its output matches the planned forward's.
+
+    python scripts/bench_fwd_ws.py [--quick]
+
+Prints one line per shape: TFLOP/s of each and fwd_ws's ratio to both. Model dim 2048, bf16.
+"""
+import argparse
+import math
+
+from cuflash import bench
+from cuflash.kernels import fwd_ws
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="one shape per head dim and mask")
+    a = ap.parse_args()
+    torch = bench._torch()
+    import cuflash
+    shapes = ((8, 2048),) if a.quick else ((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384))
+    print(f"{'d':>4} {'causal':>6} {'b':>3} {'s':>6} | {'fwd_ws':>7} {'wgmma':>7} {'cuDNN':>7} TF/s | "
+          f"{'x wgmma':>7} {'x cuDNN':>7} | max |diff|")
+    for d in fwd_ws.HEAD_DIMS:
+        for causal in (False, True):
+            for b, s in shapes:
+                h = 2048 // d
+                shp = (b, s, h, d)
+                sets = bench._make_sets(torch, (shp, shp, shp), torch.bfloat16, extra_bytes=math.prod(shp) * 2)
+                q, k, v = sets[0]
+                diff = (fwd_ws.run(q, k, v, causal=causal).float()
+                        - cuflash.attention(q, k, v, causal=causal).float()).abs().max().item()
+                flops = 4 * b * s * s * h * d / (2 if causal else 1)
+                tf = lambda ms: flops / ms / 1e9 if ms else float("nan")  # noqa: E731
+                ws = tf(bench.time_cuda(lambda q, k, v: fwd_ws.run(q, k, v, causal=causal), sets, 5, 30))
+                planned = tf(bench.time_cuda(lambda q, k, v: cuflash.attention(q, k, v, causal=causal), sets, 5, 30))
+                sets_t = [tuple(t.transpose(1, 2) for t in x) for x in sets]
+                cudnn = tf(bench._time_sdpa(torch, "CUDNN_ATTENTION", sets_t, causal, False, 5, 30))
+                print(f"{d:>4} {causal!s:>6} {b:>3} {s:>6} | {ws:7.1f} {planned:7.1f} {cudnn:7.1f}      | "
+                      f"{ws / planned:7.2f} {ws / cudnn:7.2f} | {diff:.3g}", flush=True)
+                del sets, sets_t, q, k, v
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+// Hopper (sm_90) asynchronous-copy and warp-specialisation primitives, as small inline-PTX
+// functions: mbarriers (phase-tracked barriers in shared memory whose phase completes when the
+// expected arrivals AND the expected transaction bytes have come in), TMA tile loads (the bulk
+// tensor copy engine: global -> shared, completing bytes on an mbarrier), setmaxnreg (sm_90a),
+// named barriers and elect.sync. Needs types.cuh (u32) and wgmma.cuh (u64). The generic-to-async
+// proxy fence (fence.proxy.async.shared::cta, for shared memory written by ordinary stores and
+// then read by wgmma or a TMA store) is wgmma.cuh's fence_proxy_async.
+// Forms checked against the PTX ISA (mbarrier, cp.async.bulk.tensor, prefetch, setmaxnreg, bar,
+// elect) and assembled by ptxas for sm_90a.
+
+// The driver's tensor map (CUtensorMap in cuda.h, which NVRTC does not see here): 128 opaque
+// bytes built on the host by cuTensorMapEncodeTiled, passed inside the __grid_constant__
+// parameter struct. Aligned as cuda.h (CUDA 13) aligns it, to 128 bytes (the driver asks for
+// at least 64); kernels/params.py pads the host struct the same way.
+struct alignas(128) CUtensorMap {
+  unsigned long long opaque[16];
+};
+static_assert(sizeof(CUtensorMap) == 128, "a tensor map is 128 bytes");
+
+// Generic address of a tensor map (a kernel parameter): the operand form the TMA takes.
+__device__ __forceinline__ u64 tmap_addr(const CUtensorMap& m) { return reinterpret_cast<u64>(&m); }
+
+// Bring a tensor map into the cache the TMA reads descriptors through (once per map per block).
+__device__ __forceinline__ void tmap_prefetch(const CUtensorMap& m) {
+  asm volatile("prefetch.tensormap [%0];" :: "l"(tmap_addr(m)) : "memory");
+}
+
+// --- mbarrier (an 8-byte object in shared memory; `bar` is its shared-space address) ---------
+
+// Set the arrival count of every phase; phase 0 is the current one, with no pending bytes.
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+
+// Make mbarrier.init visible to the other threads and to the async proxy (the TMA's
+// complete_tx) before a barrier publishes the mbarriers; the only form is .release.cluster.
+__device__ __forceinline__ void fence_mbar_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// One arrival (release semantics at CTA scope by default: this thread's earlier shared-memory
+// reads, wgmma's included once waited for, are ordered before the phase completes).
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+
+// One arrival that also adds `bytes` to the transaction count the phase waits for (the
+// producer, before the TMA copies that will complete those bytes).
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+
+// True once the phase of parity `parity` has completed (try_wait may suspend the thread for a
+// while before it answers false, so the caller's loop does not spin hard). Acquire semantics
+// at CTA scope by default: the TMA's writes of the completed phase are visible afterwards.
+__device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
+  u32 done;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  return done != 0;
+}
+
+// Wait for the phase of parity `parity` to complete. With kTrapAfter > 0, a wait that lasts
+// more than kTrapAfter clock cycles executes trap (the launch fails with an error) instead of
+// hanging: for kernels not yet validated, where a wrong byte count or tensor map never
+// completes a phase. The clock is read only once the first try has failed.
+template <long long kTrapAfter = 0>
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  if constexpr (kTrapAfter > 0) {
+    if (mbar_try_wait(bar, parity)) return;
+    long long t0, t;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t0));
+    while (!mbar_try_wait(bar, parity)) {
+      asm volatile("mov.u64 %0, %%clock64;" : "=l"(t));
+      if (t - t0 > kTrapAfter) asm volatile("trap;");
+    }
+  } else {
+    while (!mbar_try_wait(bar, parity)) {
+    }
+  }
+}
+
+// --- TMA ---------------------------------------------------------------------------------
+
+// Load the box at coordinates (c0, c1, c2, c3) (innermost first, in elements) of a 4-D tensor
+// map into shared memory at `dst`, completing its bytes on mbarrier `bar`. Out-of-bounds
+// elements are filled as the map says (zeros here) and still count as transferred bytes.
+// `dst` must be 128-byte aligned, and 1024-byte aligned for the 128-byte swizzle to line up
+// with wgmma's (row r's chunk c at c ^ (r & 7)).
+__device__ __forceinline__ void tma_load_4d(u32 dst, const CUtensorMap& map, u32 bar, int c0, int c1, int c2,
+                                            int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3, %4, %5 }], [%6];"
+      :: "r"(dst), "l"(tmap_addr(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+
+// --- warp specialisation -----------------------------------------------------------------
+
+// Per-thread register limit of the calling warpgroup (sm_90a; every warp of the warpgroup runs
+// the same one). The kernel needs a register cap at entry (__launch_bounds__(threads, 1)), and
+// each role's setmaxnreg must be one branch of a single if/else, or ptxas ignores it (C7508).
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "24..256, a multiple of 8");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "24..256, a multiple of 8");
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(kRegs));
+}
+
+// Named barriers (0 is __syncthreads'): `kThreads` (a multiple of 32) threads take part; sync
+// waits for all of them, arrive counts this warp in without waiting.
+template <int kId, int kThreads>
+__device__ __forceinline__ void named_bar_sync() {
+  static_assert(kId > 0 && kId < 16 && kThreads % 32 == 0, "ids 1..15, whole warps");
+  asm volatile("bar.sync %0, %1;" :: "n"(kId), "n"(kThreads) : "memory");
+}
+template <int kId, int kThreads>
+__device__ __forceinline__ void named_bar_arrive() {
+  static_assert(kId > 0 && kId < 16 && kThreads % 32 == 0, "ids 1..15, whole warps");
+  asm volatile("bar.arrive %0, %1;" :: "n"(kId), "n"(kThreads) : "memory");
+}
+
+// True in one lane of the (fully active) warp, the same lane every time.
+__device__ __forceinline__ bool elect_one() {
+  u32 elected;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "elect.sync _|p, 0xffffffff;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(elected));
+  return elected != 0;
+}

@@ -1,0 +1,316 @@
+"""The warp-specialised Hopper forward (cuflash/kernels/fwd_ws.py, templates/fwd_ws/): offline
+checks (every variant renders and compiles for sm_90a with no spills, no stack, a launch
+register count that setmaxnreg's split can hand out, no serialized wgmma; the parameter struct
+with its tensor maps; the tensor-map encoding's arguments, with a fake driver function), the
+planner leaving it alone, and GPU checks against the float64 reference (skipped without an
+sm_90 GPU: they are the first thing to run on one)."""
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from conftest import GPU_PROBLEM, assert_compiled_clean, requires_torch
+from cuflash import codegen
+from cuflash.kernels import all_variants, covering_sample, fwd_ws
+from cuflash.kernels.fwd_ws import FwdWsVariant
+from cuflash.kernels.params import TENSOR_MAP_BYTES, ParamTable
+
+VARIANTS = fwd_ws.variants(90)
+REG_FILE = 65536  # 32-bit registers per SM (and so per block with one block per SM)
+
+
+# ---------------------------------------------------------------------------------------------
+# Variants and registration
+
+def test_variants_of_each_arch():
+    assert len(VARIANTS) == 8 and len({v.name for v in VARIANTS}) == 8
+    assert {(v.head_dim, v.dtype, v.causal) for v in VARIANTS} == {
+        (d, dt, c) for d in (64, 128) for dt in ("fp16", "bf16") for c in (False, True)}
+    assert fwd_ws.variants(80) == [] and fwd_ws.variants(89) == []
+    for v in VARIANTS:
+        assert (v.kind, v.family, v.target, v.threads) == ("fwd_ws", "fwd_ws", "90a", 384)
+        assert (v.block_m, v.block_n, v.stages) == (128, 128, 2)
+        assert v.smem_bytes == (128 + 2 * 2 * 128) * v.head_dim * 2 + fwd_ws.BARRIER_BYTES <= 227 << 10
+        assert re.fullmatch(r"[A-Za-z0-9_]+", v.name)
+
+
+@pytest.mark.parametrize("kw", [dict(arch=80), dict(head_dim=96), dict(head_dim=256), dict(dtype="fp32"),
+                                dict(block_m=96), dict(block_n=264), dict(stages=1), dict(causal=1)])
+def test_bad_variants_are_refused(kw):
+    with pytest.raises(ValueError):
+        FwdWsVariant(**{**dict(head_dim=128, dtype="bf16", arch=90), **kw})
+
+
+def test_registered_for_warmup_but_not_planned():
+    """all_variants (warmup, the CI's covering sample) holds every fwd_ws variant; no plan
+    launches one (it is not verified on a GPU yet)."""
+    from cuflash.plan import DeviceFacts, Problem, make_plan
+    assert set(VARIANTS) <= set(all_variants(90)) and not any(v.family == "fwd_ws" for v in all_variants(80))
+    sample = [v for v in covering_sample() if v.family == "fwd_ws"]
+    assert {(v.head_dim, v.dtype) for v in sample} == {(d, dt) for d in (64, 128) for dt in ("fp16", "bf16")}
+    for d in (64, 128):
+        for causal in (False, True):
+            for sq in (1, 1000, 4096):
+                plan = make_plan(Problem(2, sq, 4096, 16, 4, d, "bf16", causal), DeviceFacts(132, 90))
+                assert not any(l.variant.family == "fwd_ws" for l in plan.launches), plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters: CUtensorMap fields in a ParamTable
+
+def test_params_struct_holds_three_aligned_tensor_maps():
+    t = fwd_ws.PARAMS
+    assert [t.offset(n) for n in ("tma_q", "tma_k", "tma_v", "o")] == [0, 128, 256, 384]
+    assert t.layout.size == 512 and t.layout.size <= 1024  # compiler.Kernel's parameter buffer
+    src = t.cuda()
+    assert f"static_assert(sizeof(FwdWsParams) == {t.layout.size}" in src
+    assert "__builtin_offsetof(FwdWsParams, tma_v) == 256" in src
+    assert "const CUtensorMap& tma_q = p.tma_q;" in t.unpack()
+
+
+def test_tensor_map_fields_are_padded_to_128_and_checked():
+    """C's layout with cuda.h's alignas(128) CUtensorMap: padding before each map, size rounded up."""
+    t = ParamTable("T", (("a", "int"), ("m", "CUtensorMap"), ("p", "void*"), ("m2", "CUtensorMap"), ("x", "float")))
+    assert [t.offset(n) for n in t.names] == [0, 128, 256, 384, 512]
+    assert t.layout.size == 640
+    maps = dict(m=bytes(range(128)), m2=b"\xee" * 128)
+    raw = t.layout.pack(*t.values(a=7, p=5, x=1.5, **maps))
+    assert raw[128:256] == maps["m"] and raw[384:512] == maps["m2"] and raw[4:128] == bytes(124)
+    for bad in (b"\0" * 127, b"\0" * 129, bytearray(128), 0):
+        with pytest.raises(TypeError, match="CUtensorMap"):
+            t.values(a=7, p=5, x=1.5, m=bad, m2=maps["m2"])
+
+
+def test_tables_without_tensor_maps_keep_their_layout():
+    """Every other family's struct: C's layout as before (native codes, padded to 8), no offset checks."""
+    from cuflash.kernels.params import _format
+    tables = {v.params for arch in (80, 90) for v in all_variants(arch)}
+    plain = [t for t in tables if all(c != "CUtensorMap" for _, c in t.fields)]
+    assert len(plain) == len(tables) - 1 >= 4
+    for t in plain:
+        assert t.layout.format == "@" + "".join(_format(c) for _, c in t.fields) + "0q"
+        assert "offsetof" not in t.cuda()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor maps: cuTensorMapEncodeTiled's arguments, through a fake with the driver's signature
+
+class FakeEncode:
+    """A C function with cuTensorMapEncodeTiled's signature (ctypes callback) that records its
+    arguments and writes a recognisable 128-byte map."""
+
+    def __init__(self, rc=0):
+        self.calls, self.rc = [], rc
+        proto = ctypes.CFUNCTYPE(fwd_ws.ENCODE_RESTYPE, *fwd_ws.ENCODE_ARGTYPES)
+        self.fn = proto(self._record)
+
+    def _record(self, tmap, dtype, rank, addr, gdim, gstride, box, estride, interleave, swizzle, l2, oob):
+        self.calls.append(dict(tmap=tmap, dtype=dtype, rank=rank, addr=addr, gdim=gdim[:rank],
+                               gstride=gstride[:rank - 1], box=box[:rank], estride=estride[:rank],
+                               interleave=interleave, swizzle=swizzle, l2=l2, oob=oob))
+        ctypes.memmove(tmap, bytes((i * 7 + 3) % 256 for i in range(128)), 128)
+        return self.rc
+
+
+@pytest.mark.parametrize("dtype,code", [("bf16", 9), ("fp16", 6)])
+def test_encode_tensor_map_arguments(dtype, code):
+    fake = FakeEncode()
+    b, s, h, d = 3, 1000, 8, 128
+    strides = (s * h * d, h * d, d, 1)  # (batch, seqlen, heads, d) contiguous
+    m = fwd_ws.encode_tensor_map(0x7F0000001000, (b, s, h, d), strides, dtype, 128, encode=fake.fn)
+    assert m == bytes((i * 7 + 3) % 256 for i in range(128))
+    (c,) = fake.calls
+    assert c["tmap"] % 128 == 0  # the map is written to a 128-byte-aligned address
+    assert (c["dtype"], c["rank"], c["addr"]) == (code, 4, 0x7F0000001000)
+    assert c["gdim"] == [d, s, h, b]
+    assert c["gstride"] == [h * d * 2, d * 2, s * h * d * 2]  # bytes: seqlen, heads, batch
+    assert c["box"] == [64, 128, 1, 1] and c["estride"] == [1, 1, 1, 1]
+    # interleave NONE, SWIZZLE_128B, L2_PROMOTION_L2_256B, FLOAT_OOB_FILL_NONE (zeros)
+    assert (c["interleave"], c["swizzle"], c["l2"], c["oob"]) == (0, 3, 3, 0)
+
+
+def test_encode_tensor_map_strided_views_and_options():
+    fake = FakeEncode()
+    # k sliced from a packed (b, s, 3, hk, d) qkv tensor: seqlen stride 3 * hk * d.
+    b, s, hk, d = 2, 300, 4, 64
+    fwd_ws.encode_tensor_map(1 << 20, (b, s, hk, d), (s * 3 * hk * d, 3 * hk * d, d, 1), "bf16", 128,
+                             l2_promotion=128, encode=fake.fn)
+    c = fake.calls[0]
+    assert c["gdim"] == [d, s, hk, b] and c["gstride"] == [3 * hk * d * 2, d * 2, s * 3 * hk * d * 2]
+    assert c["l2"] == 2 and c["box"] == [64, 128, 1, 1]
+
+
+@pytest.mark.parametrize("args,match", [
+    ((0x1008, (1, 64, 1, 64), (4096, 64, 64, 1), "bf16", 128), "16-byte aligned"),
+    ((0x1000, (1, 64, 1, 64), (4096, 64, 64, 2), "bf16", 128), "contiguous"),
+    ((0x1000, (1, 64, 3, 64), (64 * 3 * 68, 3 * 68, 68, 1), "bf16", 128), "multiples of 16"),
+    ((0x1000, (1, 64, 1, 96), (96 * 64, 96, 96, 1), "bf16", 128), "multiple of 64"),
+    ((0x1000, (1, 64, 1, 64), (4096, 64, 64, 1), "fp32", 128), "dtype"),
+    ((0x1000, (1, 64, 1, 64), (4096, 64, 64, 1), "bf16", 257), "box_rows"),
+    ((0x1000, (1, 0, 1, 64), (4096, 64, 64, 1), "bf16", 128), "every dim"),
+])
+def test_encode_tensor_map_refuses_what_tma_cannot_do(args, match):
+    fake = FakeEncode()
+    with pytest.raises(ValueError, match=match):
+        fwd_ws.encode_tensor_map(*args, encode=fake.fn)
+    assert not fake.calls
+
+
+def test_encode_tensor_map_reports_driver_errors():
+    with pytest.raises(RuntimeError, match="CUresult 1"):
+        fwd_ws.encode_tensor_map(0x1000, (1, 64, 1, 64), (4096, 64, 64, 1), "bf16", 128, encode=FakeEncode(rc=1).fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline compilation (NVRTC, sm_90a)
+
+@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
+def test_renders(v):
+    src = codegen.render(v)
+    assert "struct alignas(128) CUtensorMap" in src and "setmaxnreg.dec.sync.aligned.u32" in src
+    assert f"constexpr int kProducerRegs = {fwd_ws.PRODUCER_REGS};" in src
+
+
+@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
+def test_compiles_as_designed(compiled, v):
+    """sm_90a cubin with no spills or stack; __launch_bounds__(384, 1) caps the launch at 168
+    registers (65536 / 384, rounded down to 8), which setmaxnreg then splits into 24 per producer
+    thread and 240 per consumer thread (the same register file); ptxas neither ignored setmaxnreg
+    (warning C7508) nor serialized a wgmma; no static shared memory (the dynamic tiles start
+    1024-byte aligned)."""
+    c = compiled[v]
+    r = assert_compiled_clean(c, v)
+    assert r.registers <= 168 and r.registers * v.threads <= REG_FILE, r
+    assert fwd_ws.PRODUCER_REGS * 128 + fwd_ws.CONSUMER_REGS * (v.threads - 128) <= REG_FILE
+    assert r.static_smem == 0, r
+    assert "C7508" not in c.log and "setmaxnreg" not in c.log.lower(), c.log
+    assert "serialized" not in c.log, c.log
+    assert "warning" not in c.log.lower(), c.log
+
+
+def _nvdisasm():
+    """nvdisasm from $NVDISASM, PATH, $CUDA_PATH/bin or the nvidia-cuda-nvdisasm wheel
+    (nvidia/cu13/bin), or None."""
+    import importlib.util
+    spec = importlib.util.find_spec("nvidia")
+    wheels = [os.path.join(p, "cu13", "bin", "nvdisasm") for p in (spec.submodule_search_locations or [])] if spec else []
+    for cand in (os.environ.get("NVDISASM"), shutil.which("nvdisasm"),
+                 os.path.join(os.environ.get("CUDA_PATH", "/usr/local/cuda"), "bin", "nvdisasm"), *wheels):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+@pytest.mark.skipif(_nvdisasm() is None, reason="needs nvdisasm (pip install nvidia-cuda-nvdisasm, or set NVDISASM)")
+@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
+def test_sass_roles(compiled, v, tmp_path):
+    """In the machine code: the producer deallocates to 24 registers and uses fewer, the
+    consumers allocate 240 and use fewer; TMA loads (UTMALDG), wgmma (HGMMA) and mbarrier waits
+    are there."""
+    path = tmp_path / "k.cubin"
+    path.write_bytes(compiled[v].cubin)
+    sass = subprocess.run([_nvdisasm(), "-c", str(path)], capture_output=True, text=True, check=True).stdout
+    lines = sass.splitlines()
+    alloc = [i for i, l in enumerate(lines) if "USETMAXREG.TRY_ALLOC" in l]
+    dealloc = [i for i, l in enumerate(lines) if "USETMAXREG.DEALLOC" in l]
+    assert len(alloc) == 1 and len(dealloc) == 1, "one setmaxnreg per role"
+    assert f"{fwd_ws.CONSUMER_REGS:#x}" in lines[alloc[0]] and f"{fwd_ws.PRODUCER_REGS:#x}" in lines[dealloc[0]]
+
+    def max_reg(a, b):
+        return max((int(x) for l in lines[a:b] for x in re.findall(r"\bR(\d+)\b", l)), default=-1)
+    first, second = sorted((alloc[0], dealloc[0]))
+    regions = {alloc[0]: max_reg(first, second) if first == alloc[0] else max_reg(second, len(lines)),
+               dealloc[0]: max_reg(first, second) if first == dealloc[0] else max_reg(second, len(lines))}
+    assert regions[alloc[0]] < fwd_ws.CONSUMER_REGS and regions[dealloc[0]] < fwd_ws.PRODUCER_REGS, regions
+    assert "UTMALDG.4D" in sass and "HGMMA.64x128x16.F32" in sass and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass
+
+
+# ---------------------------------------------------------------------------------------------
+# On an sm_90 GPU: against the float64 reference with flash-attn's accuracy rule
+
+def _sm90_problem():
+    if GPU_PROBLEM is not None:
+        return f"needs a CUDA GPU: {GPU_PROBLEM}"
+    import cupy
+    cc = int(cupy.cuda.Device().compute_capability)
+    return None if cc == 90 else f"fwd_ws needs an sm_90 GPU (H100/H200), this one is sm_{cc}"
+
+
+SM90_PROBLEM = _sm90_problem()
+requires_sm90 = pytest.mark.skipif(SM90_PROBLEM is not None, reason=str(SM90_PROBLEM))
+
+
+def _inputs(rng, b, sq, sk, h, hk, d, dtype):
+    import torch
+    tdt = getattr(torch, dtype)
+    mk = lambda *s: torch.from_numpy(rng.standard_normal(s, dtype=np.float32)).to("cuda", tdt)
+    return mk(b, sq, h, d), mk(b, sk, hk, d), mk(b, sk, hk, d)
+
+
+def to_np(x):
+    """A torch tensor as a NumPy array of its dtype (bfloat16 through ml_dtypes)."""
+    import ml_dtypes
+    import torch
+    a = x.detach().float().cpu().numpy()
+    return a.astype(ml_dtypes.bfloat16 if x.dtype == torch.bfloat16 else np.float16)
+
+
+def _check(out, lse, q, k, v, causal):
+    from cuflash.reference import attention as ref, check_close
+    ok, err, bound = check_close(to_np(out), to_np(q), to_np(k), to_np(v), causal=causal)
+    assert ok, f"max error {err:.3g} exceeds bound {bound:.3g}"
+    _, lse_ref = ref(to_np(q), to_np(k), to_np(v), causal=causal, return_lse=True)
+    got = lse.cpu().numpy()
+    fin = np.isfinite(lse_ref)
+    assert np.array_equal(np.isfinite(got), fin) and np.all(got[~fin] == np.inf)
+    np.testing.assert_allclose(got[fin], lse_ref[fin], rtol=1e-3, atol=2e-3)
+
+
+def _run_poisoned(q, k, v, causal):
+    import torch
+    out = torch.full_like(q, float("nan"))
+    res, lse = fwd_ws.run(q, k, v, causal=causal, out=out, return_lse=True)
+    torch.cuda.synchronize()
+    assert res is out
+    return out, lse
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(128, 128), (113, 203), (256, 512), (512, 256), (1, 239), (1023, 1024),
+                                   (2048, 2048)])
+def test_gpu_matches_reference(rng, dtype, d, causal, sq, sk):
+    b, h = (1, 2) if sq * sk > 1 << 20 else (2, 3)
+    q, k, v = _inputs(rng, b, sq, sk, h, h, d, dtype)
+    out, lse = _run_poisoned(q, k, v, causal)
+    _check(out, lse, q, k, v, causal)
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("h,hk", [(8, 2), (8, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(113, 203), (256, 512), (1, 339)])
+def test_gpu_gqa(rng, h, hk, causal, sq, sk):
+    q, k, v = _inputs(rng, 2, sq, sk, h, hk, 128, "bfloat16")
+    out, lse = _run_poisoned(q, k, v, causal)
+    _check(out, lse, q, k, v, causal)
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_strided_qkv(rng, causal):
+    """q, k, v sliced from one packed (b, s, 3, h, d) tensor: the tensor maps carry the strides."""
+    import torch
+    qkv = torch.from_numpy(rng.standard_normal((2, 300, 3, 4, 64), dtype=np.float32)).to("cuda", torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    out, lse = _run_poisoned(q, k, v, causal)
+    _check(out, lse, q, k, v, causal)
