@@ -259,7 +259,9 @@ def _run_forward(call: _Call, plan, ctx, outs, ins):
         kw["varlen"] = (cu[0].ptr, cu[1].ptr, call.total_q)
     stream = ctx.stream
     with arrays.on_device(dev):
-        r = launch.prepare(plan, q, k, v, o, call.scale, dev, **kw)
+        # Plain launches (no programmatic stream serialisation): XLA may nest the capture of this
+        # callback in its own CUDA graph.
+        r = launch.prepare(plan, q, k, v, o, call.scale, dev, **kw)._replace(early=False)
         ws = None
         if r.split:
             w = _view(outs[2], dev)
