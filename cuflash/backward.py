@@ -219,47 +219,16 @@ def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministi
     # Head dims that are not a multiple of 8, or unaligned operands, go through padded copies
     # (zero columns change no score and no gradient).
     ops = [x if d_pad == d and _aligned(x) else _padded(x, d_pad) for x in (qv, kv, vv, dov, ov)]
-    window, cap, alibi, alibi_sb = mods
+    window, cap, alibi, _ = mods
     dev = qv.device
     plan = make_backward_plan(Problem(b, sq, sk, h, hk, d_pad, _DTYPES[qv.dtype], causal=causal, window=window,
                                       softcap=cap > 0, alibi=alibi is not None, varlen=varlen is not None,
                                       deterministic=deterministic), api.device_facts(dev))
-    kernels = tuple(launch.variant for launch in plan.launches)
-    left, right = plan.window_eff
-    bucket = kernels[0].head_dim
-
-    # LSE/D/dQ-accumulator rows (the layout of stats_base in templates/common/bwd.cuh): dense
-    # (batch, nheads, seqlen_q padded to ROW_PAD); packed sequences (nheads, head_rows) with
-    # sequence b at (cu_seqlens_q[b] rounded down to 4) + VARLEN_ROW_GAP * b.
-    if varlen is None:
-        head_rows = cdiv(sq, ROW_PAD) * ROW_PAD
-        rows = b * h * head_rows
-    else:
-        head_rows = cdiv(total_q + VARLEN_ROW_GAP * b, 4) * 4
-        rows = h * head_rows
-    n_acc = 0 if deterministic else rows * bucket
-    ws = arrays.empty_like_framework(qv, (2 * rows + n_acc,), "float32")
-    ws_ptr = arrays.device_ptr(ws)
-    lse2_ptr, dsum_ptr = ws_ptr, ws_ptr + 4 * rows
-    acc_ptr = ws_ptr + 8 * rows if not deterministic else 0
-
-    if varlen is not None:  # packed views as (batch, max_seqlen, nheads, d) with token batch strides
-        ops = [api._batched(x, b, n) for x, n in zip(ops, (sq, sk, sk, sq, sq))]
-        kern_grads = [api._batched(g, b, n) for (g, _), n in zip(bufs, (sq, sk, sk))]
-        ls = lv.strides
-        lse_st = (ls[1], ls[0], ls[1])  # row i of (sequence b, head h) at cu_seqlens_q[b] * ls[1] + ...
-        cu = (cq.ptr, ck.ptr)
-    else:
-        kern_grads = [g for g, _ in bufs]
-        lse_st = tuple(lv.strides)
-        cu = (0, 0)
-    post = cap if cap > 0 else scale  # the factor the softmax applies to the raw scores
-    score = dict(scale_log2=post * _LOG2E, scale=scale, cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], window_left=left,
-                 window_right=right, softcap_scale=scale / cap if cap > 0 else 0.0,
-                 alibi_slopes=alibi.ptr if alibi is not None else 0, alibi_sb=alibi_sb, alibi_scale=1.0 / post)
+    total_q = None if varlen is None else qv.shape[0]
+    ws = arrays.empty_like_framework(qv, (workspace_floats(plan, total_q),), "float32")
     with arrays.on_device(dev):
-        _launch(kernels, ops, lv, lse_st, kern_grads, (lse2_ptr, dsum_ptr, acc_ptr),
-                (b, sq, sk, h, hk, d_pad, head_rows), score, arrays.stream_for(qv), dev)
+        run(plan, ops, lv, [g for g, _ in bufs], arrays.device_ptr(ws), scale, mods, arrays.stream_for(qv), dev,
+            None if varlen is None else varlen[:2])
     out = []
     for (kern, final), like in zip(bufs, (qv, kv, vv)):
         if kern is not final:
@@ -271,6 +240,56 @@ def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministi
 
 # ---------------------------------------------------------------------------------------------
 # Launch
+
+def stats_rows(batch: int, seqlen_q: int, nheads: int, total_q: int | None = None) -> tuple[int, int]:
+    """(rows per head, rows) of the fp32 LSE/D/dQ-accumulator workspace (the layout of stats_base in
+    templates/common/bwd.cuh): dense (batch, nheads, seqlen_q padded to ROW_PAD); packed sequences
+    (``total_q`` given) (nheads, head_rows), sequence b at (cu_seqlens_q[b] rounded down to 4) +
+    VARLEN_ROW_GAP * b."""
+    if total_q is None:
+        head_rows = cdiv(seqlen_q, ROW_PAD) * ROW_PAD
+        return head_rows, batch * nheads * head_rows
+    head_rows = cdiv(total_q + VARLEN_ROW_GAP * batch, 4) * 4
+    return head_rows, nheads * head_rows
+
+
+def workspace_floats(plan, total_q: int | None = None) -> int:
+    """The fp32 workspace a backward ``plan`` needs: LSE and D rows, then the dQ accumulator
+    (none when deterministic); ``total_q`` for packed sequences."""
+    p = plan.problem
+    _, rows = stats_rows(p.batch, p.seqlen_q, p.nheads, total_q)
+    return rows * (2 + (0 if p.deterministic else plan.launches[0].variant.head_dim))
+
+
+def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, device: int, cu=None):
+    """Launch the backward ``plan`` on ``stream`` (a raw pointer) for device views the kernels read
+    and write in place (head dim ``plan.problem.head_dim``, 16-byte aligned, strides in multiples
+    of 8 elements): ops = (q, k, v, dout, out), grads = (dq, dk, dv), lse; ``ws_ptr`` is an fp32
+    workspace of ``workspace_floats(plan, total_q)``; ``mods`` as validate.mods gives them. Packed
+    sequences: 3-dim views and ``cu`` = (cu_seqlens_q, cu_seqlens_k) views. Allocates nothing."""
+    p = plan.problem
+    b, sq, sk, h, hk, d = p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_k, p.head_dim
+    head_rows, rows = stats_rows(b, sq, h, None if cu is None else ops[0].shape[0])
+    lse2_ptr, dsum_ptr = ws_ptr, ws_ptr + 4 * rows
+    acc_ptr = 0 if p.deterministic else ws_ptr + 8 * rows
+    if cu is not None:  # packed views as (batch, max_seqlen, nheads, d) with token batch strides
+        ops = [api._batched(x, b, n) for x, n in zip(ops, (sq, sk, sk, sq, sq))]
+        grads = [api._batched(g, b, n) for g, n in zip(grads, (sq, sk, sk))]
+        lse_st = (lse.strides[1], lse.strides[0], lse.strides[1])  # row i of (sequence b, head h)
+        cu = (cu[0].ptr, cu[1].ptr)
+    else:
+        lse_st = tuple(lse.strides)
+        cu = (0, 0)
+    _, cap, alibi, alibi_sb = mods
+    left, right = plan.window_eff
+    post = cap if cap > 0 else scale  # the factor the softmax applies to the raw scores
+    score = dict(scale_log2=post * _LOG2E, scale=scale, cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], window_left=left,
+                 window_right=right, softcap_scale=scale / cap if cap > 0 else 0.0,
+                 alibi_slopes=alibi.ptr if alibi is not None else 0, alibi_sb=alibi_sb, alibi_scale=1.0 / post)
+    kernels = tuple(launch.variant for launch in plan.launches)
+    _launch(kernels, ops, lse, lse_st, grads, (lse2_ptr, dsum_ptr, acc_ptr), (b, sq, sk, h, hk, d, head_rows),
+            score, stream, device)
+
 
 def _st(prefix: str, x) -> dict:
     """An operand's (batch, seq, head) strides in elements, named as the parameter structs do."""

@@ -200,14 +200,16 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
                   main.grid[0] * main.grid[1] * p.batch, n_o + plan.num_splits * rows if split else 0, n_o, early)
 
 
-def fire(r: Recipe, device: int, stream: int, q: int, k: int, v: int, o: int, lse: int, workspace=None):
+def fire(r: Recipe, device: int, stream: int, q: int, k: int, v: int, o: int, lse: int, workspace=None,
+         fused: bool = True):
     """Launch a prepared plan on ``stream`` (a raw pointer) for these data pointers;
-    ``workspace`` is the (partial O, partial LSE) pointer pair when the plan splits."""
+    ``workspace`` is the (partial O, partial LSE) pointer pair when the plan splits. ``fused=False``
+    merges the splits with the combine kernel (no per-stream counter buffer is made)."""
     if not r.split:
         r.kernel.launch(r.grid, r.block, r.smem, stream, (q, k, v, o, lse, *r.mid, 0, 0, 0), r.early)
         return
     o_acc, lse_acc = workspace
-    counters = _counter_ptr(device, stream, r.n_counters) if FUSED_COMBINE else 0
+    counters = _counter_ptr(device, stream, r.n_counters) if fused and FUSED_COMBINE else 0
     r.kernel.launch(r.grid, r.block, r.smem, stream, (q, k, v, o_acc, lse_acc, *r.mid, o, lse, counters), r.early)
     if counters:
         return

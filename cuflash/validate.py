@@ -49,7 +49,9 @@ def show(x) -> str:
 
 def view(x, name):
     """``arrays.view(x, name)``, refusing NumPy/CuPy arrays whose byte strides are not whole
-    elements (a view keeps strides in elements)."""
+    elements (a view keeps strides in elements); a Shape stand-in is its own view."""
+    if type(x) is Shape:
+        return x
     v = arrays.view(x, name)
     if v.framework in ("numpy", "cupy") and isinstance(getattr(v.array, "dtype", None), np.dtype):
         item, strides = v.array.dtype.itemsize, v.array.strides
@@ -403,6 +405,7 @@ class Shape:
         self.ptr = 0
         self.device = SHAPE_ONLY
         self.framework = "shape"
+        self.array = None
 
 
 def alibi(alibi_slopes, batch, nheads, q):

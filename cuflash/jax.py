@@ -1,0 +1,282 @@
+"""cuflash under ``jax.jit`` and ``jax.grad``, through ``jax.experimental.buffer_callback``.
+
+Each pass is one ``buffer_callback``: XLA calls a Python function with its CUDA stream and the
+device buffers of the inputs and outputs, and that function launches cuflash's kernels on the
+stream, into the output buffers. Nothing waits for the GPU, nothing is copied, and nothing is
+allocated in the callback: split-KV partials and the backward's fp32 rows are an extra output
+that XLA allocates. Arguments are checked (cuflash's messages, naming the argument) and the
+plans made at trace time, from the static shapes, for the first of JAX's GPUs; the kernels are
+compiled and loaded then too, so the callback can be traced into XLA's command buffers (CUDA
+graphs; ``CUFLASH_JAX_COMMAND_BUFFER=0`` keeps it out of them). A ``jax.custom_vjp`` saves
+(q, k, v, out, lse) and runs cuflash's backward kernels.
+
+    import cuflash.jax
+    out = cuflash.jax.attention(q, k, v, causal=True)      # under jax.jit, jax.grad, jax.checkpoint
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+try:
+    from jax.experimental.buffer_callback import buffer_callback
+except ImportError as e:  # JAX before 0.6.1
+    raise ImportError(f"cuflash.jax needs JAX 0.6.1 or newer (jax.experimental.buffer_callback), "
+                      f"this is JAX {jax.__version__}") from e
+
+from cuflash import api, arrays, backward, compiler, launch, validate
+from cuflash.plan import Problem, make_backward_plan, make_plan
+
+__all__ = ["attention", "attention_varlen"]
+
+COMMAND_BUFFER = os.environ.get("CUFLASH_JAX_COMMAND_BUFFER", "1") != "0"
+_DLPACK_CUDA = 2
+
+
+class _Call(NamedTuple):
+    """A checked call: what its plans and launches depend on, all but the data (static)."""
+    batch: int
+    seqlen_q: int            # max_seqlen_q for packed sequences
+    seqlen_k: int            # max_seqlen_k for packed sequences
+    nheads: int
+    nheads_k: int
+    head_dim: int            # as the kernels see it: padded to a multiple of 8
+    dtype: str               # "fp16" | "bf16"
+    causal: bool
+    scale: float
+    window: tuple[int, int]
+    softcap: float
+    alibi_sb: int | None     # None without ALiBi, else the slopes' batch stride
+    total_q: int | None      # packed sequences: q's rows; None for dense batches
+    deterministic: bool
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+              alibi_slopes=None, deterministic=False):
+    """:func:`cuflash.attention` for JAX arrays, usable under ``jax.jit``, ``jax.grad``
+    (a ``jax.custom_vjp`` running cuflash's backward kernels), ``jax.checkpoint`` and ``jax.vmap``.
+
+    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim), float16 or
+    bfloat16 on a CUDA GPU. The options are static Python values, with cuflash.attention's
+    meaning; ``alibi_slopes`` is a float32 array (nheads,) or (batch, nheads) and gets no
+    gradient; ``deterministic=True`` makes the backward bitwise repeatable. Returns out, shaped
+    like q.
+    """
+    qs, ks, vs = _shapes((q, "q"), (k, "k"), (v, "v"))
+    validate.operands(qs, ks, vs)
+    b, sq, h, d = qs.shape
+    sk, hk = ks.shape[1], ks.shape[2]
+    call = _check(qs, b, sq, sk, h, hk, causal, softmax_scale, window_size, softcap, alibi_slopes,
+                  deterministic, None)
+    if 0 in (b, sq, h, sk):
+        return jnp.zeros(q.shape, q.dtype)
+    return _run(call, d, q, k, v, () if alibi_slopes is None else (alibi_slopes,))
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                     deterministic=False):
+    """:func:`cuflash.attention_varlen` (dense K/V) for JAX arrays, usable under ``jax.jit`` and
+    ``jax.grad`` like :func:`attention`.
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); ``cu_seqlens_q``,
+    ``cu_seqlens_k``: int32 arrays (batch + 1,), read by the kernels on the device (they may be
+    traced values); ``max_seqlen_q``, ``max_seqlen_k``: static ints that size the grid. As in
+    flash-attn, well-formed offsets under the maxima, ending at total_q and total_k, are the
+    caller's contract. Returns out (total_q, nheads, headdim).
+    """
+    qs, ks, vs, cq, ck = _shapes((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
+                                 (cu_seqlens_k, "cu_seqlens_k"))
+    qs, ks, _, _, _, _, batch, max_sq, max_sk = validate.varlen(qs, ks, vs, cq, ck, max_seqlen_q, max_seqlen_k,
+                                                                paged_ok=False)
+    total_q, h, d = qs.shape
+    validate.sizes((f"total_q + {backward.VARLEN_ROW_GAP} * batch (the backward's padded rows)",
+                    total_q + backward.VARLEN_ROW_GAP * batch))
+    call = _check(qs, batch, max_sq, max_sk, h, ks.shape[1], causal, softmax_scale, window_size, softcap,
+                  alibi_slopes, deterministic, total_q)
+    if 0 in (batch, total_q, h, max_sq, max_sk):
+        return jnp.zeros(q.shape, q.dtype)
+    extra = (() if alibi_slopes is None else (alibi_slopes,)) + (cu_seqlens_q, cu_seqlens_k)
+    return _run(call, d, q, k, v, extra)
+
+
+def _shapes(*named):
+    """Shape stand-ins (cuflash.validate.Shape) of JAX arrays or tracers, whose shapes and dtypes
+    are static under jit."""
+    out = []
+    for x, name in named:
+        if not isinstance(x, (jax.Array, np.ndarray)):
+            raise TypeError(f"{name} must be a JAX array, got {type(x).__name__}")
+        out.append(validate.Shape(x.shape, np.dtype(x.dtype).name, name))
+    return out
+
+
+def _check(qs, batch, sq, sk, h, hk, causal, softmax_scale, window_size, softcap, alibi_slopes, deterministic,
+           total_q) -> _Call:
+    d = qs.shape[-1]
+    scale = validate.scale(softmax_scale, d)
+    causal = validate.boolean(causal, "causal")
+    deterministic = validate.boolean(deterministic, "deterministic")
+    alibi = None if alibi_slopes is None else _shapes((alibi_slopes, "alibi_slopes"))[0]
+    window, cap, alibi, alibi_sb = validate.mods(window_size, softcap, alibi, batch, h, qs, scale)
+    return _Call(batch, sq, sk, h, hk, -(-d // 8) * 8, arrays.DTYPE_NAMES[qs.dtype], causal, scale, window,
+                 cap, None if alibi is None else alibi_sb, total_q, deterministic)
+
+
+def _run(call: _Call, d: int, q, k, v, extra):
+    """The differentiable call on head dims padded to a multiple of 8 (zero columns change no
+    score and no gradient), sliced back to ``d``."""
+    if call.head_dim != d:
+        pad = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, call.head_dim - d)])  # noqa: E731
+        q, k, v = pad(q), pad(k), pad(v)
+    out = _differentiable(call)(q, k, v, tuple(extra))
+    return out if call.head_dim == d else out[..., :d]
+
+
+@functools.lru_cache(maxsize=256)
+def _differentiable(call: _Call):
+    @jax.custom_vjp
+    def f(q, k, v, extra):
+        return _forward(call, q, k, v, extra)[0]
+
+    def f_fwd(q, k, v, extra):
+        out, lse = _forward(call, q, k, v, extra)
+        return out, (q, k, v, out, lse, extra)
+
+    def f_bwd(res, dout):
+        q, k, v, out, lse, extra = res
+        return (*_backward(call, dout, q, k, v, out, lse, extra), tuple(None for _ in extra))
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+# ---------------------------------------------------------------------------------------------
+# Trace time: plans, scratch outputs, the callbacks
+
+def _target():
+    """(DeviceFacts, CUDA ordinals) of JAX's local GPUs; plans are made for the first."""
+    try:
+        devices = jax.local_devices(backend="gpu")
+    except RuntimeError:  # no GPU backend in this JAX
+        devices = []
+    ordinals = tuple(d.local_hardware_id if d.local_hardware_id is not None else d.id for d in devices)
+    if not ordinals:
+        raise RuntimeError(f"cuflash.jax needs JAX with a CUDA GPU backend (jax[cuda12] or jax[cuda13]); this JAX "
+                           f"runs on {jax.default_backend()} only")
+    return api.device_facts(ordinals[0]), ordinals
+
+
+def _problem(call: _Call) -> Problem:
+    return Problem(call.batch, call.seqlen_q, call.seqlen_k, call.nheads, call.nheads_k, call.head_dim, call.dtype,
+                   call.causal, return_lse=True, window=call.window, softcap=call.softcap > 0,
+                   alibi=call.alibi_sb is not None, varlen=call.total_q is not None,
+                   deterministic=call.deterministic)
+
+
+def _load(plan, ordinals):
+    """Compile and load the plan's kernels now (trace time), not inside a command-buffer capture."""
+    for dev in ordinals:
+        for launch_ in plan.launches:
+            compiler.get_kernel(launch_.variant, dev)
+
+
+def _callback(fn, result_types):
+    """``fn(ctx, outs, *ins)`` as an op: XLA's stream in ``ctx``, its buffers in ``outs``/``ins``."""
+    return buffer_callback(fn, tuple(result_types), vmap_method="sequential",
+                           command_buffer_compatible=COMMAND_BUFFER)
+
+
+def _forward(call: _Call, q, k, v, extra):
+    """(out, lse): lse float32 (batch, nheads, seqlen_q), or (nheads, total_q) when packed."""
+    facts, ordinals = _target()
+    plan = make_plan(_problem(call), facts)
+    _load(plan, ordinals)
+    lse_shape = (call.batch, call.nheads, call.seqlen_q) if call.total_q is None else (call.nheads, call.total_q)
+    types = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)]
+    if plan.workspace_bytes:  # split-KV partial outputs and LSEs
+        types.append(jax.ShapeDtypeStruct((plan.workspace_bytes // 4,), jnp.float32))
+    res = _callback(lambda ctx, outs, *ins: _run_forward(call, plan, ctx, outs, ins), types)(q, k, v, *extra)
+    return res[0], res[1]
+
+
+def _backward(call: _Call, dout, q, k, v, out, lse, extra):
+    facts, ordinals = _target()
+    plan = make_backward_plan(_problem(call), facts)
+    _load(plan, ordinals)
+    types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+    types.append(jax.ShapeDtypeStruct((backward.workspace_floats(plan, call.total_q),), jnp.float32))
+    run = lambda ctx, outs, *ins: _run_backward(call, plan, ctx, outs, ins)  # noqa: E731
+    dq, dk, dv, _ = _callback(run, types)(dout, q, k, v, out, lse, *extra)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# Run time (inside XLA's execution): views of XLA's buffers, launches on XLA's stream
+
+def _device(buf) -> int:
+    kind, ordinal = buf.__dlpack_device__()
+    if int(kind) != _DLPACK_CUDA:
+        raise RuntimeError(f"cuflash.jax runs on CUDA GPUs; this computation runs on DLPack device type {kind} "
+                           "(put the arrays on a GPU)")
+    return int(ordinal)
+
+
+def _view(buf, device: int) -> arrays.View:
+    """A view of an XLA buffer: dense and row-major, so its strides follow from its shape."""
+    shape = tuple(buf.shape)
+    strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    ptr = buf.__cuda_array_interface__["data"][0]
+    if ptr % 16:
+        raise RuntimeError(f"cuflash.jax: XLA gave a buffer at {ptr:#x}, not 16-byte aligned")
+    return arrays.View(ptr, shape, strides, np.dtype(buf.dtype).name, device, "xla", buf)
+
+
+def _extras(call: _Call, extra, device: int):
+    """(ALiBi slopes view or None, (cu_seqlens_q, cu_seqlens_k) views or None)."""
+    views = [_view(x, device) for x in extra]
+    alibi = views.pop(0) if call.alibi_sb is not None else None
+    return alibi, (tuple(views) if call.total_q is not None else None)
+
+
+def _run_forward(call: _Call, plan, ctx, outs, ins):
+    dev = _device(ins[0])
+    q, k, v, o = (_view(x, dev) for x in (*ins[:3], outs[0]))
+    alibi, cu = _extras(call, ins[3:], dev)
+    kw = dict(softcap=call.softcap, alibi=(alibi.ptr, call.alibi_sb) if alibi is not None else (0, 0))
+    if cu is not None:  # packed views as (batch, max_seqlen, nheads, d) with token batch strides
+        q, o = (validate.batched(x, call.batch, call.seqlen_q) for x in (q, o))
+        k, v = (validate.batched(x, call.batch, call.seqlen_k) for x in (k, v))
+        kw["varlen"] = (cu[0].ptr, cu[1].ptr, call.total_q)
+    stream = ctx.stream
+    with arrays.on_device(dev):
+        # Plain launches (no programmatic stream serialisation): XLA may nest the capture of this
+        # callback in its own CUDA graph.
+        r = launch.prepare(plan, q, k, v, o, call.scale, dev, **kw)._replace(early=False)
+        ws = None
+        if r.split:
+            w = _view(outs[2], dev)
+            assert w.shape[0] >= r.ws_floats, (w.shape, r.ws_floats)
+            ws = (w.ptr, w.ptr + 4 * r.ws_lse)
+        # fused=False: the combine kernel merges the splits, so no per-stream counter buffer is made
+        launch.fire(r, dev, stream, q.ptr, k.ptr, v.ptr, o.ptr, _view(outs[1], dev).ptr, ws, fused=False)
+
+
+def _run_backward(call: _Call, plan, ctx, outs, ins):
+    dev = _device(ins[0])
+    dout, q, k, v, o, lse = (_view(x, dev) for x in ins[:6])
+    alibi, cu = _extras(call, ins[6:], dev)
+    grads = [_view(x, dev) for x in outs[:3]]
+    mods = (call.window, call.softcap, alibi, call.alibi_sb or 0)
+    with arrays.on_device(dev):
+        backward.run(plan, (q, k, v, dout, o), lse, grads, _view(outs[3], dev).ptr, call.scale, mods, ctx.stream,
+                     dev, cu)

@@ -1,0 +1,433 @@
+"""cuflash.jax: attention under jax.jit, jax.grad, jax.checkpoint and jax.vmap.
+
+The CPU tests run the JAX side for real (custom_vjp, buffer_callback, trace-time checks and
+plans, head-dim padding, scratch outputs) with the kernels replaced by the NumPy reference
+inside the callbacks, and check the callbacks' GPU code (views of XLA's buffers, launch
+arguments, XLA's stream) against recording stand-ins for the kernels. The GPU tests compare
+with the float64 reference under flash-attn's rules: the forward |out - ref64| <= 2 |ref_lp -
+ref64| + 1e-5, gradients |g - ref64| <= 3 |ref_same - ref64| + 1e-4 (as tests/test_gpu_backward.py).
+"""
+import contextlib
+import types
+
+import numpy as np
+import pytest
+
+from conftest import GPU_PROBLEM
+
+jax = pytest.importorskip("jax", reason="needs JAX (optional dependency: pip install 'cuflash[jax]')")
+jnp = jax.numpy
+
+import cuflash.jax as cj  # noqa: E402
+from cuflash import backward, compiler, reference  # noqa: E402
+from cuflash.plan import DeviceFacts, make_backward_plan, make_plan  # noqa: E402
+
+H100 = DeviceFacts(132, 90)
+
+
+def _jax_gpu_problem():
+    if GPU_PROBLEM is not None:
+        return GPU_PROBLEM
+    try:
+        jax.devices("gpu")
+        return None
+    except RuntimeError as e:
+        return f"JAX has no GPU backend ({e})"
+
+
+JAX_GPU_PROBLEM = _jax_gpu_problem()
+requires_jax_gpu = pytest.mark.skipif(JAX_GPU_PROBLEM is not None, reason=f"needs a CUDA GPU in JAX: {JAX_GPU_PROBLEM}")
+
+
+def _mods(call, extra):
+    """Reference keyword arguments of a checked call (cuflash.jax._Call) and its extra inputs."""
+    kw = dict(causal=call.causal, softmax_scale=call.scale, window_size=call.window, softcap=call.softcap)
+    if call.alibi_sb is not None:
+        kw["alibi_slopes"] = extra[0]
+    return kw
+
+
+@pytest.fixture
+def numpy_kernels(monkeypatch):
+    """Plans for an H100 and the NumPy reference instead of the kernels, run on JAX's CPU device;
+    counts the callbacks run."""
+    calls = {"fwd": 0, "bwd": 0}
+
+    def fwd(call, plan, ctx, outs, ins):
+        calls["fwd"] += 1
+        q, k, v, *extra = [np.asarray(x) for x in ins]
+        if call.total_q is None:
+            o, lse = reference.attention(q, k, v, return_lse=True, **_mods(call, extra))
+        else:
+            o, lse = reference.attention_varlen(q, k, v, *extra[-2:], return_lse=True, **_mods(call, extra))
+        np.asarray(outs[0])[...] = o.astype(q.dtype)
+        np.asarray(outs[1])[...] = lse
+
+    def bwd(call, plan, ctx, outs, ins):
+        calls["bwd"] += 1
+        dout, q, k, v, o, lse, *extra = [np.asarray(x) for x in ins]
+        if call.total_q is None:
+            grads = reference.attention_backward(dout, q, k, v, **_mods(call, extra))
+        else:
+            grads = reference.attention_varlen_backward(dout, q, k, v, *extra[-2:], **_mods(call, extra))
+        for buf, g in zip(outs, grads):
+            np.asarray(buf)[...] = g.astype(q.dtype)
+
+    monkeypatch.setattr(cj, "_target", lambda: (H100, ()))
+    monkeypatch.setattr(cj, "_run_forward", fwd)
+    monkeypatch.setattr(cj, "_run_backward", bwd)
+    cj._differentiable.cache_clear()
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield calls
+    cj._differentiable.cache_clear()
+    jax.clear_caches()  # no jitted function traced here may be reused by a GPU test
+
+
+def arr(rng, *shape, dtype="float16"):
+    """Random normal values on JAX's default device (the CPU in the numpy_kernels tests)."""
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype)
+
+
+def np64(x):
+    return np.asarray(x).astype(np.float64)
+
+
+MODS = [
+    dict(causal=False),
+    dict(causal=True),
+    dict(causal=True, window_size=(5, 0)),
+    dict(causal=False, window_size=(3, 2), softcap=5.0),
+    dict(causal=True, alibi=True),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# The JAX side on the CPU, the kernels replaced by the NumPy reference
+
+@pytest.mark.parametrize("mods", MODS)
+@pytest.mark.parametrize("d", [20, 64])
+def test_forward_and_grads_under_jit(numpy_kernels, rng, mods, d):
+    mods = dict(mods)
+    b, sq, sk, h, hk = 2, 9, 13, 4, 2
+    q, k, v, w = arr(rng, b, sq, h, d), arr(rng, b, sk, hk, d), arr(rng, b, sk, hk, d), arr(rng, b, sq, h, d)
+    extra = {}
+    if mods.pop("alibi", False):
+        extra["alibi_slopes"] = jnp.asarray(rng.random((b, h), dtype=np.float32))
+    out = jax.jit(lambda q, k, v: cj.attention(q, k, v, **mods, **extra))(q, k, v)
+    ref_kw = dict(mods, **{n: np.asarray(a) for n, a in extra.items()})
+    args = [np.asarray(x) for x in (q, k, v)]
+    assert out.shape == q.shape and out.dtype == q.dtype
+    np.testing.assert_allclose(np64(out), reference.attention(*args, **ref_kw), rtol=2e-3, atol=2e-3)
+
+    loss = lambda q, k, v: jnp.sum(cj.attention(q, k, v, **mods, **extra).astype(jnp.float32) * w)  # noqa: E731
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    for g, r in zip(grads, reference.attention_backward(np.asarray(w), *args, **ref_kw)):
+        assert g.dtype == q.dtype
+        np.testing.assert_allclose(np64(g), r, rtol=5e-3, atol=5e-3)
+    assert numpy_kernels == {"fwd": 2, "bwd": 1}
+
+
+def test_checkpoint_recomputes_the_forward(numpy_kernels, rng):
+    q, k, v = arr(rng, 1, 7, 2, 16), arr(rng, 1, 7, 2, 16), arr(rng, 1, 7, 2, 16)
+    loss = lambda q, k, v: jnp.sum(cj.attention(q, k, v, causal=True).astype(jnp.float32) ** 2)  # noqa: E731
+    remat = jax.checkpoint(loss, policy=jax.checkpoint_policies.nothing_saveable)
+    text = str(jax.make_jaxpr(jax.value_and_grad(remat, argnums=(0, 1, 2)))(q, k, v))
+    assert text.count("buffer_callback") == 3  # forward, forward again inside the remat, backward
+    plain = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    again = jax.jit(jax.value_and_grad(remat, argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_varlen_under_jit(numpy_kernels, rng):
+    lens_q, lens_k = [5, 0, 1, 9], [7, 3, 0, 11]
+    cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    d = 24
+    q, k, v = arr(rng, cq[-1], 4, d), arr(rng, ck[-1], 2, d), arr(rng, ck[-1], 2, d)
+    w = arr(rng, cq[-1], 4, d)
+    mods = dict(causal=True, window_size=(4, 0))
+    f = lambda q, k, v, cq, ck: cj.attention_varlen(q, k, v, cq, ck, max(lens_q), max(lens_k), **mods)  # noqa: E731
+    out = jax.jit(f)(q, k, v, jnp.asarray(cq), jnp.asarray(ck))
+    args = [np.asarray(x) for x in (q, k, v)]
+    np.testing.assert_allclose(np64(out), reference.attention_varlen(*args, cq, ck, **mods), rtol=2e-3, atol=2e-3)
+    loss = lambda q, k, v, cq, ck: jnp.sum(f(q, k, v, cq, ck).astype(jnp.float32) * w)  # noqa: E731
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, jnp.asarray(cq), jnp.asarray(ck))
+    for g, r in zip(grads, reference.attention_varlen_backward(np.asarray(w), *args, cq, ck, **mods)):
+        np.testing.assert_allclose(np64(g), r, rtol=5e-3, atol=5e-3)
+
+
+def test_vmap(numpy_kernels, rng):
+    q, k, v = arr(rng, 3, 1, 5, 2, 8), arr(rng, 1, 6, 2, 8), arr(rng, 1, 6, 2, 8)
+    out = jax.jit(jax.vmap(lambda q: cj.attention(q, k, v, causal=True)))(q)
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(out[i]), np.asarray(cj.attention(q[i], k, v, causal=True)))
+
+
+def test_nothing_to_compute(numpy_kernels, rng):
+    q, k = arr(rng, 2, 3, 2, 8), arr(rng, 2, 0, 2, 8)
+    loss = lambda q, k, v: jnp.sum(cj.attention(q, k, v).astype(jnp.float32))  # noqa: E731
+    assert not np.asarray(cj.attention(q, k, k)).any()
+    assert not any(np.asarray(g).any() for g in jax.grad(loss, argnums=(0, 1, 2))(q, k, k))
+    empty = jnp.zeros((0, 2, 8), jnp.float16)
+    cu = jnp.zeros(3, jnp.int32)
+    assert cj.attention_varlen(empty, empty, empty, cu, cu, 0, 0).shape == (0, 2, 8)
+    assert numpy_kernels == {"fwd": 0, "bwd": 0}
+
+
+def _bad(rng):
+    q, k, v = arr(rng, 1, 4, 2, 8), arr(rng, 1, 4, 2, 8), arr(rng, 1, 4, 2, 8)
+    cu = jnp.asarray([0, 4], jnp.int32)
+    flat = lambda x: x.reshape(4, 2, 8)  # noqa: E731
+    return [
+        (lambda q, s: cj.attention(q.astype(jnp.float32), k, v), TypeError, "q must be float16 or bfloat16"),
+        (lambda q, s: cj.attention(q, k.astype(jnp.bfloat16), v), TypeError, "k must have q's dtype"),
+        (lambda q, s: cj.attention(q, k[:, :, :1], v), ValueError, "v must have k's shape"),
+        (lambda q, s: cj.attention(q, k, v, softmax_scale=s), TypeError, "softmax_scale"),
+        (lambda q, s: cj.attention(q, k, v, softmax_scale=-1.0), ValueError, "softmax_scale"),
+        (lambda q, s: cj.attention(q, k, v, causal=1), TypeError, "causal must be a bool"),
+        (lambda q, s: cj.attention(q, k, v, window_size=(-2, 0)), ValueError, "window_size"),
+        (lambda q, s: cj.attention(q, k, v, softcap=-1.0), ValueError, "softcap"),
+        (lambda q, s: cj.attention(q, k, v, alibi_slopes=jnp.zeros(3, jnp.float32)), ValueError, "alibi_slopes"),
+        (lambda q, s: cj.attention(q, k, v, alibi_slopes=jnp.zeros(2, jnp.float16)), TypeError, "alibi_slopes"),
+        (lambda q, s: cj.attention(q, k, "v"), TypeError, "v must be a JAX array"),
+        (lambda q, s: cj.attention_varlen(flat(q), flat(k), flat(v), cu, cu, s, 4), TypeError, "max_seqlen_q"),
+        (lambda q, s: cj.attention_varlen(flat(q), flat(k), flat(v), cu, cu, 4, 5), ValueError, "max_seqlen_k"),
+        (lambda q, s: cj.attention_varlen(flat(q), flat(k), flat(v), cu.astype(jnp.int16), cu, 4, 4), TypeError,
+         "cu_seqlens_q must be int32"),
+        (lambda q, s: cj.attention_varlen(q, flat(k), flat(v), cu, cu, 4, 4), ValueError, "q must have 3 dims"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(15))
+def test_arguments_checked_at_trace_time(numpy_kernels, rng, case):
+    fn, error, match = _bad(rng)[case]
+    with pytest.raises(error, match=match):
+        jax.jit(fn)(arr(rng, 1, 4, 2, 8), 0.5)
+    assert numpy_kernels == {"fwd": 0, "bwd": 0}
+
+
+@pytest.mark.skipif(JAX_GPU_PROBLEM is None, reason="JAX has a GPU here")
+def test_without_a_gpu_the_trace_says_why(rng):
+    q = arr(rng, 1, 4, 2, 8)
+    with pytest.raises(RuntimeError, match="needs JAX with a CUDA GPU backend"):
+        jax.jit(lambda q: cj.attention(q, q, q))(q)
+
+
+def test_scratch_outputs_from_the_plans(numpy_kernels, rng):
+    """Split-KV partials and the backward's fp32 rows are outputs of the callbacks (XLA allocates
+    them), sized from the plans made at trace time."""
+    q, k = arr(rng, 1, 16, 2, 64), arr(rng, 1, 4096, 2, 64)
+    plan = make_plan(cj._problem(_call(q, k)), H100)
+    assert plan.num_splits > 1
+    text = jax.jit(jax.grad(lambda q, k: jnp.sum(cj.attention(q, k, k).astype(jnp.float32)))).lower(q, k).as_text()
+    assert f"tensor<{plan.workspace_bytes // 4}xf32>" in text
+    floats = backward.workspace_floats(make_backward_plan(cj._problem(_call(q, k)), H100))
+    assert f"tensor<{floats}xf32>" in text
+
+
+def _call(q, k, **kw):
+    b, sq, h, d = q.shape
+    return cj._check(cj._shapes((q, "q"))[0], b, sq, k.shape[1], h, k.shape[2], kw.get("causal", False), None,
+                     (-1, -1), 0.0, None, False, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The callbacks' GPU code on the CPU: XLA buffers and kernels replaced by recording stand-ins
+
+class FakeBuffer:
+    """What buffer_callback hands a GPU callback: shape, dtype, a CUDA pointer."""
+
+    def __init__(self, shape, dtype, ptr):
+        self.shape, self.dtype, self.ptr = tuple(shape), np.dtype(dtype), ptr
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False), "version": 2}
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Launches recorded as (kernel name, stream, {field: value}) instead of run."""
+    launched = []
+
+    class Kernel:
+        def __init__(self, variant):
+            self.name, self.table = variant.name, variant.params
+
+        def launch(self, grid, block, smem, stream, values, early=False):
+            self.table.layout.pack(*values)  # every value fits its field
+            assert not early  # XLA may nest the callback's capture in its graphs: plain launches
+            launched.append((self.name, stream, dict(zip(self.table.names, values))))
+
+        def __call__(self, grid, block, stream, shared_mem=0, **values):
+            self.launch(grid, block, shared_mem, stream, self.table.values(**values))
+
+    monkeypatch.setattr(compiler, "get_kernel", lambda variant, device: Kernel(variant))
+    monkeypatch.setattr(cj.arrays, "on_device", lambda dev: contextlib.nullcontext())
+    return launched
+
+
+def _buffers(shapes, dtypes, base):
+    return [FakeBuffer(s, t, base + (i << 24)) for i, (s, t) in enumerate(zip(shapes, dtypes))]
+
+
+def test_forward_callback_launches_on_xla_stream(recorded):
+    b, sq, sk, h, d = 1, 16, 4096, 2, 64
+    call = cj._Call(b, sq, sk, h, h, d, "bf16", False, 0.125, (-1, -1), 0.0, None, None, False)
+    plan = make_plan(cj._problem(call), H100)
+    assert plan.num_splits > 1
+    ins = _buffers([(b, sq, h, d), (b, sk, h, d), (b, sk, h, d)], ["float16"] * 3, 1 << 32)
+    outs = _buffers([(b, sq, h, d), (b, h, sq), (plan.workspace_bytes // 4,)], ["float16", "float32", "float32"],
+                    1 << 36)
+    cj._run_forward(call, plan, types.SimpleNamespace(stream=777), outs, ins)
+    (split, s1, f1), (combine, s2, f2) = recorded
+    assert (s1, s2) == (777, 777) and "split" in split and "combine" in combine
+    assert (f1["q"], f1["k"], f1["v"]) == tuple(x.ptr for x in ins)
+    assert f1["o"] == outs[2].ptr and f1["counters"] == 0  # partials into XLA's scratch; no counter buffer
+    assert (f2["o_acc"], f2["o"], f2["lse"]) == (outs[2].ptr, outs[0].ptr, outs[1].ptr)
+    assert (f1["q_sb"], f1["q_ss"], f1["q_sh"]) == (sq * h * d, h * d, d)
+
+
+def test_varlen_callbacks_read_cu_seqlens_and_write_xla_buffers(recorded):
+    batch, total_q, total_k, h, hk, d = 3, 40, 50, 4, 2, 32
+    call = cj._Call(batch, 20, 30, h, hk, d, "fp16", True, 0.2, (-1, 0), 0.0, 0, total_q, True)
+    cu = [(batch + 1,), (batch + 1,)]
+    ins = _buffers([(total_q, h, d), (total_k, hk, d), (total_k, hk, d), (h,), *cu],
+                   ["float16"] * 3 + ["float32", "int32", "int32"], 1 << 32)
+    outs = _buffers([(total_q, h, d), (h, total_q)], ["float16", "float32"], 1 << 36)
+    cj._run_forward(call, make_plan(cj._problem(call), H100), types.SimpleNamespace(stream=5), outs, ins)
+    (_, stream, f), = recorded
+    assert stream == 5 and f["o"] == outs[0].ptr and f["lse"] == outs[1].ptr
+    assert (f["cu_seqlens_q"], f["cu_seqlens_k"], f["alibi_slopes"]) == (ins[4].ptr, ins[5].ptr, ins[3].ptr)
+    assert (f["q_sb"], f["k_sb"]) == (h * d, hk * d)  # token strides as batch strides
+
+    recorded.clear()
+    plan = make_backward_plan(cj._problem(call), H100)
+    ws = backward.workspace_floats(plan, total_q)
+    bins = _buffers([(total_q, h, d), (total_q, h, d), (total_k, hk, d), (total_k, hk, d), (total_q, h, d),
+                     (h, total_q), (h,), *cu], ["float16"] * 5 + ["float32"] * 2 + ["int32"] * 2, 1 << 32)
+    bouts = _buffers([(total_q, h, d), (total_k, hk, d), (total_k, hk, d), (ws,)], ["float16"] * 3 + ["float32"],
+                     1 << 36)
+    cj._run_backward(call, plan, types.SimpleNamespace(stream=9), bouts, bins)
+    assert [s for _, s, _ in recorded] == [9, 9, 9]
+    prep, main, last = (f for _, _, f in recorded)
+    assert (prep["dout"], prep["out"], prep["lse"]) == (bins[0].ptr, bins[4].ptr, bins[5].ptr)
+    assert prep["lse2"] == bouts[3].ptr and prep["dq_accum"] == 0  # deterministic: no accumulator
+    assert (main["q"], main["k"], main["v"], main["dk"], main["dv"]) == (bins[1].ptr, bins[2].ptr, bins[3].ptr,
+                                                                          bouts[1].ptr, bouts[2].ptr)
+    assert (main["cu_seqlens_q"], main["alibi_slopes"]) == (bins[7].ptr, bins[6].ptr)
+    assert last["dq"] == bouts[0].ptr
+
+
+def test_callback_refuses_host_buffers():
+    buf = FakeBuffer((1,), "float16", 0)
+    buf.__dlpack_device__ = lambda: (1, 0)
+    with pytest.raises(RuntimeError, match="runs on CUDA GPUs"):
+        cj._device(buf)
+
+
+# ---------------------------------------------------------------------------------------------
+# On the GPU
+
+def _check_forward(out, q, k, v, **kw):
+    ok, err, bound = reference.check_close(np.asarray(out), np.asarray(q), np.asarray(k), np.asarray(v), **kw)
+    assert ok, f"max error {err:.3g} exceeds bound {bound:.3g} ({kw})"
+
+
+def _check_grads(grads, ref64, same, what):
+    for name, g, r, s in zip(("dq", "dk", "dv"), grads, ref64, same):
+        err, bound = reference.max_abs_err(np.asarray(g), r), 3 * reference.max_abs_err(s, r) + 1e-4
+        assert err <= bound, f"{name}: max error {err:.3g} exceeds bound {bound:.3g} ({what})"
+
+
+def _gpu_case(rng, mods, b, sq, sk, h, hk, d, dtype):
+    mods = dict(mods)
+    q, k, v, w = (arr(rng, b, n, hh, d, dtype=dtype) for n, hh in ((sq, h), (sk, hk), (sk, hk), (sq, h)))
+    slopes = None
+    if mods.pop("alibi", False):
+        slopes = jnp.asarray(rng.random(h, dtype=np.float32))
+        mods["alibi_slopes"] = slopes
+    ref_mods = dict(mods, **({} if slopes is None else {"alibi_slopes": np.asarray(slopes)}))
+    return q, k, v, w, mods, ref_mods
+
+
+GPU_SHAPES = [(2, 113, 203, 4, 2, 64), (1, 256, 256, 4, 4, 128), (2, 77, 77, 2, 1, 36),  # head dim padded to 40
+              (1, 1, 4096, 8, 2, 128)]  # split-KV: partials in XLA's scratch output, combine kernel
+
+
+@requires_jax_gpu
+@pytest.mark.parametrize("mods,dtype", [(m, "bfloat16") for m in MODS] + [(MODS[1], "float16")])
+@pytest.mark.parametrize("b,sq,sk,h,hk,d", GPU_SHAPES)
+def test_gpu_forward_and_grads(rng, mods, dtype, b, sq, sk, h, hk, d):
+    q, k, v, w, mods, ref_mods = _gpu_case(rng, mods, b, sq, sk, h, hk, d, dtype)
+    out = jax.jit(lambda q, k, v: cj.attention(q, k, v, **mods))(q, k, v)
+    _check_forward(out, q, k, v, **ref_mods)
+    loss = lambda q, k, v: jnp.sum(cj.attention(q, k, v, **mods).astype(jnp.float32) * w)  # noqa: E731
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    args = [np.asarray(x) for x in (w, q, k, v)]
+    _check_grads(grads, reference.attention_backward(*args, **ref_mods),
+                 reference.attention_backward(*args, precision="same", **ref_mods), ref_mods)
+
+
+@requires_jax_gpu
+def test_gpu_checkpoint_and_deterministic(rng):
+    q, k, v, w, _, _ = _gpu_case(rng, {}, 2, 300, 300, 4, 2, 64, "bfloat16")
+    loss = lambda q, k, v: jnp.sum(cj.attention(q, k, v, causal=True, deterministic=True)  # noqa: E731
+                                   .astype(jnp.float32) * w)
+    plain = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    remat = jax.jit(jax.value_and_grad(jax.checkpoint(loss), argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(remat)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@requires_jax_gpu
+def test_gpu_varlen(rng):
+    lens_q, lens_k = np.array([100, 0, 1, 230, 17]), np.array([120, 5, 0, 256, 17])
+    cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q, k, v, w = (arr(rng, n, hh, 64, dtype="bfloat16") for n, hh in ((cq[-1], 6), (ck[-1], 2), (ck[-1], 2),
+                                                                       (cq[-1], 6)))
+    mods = dict(causal=True, window_size=(63, 0))
+    f = lambda q, k, v, cq, ck: cj.attention_varlen(q, k, v, cq, ck, 230, 256, **mods)  # noqa: E731
+    cqd, ckd = jnp.asarray(cq), jnp.asarray(ck)
+    out = jax.jit(f)(q, k, v, cqd, ckd)
+    args = [np.asarray(x) for x in (q, k, v)]
+    ref64 = reference.attention_varlen(*args, cq, ck, **mods)
+    lp = reference.attention_varlen(*args, cq, ck, precision="same", **mods)
+    assert reference.max_abs_err(np.asarray(out), ref64) <= 2 * reference.max_abs_err(lp, ref64) + 1e-5
+    loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32) * w)  # noqa: E731
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, cqd, ckd)
+    bargs = [np.asarray(w), *args, cq, ck]
+    _check_grads(grads, reference.attention_varlen_backward(*bargs, **mods),
+                 reference.attention_varlen_backward(*bargs, precision="same", **mods), "varlen")
+
+
+@requires_jax_gpu
+def test_gpu_repeated_steps_see_fresh_data(rng):
+    """A jitted step (possibly replayed from XLA's command buffers) computes on each call's data."""
+    step = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(cj.attention(q, k, v, causal=True)
+                                                              .astype(jnp.float32) ** 2), argnums=(0, 1, 2)))
+    for _ in range(3):
+        q, k, v, w, _, _ = _gpu_case(rng, {}, 2, 128, 128, 4, 4, 64, "bfloat16")
+        _, grads = step(q, k, v)
+        dout = (2 * cj.attention(q, k, v, causal=True).astype(jnp.float32)).astype(jnp.bfloat16)
+        args = [np.asarray(x) for x in (dout, q, k, v)]
+        _check_grads(grads, reference.attention_backward(*args, causal=True),
+                     reference.attention_backward(*args, causal=True, precision="same"), "repeat")
+
+
+HOST_TRANSFER_MARKS = ("is_host_transfer", "send(", "recv(", "infeed", "outfeed", "xla_python_gpu_callback",
+                       "xla_ffi_python_gpu_callback", "S(5)")
+
+
+@requires_jax_gpu
+def test_gpu_compiled_hlo_has_no_host_transfer(rng):
+    q, k, v, w, _, _ = _gpu_case(rng, {}, 1, 64, 64, 2, 2, 64, "bfloat16")
+    loss = lambda q, k, v: jnp.sum(cj.attention(q, k, v, causal=True).astype(jnp.float32) * w)  # noqa: E731
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+    assert text.count("xla_buffer_python_gpu_callback") >= 2
+    assert not [m for m in HOST_TRANSFER_MARKS if m in text]
