@@ -8,8 +8,10 @@ same overrides registered for the CPU key). GPU tests run SDPA itself against Py
 """
 import pytest
 
-from conftest import requires_gpu, requires_torch
-from test_torch_integration import _cpu, ref_kernels  # noqa: F401 (a fixture)
+pytest.importorskip("torch", reason="needs PyTorch (optional dependency)")  # the cases below build tensors
+
+from conftest import requires_gpu, requires_torch  # noqa: E402
+from test_torch_integration import _cpu, ref_kernels  # noqa: E402,F401 (a fixture)
 
 pytestmark = [requires_torch]
 
