@@ -117,11 +117,10 @@ def all_variants(arch: int, mods: bool = True, families=FAMILIES) -> list:
     """Every kernel variant a plan can launch on ``arch``, family by family (what warmup
     compiles; fwd_ws is compiled and warmed up though no plan launches it yet). ``mods=False``
     leaves out the window/softcap/ALiBi variants."""
-    from . import append, bwd, combine, fwd, fwd_ws
-    modules = {"fwd": fwd, "combine": combine, "append": append, "bwd": bwd, "fwd_ws": fwd_ws}
+    import importlib
     out = []
-    for f in families:
-        out.extend(modules[f].variants(arch, mods))
+    for f in families:  # a family is the module of that name here, with variants(arch, mods)
+        out.extend(importlib.import_module(f"{__name__}.{f}").variants(arch, mods))
     return list(dict.fromkeys(out))
 
 
