@@ -201,7 +201,9 @@ def _bad(rng):
 
 @pytest.mark.parametrize("case", range(15))
 def test_arguments_checked_at_trace_time(numpy_kernels, rng, case):
-    fn, error, match = _bad(rng)[case]
+    cases = _bad(rng)
+    assert len(cases) == 15
+    fn, error, match = cases[case]
     with pytest.raises(error, match=match):
         jax.jit(fn)(arr(rng, 1, 4, 2, 8), 0.5)
     assert numpy_kernels == {"fwd": 0, "bwd": 0}
@@ -226,10 +228,10 @@ def test_scratch_outputs_from_the_plans(numpy_kernels, rng):
     assert f"tensor<{floats}xf32>" in text
 
 
-def _call(q, k, **kw):
+def _call(q, k):
     b, sq, h, d = q.shape
-    return cj._check(cj._shapes((q, "q"))[0], b, sq, k.shape[1], h, k.shape[2], kw.get("causal", False), None,
-                     (-1, -1), 0.0, None, False, None)
+    return cj._check(cj._shapes((q, "q"))[0], b, sq, k.shape[1], h, k.shape[2], False, None, (-1, -1), 0.0, None,
+                     False, None)
 
 
 # ---------------------------------------------------------------------------------------------
