@@ -49,6 +49,7 @@ import numpy as np
 
 from . import api, arrays, compiler, validate
 from .kernels.bwd import ROW_PAD, VARLEN_ROW_GAP
+from .kernels.params import stride_values
 from .plan import Problem, cdiv, make_backward_plan
 
 _LOG2E = math.log2(math.e)
@@ -293,7 +294,7 @@ def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, dev
 
 def _st(prefix: str, x) -> dict:
     """An operand's (batch, seq, head) strides in elements, named as the parameter structs do."""
-    return {f"{prefix}_sb": x.strides[0], f"{prefix}_ss": x.strides[1], f"{prefix}_sh": x.strides[2]}
+    return stride_values(prefix, x.strides)
 
 
 def _launch(kernels, ops, lse, lse_st, grads, ws, shape, score, stream, device):

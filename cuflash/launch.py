@@ -8,6 +8,7 @@ from typing import NamedTuple
 from . import arrays, compiler
 from .kernels import fwd
 from .kernels.append import AppendVariant
+from .kernels.params import stride_values
 from .plan import Plan
 
 NO_CACHE = (0, 0, 0, 0)  # seqlens_k, kv_batch_idx, block_table pointers; block-table row stride
@@ -30,10 +31,6 @@ def _strides(view, pack: bool, ngroups: int):
     """(batch, row, head) strides in elements; with GQA packing a KV head's query heads are rows."""
     sb, ss, sh = view.strides[0], view.strides[1], view.strides[2]
     return (sb, sh, sh * ngroups) if pack else (sb, ss, sh)
-
-
-def _named_strides(prefix: str, st) -> dict:
-    return {f"{prefix}_sb": st[0], f"{prefix}_ss": st[1], f"{prefix}_sh": st[2]}
 
 
 def _scalars(plan: Plan, seqlen_k: int, softmax_scale: float, table_stride: int, page_size: int,
@@ -180,13 +177,13 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
     cu_q, cu_k, total_q = varlen if varlen is not None else (0, 0, -1)
     scalars, combine = _scalars(plan, p.seqlen_k if seqlen_k is None else seqlen_k, softmax_scale, table_stride,
                                 page_size, softcap, alibi[1], total_q)
-    o_strides = _named_strides("o", _strides(o, plan.pack_gqa, ngroups))
+    o_strides = stride_values("o", _strides(o, plan.pack_gqa, ngroups))
     main = plan.launches[0]
     kernel = compiler.get_kernel(main.variant, device)
     values = kernel.table.values(
         q=0, k=0, v=0, o=0, lse=0, o_final=0, lse_final=0, counters=0,
-        **_named_strides("q", _strides(q, plan.pack_gqa, ngroups)), **_named_strides("k", _strides(k, False, 1)),
-        **_named_strides("v", _strides(v, False, 1)), **o_strides, **scalars,
+        **stride_values("q", _strides(q, plan.pack_gqa, ngroups)), **stride_values("k", _strides(k, False, 1)),
+        **stride_values("v", _strides(v, False, 1)), **o_strides, **scalars,
         seqlens_k=seqlens_ptr, kv_batch_idx=batch_idx_ptr, block_table=table_ptr, cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k, alibi_slopes=alibi[0])
     split = not (plan.num_splits == 1 and main.variant.kind == "fwd")
@@ -234,7 +231,7 @@ def append_kv(k_new, v_new, k_cache, v_cache, seqlens_ptr: int, seqlen0: int, ba
     compiler.get_kernel(variant, device)(
         variant.grid(b * s_new * hk * (d // 8)), (variant.threads,), stream,
         k_new=k_new.ptr, v_new=v_new.ptr, k_cache=k_cache.ptr, v_cache=v_cache.ptr,
-        **_named_strides("kn", _strides(k_new, False, 1)), **_named_strides("vn", _strides(v_new, False, 1)),
-        **_named_strides("kc", _strides(k_cache, False, 1)), **_named_strides("vc", _strides(v_cache, False, 1)),
+        **stride_values("kn", _strides(k_new, False, 1)), **stride_values("vn", _strides(v_new, False, 1)),
+        **stride_values("kc", _strides(k_cache, False, 1)), **stride_values("vc", _strides(v_cache, False, 1)),
         batch=b, seqlen_new=s_new, nheads_k=hk, head_dim=d, seqlens=seqlens_ptr, seqlen0=seqlen0,
         kv_batch_idx=batch_idx_ptr, block_table=table[0], block_table_stride=table[1], page_size=page_size)

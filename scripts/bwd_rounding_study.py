@@ -97,6 +97,14 @@ def _head_kernel(q, k, v, do, vis, scale, rnd, fwd_p_round=True, ds_round=True, 
     return o, r32(ds @ k), r32(ds.T @ q), r32(rnd(pb).T @ do)
 
 
+def _setup(dout, q, k, v, scale, window):
+    """(dtype, its rounding, float64 dout/q/k/v, scale, the visible (query, key) mask) of a case."""
+    dt = np.asarray(q).dtype
+    dout, q, k, v = (np.asarray(x).astype(np.float64) for x in (dout, q, k, v))
+    sq, d, sk = q.shape[1], q.shape[3], k.shape[1]
+    return dt, rounder(dt), dout, q, k, v, d ** -0.5 if scale is None else scale, visible(sq, sk, *window)
+
+
 def kernel_emulation(dout, q, k, v, *, scale=None, window=(-1, -1), fwd_p_round=True, ds_round=True,
                      norm="l", return_out=False):
     """Emulated (dq, dk, dv) of the kernels (see the module docstring) for dense inputs (batch,
@@ -104,14 +112,10 @@ def kernel_emulation(dout, q, k, v, *, scale=None, window=(-1, -1), fwd_p_round=
     fp32 before the one rounding. Ablations: ``fwd_p_round=False`` (the forward's P V product
     with fp32 P), ``ds_round=False`` (dS kept in fp32), ``norm="rounded"`` (the forward divides
     by the sum of the rounded P). With ``return_out`` also the emulated forward output."""
-    dt = np.asarray(q).dtype
-    rnd = rounder(dt)
-    dout, q, k, v = (np.asarray(x).astype(np.float64) for x in (dout, q, k, v))
+    dt, rnd, dout, q, k, v, scale, vis = _setup(dout, q, k, v, scale, window)
     b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    scale = d ** -0.5 if scale is None else scale
+    hk = k.shape[2]
     sc = float(np.float32(scale))
-    vis = visible(sq, sk, *window)
     out = np.zeros(q.shape)
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     for bi in range(b):
@@ -130,13 +134,9 @@ def kernel_emulation(dout, q, k, v, *, scale=None, window=(-1, -1), fwd_p_round=
 def old_same_reference(dout, q, k, v, *, scale=None, window=(-1, -1)):
     """The same-precision backward reference as it was: D from O = round(P V) with the exact,
     normalised P (the forward's rounding of P left out); otherwise cuflash.reference's rules."""
-    dt = np.asarray(q).dtype
-    rnd = rounder(dt)
-    dout, q, k, v = (np.asarray(x).astype(np.float64) for x in (dout, q, k, v))
+    dt, rnd, dout, q, k, v, scale, vis = _setup(dout, q, k, v, scale, window)
     b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    scale = d ** -0.5 if scale is None else scale
-    vis = visible(sq, sk, *window)
+    hk = k.shape[2]
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     for bi in range(b):
         for hi in range(h):
@@ -208,7 +208,6 @@ def main():
 
     # self-check: the new reference is the emulation with the kernel's fp32 details removed
     dout, q, k, v = inputs(0, 1, 23, 2, 3, 3, 24, dt)
-    same = reference.attention_backward(dout, q, k, v, window_size=(-1, 0), precision="same")
     _, o_emul = kernel_emulation(dout, q, k, v, window=(-1, 0), return_out=True)
     o_same = reference.attention(q, k, v, window_size=(-1, 0), precision="same")
     print(f"forward O: emulated kernel == reference same-precision on "

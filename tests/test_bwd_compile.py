@@ -11,7 +11,7 @@ import pytest
 from cuflash import backward, compiler, reference
 from cuflash.arrays import View
 from cuflash.codegen import render
-from cuflash.kernels import HEAD_DIM_BUCKETS, bwd as family
+from cuflash.kernels import HEAD_DIM_BUCKETS, MMAS, bwd as family
 from cuflash.kernels.bwd import BwdTileVariant
 from cuflash.plan import DeviceFacts, Problem, make_backward_plan
 from conftest import GPU_PROBLEM, check_same_precision, fake_view, finite_diff, naive_backward
@@ -326,7 +326,7 @@ def test_tiles_cover_every_bucket():
     for bm, bn, w, st in tiles:
         assert family.ROW_PAD % bm == 0 and bn % 16 == 0 and w in (4, 8) and st in (1, 2)
     for table in (family.DKDV_TILES, family.DKDV_WGMMA_TILES, family.DKDV_SOFTCAP_TILES):
-        assert all(t[4] in family.MMAS for t in table.values())
+        assert all(t[4] in MMAS for t in table.values())
     assert all(t[4] == "wgmma" for t in family.DKDV_WGMMA_TILES.values())
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from . import HEAD_DIM_BUCKETS, MMAS, KernelVariant, tile_name
+from . import HEAD_DIM_BUCKETS, KernelVariant, tile_name
 from .params import ParamTable, strides
 
 ROW_KINDS = ("bwd_prep", "bwd_convert")

@@ -111,3 +111,8 @@ class ParamTable:
 def strides(prefix: str, *dims: str) -> tuple[tuple[str, str], ...]:
     """64-bit element strides ``<prefix>_<dim>`` of one operand."""
     return tuple((f"{prefix}_{d}", "long long") for d in dims)
+
+
+def stride_values(prefix: str, st) -> dict:
+    """Batch, sequence and head strides ``st`` as the values of ``strides(prefix, "sb", "ss", "sh")``."""
+    return {f"{prefix}_sb": st[0], f"{prefix}_ss": st[1], f"{prefix}_sh": st[2]}
