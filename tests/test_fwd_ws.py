@@ -68,7 +68,7 @@ def test_params_struct_holds_three_aligned_tensor_maps():
     assert t.layout.size == 512 and t.layout.size <= 1024  # compiler.Kernel's parameter buffer
     src = t.cuda()
     assert f"static_assert(sizeof(FwdWsParams) == {t.layout.size}" in src
-    assert "__builtin_offsetof(FwdWsParams, tma_v) == 256" in src
+    assert "offsetof" not in src  # CUDA 13.0's NVRTC has no __builtin_offsetof
     assert "const CUtensorMap& tma_q = p.tma_q;" in t.unpack()
 
 
