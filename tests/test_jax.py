@@ -8,6 +8,7 @@ with the float64 reference under flash-attn's rules: the forward |out - ref64| <
 ref64| + 1e-5, gradients |g - ref64| <= 3 |ref_same - ref64| + 1e-4 (as tests/test_gpu_backward.py).
 """
 import contextlib
+import os
 import types
 
 import numpy as np
@@ -15,6 +16,9 @@ import pytest
 
 from conftest import GPU_PROBLEM
 
+# JAX takes 75% of the GPU's memory at its first use unless told not to; the other test
+# processes (pytest-xdist) and PyTorch in this one need theirs.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 jax = pytest.importorskip("jax", reason="needs JAX (optional dependency: pip install 'cuflash[jax]')")
 jnp = jax.numpy
 
