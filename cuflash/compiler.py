@@ -411,17 +411,22 @@ def _load(variant: Variant, device: int):
 
 
 class _Buffers:
-    """A thread's kernel-parameter buffer and the ``extra`` array of cuLaunchKernel pointing at
-    it (CU_LAUNCH_PARAM_BUFFER_POINTER / _SIZE): a launch packs its arguments into the buffer."""
+    """A thread's kernel-parameter buffer and the ``kernelParams`` array of cuLaunchKernel
+    pointing at it (every kernel takes one parameter, the struct): a launch packs its arguments
+    into the buffer. Not CU_LAUNCH_PARAM_BUFFER_POINTER: that buffer must hold the parameter at
+    its offset in the kernel's parameter space, which is not 0 for a struct aligned beyond the
+    space's start (a 128-byte aligned struct holding tensor maps); through kernelParams the
+    driver puts it where the kernel reads it."""
 
     def __init__(self):
         import ctypes
         import cupy
         from cupy_backends.cuda.api import driver
-        self.buf, self.size = ctypes.create_string_buffer(1024), ctypes.c_size_t(0)
-        self.extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(self.buf), 2, ctypes.addressof(self.size), 0)
-        self.extra_ptr = ctypes.addressof(self.extra)
-        self.launch_ex = _LaunchEx(self.extra_ptr) if _cuda_driver() is not None else None
+        self.buf = ctypes.create_string_buffer(1024 + 128)
+        self.offset = -ctypes.addressof(self.buf) % 128  # the struct starts 128-byte aligned
+        self.params = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf) + self.offset)
+        self.params_ptr = ctypes.addressof(self.params)
+        self.launch_ex = _LaunchEx(self.params_ptr) if _cuda_driver() is not None else None
         if not driver.ctxGetCurrent():  # a new thread: bind the current device's primary context
             cupy.cuda.runtime.setDevice(cupy.cuda.runtime.getDevice())
 
@@ -444,9 +449,9 @@ def _cuda_driver():
 
 class _LaunchEx:
     """A thread's CUlaunchConfig with one attribute, programmatic stream serialisation, for
-    cuLaunchKernelEx with the thread's packed parameters (``extra``)."""
+    cuLaunchKernelEx with the thread's packed parameters (``kernelParams``)."""
 
-    def __init__(self, extra_ptr: int):
+    def __init__(self, params_ptr: int):
         import ctypes
 
         class Attr(ctypes.Structure):  # CUlaunchAttribute: id, 4 pad bytes, a 64-byte value union
@@ -459,12 +464,12 @@ class _LaunchEx:
         self.attr = Attr(_PROGRAMMATIC_STREAM_SERIALIZATION)
         self.attr.value[0] = 1  # programmaticStreamSerializationAllowed
         self.config = Config(attrs=ctypes.pointer(self.attr), num_attrs=1)
-        self.config_ptr, self.extra_ptr, self.fn = ctypes.addressof(self.config), extra_ptr, _cuda_driver()
+        self.config_ptr, self.params_ptr, self.fn = ctypes.addressof(self.config), params_ptr, _cuda_driver()
 
     def __call__(self, fn_ptr: int, grid: tuple, block: tuple, shared_mem: int, stream: int):
         self.config.dims[:] = (*grid, *block, shared_mem)
         self.config.stream = stream
-        rc = self.fn(self.config_ptr, fn_ptr, None, self.extra_ptr)
+        rc = self.fn(self.config_ptr, fn_ptr, self.params_ptr, None)
         if rc:
             from cupy_backends.cuda.api import driver
             raise driver.CUDADriverError(rc)
@@ -500,13 +505,12 @@ class Kernel:
         finishes, so the kernel must wait for it (``griddepcontrol.wait``) before it touches
         memory."""
         b = _buffers()
-        self.layout.pack_into(b.buf, 0, *values)
-        b.size.value = self.layout.size
+        self.layout.pack_into(b.buf, b.offset, *values)
         try:
             if early and b.launch_ex is not None:
                 b.launch_ex(self.ptr, grid, block, shared_mem, stream)
             else:
-                _launch_kernel(self.ptr, *grid, *block, shared_mem, stream, 0, b.extra_ptr)
+                _launch_kernel(self.ptr, *grid, *block, shared_mem, stream, b.params_ptr, 0)
         except Exception as e:
             raise RuntimeError(f"launching {self.name} failed: {e} (grid {grid}, block {block}, "
                                f"{shared_mem} B shared)") from None
