@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from typing import NamedTuple
 
 from . import arrays, compiler
-from .kernels import fwd
+from .kernels import fwd, fwd_ws
 from .kernels.append import AppendVariant
 from .kernels.params import stride_values
-from .plan import Plan
+from .plan import Plan, make_plan
 
 NO_CACHE = (0, 0, 0, 0)  # seqlens_k, kv_batch_idx, block_table pointers; block-table row stride
 # Split-KV merges its partials in the split kernel (the last split of each query block, counted
@@ -160,6 +161,7 @@ class Recipe(NamedTuple):
     ws_floats: int             # workspace size: partial outputs, then partial LSEs
     ws_lse: int                # where the partial LSEs start
     early: bool                # launch with programmatic stream serialisation (see EARLY_LAUNCH)
+    maps: tuple | None = None  # fwd_ws: what its tensor maps need besides the pointers (see fire)
 
 
 def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_CACHE,
@@ -172,6 +174,10 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
     ``varlen`` is (cu_seqlens_q pointer, cu_seqlens_k pointer, total_q) for packed sequences,
     whose views then have token strides as batch strides."""
     p = plan.problem
+    if plan.launches[0].variant.kind == "fwd_ws":
+        if all(fwd_ws.tma_readable(x) for x in (q, k, v)):
+            return _prepare_ws(plan, q, k, v, o, softmax_scale, device)
+        plan = make_plan(replace(p, tma=False), plan.device)  # the wgmma kernel reads any strides
     ngroups = p.nheads // p.nheads_k
     seqlens_ptr, batch_idx_ptr, table_ptr, table_stride = cache
     cu_q, cu_k, total_q = varlen if varlen is not None else (0, 0, -1)
@@ -197,11 +203,35 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
                   main.grid[0] * main.grid[1] * p.batch, n_o + plan.num_splits * rows if split else 0, n_o, early)
 
 
+def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int) -> Recipe:
+    """The Recipe of a fwd_ws launch: its struct's fields after o and lse, and the shapes,
+    strides and boxes of its three tensor maps (encoded in ``fire``: they hold the pointers)."""
+    p, main = plan.problem, plan.launches[0]
+    w = main.variant
+    kernel = compiler.get_kernel(w, device)
+    values = kernel.table.values(
+        tma_q=bytes(fwd_ws.TENSOR_MAP_BYTES), tma_k=bytes(fwd_ws.TENSOR_MAP_BYTES),
+        tma_v=bytes(fwd_ws.TENSOR_MAP_BYTES), o=0, lse=0, **stride_values("o", _strides(o, False, 1)),
+        lse_sb=p.nheads * p.seqlen_q, lse_sh=p.seqlen_q, lse_sr=1, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
+        ngroups=p.nheads // p.nheads_k, scale_log2=softmax_scale * _LOG2E)
+    maps = tuple((tuple(x.shape), tuple(x.strides), box) for x, box in ((q, w.block_m), (k, w.block_n), (v, w.block_n)))
+    early = EARLY_LAUNCH
+    alone = early and math.prod(main.grid) <= plan.device.num_sms
+    return Recipe(plan, kernel, main.grid, (main.threads, 1, 1), w.smem_limit if alone else main.smem,
+                  values[5:], False, {}, 0, 0, 0, early, (p.dtype, *maps))
+
+
 def fire(r: Recipe, device: int, stream: int, q: int, k: int, v: int, o: int, lse: int, workspace=None,
          fused: bool = True):
     """Launch a prepared plan on ``stream`` (a raw pointer) for these data pointers;
     ``workspace`` is the (partial O, partial LSE) pointer pair when the plan splits. ``fused=False``
     merges the splits with the combine kernel (no per-stream counter buffer is made)."""
+    if r.maps is not None:
+        dtype, mq, mk, mv = r.maps
+        r.kernel.launch(r.grid, r.block, r.smem, stream,
+                        (fwd_ws.tensor_map(q, *mq, dtype), fwd_ws.tensor_map(k, *mk, dtype),
+                         fwd_ws.tensor_map(v, *mv, dtype), o, lse, *r.mid), r.early)
+        return
     if not r.split:
         r.kernel.launch(r.grid, r.block, r.smem, stream, (q, k, v, o, lse, *r.mid, 0, 0, 0), r.early)
         return

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from .kernels import KernelVariant, head_dim_bucket
-from .kernels import bwd
+from .kernels import bwd, fwd_ws
 from .kernels.combine import CombineVariant
 from .kernels.fwd import (DECODE_BLOCK_M, DECODE_MAX_ROWS, DECODE_WARPS, SPLIT_BLOCK_M, SPLIT_WARPS, FwdVariant,
                           decode_tile, fwd_tile, split_block_n, split_tile_n)
@@ -60,6 +60,7 @@ class Problem:
     alibi: bool = False
     varlen: bool = False   # packed sequences: seqlen_q/seqlen_k are the maxima
     deterministic: bool = False  # backward: dQ without atomics, bitwise repeatable
+    tma: bool = True       # q, k, v can be read by the TMA (positive strides; see launch.prepare)
 
 
 @dataclass(frozen=True)
@@ -282,12 +283,21 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
             bm, bn_fwd, warps, stages, mma = (*decode_tile(bucket), "sync")
         else:
             bm, bn_fwd, warps, stages, mma = fwd_tile(bucket, even, dev.arch, p.kv, local or p.softcap or p.alibi)
-        v = FwdVariant(kind="fwd", head_dim=bucket, dtype=p.dtype, causal=causal, even_head_dim=even, block_m=bm,
-                       block_n=bn_fwd, warps=warps, arch=dev.arch, stages=stages, kv=p.kv, **mods, mma=mma)
-        if mma == "wgmma":
-            why.append(f"sm_90: Hopper's warpgroup MMA (wgmma, sm_90a), {warps // 4} warpgroups of 64 query rows "
-                       f"sharing K/V tiles of {bn_fwd} keys.")
-        launches.append(Launch(v, (cdiv(sq, bm), nh, p.batch), v.threads, v.smem_bytes))
+        ws = None if decode or mma != "wgmma" else _fwd_ws_blocker(p, even, bucket, local, pack)
+        if ws == "":
+            v = fwd_ws.FwdWsVariant(head_dim=bucket, dtype=p.dtype, causal=causal, arch=dev.arch)
+            why.append(f"sm_90: the warp-specialised kernel (fwd_ws, sm_90a): a producer warpgroup loads Q and "
+                       f"K/V tiles of {v.block_n} keys by TMA into {v.stages} stages on mbarriers; "
+                       f"{v.consumers} consumer warpgroups of 64 query rows run wgmma and the softmax.")
+            launches.append(Launch(v, v.grid(p.batch, sq, nh), v.threads, v.smem_bytes))
+        else:
+            v = FwdVariant(kind="fwd", head_dim=bucket, dtype=p.dtype, causal=causal, even_head_dim=even,
+                           block_m=bm, block_n=bn_fwd, warps=warps, arch=dev.arch, stages=stages, kv=p.kv, **mods,
+                           mma=mma)
+            if mma == "wgmma":
+                why.append(f"sm_90: Hopper's warpgroup MMA (wgmma, sm_90a), {warps // 4} warpgroups of 64 query "
+                           f"rows sharing K/V tiles of {bn_fwd} keys; not the warp-specialised kernel: {ws}.")
+            launches.append(Launch(v, (cdiv(sq, bm), nh, p.batch), v.threads, v.smem_bytes))
         nbps, workspace = 0, 0
     else:
         bm, bn, warps, stages = decode_tile(bucket) if decode else (
@@ -310,6 +320,23 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
     check_grids(launches)
     return Plan(p, dev, tuple(launches), max(splits, 1), nbps, pack, sq, nh, ng, causal, window,
                 workspace, table, " ".join(why))
+
+
+def _fwd_ws_blocker(p: Problem, even: bool, bucket: int, local: bool, pack: bool) -> str:
+    """Why the warp-specialised forward (kernels/fwd_ws.py) cannot run ``p`` on sm_90, or ""."""
+    if pack:
+        return "query heads packed as rows (seqlen_q=1 with GQA) do not form the TMA's (seqlen, head) boxes"
+    if bucket not in fwd_ws.HEAD_DIMS or not even:
+        return f"it has head dims {' and '.join(map(str, fwd_ws.HEAD_DIMS))} only"
+    if p.kv != "dense" or p.varlen:
+        return "it reads dense K/V only (no KV cache, no varlen)"
+    if local or p.softcap or p.alibi:
+        return "it has no sliding window, softcap or ALiBi"
+    if p.seqlen_k == 0:
+        return "no key to load"
+    if not p.tma:
+        return "an operand has a stride the TMA cannot read (zero, or beyond 2^40 bytes)"
+    return ""
 
 
 def backward_kernels(bucket: int, dtype: str, causal: bool, deterministic: bool, arch: int, local: bool = False,

@@ -2,7 +2,7 @@
 checks (every variant renders and compiles for sm_90a with no spills, no stack, a launch
 register count that setmaxnreg's split can hand out, no serialized wgmma; the parameter struct
 with its tensor maps; the tensor-map encoding's arguments, with a fake driver function), the
-planner leaving it alone, and GPU checks against the float64 reference (skipped without an
+the plans that run it, and GPU checks against the float64 reference (skipped without an
 sm_90 GPU: they are the first thing to run on one)."""
 import ctypes
 import os
@@ -45,18 +45,48 @@ def test_bad_variants_are_refused(kw):
         FwdWsVariant(**{**dict(head_dim=128, dtype="bf16", arch=90), **kw})
 
 
-def test_registered_for_warmup_but_not_planned():
-    """all_variants (warmup, the CI's covering sample) holds every fwd_ws variant; no plan
-    launches one (it is not verified on a GPU yet)."""
+def test_registered_and_planned_where_it_applies():
+    """all_variants (warmup, the CI's covering sample) holds every fwd_ws variant; on sm_90 the
+    planner runs it for dense K/V at d 64 and 128 without window, softcap or ALiBi, and keeps the
+    other kernels elsewhere, saying why."""
+    from dataclasses import replace
     from cuflash.plan import DeviceFacts, Problem, make_plan
     assert set(VARIANTS) <= set(all_variants(90)) and not any(v.family == "fwd_ws" for v in all_variants(80))
     sample = [v for v in covering_sample() if v.family == "fwd_ws"]
     assert {(v.head_dim, v.dtype) for v in sample} == {(d, dt) for d in (64, 128) for dt in ("fp16", "bf16")}
+    h100 = DeviceFacts(132, 90)
     for d in (64, 128):
         for causal in (False, True):
-            for sq in (1, 1000, 4096):
-                plan = make_plan(Problem(2, sq, 4096, 16, 4, d, "bf16", causal), DeviceFacts(132, 90))
-                assert not any(l.variant.family == "fwd_ws" for l in plan.launches), plan
+            for sq in (1000, 4096):
+                p = Problem(2, sq, 4096, 16, 4, d, "bf16", causal)
+                plan = make_plan(p, h100)
+                assert [l.variant.family for l in plan.launches] == ["fwd_ws"], plan
+                v = plan.launches[0].variant
+                assert (v.head_dim, v.causal, plan.launches[0].grid) == (d, causal, (-(-sq // 128), 16, 2))
+                assert "fwd_ws" in plan.reason and "TMA" in plan.reason
+                assert make_plan(p, DeviceFacts(108, 80)).launches[0].variant.family == "fwd"
+                for other, why in ((dict(window=(256, 0)), "window"), (dict(softcap=True), "softcap"),
+                                   (dict(alibi=True), "ALiBi"), (dict(kv="cache"), "dense"),
+                                   (dict(varlen=True), "varlen"), (dict(tma=False), "stride")):
+                    plan = make_plan(replace(p, **other), h100)
+                    assert all(l.variant.family != "fwd_ws" for l in plan.launches), (other, plan)
+                    if plan.launches[0].variant.kind == "fwd" and plan.launches[0].variant.mma == "wgmma":
+                        assert why in plan.reason, (other, plan.reason)
+    for d in (96, 256, 120):  # other head dims: other kernels
+        plan = make_plan(Problem(2, 4096, 4096, 16, 16, d, "bf16"), h100)
+        assert all(l.variant.family != "fwd_ws" for l in plan.launches), plan
+    # decode and split-KV shapes keep their kernels
+    for sq, sk in ((1, 4096), (8, 65536)):
+        plan = make_plan(Problem(1, sq, sk, 32, 8, 128, "bf16"), h100)
+        assert all(l.variant.family != "fwd_ws" for l in plan.launches), plan
+
+
+def test_tma_readable():
+    from types import SimpleNamespace as V
+    assert fwd_ws.tma_readable(V(strides=(4096, 256, 64, 1)))
+    assert not fwd_ws.tma_readable(V(strides=(4096, 256, 0, 1)))  # a broadcast (expanded) head
+    assert not fwd_ws.tma_readable(V(strides=(1 << 40, 256, 64, 1)))
+    assert not fwd_ws.tma_readable(V(strides=(4096, 256, 64, 2)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,10 +1,8 @@
-"""Warp-specialised forward for Hopper (templates/fwd_ws/, sm_90a): the first step of a
-FlashAttention-3-class kernel (issue #19). A producer warpgroup issues TMA tile loads that
-complete on mbarriers; two consumer warpgroups of 64 query rows each run wgmma and the online
-softmax. Dense K/V, head dims 64 and 128 (exactly), fp16/bf16, causal or not, GQA, LSE.
-
-NOT VERIFIED ON A GPU YET: compiled offline only (tests/test_fwd_ws.py). The planner does not
-select it; ``run`` below launches it directly, for the GPU tests and benchmarks.
+"""Warp-specialised forward for Hopper (templates/fwd_ws/, sm_90a), after FlashAttention-3: a
+producer warpgroup issues TMA tile loads that complete on mbarriers; two consumer warpgroups of
+64 query rows each run wgmma and the online softmax. Dense K/V, head dims 64 and 128 (exactly),
+fp16/bf16, causal or not, GQA, LSE. The planner runs it on sm_90 wherever it applies
+(plan._fwd_ws_blocker says where not); ``run`` below launches it directly, for tests.
 
 The host side builds the three tensor maps (CUtensorMap, 128 opaque bytes each) with the CUDA
 driver's ``cuTensorMapEncodeTiled`` through ctypes, and passes them by value inside the kernel's
@@ -26,10 +24,11 @@ BLOCK_M, BLOCK_N, STAGES = 128, 128, 2  # two consumer warpgroups of 64 rows; tw
 PRODUCER_REGS, CONSUMER_REGS = 24, 240  # setmaxnreg: 128 * 24 + 256 * 240 = 64512 <= 65536
 BOX_COLS = 64                           # one TMA box is 64 columns (128 bytes: the swizzle's width)
 BARRIER_BYTES = 128                     # 1 + 4 * stages mbarriers of 8 bytes, rounded up
-# Until the kernel is validated on a GPU, an mbarrier wait that lasts 2^32 clock cycles (about
-# 2 s) traps, so a wrong byte count or a bad tensor map fails the launch instead of hanging the
-# GPU. 0 turns the check off (planned for once the GPU tests pass).
-HANG_TRAP_CYCLES = 1 << 32
+# An mbarrier wait longer than this many clock cycles traps (the launch fails instead of hanging
+# on a phase that never completes): a debugging aid while changing the pipeline, e.g. 1 << 32
+# (about 2 s). 0: waits never trap (a slow but legitimate wait, under a profiler's replay, must
+# not fail).
+HANG_TRAP_CYCLES = 0
 
 PARAMS = ParamTable("FwdWsParams", (
     ("tma_q", "CUtensorMap"), ("tma_k", "CUtensorMap"), ("tma_v", "CUtensorMap"),
@@ -47,6 +46,9 @@ class FwdWsVariant(KernelVariant):
     family = "fwd_ws"
     kind: ClassVar[str] = "fwd_ws"
     params = PARAMS
+    local: ClassVar[bool] = False    # no sliding window, softcap or ALiBi (what plans ask of a forward)
+    softcap: ClassVar[bool] = False
+    alibi: ClassVar[bool] = False
 
     head_dim: int             # 64 or 128: the real head dim (no column predicates)
     dtype: str                # "fp16" or "bf16"
@@ -197,8 +199,23 @@ def encode_tensor_map(ptr: int, shape: tuple, strides: tuple, dtype: str, box_ro
     return ctypes.string_at(addr, TENSOR_MAP_BYTES)
 
 
+def tma_readable(view) -> bool:
+    """Whether the TMA can read a (batch, seqlen, heads, d) view in place: what encode_tensor_map
+    asks beyond the 16-byte alignment every in-place operand already has (positive strides
+    below 2^40 bytes)."""
+    return view.strides[3] == 1 and all(0 < s * 2 < 1 << 40 for s in view.strides[:3])
+
+
+@functools.lru_cache(maxsize=256)
+def tensor_map(ptr: int, shape: tuple, strides: tuple, box_rows: int, dtype: str) -> bytes:
+    """encode_tensor_map, remembered: a repeated call on the same buffers (a training loop's
+    preallocated activations, a benchmark) skips the driver call. The map holds only the address,
+    shape and strides, so a reused address with the same shape is the same map."""
+    return encode_tensor_map(ptr, shape, strides, dtype, box_rows)
+
+
 # ---------------------------------------------------------------------------------------------
-# A direct launch (GPU), for the tests and benchmarks: the planner does not select fwd_ws yet.
+# A direct launch (GPU), for the tests: the kernel alone, without the planner.
 
 _LOG2E = 1.4426950408889634
 
