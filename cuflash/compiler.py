@@ -76,19 +76,10 @@ class _NVRTC:
         if not self._warm:
             with self._first:
                 if not self._warm:
-                    result = self._compile_reported(source, name, options)
+                    result = self._compile(source, name, options)
                     self._warm = True
                     return result
-        return self._compile_reported(source, name, options)
-
-    def _compile_reported(self, source, name, options):
-        """_compile, once more when a successful compile asked for ptxas's report and its log
-        came back without one (NVRTC 13.0 on an H200 machine did so for about one compile in
-        fifty, with an identical cubin): the report is what the spill checks read."""
-        result = self._compile(source, name, options)
-        if result[0] and "--ptxas-options=-v" in options and "Used " not in result[2]:
-            result = self._compile(source, name, options)
-        return result
+        return self._compile(source, name, options)
 
     def _compile(self, source, name, options):
         ct = self.ct
@@ -131,7 +122,16 @@ class Resources:
     static_smem: int
 
 
-def parse_resources(log: str) -> Resources:
+def parse_resources(log: str, name: str = "") -> Resources:
+    """ptxas's report in an NVRTC log: of entry function ``name`` when given (a log can hold
+    another kernel's report too, see compile_source)."""
+    if name:
+        start = log.find(f"entry function '{name}'")
+        if start < 0:
+            raise ValueError(f"no ptxas resource report for {name} in the NVRTC log:\n{log}")
+        end = log.find("Compiling entry function", start + 1)
+        log = log[start:end if end >= 0 else len(log)]
+
     def grab(pattern, default=0):
         m = re.search(pattern, log)
         return int(m.group(1)) if m else default
@@ -146,18 +146,26 @@ def parse_resources(log: str) -> Resources:
 class Compiled:
     cubin: bytes
     log: str
+    name: str = ""
 
     @property
     def resources(self) -> Resources:
-        return parse_resources(self.log)
+        return parse_resources(self.log, self.name)
 
 
 def compile_source(source: str, name: str, arch: int | str) -> Compiled:
     """Compile CUDA C++ to a cubin for sm_<arch> (e.g. 90 or "90a") with NVRTC. Needs no GPU."""
-    ok, cubin, log = _nvrtc().compile(source, f"{name}.cu", [f"-arch=sm_{arch}", *NVRTC_OPTIONS])
-    if not ok:
-        raise RuntimeError(f"NVRTC failed to compile {name} for sm_{arch}:\n{log}")
-    return Compiled(cubin, log)
+    for _ in range(3):
+        ok, cubin, log = _nvrtc().compile(source, f"{name}.cu", [f"-arch=sm_{arch}", *NVRTC_OPTIONS])
+        if not ok:
+            raise RuntimeError(f"NVRTC failed to compile {name} for sm_{arch}:\n{log}")
+        # Compiles running at once in one process can misplace ptxas's reports (NVRTC 13.0 on
+        # the 16-core GPU machine gave one compile an empty log and another both reports): the
+        # cubin is right either way, Compiled.resources reads the report by kernel name, and a
+        # compile whose log holds no report at all runs again.
+        if "entry function" in log:
+            break
+    return Compiled(cubin, log, name)
 
 
 def compile_variant(variant: Variant) -> Compiled:
