@@ -159,10 +159,10 @@ def compile_source(source: str, name: str, arch: int | str) -> Compiled:
         ok, cubin, log = _nvrtc().compile(source, f"{name}.cu", [f"-arch=sm_{arch}", *NVRTC_OPTIONS])
         if not ok:
             raise RuntimeError(f"NVRTC failed to compile {name} for sm_{arch}:\n{log}")
-        # Compiles running at once in one process can misplace ptxas's reports (NVRTC 13.0 on
-        # the 16-core GPU machine gave one compile an empty log and another both reports): the
-        # cubin is right either way, Compiled.resources reads the report by kernel name, and a
-        # compile whose log holds no report at all runs again.
+        # Compiles running at once in one process can lose ptxas's report (NVRTC 13.0 on the
+        # 16-core GPU machine returned an empty log for one compile of a parallel batch, with a
+        # good cubin): such a compile runs again, and Compiled.resources reads the report of
+        # its own kernel by name in case a log holds more than one.
         if "entry function" in log:
             break
     return Compiled(cubin, log, name)
