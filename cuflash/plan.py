@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -20,6 +21,9 @@ from .kernels.fwd import (DECODE_BLOCK_M, DECODE_MAX_ROWS, DECODE_WARPS, SPLIT_B
 DECODE_WIDE_SPLITS = 16  # more splits than this need four K/V tiles each (the merge's cost)
 MAX_SPLITS = 128
 MAX_GRID_X, MAX_GRID_YZ = 2**31 - 1, 65535  # CUDA's grid limits
+# The warp-specialised forward (kernels/fwd_ws.py) where it applies; CUFLASH_FWD_WS=0 keeps the
+# wgmma kernel instead (to compare the two, or to rule one out).
+FWD_WS = os.environ.get("CUFLASH_FWD_WS", "1") != "0"
 
 
 def check_grids(launches) -> None:
@@ -324,6 +328,8 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
 
 def _fwd_ws_blocker(p: Problem, even: bool, bucket: int, local: bool, pack: bool) -> str:
     """Why the warp-specialised forward (kernels/fwd_ws.py) cannot run ``p`` on sm_90, or ""."""
+    if not FWD_WS:
+        return "CUFLASH_FWD_WS=0 turned it off"
     if pack:
         return "query heads packed as rows (seqlen_q=1 with GQA) do not form the TMA's (seqlen, head) boxes"
     if bucket not in fwd_ws.HEAD_DIMS or not even:

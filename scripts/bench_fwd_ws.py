@@ -1,12 +1,13 @@
-"""Time the warp-specialised forward (cuflash.kernels.fwd_ws, not planned yet) against the
-planned forward (the wgmma kernel on sm_90) and SDPA's cuDNN backend, on an H100/H200, after
-checking that its output matches the planned forward's.
+"""Time the warp-specialised forward (cuflash.kernels.fwd_ws) against the wgmma kernel it
+replaced (planned with CUFLASH_FWD_WS's switch off) and SDPA's cuDNN backend, on an H100/H200,
+after checking that its output matches the wgmma kernel's.
 
     python scripts/bench_fwd_ws.py [--quick]
 
 Prints one line per shape: TFLOP/s of each and fwd_ws's ratio to both. Model dim 2048, bf16.
 """
 import argparse
+import contextlib
 import math
 
 from cuflash import bench
@@ -19,6 +20,19 @@ def main():
     a = ap.parse_args()
     torch = bench._torch()
     import cuflash
+    from cuflash import api, plan
+
+    @contextlib.contextmanager
+    def wgmma_planned():
+        """The planner's fwd_ws switch off inside (plans made then are dropped on both sides)."""
+        def switch(on):
+            plan.FWD_WS = on
+            plan.make_plan.cache_clear(), api._plans.clear(), api._repeats.clear()
+        switch(False)
+        try:
+            yield
+        finally:
+            switch(True)
     shapes = ((8, 2048),) if a.quick else ((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384))
     print(f"{'d':>4} {'causal':>6} {'b':>3} {'s':>6} | {'fwd_ws':>7} {'wgmma':>7} {'cuDNN':>7} TF/s | "
           f"{'x wgmma':>7} {'x cuDNN':>7} | max |diff|")
@@ -29,12 +43,14 @@ def main():
                 shp = (b, s, h, d)
                 sets = bench._make_sets(torch, (shp, shp, shp), torch.bfloat16, extra_bytes=math.prod(shp) * 2)
                 q, k, v = sets[0]
-                diff = (fwd_ws.run(q, k, v, causal=causal).float()
-                        - cuflash.attention(q, k, v, causal=causal).float()).abs().max().item()
+                with wgmma_planned():
+                    base = cuflash.attention(q, k, v, causal=causal)
+                    planned = bench.time_cuda(lambda q, k, v: cuflash.attention(q, k, v, causal=causal), sets, 5, 30)
+                diff = (fwd_ws.run(q, k, v, causal=causal).float() - base.float()).abs().max().item()
                 flops = 4 * b * s * s * h * d / (2 if causal else 1)
                 tf = lambda ms: flops / ms / 1e9 if ms else float("nan")  # noqa: E731
                 ws = tf(bench.time_cuda(lambda q, k, v: fwd_ws.run(q, k, v, causal=causal), sets, 5, 30))
-                planned = tf(bench.time_cuda(lambda q, k, v: cuflash.attention(q, k, v, causal=causal), sets, 5, 30))
+                planned = tf(planned)
                 sets_t = [tuple(t.transpose(1, 2) for t in x) for x in sets]
                 cudnn = tf(bench._time_sdpa(torch, "CUDNN_ATTENTION", sets_t, causal, False, 5, 30))
                 print(f"{d:>4} {causal!s:>6} {b:>3} {s:>6} | {ws:7.1f} {planned:7.1f} {cudnn:7.1f}      | "
