@@ -56,6 +56,12 @@ class FwdWsVariant(KernelVariant):
     block_m: int = BLOCK_M
     block_n: int = BLOCK_N
     stages: int = STAGES
+    # FlashAttention-3's schedules (BENCHMARKS.md, steps 2 and 3): ``overlap`` issues each tile's
+    # S = QK^T with the previous tile's P V and runs the softmax while P V is in flight;
+    # ``pingpong`` makes the two consumer warpgroups take turns issuing their products (named
+    # barriers), so one's softmax runs while the other's products use the tensor cores.
+    overlap: bool = False
+    pingpong: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -65,8 +71,12 @@ class FwdWsVariant(KernelVariant):
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if not isinstance(self.causal, bool):
-            raise ValueError(f"causal must be a bool, got {self.causal!r}")
+        for f in ("causal", "overlap", "pingpong"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"{f} must be a bool, got {getattr(self, f)!r}")
+        if self.pingpong and self.block_m != 128:
+            raise ValueError(f"pingpong takes turns between two consumer warpgroups: block_m must be 128, "
+                             f"got {self.block_m}")
         for f in ("block_m", "block_n", "stages"):
             if not isinstance(getattr(self, f), int) or isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be an int, got {getattr(self, f)!r}")
@@ -79,8 +89,9 @@ class FwdWsVariant(KernelVariant):
     @functools.cached_property
     def name(self) -> str:
         mask = "causal" if self.causal else "full"
+        sched = ("_overlap" if self.overlap else "") + ("_pingpong" if self.pingpong else "")
         return (f"fwd_ws_d{self.head_dim}_{self.dtype}_{mask}"
-                f"_m{self.block_m}n{self.block_n}s{self.stages}_sm{self.arch}")
+                f"_m{self.block_m}n{self.block_n}s{self.stages}{sched}_sm{self.arch}")
 
     @property
     def template(self) -> str:
@@ -108,7 +119,8 @@ class FwdWsVariant(KernelVariant):
 
     def constants(self) -> dict:
         return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, stages=self.stages,
-                    causal=self.causal, bf16=self.dtype == "bf16", producer_regs=PRODUCER_REGS,
+                    causal=self.causal, bf16=self.dtype == "bf16", overlap=self.overlap, pingpong=self.pingpong,
+                    producer_regs=PRODUCER_REGS,
                     consumer_regs=CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES)
 
 
@@ -220,11 +232,12 @@ def tensor_map(ptr: int, shape: tuple, strides: tuple, box_rows: int, dtype: str
 _LOG2E = 1.4426950408889634
 
 
-def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, out=None, return_lse: bool = False):
+def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, out=None, return_lse: bool = False,
+        **variant):
     """Attention with the fwd_ws kernel on (batch, seqlen, heads, d) CUDA arrays (PyTorch or
     CuPy) of fp16/bf16, d 64 or 128, nheads a multiple of k's heads. Returns out, or (out, lse)
-    with lse (batch, nheads, seqlen_q) fp32. Minimal checks: this is a test entry point, not the
-    public API."""
+    with lse (batch, nheads, seqlen_q) fp32. ``variant``: FwdWsVariant fields (block_n, overlap,
+    pingpong, ...). Minimal checks: this is a test entry point, not the public API."""
     from .. import arrays, compiler
     qv, kv, vv = arrays.view(q, "q"), arrays.view(k, "k"), arrays.view(v, "v")
     dtype = arrays.DTYPE_NAMES.get(qv.dtype)
@@ -243,7 +256,7 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, ou
         raise ValueError("out must be like q, 16-byte aligned rows")
     lse = arrays.empty_like_framework(qv, (b, h, sq), "float32") if return_lse else None
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    variant = FwdWsVariant(head_dim=d, dtype=dtype, causal=bool(causal), arch=90)
+    variant = FwdWsVariant(head_dim=d, dtype=dtype, causal=bool(causal), arch=90, **variant)
     with arrays.on_device(qv.device):
         kernel = compiler.get_kernel(variant, qv.device)
         kernel(variant.grid(b, sq, h), (variant.threads,), arrays.stream_for(qv), shared_mem=variant.smem_bytes,

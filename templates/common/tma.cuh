@@ -127,6 +127,18 @@ __device__ __forceinline__ void named_bar_arrive() {
   asm volatile("bar.arrive %0, %1;" :: "n"(kId), "n"(kThreads) : "memory");
 }
 
+// The same with the barrier id a run-time value (warp-uniform).
+template <int kThreads>
+__device__ __forceinline__ void named_bar_sync_at(int id) {
+  static_assert(kThreads % 32 == 0, "whole warps");
+  asm volatile("bar.sync %0, %1;" :: "r"(id), "n"(kThreads) : "memory");
+}
+template <int kThreads>
+__device__ __forceinline__ void named_bar_arrive_at(int id) {
+  static_assert(kThreads % 32 == 0, "whole warps");
+  asm volatile("bar.arrive %0, %1;" :: "r"(id), "n"(kThreads) : "memory");
+}
+
 // True in one lane of the (fully active) warp, the same lane every time.
 __device__ __forceinline__ bool elect_one() {
   u32 elected;
