@@ -151,7 +151,7 @@ def _builders(s):
         ("sliding_window", True, masks.sliding_window(s, 37)),
         ("document", False, masks.document([s // 3, s - s // 3 - 5, 5])),
         ("causal_document", True, masks.causal_document([s // 4, s // 2, s - s // 4 - s // 2])),
-        ("share_question", True, masks.share_question([[s // 4, s // 8, s // 8], [s // 4, s - 3 * (s // 4)]])),
+        ("share_question", True, masks.share_question([[s // 4, s // 8, s // 8], [s // 4, s - 2 * (s // 4) - 2 * (s // 8)]])),
         ("prefix_lm_causal", False, masks.prefix_lm_causal(s, s // 3)),
         ("prefix_lm_document", False, masks.prefix_lm_document([(s // 2, s // 5), (s - s // 2, 7)])),
         ("global_sliding_window", False, masks.global_sliding_window(s, 9, 40)),
