@@ -226,3 +226,65 @@ def test_gpu_unequal_lengths(rng, sq, sk):
     cuflash.attention(q, k, v, causal=True, out=out, startend_row_indices=torch.from_numpy(x).cuda())
     ok, err, bound = check_close(to_np(out), to_np(q), to_np(k), to_np(v), causal=True, startend_row_indices=x)
     assert ok, f"max error {err:.3g} exceeds bound {bound:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel's rule on the host: prep's per-block min/max, flashmask_class and apply_flashmask
+# (templates/flashmask/prep.cu.j2, templates/common/flashmask.cuh) written out in NumPy give the
+# dense mask of the intervals exactly, tile by tile
+
+def _kernel_mask(x, sq, causal, bm, bn):
+    """The interval mask (batch, heads, sq, sk) as the kernel applies it: a skipped tile is all
+    masked, a plain one all visible, a masked one element by element."""
+    b, h, sk, n = x.shape
+    x = x.astype(np.int64)
+    out = np.zeros((b, h, sq, sk), bool)
+    i = np.arange(sq)[:, None]
+
+    def element(cols):  # mask of rows i against columns cols (.., k, n)
+        a = [cols[..., c][:, :, None, :] for c in range(n)]
+        if causal:
+            return (i >= a[0]) & (True if n == 1 else i < a[1])
+        if n == 2:
+            return (i >= a[0]) | (i < a[1])
+        return ((i >= a[0]) & (i < a[1])) | ((i >= a[2]) & (i < a[3]))
+
+    dense = element(x)
+    for nb in range(-(-sk // bn)):
+        blk = x[:, :, nb * bn:(nb + 1) * bn]
+        mn, mx = blk.min(axis=2), blk.max(axis=2)  # (b, h, n)
+        for m0 in range(0, sq, bm):
+            r0, r1 = m0, min(m0 + bm, sq)
+            full = np.zeros((b, h), bool)
+            part = np.zeros((b, h), bool)
+
+            def interval(s_min, s_max, e_min, e_max):
+                nonlocal full, part
+                full = full | ((r0 >= s_max) & (r1 <= e_min))
+                part = part | ((r0 < e_max) & (r1 > s_min))
+            if causal and n == 1:
+                interval(mn[..., 0], mx[..., 0], sq, sq)
+            elif causal or n == 4:
+                interval(mn[..., 0], mx[..., 0], mn[..., 1], mx[..., 1])
+                if n == 4:
+                    interval(mn[..., 2], mx[..., 2], mn[..., 3], mx[..., 3])
+            else:
+                interval(mn[..., 0], mx[..., 0], sq, sq)
+                interval(0, 0, mn[..., 1], mx[..., 1])
+            tile = (slice(None), slice(None), slice(r0, r1), slice(nb * bn, (nb + 1) * bn))
+            elem = dense[tile]
+            out[tile] = np.where(full[:, :, None, None], True, np.where(part[:, :, None, None], elem, False))
+    return out
+
+
+@pytest.mark.parametrize("bm, bn", [(128, 64), (64, 32), (128, 128), (16, 64)])
+@pytest.mark.parametrize("name, causal, x", _builders(300) + [("random", True, np.random.default_rng(2).integers(
+    0, 301, (1, 1, 300, 1)).astype(np.int32))], ids=lambda a: a if isinstance(a, str) else None)
+def test_kernel_rule_is_exact(name, causal, x, bm, bn):
+    want = masks.to_dense(x, 300, False) if not causal else None
+    if causal:  # the intervals alone (the causal mask is apply_mask's)
+        want = np.zeros((1, 1, 300, 300), bool)
+        for s, e in masks.intervals(x, 300, True):
+            i = np.arange(300)[:, None]
+            want |= (i >= s[:, :, None, :]) & (i < e[:, :, None, :])
+    np.testing.assert_array_equal(_kernel_mask(x, 300, causal, bm, bn), want)
