@@ -337,12 +337,12 @@ def _flashmask_plan(p: Problem, dev: DeviceFacts) -> Plan:
     its rows are query positions) skips, masks or runs each tile plain."""
     for bad, what in ((p.window != (-1, -1), f"window_size={p.window}"), (p.alibi, "alibi_slopes"),
                       (p.num_splits > 1, f"num_splits={p.num_splits}"), (p.kv != "dense", "a KV cache"),
-                      (p.varlen, "varlen (packed) sequences"), (p.deterministic, "deterministic")):
+                      (p.varlen, "varlen (packed) sequences")):
         if bad:
             raise ValueError(f"startend_row_indices (FlashMask) cannot be combined with {what}")
     bucket = head_dim_bucket(p.head_dim)
     even = p.head_dim == bucket
-    bm, bn, warps, stages, mma = flashmask_tile(bucket, even, dev.arch, p.softcap)
+    bm, bn, warps, stages, mma = flashmask_tile(bucket, even, dev.arch)
     v = FwdVariant(kind="fwd", head_dim=bucket, dtype=p.dtype, causal=p.causal, even_head_dim=even, block_m=bm,
                    block_n=bn, warps=warps, arch=dev.arch, stages=stages, softcap=p.softcap, mma=mma,
                    flashmask=p.flashmask)

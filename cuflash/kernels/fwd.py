@@ -239,7 +239,7 @@ def variants(arch: int, mods: bool = True) -> list[FwdVariant]:
     return out
 
 
-def flashmask_tile(bucket: int, even: bool, arch: int, softcap: bool = False) -> tuple[int, int, int, int, str]:
+def flashmask_tile(bucket: int, even: bool, arch: int) -> tuple[int, int, int, int, str]:
     """The FlashMask kernel's tile: the standard kernel's tile for dense K/V, where the per-column
     bounds and the tile's class (skip, mask, plain) need registers as a score modifier does."""
     return fwd_tile(bucket, even, arch, "dense", True)
@@ -254,7 +254,7 @@ def flashmask_variants(arch: int) -> list[FwdVariant]:
             for causal, ns in ((False, (2, 4)), (True, (1, 2))):
                 for softcap in (False, True):
                     for even in (False, True):
-                        bm, bn, w, st, mma = flashmask_tile(bucket, even, arch, softcap)
+                        bm, bn, w, st, mma = flashmask_tile(bucket, even, arch)
                         for n in ns:
                             out.append(FwdVariant(kind="fwd", head_dim=bucket, dtype=dtype, causal=causal,
                                                   softcap=softcap, even_head_dim=even, block_m=bm, block_n=bn,
