@@ -45,7 +45,7 @@ def _current_device() -> int:
 # Entry point
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None,
-              num_splits=0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+              num_splits=0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, startend_row_indices=None):
     """Scaled dot-product attention with flash-attn's ``flash_attn_func`` semantics.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim), float16
@@ -60,9 +60,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     (-1 = unbounded; causal sets right = 0). ``softcap > 0``: scores become
     softcap * tanh(score / softcap). ``alibi_slopes``: float32 (nheads,) or (batch, nheads),
     adding -slope * |i + sk - sq - j| to the scores.
+    ``startend_row_indices``: a FlashMask mask (cuflash.masks), int32 (batch, 1 or nheads_k or
+    nheads, seqlen_k, n) in q's framework and on its device (NumPy with NumPy q); not with a
+    window, ALiBi or num_splits > 1.
     """
-    sig = _signature(q, k, v, out, causal, softmax_scale, return_lse, num_splits, window_size, softcap,
-                     alibi_slopes)
+    sig = None if startend_row_indices is not None else _signature(
+        q, k, v, out, causal, softmax_scale, return_lse, num_splits, window_size, softcap, alibi_slopes)
     if sig is not None:
         try:
             repeat = _repeats.get(sig)
@@ -83,6 +86,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     causal = validate.boolean(causal, "causal")
     return_lse = validate.boolean(return_lse, "return_lse")
     mods = validate.mods(window_size, softcap, alibi_slopes, qv.shape[0], qv.shape[2], qv, scale)
+    fm = None
+    if startend_row_indices is not None:
+        fm = _flashmask(startend_row_indices, qv, kv, causal, num_splits, mods)
 
     if qv.device < 0:  # NumPy in, NumPy out: compute on the current GPU
         dev = _current_device()
@@ -90,10 +96,27 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
         res = attention(dev_array(qv), dev_array(kv), dev_array(vv), causal=causal,
                         softmax_scale=scale, return_lse=return_lse, num_splits=num_splits,
                         window_size=mods[0], softcap=mods[1],
-                        alibi_slopes=None if mods[2] is None else dev_array(mods[2]))
+                        alibi_slopes=None if mods[2] is None else dev_array(mods[2]),
+                        startend_row_indices=None if fm is None else dev_array(fm))
         return _host_result(res, qv, out, return_lse)
 
-    return _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mods, sig)
+    return _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mods, sig, fm)
+
+
+def _flashmask(indices, qv, kv, causal, num_splits, mods):
+    """The view of ``startend_row_indices`` after its checks; the options it cannot be combined
+    with are named first."""
+    window, _, alibi, _ = mods
+    for bad, what in ((tuple(window) != (-1, -1), f"window_size={tuple(window)}"),
+                      (alibi is not None, "alibi_slopes"), (num_splits > 1, f"num_splits={num_splits}")):
+        if bad:
+            raise ValueError(f"startend_row_indices cannot be combined with {what}"
+                             + (": build the window into the indices (cuflash.masks.sliding_window)"
+                                if what.startswith("window") else ""))
+    fm = validate.check_startend_row_indices(indices, qv.shape[0], qv.shape[2], qv.shape[1], kv.shape[1], causal,
+                                             nheads_k=kv.shape[2])
+    validate.same_place(("q", qv), ("startend_row_indices", fm))
+    return fm
 
 
 def _host_result(res, qv, out, return_lse):
@@ -130,7 +153,7 @@ def _result(o_view, given_out, lse_arr, qv, return_lse):
     return (o, arrays.hand_back(lse_arr, qv)) if return_lse else o
 
 
-def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mods, sig=None):
+def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mods, sig=None, fm=None):
     b, sq, h, d = qv.shape
     sk, hk = kv.shape[1], kv.shape[2]
     o_view, lse_arr = _outputs(qv, ov, return_lse)
@@ -150,7 +173,7 @@ def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mod
     problem = (b, sq, sk, h, hk, d_pad, arrays.DTYPE_NAMES[qv.dtype], causal, return_lse, num_splits,
                window, cap > 0, alibi is not None)
     recipe = _launch(problem, qv, *qk, kernel_out, lse_arr, scale, softcap=cap,
-                     alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0))
+                     alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0), fm=fm)
     if not direct_out:
         o_view.array[...] = kernel_out.array[..., :d]
     elif sig is not None and all(in_place):  # read in place: the next such call can skip to here
@@ -233,28 +256,35 @@ def _current_device_id() -> int:
 _plans: dict = {}
 
 
-def _plan_for(fields: tuple, device: int, kv: str = "dense", varlen: bool = False):
-    """The plan of a call, cached on the call's fields (so a repeated shape builds no Problem)."""
-    key = (fields, device, kv, varlen)
+def _plan_for(fields: tuple, device: int, kv: str = "dense", varlen: bool = False, flashmask=(0, 0)):
+    """The plan of a call, cached on the call's fields (so a repeated shape builds no Problem);
+    ``flashmask`` is (bound columns, heads) of startend_row_indices, or (0, 0)."""
+    key = (fields, device, kv, varlen, flashmask)
     plan = _plans.get(key)
     if plan is None:
         (b, sq, sk, h, hk, d, dtype, causal, return_lse, num_splits, window, softcap, alibi) = fields
         problem = Problem(b, sq, sk, h, hk, d, dtype, causal, return_lse, num_splits, kv=kv,
-                          window=window, softcap=softcap, alibi=alibi, varlen=varlen)
+                          window=window, softcap=softcap, alibi=alibi, varlen=varlen, flashmask=flashmask[0],
+                          flashmask_heads=flashmask[1])
         if len(_plans) > 4096:
             _plans.clear()
         plan = _plans[key] = make_plan(problem, device_facts(device))
     return plan
 
 
-def _launch(problem, like, q, k, v, o, lse_arr, scale, kv="dense", varlen_kv=False, **extra):
+def _launch(problem, like, q, k, v, o, lse_arr, scale, kv="dense", varlen_kv=False, fm=None, **extra):
     """Plan ``problem`` (the tuple of Problem's first fields, see _plan_for) and launch it on
     ``like``'s stream; ``extra`` goes to launch.prepare (cache, softcap, ALiBi and varlen
-    arguments). Returns the prepared launch (its Recipe)."""
-    plan = _plan_for(problem, like.device, kv, varlen_kv)
+    arguments); ``fm`` is the view of FlashMask's startend_row_indices or None. Returns the
+    prepared launch (its Recipe)."""
+    plan = _plan_for(problem, like.device, kv, varlen_kv, (fm.shape[3], fm.shape[1]) if fm is not None else (0, 0))
     dev = like.device
     stream = arrays.stream_for(like)
     lse_ptr = arrays.device_ptr(lse_arr) if lse_arr is not None else 0
+    fm_ws = None  # the prep kernel's per-key-block bounds, held until the launches are queued
+    if fm is not None:
+        fm_ws = arrays.empty_like_framework(like, (max(plan.workspace_bytes // 4, 1),), "int32")
+        extra["flashmask"] = (fm.ptr, fm.strides, fm.shape[1], arrays.device_ptr(fm_ws))
     with arrays.on_device(dev):
         recipe = launch.prepare(plan, q, k, v, o, scale, dev, **extra)
         workspace, held = launch.workspace(  # a per-call workspace is held until its kernels are queued
@@ -472,10 +502,11 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     ``alibi_slopes`` (an array, a shape tuple, or True) are those of :func:`attention`.
 
     ``startend_row_indices`` (FlashMask, cuflash.masks: an int32 array or a shape tuple) is
-    checked and the reason gains a sentence on the tiles a FlashMask kernel would skip, mask and
-    leave unmasked (counted from the values when they are a NumPy array; a shape or a device
-    array gives the tile count only). The kernels do not run FlashMask yet: the plan's launches
-    are those of the call without it, and cuflash.attention does not take the argument.
+    checked; the forward plan is the FlashMask one (the prep kernel and the standard kernel with
+    the mask) and the reason gains a sentence on the tiles the kernel skips, masks and leaves
+    unmasked (counted from the values when they are a NumPy array; a shape or a device array
+    gives the tile count only). The backward does not run FlashMask yet: with backward=True the
+    launches are those of the call without it.
     """
     dtype = validate.dtype_name(dtype)
     qv, kv, vv = _plan_operands(q, k, v, dtype)
@@ -496,6 +527,10 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
         fm = startend_row_indices
         if isinstance(fm, (tuple, list)):
             fm = validate.Shape(fm, "int32", "startend_row_indices")
+        if not backward:
+            for bad, what in ((alibi is not None, "alibi_slopes"), (num_splits > 1, f"num_splits={num_splits}")):
+                if bad:
+                    raise ValueError(f"startend_row_indices cannot be combined with {what}")
         fm = validate.check_startend_row_indices(fm, b, h, sq, kv.shape[1], causal, nheads_k=kv.shape[2],
                                                  window=window)
         validate.same_place(("q", qv), ("startend_row_indices", fm))
@@ -508,7 +543,9 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     problem = Problem(b, sq, kv.shape[1], h, kv.shape[2], -(-d // 8) * 8,
                       arrays.DTYPE_NAMES[qv.dtype], causal, return_lse, num_splits,
                       heuristic, window=window, softcap=cap > 0, alibi=alibi is not None,
-                      deterministic=deterministic)
+                      deterministic=deterministic,
+                      flashmask=fm.shape[3] if fm is not None and not backward else 0,
+                      flashmask_heads=fm.shape[1] if fm is not None and not backward else 0)
     result = empty_plan(problem, facts) or (make_backward_plan if backward else make_plan)(problem, facts)
     if fm is not None:
         result = with_flashmask(result, fm.shape, fm.array if fm.framework == "numpy" else None)

@@ -162,17 +162,20 @@ class Recipe(NamedTuple):
     ws_lse: int                # where the partial LSEs start
     early: bool                # launch with programmatic stream serialisation (see EARLY_LAUNCH)
     maps: tuple | None = None  # fwd_ws: what its tensor maps need besides the pointers (see fire)
+    prep: tuple | None = None  # FlashMask: (prep kernel, grid, block, its fields by name), launched first
 
 
 def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_CACHE,
             seqlen_k: int | None = None, page_size: int = 0, softcap: float = 0.0, alibi=(0, 0),
-            varlen=None) -> Recipe:
+            varlen=None, flashmask=None) -> Recipe:
     """The launch arguments of ``plan`` for views q, k, v, o (their strides; pointers are given
     to ``fire``). For a KV cache, ``cache`` holds the (seqlens_k, kv_batch_idx, block_table)
     pointers and the block table's row stride, and ``seqlen_k`` is added to each seqlens_k entry
     (or is the key count without one). ``alibi`` is (slopes pointer, batch stride of the slopes);
     ``varlen`` is (cu_seqlens_q pointer, cu_seqlens_k pointer, total_q) for packed sequences,
-    whose views then have token strides as batch strides."""
+    whose views then have token strides as batch strides. ``flashmask`` is (startend_row_indices
+    pointer, its four element strides, its head count, pointer of an int32 workspace of
+    plan.workspace_bytes) for a FlashMask plan; the Recipe then holds these pointers."""
     p = plan.problem
     if plan.launches[0].variant.kind == "fwd_ws":
         if all(fwd_ws.tma_readable(x) for x in (q, k, v)):
@@ -191,16 +194,35 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
         **stride_values("q", _strides(q, plan.pack_gqa, ngroups)), **stride_values("k", _strides(k, False, 1)),
         **stride_values("v", _strides(v, False, 1)), **o_strides, **scalars,
         seqlens_k=seqlens_ptr, kv_batch_idx=batch_idx_ptr, block_table=table_ptr, cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k, alibi_slopes=alibi[0])
+        cu_seqlens_k=cu_k, alibi_slopes=alibi[0], **_flashmask_fields(plan, flashmask))
     split = not (plan.num_splits == 1 and main.variant.kind == "fwd")
     rows = p.batch * plan.nheads_eff * plan.seqlen_q_eff
     n_o = plan.num_splits * rows * main.variant.head_dim if split else 0
     early = EARLY_LAUNCH and main.variant.arch >= 90
     alone = early and math.prod(main.grid) <= plan.device.num_sms  # one wave: keep a block per SM
     smem = main.variant.smem_limit if alone else main.smem
+    prep = None
+    if main.variant.flashmask:
+        ptr, st, heads, ws = flashmask
+        pl = plan.launches[1]
+        prep = (compiler.get_kernel(pl.variant, device), pl.grid, (pl.threads,),
+                dict(idx=ptr, idx_sb=st[0], idx_sh=st[1], idx_ss=st[2], idx_sc=st[3], out=ws,
+                     seqlen_k=p.seqlen_k, block_n=main.variant.block_n, heads=heads))
     return Recipe(plan, kernel, (*main.grid, 1, 1)[:3], (main.threads, 1, 1), smem,
                   values[fwd.DATA_HEAD:-fwd.DATA_TAIL], split, dict(combine, **o_strides, cu_seqlens_q=cu_q),
-                  main.grid[0] * main.grid[1] * p.batch, n_o + plan.num_splits * rows if split else 0, n_o, early)
+                  main.grid[0] * main.grid[1] * p.batch, n_o + plan.num_splits * rows if split else 0, n_o, early,
+                  prep=prep)
+
+
+def _flashmask_fields(plan: Plan, flashmask) -> dict:
+    """The FlashMask fields of the forward's struct (none for other variants)."""
+    if not plan.launches[0].variant.flashmask:
+        return {}
+    if flashmask is None:
+        raise ValueError(f"{plan.launches[0].name} needs startend_row_indices (prepare's flashmask=)")
+    ptr, st, heads, ws = flashmask
+    return dict(fm_idx=ptr, fm_sb=st[0], fm_sh=st[1], fm_ss=st[2], fm_sc=st[3],
+                fm_hdiv=plan.problem.nheads // heads, fm_heads=heads, fm_blocks=ws)
 
 
 def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int) -> Recipe:
@@ -232,6 +254,9 @@ def fire(r: Recipe, device: int, stream: int, q: int, k: int, v: int, o: int, ls
                         (fwd_ws.tensor_map(q, *mq, dtype), fwd_ws.tensor_map(k, *mk, dtype),
                          fwd_ws.tensor_map(v, *mv, dtype), o, lse, *r.mid), r.early)
         return
+    if r.prep is not None and r.prep[1][0] > 0:  # no key block: nothing to reduce
+        kernel, grid, block, fields = r.prep
+        kernel(grid, block, stream, **fields)
     if not r.split:
         r.kernel.launch(r.grid, r.block, r.smem, stream, (q, k, v, o, lse, *r.mid, 0, 0, 0), r.early)
         return

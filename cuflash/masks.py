@@ -22,9 +22,11 @@ along axis 0 (np.concatenate) for a batch of different masks. ``to_dense`` gives
 mask, True = masked (the polarity of Paddle's -inf entries, the opposite of the 1 = visible
 pictures in Paddle's documentation).
 
-The kernels do not run FlashMask yet: cuflash.attention does not accept startend_row_indices.
-cuflash.plan counts the tiles they would skip, mask and leave unmasked; cuflash.reference
-applies the mask.
+cuflash.attention(..., startend_row_indices=) runs the mask in the forward kernels (a prep
+kernel reduces the indices per key block; the standard forward skips, masks or runs each tile
+plain); those kernels are compiled offline and their GPU tests have not run yet. The backward,
+varlen and KV-cache paths do not take the indices. cuflash.plan counts the tiles the forward
+skips, masks and leaves unmasked; cuflash.reference applies the mask.
 """
 from __future__ import annotations
 

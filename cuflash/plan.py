@@ -15,8 +15,9 @@ from typing import NamedTuple
 from .kernels import KernelVariant, head_dim_bucket
 from .kernels import bwd, fwd_ws
 from .kernels.combine import CombineVariant
+from .kernels.flashmask import FlashMaskPrepVariant
 from .kernels.fwd import (DECODE_BLOCK_M, DECODE_MAX_ROWS, DECODE_WARPS, SPLIT_BLOCK_M, SPLIT_WARPS, FwdVariant,
-                          decode_tile, fwd_tile, split_block_n, split_tile_n)
+                          decode_tile, flashmask_tile, fwd_tile, split_block_n, split_tile_n)
 
 DECODE_WIDE_SPLITS = 16  # more splits than this need four K/V tiles each (the merge's cost)
 MAX_SPLITS = 128
@@ -65,6 +66,8 @@ class Problem:
     varlen: bool = False   # packed sequences: seqlen_q/seqlen_k are the maxima
     deterministic: bool = False  # backward: dQ without atomics, bitwise repeatable
     tma: bool = True       # q, k, v can be read by the TMA (positive strides; see launch.prepare)
+    flashmask: int = 0     # FlashMask: bound columns per key of startend_row_indices (1, 2 or 4), 0 = none
+    flashmask_heads: int = 0  # heads of startend_row_indices (1, nheads_k or nheads)
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,8 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
     ngroups = p.nheads // p.nheads_k
     why = []
 
+    if p.flashmask:
+        return _flashmask_plan(p, dev)
     window = effective_window(p.causal, p.window, p.seqlen_q, p.seqlen_k)
     causal = window[0] < 0 and window[1] == 0  # FA2: causal is the window (-1, 0)
     local = window != (-1, -1) and not causal
@@ -326,6 +331,42 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                 workspace, table, " ".join(why))
 
 
+def _flashmask_plan(p: Problem, dev: DeviceFacts) -> Plan:
+    """A FlashMask forward: the prep kernel reduces startend_row_indices to each K/V tile's min and
+    max of every bound column, then the standard kernel (never fwd_ws, never split, no GQA packing:
+    its rows are query positions) skips, masks or runs each tile plain."""
+    for bad, what in ((p.window != (-1, -1), f"window_size={p.window}"), (p.alibi, "alibi_slopes"),
+                      (p.num_splits > 1, f"num_splits={p.num_splits}"), (p.kv != "dense", "a KV cache"),
+                      (p.varlen, "varlen (packed) sequences")):
+        if bad:
+            raise ValueError(f"startend_row_indices (FlashMask) cannot be combined with {what}")
+    bucket = head_dim_bucket(p.head_dim)
+    even = p.head_dim == bucket
+    bm, bn, warps, stages, mma = flashmask_tile(bucket, even, dev.arch)
+    v = FwdVariant(kind="fwd", head_dim=bucket, dtype=p.dtype, causal=p.causal, even_head_dim=even, block_m=bm,
+                   block_n=bn, warps=warps, arch=dev.arch, stages=stages, softcap=p.softcap, mma=mma,
+                   flashmask=p.flashmask)
+    prep = FlashMaskPrepVariant(columns=p.flashmask, arch=dev.arch)
+    heads = p.flashmask_heads or 1
+    launches = (Launch(v, (cdiv(p.seqlen_q, bm), p.nheads, p.batch), v.threads, v.smem_bytes),
+                Launch(prep, prep.grid(p.batch, heads, p.seqlen_k, bn), prep.threads, 0))
+    workspace = 4 * prep.workspace_ints(p.batch, heads, p.seqlen_k, bn)
+    why = [f"startend_row_indices (FlashMask, n={p.flashmask}, causal={p.causal}): {prep.name} runs first and "
+           f"writes the min and max of each bound column per block of {bn} keys ({workspace} B); the standard "
+           f"forward kernel (never fwd_ws, never split, no GQA packing) then skips the math of each tile of "
+           f"{bm} x {bn} whose rows are all masked, masks the partly masked ones element by element and runs "
+           "the rest unmasked."]
+    if mma == "wgmma":
+        why.append(f"sm_90: Hopper's warpgroup MMA (wgmma, sm_90a), {warps // 4} warpgroups of 64 query rows.")
+    if p.softcap:
+        why.append("scores are softcapped (softcap * tanh(s / softcap)) in registers.")
+    if p.seqlen_k == 0:
+        why.append("seqlen_k=0: no key is visible, the kernel writes zeros (LSE +inf).")
+    check_grids(launches)
+    return Plan(p, dev, launches, 1, 0, False, p.seqlen_q, p.nheads, p.nheads // p.nheads_k, p.causal, (-1, -1),
+                workspace, (), " ".join(why))
+
+
 def _fwd_ws_blocker(p: Problem, even: bool, bucket: int, local: bool, pack: bool) -> str:
     """Why the warp-specialised forward (kernels/fwd_ws.py) cannot run ``p`` on sm_90, or ""."""
     if not FWD_WS:
@@ -405,7 +446,8 @@ def empty_plan(p: Problem, dev: DeviceFacts) -> Plan | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# FlashMask tiles (cuflash.masks): planned only; no kernel runs startend_row_indices yet.
+# FlashMask tiles (cuflash.masks): the forward's classes (kernels/flashmask.py and
+# templates/common/flashmask.cuh apply the same rule on the device).
 
 SKIPPED, MASKED, UNMASKED = 0, 1, 2
 
@@ -473,8 +515,8 @@ def with_flashmask(plan: Plan, shape: tuple[int, ...], values=None) -> Plan:
     masked and unmasked (:func:`mask_tiles`; indices shared by several query heads count once
     per head)."""
     p = plan.problem
-    later = (" The kernels do not run FlashMask yet (cuflash.attention does not take startend_row_indices): "
-             "the launches above are those of the call without it.")
+    later = (" The backward does not run FlashMask yet: the launches above are those of the call without it."
+             if plan.backward else "")
     if not plan.launches:
         return replace(plan, reason=f"{plan.reason} FlashMask: no tile to classify.{later}")
     v = plan.launches[1 if plan.backward else 0].variant

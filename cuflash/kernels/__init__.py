@@ -6,6 +6,7 @@
 | ``combine.py`` | ``combine/`` | log-sum-exp merge of split-KV partials |
 | ``append.py`` | ``append/`` | KV-cache append (contiguous and paged caches) |
 | ``bwd.py`` | ``bwd/`` | backward: prep (D, LSE), dK/dV(+dQ), deterministic dQ, dQ convert |
+| ``flashmask.py`` | ``flashmask/`` | FlashMask prep: per-key-block min and max of ``startend_row_indices`` |
 | ``fwd_ws.py`` | ``fwd_ws/`` | warp-specialised Hopper forward (TMA + mbarriers + wgmma, sm_90a); compiled and warmed up, not yet selected by the planner |
 
 A family module owns its keyword-only variant classes (the compile-time choices and the variant's
@@ -24,7 +25,7 @@ HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
 DTYPES = ("fp16", "bf16")
 MIN_ARCH = 80  # cp.async and mma.sync with bf16
 MMAS = ("sync", "wgmma")  # warp-level mma.sync, or Hopper's warpgroup wgmma (sm_90a)
-FAMILIES = ("fwd", "combine", "append", "bwd", "fwd_ws")  # all_variants' default: every family
+FAMILIES = ("fwd", "combine", "append", "bwd", "fwd_ws", "flashmask")  # all_variants' default: every family
 
 
 def head_dim_bucket(d: int) -> int:
@@ -101,7 +102,7 @@ class KernelVariant:
 
 def tile_name(kind: str, head_dim: int, dtype: str, *, causal: bool, local: bool, softcap: bool,
               alibi: bool, even_head_dim: bool, mma: str, kv: str, block_m: int, block_n: int,
-              warps: int, stages: int, arch: int) -> str:
+              warps: int, stages: int, arch: int, flashmask: int = 0) -> str:
     """The name of a tiled attention kernel (forward or backward): kind, bucket, dtype, mask,
     score modifiers, column predicates, product, K/V source, tile and arch."""
     mask = "local" if local else ("causal" if causal else "full")
@@ -109,6 +110,7 @@ def tile_name(kind: str, head_dim: int, dtype: str, *, causal: bool, local: bool
     even = "" if even_head_dim else "_dpred"
     layout = "" if mma == "sync" else f"_{mma}"
     source = "" if kv == "dense" else f"_{kv}"
+    mods += f"_fm{flashmask}" if flashmask else ""
     return (f"{kind}_d{head_dim}_{dtype}_{mask}{mods}{even}{layout}{source}"
             f"_m{block_m}n{block_n}w{warps}s{stages}_sm{arch}")
 
@@ -137,6 +139,8 @@ def features(v) -> frozenset:
         f.add("wgmma")
     if kind == "fwd_split":
         f.add("split")
+    if getattr(v, "flashmask", 0):
+        f.add(f"flashmask{v.flashmask}")
     if kind in ("bwd_dkdv", "bwd_dq"):
         f.add("deterministic")
     f.discard("")

@@ -99,6 +99,14 @@ PARAMS = ParamTable("FwdParams", (
 DATA_HEAD, DATA_TAIL = 5, 3
 assert PARAMS.names[:DATA_HEAD] == ("q", "k", "v", "o", "lse")
 assert PARAMS.names[-DATA_TAIL:] == ("o_final", "lse_final", "counters")
+# FlashMask variants (flashmask > 0) take these fields too, before the trailing data pointers:
+# the indices (batch, fm heads, seqlen_k, n) with element strides, query heads per index head,
+# and the prep kernel's per-key-block bounds (kernels/flashmask.py: min and max of each column
+# per (batch, index head, block of kBlockN keys)).
+FLASHMASK_FIELDS = (("fm_idx", "const int*"), *strides("fm", "sb", "sh", "ss", "sc"), ("fm_hdiv", "int"),
+                    ("fm_heads", "int"), ("fm_blocks", "const int*"))
+FLASHMASK_PARAMS = ParamTable("FwdParams", PARAMS.fields[:-DATA_TAIL] + FLASHMASK_FIELDS + PARAMS.fields[-DATA_TAIL:])
+FLASHMASK_NS = (1, 2, 4)  # bound columns per key: 1 or 2 with causal, 2 or 4 without
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +114,6 @@ class FwdVariant(KernelVariant):
     """A forward (``kind="fwd"``) or split-KV forward (``"fwd_split"``) kernel."""
 
     family = "fwd"
-    params = PARAMS
 
     kind: str
     head_dim: int             # bucket, one of HEAD_DIM_BUCKETS
@@ -122,6 +129,7 @@ class FwdVariant(KernelVariant):
     softcap: bool = False     # softcap * tanh(s / softcap) on the scores
     alibi: bool = False       # ALiBi bias -slope * |i + sk - sq - j|
     mma: str = "sync"         # products: warp-level mma.sync, or Hopper's warpgroup wgmma (sm_90a)
+    flashmask: int = 0        # FlashMask bound columns per key (cuflash.masks), 0 = none
 
     def __post_init__(self):
         super().__post_init__()
@@ -140,13 +148,23 @@ class FwdVariant(KernelVariant):
             raise ValueError("a wgmma forward variant is a standard kernel (kind 'fwd') for sm_90 with a head-dim "
                              "bucket that is a multiple of 64, 64 query rows per warpgroup (block_m = 16 * warps, "
                              f"warps a multiple of 4) and at least two K/V stages; got {self}")
+        if self.flashmask and not (self.flashmask in (1, 2) if self.causal else self.flashmask in (2, 4)):
+            raise ValueError(f"flashmask must be 0, or 1 or 2 with causal, 2 or 4 without; got {self.flashmask} "
+                             f"with causal={self.causal}")
+        if self.flashmask and (self.kind != "fwd" or self.kv != "dense" or self.local or self.alibi or self.decode):
+            raise ValueError("a FlashMask variant is a standard kernel (kind 'fwd', not the decode tile) over dense "
+                             f"K/V with no window and no ALiBi; got {self}")
+
+    @property
+    def params(self) -> ParamTable:
+        return FLASHMASK_PARAMS if self.flashmask else PARAMS
 
     @functools.cached_property
     def name(self) -> str:
         return tile_name(self.kind, self.head_dim, self.dtype, causal=self.causal, local=self.local,
                          softcap=self.softcap, alibi=self.alibi, even_head_dim=self.even_head_dim,
                          mma=self.mma, kv=self.kv, block_m=self.block_m, block_n=self.block_n,
-                         warps=self.warps, stages=self.stages, arch=self.arch)
+                         warps=self.warps, stages=self.stages, arch=self.arch, flashmask=self.flashmask)
 
     @property
     def template(self) -> str:
@@ -185,7 +203,7 @@ class FwdVariant(KernelVariant):
                     stages=self.stages, causal=self.causal, local=self.local, softcap=self.softcap,
                     alibi=self.alibi, split=self.kind == "fwd_split", bf16=self.dtype == "bf16",
                     even_head_dim=self.even_head_dim, kv_cache=self.kv != "dense", paged=self.kv == "paged",
-                    swizzle=self.swizzled, split_n=self.decode)
+                    swizzle=self.swizzled, split_n=self.decode, flashmask=self.flashmask)
 
 
 MASKS = ((False, False), (True, False), (False, True))  # (causal, local)
@@ -216,4 +234,29 @@ def variants(arch: int, mods: bool = True) -> list[FwdVariant]:
                                 for kind in KINDS:
                                     out.append(FwdVariant(kind=kind, even_head_dim=even, kv=kv, block_m=bm,
                                                           block_n=bn, warps=w, stages=st, **m))
+    if mods:
+        out += flashmask_variants(arch)
+    return out
+
+
+def flashmask_tile(bucket: int, even: bool, arch: int) -> tuple[int, int, int, int, str]:
+    """The FlashMask kernel's tile: the standard kernel's tile for dense K/V, where the per-column
+    bounds and the tile's class (skip, mask, plain) need registers as a score modifier does."""
+    return fwd_tile(bucket, even, arch, "dense", True)
+
+
+def flashmask_variants(arch: int) -> list[FwdVariant]:
+    """The FlashMask forward variants: dense K/V, causal with n in (1, 2) or not with n in (2, 4),
+    with and without softcap."""
+    out = []
+    for bucket in HEAD_DIM_BUCKETS:
+        for dtype in ("fp16", "bf16"):
+            for causal, ns in ((False, (2, 4)), (True, (1, 2))):
+                for softcap in (False, True):
+                    for even in (False, True):
+                        bm, bn, w, st, mma = flashmask_tile(bucket, even, arch)
+                        for n in ns:
+                            out.append(FwdVariant(kind="fwd", head_dim=bucket, dtype=dtype, causal=causal,
+                                                  softcap=softcap, even_head_dim=even, block_m=bm, block_n=bn,
+                                                  warps=w, stages=st, mma=mma, arch=arch, flashmask=n))
     return out

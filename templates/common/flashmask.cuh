@@ -1,0 +1,58 @@
+// FlashMask (cuflash.masks): per key column j, n int32 row bounds; query row i is masked when
+//   causal, n = 1:  i >= LTS              causal, n = 2:  LTS <= i < LTE
+//   n = 2:          i >= LTS or i < UTE   n = 4:          LTS <= i < LTE or UTS <= i < UTE
+// (the causal mask itself is apply_mask's). Needs types.cuh (neg_inf).
+
+enum : int { kFmSkip = 0, kFmMasked = 1, kFmPlain = 2 };
+
+// The class of the tile of query rows [r0, r1) against one key block, from the block's min and
+// max of each column (blk[2c], blk[2c + 1], kernels/flashmask.py): kFmSkip when one interval
+// holds every row for every key (r0 >= max start, r1 <= min end), kFmPlain when no interval
+// reaches any row (r0 >= max end or r1 <= min start for each), else kFmMasked.
+template <int kN, bool kCausal>
+__device__ __forceinline__ int flashmask_class(const int* __restrict__ blk, int r0, int r1, int seqlen_q) {
+  bool full = false, part = false;
+  auto interval = [&](int s_min, int s_max, int e_min, int e_max) {
+    full |= r0 >= s_max && r1 <= e_min;
+    part |= r0 < e_max && r1 > s_min;
+  };
+  if constexpr (kCausal && kN == 1) {
+    interval(blk[0], blk[1], seqlen_q, seqlen_q);
+  } else if constexpr (kCausal || kN == 4) {
+    interval(blk[0], blk[1], blk[2], blk[3]);
+    if constexpr (kN == 4) interval(blk[4], blk[5], blk[6], blk[7]);
+  } else {
+    interval(blk[0], blk[1], seqlen_q, seqlen_q);
+    interval(0, 0, blk[2], blk[3]);
+  }
+  return full ? kFmSkip : (part ? kFmMasked : kFmPlain);
+}
+
+// Sets the masked scores of a warp's S fragment (mask.cuh's layout: rows row0 + (lane >> 2)
+// (+ 8), columns col0 + j * 8 + (lane & 3) * 2 + e) to -inf, reading column j's bounds at
+// idx[j * ss + c * sc]. Columns >= seqlen_k are left to apply_mask.
+template <int kNT, int kN, bool kCausal>
+__device__ __forceinline__ void apply_flashmask(float (&s)[kNT][4], int row0, int col0, int seqlen_k,
+                                                const int* __restrict__ idx, long long ss, long long sc) {
+  const int lane = threadIdx.x & 31;
+  const int c0 = col0 + (lane & 3) * 2;
+#pragma unroll
+  for (int j = 0; j < kNT; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = c0 + j * 8 + e;
+      if (col >= seqlen_k) continue;
+      const int* x = idx + col * ss;
+      const int a0 = __ldg(x), a1 = kN > 1 ? __ldg(x + sc) : 0;
+      const int a2 = kN > 2 ? __ldg(x + 2 * sc) : 0, a3 = kN > 2 ? __ldg(x + 3 * sc) : 0;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row0 + (lane >> 2) + r * 8;
+        bool m;
+        if constexpr (kCausal) m = row >= a0 && (kN == 1 || row < a1);
+        else if constexpr (kN == 2) m = row >= a0 || row < a1;
+        else m = (row >= a0 && row < a1) || (row >= a2 && row < a3);
+        if (m) s[j][2 * r + e] = neg_inf();
+      }
+    }
+}

@@ -1,0 +1,290 @@
+"""FlashMask in the forward kernels: the prep kernel and the flashmask variants compile clean
+offline (NVRTC, no GPU), plans route FlashMask to the standard kernel with the prep launch,
+attention rejects the options it cannot be combined with before any launch, and (on a GPU) the
+outputs and LSE match the float64 reference with flash-attn's rule for every builder in
+cuflash.masks."""
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import codegen, masks
+from cuflash.kernels import covering_sample
+from cuflash.kernels.flashmask import FlashMaskPrepVariant
+from cuflash.kernels.fwd import FLASHMASK_PARAMS, PARAMS, FwdVariant, flashmask_variants
+from conftest import assert_compiled_clean, requires_gpu, requires_torch
+
+PREP = [FlashMaskPrepVariant(columns=n, arch=a) for a in (80, 90) for n in (1, 2, 4)]
+# The covering sample's FlashMask variants: each n on both archs (mma.sync and wgmma on sm_90).
+SAMPLE = [v for v in covering_sample() if getattr(v, "flashmask", 0)]
+
+
+def test_sample_has_every_n_on_both_archs():
+    got = {(v.arch, v.flashmask, v.mma) for v in SAMPLE}
+    for arch in (80, 90):
+        assert {n for a, n, _ in got if a == arch} == {1, 2, 4}
+    assert any(m == "wgmma" for *_, m in got)
+
+
+@pytest.mark.parametrize("v", PREP + SAMPLE, ids=lambda v: v.name)
+def test_flashmask_variant_compiles_without_spills(compiled, v):
+    assert_compiled_clean(compiled[v], v)
+
+
+def test_flashmask_variants_are_named_and_checked():
+    vs = flashmask_variants(90)
+    assert len({v.name for v in vs}) == len(vs) and all(f"_fm{v.flashmask}" in v.name for v in vs)
+    assert all(v.params is FLASHMASK_PARAMS for v in vs)
+    plain = FwdVariant(kind="fwd", head_dim=64, dtype="bf16", block_m=128, block_n=64, warps=4, stages=1, arch=80)
+    assert plain.params is PARAMS and "_fm" not in plain.name and "kFlashMask" not in codegen.render(plain)
+    src = codegen.render(vs[0])
+    assert "kFlashMask" in src and "fm_blocks" in src
+    base = dict(kind="fwd", head_dim=64, dtype="bf16", block_m=128, block_n=64, warps=4, stages=1, arch=80)
+    for bad in (dict(flashmask=4, causal=True), dict(flashmask=1), dict(flashmask=3),
+                dict(flashmask=2, kind="fwd_split", block_m=64), dict(flashmask=2, kv="cache"),
+                dict(flashmask=2, alibi=True), dict(flashmask=2, local=True)):
+        with pytest.raises(ValueError):
+            FwdVariant(**{**base, **bad})
+    # the FlashMask fields sit before the trailing data pointers
+    assert FLASHMASK_PARAMS.names[-3:] == PARAMS.names[-3:]
+    assert FLASHMASK_PARAMS.names[:len(PARAMS.names) - 3] == PARAMS.names[:-3]
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans
+
+def _plan(q=(2, 512, 8, 64), hk=2, arch=90, **kw):
+    k = (q[0], q[1], hk, q[3])
+    return cuflash.plan(q, k, k, num_sms=132, arch=arch, **kw)
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("causal, x", [(True, masks.causal_document([100, 300, 112], batch=2)),
+                                       (True, masks.causal_blockwise([200, 200, 112], batch=2)),
+                                       (False, masks.document([100, 412], batch=2)),
+                                       (False, masks.global_sliding_window(512, 16, 64, batch=2))])
+def test_plan_routes_flashmask_to_the_standard_kernel(arch, causal, x):
+    p = _plan(arch=arch, causal=causal, startend_row_indices=x)
+    v, prep = (l.variant for l in p.launches)
+    n = x.shape[-1]
+    assert v.kind == "fwd" and v.flashmask == n and v.causal == causal and p.num_splits == 1
+    assert prep.family == "flashmask" and prep.columns == n
+    assert p.launches[1].grid == (-(-512 // v.block_n), 1, 2)
+    assert p.workspace_bytes == 4 * 2 * (-(-512 // v.block_n)) * 2 * n
+    assert "startend_row_indices (FlashMask" in p.reason and "never fwd_ws, never split" in p.reason
+    assert "skipped" in p.reason and "not run FlashMask" not in p.reason
+    assert (v.mma == "wgmma") == (arch == 90)
+
+
+def test_plan_flashmask_never_splits_or_packs():
+    # decode-like shapes would split or pack GQA heads as rows without FlashMask
+    k = (1, 4096, 2, 128)
+    p = cuflash.plan((1, 1, 8, 128), k, k, num_sms=132, arch=90, causal=True,
+                     startend_row_indices=np.full((1, 1, 4096, 1), 1, np.int32))
+    assert p.num_splits == 1 and not p.pack_gqa and p.launches[0].variant.flashmask == 1
+    assert p.launches[0].variant.causal  # the columns' meaning follows the caller's causal
+    assert p.launches[0].variant.block_m > 16  # not the decode tile
+
+
+def test_plans_cache_per_n():
+    a = _plan(causal=True, startend_row_indices=(2, 1, 512, 1))
+    b = _plan(causal=True, startend_row_indices=(2, 1, 512, 2))
+    c = _plan(causal=True)
+    assert a.launches[0].variant.flashmask == 1 and b.launches[0].variant.flashmask == 2
+    assert c.launches[0].variant.family != "flashmask" and not getattr(c.launches[0].variant, "flashmask", 0)
+
+
+def test_plan_heads_of_the_indices_size_the_prep_grid():
+    p = _plan(causal=True, startend_row_indices=(2, 8, 512, 1))
+    assert p.launches[1].grid[1:] == (8, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: rejected before any launch, the message naming both arguments
+
+@pytest.mark.parametrize("kw, what", [(dict(window_size=(8, 0)), "window_size"),
+                                      (dict(alibi_slopes=np.ones(4, np.float32)), "alibi_slopes"),
+                                      (dict(num_splits=2), "num_splits")])
+def test_attention_rejects_combinations(kw, what):
+    q = np.full((2, 8, 4, 16), np.nan, np.float16)
+    k = np.zeros((2, 8, 2, 16), np.float16)
+    out = np.full_like(q, 7)
+    with pytest.raises(ValueError, match=f"startend_row_indices.*{what}"):
+        cuflash.attention(q, k, k, causal=True, out=out, startend_row_indices=masks.causal(8, batch=2), **kw)
+    assert (out == 7).all()
+
+
+@pytest.mark.parametrize("kw, what", [(dict(alibi_slopes=True), "alibi_slopes"), (dict(num_splits=3), "num_splits"),
+                                      (dict(window_size=(8, 0)), "window_size")])
+def test_plan_rejects_combinations(kw, what):
+    with pytest.raises(ValueError, match=f"startend_row_indices.*{what}"):
+        _plan(causal=True, startend_row_indices=(2, 1, 512, 1), **kw)
+
+
+@pytest.mark.parametrize("x, exc, msg", [
+    (np.zeros((2, 1, 8, 4), np.int32), ValueError, "last dim of startend_row_indices"),
+    (np.zeros((2, 3, 8, 1), np.int32), ValueError, "must have shape"),
+    (np.zeros((2, 1, 8, 1), np.int64), TypeError, "must be int32"),
+    (np.full((2, 1, 8, 1), 9, np.int32), ValueError, r"must lie in \[0, seqlen_q\]"),
+])
+def test_attention_checks_the_indices(x, exc, msg):
+    q = np.zeros((2, 8, 4, 16), np.float16)
+    k = np.zeros((2, 8, 2, 16), np.float16)
+    with pytest.raises(exc, match=msg):
+        cuflash.attention(q, k, k, causal=True, startend_row_indices=x)
+
+
+def test_planner_problem_rejects_other_sources():
+    from cuflash.plan import DeviceFacts, Problem, make_plan
+    for kw in (dict(kv="cache"), dict(varlen=True), dict(alibi=True), dict(num_splits=2), dict(window=(4, 0))):
+        with pytest.raises(ValueError, match="startend_row_indices"):
+            make_plan(Problem(1, 64, 64, 2, 2, 64, "bf16", causal=True, flashmask=1, flashmask_heads=1, **kw),
+                      DeviceFacts(132, 90))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: outputs and LSE against the float64 reference (flash-attn's rule), outputs poisoned
+
+def _builders(s):
+    """(name, causal, indices of batch 1) for every builder in cuflash.masks at seqlen s."""
+    return [
+        ("full", False, masks.full(s)), ("causal", True, masks.causal(s)),
+        ("sliding_window", True, masks.sliding_window(s, 37)),
+        ("document", False, masks.document([s // 3, s - s // 3 - 5, 5])),
+        ("causal_document", True, masks.causal_document([s // 4, s // 2, s - s // 4 - s // 2])),
+        ("share_question", True, masks.share_question([[s // 4, s // 8, s // 8], [s // 4, s - 2 * (s // 4) - 2 * (s // 8)]])),
+        ("prefix_lm_causal", False, masks.prefix_lm_causal(s, s // 3)),
+        ("prefix_lm_document", False, masks.prefix_lm_document([(s // 2, s // 5), (s - s // 2, 7)])),
+        ("global_sliding_window", False, masks.global_sliding_window(s, 9, 40)),
+        ("causal_blockwise", True, masks.causal_blockwise([s // 3, s // 3, s - 2 * (s // 3)])),
+        ("qk_sparse", True, masks.qk_sparse(s, [(s // 8, s // 8), (s // 2, s // 16)])),
+        ("random_eviction", True, masks.random_eviction(s, s // 4, seed=3)),
+    ]
+
+
+def _run(rng, b, s, h, hk, d, dtype, causal, x, **kw):
+    import torch
+    from cuflash.reference import check_close
+    from test_gpu_forward import to_np, torch_inputs
+    q, k, v = torch_inputs(rng, b, s, s, h, hk, d, dtype)
+    xt = torch.from_numpy(np.ascontiguousarray(x)).cuda()
+    out = torch.full_like(q, float("nan"))
+    res, lse = cuflash.attention(q, k, v, causal=causal, out=out, return_lse=True, startend_row_indices=xt, **kw)
+    assert res is out
+    qn, kn, vn = to_np(q), to_np(k), to_np(v)
+    ok, err, bound = check_close(to_np(out), qn, kn, vn, causal=causal, startend_row_indices=x, **kw)
+    assert ok, f"max error {err:.3g} exceeds bound {bound:.3g}"
+    _, lse_ref = cuflash.reference.attention(qn, kn, vn, causal=causal, return_lse=True, startend_row_indices=x,
+                                             **kw)
+    got = lse.cpu().numpy()
+    assert np.array_equal(np.isinf(got), np.isinf(lse_ref))
+    fin = np.isfinite(lse_ref)
+    np.testing.assert_allclose(got[fin], lse_ref[fin], rtol=1e-3, atol=1e-3)
+
+
+@requires_gpu
+@requires_torch
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("name, causal, x", _builders(300), ids=lambda a: a if isinstance(a, str) else None)
+def test_gpu_builders(rng, name, causal, x, d):
+    _run(rng, 2, 300, 4, 2, d, "bfloat16", causal, np.concatenate([x, x]))
+
+
+@requires_gpu
+@requires_torch
+@pytest.mark.parametrize("heads", [1, 2, 8])  # broadcast, per KV head (GQA), per query head
+def test_gpu_gqa_and_per_head_indices(rng, heads):
+    s = 257
+    x = masks.random_eviction(s, 40, seed=1, batch=2, nheads=heads)
+    _run(rng, 2, s, 8, 2, 96, "float16", True, x)
+
+
+@requires_gpu
+@requires_torch
+def test_gpu_softcap_and_mqa(rng):
+    x = masks.global_sliding_window(200, 5, 30, batch=1)
+    _run(rng, 1, 200, 6, 1, 256, "bfloat16", False, x, softcap=30.0)
+
+
+@requires_gpu
+@requires_torch
+@pytest.mark.parametrize("d", [40, 192])
+def test_gpu_odd_head_dims(rng, d):
+    x = masks.document([50, 70, 9], batch=1)
+    _run(rng, 1, 129, 2, 2, d, "float16", False, x)
+
+
+@requires_gpu
+@requires_torch
+@pytest.mark.parametrize("sq, sk", [(100, 333), (333, 100), (1, 300)])
+def test_gpu_unequal_lengths(rng, sq, sk):
+    import torch
+    from cuflash.reference import check_close
+    from test_gpu_forward import to_np, torch_inputs
+    q, k, v = torch_inputs(rng, 2, sq, sk, 4, 2, 64, "bfloat16")
+    x = np.random.default_rng(5).integers(0, sq + 1, (2, 1, sk, 1)).astype(np.int32)  # LTS per key
+    out = torch.full_like(q, float("nan"))
+    cuflash.attention(q, k, v, causal=True, out=out, startend_row_indices=torch.from_numpy(x).cuda())
+    ok, err, bound = check_close(to_np(out), to_np(q), to_np(k), to_np(v), causal=True, startend_row_indices=x)
+    assert ok, f"max error {err:.3g} exceeds bound {bound:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel's rule on the host: prep's per-block min/max, flashmask_class and apply_flashmask
+# (templates/flashmask/prep.cu.j2, templates/common/flashmask.cuh) written out in NumPy give the
+# dense mask of the intervals exactly, tile by tile
+
+def _kernel_mask(x, sq, causal, bm, bn):
+    """The interval mask (batch, heads, sq, sk) as the kernel applies it: a skipped tile is all
+    masked, a plain one all visible, a masked one element by element."""
+    b, h, sk, n = x.shape
+    x = x.astype(np.int64)
+    out = np.zeros((b, h, sq, sk), bool)
+    i = np.arange(sq)[:, None]
+
+    def element(cols):  # mask of rows i against columns cols (.., k, n)
+        a = [cols[..., c][:, :, None, :] for c in range(n)]
+        if causal:
+            return (i >= a[0]) & (True if n == 1 else i < a[1])
+        if n == 2:
+            return (i >= a[0]) | (i < a[1])
+        return ((i >= a[0]) & (i < a[1])) | ((i >= a[2]) & (i < a[3]))
+
+    dense = element(x)
+    for nb in range(-(-sk // bn)):
+        blk = x[:, :, nb * bn:(nb + 1) * bn]
+        mn, mx = blk.min(axis=2), blk.max(axis=2)  # (b, h, n)
+        for m0 in range(0, sq, bm):
+            r0, r1 = m0, min(m0 + bm, sq)
+            full = np.zeros((b, h), bool)
+            part = np.zeros((b, h), bool)
+
+            def interval(s_min, s_max, e_min, e_max):
+                nonlocal full, part
+                full = full | ((r0 >= s_max) & (r1 <= e_min))
+                part = part | ((r0 < e_max) & (r1 > s_min))
+            if causal and n == 1:
+                interval(mn[..., 0], mx[..., 0], sq, sq)
+            elif causal or n == 4:
+                interval(mn[..., 0], mx[..., 0], mn[..., 1], mx[..., 1])
+                if n == 4:
+                    interval(mn[..., 2], mx[..., 2], mn[..., 3], mx[..., 3])
+            else:
+                interval(mn[..., 0], mx[..., 0], sq, sq)
+                interval(0, 0, mn[..., 1], mx[..., 1])
+            tile = (slice(None), slice(None), slice(r0, r1), slice(nb * bn, (nb + 1) * bn))
+            elem = dense[tile]
+            out[tile] = np.where(full[:, :, None, None], True, np.where(part[:, :, None, None], elem, False))
+    return out
+
+
+@pytest.mark.parametrize("bm, bn", [(128, 64), (64, 32), (128, 128), (16, 64)])
+@pytest.mark.parametrize("name, causal, x", _builders(300) + [("random", True, np.random.default_rng(2).integers(
+    0, 301, (1, 1, 300, 1)).astype(np.int32))], ids=lambda a: a if isinstance(a, str) else None)
+def test_kernel_rule_is_exact(name, causal, x, bm, bn):
+    want = masks.to_dense(x, 300, False) if not causal else None
+    if causal:  # the intervals alone (the causal mask is apply_mask's)
+        want = np.zeros((1, 1, 300, 300), bool)
+        for s, e in masks.intervals(x, 300, True):
+            i = np.arange(300)[:, None]
+            want |= (i >= s[:, :, None, :]) & (i < e[:, :, None, :])
+    np.testing.assert_array_equal(_kernel_mask(x, 300, causal, bm, bn), want)
