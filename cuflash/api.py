@@ -104,17 +104,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
 
 
 def _flashmask(indices, qv, kv, causal, num_splits, mods):
-    """The view of ``startend_row_indices`` after its checks; the options it cannot be combined
-    with are named first."""
+    """The view of ``startend_row_indices`` after its checks (the options it cannot be combined
+    with are named first)."""
     window, _, alibi, _ = mods
-    for bad, what in ((tuple(window) != (-1, -1), f"window_size={tuple(window)}"),
-                      (alibi is not None, "alibi_slopes"), (num_splits > 1, f"num_splits={num_splits}")):
-        if bad:
-            raise ValueError(f"startend_row_indices cannot be combined with {what}"
-                             + (": build the window into the indices (cuflash.masks.sliding_window)"
-                                if what.startswith("window") else ""))
     fm = validate.check_startend_row_indices(indices, qv.shape[0], qv.shape[2], qv.shape[1], kv.shape[1], causal,
-                                             nheads_k=kv.shape[2])
+                                             nheads_k=kv.shape[2], window=window, alibi=alibi is not None,
+                                             num_splits=num_splits)
     validate.same_place(("q", qv), ("startend_row_indices", fm))
     return fm
 
@@ -527,12 +522,9 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
         fm = startend_row_indices
         if isinstance(fm, (tuple, list)):
             fm = validate.Shape(fm, "int32", "startend_row_indices")
-        if not backward:
-            for bad, what in ((alibi is not None, "alibi_slopes"), (num_splits > 1, f"num_splits={num_splits}")):
-                if bad:
-                    raise ValueError(f"startend_row_indices cannot be combined with {what}")
         fm = validate.check_startend_row_indices(fm, b, h, sq, kv.shape[1], causal, nheads_k=kv.shape[2],
-                                                 window=window)
+                                                 window=window, alibi=alibi is not None and not backward,
+                                                 num_splits=0 if backward else num_splits)
         validate.same_place(("q", qv), ("startend_row_indices", fm))
     arch = None if arch is None else validate.arch(arch)
     if num_sms is None:

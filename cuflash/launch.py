@@ -198,9 +198,7 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
     split = not (plan.num_splits == 1 and main.variant.kind == "fwd")
     rows = p.batch * plan.nheads_eff * plan.seqlen_q_eff
     n_o = plan.num_splits * rows * main.variant.head_dim if split else 0
-    early = EARLY_LAUNCH and main.variant.arch >= 90
-    alone = early and math.prod(main.grid) <= plan.device.num_sms  # one wave: keep a block per SM
-    smem = main.variant.smem_limit if alone else main.smem
+    early, smem = _early_smem(plan, main)
     prep = None
     if main.variant.flashmask:
         ptr, st, heads, ws = flashmask
@@ -237,10 +235,18 @@ def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int) -> Re
         lse_sb=p.nheads * p.seqlen_q, lse_sh=p.seqlen_q, lse_sr=1, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
         ngroups=p.nheads // p.nheads_k, scale_log2=softmax_scale * _LOG2E)
     maps = tuple((tuple(x.shape), tuple(x.strides), box) for x, box in ((q, w.block_m), (k, w.block_n), (v, w.block_n)))
-    early = EARLY_LAUNCH
+    early, smem = _early_smem(plan, main)
+    return Recipe(plan, kernel, main.grid, (main.threads, 1, 1), smem, values[5:], False, {}, 0, 0, 0, early,
+                  (p.dtype, *maps))
+
+
+def _early_smem(plan: Plan, main) -> tuple[bool, int]:
+    """Whether the main launch starts early (EARLY_LAUNCH, sm_90), and its dynamic shared memory:
+    a grid of at most one wave that starts early asks for the variant's most, so that no second
+    block lands on an SM beside it."""
+    early = EARLY_LAUNCH and main.variant.arch >= 90
     alone = early and math.prod(main.grid) <= plan.device.num_sms
-    return Recipe(plan, kernel, main.grid, (main.threads, 1, 1), w.smem_limit if alone else main.smem,
-                  values[5:], False, {}, 0, 0, 0, early, (p.dtype, *maps))
+    return early, main.variant.smem_limit if alone else main.smem
 
 
 def fire(r: Recipe, device: int, stream: int, q: int, k: int, v: int, o: int, lse: int, workspace=None,

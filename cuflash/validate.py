@@ -495,14 +495,23 @@ FLASHMASK_COLUMNS = {True: {1: "LTS", 2: "LTS, LTE"}, False: {2: "LTS, UTE", 4: 
 
 
 def check_startend_row_indices(x, batch, nheads, seqlen_q, seqlen_k, causal, *, nheads_k=None,
-                               window=(-1, -1)):
+                               window=(-1, -1), alibi=False, num_splits=0):
     """FlashMask's int32 ``startend_row_indices`` of shape (batch, 1 or nheads_k or nheads,
     seqlen_k, n), n in {1, 2} with causal=True and {2, 4} without -> its view (a ``Shape`` stays
     one). Row bounds are checked when the values are on the host (NumPy): each in
     [0, seqlen_q], and LTS <= LTE, UTS <= UTE where both are given. As in Paddle, a window
-    cannot be combined with the indices (build it into them: cuflash.masks.sliding_window)."""
+    cannot be combined with the indices (build it into them: cuflash.masks.sliding_window), nor
+    can ALiBi (``alibi``: slopes were given) or ``num_splits > 1``; these are named first."""
     nheads_k = nheads if nheads_k is None else nheads_k
     name = "startend_row_indices"
+    if tuple(window) != (-1, -1):
+        raise ValueError(f"{name} cannot be combined with window_size (as in Paddle's flashmask_attention), "
+                         f"got window_size={show(tuple(window))}: build the window into the indices "
+                         "(cuflash.masks.sliding_window)")
+    if alibi:
+        raise ValueError(f"{name} cannot be combined with alibi_slopes")
+    if num_splits > 1:
+        raise ValueError(f"{name} cannot be combined with num_splits={num_splits}")
     v = x if isinstance(x, Shape) else view(x, name)
     if v.dtype != "int32":
         raise TypeError(f"{name} must be int32, got {v.dtype}")
@@ -517,10 +526,6 @@ def check_startend_row_indices(x, batch, nheads, seqlen_q, seqlen_k, causal, *, 
     if shape[3] not in ns:
         raise ValueError(f"the last dim of {name} must be " + " or ".join(f"{n} ({c})" for n, c in ns.items())
                          + f" with causal={bool(causal)}, got {shape[3]}")
-    if tuple(window) != (-1, -1):
-        raise ValueError(f"{name} cannot be combined with window_size (as in Paddle's flashmask_attention), "
-                         f"got window_size={show(tuple(window))}: build the window into the indices "
-                         "(cuflash.masks.sliding_window)")
     if v.framework == "numpy" and v.array.size:
         a = v.array
         bad = (a < 0) | (a > seqlen_q)
