@@ -294,7 +294,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
             bm, bn_fwd, warps, stages, mma = fwd_tile(bucket, even, dev.arch, p.kv, local or p.softcap or p.alibi)
         ws = None if decode or mma != "wgmma" else _fwd_ws_blocker(p, even, bucket, local, pack)
         if ws == "":
-            v = fwd_ws.FwdWsVariant(head_dim=bucket, dtype=p.dtype, causal=causal, arch=dev.arch)
+            v = fwd_ws.planned(bucket, p.dtype, causal, sq, dev.arch)
             why.append(f"sm_90: the warp-specialised kernel (fwd_ws, sm_90a): a producer warpgroup loads Q and "
                        f"K/V tiles of {v.block_n} keys by TMA into {v.stages} stages on mbarriers; "
                        f"{v.consumers} consumer warpgroups of 64 query rows run wgmma and the softmax.")

@@ -22,7 +22,9 @@ def main():
     a = ap.parse_args()
     torch = bench._torch()
     import cuflash
-    from cuflash import api, plan
+    import importlib
+    from cuflash import api
+    plan = importlib.import_module("cuflash.plan")
 
     @contextlib.contextmanager
     def wgmma_planned():

@@ -27,18 +27,35 @@ REG_FILE = 65536  # 32-bit registers per SM (and so per block with one block per
 # Variants and registration
 
 def test_variants_of_each_arch():
-    assert len(VARIANTS) == 8 and len({v.name for v in VARIANTS}) == 8
+    """The planned tiles: d 128 and 256 two consumer warpgroups of 64 rows with both schedules,
+    d 64 three warpgroups with the overlap (and two for short causal problems); fp16 and bf16,
+    causal or not; all within Hopper's 227 KB of shared memory."""
+    assert len({v.name for v in VARIANTS}) == len(VARIANTS) == 14
     assert {(v.head_dim, v.dtype, v.causal) for v in VARIANTS} == {
-        (d, dt, c) for d in (64, 128) for dt in ("fp16", "bf16") for c in (False, True)}
+        (d, dt, c) for d in (64, 128, 256) for dt in ("fp16", "bf16") for c in (False, True)}
     assert fwd_ws.variants(80) == [] and fwd_ws.variants(89) == []
+    tiles = {(v.head_dim, v.block_m, v.block_n, v.overlap, v.pingpong) for v in VARIANTS}
+    assert tiles == {(64, 192, 128, True, False), (64, 128, 128, True, True), (128, 128, 128, True, True),
+                     (256, 128, 80, True, True)}
     for v in VARIANTS:
-        assert (v.kind, v.family, v.target, v.threads) == ("fwd_ws", "fwd_ws", "90a", 384)
-        assert (v.block_m, v.block_n, v.stages) == (128, 128, 2)
-        assert v.smem_bytes == (128 + 2 * 2 * 128) * v.head_dim * 2 + fwd_ws.BARRIER_BYTES <= 227 << 10
+        assert (v.kind, v.family, v.target, v.stages) == ("fwd_ws", "fwd_ws", "90a", 2)
+        assert v.threads == 128 * (1 + v.block_m // 64)
+        assert v.smem_bytes == (v.block_m + 2 * 2 * v.block_n) * v.head_dim * 2 + fwd_ws.BARRIER_BYTES <= 227 << 10
         assert re.fullmatch(r"[A-Za-z0-9_]+", v.name)
+    short, long = (fwd_ws.planned(64, "bf16", True, sq) for sq in (2047, 2048))
+    assert (short.block_m, long.block_m) == (128, 192)
+    assert fwd_ws.planned(64, "bf16", False, 1).block_m == 192
 
 
-@pytest.mark.parametrize("kw", [dict(arch=80), dict(head_dim=96), dict(head_dim=256), dict(dtype="fp32"),
+def test_consumer_registers_fill_the_register_file():
+    v2, v3 = FwdWsVariant(head_dim=128, dtype="bf16", arch=90), FwdWsVariant(head_dim=64, dtype="bf16", arch=90,
+                                                                              block_m=192)
+    assert (v2.consumer_regs, v3.consumer_regs) == (240, 160)
+    for v in (v2, v3):
+        assert fwd_ws.PRODUCER_REGS * 128 + v.consumer_regs * 128 * v.consumers <= REG_FILE
+
+
+@pytest.mark.parametrize("kw", [dict(arch=80), dict(head_dim=96), dict(head_dim=192), dict(dtype="fp32"),
                                 dict(block_m=96), dict(block_n=264), dict(stages=1), dict(causal=1),
                                 dict(overlap=1), dict(pingpong="yes"), dict(pingpong=True, block_m=192)])
 def test_bad_variants_are_refused(kw):
@@ -48,22 +65,23 @@ def test_bad_variants_are_refused(kw):
 
 def test_registered_and_planned_where_it_applies():
     """all_variants (warmup, the CI's covering sample) holds every fwd_ws variant; on sm_90 the
-    planner runs it for dense K/V at d 64 and 128 without window, softcap or ALiBi, and keeps the
+    planner runs it for dense K/V at d 64, 128 and 256 without window, softcap or ALiBi, and keeps the
     other kernels elsewhere, saying why."""
     from dataclasses import replace
     from cuflash.plan import DeviceFacts, Problem, make_plan
     assert set(VARIANTS) <= set(all_variants(90)) and not any(v.family == "fwd_ws" for v in all_variants(80))
     sample = [v for v in covering_sample() if v.family == "fwd_ws"]
-    assert {(v.head_dim, v.dtype) for v in sample} == {(d, dt) for d in (64, 128) for dt in ("fp16", "bf16")}
+    assert {(v.head_dim, v.dtype) for v in sample} == {(d, dt) for d in (64, 128, 256) for dt in ("fp16", "bf16")}
     h100 = DeviceFacts(132, 90)
-    for d in (64, 128):
+    for d in (64, 128, 256):
         for causal in (False, True):
             for sq in (1000, 4096):
                 p = Problem(2, sq, 4096, 16, 4, d, "bf16", causal)
                 plan = make_plan(p, h100)
                 assert [l.variant.family for l in plan.launches] == ["fwd_ws"], plan
                 v = plan.launches[0].variant
-                assert (v.head_dim, v.causal, plan.launches[0].grid) == (d, causal, (-(-sq // 128), 16, 2))
+                assert v == fwd_ws.planned(d, "bf16", causal, sq)
+                assert (v.head_dim, v.causal, plan.launches[0].grid) == (d, causal, (-(-sq // v.block_m), 16, 2))
                 assert "fwd_ws" in plan.reason and "TMA" in plan.reason
                 assert make_plan(p, DeviceFacts(108, 80)).launches[0].variant.family == "fwd"
                 for other, why in ((dict(window=(256, 0)), "window"), (dict(softcap=True), "softcap"),
@@ -73,7 +91,7 @@ def test_registered_and_planned_where_it_applies():
                     assert all(l.variant.family != "fwd_ws" for l in plan.launches), (other, plan)
                     if plan.launches[0].variant.kind == "fwd" and plan.launches[0].variant.mma == "wgmma":
                         assert why in plan.reason, (other, plan.reason)
-    for d in (96, 256, 120):  # other head dims: other kernels
+    for d in (96, 192, 120, 250):  # other head dims: other kernels
         plan = make_plan(Problem(2, 4096, 4096, 16, 16, d, "bf16"), h100)
         assert all(l.variant.family != "fwd_ws" for l in plan.launches), plan
     # decode and split-KV shapes keep their kernels
@@ -216,7 +234,7 @@ def test_compiles_as_designed(compiled, v):
     c = compiled[v]
     r = assert_compiled_clean(c, v)
     assert r.registers <= 168 and r.registers * v.threads <= REG_FILE, r
-    assert fwd_ws.PRODUCER_REGS * 128 + fwd_ws.CONSUMER_REGS * (v.threads - 128) <= REG_FILE
+    assert fwd_ws.PRODUCER_REGS * 128 + v.consumer_regs * (v.threads - 128) <= REG_FILE
     assert r.static_smem == 0, r
     assert "C7508" not in c.log and "setmaxnreg" not in c.log.lower(), c.log
     assert "serialized" not in c.log, c.log
@@ -262,7 +280,7 @@ def _nvdisasm():
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
 def test_sass_roles(compiled, v, tmp_path):
     """In the machine code: the producer deallocates to 24 registers and uses fewer, the
-    consumers allocate 240 and use fewer; TMA loads (UTMALDG), wgmma (HGMMA) and mbarrier waits
+    consumers allocate theirs (v.consumer_regs) and use fewer; TMA loads (UTMALDG), wgmma (HGMMA) and mbarrier waits
     are there."""
     path = tmp_path / "k.cubin"
     path.write_bytes(compiled[v].cubin)
@@ -271,15 +289,15 @@ def test_sass_roles(compiled, v, tmp_path):
     alloc = [i for i, l in enumerate(lines) if "USETMAXREG.TRY_ALLOC" in l]
     dealloc = [i for i, l in enumerate(lines) if "USETMAXREG.DEALLOC" in l]
     assert len(alloc) == 1 and len(dealloc) == 1, "one setmaxnreg per role"
-    assert f"{fwd_ws.CONSUMER_REGS:#x}" in lines[alloc[0]] and f"{fwd_ws.PRODUCER_REGS:#x}" in lines[dealloc[0]]
+    assert f"{v.consumer_regs:#x}" in lines[alloc[0]] and f"{fwd_ws.PRODUCER_REGS:#x}" in lines[dealloc[0]]
 
     def max_reg(a, b):
         return max((int(x) for l in lines[a:b] for x in re.findall(r"\bR(\d+)\b", l)), default=-1)
     first, second = sorted((alloc[0], dealloc[0]))
     regions = {alloc[0]: max_reg(first, second) if first == alloc[0] else max_reg(second, len(lines)),
                dealloc[0]: max_reg(first, second) if first == dealloc[0] else max_reg(second, len(lines))}
-    assert regions[alloc[0]] < fwd_ws.CONSUMER_REGS and regions[dealloc[0]] < fwd_ws.PRODUCER_REGS, regions
-    assert "UTMALDG.4D" in sass and "HGMMA.64x128x16.F32" in sass and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass
+    assert regions[alloc[0]] < v.consumer_regs and regions[dealloc[0]] < fwd_ws.PRODUCER_REGS, regions
+    assert "UTMALDG.4D" in sass and f"HGMMA.64x{v.block_n}x16.F32" in sass and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,26 +341,31 @@ def _check(out, lse, q, k, v, causal):
     np.testing.assert_allclose(got[fin], lse_ref[fin], rtol=1e-3, atol=2e-3)
 
 
-def _run_poisoned(q, k, v, causal):
+def _run_poisoned(q, k, v, causal, **tile):
     import torch
     out = torch.full_like(q, float("nan"))
-    res, lse = fwd_ws.run(q, k, v, causal=causal, out=out, return_lse=True)
+    res, lse = fwd_ws.run(q, k, v, causal=causal, out=out, return_lse=True, **tile)
     torch.cuda.synchronize()
     assert res is out
     return out, lse
 
 
+# Each head dim with each tile the planner can pick for it (fwd_ws.TILES, SHORT_CAUSAL_D64).
+PLANNED_TILES = [(d, t) for d, t in fwd_ws.TILES.items()] + [(64, fwd_ws.SHORT_CAUSAL_D64)]
+
+
 @requires_sm90
 @requires_torch
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d,tile", PLANNED_TILES, ids=lambda x: x if isinstance(x, int) else
+                         "m{block_m}n{block_n}".format(**{"block_m": 128, **x}))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", [(128, 128), (113, 203), (256, 512), (512, 256), (1, 239), (1023, 1024),
                                    (2048, 2048)])
-def test_gpu_matches_reference(rng, dtype, d, causal, sq, sk):
+def test_gpu_matches_reference(rng, dtype, d, tile, causal, sq, sk):
     b, h = (1, 2) if sq * sk > 1 << 20 else (2, 3)
     q, k, v = _inputs(rng, b, sq, sk, h, h, d, dtype)
-    out, lse = _run_poisoned(q, k, v, causal)
+    out, lse = _run_poisoned(q, k, v, causal, **tile)
     _check(out, lse, q, k, v, causal)
 
 
@@ -351,9 +374,10 @@ def test_gpu_matches_reference(rng, dtype, d, causal, sq, sk):
 @pytest.mark.parametrize("h,hk", [(8, 2), (8, 1)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", [(113, 203), (256, 512), (1, 339)])
-def test_gpu_gqa(rng, h, hk, causal, sq, sk):
-    q, k, v = _inputs(rng, 2, sq, sk, h, hk, 128, "bfloat16")
-    out, lse = _run_poisoned(q, k, v, causal)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_gqa(rng, h, hk, causal, sq, sk, d):
+    q, k, v = _inputs(rng, 2, sq, sk, h, hk, d, "bfloat16")
+    out, lse = _run_poisoned(q, k, v, causal, **fwd_ws.TILES[d])
     _check(out, lse, q, k, v, causal)
 
 
@@ -372,7 +396,7 @@ def test_gpu_strided_qkv(rng, causal):
 @requires_sm90
 @requires_torch
 @pytest.mark.parametrize("kw", SCHEDULES, ids=lambda kw: "_".join(kw))
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", [(128, 128), (113, 203), (1, 239), (1023, 1024), (640, 2048)])
 def test_gpu_schedules_match_plain(rng, kw, d, causal, sq, sk):
@@ -380,9 +404,10 @@ def test_gpu_schedules_match_plain(rng, kw, d, causal, sq, sk):
     LSE equal the plain schedule's bitwise, and pass the reference check; GQA included."""
     import torch
     q, k, v = _inputs(rng, 2, sq, sk, 4, 2, d, "bfloat16")
+    tile = dict(block_n=fwd_ws.TILES[d]["block_n"])
     out = torch.full_like(q, float("nan"))
-    res, lse = fwd_ws.run(q, k, v, causal=causal, out=out, return_lse=True, **kw)
-    plain, plain_lse = fwd_ws.run(q, k, v, causal=causal, return_lse=True)
+    res, lse = fwd_ws.run(q, k, v, causal=causal, out=out, return_lse=True, **tile, **kw)
+    plain, plain_lse = fwd_ws.run(q, k, v, causal=causal, return_lse=True, **tile)
     torch.cuda.synchronize()
     assert res is out and torch.equal(out, plain) and torch.equal(lse, plain_lse)
     _check(out, lse, q, k, v, causal)

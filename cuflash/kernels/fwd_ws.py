@@ -1,7 +1,7 @@
 """Warp-specialised forward for Hopper (templates/fwd_ws/, sm_90a), after FlashAttention-3: a
-producer warpgroup issues TMA tile loads that complete on mbarriers; two consumer warpgroups of
-64 query rows each run wgmma and the online softmax. Dense K/V, head dims 64 and 128 (exactly),
-fp16/bf16, causal or not, GQA, LSE. The planner runs it on sm_90 wherever it applies
+producer warpgroup issues TMA tile loads that complete on mbarriers; two or three consumer
+warpgroups of 64 query rows each run wgmma and the online softmax. Dense K/V, head dims 64, 128
+and 256 (exactly), fp16/bf16, causal or not, GQA, LSE. The planner runs it on sm_90 wherever it applies
 (plan._fwd_ws_blocker says where not); ``run`` below launches it directly, for tests.
 
 The host side builds the three tensor maps (CUtensorMap, 128 opaque bytes each) with the CUDA
@@ -19,9 +19,10 @@ from typing import ClassVar
 from . import DTYPES, KernelVariant
 from .params import TENSOR_MAP_BYTES, ParamTable, strides
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 BLOCK_M, BLOCK_N, STAGES = 128, 128, 2  # two consumer warpgroups of 64 rows; two K/V stages
-PRODUCER_REGS, CONSUMER_REGS = 24, 240  # setmaxnreg: 128 * 24 + 256 * 240 = 64512 <= 65536
+PRODUCER_REGS = 24    # setmaxnreg of the producer warpgroup
+MAX_CONSUMER_REGS = 240  # of a consumer's, with two (128 * 24 + 256 * 240 = 64512 <= 65536)
 BOX_COLS = 64                           # one TMA box is 64 columns (128 bytes: the swizzle's width)
 BARRIER_BYTES = 128                     # 1 + 4 * stages mbarriers of 8 bytes, rounded up
 # An mbarrier wait longer than this many clock cycles traps (the launch fails instead of hanging
@@ -50,7 +51,7 @@ class FwdWsVariant(KernelVariant):
     softcap: ClassVar[bool] = False
     alibi: ClassVar[bool] = False
 
-    head_dim: int             # 64 or 128: the real head dim (no column predicates)
+    head_dim: int             # 64, 128 or 256: the real head dim (no column predicates)
     dtype: str                # "fp16" or "bf16"
     causal: bool = False
     block_m: int = BLOCK_M
@@ -110,6 +111,12 @@ class FwdWsVariant(KernelVariant):
         return 128 * (1 + self.consumers)  # the producer warpgroup, then the consumers
 
     @property
+    def consumer_regs(self) -> int:
+        """setmaxnreg of each consumer warpgroup: what the register file leaves them after the
+        producer's, a multiple of 8, at most MAX_CONSUMER_REGS (240 for two, 160 for three)."""
+        return min(MAX_CONSUMER_REGS, (65536 - 128 * PRODUCER_REGS) // (128 * self.consumers) // 8 * 8)
+
+    @property
     def smem_bytes(self) -> int:
         """Q, kStages K and V tiles (2-byte elements), then the mbarriers."""
         return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + BARRIER_BYTES
@@ -121,16 +128,33 @@ class FwdWsVariant(KernelVariant):
         return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, stages=self.stages,
                     causal=self.causal, bf16=self.dtype == "bf16", overlap=self.overlap, pingpong=self.pingpong,
                     producer_regs=PRODUCER_REGS,
-                    consumer_regs=CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES)
+                    consumer_regs=self.consumer_regs, hang_trap_cycles=HANG_TRAP_CYCLES)
+
+
+# The planned tiles, after a sweep on an H200 (BENCHMARKS.md): d 128 and 256 take 128 query
+# rows in two consumer warpgroups with both FlashAttention-3 schedules, and K/V tiles of 128 and
+# 80 keys (256: two stages of 80-key K and V tiles fill shared memory); d 64 takes 192 rows in three
+# warpgroups with the intra-warpgroup overlap (ping-pong needs two), except causal attention
+# over fewer than 2048 queries, where the larger diagonal share of 192-row tiles costs more than
+# it saves and 128-row tiles run faster.
+TILES = {64: dict(block_m=192, block_n=128, overlap=True), 128: dict(block_n=128, overlap=True, pingpong=True),
+         256: dict(block_n=80, overlap=True, pingpong=True)}
+SHORT_CAUSAL_D64 = dict(block_m=128, block_n=128, overlap=True, pingpong=True)
+
+
+def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 90) -> FwdWsVariant:
+    """The variant the planner runs for a problem with these head dim, dtype, mask and queries."""
+    tile = SHORT_CAUSAL_D64 if head_dim == 64 and causal and seqlen_q < 2048 else TILES[head_dim]
+    return FwdWsVariant(head_dim=head_dim, dtype=dtype, causal=causal, arch=arch, **tile)
 
 
 def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
-    """The fwd_ws variants of ``arch``: sm_90 only, none with window/softcap/ALiBi (``mods`` is
-    accepted for all_variants and changes nothing)."""
+    """The fwd_ws variants the planner can pick on ``arch``: sm_90 only, none with window/softcap/
+    ALiBi (``mods`` is accepted for all_variants and changes nothing)."""
     if arch != 90:
         return []
-    return [FwdWsVariant(head_dim=d, dtype=dt, causal=c, arch=arch)
-            for d in HEAD_DIMS for dt in DTYPES for c in (False, True)]
+    return list(dict.fromkeys(planned(d, dt, c, sq, arch) for d in HEAD_DIMS for dt in DTYPES
+                              for c in (False, True) for sq in (1, 2048)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,7 +259,7 @@ _LOG2E = 1.4426950408889634
 def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, out=None, return_lse: bool = False,
         **variant):
     """Attention with the fwd_ws kernel on (batch, seqlen, heads, d) CUDA arrays (PyTorch or
-    CuPy) of fp16/bf16, d 64 or 128, nheads a multiple of k's heads. Returns out, or (out, lse)
+    CuPy) of fp16/bf16, d 64, 128 or 256, nheads a multiple of k's heads. Returns out, or (out, lse)
     with lse (batch, nheads, seqlen_q) fp32. ``variant``: FwdWsVariant fields (block_n, overlap,
     pingpong, ...). Minimal checks: this is a test entry point, not the public API."""
     from .. import arrays, compiler
@@ -246,7 +270,7 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, ou
     if dtype is None or kv.dtype != qv.dtype or vv.dtype != qv.dtype:
         raise ValueError("q, k, v must be float16 or bfloat16, all the same")
     if d not in HEAD_DIMS or kv.shape != (b, sk, hk, d) or vv.shape != kv.shape or h % hk:
-        raise ValueError(f"shapes q {qv.shape}, k {kv.shape}, v {vv.shape}: d must be 64 or 128, k and v alike, "
+        raise ValueError(f"shapes q {qv.shape}, k {kv.shape}, v {vv.shape}: d must be 64, 128 or 256, k and v alike, "
                          "nheads a multiple of k's heads")
     if out is None:
         out = arrays.empty_like_framework(qv, qv.shape, qv.dtype)
