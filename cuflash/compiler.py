@@ -153,53 +153,13 @@ class Compiled:
         return parse_resources(self.log, self.name)
 
 
-class _SharedLock:
-    """Many holders in shared mode or one alone (a small readers-writer lock)."""
-
-    def __init__(self):
-        self._cond, self._shared, self._alone = threading.Condition(), 0, False
-
-    @contextlib.contextmanager
-    def shared(self):
-        with self._cond:
-            self._cond.wait_for(lambda: not self._alone)
-            self._shared += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._shared -= 1
-                self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def alone(self):
-        with self._cond:
-            self._cond.wait_for(lambda: not self._alone)
-            self._alone = True
-            self._cond.wait_for(lambda: self._shared == 0)
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._alone = False
-                self._cond.notify_all()
-
-
-# Compiles running at once in one process can lose ptxas's report: NVRTC 13.0 on the 16-core
-# GPU machine returned empty logs, with good cubins, for a few compiles of a parallel batch,
-# three tries in a row. Compiles run in shared mode; one whose log lacks its report runs again
-# alone, with no other compile in the process under way.
-_compiling = _SharedLock()
-
-
 def compile_source(source: str, name: str, arch: int | str) -> Compiled:
     """Compile CUDA C++ to a cubin for sm_<arch> (e.g. 90 or "90a") with NVRTC. Needs no GPU."""
-    options = [f"-arch=sm_{arch}", *NVRTC_OPTIONS]
-    with _compiling.shared():
-        ok, cubin, log = _nvrtc().compile(source, f"{name}.cu", options)
-    if ok and f"entry function '{name}'" not in log:
-        with _compiling.alone():
-            ok, cubin, log = _nvrtc().compile(source, f"{name}.cu", options)
+    nvrtc = _nvrtc()
+    # NVRTC 12.9 and later keep a compile cache of their own, shared by processes, and a
+    # compile served from it has no ptxas report in its log: cuflash caches cubins itself.
+    no_cache = ["--no-cache"] if nvrtc.version() >= (12, 9) else []
+    ok, cubin, log = nvrtc.compile(source, f"{name}.cu", [f"-arch=sm_{arch}", *NVRTC_OPTIONS, *no_cache])
     if not ok:
         raise RuntimeError(f"NVRTC failed to compile {name} for sm_{arch}:\n{log}")
     return Compiled(cubin, log, name)

@@ -279,8 +279,8 @@ def _nvdisasm():
 @pytest.mark.skipif(_nvdisasm() is None, reason="needs nvdisasm (pip install nvidia-cuda-nvdisasm, or set NVDISASM)")
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
 def test_sass_roles(compiled, v, tmp_path):
-    """In the machine code: the producer deallocates to 24 registers and uses fewer, the
-    consumers allocate theirs (v.consumer_regs) and use fewer; TMA loads (UTMALDG), wgmma (HGMMA) and mbarrier waits
+    """In the machine code: the producer deallocates to 24 registers, the consumers allocate
+    theirs (v.consumer_regs) and use fewer; TMA loads (UTMALDG), wgmma (HGMMA) and mbarrier waits
     are there."""
     path = tmp_path / "k.cubin"
     path.write_bytes(compiled[v].cubin)
@@ -291,12 +291,12 @@ def test_sass_roles(compiled, v, tmp_path):
     assert len(alloc) == 1 and len(dealloc) == 1, "one setmaxnreg per role"
     assert f"{v.consumer_regs:#x}" in lines[alloc[0]] and f"{fwd_ws.PRODUCER_REGS:#x}" in lines[dealloc[0]]
 
-    def max_reg(a, b):
-        return max((int(x) for l in lines[a:b] for x in re.findall(r"\bR(\d+)\b", l)), default=-1)
-    first, second = sorted((alloc[0], dealloc[0]))
-    regions = {alloc[0]: max_reg(first, second) if first == alloc[0] else max_reg(second, len(lines)),
-               dealloc[0]: max_reg(first, second) if first == dealloc[0] else max_reg(second, len(lines))}
-    assert regions[alloc[0]] < v.consumer_regs and regions[dealloc[0]] < fwd_ws.PRODUCER_REGS, regions
+    # The code from the consumers' allocation up to the producer's deallocation (or the end)
+    # uses fewer registers than allocated. After the deallocation ptxas may lay out consumer
+    # blocks too, so that region is not checked.
+    end = dealloc[0] if alloc[0] < dealloc[0] else len(lines)
+    used = max((int(x) for l in lines[alloc[0]:end] for x in re.findall(r"\bR(\d+)\b", l)), default=-1)
+    assert used < v.consumer_regs, used
     assert "UTMALDG.4D" in sass and f"HGMMA.64x{v.block_n}x16.F32" in sass and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass
 
 
