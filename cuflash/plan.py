@@ -297,7 +297,9 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
             v = fwd_ws.planned(bucket, p.dtype, causal, sq, dev.arch)
             why.append(f"sm_90: the warp-specialised kernel (fwd_ws, sm_90a): a producer warpgroup loads Q and "
                        f"K/V tiles of {v.block_n} keys by TMA into {v.stages} stages on mbarriers; "
-                       f"{v.consumers} consumer warpgroups of 64 query rows run wgmma and the softmax.")
+                       f"{v.consumers} consumer warpgroups of 64 query rows run wgmma and the softmax"
+                       + (", each issuing the next tile's QK^T before this tile's softmax" if v.overlap else "")
+                       + (", taking turns at the tensor cores (ping-pong)" if v.pingpong else "") + ".")
             launches.append(Launch(v, v.grid(p.batch, sq, nh), v.threads, v.smem_bytes))
         else:
             v = FwdVariant(kind="fwd", head_dim=bucket, dtype=p.dtype, causal=causal, even_head_dim=even,

@@ -1,30 +1,47 @@
-"""Time the warp-specialised forward (cuflash.kernels.fwd_ws) against the wgmma kernel it
-replaced (planned with CUFLASH_FWD_WS's switch off) and SDPA's cuDNN backend, on an H100/H200,
-after checking that its output matches the wgmma kernel's.
+"""Time configurations of the warp-specialised forward (cuflash.kernels.fwd_ws) against the
+wgmma kernel it replaced (planned with CUFLASH_FWD_WS's switch off) and SDPA's cuDNN backend, on
+an H100/H200, after checking each one's output against the wgmma kernel's.
 
-    python scripts/bench_fwd_ws.py [--quick]
+    python scripts/bench_fwd_ws.py [--quick] [--tiles] [--head-dim D ...]
 
-Prints one line per shape: TFLOP/s of fwd_ws with each schedule (plain, overlap, pingpong, both;
-fwd_ws.run's variant flags), of the wgmma kernel and of cuDNN, the best schedule's ratio to
-both, and the largest |difference| from the wgmma kernel's output. Model dim 2048, bf16.
+Default: the four schedules (plain, overlap, pingpong, both: fwd_ws.run's variant flags) on the
+planned K/V tile. ``--tiles``: the candidate tiles of each head dim (TILES below), the planned
+ones among them. Prints one line per shape: TFLOP/s of each configuration, of the wgmma kernel
+and of cuDNN, the best one's ratio to both, and the largest |difference| from the wgmma
+kernel's output over all configurations (0 where only the schedule differs: the same arithmetic
+in the same order). Model dim 2048, bf16.
 """
 import argparse
 import contextlib
+import importlib
 import math
 
 from cuflash import bench
 from cuflash.kernels import fwd_ws
 
+SCHEDULES = {"plain": {}, "overlap": dict(overlap=True), "pingpong": dict(pingpong=True),
+             "both": dict(overlap=True, pingpong=True)}
+BOTH = SCHEDULES["both"]
+TILES = {
+    64: {"128x128": BOTH, "192x128 ov": dict(block_m=192, overlap=True), "192x128": dict(block_m=192),
+         "128x176": dict(block_n=176, **BOTH), "128x192": dict(block_n=192, **BOTH)},
+    128: {"128x128": BOTH, "128x128 ov": dict(overlap=True), "128x176": dict(block_n=176, **BOTH),
+          "128x176 ov": dict(block_n=176, overlap=True), "128x160": dict(block_n=160, **BOTH)},
+    256: {"128x80 plain": dict(block_n=80), "128x80 ov": dict(block_n=80, overlap=True), "128x80": dict(block_n=80, **BOTH),
+          "128x64 ov": dict(block_n=64, overlap=True), "128x64": dict(block_n=64, **BOTH)},
+}
+
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one shape per head dim and mask")
+    ap.add_argument("--tiles", action="store_true", help="candidate tiles instead of schedules")
+    ap.add_argument("--head-dim", type=int, nargs="+", default=list(fwd_ws.HEAD_DIMS))
     a = ap.parse_args()
     torch = bench._torch()
     import cuflash
-    import importlib
     from cuflash import api
-    plan = importlib.import_module("cuflash.plan")
+    plan = importlib.import_module("cuflash.plan")  # the module (cuflash.plan is the function)
 
     @contextlib.contextmanager
     def wgmma_planned():
@@ -38,11 +55,11 @@ def main():
         finally:
             switch(True)
     shapes = ((8, 2048),) if a.quick else ((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384))
-    schedules = {"plain": {}, "overlap": dict(overlap=True), "pingpong": dict(pingpong=True),
-                 "both": dict(overlap=True, pingpong=True)}
-    print(f"{'d':>4} {'causal':>6} {'b':>3} {'s':>6} | " + " ".join(f"{n:>8}" for n in schedules)
-          + f" {'wgmma':>7} {'cuDNN':>7} TF/s | {'best/wgmma':>10} {'best/cuDNN':>10} | max |diff|")
-    for d in fwd_ws.HEAD_DIMS:
+    for d in a.head_dim:
+        configs = TILES[d] if a.tiles else {
+            n: dict(kw, block_n=fwd_ws.TILES[d]["block_n"]) for n, kw in SCHEDULES.items()}
+        print(f"\n{'d':>4} {'causal':>6} {'b':>3} {'s':>6} | " + " ".join(f"{n:>12}" for n in configs)
+              + f" {'wgmma':>7} {'cuDNN':>7} TF/s | {'best/wgmma':>10} {'best/cuDNN':>10} | max |diff|")
         for causal in (False, True):
             for b, s in shapes:
                 h = 2048 // d
@@ -55,14 +72,14 @@ def main():
                 flops = 4 * b * s * s * h * d / (2 if causal else 1)
                 tf = lambda ms: flops / ms / 1e9 if ms else float("nan")  # noqa: E731
                 diff, ws = 0.0, {}
-                for name, kw in schedules.items():
+                for name, kw in configs.items():
                     diff = max(diff, (fwd_ws.run(q, k, v, causal=causal, **kw).float() - base.float()).abs().max().item())
                     ws[name] = tf(bench.time_cuda(lambda q, k, v: fwd_ws.run(q, k, v, causal=causal, **kw), sets, 5, 30))
                 planned = tf(planned)
                 sets_t = [tuple(t.transpose(1, 2) for t in x) for x in sets]
                 cudnn = tf(bench._time_sdpa(torch, "CUDNN_ATTENTION", sets_t, causal, False, 5, 30))
                 best = max(ws.values())
-                print(f"{d:>4} {causal!s:>6} {b:>3} {s:>6} | " + " ".join(f"{x:8.1f}" for x in ws.values())
+                print(f"{d:>4} {causal!s:>6} {b:>3} {s:>6} | " + " ".join(f"{x:12.1f}" for x in ws.values())
                       + f" {planned:7.1f} {cudnn:7.1f}      | {best / planned:10.2f} {best / cudnn:10.2f} | {diff:.3g}",
                       flush=True)
                 del sets, sets_t, q, k, v

@@ -1,8 +1,14 @@
 import os
 import sys
 
-import numpy as np
-import pytest
+# Each pytest-xdist worker computes float64 references with NumPy: one BLAS/OpenMP thread per
+# worker, or 16 workers on 16 cores start 256 threads (a GPU suite ran ~10x slower that way).
+if "PYTEST_XDIST_WORKER" in os.environ:
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

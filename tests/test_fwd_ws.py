@@ -17,7 +17,7 @@ from conftest import GPU_PROBLEM, assert_compiled_clean, requires_torch
 from cuflash import codegen
 from cuflash.kernels import all_variants, covering_sample, fwd_ws
 from cuflash.kernels.fwd_ws import FwdWsVariant
-from cuflash.kernels.params import TENSOR_MAP_BYTES, ParamTable
+from cuflash.kernels.params import ParamTable
 
 VARIANTS = fwd_ws.variants(90)
 REG_FILE = 65536  # 32-bit registers per SM (and so per block with one block per SM)
