@@ -135,8 +135,8 @@ def test_large_prefill_never_splits(num_sms, causal):
 def test_head_dim_buckets(d, bucket, kernel_d, dpred):
     p = cuflash.plan((2, 256, 8, d), (2, 256, 8, d), (2, 256, 8, d), num_sms=132, arch=90, num_splits=1)
     name = p.kernels[0]
-    # the full head dims 64 and 128 run the warp-specialised kernel on sm_90
-    family = "fwd_ws" if kernel_d == bucket in (64, 128) else "fwd"
+    # the full head dims 64, 128 and 256 run the warp-specialised kernel on sm_90
+    family = "fwd_ws" if kernel_d == bucket in (64, 128, 256) else "fwd"
     assert name.startswith(f"{family}_d{bucket}_") and ("_dpred" in name) == dpred
     assert p.problem.head_dim == kernel_d and p.launches[0].variant.head_dim == bucket
 

@@ -81,7 +81,7 @@ PREFILL = (2, 1024, 16, 128)  # 2*16*ceil(1024/64) = 512 blocks >= 0.8 * 264 slo
 def test_prefill_kernel_names(kw, mask, mods, arch):
     p = plan(PREFILL, PREFILL, **{**kw, "arch": arch})
     if arch == 90 and not mods and mask != "local":  # the warp-specialised kernel
-        kernel = f"fwd_ws_d128_bf16_{mask}_m128n128s2_sm90"
+        kernel = f"fwd_ws_d128_bf16_{mask}_m128n128s2_overlap_pingpong_sm90"
     elif arch == 90:  # wgmma: two warpgroups of 64 rows, 128 keys, two stages, whatever the mask
         kernel = f"fwd_d128_bf16_{mask}{mods}_wgmma_m128n128w8s2_sm90"
     else:  # mma.sync, one K/V stage: 32 keys at d=128, or 64 rows x 64 keys with a window/softcap/ALiBi
