@@ -233,7 +233,7 @@ def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int) -> Re
         tma_q=bytes(fwd_ws.TENSOR_MAP_BYTES), tma_k=bytes(fwd_ws.TENSOR_MAP_BYTES),
         tma_v=bytes(fwd_ws.TENSOR_MAP_BYTES), o=0, lse=0, **stride_values("o", _strides(o, False, 1)),
         lse_sb=p.nheads * p.seqlen_q, lse_sh=p.seqlen_q, lse_sr=1, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
-        ngroups=p.nheads // p.nheads_k, scale_log2=softmax_scale * _LOG2E)
+        ngroups=p.nheads // p.nheads_k, nheads=p.nheads, batch=p.batch, scale_log2=softmax_scale * _LOG2E)
     maps = tuple((tuple(x.shape), tuple(x.strides), box) for x, box in ((q, w.block_m), (k, w.block_n), (v, w.block_n)))
     early, smem = _early_smem(plan, main)
     return Recipe(plan, kernel, main.grid, (main.threads, 1, 1), smem, values[5:], False, {}, 0, 0, 0, early,

@@ -300,7 +300,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                        f"{v.consumers} consumer warpgroups of 64 query rows run wgmma and the softmax"
                        + (", each issuing the next tile's QK^T before this tile's softmax" if v.overlap else "")
                        + (", taking turns at the tensor cores (ping-pong)" if v.pingpong else "") + ".")
-            launches.append(Launch(v, v.grid(p.batch, sq, nh), v.threads, v.smem_bytes))
+            launches.append(Launch(v, v.grid(p.batch, sq, nh, dev.num_sms), v.threads, v.smem_bytes))
         else:
             v = FwdVariant(kind="fwd", head_dim=bucket, dtype=p.dtype, causal=causal, even_head_dim=even,
                            block_m=bm, block_n=bn_fwd, warps=warps, arch=dev.arch, stages=stages, kv=p.kv, **mods,

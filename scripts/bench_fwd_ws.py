@@ -24,10 +24,13 @@ SCHEDULES = {"plain": {}, "overlap": dict(overlap=True), "pingpong": dict(pingpo
 BOTH = SCHEDULES["both"]
 TILES = {
     64: {"128x128": BOTH, "192x128 ov": dict(block_m=192, overlap=True), "192x128": dict(block_m=192),
+         "128x128 pers": dict(persistent=True, **BOTH), "192x128 ov pers": dict(block_m=192, overlap=True, persistent=True),
          "128x176": dict(block_n=176, **BOTH), "128x192": dict(block_n=192, **BOTH)},
-    128: {"128x128": BOTH, "128x128 ov": dict(overlap=True), "128x176": dict(block_n=176, **BOTH),
+    128: {"128x128": BOTH, "128x128 pers": dict(persistent=True, **BOTH), "128x128 ov": dict(overlap=True),
+          "128x176": dict(block_n=176, **BOTH),
           "128x176 ov": dict(block_n=176, overlap=True), "128x160": dict(block_n=160, **BOTH)},
     256: {"128x80 plain": dict(block_n=80), "128x80 ov": dict(block_n=80, overlap=True), "128x80": dict(block_n=80, **BOTH),
+          "128x80 pers": dict(block_n=80, persistent=True, **BOTH),
           "128x64 ov": dict(block_n=64, overlap=True), "128x64": dict(block_n=64, **BOTH)},
 }
 

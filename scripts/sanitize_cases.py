@@ -20,6 +20,12 @@ def main():
                                        (37, 301, 4, 1, 40, False), (129, 129, 2, 2, 256, True),
                                        (300, 211, 4, 2, 64, False), (2100, 2100, 1, 1, 64, True)]:
         cuflash.attention(rnd(2, sq, h, d), rnd(2, sk, hk, d), rnd(2, sk, hk, d), causal=causal, return_lse=True)
+    # persistent fwd_ws blocks (not planned yet): more query tiles than SMs, rows with no key
+    if torch.cuda.get_device_capability() == (9, 0):
+        from cuflash.kernels import fwd_ws
+        for d, causal in ((64, False), (128, True), (256, True)):
+            fwd_ws.run(rnd(5, 129, 40, d), rnd(5, 100, 8, d), rnd(5, 100, 8, d), causal=causal, return_lse=True,
+                       persistent=True, **fwd_ws.TILES[d])
     # split-KV (merge fused into the split kernel), with empty splits; decode tile (GQA packing)
     cuflash.attention(rnd(1, 3, 8, 128), rnd(1, 799, 2, 128), rnd(1, 799, 2, 128), causal=True, num_splits=128)
     cuflash.attention(rnd(2, 1, 28, 128), rnd(2, 339, 4, 128), rnd(2, 339, 4, 128), causal=True)

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -244,6 +245,8 @@ def test_compiles_as_designed(compiled, v):
 SCHEDULES = [dict(overlap=True), dict(pingpong=True), dict(overlap=True, pingpong=True)]
 SCHEDULED = [FwdWsVariant(head_dim=d, dtype="bf16", causal=c, arch=90, **kw)
              for d in (64, 128) for c in (False, True) for kw in SCHEDULES]
+# The planned tiles with persistent blocks (not planned yet).
+PERSISTENT = [replace(v, persistent=True) for v in VARIANTS if v.dtype == "bf16"]
 
 
 @pytest.mark.parametrize("v", SCHEDULED, ids=lambda v: v.name)
@@ -254,6 +257,36 @@ def test_schedules_compile_as_designed(compiled, v):
     assert_compiled_clean(c, v)
     assert "serialized" not in c.log and "warning" not in c.log.lower(), c.log
     assert ("_overlap" in v.name) == v.overlap and ("_pingpong" in v.name) == v.pingpong
+
+
+@pytest.mark.parametrize("v", PERSISTENT, ids=lambda v: v.name)
+def test_persistent_compiles_as_designed(compiled, v):
+    c = compiled[v]
+    assert_compiled_clean(c, v)
+    assert "serialized" not in c.log and "warning" not in c.log.lower(), c.log
+    assert v.name.endswith("_persistent_sm90")
+
+
+def test_persistent_renders_the_tile_loop_only_when_asked():
+    """The one-tile kernel renders without the tile loop and the Q-empty barrier (its machine
+    code is the same as before persistent blocks existed); the persistent one walks tiles
+    x, x + gridDim.x, ... and lets the producer reload Q after the consumers' epilogue."""
+    one = codegen.render(fwd_ws.planned(128, "bf16", False, 4096))
+    many = codegen.render(replace(fwd_ws.planned(128, "bf16", False, 4096), persistent=True))
+    loop = "for (int t = blockIdx.x, j = 0; t < num_tiles; t += gridDim.x, ++j)"
+    assert loop not in one and "bar_q_empty" not in one and "kv0" not in one
+    assert many.count(loop) == 2  # the producer's and the consumers'
+    assert "mbar_wait<kHangTrap>(bar_q_empty, (j - 1) & 1)" in many and "mbar_arrive(bar_q_empty)" in many
+    assert "mbar_wait<kHangTrap>(bar_q, j & 1)" in many and "mbar_wait<kHangTrap>(bar_q, 0)" in one
+
+
+def test_persistent_grid():
+    v = fwd_ws.planned(128, "bf16", False, 4096)
+    p = replace(v, persistent=True)
+    assert v.grid(2, 1000, 16) == v.grid(2, 1000, 16, 132) == (8, 16, 2)
+    assert p.grid(2, 1000, 16, 132) == (132, 1, 1) and p.grid(1, 100, 3, 132) == (3, 1, 1)
+    with pytest.raises(ValueError, match="SM count"):
+        p.grid(2, 1000, 16)
 
 
 def test_schedules_render_their_barriers():
@@ -378,6 +411,27 @@ def test_gpu_matches_reference(rng, dtype, d, tile, causal, sq, sk):
 def test_gpu_gqa(rng, h, hk, causal, sq, sk, d):
     q, k, v = _inputs(rng, 2, sq, sk, h, hk, d, "bfloat16")
     out, lse = _run_poisoned(q, k, v, causal, **fwd_ws.TILES[d])
+    _check(out, lse, q, k, v, causal)
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("d,tile", PLANNED_TILES, ids=lambda x: x if isinstance(x, int) else
+                         "m{block_m}n{block_n}".format(**{"block_m": 128, **x}))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("b,h,hk,sq,sk", [(3, 8, 2, 768, 768), (3, 6, 6, 1000, 1300), (2, 4, 1, 555, 300),
+                                         (1, 2, 2, 1, 239), (5, 40, 8, 129, 129)])
+def test_gpu_persistent_matches_one_tile_blocks(rng, d, tile, causal, b, h, hk, sq, sk):
+    """Persistent blocks (more tiles than SMs in three of the shapes, so blocks walk several
+    query tiles and carry stage phases across them; rows that see no key when causal with
+    sq > sk) compute what one-tile blocks compute, bitwise, and pass the reference check."""
+    import torch
+    q, k, v = _inputs(rng, b, sq, sk, h, hk, d, "bfloat16")
+    out = torch.full_like(q, float("nan"))
+    res, lse = fwd_ws.run(q, k, v, causal=causal, out=out, return_lse=True, persistent=True, **tile)
+    one, one_lse = fwd_ws.run(q, k, v, causal=causal, return_lse=True, **tile)
+    torch.cuda.synchronize()
+    assert res is out and torch.equal(out, one) and torch.equal(lse, one_lse)
     _check(out, lse, q, k, v, causal)
 
 

@@ -24,7 +24,7 @@ BLOCK_M, BLOCK_N, STAGES = 128, 128, 2  # two consumer warpgroups of 64 rows; tw
 PRODUCER_REGS = 24    # setmaxnreg of the producer warpgroup
 MAX_CONSUMER_REGS = 240  # of a consumer's, with two (128 * 24 + 256 * 240 = 64512 <= 65536)
 BOX_COLS = 64                           # one TMA box is 64 columns (128 bytes: the swizzle's width)
-BARRIER_BYTES = 128                     # 1 + 4 * stages mbarriers of 8 bytes, rounded up
+BARRIER_BYTES = 128                     # 2 + 4 * stages mbarriers of 8 bytes, rounded up
 # An mbarrier wait longer than this many clock cycles traps (the launch fails instead of hanging
 # on a phase that never completes): a debugging aid while changing the pipeline, e.g. 1 << 32
 # (about 2 s). 0: waits never trap (a slow but legitimate wait, under a profiler's replay, must
@@ -37,6 +37,7 @@ PARAMS = ParamTable("FwdWsParams", (
     *strides("o", "sb", "ss", "sh"), *strides("lse", "sb", "sh", "sr"),
     ("seqlen_q", "int"), ("seqlen_k", "int"), ("ngroups", "int"),
     ("scale_log2", "float"),
+    ("nheads", "int"), ("batch", "int"),  # the tile count of a persistent grid
 ))
 
 
@@ -63,6 +64,10 @@ class FwdWsVariant(KernelVariant):
     # barriers), so one's softmax runs while the other's products use the tensor cores.
     overlap: bool = False
     pingpong: bool = False
+    # FlashAttention-3's persistent blocks: at most one block per SM, each walking query tiles
+    # (query block fastest, then head, then batch) so that the producer loads the next tile's
+    # K/V during the last tile's epilogue, and no block pays a launch and a cold start per tile.
+    persistent: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -72,7 +77,7 @@ class FwdWsVariant(KernelVariant):
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for f in ("causal", "overlap", "pingpong"):
+        for f in ("causal", "overlap", "pingpong", "persistent"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be a bool, got {getattr(self, f)!r}")
         if self.pingpong and self.block_m != 128:
@@ -90,7 +95,8 @@ class FwdWsVariant(KernelVariant):
     @functools.cached_property
     def name(self) -> str:
         mask = "causal" if self.causal else "full"
-        sched = ("_overlap" if self.overlap else "") + ("_pingpong" if self.pingpong else "")
+        sched = ("_overlap" if self.overlap else "") + ("_pingpong" if self.pingpong else "") + (
+            "_persistent" if self.persistent else "")
         return (f"fwd_ws_d{self.head_dim}_{self.dtype}_{mask}"
                 f"_m{self.block_m}n{self.block_n}s{self.stages}{sched}_sm{self.arch}")
 
@@ -121,12 +127,19 @@ class FwdWsVariant(KernelVariant):
         """Q, kStages K and V tiles (2-byte elements), then the mbarriers."""
         return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + BARRIER_BYTES
 
-    def grid(self, batch: int, seqlen_q: int, nheads: int) -> tuple[int, int, int]:
-        return (math.ceil(seqlen_q / self.block_m), nheads, batch)
+    def grid(self, batch: int, seqlen_q: int, nheads: int, num_sms: int = 0) -> tuple[int, int, int]:
+        """One block per query tile; persistent: one per SM (``num_sms``), or per tile if fewer."""
+        tiles = (math.ceil(seqlen_q / self.block_m), nheads, batch)
+        if not self.persistent:
+            return tiles
+        if num_sms < 1:
+            raise ValueError(f"a persistent grid needs the SM count, got num_sms={num_sms!r}")
+        return (max(1, min(math.prod(tiles), num_sms)), 1, 1)
 
     def constants(self) -> dict:
         return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, stages=self.stages,
                     causal=self.causal, bf16=self.dtype == "bf16", overlap=self.overlap, pingpong=self.pingpong,
+                    persistent=self.persistent, barrier_bytes=BARRIER_BYTES,
                     producer_regs=PRODUCER_REGS,
                     consumer_regs=self.consumer_regs, hang_trap_cycles=HANG_TRAP_CYCLES)
 
@@ -283,12 +296,14 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, ou
     variant = FwdWsVariant(head_dim=d, dtype=dtype, causal=bool(causal), arch=90, **variant)
     with arrays.on_device(qv.device):
         kernel = compiler.get_kernel(variant, qv.device)
-        kernel(variant.grid(b, sq, h), (variant.threads,), arrays.stream_for(qv), shared_mem=variant.smem_bytes,
+        from ..api import device_facts
+        grid = variant.grid(b, sq, h, device_facts(qv.device).num_sms)
+        kernel(grid, (variant.threads,), arrays.stream_for(qv), shared_mem=variant.smem_bytes,
                tma_q=encode_tensor_map(qv.ptr, qv.shape, qv.strides, dtype, variant.block_m),
                tma_k=encode_tensor_map(kv.ptr, kv.shape, kv.strides, dtype, variant.block_n),
                tma_v=encode_tensor_map(vv.ptr, vv.shape, vv.strides, dtype, variant.block_n),
                o=ov.ptr, lse=arrays.device_ptr(lse) if lse is not None else 0,
                o_sb=ov.strides[0], o_ss=ov.strides[1], o_sh=ov.strides[2],
                lse_sb=h * sq, lse_sh=sq, lse_sr=1,
-               seqlen_q=sq, seqlen_k=sk, ngroups=h // hk, scale_log2=scale * _LOG2E)
+               seqlen_q=sq, seqlen_k=sk, ngroups=h // hk, nheads=h, batch=b, scale_log2=scale * _LOG2E)
     return (out, lse) if return_lse else out
