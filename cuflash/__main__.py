@@ -230,7 +230,9 @@ def cmd_bench(a):
     from cuflash import bench
     try:
         bench._torch()
-    except RuntimeError as e:  # no PyTorch, or no CUDA device for it
+        if a.kind == "jax":
+            bench._jax()  # before anything else starts JAX's GPU backend
+    except RuntimeError as e:  # no PyTorch, or no CUDA device for it (or for JAX)
         _fail(f"cuflash: error: {e}")
     if a.kind == "prefill":
         rows = bench.bench_prefill(quick=a.quick)
@@ -240,6 +242,8 @@ def cmd_bench(a):
         rows = bench.bench_overhead()
     elif a.kind == "backward":
         rows = bench.bench_backward(quick=a.quick)
+    elif a.kind == "jax":
+        rows = bench.bench_jax(quick=a.quick)
     else:
         rows = bench.bench_decode()
     print(bench.format_table(rows, "prefill" if a.kind == "backward" else a.kind))
@@ -315,8 +319,9 @@ def main(argv=None):
     c = sub.add_parser("cache", help="list or clear the kernel cache")
     c.add_argument("action", choices=["list", "clear"])
 
-    b = sub.add_parser("bench", help="benchmark against PyTorch SDPA (flash, cuDNN)")
-    b.add_argument("kind", choices=["prefill", "decode", "backward", "window", "overhead"])
+    b = sub.add_parser("bench", help="benchmark against PyTorch SDPA (flash, cuDNN); jax: cuflash.jax under jax.jit "
+                                     "against jax.nn.dot_product_attention (cuDNN, XLA)")
+    b.add_argument("kind", choices=["prefill", "decode", "backward", "window", "overhead", "jax"])
     b.add_argument("--quick", action="store_true")
     b.add_argument("--json")
     b.add_argument("--csv")

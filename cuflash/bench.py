@@ -1,16 +1,21 @@
-"""Benchmarks for cuflash: prefill TFLOP/s and decode TB/s against PyTorch SDPA, and the cost
-of sliding windows against full attention.
+"""Benchmarks for cuflash: prefill TFLOP/s and decode TB/s against PyTorch SDPA, the cost
+of sliding windows against full attention, and cuflash.jax under jax.jit against
+jax.nn.dot_product_attention.
 
 Timing uses CUDA events after warm-up, takes the median of many repeats and
 rotates among several input sets whose total size exceeds 2x L2, so that
-inputs are (mostly) read from HBM as they would be in a real model.
+inputs are (mostly) read from HBM as they would be in a real model. The JAX
+benchmark times with the wall clock instead (`time_sync`): CUDA events on
+PyTorch's stream cannot bracket work on XLA's streams.
 """
 from __future__ import annotations
 
 import csv
 import datetime
+import functools
 import json
 import math
+import os
 import statistics
 import time
 
@@ -19,6 +24,8 @@ _SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION")
 _REF_ORDER = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
 DEFAULT_DECODE_SHAPES = tuple((h, hk, b, sk) for h, hk in ((32, 8), (28, 4))
                               for b in (1, 8, 64) for sk in (128, 600, 4096, 32768))
+BACKWARD_FLOPS = 2.5  # the backward's FLOPs per forward FLOP (FA2's convention: 5 matmuls against 2)
+JAX_IMPLS = ("cuflash_jax", "cudnn", "xla")  # cuflash.jax and jax.nn.dot_product_attention's two
 
 
 def _torch():
@@ -29,6 +36,30 @@ def _torch():
     if not torch.cuda.is_available():
         raise RuntimeError("bench needs PyTorch with CUDA")
     return torch
+
+
+def _jax():
+    """JAX with a CUDA GPU backend, set up to share the GPU with PyTorch."""
+    # XLA's GPU client takes 75% of the GPU's memory when it starts unless told not to, which
+    # would starve PyTorch in this process (the input sets and the cuflash.torch rows). The
+    # variable is read when that client starts, so it is set before JAX's first use of the GPU;
+    # a value the caller set stands.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    try:
+        import jax
+    except ImportError as e:
+        raise RuntimeError("bench jax needs JAX with a CUDA GPU backend (pip install 'jax[cuda13]')") from e
+    try:
+        jax.devices("gpu")
+    except RuntimeError as e:
+        raise RuntimeError(f"bench jax needs JAX with a CUDA GPU backend: {e}") from e
+    return jax
+
+
+def _flops(batch, seqlen, nheads, d, causal):
+    """Forward FLOPs of attention with seqlen_q == seqlen_k, FlashAttention's count: two matmuls,
+    4·b·s²·h·d, halved when causal."""
+    return 4 * batch * seqlen * seqlen * nheads * d / (2 if causal else 1)
 
 
 def time_cuda(fn, inputs_list, warmup=10, reps=50, batch=1, hide_launch=False, stats=None):
@@ -77,6 +108,35 @@ def time_cuda(fn, inputs_list, warmup=10, reps=50, batch=1, hide_launch=False, s
     if stats is not None:
         stats["host_ms"] = host_ms
     return statistics.median(s.elapsed_time(e) / batch for s, e in events)
+
+
+def time_sync(fn, inputs_list, sync, warmup=3, reps=20, sample_ms=10.0):
+    """Median wall-clock milliseconds per call of fn(*inputs), cycling through inputs_list.
+
+    For asynchronous frameworks (JAX, PyTorch on CUDA): each sample issues a batch of calls and
+    waits once, `sync(out)` on the last call's output (`jax.block_until_ready`; for PyTorch,
+    `torch.cuda.synchronize`), so the GPU's work is timed to its end. The first call (which may
+    compile) is not timed; the batch is sized from the warm-up so that a sample lasts about
+    `sample_ms`, which makes the wait and the first launch a small part of it.
+    """
+    n, k = len(inputs_list), 1
+    sync(fn(*inputs_list[0]))
+    t0 = time.perf_counter()
+    for _ in range(max(1, warmup)):
+        out = fn(*inputs_list[k % n])
+        k += 1
+    sync(out)
+    per_ms = (time.perf_counter() - t0) * 1e3 / max(1, warmup)
+    batch = max(1, min(200, int(sample_ms / max(per_ms, 1e-3))))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            out = fn(*inputs_list[k % n])
+            k += 1
+        sync(out)
+        samples.append((time.perf_counter() - t0) * 1e3 / batch)
+    return statistics.median(samples)
 
 
 def _make_sets(torch, shapes, dtype, extra_bytes=0, min_sets=4):
@@ -183,7 +243,7 @@ def bench_prefill(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), caus
         q, k, v = sets[0]
         row = dict(dtype=dt, d=d, causal=c, batch=b, seqlen=s, nheads=h)
         row["kernels"], _ = _plan(cuflash, q, k, v, c)
-        flops = 4 * b * s * s * h * d / (2 if c else 1)
+        flops = _flops(b, s, h, d, c)
         tf = lambda ms: flops / ms / 1e9 if ms else None  # noqa: E731
         try:
             row["max_diff_vs_sdpa"] = _max_diff(torch, cuflash.attention(q, k, v, causal=c),
@@ -269,7 +329,7 @@ def bench_backward(dtypes=("bfloat16", "float16"), head_dims=(64, 128), causal=(
     for dt, d, c, b, s, h, shp in _prefill_grid(dtypes, head_dims, causal, shapes, model_dim, quick):
         sets = _make_sets(torch, (shp, shp, shp, shp), getattr(torch, dt), min_sets=2)
         row = dict(dtype=dt, d=d, causal=c, batch=b, seqlen=s, nheads=h)
-        flops = 2.5 * 4 * b * s * s * h * d / (2 if c else 1)
+        flops = BACKWARD_FLOPS * _flops(b, s, h, d, c)
         tf = lambda ms: flops / ms / 1e9 if ms else None  # noqa: E731
         try:
             saved = [(do, q, k, v, *cuflash.attention(q, k, v, causal=c, return_lse=True))
@@ -304,6 +364,126 @@ def _time_sdpa_backward(torch, backend, sets, causal, warmup, reps):
             return time_cuda(fn, saved, warmup, reps)
     except Exception:  # unsupported shape/dtype for this backend
         return None
+
+
+def bench_jax(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), causal=(False, True),
+              shapes=((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)),
+              model_dim=2048, reps=20, warmup=3, quick=False, verbose=True):
+    """cuflash.jax.attention under jax.jit against jax.nn.dot_product_attention with
+    implementation="cudnn" and "xla", on the prefill grid, and cuflash.torch.attention at the
+    same shapes in the same process. Two rows per shape: "fwd" (the forward) and "fwd+bwd"
+    (jax.jit(jax.grad(loss)) of loss = sum(out * do) for a fixed random do, w.r.t. q, k and v;
+    for PyTorch, torch.autograd.grad of the same), counted as (1 + 2.5) x the forward's FLOPs.
+    Every implementation is timed by `time_sync`; max |diff| is against cuDNN's output (XLA's
+    where cuDNN is unavailable). An implementation that fails (a shape or dtype it refuses, out
+    of memory) gets no timing and its error in row["errors"]."""
+    torch, jax = _torch(), _jax()
+    import jax.dlpack
+    rows = []
+    for dt, d, c, b, s, h, shp in _prefill_grid(dtypes, head_dims, causal, shapes, model_dim, quick):
+        # q, k, v and the cotangent do, made by PyTorch and seen by JAX through DLPack without a
+        # copy: every implementation reads the same inputs, so their outputs can be compared.
+        sets_t = _make_sets(torch, (shp,) * 4, getattr(torch, dt), min_sets=2)
+        sets_j = [tuple(jax.dlpack.from_dlpack(t) for t in x) for x in sets_t]
+        for backward in (False, True):
+            row = {"dtype": dt, "d": d, "causal": c, "batch": b, "seqlen": s, "nheads": h,
+                   "pass": "fwd+bwd" if backward else "fwd", "errors": {}}
+            outs = _jax_row(row, sets_j, c, d ** -0.5, backward, warmup, reps)
+            # leaves that need gradients, on the same memory
+            tsets = [(*(t.detach().requires_grad_() for t in x[:3]), x[3]) for x in sets_t] if backward else sets_t
+            _measure(row, outs, "cuflash_torch", functools.partial(_torch_fn, torch, c, d ** -0.5, backward),
+                     tsets, lambda _: torch.cuda.synchronize(), warmup, reps)
+            _jax_summary(row, outs, (1 + BACKWARD_FLOPS if backward else 1) * _flops(b, s, h, d, c))
+            _emit(rows, row, "jax", verbose)
+            del outs, tsets
+        del sets_t, sets_j
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _jax_fn(name, causal, scale, backward):
+    """One JAX implementation as a jitted fn(q, k, v, do) on (batch, seqlen, nheads, d) arrays:
+    the output, or with backward=True the gradients (dq, dk, dv) of sum(out * do), which run the
+    forward and the backward."""
+    import jax
+    import jax.numpy as jnp
+    if name == "cuflash_jax":
+        import cuflash.jax as cj
+        attn = lambda q, k, v: cj.attention(q, k, v, causal=causal, softmax_scale=scale)  # noqa: E731
+    else:  # jax.nn's own: cuDNN's fused kernel ("cudnn") or XLA's unfused computation ("xla")
+        attn = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+            q, k, v, scale=scale, is_causal=causal, implementation=name)
+    if not backward:
+        return jax.jit(lambda q, k, v, do: attn(q, k, v))
+    loss = lambda q, k, v, do: jnp.sum(attn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))  # noqa: E731
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def _torch_fn(torch, causal, scale, backward):
+    """cuflash.torch.attention as fn(q, k, v, do): the output, or with backward=True the
+    gradients of sum(out * do) through autograd (q, k, v must require gradients)."""
+    import cuflash.torch as ct
+    attn = lambda q, k, v: ct.attention(q, k, v, causal=causal, softmax_scale=scale)  # noqa: E731
+    if not backward:
+        return lambda q, k, v, do: attn(q, k, v)
+    return lambda q, k, v, do: torch.autograd.grad(attn(q, k, v), (q, k, v), do)
+
+
+def _jax_row(row, sets, causal, scale, backward, warmup=3, reps=20):
+    """Times the JAX implementations (JAX_IMPLS) on sets of JAX arrays (q, k, v, do) into row;
+    returns their outputs on sets[0], by name."""
+    import jax
+    outs = {}
+    for name in JAX_IMPLS:
+        _measure(row, outs, name, functools.partial(_jax_fn, name, causal, scale, backward), sets,
+                 jax.block_until_ready, warmup, reps)
+    return outs
+
+
+def _measure(row, outs, name, make, sets, sync, warmup, reps):
+    """row[name + "_ms"] = time_sync of make() over sets, and outs[name] = its output on sets[0];
+    if it fails, row[name + "_ms"] = None and row["errors"][name] = the error's first line."""
+    row[f"{name}_ms"] = None
+    try:
+        fn = make()
+        out = fn(*sets[0])
+        sync(out)
+        outs[name] = out
+        row[f"{name}_ms"] = time_sync(fn, sets, sync, warmup, reps)
+    except Exception as e:  # refused shape or dtype, no GPU backend, out of memory: report, go on
+        lines = str(e).strip().splitlines()
+        row["errors"][name] = f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def _as_jax(x):
+    """A JAX array of x; a torch tensor through DLPack (without a copy if it is contiguous)."""
+    import jax.dlpack
+    return jax.dlpack.from_dlpack(x.detach().contiguous()) if hasattr(x, "detach") else x
+
+
+def _max_abs_diff(a, b):
+    """max |a - b| in float32 over two arrays or two tuples of arrays (JAX or torch)."""
+    import jax.numpy as jnp
+    a, b = ((x,) if not isinstance(x, (tuple, list)) else x for x in (a, b))
+    return max(float(jnp.max(jnp.abs(_as_jax(x).astype(jnp.float32) - _as_jax(y).astype(jnp.float32))))
+               for x, y in zip(a, b))
+
+
+def _jax_summary(row, outs, flops):
+    """TFLOP/s of each implementation, cuflash.jax's ratios to cuDNN, XLA and cuflash.torch, and
+    max |diff| of the others against cuDNN's output (XLA's where cuDNN failed)."""
+    for name in (*JAX_IMPLS, "cuflash_torch"):
+        ms = row.get(f"{name}_ms")
+        row[f"{name}_tflops"] = flops / ms / 1e9 if ms else None
+    for other in ("cudnn", "xla", "cuflash_torch"):
+        row[f"ratio_{other}"] = _div(row["cuflash_jax_tflops"], row[f"{other}_tflops"])
+    ref = next((n for n in ("cudnn", "xla") if n in outs), None)
+    row["diff_ref"] = ref
+    for name in ("cuflash_jax", "cuflash_torch", "xla"):
+        ok = ref is not None and name != ref and name in outs
+        row[f"max_diff_{name}"] = _max_abs_diff(outs[name], outs[ref]) if ok else None
+    if row["errors"]:
+        row["error"] = "; ".join(f"{n}: {e}" for n, e in row["errors"].items())
 
 
 def bench_window(batch=1, seqlen=32768, d=128, model_dim=2048, windows=(4096, 1024),
@@ -419,6 +599,15 @@ _COLUMNS = {
                ("cuDNN us", "cudnn_us", _f(".1f")), ("cuflash TB/s", "cuflash_tbps", _f(".2f")),
                ("cuDNN TB/s", "cudnn_tbps", _f(".2f")), ("%copy", "frac_copy", _pct), ("%read", "frac_read", _pct),
                ("kernels/splits", None, lambda r: f"{r.get('kernels') or '-'} / {r.get('num_splits') or '-'}")],
+    "jax": [("dtype", "dtype", str), ("d", "d", str), ("causal", "causal", lambda x: "Y" if x else "N"),
+            ("b", "batch", str), ("s", "seqlen", str), ("pass", "pass", str),
+            ("cuflash.jax TF/s", "cuflash_jax_tflops", _f(".1f")), ("cuDNN TF/s", "cudnn_tflops", _f(".1f")),
+            ("XLA TF/s", "xla_tflops", _f(".1f")), ("cuflash.torch TF/s", "cuflash_torch_tflops", _f(".1f")),
+            ("xcuDNN", "ratio_cudnn", _f(".2f")), ("xXLA", "ratio_xla", _f(".2f")),
+            ("xtorch", "ratio_cuflash_torch", _f(".2f")),
+            ("diff jax", "max_diff_cuflash_jax", _f(".1e")), ("diff torch", "max_diff_cuflash_torch", _f(".1e")),
+            ("diff xla", "max_diff_xla", _f(".1e")), ("diff vs", "diff_ref", lambda x: x or "-"),
+            ("failed", "errors", lambda e: ",".join(e) if e else "-")],
     "overhead": [("call", "call", str), ("shape", "shape", str), ("cuflash host us", "cuflash_us", _f(".1f")),
                  ("SDPA host us", "sdpa_us", _f(".1f")), ("kernels", "kernels", str)],
     "window": [("s", "seqlen", str), ("heads", "nheads", str), ("d", "d", str),
@@ -430,7 +619,7 @@ _COLUMNS = {
 
 
 def format_table(rows, kind):
-    """Fixed-width markdown table of the important columns of bench_prefill/bench_decode rows."""
+    """Fixed-width markdown table of the important columns of a benchmark's rows (`kind`: a key of _COLUMNS)."""
     cols = _COLUMNS[kind]
     cells = [[fn(r) if key is None else fn(r.get(key)) for _, key, fn in cols] for r in rows]
     heads = [name for name, _, _ in cols]
@@ -475,17 +664,18 @@ def write_results(rows, path):
 
 
 def plot(rows, kind, path):
-    """TFLOP/s (prefill) or TB/s (decode) vs sequence length, one line per implementation."""
+    """TFLOP/s (prefill, jax) or TB/s (decode) vs sequence length, one line per implementation."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise RuntimeError("plot needs matplotlib (pip install matplotlib)") from e
-    if kind not in ("prefill", "decode"):
-        raise ValueError(f"--plot draws prefill or decode sweeps, not {kind}")
-    if kind == "prefill":
-        key, x, unit = (lambda r: f"{r['dtype']} d={r['d']} {'causal' if r['causal'] else 'full'}"), "seqlen", "tflops"
+    if kind not in ("prefill", "decode", "jax"):
+        raise ValueError(f"--plot draws prefill, decode or jax sweeps, not {kind}")
+    if kind in ("prefill", "jax"):  # jax rows: one panel per pass too
+        key, x, unit = (lambda r: f"{r['dtype']} d={r['d']} {'causal' if r['causal'] else 'full'}"
+                        + (f" {r['pass']}" if "pass" in r else "")), "seqlen", "tflops"
     else:
         key, x, unit = (lambda r: f"h={r['nheads']}/{r['nheads_k']} b={r['batch']}"), "seqlen_k", "tbps"
     groups = {}
@@ -496,10 +686,10 @@ def plot(rows, kind, path):
     fig, axes = plt.subplots(nrow, ncol, figsize=(5 * ncol, 3.6 * nrow), squeeze=False)
     for ax, (title, rs) in zip(axes.flat, groups.items()):
         rs = sorted(rs, key=lambda r: r[x])
-        for impl in ("cuflash", "flash", "cudnn"):
+        for impl in ("cuflash", "flash", "cudnn", "cuflash_jax", "xla", "cuflash_torch"):
             pts = [(r[x], r.get(f"{impl}_{unit}")) for r in rs if r.get(f"{impl}_{unit}") is not None]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=impl)
+                ax.plot(*zip(*pts), marker="o", label=impl.replace("_", "."))
         ax.set_xscale("log", base=2)
         ax.set_title(title)
         ax.set_xlabel(x)
