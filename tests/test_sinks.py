@@ -524,9 +524,11 @@ def test_transformers_backend_and_drop_in_pass_s_aux(sink_ref_kernels):
 # ---------------------------------------------------------------------------------------------
 # GPU: the kernels against the float64 reference
 
+DEVICE = "cuda"  # where the GPU tests make their tensors
+
 def _t(rng, *shape, dtype="bfloat16"):
     import torch
-    return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)).to("cuda", getattr(torch, dtype))
+    return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)).to(DEVICE, getattr(torch, dtype))
 
 
 def _sinks(rng, h, sk, dtype="float32"):
@@ -534,7 +536,7 @@ def _sinks(rng, h, sk, dtype="float32"):
     the kernels dropped would show far beyond the tolerances)."""
     import torch
     s = rng.standard_normal(h).astype(np.float32) + math.log(max(sk, 2))
-    return torch.from_numpy(s).to("cuda", getattr(torch, dtype))
+    return torch.from_numpy(s).to(DEVICE, getattr(torch, dtype))
 
 
 def to_np(x):
@@ -653,7 +655,7 @@ def test_gpu_window_softcap_alibi(rng, mods):
     mods = dict(mods)
     split = {"num_splits": mods.pop("num_splits")} if "num_splits" in mods else {}
     if mods.pop("alibi", False):
-        mods["alibi_slopes"] = torch.rand(8, device="cuda") * 0.1
+        mods["alibi_slopes"] = torch.rand(8, device=DEVICE) * 0.1
     q, k, v = _t(rng, 2, 300, 8, 64), _t(rng, 2, 350, 2, 64), _t(rng, 2, 350, 2, 64)
     sinks = _sinks(rng, 8, 128)
     out = _poisoned(q)
@@ -670,7 +672,7 @@ def _varlen_lengths(rng, batch, max_q, max_k, empty_keys=True):
     lq[0], lk[0] = 0, 0
     if empty_keys:
         lk[1] = 0
-    cu = lambda n: torch.tensor(np.concatenate([[0], np.cumsum(n)]), dtype=torch.int32, device="cuda")  # noqa: E731
+    cu = lambda n: torch.tensor(np.concatenate([[0], np.cumsum(n)]), dtype=torch.int32, device=DEVICE)  # noqa: E731
     return cu(lq), cu(lk), int(lq.max()), int(lk.max())
 
 
@@ -691,9 +693,9 @@ def test_gpu_varlen(rng, paged, max_q, causal):
                                           return_lse=True)
     else:  # the same keys in pages of 16 rows, pages in a shuffled order
         page, per_seq = 16, -(-mk // 16)
-        order = torch.from_numpy(rng.permutation(batch * per_seq).astype(np.int32)).cuda()
+        order = torch.from_numpy(rng.permutation(batch * per_seq).astype(np.int32)).to(DEVICE)
         table = order.view(batch, per_seq)
-        k_pages = torch.zeros(batch * per_seq, page, hk, d, device="cuda", dtype=q.dtype)
+        k_pages = torch.zeros(batch * per_seq, page, hk, d, device=DEVICE, dtype=q.dtype)
         v_pages = torch.zeros_like(k_pages)
         for b in range(batch):
             n = int(cu_k[b + 1] - cu_k[b])
@@ -713,7 +715,7 @@ def test_gpu_kvcache(rng, paged):
     """Decode into a KV cache (one new token appended per sequence, per-sequence lengths), GQA."""
     import torch
     b, h, hk, d, cap = 3, 16, 2, 64, 512
-    lens = torch.tensor([0, 200, 470], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([0, 200, 470], dtype=torch.int32, device=DEVICE)
     q, k_new, v_new = _t(rng, b, 1, h, d), _t(rng, b, 1, hk, d), _t(rng, b, 1, hk, d)
     k_cache, v_cache = _t(rng, b, cap, hk, d), _t(rng, b, cap, hk, d)
     sinks = _sinks(rng, h, 256, "bfloat16")
@@ -721,8 +723,8 @@ def test_gpu_kvcache(rng, paged):
     kw = dict(cache_seqlens=lens, causal=True, sinks=sinks, out=out, return_lse=True)
     if paged:
         page = 64
-        table = torch.arange(b * cap // page, dtype=torch.int32, device="cuda").flip(0).view(b, cap // page)
-        kp = torch.empty(b * cap // page, page, hk, d, device="cuda", dtype=q.dtype)
+        table = torch.arange(b * cap // page, dtype=torch.int32, device=DEVICE).flip(0).view(b, cap // page)
+        kp = torch.empty(b * cap // page, page, hk, d, device=DEVICE, dtype=q.dtype)
         vp = torch.empty_like(kp)
         kp[table.flatten().long()] = k_cache.reshape(-1, page, hk, d)
         vp[table.flatten().long()] = v_cache.reshape(-1, page, hk, d)
@@ -746,13 +748,13 @@ def _check_dsinks(dsinks, dout, out, lse, sinks, ref64, same, what, rtol=1e-4):
     independent, so their ratio has no bound)."""
     import torch
     got = dsinks.detach().double().cpu()
-    o, do, l = out.double(), dout.double(), lse.double()
+    o, do, l, s = (x.detach().double() for x in (out, dout, lse, sinks))
     d_row = (do * o).sum(-1)
     if o.dim() == 4:  # (b, sq, h) against lse (b, h, sq)
-        terms = torch.exp(sinks.double()[None, :, None] - l) * d_row.transpose(1, 2)
-        terms = terms.transpose(0, 1).reshape(len(sinks), -1)
+        terms = torch.exp(s[None, :, None] - l) * d_row.transpose(1, 2)
+        terms = terms.transpose(0, 1).reshape(len(s), -1)
     else:  # packed: (total_q, h) against lse (h, total_q)
-        terms = torch.exp(sinks.double()[:, None] - l) * d_row.t()
+        terms = torch.exp(s[:, None] - l) * d_row.t()
     expect = -terms.sum(1).cpu()
     assert torch.allclose(got, expect, rtol=rtol, atol=rtol * float(terms.abs().sum(1).max()) + 1e-6), \
         f"{what}: dsinks {got} against {expect}"
