@@ -45,7 +45,8 @@ def _current_device() -> int:
 # Entry point
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None,
-              num_splits=0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, startend_row_indices=None):
+              num_splits=0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, startend_row_indices=None,
+              sinks=None):
     """Scaled dot-product attention with flash-attn's ``flash_attn_func`` semantics.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim), float16
@@ -62,9 +63,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     adding -slope * |i + sk - sq - j| to the scores.
     ``startend_row_indices``: a FlashMask mask (cuflash.masks), int32 (batch, 1 or nheads_k or
     nheads, seqlen_k, n) in q's framework and on its device (NumPy with NumPy q); not with a
-    window, ALiBi or num_splits > 1.
+    window, ALiBi, sinks or num_splits > 1.
+    ``sinks``: attention sinks (gpt-oss, flash-attn's ``s_aux``), one logit per query head,
+    (nheads,) float32, bfloat16 or float16 on q's device: each row's softmax gets one more
+    column, exp(sink), with no value (compared with the scaled, softcapped, biased scores, in
+    natural-log units), so out_i = sum_j exp(s_ij) v_j / (exp(sink) + sum_j exp(s_ij)) and the
+    LSE includes it; a row that sees no key gives 0 and LSE = sink.
     """
-    sig = None if startend_row_indices is not None else _signature(
+    sig = None if startend_row_indices is not None or sinks is not None else _signature(
         q, k, v, out, causal, softmax_scale, return_lse, num_splits, window_size, softcap, alibi_slopes)
     if sig is not None:
         try:
@@ -86,9 +92,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     causal = validate.boolean(causal, "causal")
     return_lse = validate.boolean(return_lse, "return_lse")
     mods = validate.mods(window_size, softcap, alibi_slopes, qv.shape[0], qv.shape[2], qv, scale)
+    sv = validate.sinks(sinks, qv.shape[2], qv)
     fm = None
     if startend_row_indices is not None:
-        fm = _flashmask(startend_row_indices, qv, kv, causal, num_splits, mods)
+        fm = _flashmask(startend_row_indices, qv, kv, causal, num_splits, mods, sv is not None)
 
     if qv.device < 0:  # NumPy in, NumPy out: compute on the current GPU
         dev = _current_device()
@@ -97,19 +104,20 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
                         softmax_scale=scale, return_lse=return_lse, num_splits=num_splits,
                         window_size=mods[0], softcap=mods[1],
                         alibi_slopes=None if mods[2] is None else dev_array(mods[2]),
-                        startend_row_indices=None if fm is None else dev_array(fm))
+                        startend_row_indices=None if fm is None else dev_array(fm),
+                        sinks=None if sv is None else dev_array(sv))
         return _host_result(res, qv, out, return_lse)
 
-    return _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mods, sig, fm)
+    return _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mods, sig, fm, sv)
 
 
-def _flashmask(indices, qv, kv, causal, num_splits, mods):
+def _flashmask(indices, qv, kv, causal, num_splits, mods, sinks=False):
     """The view of ``startend_row_indices`` after its checks (the options it cannot be combined
     with are named first)."""
     window, _, alibi, _ = mods
     fm = validate.check_startend_row_indices(indices, qv.shape[0], qv.shape[2], qv.shape[1], kv.shape[1], causal,
                                              nheads_k=kv.shape[2], window=window, alibi=alibi is not None,
-                                             num_splits=num_splits)
+                                             num_splits=num_splits, sinks=sinks)
     validate.same_place(("q", qv), ("startend_row_indices", fm))
     return fm
 
@@ -148,7 +156,12 @@ def _result(o_view, given_out, lse_arr, qv, return_lse):
     return (o, arrays.hand_back(lse_arr, qv)) if return_lse else o
 
 
-def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mods, sig=None, fm=None):
+def _sink_arg(sv):
+    """What launch.prepare takes for attention sinks: (pointer, dtype name), or None."""
+    return None if sv is None else (sv.ptr, sv.dtype)
+
+
+def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mods, sig=None, fm=None, sv=None):
     b, sq, h, d = qv.shape
     sk, hk = kv.shape[1], kv.shape[2]
     o_view, lse_arr = _outputs(qv, ov, return_lse)
@@ -166,9 +179,9 @@ def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mod
 
     window, cap, alibi, alibi_sb = mods
     problem = (b, sq, sk, h, hk, d_pad, arrays.DTYPE_NAMES[qv.dtype], causal, return_lse, num_splits,
-               window, cap > 0, alibi is not None)
+               window, cap > 0, alibi is not None, sv is not None)
     recipe = _launch(problem, qv, *qk, kernel_out, lse_arr, scale, softcap=cap,
-                     alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0), fm=fm)
+                     alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0), fm=fm, sinks=_sink_arg(sv))
     if not direct_out:
         o_view.array[...] = kernel_out.array[..., :d]
     elif sig is not None and all(in_place):  # read in place: the next such call can skip to here
@@ -257,10 +270,10 @@ def _plan_for(fields: tuple, device: int, kv: str = "dense", varlen: bool = Fals
     key = (fields, device, kv, varlen, flashmask)
     plan = _plans.get(key)
     if plan is None:
-        (b, sq, sk, h, hk, d, dtype, causal, return_lse, num_splits, window, softcap, alibi) = fields
+        (b, sq, sk, h, hk, d, dtype, causal, return_lse, num_splits, window, softcap, alibi, sinks) = fields
         problem = Problem(b, sq, sk, h, hk, d, dtype, causal, return_lse, num_splits, kv=kv,
                           window=window, softcap=softcap, alibi=alibi, varlen=varlen, flashmask=flashmask[0],
-                          flashmask_heads=flashmask[1])
+                          flashmask_heads=flashmask[1], sinks=sinks)
         if len(_plans) > 4096:
             _plans.clear()
         plan = _plans[key] = make_plan(problem, device_facts(device))
@@ -294,7 +307,7 @@ def _launch(problem, like, q, k, v, o, lse_arr, scale, kv="dense", varlen_kv=Fal
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
                            cache_batch_idx=None, block_table=None, causal=False, softmax_scale=None,
                            num_splits=0, return_lse=False, out=None, window_size=(-1, -1),
-                           softcap=0.0, alibi_slopes=None):
+                           softcap=0.0, alibi_slopes=None, sinks=None):
     """Decode/append attention over a KV cache, with flash-attn's ``flash_attn_with_kvcache``
     semantics.
 
@@ -306,8 +319,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     ``cache_seqlens``: an int, or an int32 device array (batch,), or None for full caches.
     ``cache_batch_idx``: int32 (batch,) rows of a contiguous cache to use. Device arrays are the
     caller's contract, as in flash-attn: lengths must fit the cache and pages must exist.
-    ``window_size``, ``softcap`` and ``alibi_slopes`` are those of :func:`attention`, aligned
-    per sequence.
+    ``window_size``, ``softcap``, ``alibi_slopes`` and ``sinks`` are those of :func:`attention`,
+    aligned per sequence.
     """
     qv = validate.view(q, "q")
     kc, vc = validate.view(k_cache, "k_cache"), validate.view(v_cache, "v_cache")
@@ -327,6 +340,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     return_lse = validate.boolean(return_lse, "return_lse")
     num_splits = validate.num_splits(num_splits)
     window, softcap, alibi, alibi_sb = validate.mods(window_size, softcap, alibi_slopes, b, h, qv, scale)
+    sv = validate.sinks(sinks, h, qv)
 
     paged = block_table is not None
     if paged:
@@ -390,10 +404,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                                  device_facts(qv.device).arch)
         if sq:
             problem = (b, sq, capacity, h, hk, d, arrays.DTYPE_NAMES[qv.dtype], causal,
-                       return_lse, num_splits, window, softcap > 0, alibi is not None)
+                       return_lse, num_splits, window, softcap > 0, alibi is not None, sv is not None)
             _launch(problem, qv, qv, kc, vc, o_view, lse_arr, scale, kv="paged" if paged else "cache",
                     cache=(seqlens_ptr, batch_idx, *table), seqlen_k=seqlen_k_arg, page_size=page_size,
-                    softcap=softcap, alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0))
+                    softcap=softcap, alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0),
+                    sinks=_sink_arg(sv))
     return _result(o_view, ov is not None, lse_arr, qv, return_lse)
 
 
@@ -402,7 +417,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                     alibi_slopes=None, return_lse=False, num_splits=0, block_table=None, out=None):
+                     alibi_slopes=None, return_lse=False, num_splits=0, block_table=None, out=None,
+                     sinks=None):
     """Attention over packed variable-length sequences, with flash-attn's
     ``flash_attn_varlen_func`` semantics.
 
@@ -430,6 +446,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return_lse = validate.boolean(return_lse, "return_lse")
     num_splits = validate.num_splits(num_splits)
     window, cap, alibi, alibi_sb = validate.mods(window_size, softcap, alibi_slopes, batch, h, qv, scale)
+    sv = validate.sinks(sinks, h, qv)
 
     if qv.device < 0:  # NumPy in, NumPy out: compute on the current GPU
         dev = _current_device()
@@ -437,7 +454,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         res = attention_varlen(dev_array(qv), dev_array(kv), dev_array(vv), dev_array(cq), dev_array(ck),
                                max_sq, max_sk, causal=causal, softmax_scale=scale, window_size=window,
                                softcap=cap, alibi_slopes=dev_array(alibi), return_lse=return_lse,
-                               num_splits=num_splits, block_table=dev_array(bt) if paged else None)
+                               num_splits=num_splits, block_table=dev_array(bt) if paged else None,
+                               sinks=dev_array(sv))
         return _host_result(res, qv, out, return_lse)
 
     o_view, lse_arr = _outputs(qv, ov, return_lse)
@@ -456,12 +474,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     kernel_out = o4 if direct_out else _batched(arrays.view(
         arrays.empty_like_framework(qv, (total_q, h, d_pad), qv.dtype), "out"), batch, max_sq)
     problem = (batch, max_sq, max_sk, h, kv.shape[-2], d_pad, arrays.DTYPE_NAMES[qv.dtype],
-               causal, return_lse, num_splits, window, cap > 0, alibi is not None)
+               causal, return_lse, num_splits, window, cap > 0, alibi is not None, sv is not None)
     extra = dict(cache=(0, 0, bt.ptr, bt.strides[0]), page_size=kv.shape[1]) if paged else {}
     _launch(problem, qv, q4, k4, v4, kernel_out, lse_arr, scale, kv="paged" if paged else "dense", varlen_kv=True,
             softcap=cap,
             alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0),
-            varlen=(cq.ptr, ck.ptr, total_q), **extra)
+            varlen=(cq.ptr, ck.ptr, total_q), sinks=_sink_arg(sv), **extra)
     if not direct_out:
         o_view.array[...] = kernel_out.array[..., :d]
     return _result(o_view, ov is not None, lse_arr, qv, return_lse)
@@ -483,7 +501,8 @@ def _plan_operands(q, k, v, dtype):
 
 def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_splits=0,
          heuristic="cuflash", num_sms=None, arch=None, dtype="bfloat16", window_size=(-1, -1),
-         softcap=0.0, alibi_slopes=None, backward=False, deterministic=False, startend_row_indices=None):
+         softcap=0.0, alibi_slopes=None, backward=False, deterministic=False, startend_row_indices=None,
+         sinks=None):
     """The plan ``attention(q, k, v, ...)`` would run: kernels, tiles, grids, splits and why; with
     ``backward=True``, the plan of its backward (``attention_backward(..., deterministic=...)``).
 
@@ -493,8 +512,10 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     machines with no GPU when ``num_sms`` is given. A call with nothing to compute (batch,
     seqlen_q or nheads 0) gives a plan that launches nothing. ``heuristic``:
     "cuflash" (default; decode splits tuned for cuflash's kernels) or "fa2" (FlashAttention-2's
-    ``num_splits_heuristic``, to see what FA2 would do). ``window_size``, ``softcap`` and
-    ``alibi_slopes`` (an array, a shape tuple, or True) are those of :func:`attention`.
+    ``num_splits_heuristic``, to see what FA2 would do). ``window_size``, ``softcap``,
+    ``alibi_slopes`` and ``sinks`` (each of the last two an array, a shape tuple, or True) are
+    those of :func:`attention`; a plan with sinks never runs the warp-specialised kernel (its
+    reason says why) and says how the sink joins the softmax.
 
     ``startend_row_indices`` (FlashMask, cuflash.masks: an int32 array or a shape tuple) is
     checked; the forward plan is the FlashMask one (the prep kernel and the standard kernel with
@@ -517,6 +538,9 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     if alibi_slopes is True or isinstance(alibi_slopes, (tuple, list)):
         alibi_slopes = validate.Shape((h,) if alibi_slopes is True else alibi_slopes, "float32", "alibi_slopes")
     window, cap, alibi, _ = validate.mods(window_size, softcap, alibi_slopes, b, h, qv, scale)
+    if sinks is True or isinstance(sinks, (tuple, list)):
+        sinks = validate.Shape((h,) if sinks is True else sinks, "float32", "sinks")
+    sv = validate.sinks(sinks, h, qv)
     fm = None
     if startend_row_indices is not None:
         fm = startend_row_indices
@@ -524,7 +548,8 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
             fm = validate.Shape(fm, "int32", "startend_row_indices")
         fm = validate.check_startend_row_indices(fm, b, h, sq, kv.shape[1], causal, nheads_k=kv.shape[2],
                                                  window=window, alibi=alibi is not None and not backward,
-                                                 num_splits=0 if backward else num_splits)
+                                                 num_splits=0 if backward else num_splits,
+                                                 sinks=sv is not None and not backward)
         validate.same_place(("q", qv), ("startend_row_indices", fm))
     arch = None if arch is None else validate.arch(arch)
     if num_sms is None:
@@ -535,7 +560,7 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     problem = Problem(b, sq, kv.shape[1], h, kv.shape[2], -(-d // 8) * 8,
                       arrays.DTYPE_NAMES[qv.dtype], causal, return_lse, num_splits,
                       heuristic, window=window, softcap=cap > 0, alibi=alibi is not None,
-                      deterministic=deterministic,
+                      deterministic=deterministic, sinks=sv is not None,
                       flashmask=fm.shape[3] if fm is not None and not backward else 0,
                       flashmask_heads=fm.shape[1] if fm is not None and not backward else 0)
     result = empty_plan(problem, facts) or (make_backward_plan if backward else make_plan)(problem, facts)

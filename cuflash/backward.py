@@ -40,6 +40,12 @@ recomputing P and dS, and writes dQ once; every gradient is then bitwise repeata
 
 Windows, softcap and ALiBi are template flags (Variant.local/softcap/alibi); varlen is a
 runtime property of the same kernels (cu_seqlens pointers non-null, read on the device).
+
+Attention sinks (``sinks``) need no kernel of their own: the forward's LSE holds the sink, so the
+kernels' P = exp(s - LSE) is already the softmax with the sink's column, whose value is zero
+(it adds nothing to O, dP or D). The sink's gradient, dsinks_h = -sum over batch and rows of
+exp(sink_h - LSE_i) D_i, is reduced from the LSE and D rows that bwd_prep writes (padding rows:
+LSE +inf, D 0, so they add 0), by a few operations of the caller's framework on its stream.
 """
 from __future__ import annotations
 
@@ -60,7 +66,7 @@ _DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 # Validation
 
 def _validate(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dq, dk, dv,
-              window_size, softcap, alibi_slopes):
+              window_size, softcap, alibi_slopes, sinks):
     """attention's rules plus the backward's own arguments; views and checked values."""
     qv, kv, vv = validate.view(q, "q"), validate.view(k, "k"), validate.view(v, "v")
     validate.operands(qv, kv, vv)
@@ -69,11 +75,12 @@ def _validate(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dq,
     grads = validate.grads(dq, dk, dv, qv, kv, vv)
     scale, causal, deterministic, mods = _options(causal, softmax_scale, deterministic, window_size, softcap,
                                                   alibi_slopes, b, qv)
-    return qv, kv, vv, dov, ov, lv, grads, scale, causal, deterministic, mods
+    sv = validate.sinks(sinks, h, qv)
+    return qv, kv, vv, dov, ov, lv, grads, scale, causal, deterministic, mods, sv
 
 
 def _validate_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     causal, softmax_scale, deterministic, dq, dk, dv, window_size, softcap, alibi_slopes):
+                     causal, softmax_scale, deterministic, dq, dk, dv, window_size, softcap, alibi_slopes, sinks):
     """The rules of cuflash.attention_varlen (dense K/V) plus the backward's own arguments."""
     qv, kv, vv, cq, ck, _, batch, max_sq, max_sk = validate.varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, paged_ok=False)
@@ -85,7 +92,8 @@ def _validate_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_se
     grads = validate.grads(dq, dk, dv, qv, kv, vv)
     scale, causal, deterministic, mods = _options(causal, softmax_scale, deterministic, window_size, softcap,
                                                   alibi_slopes, batch, qv)
-    return qv, kv, vv, dov, ov, lv, cq, ck, max_sq, max_sk, grads, scale, causal, deterministic, mods
+    sv = validate.sinks(sinks, h, qv)
+    return qv, kv, vv, dov, ov, lv, cq, ck, max_sq, max_sk, grads, scale, causal, deterministic, mods, sv
 
 
 def _forward_results(dout, out, lse, qv, lse_shape, lse_layout, forward):
@@ -108,7 +116,8 @@ def _options(causal, softmax_scale, deterministic, window_size, softcap, alibi_s
 # Entry points
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                       softcap=0.0, alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None):
+                       softcap=0.0, alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None,
+                       sinks=None):
     """Gradients (dq, dk, dv) of ``out = cuflash.attention(q, k, v, causal=..., softmax_scale=...,
     window_size=..., softcap=..., alibi_slopes=...)`` for the output gradient ``dout``.
 
@@ -119,25 +128,27 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     gradient; ``softcap`` and ``alibi_slopes`` as in :func:`cuflash.attention`; the ALiBi bias
     has no gradient). With ``deterministic=True`` no atomics are used and repeated calls give
     bitwise equal gradients. ``dq``, ``dk``, ``dv``: optional arrays to write the gradients
-    into. Returns the caller's array type (NumPy inputs are computed on the current GPU and
-    come back as NumPy).
+    into. ``sinks``: the forward's attention sinks (as in :func:`cuflash.attention`; ``lse`` then
+    holds them): the result is (dq, dk, dv, dsinks), dsinks float32 (nheads,) in q's framework.
+    Returns the caller's array type (NumPy inputs are computed on the current GPU and come back
+    as NumPy).
     """
-    qv, kv, vv, dov, ov, lv, grads, scale, causal, deterministic, mods = _validate(
+    qv, kv, vv, dov, ov, lv, grads, scale, causal, deterministic, mods, sv = _validate(
         dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dq, dk, dv, window_size, softcap,
-        alibi_slopes)
+        alibi_slopes, sinks)
     if qv.device < 0:  # NumPy in, NumPy out: compute on the current GPU
         dev = api._current_device()
         on = lambda x: None if x is None else arrays.to_device(np.asarray(x.array), dev)
         res = attention_backward(on(dov), on(qv), on(kv), on(vv), on(ov), on(lv), causal=causal,
                                  softmax_scale=scale, window_size=mods[0], softcap=mods[1],
-                                 alibi_slopes=on(mods[2]), deterministic=deterministic)
-        return _host_results(res, (dq, dk, dv), (qv, kv, vv))
-    return _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministic, mods)
+                                 alibi_slopes=on(mods[2]), deterministic=deterministic, sinks=on(sv))
+        return _host_results(res, (dq, dk, dv, None), (qv, kv, vv, qv))
+    return _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministic, mods, sv=sv)
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                              alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None):
+                              alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None, sinks=None):
     """Gradients (dq, dk, dv) of ``out = cuflash.attention_varlen(q, k, v, cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)`` (dense K/V) for the output gradient ``dout``.
 
@@ -145,22 +156,22 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     (nheads, total_q) from ``attention_varlen(..., return_lse=True)``; ``cu_seqlens_q``,
     ``cu_seqlens_k``: int32 device arrays (batch + 1,), read by the kernels on the device (no
     host synchronisation; well-formed offsets under the maxima are the caller's contract, as in
-    the forward). Sequences may be empty. Other arguments as in :func:`attention_backward`;
-    ALiBi slopes may be (nheads,) or (batch, nheads).
+    the forward). Sequences may be empty. Other arguments as in :func:`attention_backward`
+    (with ``sinks``: (dq, dk, dv, dsinks)); ALiBi slopes may be (nheads,) or (batch, nheads).
     """
-    qv, kv, vv, dov, ov, lv, cq, ck, max_sq, max_sk, grads, scale, causal, deterministic, mods = \
+    qv, kv, vv, dov, ov, lv, cq, ck, max_sq, max_sk, grads, scale, causal, deterministic, mods, sv = \
         _validate_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                         softmax_scale, deterministic, dq, dk, dv, window_size, softcap, alibi_slopes)
+                         softmax_scale, deterministic, dq, dk, dv, window_size, softcap, alibi_slopes, sinks)
     if qv.device < 0:  # NumPy in, NumPy out: compute on the current GPU
         dev = api._current_device()
         on = lambda x: None if x is None else arrays.to_device(np.asarray(x.array), dev)
         res = attention_varlen_backward(on(dov), on(qv), on(kv), on(vv), on(ov), on(lv), on(cq), on(ck),
                                         max_sq, max_sk, causal=causal, softmax_scale=scale,
                                         window_size=mods[0], softcap=mods[1], alibi_slopes=on(mods[2]),
-                                        deterministic=deterministic)
-        return _host_results(res, (dq, dk, dv), (qv, kv, vv))
+                                        deterministic=deterministic, sinks=on(sv))
+        return _host_results(res, (dq, dk, dv, None), (qv, kv, vv, qv))
     return _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministic, mods,
-                            varlen=(cq, ck, max_sq, max_sk))
+                            varlen=(cq, ck, max_sq, max_sk), sv=sv)
 
 
 def _host_results(res, given, likes):
@@ -200,7 +211,7 @@ def _padded(x, d_pad):
     return arrays.view(buf, "copy")
 
 
-def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministic, mods, varlen=None):
+def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministic, mods, varlen=None, sv=None):
     if varlen is None:
         b, sq, h, d = qv.shape
         sk, hk = kv.shape[1], kv.shape[2]
@@ -211,11 +222,14 @@ def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministi
     bufs = [_grad_buffer(g, like, d_pad) for g, like in zip(grads, (qv, kv, vv))]
     results = [final.array for _, final in bufs]
     if b == 0 or h == 0 or sq == 0 or sk == 0 or 0 in qv.shape or 0 in kv.shape:
-        # No query or no key: every gradient is zero (or empty).
+        # No query or no key: every gradient is zero (or empty); a sink then takes all of every
+        # row's weight, whose output is 0 (D = 0): dsinks is zero too.
+        if sv is not None:
+            results.append(arrays.empty_like_framework(qv, (h,), "float32"))
         for r in results:
             if 0 not in r.shape:
                 r[...] = 0
-        return tuple(arrays.hand_back(r, like) for r, like in zip(results, (qv, kv, vv)))
+        return tuple(arrays.hand_back(r, like) for r, like in zip(results, (qv, kv, vv, qv)))
 
     # Head dims that are not a multiple of 8, or unaligned operands, go through padded copies
     # (zero columns change no score and no gradient).
@@ -224,19 +238,48 @@ def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministi
     dev = qv.device
     plan = make_backward_plan(Problem(b, sq, sk, h, hk, d_pad, _DTYPES[qv.dtype], causal=causal, window=window,
                                       softcap=cap > 0, alibi=alibi is not None, varlen=varlen is not None,
-                                      deterministic=deterministic), api.device_facts(dev))
+                                      deterministic=deterministic, sinks=sv is not None), api.device_facts(dev))
     total_q = None if varlen is None else qv.shape[0]
     ws = arrays.empty_like_framework(qv, (workspace_floats(plan, total_q),), "float32")
+    head_rows, rows = stats_rows(b, sq, h, total_q)
+    if sv is not None and varlen is not None:
+        # Packed sequences leave rows between their padded rows unwritten: give them the padding
+        # rows' LSE +inf and D 0, so that the dsinks reduction over every row adds 0 there.
+        ws[:rows] = float("inf")
+        ws[rows:2 * rows] = 0
     with arrays.on_device(dev):
         run(plan, ops, lv, [g for g, _ in bufs], arrays.device_ptr(ws), scale, mods, arrays.stream_for(qv), dev,
             None if varlen is None else varlen[:2])
-    out = []
-    for (kern, final), like in zip(bufs, (qv, kv, vv)):
-        if kern is not final:
-            final.array[...] = kern.array[..., :d]
-        out.append(final.array)
+        out = []
+        for (kern, final), like in zip(bufs, (qv, kv, vv)):
+            if kern is not final:
+                final.array[...] = kern.array[..., :d]
+            out.append(final.array)
+        if sv is not None:
+            out.append(_dsinks(ws, rows, (h, head_rows) if varlen is not None else (b, h, head_rows), sv))
     del ws  # the framework's allocator orders the free after the launches on this stream
-    return tuple(arrays.hand_back(r, like) for r, like in zip(out, (qv, kv, vv)))
+    return tuple(arrays.hand_back(r, like) for r, like in zip(out, (qv, kv, vv, qv)))
+
+
+def _dsinks(ws, rows, shape, sv):
+    """dsinks_h = -sum over batch and rows of exp(sink_h - LSE_i) D_i (float32 (nheads,), in the
+    framework of ``ws``, on its current stream), from the backward workspace's first ``rows``
+    floats (LSE * log2(e), as bwd_prep writes them) and the next ``rows`` (D), laid out as
+    ``shape``: (batch, nheads, rows per head), or (nheads, rows per head) for packed sequences."""
+    a = sv.array[1] if sv.framework == "dlpack" else sv.array
+    if arrays._torch_tensor(ws):
+        import torch as xp
+        sink = (a if isinstance(a, xp.Tensor) else xp.from_dlpack(a)).detach().float()
+    else:
+        import cupy as xp
+        a = a if isinstance(a, xp.ndarray) else xp.from_dlpack(a)  # sinks from another framework
+        # bf16 is the upper half of a float32: widen its bits (no bf16 arithmetic needed)
+        sink = ((a.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32) if sv.dtype == "bfloat16"
+                else a.astype(xp.float32))
+    lse2, dsum = ws[:rows].reshape(shape), ws[rows:2 * rows].reshape(shape)
+    w = xp.exp2((sink * _LOG2E).reshape(-1, 1) - lse2) * dsum  # padding rows: exp2(-inf) * 0 = 0
+    w = w.sum(-1)
+    return -(w if len(shape) == 2 else w.sum(0))
 
 
 # ---------------------------------------------------------------------------------------------

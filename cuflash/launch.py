@@ -167,7 +167,7 @@ class Recipe(NamedTuple):
 
 def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_CACHE,
             seqlen_k: int | None = None, page_size: int = 0, softcap: float = 0.0, alibi=(0, 0),
-            varlen=None, flashmask=None) -> Recipe:
+            varlen=None, flashmask=None, sinks=None) -> Recipe:
     """The launch arguments of ``plan`` for views q, k, v, o (their strides; pointers are given
     to ``fire``). For a KV cache, ``cache`` holds the (seqlens_k, kv_batch_idx, block_table)
     pointers and the block table's row stride, and ``seqlen_k`` is added to each seqlens_k entry
@@ -175,7 +175,8 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
     ``varlen`` is (cu_seqlens_q pointer, cu_seqlens_k pointer, total_q) for packed sequences,
     whose views then have token strides as batch strides. ``flashmask`` is (startend_row_indices
     pointer, its four element strides, its head count, pointer of an int32 workspace of
-    plan.workspace_bytes) for a FlashMask plan; the Recipe then holds these pointers."""
+    plan.workspace_bytes) for a FlashMask plan; the Recipe then holds these pointers. ``sinks`` is
+    (pointer, dtype name) of the attention sinks of a plan with sinks (held by the Recipe too)."""
     p = plan.problem
     if plan.launches[0].variant.kind == "fwd_ws":
         if all(fwd_ws.tma_readable(x) for x in (q, k, v)):
@@ -194,7 +195,8 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
         **stride_values("q", _strides(q, plan.pack_gqa, ngroups)), **stride_values("k", _strides(k, False, 1)),
         **stride_values("v", _strides(v, False, 1)), **o_strides, **scalars,
         seqlens_k=seqlens_ptr, kv_batch_idx=batch_idx_ptr, block_table=table_ptr, cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k, alibi_slopes=alibi[0], **_flashmask_fields(plan, flashmask))
+        cu_seqlens_k=cu_k, alibi_slopes=alibi[0], **_flashmask_fields(plan, flashmask),
+        **_sink_fields(plan, sinks))
     split = not (plan.num_splits == 1 and main.variant.kind == "fwd")
     rows = p.batch * plan.nheads_eff * plan.seqlen_q_eff
     n_o = plan.num_splits * rows * main.variant.head_dim if split else 0
@@ -221,6 +223,19 @@ def _flashmask_fields(plan: Plan, flashmask) -> dict:
     ptr, st, heads, ws = flashmask
     return dict(fm_idx=ptr, fm_sb=st[0], fm_sh=st[1], fm_ss=st[2], fm_sc=st[3],
                 fm_hdiv=plan.problem.nheads // heads, fm_heads=heads, fm_blocks=ws)
+
+
+def _sink_fields(plan: Plan, sinks) -> dict:
+    """The attention-sink fields of the forward's struct (none for other variants): the sink of
+    row i of head h as launched is at h * sinks_sh + i * sinks_sr, i.e. h (rows are queries), or
+    h * G + i when a KV head's G query heads run as its rows (GQA packing)."""
+    if not plan.launches[0].variant.sinks:
+        return {}
+    if sinks is None:
+        raise ValueError(f"{plan.launches[0].name} needs the sinks (prepare's sinks=)")
+    ptr, dtype = sinks
+    g = plan.seqlen_q_eff if plan.pack_gqa else 1
+    return dict(sinks=ptr, sinks_dtype=fwd.SINK_DTYPES[dtype], sinks_sh=g, sinks_sr=1 if plan.pack_gqa else 0)
 
 
 def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int) -> Recipe:

@@ -68,6 +68,7 @@ class Problem:
     tma: bool = True       # q, k, v can be read by the TMA (positive strides; see launch.prepare)
     flashmask: int = 0     # FlashMask: bound columns per key of startend_row_indices (1, 2 or 4), 0 = none
     flashmask_heads: int = 0  # heads of startend_row_indices (1, nheads_k or nheads)
+    sinks: bool = False    # attention sinks: a logit per query head joins each row's softmax
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,7 @@ class Plan:
         p = self.problem
         extras = "".join([f" window={p.window}" if p.window != (-1, -1) else "",
                           " softcap" if p.softcap else "", " alibi" if p.alibi else "",
+                          " sinks" if p.sinks else "",
                           " varlen (max lengths)" if p.varlen else ""])
         lines = [
             f"cuflash {'backward ' if self.backward else ''}plan: batch={p.batch} seqlen_q={p.seqlen_q} seqlen_k={p.seqlen_k} "
@@ -236,7 +238,8 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
     decode = sq <= DECODE_MAX_ROWS and even
     if p.seqlen_k == 0:
         splits = 1
-        why.append("seqlen_k=0: no key is visible, the standard kernel writes zeros (LSE +inf).")
+        why.append("seqlen_k=0: no key is visible, the standard kernel writes zeros (LSE "
+                   + ("the sink" if p.sinks else "+inf") + ").")
     elif p.num_splits == 1:
         splits = 1
         why.append("num_splits=1 was requested: standard kernel.")
@@ -279,11 +282,16 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                        "(FA2's num_splits_heuristic).")
 
     launches = []
-    mods = dict(local=local, softcap=p.softcap, alibi=p.alibi)
+    mods = dict(local=local, softcap=p.softcap, alibi=p.alibi, sinks=p.sinks)
     if p.softcap or p.alibi:
         why.append("scores are " + " and ".join(
             (["softcapped (softcap * tanh(s / softcap))"] if p.softcap else [])
             + (["biased by ALiBi (-slope * distance)"] if p.alibi else [])) + " in registers.")
+    if p.sinks:
+        why.append("attention sinks: each head's sink logit joins the softmax of every row as one more "
+                   "column with no value (the row starts from max = sink and sum = 1), so the sum and the "
+                   "LSE include it" + (" (split 0 carries it; the merge adds the splits' sums)" if splits > 1
+                                       else "") + ".")
     if decode:
         why.append(f"{sq} query row(s) per (batch, KV head): decode tile of {DECODE_BLOCK_M} rows whose "
                    f"{DECODE_WARPS} warps share each K/V tile's keys.")
@@ -338,6 +346,7 @@ def _flashmask_plan(p: Problem, dev: DeviceFacts) -> Plan:
     max of every bound column, then the standard kernel (never fwd_ws, never split, no GQA packing:
     its rows are query positions) skips, masks or runs each tile plain."""
     for bad, what in ((p.window != (-1, -1), f"window_size={p.window}"), (p.alibi, "alibi_slopes"),
+                      (p.sinks, "sinks (attention sinks)"),
                       (p.num_splits > 1, f"num_splits={p.num_splits}"), (p.kv != "dense", "a KV cache"),
                       (p.varlen, "varlen (packed) sequences")):
         if bad:
@@ -381,6 +390,8 @@ def _fwd_ws_blocker(p: Problem, even: bool, bucket: int, local: bool, pack: bool
         return "it reads dense K/V only (no KV cache, no varlen)"
     if local or p.softcap or p.alibi:
         return "it has no sliding window, softcap or ALiBi"
+    if p.sinks:
+        return "it has no attention sinks"
     if p.seqlen_k == 0:
         return "no key to load"
     if not p.tma:
@@ -425,6 +436,10 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     why.append(f"{main.kind}: a block per {main.block_n} keys of a KV head keeps K and V in shared memory and walks "
                f"its {p.nheads // p.nheads_k} query head(s) in steps of {main.block_m} query rows, with {kind}; "
                "dK and dV are summed in registers and written once.")
+    if p.sinks:
+        why.append("sinks: dq, dk and dv need nothing more, since P = exp(s - LSE) and the LSE holds the sink; "
+                   "dsinks = -sum over batch and rows of exp(sink - LSE) * D, from the LSE and D rows of "
+                   "bwd_prep, reduced by the caller's framework on the same stream.")
     if p.deterministic:
         why.append(f"deterministic=True: dQ has its own kernel, a block per {last.block_m} query rows walking the "
                    "K/V blocks it sees and writing dQ once: no atomics, every gradient is bitwise repeatable.")

@@ -8,6 +8,10 @@ Masks are aligned bottom-right: query i sees key j iff
 ``i + sk - sq - left <= j <= i + sk - sq + right`` (-1 = unbounded; causal sets
 right = 0).  FlashMask's ``startend_row_indices`` (cuflash.masks: PaddlePaddle's column-wise
 row intervals) mask further entries.  A row that sees no key outputs 0 and reports LSE = +inf.
+Attention sinks (``sinks``: one logit per query head, gpt-oss / flash-attn's ``s_aux``) join
+each row's softmax as one more column with no value, after the scale, softcap, ALiBi and masks:
+out_i = sum_j exp(s_ij) v_j / (exp(sink) + sum_j exp(s_ij)), LSE_i = log(exp(sink) +
+sum_j exp(s_ij)); a row that sees no key then outputs 0 with LSE = sink.
 
 ``precision="float64"`` computes everything in float64.  ``precision="same"``
 mimics a fused kernel: float64 scores from the given inputs, row max m,
@@ -80,11 +84,12 @@ class _Args:
     the ALiBi slopes as float64 (batch, nheads) or None."""
 
     def __init__(self, q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, precision,
-                 startend_row_indices=None):
+                 startend_row_indices=None, sinks=None):
         self.q, self.k, self.v = np.asarray(q), np.asarray(k), np.asarray(v)
         slopes = None if alibi_slopes is None else np.asarray(alibi_slopes, dtype=np.float64)
         _validate(self.q, self.k, self.v, slopes)
         batch, sq, nheads, d = self.q.shape
+        self.sinks = _sinks(sinks, nheads)
         self.scale, self.left, self.right, self.softcap = _check_mods(
             causal, softmax_scale, window_size, softcap, d)
         self.causal = causal
@@ -121,6 +126,10 @@ class _Args:
                                       self.left, self.right, self._flashmask(b, g, hs, i0, i1))
                     yield b, g, hs, i0, i1, qg, kg, vg, s, dcap
 
+    def sink(self, hs):
+        """The sinks of query heads ``hs`` as (G, 1, 1) float64, or None."""
+        return None if self.sinks is None else self.sinks[hs, None, None]
+
     def _flashmask(self, b, g, hs, i0, i1):
         """FlashMask's dense mask of query rows i0:i1 for KV head g's query heads hs, (G or 1, r,
         sk), True = masked; None without startend_row_indices. The indices' heads are the query
@@ -156,12 +165,34 @@ def _scores(qg, kg, scale, softcap, slopes, i0, i1, sq, sk, left, right, masked=
     return np.where(visible, s, -np.inf), dcap
 
 
-def _softmax_parts(s):
-    """Row max m (0 for rows that see no key), p = exp(s - m) (0 where masked) and l = sum(p)."""
+def _sinks(sinks, nheads):
+    """Attention sinks as float64 (nheads,), or None, with the library's rules (validate.sinks:
+    float32, bfloat16 or float16, shape (nheads,), finite), float64 allowed as for q."""
+    if sinks is None:
+        return None
+    a = np.asarray(sinks)
+    if a.dtype not in _LOW_DTYPES:
+        raise TypeError(f"sinks must be float32, bfloat16 or float16 (float64 in the reference), got {a.dtype}")
+    if a.shape != (nheads,):
+        raise ValueError(f"sinks must have shape (nheads,) = ({nheads},), got {a.shape}")
+    a = a.astype(np.float64)
+    if not np.isfinite(a).all():
+        h = int(np.argmax(~np.isfinite(a)))
+        raise ValueError(f"sinks must be finite, got {a[h]} at head {h}")
+    return a
+
+
+def _softmax_parts(s, sink=None):
+    """Row max m (0 for rows that see no key), p = exp(s - m) (0 where masked) and l = sum(p).
+    ``sink`` (G, 1, 1): each row's softmax has one more column, the sink, with no value: m is at
+    least the sink and l gains exp(sink - m), which a fused kernel adds unrounded (no P V term)."""
     m = s.max(axis=-1, keepdims=True)
+    if sink is not None:
+        m = np.maximum(m, sink)
     m = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m)
-    return m, p, p.sum(axis=-1, keepdims=True)
+    l = p.sum(axis=-1, keepdims=True)
+    return m, p, (l if sink is None else l + np.exp(sink - m))
 
 
 def _output(p, l, vg, rnd):
@@ -174,7 +205,7 @@ def _output(p, l, vg, rnd):
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
               window_size=(-1, -1), softcap=0.0, alibi_slopes=None, precision="float64",
-              startend_row_indices=None):
+              startend_row_indices=None, sinks=None):
     """Reference attention; returns out (like q) or (out, lse) with lse (batch, nheads, seqlen_q).
 
     Arguments follow cuflash.attention's rules: ``causal`` a bool, ``softmax_scale`` None or a
@@ -182,15 +213,18 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
     anything else raises TypeError (wrong type) or ValueError (bad value).
     ``startend_row_indices`` is FlashMask's int32 (batch, 1 or nheads_k or nheads, seqlen_k, n)
     mask (cuflash.masks; not combined with a window, as in Paddle), which cuflash.attention does
-    not run yet: the reference applies it for tests.
+    not run yet: the reference applies it for tests. ``sinks``: attention sinks, (nheads,) float32,
+    bfloat16 or float16 (see the module's docstring); rows that see no key then report LSE = sink.
     """
     a = _Args(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, precision,
-              startend_row_indices)
+              startend_row_indices, sinks)
     batch, sq, nheads, d = a.q.shape
     out = np.zeros((batch, sq, nheads, d), dtype=np.float64)
     lse = np.full((batch, nheads, sq), np.inf, dtype=np.float64)
+    if a.sinks is not None:  # no key at all (seqlen_k = 0): only the sink
+        lse[...] = a.sinks[None, :, None]
     for b, _, hs, i0, i1, _, _, vg, s, _ in a.blocks():
-        m, p, l = _softmax_parts(s)
+        m, p, l = _softmax_parts(s, a.sink(hs))
         with np.errstate(divide="ignore"):  # rows that see no key: LSE = +inf
             lse[b, hs, i0:i1] = np.where(l == 0, np.inf, m + np.log(l))[..., 0]
         out[b, i0:i1, hs] = _output(p, l, vg, a.rnd).transpose(1, 0, 2)
@@ -251,7 +285,7 @@ def _sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, precision, mod
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softmax_scale=None,
                      return_lse=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     precision="float64"):
+                     precision="float64", sinks=None):
     """Reference for packed variable-length batches (flash-attn's ``flash_attn_varlen_func``).
 
     q is (total_q, nheads, d), k and v (total_k, nheads_k, d); sequence b holds rows
@@ -263,38 +297,56 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softm
     """
     mods = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
     q, k, v, out_dtype, seqs = _sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, precision, mods)
+    _sinks(sinks, q.shape[1])
     out = np.zeros(q.shape, dtype=out_dtype)
     lse = np.full((q.shape[1], q.shape[0]), np.inf,
                   dtype=np.float64 if precision == "float64" else np.float32)
     for qs, ks, s in seqs:
         o, l = attention(q[None, qs], k[None, ks], v[None, ks], return_lse=True, alibi_slopes=s,
-                         precision=precision, **mods)
+                         precision=precision, sinks=sinks, **mods)
         out[qs], lse[:, qs] = o[0], l[0]
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                       softcap=0.0, alibi_slopes=None, precision="float64", startend_row_indices=None):
+                       softcap=0.0, alibi_slopes=None, precision="float64", startend_row_indices=None,
+                       sinks=None):
     """Reference gradients (dq, dk, dv) of :func:`attention` (same masking, FlashMask's
     ``startend_row_indices`` included, score and argument rules) for the output gradient
-    ``dout`` (shaped like q).
+    ``dout`` (shaped like q); with ``sinks``, (dq, dk, dv, dsinks).
 
     With s the scores after softcap and ALiBi, P = exp(s - lse) (0 where masked and on rows
     that see no key), O = P v and D = rowsum(dout * O): dv = P^T dout, dP = dout v^T,
     dS = P (dP - D), and with a softcap (t = tanh(scale q.k / softcap)) dS *= 1 - t^2;
     dq = scale dS k, dk = scale dS^T q. The ALiBi bias has no gradient. With GQA a KV head's dk,
-    dv are summed over its query heads.
+    dv are summed over its query heads. With attention sinks the LSE holds the sink, and the
+    formulas above are unchanged (the sink's column has no value: it adds nothing to O or dP);
+    the sink's own probability P_i = exp(sink - lse_i) gives dsinks = -sum over batch and rows
+    of P_i D_i (d out_i / d sink = -P_i out_i).
     ``precision="float64"`` computes everything in float64 and returns float64.
     ``precision="same"`` mimics a fused kernel: D is formed from the output that the forward
     stores, i.e. that of ``attention(..., precision="same")`` (p = exp(s - m) rounded to q's
     dtype before the P V product, divided by the unrounded row sum, the result rounded to q's
     dtype); P is rounded to q's dtype for dv, dS is rounded to q's dtype for dq and dk,
-    accumulation is float64 and the gradients are rounded to q's dtype. (The forward's rounding
+    accumulation is float64 and the gradients are rounded to q's dtype (dsinks to the sinks'
+    dtype, from D of that rounded output). (The forward's rounding
     of p matters in D: with few keys per row, dS = P (dP - D) cancels and D's error is the
     gradients' largest; scripts/bwd_rounding_study.py measures it.)
     """
     a = _Args(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, precision,
-              startend_row_indices)
+              startend_row_indices, sinks)
+    grads = _backward(a, dout)
+    out = tuple(g.astype(a.out_dtype) for g in grads[:3])
+    return out if sinks is None else (*out, _sink_grad(grads[3], sinks, precision))
+
+
+def _sink_grad(dsinks, sinks, precision):
+    """float64 dsinks as returned: float64, or in the sinks' dtype for ``precision="same"``."""
+    return dsinks if precision == "float64" else dsinks.astype(np.asarray(sinks).dtype)
+
+
+def _backward(a, dout):
+    """float64 (dq, dk, dv, dsinks or None) of the call ``a`` (an _Args) for ``dout``."""
     dout = np.asarray(dout)
     if dout.shape != a.q.shape:
         raise ValueError(f"dout: expected shape {a.q.shape} (same as q), got {dout.shape}")
@@ -302,39 +354,49 @@ def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, windo
     dq = np.zeros(a.q.shape, dtype=np.float64)
     dk = np.zeros(a.k.shape, dtype=np.float64)
     dv = np.zeros(a.v.shape, dtype=np.float64)
+    dsinks = None if a.sinks is None else np.zeros(a.sinks.shape)
     for b, g, hs, i0, i1, qg, kg, vg, s, dcap in a.blocks():
         dog = dout[b, i0:i1, hs].astype(np.float64).transpose(1, 0, 2)
-        m, p, l = _softmax_parts(s)
+        sink = a.sink(hs)
+        m, p, l = _softmax_parts(s, sink)
         o = rnd(_output(p, l, vg, rnd))  # the forward's output (stored in q's dtype)
         with np.errstate(divide="ignore", invalid="ignore"):
             p = np.where(l == 0, 0.0, p / l)  # exp(s - lse); empty rows give 0
         dsum = (dog * o).sum(axis=-1, keepdims=True)
+        if sink is not None:  # the sink's probability exp(sink - lse) times D, over the rows
+            dsinks[hs] -= (np.exp(sink - m) / l * dsum).sum(axis=(1, 2))
         dv[b, :, g] += np.matmul(rnd(p).transpose(0, 2, 1), dog).sum(axis=0)
         dp = np.matmul(dog, vg.T)
         ds = rnd(p * (dp - dsum) * dcap)
         dq[b, i0:i1, hs] = (scale * np.matmul(ds, kg)).transpose(1, 0, 2)
         dk[b, :, g] += scale * np.matmul(ds.transpose(0, 2, 1), qg).sum(axis=0)
-    return dq.astype(a.out_dtype), dk.astype(a.out_dtype), dv.astype(a.out_dtype)
+    return dq, dk, dv, dsinks
 
 
 def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False,
                               softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                              alibi_slopes=None, precision="float64"):
+                              alibi_slopes=None, precision="float64", sinks=None):
     """Reference gradients (dq, dk, dv) of :func:`attention_varlen` for packed sequences: q, dout
     (total_q, nheads, d), k, v (total_k, nheads_k, d); every sequence is differentiated on its
     own (causal and windows aligned per sequence). Rows of k and v outside every sequence get
     zero gradient. ``alibi_slopes`` may be (nheads,) or (batch, nheads); the other keyword
-    arguments are those of :func:`attention_backward`.
+    arguments are those of :func:`attention_backward` (with ``sinks``, (dq, dk, dv, dsinks),
+    dsinks summed over the sequences).
     """
     mods = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
     q, k, v, out_dtype, seqs = _sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, precision, mods)
+    dsinks = _sinks(sinks, q.shape[1])
+    dsinks = None if dsinks is None else np.zeros_like(dsinks)
     dout = np.asarray(dout)
     if dout.shape != q.shape:
         raise ValueError(f"dout: expected shape {q.shape} (same as q), got {dout.shape}")
     grads = [np.zeros(x.shape, dtype=out_dtype) for x in (q, k, v)]
     for qs, ks, s in seqs:
-        g = attention_backward(dout[None, qs], q[None, qs], k[None, ks], v[None, ks], alibi_slopes=s,
-                               precision=precision, **mods)
+        g = _backward(_Args(q[None, qs], k[None, ks], v[None, ks], causal, softmax_scale, window_size, softcap, s,
+                            precision, sinks=sinks), dout[None, qs])
         for out, x, sl in zip(grads, g, (qs, ks, ks)):
             out[sl] = x[0]
-    return tuple(grads)
+        if dsinks is not None:
+            dsinks += g[3]
+    grads = tuple(grads)
+    return grads if sinks is None else (*grads, _sink_grad(dsinks, sinks, precision))

@@ -428,6 +428,34 @@ def alibi(alibi_slopes, batch, nheads, q):
     return a, batch_stride
 
 
+SINK_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def sinks(x, nheads, q=None):
+    """The view of attention sinks (one logit per query head: (nheads,) float32, bfloat16 or
+    float16, contiguous, on q's place unless q is None), or None. ``x`` may be a Shape
+    (cuflash.plan). Values in
+    host memory (NumPy) must be finite; device values are not read (no host synchronisation), so
+    a non-finite sink on the device is the caller's contract."""
+    if x is None:
+        return None
+    s = x if isinstance(x, Shape) else view(x, "sinks")
+    if s.dtype not in SINK_DTYPES:
+        raise TypeError(f"sinks must be float32, bfloat16 or float16 (one logit per query head), got {s.dtype}")
+    if tuple(s.shape) != (nheads,):
+        raise ValueError(f"sinks must have shape (nheads,) = ({nheads},), got {shape_str(s)}")
+    if nheads > 1 and s.strides[0] != 1:
+        raise ValueError(f"sinks must be contiguous, got strides {tuple(s.strides)}")
+    if s.framework == "numpy":
+        bad = ~np.isfinite(s.array.astype(np.float64))
+        if bad.any():
+            h = int(np.argmax(bad))
+            raise ValueError(f"sinks must be finite, got {s.array[h]} at head {h}")
+    if q is not None:
+        same_place(("q", q), ("sinks", s))
+    return s
+
+
 NO_MODS = ((-1, -1), 0.0, None, 0)
 
 
@@ -495,13 +523,14 @@ FLASHMASK_COLUMNS = {True: {1: "LTS", 2: "LTS, LTE"}, False: {2: "LTS, UTE", 4: 
 
 
 def check_startend_row_indices(x, batch, nheads, seqlen_q, seqlen_k, causal, *, nheads_k=None,
-                               window=(-1, -1), alibi=False, num_splits=0):
+                               window=(-1, -1), alibi=False, num_splits=0, sinks=False):
     """FlashMask's int32 ``startend_row_indices`` of shape (batch, 1 or nheads_k or nheads,
     seqlen_k, n), n in {1, 2} with causal=True and {2, 4} without -> its view (a ``Shape`` stays
     one). Row bounds are checked when the values are on the host (NumPy): each in
     [0, seqlen_q], and LTS <= LTE, UTS <= UTE where both are given. As in Paddle, a window
     cannot be combined with the indices (build it into them: cuflash.masks.sliding_window), nor
-    can ALiBi (``alibi``: slopes were given) or ``num_splits > 1``; these are named first."""
+    can ALiBi (``alibi``: slopes were given), attention sinks (``sinks``: they were given) or
+    ``num_splits > 1``; these are named first."""
     nheads_k = nheads if nheads_k is None else nheads_k
     name = "startend_row_indices"
     if tuple(window) != (-1, -1):
@@ -510,6 +539,8 @@ def check_startend_row_indices(x, batch, nheads, seqlen_q, seqlen_k, causal, *, 
                          "(cuflash.masks.sliding_window)")
     if alibi:
         raise ValueError(f"{name} cannot be combined with alibi_slopes")
+    if sinks:
+        raise ValueError(f"{name} cannot be combined with sinks (attention sinks)")
     if num_splits > 1:
         raise ValueError(f"{name} cannot be combined with num_splits={num_splits}")
     v = x if isinstance(x, Shape) else view(x, name)

@@ -301,9 +301,17 @@ def test_varlen_vllm_extras_not_supported(recorded):
     q, cu = _cpu(3, 2, 8), torch.tensor([0, 3], dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="seqused_k without a block_table"):
         flash_attn_varlen_func(q, q, q, cu, cu, 3, 3, seqused_k=torch.tensor([2], dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match="s_aux"):
-        flash_attn_varlen_func(q, q, q, cu, cu, 3, 3, s_aux=torch.zeros(2))
     assert not recorded
+
+
+def test_varlen_s_aux_is_sinks(recorded):
+    """vLLM's s_aux (attention sinks) runs as cuflash.torch.attention_varlen(..., sinks=s_aux)."""
+    import torch
+    from cuflash.flash_attn import flash_attn_varlen_func
+    q, cu, s_aux = _cpu(3, 2, 8), torch.tensor([0, 3], dtype=torch.int32), torch.zeros(2)
+    flash_attn_varlen_func(q, q, q, cu, cu, 3, 3, s_aux=s_aux)
+    flash_attn_varlen_func(q, q, q, cu, cu, 3, 3)
+    assert recorded[0][2]["sinks"] is s_aux and "sinks" not in recorded[1][2]
 
 
 # ---------------------------------------------------------------------------------------------

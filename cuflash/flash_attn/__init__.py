@@ -13,8 +13,9 @@ are differentiable (:func:`cuflash.torch.attention` / :func:`cuflash.torch.atten
 flash-attn (:func:`cuflash.attention_with_kvcache`).
 
 What cuflash does not do yet raises NotImplementedError naming the argument, never ignoring it:
-``dropout_p > 0``, ``rotary_cos``/``rotary_sin``, ``cache_leftpad``, and the vLLM extras
-``seqused_k`` without a ``block_table`` and ``s_aux`` (attention sinks).
+``dropout_p > 0``, ``rotary_cos``/``rotary_sin``, ``cache_leftpad``, and the vLLM extra
+``seqused_k`` without a ``block_table``. vLLM's ``s_aux`` (attention sinks) runs as
+``cuflash.torch.attention_varlen(..., sinks=s_aux)``.
 """
 import operator
 
@@ -126,11 +127,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Keyword-only extras from vLLM's fork (not in upstream flash-attn 2.8): ``seqused_k`` int32
     (batch,) key counts of a paged cache (then ``cu_seqlens_k`` is not read and may be None; a
     dense K/V with ``seqused_k`` raises NotImplementedError), ``return_softmax_lse=True``
-    returning (out, softmax_lse), and ``s_aux`` (attention sinks, NotImplementedError).
+    returning (out, softmax_lse), and ``s_aux``, attention sinks: (nheads,) float32, bfloat16 or
+    float16, one logit per query head joining each row's softmax as a column with no value
+    (vLLM's semantics; softmax_lse includes it; differentiable here, vLLM's is not).
     """
     _no_dropout(dropout_p)
-    if s_aux is not None:
-        _not_supported("s_aux (attention sinks)", "pass s_aux=None")
     if seqused_k is not None:
         if block_table is None:
             _not_supported("seqused_k without a block_table", "dense K/V rows of sequence b are "
@@ -144,7 +145,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                window_size=_window(window_size), softcap=_softcap(softcap),
                                alibi_slopes=alibi_slopes, deterministic=deterministic,
                                return_lse=bool(return_attn_probs or return_softmax_lse),
-                               block_table=block_table)
+                               block_table=block_table, **({} if s_aux is None else {"sinks": s_aux}))
     return _with_probs(res, q) if return_attn_probs else res  # out, or (out, lse) for vLLM
 
 

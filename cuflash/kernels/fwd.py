@@ -7,7 +7,7 @@ compiles with no register spills under NVRTC 13.0 and 13.5 (checked in the CPU t
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import HEAD_DIM_BUCKETS, KernelVariant, tile_name
 from .params import ParamTable, strides
@@ -107,6 +107,12 @@ FLASHMASK_FIELDS = (("fm_idx", "const int*"), *strides("fm", "sb", "sh", "ss", "
                     ("fm_heads", "int"), ("fm_blocks", "const int*"))
 FLASHMASK_PARAMS = ParamTable("FwdParams", PARAMS.fields[:-DATA_TAIL] + FLASHMASK_FIELDS + PARAMS.fields[-DATA_TAIL:])
 FLASHMASK_NS = (1, 2, 4)  # bound columns per key: 1 or 2 with causal, 2 or 4 without
+# Attention-sink variants (sinks=True) take these fields too, before the trailing data pointers:
+# the sink logits (one per query head, in their own dtype: SINK_DTYPES) and the index of row i
+# of head h as launched, h * sinks_sh + i * sinks_sr (packed GQA rows are query heads).
+SINK_FIELDS = (("sinks", "const void*"), ("sinks_dtype", "int"), ("sinks_sh", "int"), ("sinks_sr", "int"))
+SINK_PARAMS = ParamTable("FwdParams", PARAMS.fields[:-DATA_TAIL] + SINK_FIELDS + PARAMS.fields[-DATA_TAIL:])
+SINK_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}  # sinks_dtype (templates/common/sinks.cuh)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +136,7 @@ class FwdVariant(KernelVariant):
     alibi: bool = False       # ALiBi bias -slope * |i + sk - sq - j|
     mma: str = "sync"         # products: warp-level mma.sync, or Hopper's warpgroup wgmma (sm_90a)
     flashmask: int = 0        # FlashMask bound columns per key (cuflash.masks), 0 = none
+    sinks: bool = False       # attention sinks: each row's softmax starts from its head's sink logit
 
     def __post_init__(self):
         super().__post_init__()
@@ -151,20 +158,22 @@ class FwdVariant(KernelVariant):
         if self.flashmask and not (self.flashmask in (1, 2) if self.causal else self.flashmask in (2, 4)):
             raise ValueError(f"flashmask must be 0, or 1 or 2 with causal, 2 or 4 without; got {self.flashmask} "
                              f"with causal={self.causal}")
-        if self.flashmask and (self.kind != "fwd" or self.kv != "dense" or self.local or self.alibi or self.decode):
+        if self.flashmask and (self.kind != "fwd" or self.kv != "dense" or self.local or self.alibi or self.decode
+                               or self.sinks):
             raise ValueError("a FlashMask variant is a standard kernel (kind 'fwd', not the decode tile) over dense "
-                             f"K/V with no window and no ALiBi; got {self}")
+                             f"K/V with no window, no ALiBi and no sinks; got {self}")
 
     @property
     def params(self) -> ParamTable:
-        return FLASHMASK_PARAMS if self.flashmask else PARAMS
+        return FLASHMASK_PARAMS if self.flashmask else SINK_PARAMS if self.sinks else PARAMS
 
     @functools.cached_property
     def name(self) -> str:
         return tile_name(self.kind, self.head_dim, self.dtype, causal=self.causal, local=self.local,
                          softcap=self.softcap, alibi=self.alibi, even_head_dim=self.even_head_dim,
                          mma=self.mma, kv=self.kv, block_m=self.block_m, block_n=self.block_n,
-                         warps=self.warps, stages=self.stages, arch=self.arch, flashmask=self.flashmask)
+                         warps=self.warps, stages=self.stages, arch=self.arch, flashmask=self.flashmask,
+                         sinks=self.sinks)
 
     @property
     def template(self) -> str:
@@ -203,7 +212,7 @@ class FwdVariant(KernelVariant):
                     stages=self.stages, causal=self.causal, local=self.local, softcap=self.softcap,
                     alibi=self.alibi, split=self.kind == "fwd_split", bf16=self.dtype == "bf16",
                     even_head_dim=self.even_head_dim, kv_cache=self.kv != "dense", paged=self.kv == "paged",
-                    swizzle=self.swizzled, split_n=self.decode, flashmask=self.flashmask)
+                    swizzle=self.swizzled, split_n=self.decode, flashmask=self.flashmask, sinks=self.sinks)
 
 
 MASKS = ((False, False), (True, False), (False, True))  # (causal, local)
@@ -212,7 +221,7 @@ MODS = ((False, False), (True, False), (False, True), (True, True))  # (softcap,
 
 def variants(arch: int, mods: bool = True) -> list[FwdVariant]:
     """Every forward variant a plan can launch on ``arch``. ``mods=False`` leaves out the
-    window/softcap/ALiBi variants."""
+    window/softcap/ALiBi and attention-sink variants."""
     out = []
     for bucket in HEAD_DIM_BUCKETS:
         for dtype in ("fp16", "bf16"):
@@ -235,6 +244,7 @@ def variants(arch: int, mods: bool = True) -> list[FwdVariant]:
                                     out.append(FwdVariant(kind=kind, even_head_dim=even, kv=kv, block_m=bm,
                                                           block_n=bn, warps=w, stages=st, **m))
     if mods:
+        out += [replace(v, sinks=True) for v in out]  # sinks cross everything but FlashMask
         out += flashmask_variants(arch)
     return out
 

@@ -78,6 +78,8 @@ def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, 
     """PyTorch SDPA through transformers' own backend, for masks cuflash cannot express."""
     if softcap:
         raise NotImplementedError(f"cuflash backend: {why}, and the SDPA fallback has no softcap")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(f"cuflash backend: {why}, and the SDPA fallback has no attention sinks (s_aux)")
     _warn_once(why, f"cuflash backend: {why}; using PyTorch SDPA for these calls")
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     if attention_mask is not None and attention_mask.dim() == 2:
@@ -118,9 +120,8 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     if dropout:
         raise NotImplementedError(f"cuflash backend has no attention dropout (got {dropout}); "
                                   "use model.eval() or attention_dropout=0.0")
-    for name in ("s_aux", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"cuflash backend does not support {name}")
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("cuflash backend does not support position_bias")
 
     b, h, sq, d = query.shape
     sk = key.shape[2]
@@ -143,6 +144,8 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     det = bool(kwargs.get("deterministic") or False)
     feats = dict(causal=causal, softmax_scale=scaling, window_size=window, softcap=cap,
                  deterministic=det)
+    if kwargs.get("s_aux") is not None:  # attention sinks (gpt-oss), one logit per query head
+        feats["sinks"] = kwargs["s_aux"]
 
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # views
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")

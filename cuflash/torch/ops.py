@@ -22,7 +22,7 @@ def _window(window_size):
     return int(left), int(right)
 
 
-def _extras(window_left, window_right, softcap, alibi_slopes):
+def _extras(window_left, window_right, softcap, alibi_slopes, sinks=None):
     """Keyword arguments for the kernels' optional features, only where they differ from the
     defaults: builds of cuflash without these features accept every call that does not use them."""
     kw = {}
@@ -32,6 +32,8 @@ def _extras(window_left, window_right, softcap, alibi_slopes):
         kw["softcap"] = float(softcap)
     if alibi_slopes is not None:
         kw["alibi_slopes"] = alibi_slopes
+    if sinks is not None:
+        kw["sinks"] = sinks
     return kw
 
 
@@ -41,7 +43,7 @@ def _call(fn, what, *args, **kw):
     try:
         return fn(*args, **kw)
     except TypeError as e:
-        missing = [n for n in ("window_size", "softcap", "alibi_slopes", "block_table", "dq")
+        missing = [n for n in ("window_size", "softcap", "alibi_slopes", "block_table", "dq", "sinks")
                    if n in kw and repr(n) in str(e) and "unexpected keyword" in str(e)]
         if missing:
             raise NotImplementedError(f"{what} in this cuflash build does not support "
@@ -54,30 +56,32 @@ def _plain_cuda_tensors(*xs) -> bool:
     return all(x is None or (type(x) is Tensor and x.is_cuda) for x in xs)
 
 
-def _route(q, k, v, alibi_slopes=None) -> str:
+def _route(q, k, v, alibi_slopes=None, sinks=None) -> str:
     """How a call runs: "op", the custom op (torch.compile; fake, functional or other tensor
     subclasses; CPU tensors, which the op reports); "autograd", the op's bodies as an eager
-    autograd.Function (real CUDA tensors that need gradients); "direct", the kernels alone."""
+    autograd.Function (real CUDA tensors that need gradients, sinks included); "direct", the
+    kernels alone."""
     if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and q.is_cuda and k.is_cuda
-            and v.is_cuda and (alibi_slopes is None or _plain_cuda_tensors(alibi_slopes))):
+            and v.is_cuda and _plain_cuda_tensors(alibi_slopes, sinks)):
         return "op"
     if torch.compiler.is_compiling():
         return "op"
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (sinks is not None and sinks.requires_grad)):
         return "autograd"
     return "direct"
 
 
-def _wants_op(q, k, v, alibi_slopes=None) -> bool:
+def _wants_op(q, k, v, alibi_slopes=None, sinks=None) -> bool:
     """Go through the custom op (or its eager twin) rather than calling the kernels directly."""
-    return _route(q, k, v, alibi_slopes) != "direct"
+    return _route(q, k, v, alibi_slopes, sinks) != "direct"
 
 # ---------------------------------------------------------------------------------------------
 # Kernel calls (the bodies of the custom ops; real tensors only)
 
 def _forward_kernel(q, k, v, out, causal, softmax_scale, window_left, window_right, softcap,
-                    alibi_slopes, return_lse):
-    extras = _extras(window_left, window_right, softcap, alibi_slopes)
+                    alibi_slopes, return_lse, sinks=None):
+    extras = _extras(window_left, window_right, softcap, alibi_slopes, sinks)
     if plans._log is not None:
         plans._record(q, k, causal, extras)
     return _call(cuflash.attention, "cuflash.attention", q, k, v, causal=causal,
@@ -86,11 +90,11 @@ def _forward_kernel(q, k, v, out, causal, softmax_scale, window_left, window_rig
 
 def _varlen_forward_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
                            causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                           block_table, return_lse):
+                           block_table, return_lse, sinks=None):
     fn = getattr(cuflash, "attention_varlen", None)
     if fn is None:
         raise NotImplementedError("this cuflash build has no attention_varlen")
-    extras = _extras(window_left, window_right, softcap, alibi_slopes)
+    extras = _extras(window_left, window_right, softcap, alibi_slopes, sinks)
     if block_table is not None:
         extras["block_table"] = block_table
     if plans._log is not None:
@@ -110,9 +114,10 @@ def _backward_module():
 
 
 def _backward_kernel(dout, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, window_left,
-                     window_right, softcap, alibi_slopes, deterministic):
+                     window_right, softcap, alibi_slopes, deterministic, sinks=None):
+    """(dq, dk, dv), or with ``sinks`` (dq, dk, dv, dsinks float32)."""
     bwd = _backward_module()
-    extras = _extras(window_left, window_right, softcap, alibi_slopes)
+    extras = _extras(window_left, window_right, softcap, alibi_slopes, sinks)
     return _call(bwd.attention_backward, "cuflash.backward.attention_backward", dout, q, k, v,
                  out, lse, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
                  dq=dq, dk=dk, dv=dv, **extras)
@@ -120,13 +125,13 @@ def _backward_kernel(dout, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale,
 
 def _varlen_backward_kernel(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, dq, dk, dv, causal, softmax_scale, window_left,
-                            window_right, softcap, alibi_slopes, deterministic):
+                            window_right, softcap, alibi_slopes, deterministic, sinks=None):
     fn = getattr(_backward_module(), "attention_varlen_backward", None)
     if fn is None:
         raise NotImplementedError("this cuflash build has no varlen backward "
                                   "(cuflash.backward.attention_varlen_backward): "
                                   "attention_varlen is forward-only here")
-    extras = _extras(window_left, window_right, softcap, alibi_slopes)
+    extras = _extras(window_left, window_right, softcap, alibi_slopes, sinks)
     return _call(fn, "cuflash.backward.attention_varlen_backward", dout, q, k, v, out, lse,
                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                  softmax_scale=softmax_scale, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
@@ -142,6 +147,18 @@ def _into(buffers, results):
     return buffers
 
 
+def _sink_grad(res, q, sinks):
+    """The backward ops' fourth result: dsinks in the sinks' dtype (the backward's results
+    ``res`` end with it in float32), or an empty float32 tensor without sinks."""
+    if sinks is None:
+        return q.new_empty((0,), dtype=torch.float32)
+    return res[3].to(sinks.dtype)
+
+
+def _sink_fake(q, sinks):
+    return q.new_empty((0,), dtype=torch.float32) if sinks is None else sinks.new_empty(sinks.shape)
+
+
 def _last_dim_contiguous(x):
     """Gradients reaching a backward may be expanded or transposed views; the kernels need a unit
     stride in the last dim (the only copy made here, and only when needed)."""
@@ -154,22 +171,24 @@ def _last_dim_contiguous(x):
 @torch.library.custom_op("cuflash::attention_fwd", mutates_args=())
 def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float],
                    window_left: int, window_right: int, softcap: float,
-                   alibi_slopes: Optional[Tensor], deterministic: bool) -> tuple[Tensor, Tensor]:
+                   alibi_slopes: Optional[Tensor], deterministic: bool,
+                   sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out, lse): out like q (contiguous), lse float32 (batch, nheads, seqlen_q).
     ``deterministic`` only matters to the backward pass."""
-    return _fwd_body(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes)
+    return _fwd_body(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+                     sinks=sinks)
 
 
 def _fwd_body(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-              deterministic=False):  # deterministic: taken like the op's inputs, used by the backward
+              deterministic=False, sinks=None):  # deterministic: taken like the op's inputs, used by the backward
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return _forward_kernel(q, k, v, out, causal, softmax_scale, window_left, window_right, softcap,
-                           alibi_slopes, True)
+                           alibi_slopes, True, sinks)
 
 
 @_attention_fwd.register_fake
 def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-      deterministic):
+      deterministic, sinks=None):
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
 
@@ -178,45 +197,50 @@ def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_
 def _attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    causal: bool, softmax_scale: Optional[float], window_left: int,
                    window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
-                   deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv), contiguous, shaped like q, k and v."""
+                   deterministic: bool,
+                   sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dsinks): contiguous, shaped like q, k and v; dsinks like the sinks, or an
+    empty float32 tensor without them."""
     return _bwd_body(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right,
-                     softcap, alibi_slopes, deterministic)
+                     softcap, alibi_slopes, deterministic, sinks)
 
 
 def _bwd_body(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap,
-              alibi_slopes, deterministic):
+              alibi_slopes, deterministic, sinks=None):
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     res = _backward_kernel(_last_dim_contiguous(dout), q, k, v, out, lse, dq, dk, dv, causal,
                            softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                           deterministic)
-    return _into((dq, dk, dv), res)
+                           deterministic, sinks)
+    return (*_into((dq, dk, dv), res), _sink_grad(res, q, sinks))
 
 
 @_attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap,
-      alibi_slopes, deterministic):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+      alibi_slopes, deterministic, sinks=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _sink_fake(q, sinks)
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes, det = inputs
+    q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes, det, *rest = inputs
+    sinks = rest[0] if rest else None
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
     ctx.args = (causal, softmax_scale, window_left, window_right, softcap)
     ctx.deterministic = det
+    ctx.n_inputs = len(inputs)  # the backward returns a gradient (or None) per input given
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_backward(ctx, dout, dlse, bwd=None):
-    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, sinks = ctx.saved_tensors
     causal, softmax_scale, window_left, window_right, softcap = ctx.args
-    dq, dk, dv = (bwd or torch.ops.cuflash.attention_bwd)(
+    dq, dk, dv, dsinks = (bwd or torch.ops.cuflash.attention_bwd)(
         dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap,
-        alibi_slopes, ctx.deterministic)
-    return dq, dk, dv, None, None, None, None, None, None, None
+        alibi_slopes, ctx.deterministic, sinks)
+    grads = (dq, dk, dv, None, None, None, None, None, None, None, None if sinks is None else dsinks)
+    return grads[:ctx.n_inputs]
 
 
 _attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -243,17 +267,18 @@ def _attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                           cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                           softmax_scale: Optional[float], window_left: int, window_right: int,
                           softcap: float, alibi_slopes: Optional[Tensor],
-                          block_table: Optional[Tensor], deterministic: bool) -> tuple[Tensor, Tensor]:
+                          block_table: Optional[Tensor], deterministic: bool,
+                          sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out, lse): out like q (total_q, nheads, d), contiguous; lse float32 (nheads, total_q)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return _varlen_forward_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   out, causal, softmax_scale, window_left, window_right, softcap,
-                                  alibi_slopes, block_table, True)
+                                  alibi_slopes, block_table, True, sinks)
 
 
 @_attention_varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-      window_left, window_right, softcap, alibi_slopes, block_table, deterministic):
+      window_left, window_right, softcap, alibi_slopes, block_table, deterministic, sinks=None):
     total_q, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((h, total_q), dtype=torch.float32)
 
@@ -263,29 +288,32 @@ def _attention_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                           cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                           max_seqlen_k: int, causal: bool, softmax_scale: Optional[float],
                           window_left: int, window_right: int, softcap: float,
-                          alibi_slopes: Optional[Tensor],
-                          deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+                          alibi_slopes: Optional[Tensor], deterministic: bool,
+                          sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dsinks), as cuflash::attention_bwd."""
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     res = _varlen_backward_kernel(_last_dim_contiguous(dout), q, k, v, out, lse, cu_seqlens_q,
                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, dq, dk, dv, causal,
                                   softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                                  deterministic)
-    return _into((dq, dk, dv), res)
+                                  deterministic, sinks)
+    return (*_into((dq, dk, dv), res), _sink_grad(res, q, sinks))
 
 
 @_attention_varlen_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-      softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+      softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, sinks=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _sink_fake(q, sinks)
 
 
 def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_left, window_right, softcap,
-     alibi_slopes, block_table, det) = inputs
+     alibi_slopes, block_table, det, *rest) = inputs
+    sinks = rest[0] if rest else None
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks)
+    ctx.n_inputs = len(inputs)
     ctx.args = (max_q, max_k, causal, softmax_scale, window_left, window_right, softcap)
     ctx.paged = block_table is not None
     ctx.deterministic = det
@@ -296,12 +324,12 @@ def _varlen_backward(ctx, dout, dlse):
     if ctx.paged:
         raise NotImplementedError("attention_varlen with a block_table (a paged KV cache) has no "
                                   "backward pass; run it under torch.no_grad()")
-    q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks = ctx.saved_tensors
     max_q, max_k, causal, softmax_scale, window_left, window_right, softcap = ctx.args
-    dq, dk, dv = torch.ops.cuflash.attention_varlen_bwd(
+    dq, dk, dv, dsinks = torch.ops.cuflash.attention_varlen_bwd(
         dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_left,
-        window_right, softcap, alibi_slopes, ctx.deterministic)
-    return (dq, dk, dv) + (None,) * 12
+        window_right, softcap, alibi_slopes, ctx.deterministic, sinks)
+    return ((dq, dk, dv) + (None,) * 12 + (None if sinks is None else dsinks,))[:ctx.n_inputs]
 
 
 _attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -311,7 +339,7 @@ _attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_
 # Public functions
 
 def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, deterministic=False, return_lse=False):
+              alibi_slopes=None, deterministic=False, return_lse=False, sinks=None):
     """Differentiable :func:`cuflash.attention` for torch tensors, with flash-attn's
     ``flash_attn_func`` semantics (no dropout).
 
@@ -319,8 +347,10 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
     bfloat16 CUDA tensors, last dim contiguous (other strides are free). ``window_size=(left,
     right)`` (-1 = unbounded), ``softcap`` (0 = off) and ``alibi_slopes`` ((nheads,) or (batch,
     nheads), float32) follow flash-attn. ``deterministic`` asks the backward pass for a
-    deterministic reduction. Returns out (contiguous, like q), or (out, lse) with
-    ``return_lse=True`` (lse float32 (batch, nheads, seqlen_q), not differentiable).
+    deterministic reduction. ``sinks``: attention sinks, (nheads,) float32, bfloat16 or float16
+    (as :func:`cuflash.attention`), differentiable: their gradient comes in the sinks' dtype.
+    Returns out (contiguous, like q), or (out, lse) with ``return_lse=True`` (lse float32 (batch,
+    nheads, seqlen_q), not differentiable).
 
     Under ``torch.compile`` (or on fake tensors) this runs the ``cuflash::attention_fwd`` custom
     op (backward: ``cuflash::attention_bwd``); eager calls that need gradients run the same
@@ -328,12 +358,12 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
     """
     window_left, window_right = _window(window_size)
     softcap = float(softcap or 0.0)
-    route = _route(q, k, v, alibi_slopes)
+    route = _route(q, k, v, alibi_slopes, sinks)
     if route == "direct":
         return _forward_kernel(q, k, v, None, causal, softmax_scale, window_left, window_right,
-                               softcap, alibi_slopes, return_lse)
+                               softcap, alibi_slopes, return_lse, sinks)
     args = (q, k, v, bool(causal), softmax_scale, window_left, window_right, softcap, alibi_slopes,
-            bool(deterministic))
+            bool(deterministic), sinks)
     if route == "op":
         out, lse = torch.ops.cuflash.attention_fwd(*args)
     else:
@@ -343,24 +373,24 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     deterministic=False, return_lse=False, block_table=None):
+                     deterministic=False, return_lse=False, block_table=None, sinks=None):
     """Differentiable :func:`cuflash.attention_varlen` (flash-attn's ``flash_attn_varlen_func``).
 
     q: (total_q, nheads, d); k, v: (total_k, nheads_k, d) (or a paged cache with
     ``block_table``, forward only); ``cu_seqlens_q``/``cu_seqlens_k``: int32 (batch + 1,)
     cumulative lengths on the GPU; ``max_seqlen_q``/``max_seqlen_k``: Python ints. Each sequence
-    is attended on its own (causal and windows aligned bottom-right per sequence). Returns out,
-    or (out, lse) with lse float32 (nheads, total_q). The backward pass needs
-    ``cuflash.backward.attention_varlen_backward``.
+    is attended on its own (causal and windows aligned bottom-right per sequence). ``sinks`` as
+    in :func:`attention` (differentiable). Returns out, or (out, lse) with lse float32 (nheads,
+    total_q). The backward pass needs ``cuflash.backward.attention_varlen_backward``.
     """
     window_left, window_right = _window(window_size)
     softcap = float(softcap or 0.0)
-    if not _wants_op(q, k, v, alibi_slopes):
+    if not _wants_op(q, k, v, alibi_slopes, sinks):
         return _varlen_forward_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                       int(max_seqlen_k), None, causal, softmax_scale, window_left,
-                                      window_right, softcap, alibi_slopes, block_table, return_lse)
+                                      window_right, softcap, alibi_slopes, block_table, return_lse, sinks)
     out, lse = torch.ops.cuflash.attention_varlen_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal),
         softmax_scale, window_left, window_right, softcap, alibi_slopes, block_table,
-        bool(deterministic))
+        bool(deterministic), sinks)
     return (out, lse) if return_lse else out

@@ -75,7 +75,7 @@ def _record(q, k, causal, extras, varlen=False):
         return
     win = extras.get("window_size", (-1, -1))
     key = (varlen, tuple(q.shape), tuple(k.shape), q.dtype, bool(causal), win,
-           extras.get("softcap", 0.0), "alibi_slopes" in extras)
+           extras.get("softcap", 0.0), "alibi_slopes" in extras, "sinks" in extras)
     with log.lock:
         if key in log.seen:
             return
@@ -83,6 +83,8 @@ def _record(q, k, causal, extras, varlen=False):
     plan = None
     if not varlen:
         plan_kw = {n: extras[n] for n in ("window_size", "softcap") if n in extras}
+        if "sinks" in extras:
+            plan_kw["sinks"] = True
         try:
             plan = cuflash.plan(q, k, k, causal=bool(causal), **plan_kw)
         except TypeError:  # a plan that does not depend on these features
