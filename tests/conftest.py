@@ -94,6 +94,29 @@ def rng(request):
     return np.random.default_rng(abs(hash(request.node.nodeid)) % (2**32))
 
 
+def record_launches(monkeypatch, early_ok=True):
+    """Kernels recorded instead of run: compiler.get_kernel returns stand-ins whose launches
+    append (kernel name, stream, {field: value}) to the returned list, after checking that every
+    value fits its field. ``early_ok=False``: an early (programmatic) launch fails the test."""
+    from cuflash import compiler
+    launched = []
+
+    class Kernel:
+        def __init__(self, variant):
+            self.name, self.table = variant.name, variant.params
+
+        def launch(self, grid, block, smem, stream, values, early=False):
+            self.table.layout.pack(*values)  # every value fits its field
+            assert early_ok or not early
+            launched.append((self.name, stream, dict(zip(self.table.names, values))))
+
+        def __call__(self, grid, block, stream, shared_mem=0, **values):
+            self.launch(grid, block, shared_mem, stream, self.table.values(**values))
+
+    monkeypatch.setattr(compiler, "get_kernel", lambda variant, device: Kernel(variant))
+    return launched
+
+
 def fake_view(device, shape, dtype="float16", strides=None, ptr=1 << 20):
     """A hand-made device array description (cuflash.arrays.View) for validation tests."""
     import math

@@ -14,7 +14,7 @@ import types
 import numpy as np
 import pytest
 
-from conftest import GPU_PROBLEM
+from conftest import GPU_PROBLEM, record_launches
 
 # JAX takes 75% of the GPU's memory at its first use unless told not to; the other test
 # processes (pytest-xdist) and PyTorch in this one need theirs.
@@ -23,7 +23,7 @@ jax = pytest.importorskip("jax", reason="needs JAX (optional dependency: pip ins
 jnp = jax.numpy
 
 import cuflash.jax as cj  # noqa: E402
-from cuflash import backward, compiler, reference  # noqa: E402
+from cuflash import backward, reference  # noqa: E402
 from cuflash.plan import DeviceFacts, make_backward_plan, make_plan  # noqa: E402
 
 H100 = DeviceFacts(132, 90)
@@ -257,22 +257,9 @@ class FakeBuffer:
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """Launches recorded as (kernel name, stream, {field: value}) instead of run."""
-    launched = []
-
-    class Kernel:
-        def __init__(self, variant):
-            self.name, self.table = variant.name, variant.params
-
-        def launch(self, grid, block, smem, stream, values, early=False):
-            self.table.layout.pack(*values)  # every value fits its field
-            assert not early  # XLA may nest the callback's capture in its graphs: plain launches
-            launched.append((self.name, stream, dict(zip(self.table.names, values))))
-
-        def __call__(self, grid, block, stream, shared_mem=0, **values):
-            self.launch(grid, block, shared_mem, stream, self.table.values(**values))
-
-    monkeypatch.setattr(compiler, "get_kernel", lambda variant, device: Kernel(variant))
+    """Launches recorded as (kernel name, stream, {field: value}) instead of run. XLA may nest
+    the callback's capture in its graphs: plain launches only (no early launch)."""
+    launched = record_launches(monkeypatch, early_ok=False)
     monkeypatch.setattr(cj.arrays, "on_device", lambda dev: contextlib.nullcontext())
     return launched
 

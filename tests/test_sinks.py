@@ -24,7 +24,7 @@ import pytest
 
 import cuflash
 from cuflash import reference
-from conftest import assert_compiled_clean, fake_view, finite_diff, requires_gpu, requires_torch
+from conftest import assert_compiled_clean, fake_view, finite_diff, record_launches, requires_gpu, requires_torch
 
 H100 = dict(num_sms=132, arch=90)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -342,31 +342,18 @@ def test_sink_variant_compiles_without_spills(compiled, v):
 def test_launch_passes_the_sinks(monkeypatch, sq, hk, num_splits, fields):
     """The sink fields of the forward's parameter struct, as launch.prepare and fire pack them
     (kernels recorded instead of run)."""
-    from cuflash import compiler, launch
+    from cuflash import launch
     from cuflash.plan import DeviceFacts, Problem, make_plan
-    launched = []
-
-    class Kernel:
-        def __init__(self, variant):
-            self.name, self.table = variant.name, variant.params
-
-        def launch(self, grid, block, smem, stream, values, early=False):
-            self.table.layout.pack(*values)  # every value fits its field
-            launched.append((self.name, dict(zip(self.table.names, values))))
-
-        def __call__(self, grid, block, stream, shared_mem=0, **values):
-            self.launch(grid, block, shared_mem, stream, self.table.values(**values))
-
-    monkeypatch.setattr(compiler, "get_kernel", lambda variant, device: Kernel(variant))
+    launched = record_launches(monkeypatch)
     plan = make_plan(Problem(2, sq, 300, 8, hk, 64, "bf16", num_splits=num_splits, sinks=True, tma=False),
                      DeviceFacts(132, 90))
     q, k = fake_view(0, (2, sq, 8, 64), "bfloat16"), fake_view(0, (2, 300, hk, 64), "bfloat16", ptr=2 << 20)
     r = launch.prepare(plan, q, k, k, q, 0.125, 0, sinks=(7 << 20, "bfloat16"))
     launch.fire(r, 0, 9, q.ptr, k.ptr, k.ptr, q.ptr, 0, (3 << 20, 4 << 20) if r.split else None, fused=False)
-    name, f = launched[0]
+    name, _, f = launched[0]
     assert "_sinks_" in name and plan.pack_gqa == (fields[0] > 1)
     assert (f["sinks"], f["sinks_dtype"], f["sinks_sh"], f["sinks_sr"]) == (7 << 20, 2, *fields)
-    assert [n.startswith("combine") for n, _ in launched[1:]] == [True] * (num_splits > 1)
+    assert [n.startswith("combine") for n, _, _ in launched[1:]] == [True] * (num_splits > 1)
     with pytest.raises(ValueError, match="needs the sinks"):
         launch.prepare(plan, q, k, k, q, 0.125, 0)
 
@@ -825,7 +812,6 @@ def test_gpu_varlen_backward(rng):
 @pytest.mark.parametrize("sinks_dtype", ["float32", "bfloat16"])
 def test_gpu_torch_autograd(rng, sinks_dtype):
     """cuflash.torch.attention: gradients of q, k, v and the sinks (a parameter in its own dtype)."""
-    import torch
     import cuflash.torch as ct
     q, k, v = (x.requires_grad_() for x in (_t(rng, 2, 200, 8, 64), _t(rng, 2, 200, 2, 64), _t(rng, 2, 200, 2, 64)))
     sinks = _sinks(rng, 8, 200, sinks_dtype).requires_grad_()
