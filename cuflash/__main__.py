@@ -234,16 +234,23 @@ def cmd_bench(a):
             bench._jax()  # before anything else starts JAX's GPU backend
     except RuntimeError as e:  # no PyTorch, or no CUDA device for it (or for JAX)
         _fail(f"cuflash: error: {e}")
+    grid = {"quick": a.quick}  # --dtype / --head-dim narrow the prefill, backward and jax grids
+    if a.dtype:
+        grid["dtypes"] = tuple(a.dtype)
+    if a.head_dim:
+        grid["head_dims"] = tuple(a.head_dim)
+    if (a.dtype or a.head_dim) and a.kind not in ("prefill", "backward", "jax"):
+        _fail(f"cuflash: error: --dtype and --head-dim apply to bench prefill, backward and jax, not {a.kind}")
     if a.kind == "prefill":
-        rows = bench.bench_prefill(quick=a.quick)
+        rows = bench.bench_prefill(**grid)
     elif a.kind == "window":
         rows = bench.bench_window()
     elif a.kind == "overhead":
         rows = bench.bench_overhead()
     elif a.kind == "backward":
-        rows = bench.bench_backward(quick=a.quick)
+        rows = bench.bench_backward(**grid)
     elif a.kind == "jax":
-        rows = bench.bench_jax(quick=a.quick)
+        rows = bench.bench_jax(**grid)
     else:
         rows = bench.bench_decode()
     print(bench.format_table(rows, "prefill" if a.kind == "backward" else a.kind))
@@ -323,6 +330,8 @@ def main(argv=None):
                                      "against jax.nn.dot_product_attention (cuDNN, XLA)")
     b.add_argument("kind", choices=["prefill", "decode", "backward", "window", "overhead", "jax"])
     b.add_argument("--quick", action="store_true")
+    b.add_argument("--dtype", nargs="+", choices=["bfloat16", "float16"])
+    b.add_argument("--head-dim", type=HEAD_DIM, nargs="+")
     b.add_argument("--json")
     b.add_argument("--csv")
     b.add_argument("--plot")
