@@ -55,6 +55,7 @@ import numpy as np
 
 from . import api, arrays, compiler, validate
 from .kernels.bwd import ROW_PAD, VARLEN_ROW_GAP
+from .kernels.fwd_ws import tensor_map, tma_readable
 from .kernels.params import stride_values
 from .plan import Problem, cdiv, make_backward_plan
 
@@ -238,7 +239,9 @@ def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministi
     dev = qv.device
     plan = make_backward_plan(Problem(b, sq, sk, h, hk, d_pad, _DTYPES[qv.dtype], causal=causal, window=window,
                                       softcap=cap > 0, alibi=alibi is not None, varlen=varlen is not None,
-                                      deterministic=deterministic, sinks=sv is not None), api.device_facts(dev))
+                                      deterministic=deterministic, sinks=sv is not None,
+                                      tma=varlen is None and all(tma_readable(x) for x in ops[:4])),
+                              api.device_facts(dev))
     total_q = None if varlen is None else qv.shape[0]
     ws = arrays.empty_like_framework(qv, (workspace_floats(plan, total_q),), "float32")
     head_rows, rows = stats_rows(b, sq, h, total_q)
@@ -356,8 +359,17 @@ def _launch(kernels, ops, lse, lse_st, grads, ws, shape, score, stream, device):
         cu_seqlens_q=cu_q)
     common = dict(q=q.ptr, k=k.ptr, v=v.ptr, dout=do.ptr, lse2=lse2, dsum=dsum, **_st("q", q), **_st("k", k),
                   **_st("v", v), **_st("do", do), **rows, seqlen_k_arg=sk, ngroups=h // hk, **score)
-    run(main, main.grid(b, sq, sk, h, hk), dq_accum=acc, dk=dk.ptr, dv=dv.ptr, **_st("dk", dk), **_st("dv", dv),
-        **common)
+    if main.family == "bwd_ws":  # q, k, v, dout through TMA tensor maps (boxes: a step's rows, a block's keys)
+        maps = {f"tma_{n}": tensor_map(x.ptr, x.shape, x.strides, rows_, main.dtype)
+                for n, x, rows_ in (("q", q, main.block_m), ("k", k, main.block_n), ("v", v, main.block_n),
+                                    ("do", do, main.block_m))}
+        run(main, main.grid(b, sq, sk, h, hk), **maps, lse2=lse2, dsum=dsum, dq_accum=acc, dk=dk.ptr, dv=dv.ptr,
+            **_st("dk", dk), **_st("dv", dv), seqlen_q_arg=sq, nheads=h, head_rows=head_rows, seqlen_k_arg=sk,
+            ngroups=h // hk,
+            **{f: score[f] for f in ("scale_log2", "scale", "window_left", "window_right")})
+    else:
+        run(main, main.grid(b, sq, sk, h, hk), dq_accum=acc, dk=dk.ptr, dv=dv.ptr, **_st("dk", dk), **_st("dv", dv),
+            **common)
     if last.kind == "bwd_dq":
         run(last, last.grid(b, sq, sk, h, hk), dq=dq.ptr, **_st("dq", dq), **common)
     else:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from .kernels import KernelVariant, head_dim_bucket
-from .kernels import bwd, fwd_ws
+from .kernels import bwd, bwd_ws, fwd_ws
 from .kernels.combine import CombineVariant
 from .kernels.flashmask import FlashMaskPrepVariant
 from .kernels.fwd import (DECODE_BLOCK_M, DECODE_MAX_ROWS, DECODE_WARPS, SPLIT_BLOCK_M, SPLIT_WARPS, FwdVariant,
@@ -25,6 +25,8 @@ MAX_GRID_X, MAX_GRID_YZ = 2**31 - 1, 65535  # CUDA's grid limits
 # The warp-specialised forward (kernels/fwd_ws.py) where it applies; CUFLASH_FWD_WS=0 keeps the
 # wgmma kernel instead (to compare the two, or to rule one out).
 FWD_WS = os.environ.get("CUFLASH_FWD_WS", "1") != "0"
+# The warp-specialised backward (kernels/bwd_ws.py) likewise; CUFLASH_BWD_WS=0 keeps the wgmma kernel.
+BWD_WS = os.environ.get("CUFLASH_BWD_WS", "1") != "0"
 
 
 def check_grids(launches) -> None:
@@ -399,6 +401,25 @@ def _fwd_ws_blocker(p: Problem, even: bool, bucket: int, local: bool, pack: bool
     return ""
 
 
+def _bwd_ws_blocker(p: Problem, bucket: int, arch: int) -> str:
+    """Why the warp-specialised backward (kernels/bwd_ws.py) cannot run ``p``'s dK/dV kernel, or ""."""
+    if arch != 90:
+        return "it is a Hopper (sm_90a) kernel"
+    if not BWD_WS:
+        return "CUFLASH_BWD_WS=0 turned it off"
+    if bucket not in bwd_ws.HEAD_DIMS or p.head_dim != bucket:
+        return f"it has head dims {' and '.join(map(str, bwd_ws.HEAD_DIMS))} only"
+    if p.varlen:
+        return "it reads dense batches only (no varlen)"
+    if p.softcap or p.alibi:
+        return "it has no softcap or ALiBi"
+    if p.flashmask:
+        return "it has no FlashMask"
+    if not p.tma:
+        return "an operand has a stride the TMA cannot read (zero, or beyond 2^40 bytes)"
+    return ""
+
+
 def backward_kernels(bucket: int, dtype: str, causal: bool, deterministic: bool, arch: int, local: bool = False,
                      softcap: bool = False, alibi: bool = False) -> tuple[KernelVariant, ...]:
     """The kernels one backward call launches, in launch order (prep, dK/dV, dQ); ``causal`` and
@@ -415,6 +436,9 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     causal = window[0] < 0 and window[1] == 0
     local = window != (-1, -1) and not causal
     prep, main, last = backward_kernels(bucket, p.dtype, causal, p.deterministic, dev.arch, local, p.softcap, p.alibi)
+    ws = _bwd_ws_blocker(p, bucket, dev.arch)
+    if ws == "":
+        main = bwd_ws.planned(bucket, p.dtype, causal, local, p.deterministic, dev.arch)
     sq, sk, b = p.seqlen_q, p.seqlen_k, p.batch
     launches = (Launch(prep, prep.grid(b, sq, p.nheads, p.head_dim), prep.threads, prep.smem_bytes),
                 Launch(main, main.grid(b, sq, sk, p.nheads, p.nheads_k), main.threads, main.smem_bytes),
@@ -430,9 +454,16 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
                                                      "causal" if causal else "no mask") + ", as in the forward.")
     why.append(f"bwd_prep: D = rowsum(dO * O) and the LSE in the log2 domain for each of {p.nheads} heads' query "
                f"rows, padded to multiples of {bwd.ROW_PAD}.")
-    kind = ("Hopper's warpgroup MMA (wgmma, sm_90a), two warpgroups of 64 keys" if main.mma == "wgmma" else
-            "mma.sync" + (" (the wgmma kernel has no registers for softcap/ALiBi)" if dev.arch == 90
-                          and bucket in bwd.DKDV_WGMMA_TILES else ""))
+    if main.family == "bwd_ws":
+        kind = ("the warp-specialised kernel (bwd_ws, sm_90a): a producer warpgroup loads K and V once and each "
+                "step's Q and dO tiles by TMA, LSE and D by bulk copies, into 2 stages on mbarriers; two consumer "
+                "warpgroups of 64 keys run wgmma")
+    elif main.mma == "wgmma":
+        kind = (f"Hopper's warpgroup MMA (wgmma, sm_90a), two warpgroups of 64 keys; not the warp-specialised "
+                f"kernel: {ws}")
+    else:
+        kind = "mma.sync" + (" (the wgmma kernel has no registers for softcap/ALiBi)" if dev.arch == 90
+                             and bucket in bwd.DKDV_WGMMA_TILES else "")
     why.append(f"{main.kind}: a block per {main.block_n} keys of a KV head keeps K and V in shared memory and walks "
                f"its {p.nheads // p.nheads_k} query head(s) in steps of {main.block_m} query rows, with {kind}; "
                "dK and dV are summed in registers and written once.")

@@ -25,7 +25,7 @@ HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
 DTYPES = ("fp16", "bf16")
 MIN_ARCH = 80  # cp.async and mma.sync with bf16
 MMAS = ("sync", "wgmma")  # warp-level mma.sync, or Hopper's warpgroup wgmma (sm_90a)
-FAMILIES = ("fwd", "combine", "append", "bwd", "fwd_ws", "flashmask")  # all_variants' default: every family
+FAMILIES = ("fwd", "combine", "append", "bwd", "fwd_ws", "bwd_ws", "flashmask")  # all_variants' default: every family
 
 
 def head_dim_bucket(d: int) -> int:

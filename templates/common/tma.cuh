@@ -98,6 +98,13 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const CUtensorMap& map, u32
       : "memory");
 }
 
+// Copy `bytes` (a multiple of 16; `src` and `dst` 16-byte aligned) from global to shared memory
+// with the bulk copy engine (no tensor map), completing them on mbarrier `bar`.
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
 // --- warp specialisation -----------------------------------------------------------------
 
 // Per-thread register limit of the calling warpgroup (sm_90a; every warp of the warpgroup runs

@@ -1,0 +1,125 @@
+"""Warp-specialised dK/dV(+dQ) backward kernel for Hopper (templates/bwd_ws/, sm_90a), after
+FlashAttention-3: a producer warpgroup loads the block's K and V once and, per step, the Q and dO
+tiles by TMA and the rows' LSE and D by bulk copies into two stages on mbarriers; two consumer
+warpgroups of 64 keys each run the wgmma kernel's products (bwd/dkdv_wgmma.cu.j2) with no
+block-wide barrier. It replaces the second of the backward's three kernels (kernels/bwd.py):
+``bwd_prep`` before it and ``bwd_convert`` (or, deterministic, ``bwd_dq``) after it are the
+same. Dense batches, head dims 64 and 128 (exactly), fp16/bf16, full, causal or sliding-window
+masks, GQA; the planner says where it does not apply (plan._bwd_ws_blocker).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import ClassVar
+
+from . import DTYPES, KernelVariant
+from .bwd import INFO_BYTES, MASKS, VARLEN_ROW_GAP
+from .fwd_ws import HANG_TRAP_CYCLES, MAX_CONSUMER_REGS, PRODUCER_REGS
+from .params import ParamTable, strides
+
+HEAD_DIMS = (64, 128)
+BLOCK_N = 128              # keys per block: two consumer warpgroups of 64
+BLOCK_M = {64: 128, 128: 64}  # query rows per step (the S^T accumulators: 64 keys x block_m)
+BARRIER_BYTES = 64         # K/V full, and per Q/dO stage full and empty: 5 mbarriers of 8 bytes
+STAGES = 2                 # Q/dO/LSE/D stages
+
+PARAMS = ParamTable("BwdWsParams", (
+    ("tma_q", "CUtensorMap"), ("tma_k", "CUtensorMap"), ("tma_v", "CUtensorMap"), ("tma_do", "CUtensorMap"),
+    ("lse2", "const float*"), ("dsum", "const float*"), ("dq_accum", "float*"), ("dk", "u16*"), ("dv", "u16*"),
+    *strides("dk", "sb", "ss", "sh"), *strides("dv", "sb", "ss", "sh"),
+    ("seqlen_q_arg", "int"), ("seqlen_k_arg", "int"), ("nheads", "int"), ("ngroups", "int"), ("head_rows", "int"),
+    ("scale_log2", "float"), ("scale", "float"), ("window_left", "int"), ("window_right", "int"),
+))
+
+
+@dataclass(frozen=True, kw_only=True)
+class BwdWsVariant(KernelVariant):
+    """One warp-specialised dK/dV kernel: ``kind`` "bwd_ws_dkdv_dq" (dQ added with atomics) or
+    "bwd_ws_dkdv" (deterministic: dQ has its own kernel)."""
+
+    family = "bwd_ws"
+    params = PARAMS
+    mma: ClassVar[str] = "wgmma"
+    softcap: ClassVar[bool] = False
+    alibi: ClassVar[bool] = False
+    block_n: ClassVar[int] = BLOCK_N
+    stages: ClassVar[int] = STAGES
+
+    kind: str
+    head_dim: int             # 64 or 128: the real head dim (no column predicates)
+    dtype: str                # "fp16" or "bf16"
+    causal: bool = False
+    local: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.arch != 90:
+            raise ValueError(f"bwd_ws is a Hopper kernel (sm_90a): arch must be 90, got {self.arch!r}")
+        if self.kind not in ("bwd_ws_dkdv_dq", "bwd_ws_dkdv"):
+            raise ValueError(f"kind must be 'bwd_ws_dkdv_dq' or 'bwd_ws_dkdv', got {self.kind!r}")
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.causal, bool) or not isinstance(self.local, bool) or (self.causal and self.local):
+            raise ValueError(f"causal and local must be bools, not both True, got {self.causal!r}, {self.local!r}")
+
+    @property
+    def block_m(self) -> int:
+        return BLOCK_M[self.head_dim]
+
+    @property
+    def dq(self) -> bool:
+        return self.kind == "bwd_ws_dkdv_dq"
+
+    @functools.cached_property
+    def name(self) -> str:
+        mask = "local" if self.local else ("causal" if self.causal else "full")
+        return f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}_m{self.block_m}n{BLOCK_N}_sm{self.arch}"
+
+    @property
+    def template(self) -> str:
+        return "bwd_ws/dkdv_ws.cu.j2"
+
+    @property
+    def target(self) -> str:
+        return "90a"  # wgmma and setmaxnreg
+
+    @property
+    def threads(self) -> int:
+        return 384  # the producer warpgroup, then two consumer warpgroups
+
+    @property
+    def smem_bytes(self) -> int:
+        """Mirrors kSmemBytes in the template: K and V tiles, Q and dO per stage, two dS^T tiles
+        (dQ variant), LSE and D per stage, the per-block scalars, the mbarriers."""
+        tile_q = self.block_m * self.head_dim * 2
+        ds = BLOCK_N * self.block_m * 2 if self.dq else 0
+        return (2 * BLOCK_N * self.head_dim * 2 + 2 * STAGES * tile_q + 2 * ds + 2 * STAGES * self.block_m * 4
+                + INFO_BYTES + BARRIER_BYTES)
+
+    def grid(self, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int) -> tuple[int, int, int]:
+        return (-(-seqlen_k // BLOCK_N), nheads_k, batch)
+
+    def constants(self) -> dict:
+        return dict(head_dim=self.head_dim, block_m=self.block_m, causal=self.causal, local=self.local,
+                    bf16=self.dtype == "bf16", dq=self.dq, producer_regs=PRODUCER_REGS,
+                    consumer_regs=MAX_CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES,
+                    info_bytes=INFO_BYTES, barrier_bytes=BARRIER_BYTES, varlen_row_gap=VARLEN_ROW_GAP)
+
+
+def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic: bool,
+            arch: int = 90) -> BwdWsVariant:
+    """The variant a backward plan launches for these head dim, dtype, mask and dQ mode."""
+    return BwdWsVariant(kind="bwd_ws_dkdv" if deterministic else "bwd_ws_dkdv_dq", head_dim=head_dim,
+                        dtype=dtype, causal=causal, local=local, arch=arch)
+
+
+def variants(arch: int, mods: bool = True) -> list[BwdWsVariant]:
+    """Every bwd_ws variant a plan can launch on ``arch`` (sm_90 only); ``mods=False`` leaves out
+    the sliding-window ones."""
+    if arch != 90:
+        return []
+    return [planned(d, dt, c, loc, det, arch) for d in HEAD_DIMS for dt in DTYPES
+            for c, loc in (MASKS if mods else MASKS[:2]) for det in (False, True)]

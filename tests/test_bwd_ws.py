@@ -1,0 +1,221 @@
+"""The warp-specialised Hopper backward (cuflash/kernels/bwd_ws.py, templates/bwd_ws/): offline
+checks (every variant compiles for sm_90a with no spills, no stack, no warning, a launch register
+count that setmaxnreg can split), the plans that run it and the ones that say why not, and GPU
+checks (skipped without an sm_90 GPU): gradients against the float64 reference with the rule of
+tests/test_gpu_backward.py, dK and dV bitwise equal to the wgmma kernel's in deterministic mode
+(the same products in the same order), bitwise repeatability, GQA, long sequences, strided
+operands."""
+import importlib
+
+import numpy as np
+import pytest
+
+from conftest import GPU_PROBLEM, assert_compiled_clean, requires_torch
+from cuflash.kernels import all_variants, bwd_ws
+from cuflash.kernels.bwd_ws import BwdWsVariant
+
+VARIANTS = bwd_ws.variants(90)
+plan_mod = importlib.import_module("cuflash.plan")  # the module (cuflash.plan is the function)
+
+
+def test_variants():
+    """d 64 and 128, fp16/bf16, full/causal/local, atomic and deterministic dQ: 24 kernels, sm_90
+    only, all in all_variants (warmup and the CI's sample draw from it), within 227 KB."""
+    assert len({v.name for v in VARIANTS}) == len(VARIANTS) == 24
+    assert bwd_ws.variants(80) == [] and len(bwd_ws.variants(90, mods=False)) == 16
+    assert set(VARIANTS) <= set(all_variants(90))
+    for v in VARIANTS:
+        assert v.smem_bytes <= 227 * 1024 and v.threads == 384 and v.block_n == 128
+        assert v.block_m * v.head_dim == 128 * 64
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(arch=80), "arch must be 90"), (dict(head_dim=96), "head_dim must be one of"),
+    (dict(kind="bwd_dq"), "kind must be"), (dict(causal=True, local=True), "not both"),
+    (dict(dtype="fp32"), "dtype must be"),
+])
+def test_bad_variant(bad, match):
+    kw = dict(kind="bwd_ws_dkdv_dq", head_dim=128, dtype="bf16", arch=90) | bad
+    with pytest.raises(ValueError, match=match):
+        BwdWsVariant(**kw)
+
+
+@pytest.fixture(scope="module")
+def compiled(compile_variants):
+    return compile_variants(VARIANTS)
+
+
+@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
+def test_compiles_as_designed(compiled, v):
+    """No spills or stack; __launch_bounds__(384, 1) caps the launch at 168 registers, which
+    setmaxnreg splits into 24 per producer thread and 240 per consumer thread; ptxas neither
+    ignored setmaxnreg (C7508) nor serialized a wgmma; no static shared memory."""
+    c = compiled[v]
+    r = assert_compiled_clean(c, v)
+    assert r.registers <= 168 and r.static_smem == 0, r
+    assert "C7508" not in c.log and "serialized" not in c.log and "warning" not in c.log.lower(), c.log
+
+
+def _plan(d=128, causal=True, arch=90, **kw):
+    import cuflash
+    return cuflash.plan((2, 1000, 8, d), (2, 1000, 2, d), (2, 1000, 2, d), causal=causal, num_sms=132,
+                        arch=arch, backward=True, **kw)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_planned_on_sm90(d, deterministic):
+    p = _plan(d, deterministic=deterministic)
+    main = p.launches[1].variant
+    assert main.family == "bwd_ws" and main.dq != deterministic and main.causal
+    assert p.launches[1].grid == (8, 2, 2) and p.launches[1].threads == 384
+    assert "warp-specialised kernel (bwd_ws" in p.reason
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(softcap=30.0), "no softcap or ALiBi"), (dict(d=96), "head dims 64 and 128 only"),
+    (dict(d=120), "head dims 64 and 128 only"),
+])
+def test_not_planned_says_why(kw, why):
+    p = _plan(**kw)
+    assert p.launches[1].variant.family == "bwd"
+    if p.launches[1].variant.mma == "wgmma":
+        assert why in p.reason
+    assert _plan(arch=80).launches[1].variant.family == "bwd"
+
+
+def test_turned_off(monkeypatch):
+    monkeypatch.setattr(plan_mod, "BWD_WS", False)
+    plan_mod.make_backward_plan.cache_clear()
+    try:
+        p = _plan()
+        assert p.launches[1].variant.mma == "wgmma" and "CUFLASH_BWD_WS=0" in p.reason
+    finally:
+        monkeypatch.undo()
+        plan_mod.make_backward_plan.cache_clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# On an sm_90 GPU
+
+def _sm90_problem():
+    if GPU_PROBLEM is not None:
+        return f"needs a CUDA GPU: {GPU_PROBLEM}"
+    import cupy
+    cc = int(cupy.cuda.Device().compute_capability)
+    return None if cc == 90 else f"bwd_ws needs an sm_90 GPU (H100/H200), this one is sm_{cc}"
+
+
+SM90_PROBLEM = _sm90_problem()
+requires_sm90 = pytest.mark.skipif(SM90_PROBLEM is not None, reason=str(SM90_PROBLEM))
+
+
+def _inputs(rng, b, sq, sk, h, hk, d, dtype):
+    import torch
+    mk = lambda *s: torch.from_numpy(rng.standard_normal(s, dtype=np.float32)).to("cuda", getattr(torch, dtype))
+    return mk(b, sq, h, d), mk(b, sk, hk, d), mk(b, sk, hk, d), mk(b, sq, h, d)
+
+
+def _backward(q, k, v, dout, *, ws=True, deterministic=False, **mods):
+    """Forward, then the backward into NaN-filled gradients, with the warp-specialised dK/dV
+    kernel (checked to be the one planned) or, ws=False, the wgmma kernel."""
+    import torch
+    import cuflash
+    from cuflash.backward import attention_backward
+    saved = plan_mod.BWD_WS
+    plan_mod.BWD_WS = ws
+    plan_mod.make_backward_plan.cache_clear()
+    try:
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **mods)
+        p = cuflash.plan(q, k, v, backward=True, deterministic=deterministic, **mods)
+        assert (p.launches[1].variant.family == "bwd_ws") == ws, p
+        bufs = dict(dq=torch.full_like(q, float("nan")), dk=torch.full_like(k, float("nan")),
+                    dv=torch.full_like(v, float("nan")))
+        return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **mods, **bufs)
+    finally:
+        plan_mod.BWD_WS = saved
+        plan_mod.make_backward_plan.cache_clear()
+
+
+def _check(grads, q, k, v, dout, **mods):
+    from test_gpu_backward import check_grads
+    causal = mods.pop("causal", False)
+    check_grads(grads, dout, q, k, v, causal, **mods)
+
+
+CASES = [  # (b, sq, sk, h, hk)
+    (2, 113, 203, 4, 4), (2, 203, 113, 4, 2), (1, 1, 239, 2, 2), (1, 239, 1, 2, 1), (1, 640, 640, 8, 1),
+    (2, 256, 384, 6, 3),
+]
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("mask", ["full", "causal", "local"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_gpu_against_reference(rng, case, d, dtype, mask, deterministic):
+    b, sq, sk, h, hk = case
+    q, k, v, dout = _inputs(rng, b, sq, sk, h, hk, d, dtype)
+    mods = dict(causal=mask == "causal", window_size=(37, 5) if mask == "local" else (-1, -1))
+    grads = _backward(q, k, v, dout, deterministic=deterministic, **mods)
+    _check(grads, q, k, v, dout, **mods)
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("mask", ["full", "causal", "local"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_deterministic_bitwise_equals_wgmma_kernel(rng, d, mask):
+    """Deterministic mode: the same products in the same order as bwd/dkdv_wgmma.cu.j2, so dK and
+    dV are bitwise the wgmma kernel's (dQ comes from the same bwd_dq kernel)."""
+    import torch
+    q, k, v, dout = _inputs(rng, 2, 1000, 1100, 8, 2, d, "bfloat16")
+    mods = dict(causal=mask == "causal", window_size=(300, 0) if mask == "local" else (-1, -1))
+    a = _backward(q, k, v, dout, deterministic=True, **mods)
+    w = _backward(q, k, v, dout, ws=False, deterministic=True, **mods)
+    for x, y in zip(a, w):
+        assert torch.equal(x, y)
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_long_against_wgmma_kernel(rng, d, causal):
+    """4k x 4k with GQA 16/2: many steps through both stages and both dS^T tiles; the atomic dQ
+    against the wgmma kernel's within the reference rule's scale."""
+    import torch
+    q, k, v, dout = _inputs(rng, 1, 4096, 4096, 16, 2, d, "bfloat16")
+    a = _backward(q, k, v, dout, causal=causal)
+    w = _backward(q, k, v, dout, ws=False, causal=causal)
+    for name, x, y in zip(("dq", "dk", "dv"), a, w):
+        assert torch.isfinite(x).all(), name
+        err = (x.float() - y.float()).abs().max().item()
+        assert err <= 2e-2 * y.float().abs().max().item() + 1e-3, (name, err)
+
+
+@requires_sm90
+@requires_torch
+def test_gpu_deterministic_repeats_bitwise(rng):
+    import torch
+    q, k, v, dout = _inputs(rng, 2, 777, 901, 8, 2, 128, "bfloat16")
+    first = _backward(q, k, v, dout, deterministic=True, causal=True)
+    for _ in range(50):
+        again = _backward(q, k, v, dout, deterministic=True, causal=True)
+        assert all(torch.equal(x, y) for x, y in zip(first, again))
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_strided_operands(rng, d):
+    """q, k, v sliced from one packed (b, s, 3, h, d) tensor: row strides of 3 h d elements."""
+    import torch
+    qkv = torch.from_numpy(rng.standard_normal((2, 300, 3, 4, d), dtype=np.float32)).to("cuda", torch.float16)
+    q, k, v = qkv.unbind(2)
+    dout = torch.from_numpy(rng.standard_normal((2, 300, 4, d), dtype=np.float32)).to("cuda", torch.float16)
+    grads = _backward(q, k, v, dout, causal=True)
+    _check(grads, q, k, v, dout, causal=True)
