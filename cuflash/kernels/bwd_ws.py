@@ -70,6 +70,12 @@ class BwdWsVariant(KernelVariant):
         return BLOCK_M[self.head_dim]
 
     @property
+    def overlap(self) -> bool:
+        """dV += P^T dO issued while dS^T is formed: at d = 128 (at d = 64 the step's 128 query
+        columns of S^T, dP^T and P^T together spill)."""
+        return self.head_dim == 128
+
+    @property
     def dq(self) -> bool:
         return self.kind == "bwd_ws_dkdv_dq"
 
@@ -104,7 +110,7 @@ class BwdWsVariant(KernelVariant):
 
     def constants(self) -> dict:
         return dict(head_dim=self.head_dim, block_m=self.block_m, causal=self.causal, local=self.local,
-                    bf16=self.dtype == "bf16", dq=self.dq, producer_regs=PRODUCER_REGS,
+                    bf16=self.dtype == "bf16", dq=self.dq, overlap=self.overlap, producer_regs=PRODUCER_REGS,
                     consumer_regs=MAX_CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES,
                     info_bytes=INFO_BYTES, barrier_bytes=BARRIER_BYTES, varlen_row_gap=VARLEN_ROW_GAP)
 
