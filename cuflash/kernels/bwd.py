@@ -56,6 +56,9 @@ DQ_TILES = {
     192: (64, 32, 4, 2),
     256: (64, 32, 4, 2),
 }
+# FlashMask with a softcap at d = 32: the dQ kernel's 128-key tiles leave no registers for the
+# per-column bounds next to the softcap's 1 - t^2 factors; 64 keys do.
+DQ_FLASHMASK_SOFTCAP_TILES = {32: (64, 64, 4, 2)}
 ROW_PAD = 128          # LSE/D/dQ-accumulator rows are padded to a multiple of every block_m
 VARLEN_ROW_GAP = ROW_PAD + 4  # packed sequences: rows between sequence starts (stats_base, bwd.cuh)
 PREP_ROWS_PER_BLOCK = 8  # one warp per row
@@ -263,7 +266,8 @@ def kernels(bucket: int, dtype: str, causal: bool, deterministic: bool, arch: in
         mods["flashmask"] = flashmask
     prep = BwdRowVariant(kind="bwd_prep", head_dim=bucket, dtype=dtype, arch=arch)
     if deterministic:
-        qm, qn, qw, qst = DQ_TILES[bucket]
+        qm, qn, qw, qst = (DQ_FLASHMASK_SOFTCAP_TILES.get(bucket, DQ_TILES[bucket]) if flashmask and softcap
+                           else DQ_TILES[bucket])
         return (prep, BwdTileVariant(kind="bwd_dkdv", block_m=bm, block_n=bn, warps=w, stages=st, mma=mma, **mods),
                 BwdTileVariant(kind="bwd_dq", block_m=qm, block_n=qn, warps=qw, stages=qst, **mods))
     return (prep, BwdTileVariant(kind="bwd_dkdv_dq", block_m=bm, block_n=bn, warps=w, stages=st, mma=mma, **mods),
