@@ -518,11 +518,11 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     reason says why) and says how the sink joins the softmax.
 
     ``startend_row_indices`` (FlashMask, cuflash.masks: an int32 array or a shape tuple) is
-    checked; the forward plan is the FlashMask one (the prep kernel and the standard kernel with
-    the mask) and the reason gains a sentence on the tiles the kernel skips, masks and leaves
-    unmasked (counted from the values when they are a NumPy array; a shape or a device array
-    gives the tile count only). The backward does not run FlashMask yet: with backward=True the
-    launches are those of the call without it.
+    checked; the plan is the FlashMask one (forward: the prep kernel and the standard kernel with
+    the mask; backward: the prep kernel, once per key-block size, and the backward's kernels with
+    the mask) and the reason gains a sentence on the tiles the kernel that walks K/V (the
+    backward's: the dK/dV kernel) skips, masks and leaves unmasked (counted from the values when
+    they are a NumPy array; a shape or a device array gives the tile count only).
     """
     dtype = validate.dtype_name(dtype)
     qv, kv, vv = _plan_operands(q, k, v, dtype)
@@ -547,9 +547,8 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
         if isinstance(fm, (tuple, list)):
             fm = validate.Shape(fm, "int32", "startend_row_indices")
         fm = validate.check_startend_row_indices(fm, b, h, sq, kv.shape[1], causal, nheads_k=kv.shape[2],
-                                                 window=window, alibi=alibi is not None and not backward,
-                                                 num_splits=0 if backward else num_splits,
-                                                 sinks=sv is not None and not backward)
+                                                 window=window, alibi=alibi is not None,
+                                                 num_splits=0 if backward else num_splits, sinks=sv is not None)
         validate.same_place(("q", qv), ("startend_row_indices", fm))
     arch = None if arch is None else validate.arch(arch)
     if num_sms is None:
@@ -561,8 +560,8 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
                       arrays.DTYPE_NAMES[qv.dtype], causal, return_lse, num_splits,
                       heuristic, window=window, softcap=cap > 0, alibi=alibi is not None,
                       deterministic=deterministic, sinks=sv is not None,
-                      flashmask=fm.shape[3] if fm is not None and not backward else 0,
-                      flashmask_heads=fm.shape[1] if fm is not None and not backward else 0)
+                      flashmask=fm.shape[3] if fm is not None else 0,
+                      flashmask_heads=fm.shape[1] if fm is not None else 0)
     result = empty_plan(problem, facts) or (make_backward_plan if backward else make_plan)(problem, facts)
     if fm is not None:
         result = with_flashmask(result, fm.shape, fm.array if fm.framework == "numpy" else None)

@@ -41,6 +41,14 @@ recomputing P and dS, and writes dQ once; every gradient is then bitwise repeata
 Windows, softcap and ALiBi are template flags (Variant.local/softcap/alibi); varlen is a
 runtime property of the same kernels (cu_seqlens pointers non-null, read on the device).
 
+FlashMask (``startend_row_indices``, cuflash.masks) is a template flag too (Variant.flashmask =
+n): the FlashMask prep kernel (kernels/flashmask.py) runs first and writes, per block of the
+dK/dV kernel's keys (and of the deterministic dQ kernel's, where they differ), the min and max of
+each bound column into the workspace after the fp32 rows; the dK/dV and dQ kernels then skip the
+tiles the mask hides whole (no loads, no math, no dQ), mask the partly hidden ones element by
+element (P = 0 there, as in the forward, whose LSE summed over the same keys) and run the rest
+plain. The indices are read in place.
+
 Attention sinks (``sinks``) need no kernel of their own: the forward's LSE holds the sink, so the
 kernels' P = exp(s - LSE) is already the softmax with the sink's column, whose value is zero
 (it adds nothing to O, dP or D). The sink's gradient, dsinks_h = -sum over batch and rows of
@@ -118,7 +126,7 @@ def _options(causal, softmax_scale, deterministic, window_size, softcap, alibi_s
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None,
-                       sinks=None):
+                       sinks=None, startend_row_indices=None):
     """Gradients (dq, dk, dv) of ``out = cuflash.attention(q, k, v, causal=..., softmax_scale=...,
     window_size=..., softcap=..., alibi_slopes=...)`` for the output gradient ``dout``.
 
@@ -131,20 +139,27 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     bitwise equal gradients. ``dq``, ``dk``, ``dv``: optional arrays to write the gradients
     into. ``sinks``: the forward's attention sinks (as in :func:`cuflash.attention`; ``lse`` then
     holds them): the result is (dq, dk, dv, dsinks), dsinks float32 (nheads,) in q's framework.
+    ``startend_row_indices``: the forward's FlashMask mask (as in :func:`cuflash.attention`:
+    int32 (batch, 1 or nheads_k or nheads, seqlen_k, n) in q's framework and on its device, not
+    with a window, ALiBi or sinks), read in place.
     Returns the caller's array type (NumPy inputs are computed on the current GPU and come back
     as NumPy).
     """
     qv, kv, vv, dov, ov, lv, grads, scale, causal, deterministic, mods, sv = _validate(
         dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dq, dk, dv, window_size, softcap,
         alibi_slopes, sinks)
+    fm = None
+    if startend_row_indices is not None:
+        fm = api._flashmask(startend_row_indices, qv, kv, causal, 0, mods, sv is not None)
     if qv.device < 0:  # NumPy in, NumPy out: compute on the current GPU
         dev = api._current_device()
         on = lambda x: None if x is None else arrays.to_device(np.asarray(x.array), dev)
         res = attention_backward(on(dov), on(qv), on(kv), on(vv), on(ov), on(lv), causal=causal,
                                  softmax_scale=scale, window_size=mods[0], softcap=mods[1],
-                                 alibi_slopes=on(mods[2]), deterministic=deterministic, sinks=on(sv))
+                                 alibi_slopes=on(mods[2]), deterministic=deterministic, sinks=on(sv),
+                                 startend_row_indices=on(fm))
         return _host_results(res, (dq, dk, dv, None), (qv, kv, vv, qv))
-    return _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministic, mods, sv=sv)
+    return _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministic, mods, sv=sv, fm=fm)
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -212,7 +227,8 @@ def _padded(x, d_pad):
     return arrays.view(buf, "copy")
 
 
-def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministic, mods, varlen=None, sv=None):
+def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministic, mods, varlen=None, sv=None,
+                     fm=None):
     if varlen is None:
         b, sq, h, d = qv.shape
         sk, hk = kv.shape[1], kv.shape[2]
@@ -240,8 +256,9 @@ def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministi
     plan = make_backward_plan(Problem(b, sq, sk, h, hk, d_pad, _DTYPES[qv.dtype], causal=causal, window=window,
                                       softcap=cap > 0, alibi=alibi is not None, varlen=varlen is not None,
                                       deterministic=deterministic, sinks=sv is not None,
-                                      tma=varlen is None and all(tma_readable(x) for x in ops[:4])),
-                              api.device_facts(dev))
+                                      tma=varlen is None and all(tma_readable(x) for x in ops[:4]),
+                                      flashmask=0 if fm is None else fm.shape[3],
+                                      flashmask_heads=0 if fm is None else fm.shape[1]), api.device_facts(dev))
     total_q = None if varlen is None else qv.shape[0]
     ws = arrays.empty_like_framework(qv, (workspace_floats(plan, total_q),), "float32")
     head_rows, rows = stats_rows(b, sq, h, total_q)
@@ -252,7 +269,7 @@ def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministi
         ws[rows:2 * rows] = 0
     with arrays.on_device(dev):
         run(plan, ops, lv, [g for g, _ in bufs], arrays.device_ptr(ws), scale, mods, arrays.stream_for(qv), dev,
-            None if varlen is None else varlen[:2])
+            None if varlen is None else varlen[:2], fm)
         out = []
         for (kern, final), like in zip(bufs, (qv, kv, vv)):
             if kern is not final:
@@ -305,20 +322,47 @@ def workspace_floats(plan, total_q: int | None = None) -> int:
     (none when deterministic); ``total_q`` for packed sequences."""
     p = plan.problem
     _, rows = stats_rows(p.batch, p.seqlen_q, p.nheads, total_q)
-    return rows * (2 + (0 if p.deterministic else plan.launches[0].variant.head_dim))
+    return rows * _row_floats(plan) + sum(n for *_, n in _flashmask_preps(plan))
 
 
-def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, device: int, cu=None):
+def _row_floats(plan) -> int:
+    """fp32 values per workspace row: LSE and D, and the dQ accumulator's head dim unless
+    deterministic."""
+    return 2 + (0 if plan.problem.deterministic else plan.launches[0].variant.head_dim)
+
+
+def _flashmask_preps(plan):
+    """(prep launch, key-block size, int32 count) of each FlashMask prep launch of a backward plan
+    (plan.make_backward_plan: after the three kernels, the dK/dV kernel's key blocks first, then
+    the deterministic dQ kernel's where they differ); their bounds follow the fp32 rows in the
+    workspace in this order."""
+    p = plan.problem
+    if not p.flashmask:
+        return []
+    main, last = plan.launches[1].variant, plan.launches[2].variant
+    sizes = dict.fromkeys((main.block_n, last.block_n) if last.kind == "bwd_dq" else (main.block_n,))
+    heads = p.flashmask_heads or 1
+    return [(l, bn, l.variant.workspace_ints(p.batch, heads, p.seqlen_k, bn))
+            for l, bn in zip(plan.launches[3:], sizes)]
+
+
+def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, device: int, cu=None, fm=None):
     """Launch the backward ``plan`` on ``stream`` (a raw pointer) for device views the kernels read
     and write in place (head dim ``plan.problem.head_dim``, 16-byte aligned, strides in multiples
     of 8 elements): ops = (q, k, v, dout, out), grads = (dq, dk, dv), lse; ``ws_ptr`` is an fp32
     workspace of ``workspace_floats(plan, total_q)``; ``mods`` as validate.mods gives them. Packed
-    sequences: 3-dim views and ``cu`` = (cu_seqlens_q, cu_seqlens_k) views. Allocates nothing."""
+    sequences: 3-dim views and ``cu`` = (cu_seqlens_q, cu_seqlens_k) views. ``fm``: the view of
+    FlashMask's startend_row_indices for a FlashMask plan. Allocates nothing."""
     p = plan.problem
     b, sq, sk, h, hk, d = p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_k, p.head_dim
     head_rows, rows = stats_rows(b, sq, h, None if cu is None else ops[0].shape[0])
     lse2_ptr, dsum_ptr = ws_ptr, ws_ptr + 4 * rows
     acc_ptr = 0 if p.deterministic else ws_ptr + 8 * rows
+    fm_args = None
+    if p.flashmask:
+        if fm is None:
+            raise ValueError(f"{plan.launches[1].name} needs startend_row_indices (run's fm=)")
+        fm_args = _flashmask_args(plan, fm, ws_ptr + 4 * rows * _row_floats(plan))
     if cu is not None:  # packed views as (batch, max_seqlen, nheads, d) with token batch strides
         ops = [api._batched(x, b, n) for x, n in zip(ops, (sq, sk, sk, sq, sq))]
         grads = [api._batched(g, b, n) for g, n in zip(grads, (sq, sk, sk))]
@@ -334,8 +378,26 @@ def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, dev
                  window_right=right, softcap_scale=scale / cap if cap > 0 else 0.0,
                  alibi_slopes=alibi.ptr if alibi is not None else 0, alibi_sb=alibi_sb, alibi_scale=1.0 / post)
     kernels = tuple(launch.variant for launch in plan.launches)
-    _launch(kernels, ops, lse, lse_st, grads, (lse2_ptr, dsum_ptr, acc_ptr), (b, sq, sk, h, hk, d, head_rows),
-            score, stream, device)
+    _launch(kernels[:3], ops, lse, lse_st, grads, (lse2_ptr, dsum_ptr, acc_ptr), (b, sq, sk, h, hk, d, head_rows),
+            score, stream, device, fm_args)
+
+
+def _flashmask_args(plan, fm, ptr: int):
+    """(prep launches with their fields, the dK/dV kernel's FlashMask fields, the dQ kernel's) of a
+    FlashMask plan, for the indices' view ``fm`` and the int32 bounds at ``ptr``."""
+    p = plan.problem
+    heads = fm.shape[1]
+    fields = dict(fm_idx=fm.ptr, fm_sb=fm.strides[0], fm_sh=fm.strides[1], fm_ss=fm.strides[2], fm_sc=fm.strides[3],
+                  fm_hdiv=p.nheads // heads, fm_heads=heads)
+    preps, blocks = [], {}
+    for launch, bn, n in _flashmask_preps(plan):
+        preps.append((launch, dict(idx=fm.ptr, idx_sb=fm.strides[0], idx_sh=fm.strides[1], idx_ss=fm.strides[2],
+                                   idx_sc=fm.strides[3], out=ptr, seqlen_k=p.seqlen_k, block_n=bn, heads=heads)))
+        blocks[bn] = ptr
+        ptr += 4 * n
+    main, last = plan.launches[1].variant, plan.launches[2].variant
+    return (preps, dict(fields, fm_blocks=blocks[main.block_n]),
+            dict(fields, fm_blocks=blocks[last.block_n]) if last.kind == "bwd_dq" else {})
 
 
 def _st(prefix: str, x) -> dict:
@@ -343,8 +405,9 @@ def _st(prefix: str, x) -> dict:
     return stride_values(prefix, x.strides)
 
 
-def _launch(kernels, ops, lse, lse_st, grads, ws, shape, score, stream, device):
-    """``score``: the kernels' scale, varlen, window, softcap and ALiBi fields by name."""
+def _launch(kernels, ops, lse, lse_st, grads, ws, shape, score, stream, device, fm=None):
+    """``score``: the kernels' scale, varlen, window, softcap and ALiBi fields by name; ``fm``:
+    FlashMask's (prep launches, dK/dV fields, dQ fields) from _flashmask_args, or None."""
     q, k, v, do, o = ops
     dq, dk, dv = grads
     lse2, dsum, acc = ws
@@ -354,6 +417,12 @@ def _launch(kernels, ops, lse, lse_st, grads, ws, shape, score, stream, device):
     run = lambda var, grid, **f: compiler.get_kernel(var, device)(  # noqa: E731
         grid, (var.threads,), stream, var.smem_bytes, **f)
     rows = dict(seqlen_q_arg=sq, nheads=h, head_dim=d, head_rows=head_rows)
+    fm_main, fm_last = {}, {}
+    if fm is not None:
+        preps, fm_main, fm_last = fm
+        for launch, fields in preps:
+            if launch.grid[0] > 0:  # no key block: nothing to reduce
+                run(launch.variant, launch.grid, **fields)
     run(prep, prep.grid(b, sq, h, d), dout=do.ptr, out=o.ptr, lse=lse.ptr, lse2=lse2, dsum=dsum, dq_accum=acc,
         **_st("do", do), **_st("o", o), lse_sb=lse_st[0], lse_sh=lse_st[1], lse_ss=lse_st[2], **rows,
         cu_seqlens_q=cu_q)
@@ -369,9 +438,9 @@ def _launch(kernels, ops, lse, lse_st, grads, ws, shape, score, stream, device):
             **{f: score[f] for f in ("scale_log2", "scale", "window_left", "window_right")})
     else:
         run(main, main.grid(b, sq, sk, h, hk), dq_accum=acc, dk=dk.ptr, dv=dv.ptr, **_st("dk", dk), **_st("dv", dv),
-            **common)
+            **common, **fm_main)
     if last.kind == "bwd_dq":
-        run(last, last.grid(b, sq, sk, h, hk), dq=dq.ptr, **_st("dq", dq), **common)
+        run(last, last.grid(b, sq, sk, h, hk), dq=dq.ptr, **_st("dq", dq), **common, **fm_last)
     else:
         run(last, last.grid(b, sq, h, d), dq_accum=acc, dq=dq.ptr, **_st("dq", dq), **rows, scale=score["scale"],
             cu_seqlens_q=cu_q)

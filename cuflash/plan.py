@@ -347,12 +347,7 @@ def _flashmask_plan(p: Problem, dev: DeviceFacts) -> Plan:
     """A FlashMask forward: the prep kernel reduces startend_row_indices to each K/V tile's min and
     max of every bound column, then the standard kernel (never fwd_ws, never split, no GQA packing:
     its rows are query positions) skips, masks or runs each tile plain."""
-    for bad, what in ((p.window != (-1, -1), f"window_size={p.window}"), (p.alibi, "alibi_slopes"),
-                      (p.sinks, "sinks (attention sinks)"),
-                      (p.num_splits > 1, f"num_splits={p.num_splits}"), (p.kv != "dense", "a KV cache"),
-                      (p.varlen, "varlen (packed) sequences")):
-        if bad:
-            raise ValueError(f"startend_row_indices (FlashMask) cannot be combined with {what}")
+    _flashmask_rejects(p)
     bucket = head_dim_bucket(p.head_dim)
     even = p.head_dim == bucket
     bm, bn, warps, stages, mma = flashmask_tile(bucket, even, dev.arch)
@@ -378,6 +373,16 @@ def _flashmask_plan(p: Problem, dev: DeviceFacts) -> Plan:
     check_grids(launches)
     return Plan(p, dev, launches, 1, 0, False, p.seqlen_q, p.nheads, p.nheads // p.nheads_k, p.causal, (-1, -1),
                 workspace, (), " ".join(why))
+
+
+def _flashmask_rejects(p: Problem) -> None:
+    """A ValueError naming what a FlashMask problem (forward or backward) cannot be combined with."""
+    for bad, what in ((p.window != (-1, -1), f"window_size={p.window}"), (p.alibi, "alibi_slopes"),
+                      (p.sinks, "sinks (attention sinks)"),
+                      (p.num_splits > 1, f"num_splits={p.num_splits}"), (p.kv != "dense", "a KV cache"),
+                      (p.varlen, "varlen (packed) sequences")):
+        if bad:
+            raise ValueError(f"startend_row_indices (FlashMask) cannot be combined with {what}")
 
 
 def _fwd_ws_blocker(p: Problem, even: bool, bucket: int, local: bool, pack: bool) -> str:
@@ -421,21 +426,27 @@ def _bwd_ws_blocker(p: Problem, bucket: int, arch: int) -> str:
 
 
 def backward_kernels(bucket: int, dtype: str, causal: bool, deterministic: bool, arch: int, local: bool = False,
-                     softcap: bool = False, alibi: bool = False) -> tuple[KernelVariant, ...]:
+                     softcap: bool = False, alibi: bool = False, flashmask: int = 0) -> tuple[KernelVariant, ...]:
     """The kernels one backward call launches, in launch order (prep, dK/dV, dQ); ``causal`` and
-    ``local`` are the mask as launched (effective_window)."""
-    return bwd.kernels(bucket, dtype, causal, deterministic, arch, local, softcap, alibi)
+    ``local`` are the mask as launched (effective_window); ``flashmask``: FlashMask's bound
+    columns per key (0 = none)."""
+    return bwd.kernels(bucket, dtype, causal, deterministic, arch, local, softcap, alibi, flashmask)
 
 
 @functools.lru_cache(maxsize=1024)
 def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     """The backward of ``p``'s forward: FlashAttention-2's algorithm in three kernels, with the
-    forward's effective mask (the keys its LSE summed over)."""
+    forward's effective mask (the keys its LSE summed over). With FlashMask (``p.flashmask``) the
+    launches end with the FlashMask prep kernel(s), which run first (see _flashmask_backward)."""
     bucket = head_dim_bucket(p.head_dim)
     window = effective_window(p.causal, p.window, p.seqlen_q, p.seqlen_k)
     causal = window[0] < 0 and window[1] == 0
     local = window != (-1, -1) and not causal
-    prep, main, last = backward_kernels(bucket, p.dtype, causal, p.deterministic, dev.arch, local, p.softcap, p.alibi)
+    if p.flashmask:
+        _flashmask_rejects(p)
+        causal = p.causal  # the indices' columns follow the caller's causal (as in the forward)
+    prep, main, last = backward_kernels(bucket, p.dtype, causal, p.deterministic, dev.arch, local, p.softcap, p.alibi,
+                                        p.flashmask)
     ws = _bwd_ws_blocker(p, bucket, dev.arch)
     if ws == "":
         main = bwd_ws.planned(bucket, p.dtype, causal, local, p.deterministic, dev.arch)
@@ -477,9 +488,37 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     else:
         why.append("deterministic=False: the dK/dV kernel also adds dQ = dS K into an fp32 accumulator with "
                    "atomics (the order of additions varies), and bwd_convert scales it into the input dtype.")
+    if p.flashmask:
+        fm, fm_bytes, sizes = _flashmask_backward(p, dev, main, last)
+        launches += fm
+        workspace += fm_bytes
+        dq = last.kind == "bwd_dq"
+        why.append(f"startend_row_indices (FlashMask, n={p.flashmask}, causal={p.causal}): {fm[0].name} runs first "
+                   f"and writes the min and max of each bound column per block of "
+                   f"{' and of '.join(map(str, sizes))} keys ({fm_bytes} B; the key blocks of {main.kind}"
+                   + (f" and {last.kind}" if dq else "") + "), then "
+                   + (f"{main.kind} and {last.kind} skip each (key block, query block) tile whose rows are all "
+                      "masked (no loads, no math, no dQ), mask the partly masked ones element by element and run "
+                      "the rest unmasked." if dq else
+                      f"{main.kind} skips each (key block, query block) tile whose rows are all masked (no loads, "
+                      "no math, no dQ), masks the partly masked ones element by element and runs the rest "
+                      "unmasked."))
     check_grids(launches)
     return Plan(p, dev, launches, 1, 0, False, sq, p.nheads, p.nheads // p.nheads_k, causal, window, workspace,
                 (), " ".join(why), backward=True)
+
+
+def _flashmask_backward(p: Problem, dev: DeviceFacts, main, last) -> tuple[tuple[Launch, ...], int, tuple]:
+    """The FlashMask prep launches of a backward, their int32 workspace in bytes and their key-block
+    sizes: one per
+    key-block size, the dK/dV kernel's (``main.block_n``) first, then the deterministic dQ
+    kernel's (``last.block_n``) where it differs. cuflash.backward lays the bounds out in this
+    order after the fp32 rows."""
+    prep = FlashMaskPrepVariant(columns=p.flashmask, arch=dev.arch)
+    heads = p.flashmask_heads or 1
+    sizes = dict.fromkeys((main.block_n, last.block_n) if last.kind == "bwd_dq" else (main.block_n,))
+    launches = tuple(Launch(prep, prep.grid(p.batch, heads, p.seqlen_k, bn), prep.threads, 0) for bn in sizes)
+    return launches, sum(4 * prep.workspace_ints(p.batch, heads, p.seqlen_k, bn) for bn in sizes), tuple(sizes)
 
 
 def empty_plan(p: Problem, dev: DeviceFacts) -> Plan | None:
@@ -563,10 +602,8 @@ def with_flashmask(plan: Plan, shape: tuple[int, ...], values=None) -> Plan:
     masked and unmasked (:func:`mask_tiles`; indices shared by several query heads count once
     per head)."""
     p = plan.problem
-    later = (" The backward does not run FlashMask yet: the launches above are those of the call without it."
-             if plan.backward else "")
     if not plan.launches:
-        return replace(plan, reason=f"{plan.reason} FlashMask: no tile to classify.{later}")
+        return replace(plan, reason=f"{plan.reason} FlashMask: no tile to classify.")
     v = plan.launches[1 if plan.backward else 0].variant
     bm, bn = v.block_m, v.block_n
     n = p.batch * p.nheads * cdiv(p.seqlen_q, bm) * cdiv(p.seqlen_k, bn)
@@ -579,4 +616,4 @@ def with_flashmask(plan: Plan, shape: tuple[int, ...], values=None) -> Plan:
         counts = (f": {t.skipped * per} skipped, {t.masked * per} masked, {t.unmasked * per} unmasked "
                   "(from each key block's min and max of the row bounds)")
     return replace(plan, reason=f"{plan.reason} FlashMask: {n} tiles of {bm} x {bn} "
-                                f"(batch {p.batch} x {p.nheads} heads){counts}.{later}")
+                                f"(batch {p.batch} x {p.nheads} heads){counts}.")

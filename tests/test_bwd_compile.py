@@ -22,8 +22,10 @@ from conftest import GPU_PROBLEM, check_same_precision, fake_view, finite_diff, 
 
 def test_variant_set_and_names():
     vs = family.variants(90)
-    # 6 buckets x 2 dtypes x (3 masks x 4 softcap/ALiBi x {dkdv_dq, dkdv, dq} + prep + convert)
-    assert len(vs) == len(HEAD_DIM_BUCKETS) * 2 * (3 * 4 * 3 + 2) == 456
+    # 6 buckets x 2 dtypes x (3 masks x 4 softcap/ALiBi x {dkdv_dq, dkdv, dq} + prep + convert), and
+    # FlashMask's: 6 x 2 x 4 (causal, n) x 2 softcap x {dkdv_dq, dkdv, dq}
+    assert len(vs) == len(HEAD_DIM_BUCKETS) * 2 * (3 * 4 * 3 + 2 + 4 * 2 * 3) == 744
+    assert sum(getattr(v, "flashmask", 0) > 0 for v in vs) == 288
     base = family.variants(90, mods=False)
     assert len(base) == len(HEAD_DIM_BUCKETS) * 2 * (2 * 3 + 2) == 96 and set(base) <= set(vs)
     assert not any(getattr(v, f, False) for v in base for f in ("local", "softcap", "alibi"))
@@ -425,8 +427,11 @@ def test_varlen_signature_matches_the_torch_integration():
                "alibi_slopes"):
         assert sig.parameters[kw].kind is inspect.Parameter.KEYWORD_ONLY, kw
     dense = inspect.signature(backward.attention_backward)
-    assert [n for n in dense.parameters if dense.parameters[n].kind is inspect.Parameter.KEYWORD_ONLY] == \
+    # FlashMask is dense-only, as attention_varlen has no startend_row_indices either
+    assert [n for n in dense.parameters if dense.parameters[n].kind is inspect.Parameter.KEYWORD_ONLY
+            and n != "startend_row_indices"] == \
         [n for n in names if sig.parameters[n].kind is inspect.Parameter.KEYWORD_ONLY]
+    assert "startend_row_indices" in dense.parameters and "startend_row_indices" not in sig.parameters
 
 
 def test_varlen_host_arrays_are_validated(no_launch):

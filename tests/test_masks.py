@@ -380,7 +380,8 @@ def test_plan_with_a_shape_gives_the_tile_count_only():
     pb = _plan(causal=True, backward=True, startend_row_indices=masks.causal(512, batch=2))
     v = pb.launches[1].variant
     assert f"tiles of {v.block_m} x {v.block_n}" in pb.reason and "skipped" in pb.reason
-    assert "The backward does not run FlashMask yet" in pb.reason
+    assert v.flashmask == 1 and pb.launches[-1].variant.family == "flashmask"
+    assert "not run FlashMask" not in pb.reason
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,12 @@ this order on the caller's stream (cuflash/backward.py describes the algorithm):
 3. ``bwd_convert`` (convert.cu.j2): dQ = scale * accumulator in the input dtype; or, with
    ``deterministic=True``, ``bwd_dq`` (dq.cu.j2): dQ per query block, written once.
 
+FlashMask (``flashmask = n``, cuflash.masks): the dK/dV and dQ kernels take the indices and the
+per-key-block bounds of the FlashMask prep kernel (kernels/flashmask.py, launched first, once per
+key-block size) and classify each (key block, query block) tile as the forward does
+(templates/common/flashmask.cuh): skipped (no loads, no math, no dQ), masked element by element,
+or plain.
+
 Tiles compile with no spills under NVRTC 13.0 and 13.5 for sm_80 and sm_90 (checked in the CPU
 tests).
 """
@@ -17,6 +23,7 @@ import functools
 from dataclasses import dataclass
 
 from . import HEAD_DIM_BUCKETS, KernelVariant, tile_name
+from .fwd import FLASHMASK_FIELDS, FLASHMASK_NS
 from .params import ParamTable, strides
 
 ROW_KINDS = ("bwd_prep", "bwd_convert")
@@ -49,6 +56,9 @@ DQ_TILES = {
     192: (64, 32, 4, 2),
     256: (64, 32, 4, 2),
 }
+# FlashMask with a softcap at d = 32: the dQ kernel's 128-key tiles leave no registers for the
+# per-column bounds next to the softcap's 1 - t^2 factors; 64 keys do.
+DQ_FLASHMASK_SOFTCAP_TILES = {32: (64, 64, 4, 2)}
 ROW_PAD = 128          # LSE/D/dQ-accumulator rows are padded to a multiple of every block_m
 VARLEN_ROW_GAP = ROW_PAD + 4  # packed sequences: rows between sequence starts (stats_base, bwd.cuh)
 PREP_ROWS_PER_BLOCK = 8  # one warp per row
@@ -99,6 +109,11 @@ DQ_PARAMS = ParamTable("BwdDqParams", (
     ("lse2", "const float*"), ("dsum", "const float*"), ("dq", "u16*"),
     *_QKVDO, *strides("dq", "sb", "ss", "sh"), *_SHAPE, *_SCORE,
 ))
+# FlashMask variants (flashmask > 0) take the forward's FlashMask fields too, at the end: the
+# indices with their element strides, query heads per index head, index heads, and the prep
+# kernel's per-key-block bounds for this kernel's block_n.
+DKDV_FM_PARAMS = ParamTable("BwdDkdvParams", DKDV_PARAMS.fields + FLASHMASK_FIELDS)
+DQ_FM_PARAMS = ParamTable("BwdDqParams", DQ_PARAMS.fields + FLASHMASK_FIELDS)
 CONVERT_PARAMS = ParamTable("BwdConvertParams", (
     ("dq_accum", "const float*"), ("dq", "u16*"), *strides("dq", "sb", "ss", "sh"),
     ("seqlen_q_arg", "int"), ("nheads", "int"), ("head_dim", "int"), ("head_rows", "int"), ("scale", "float"),
@@ -168,6 +183,7 @@ class BwdTileVariant(KernelVariant):
     softcap: bool = False
     alibi: bool = False
     mma: str = "sync"
+    flashmask: int = 0  # FlashMask bound columns per key (cuflash.masks), 0 = none
 
     def __post_init__(self):
         super().__post_init__()
@@ -182,17 +198,24 @@ class BwdTileVariant(KernelVariant):
             raise ValueError("a wgmma backward variant is a dK/dV kernel for sm_90 at head-dim bucket 64 or 128 "
                              "with 64-query steps (or 128 at 64) over 128 keys, 8 warps, 2 stages, no softcap "
                              f"or ALiBi; got {self}")
+        if self.flashmask and not (self.flashmask in (1, 2) if self.causal else self.flashmask in (2, 4)):
+            raise ValueError(f"flashmask must be 0, or 1 or 2 with causal, 2 or 4 without; got {self.flashmask} "
+                             f"with causal={self.causal}")
+        if self.flashmask and (self.local or self.alibi):
+            raise ValueError(f"a FlashMask backward variant has no window and no ALiBi; got {self}")
 
     @property
     def params(self) -> ParamTable:
-        return DQ_PARAMS if self.kind == "bwd_dq" else DKDV_PARAMS
+        if self.kind == "bwd_dq":
+            return DQ_FM_PARAMS if self.flashmask else DQ_PARAMS
+        return DKDV_FM_PARAMS if self.flashmask else DKDV_PARAMS
 
     @functools.cached_property
     def name(self) -> str:
         return tile_name(self.kind, self.head_dim, self.dtype, causal=self.causal, local=self.local,
                          softcap=self.softcap, alibi=self.alibi, even_head_dim=False, mma=self.mma,
                          kv="dense", block_m=self.block_m, block_n=self.block_n, warps=self.warps,
-                         stages=self.stages, arch=self.arch)
+                         stages=self.stages, arch=self.arch, flashmask=self.flashmask)
 
     @property
     def template(self) -> str:
@@ -227,18 +250,24 @@ class BwdTileVariant(KernelVariant):
         return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, warps=self.warps,
                     stages=self.stages, causal=self.causal, local=self.local, softcap=self.softcap,
                     alibi=self.alibi, bf16=self.dtype == "bf16", dq=self.kind == "bwd_dkdv_dq",
-                    even_head_dim=False, swizzle=self.swizzled, varlen_row_gap=VARLEN_ROW_GAP, info_bytes=INFO_BYTES)
+                    even_head_dim=False, swizzle=self.swizzled, varlen_row_gap=VARLEN_ROW_GAP, info_bytes=INFO_BYTES,
+                    flashmask=self.flashmask)
 
 
 def kernels(bucket: int, dtype: str, causal: bool, deterministic: bool, arch: int, local: bool = False,
-            softcap: bool = False, alibi: bool = False) -> tuple[KernelVariant, ...]:
+            softcap: bool = False, alibi: bool = False, flashmask: int = 0) -> tuple[KernelVariant, ...]:
     """The kernels one backward call launches, in launch order. ``causal``/``local`` are the
-    mask as launched (a window that hides no key beyond the causal mask runs as causal)."""
+    mask as launched (a window that hides no key beyond the causal mask runs as causal);
+    ``flashmask`` is the FlashMask bound columns per key (0 = none), whose prep kernels
+    (kernels/flashmask.py) the plan adds."""
     bm, bn, w, st, mma = dkdv_tile(bucket, softcap, alibi, arch)
     mods = dict(head_dim=bucket, dtype=dtype, arch=arch, causal=causal, local=local, softcap=softcap, alibi=alibi)
+    if flashmask:
+        mods["flashmask"] = flashmask
     prep = BwdRowVariant(kind="bwd_prep", head_dim=bucket, dtype=dtype, arch=arch)
     if deterministic:
-        qm, qn, qw, qst = DQ_TILES[bucket]
+        qm, qn, qw, qst = (DQ_FLASHMASK_SOFTCAP_TILES.get(bucket, DQ_TILES[bucket]) if flashmask and softcap
+                           else DQ_TILES[bucket])
         return (prep, BwdTileVariant(kind="bwd_dkdv", block_m=bm, block_n=bn, warps=w, stages=st, mma=mma, **mods),
                 BwdTileVariant(kind="bwd_dq", block_m=qm, block_n=qn, warps=qw, stages=qst, **mods))
     return (prep, BwdTileVariant(kind="bwd_dkdv_dq", block_m=bm, block_n=bn, warps=w, stages=st, mma=mma, **mods),
@@ -260,4 +289,21 @@ def variants(arch: int, mods: bool = True) -> list[KernelVariant]:
                 for softcap, alibi in MODS if mods else MODS[:1]:
                     for det in (False, True):
                         out.extend(kernels(bucket, dtype, causal, det, arch, local, softcap, alibi))
+    if mods:
+        out += flashmask_variants(arch)
+    return list(dict.fromkeys(out))
+
+
+def flashmask_variants(arch: int) -> list[KernelVariant]:
+    """The FlashMask backward kernels: per head-dim bucket and dtype, causal with n in (1, 2) or
+    not with n in (2, 4), with and without softcap, atomic and deterministic (no window, no
+    ALiBi: FlashMask rejects them)."""
+    out = []
+    for bucket in HEAD_DIM_BUCKETS:
+        for dtype in ("fp16", "bf16"):
+            for n in FLASHMASK_NS:
+                for causal in (c for c in (False, True) if n in ((1, 2) if c else (2, 4))):
+                    for softcap in (False, True):
+                        for det in (False, True):
+                            out.extend(kernels(bucket, dtype, causal, det, arch, softcap=softcap, flashmask=n))
     return list(dict.fromkeys(out))

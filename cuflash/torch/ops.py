@@ -22,7 +22,7 @@ def _window(window_size):
     return int(left), int(right)
 
 
-def _extras(window_left, window_right, softcap, alibi_slopes, sinks=None):
+def _extras(window_left, window_right, softcap, alibi_slopes, sinks=None, startend_row_indices=None):
     """Keyword arguments for the kernels' optional features, only where they differ from the
     defaults: builds of cuflash without these features accept every call that does not use them."""
     kw = {}
@@ -34,6 +34,8 @@ def _extras(window_left, window_right, softcap, alibi_slopes, sinks=None):
         kw["alibi_slopes"] = alibi_slopes
     if sinks is not None:
         kw["sinks"] = sinks
+    if startend_row_indices is not None:
+        kw["startend_row_indices"] = startend_row_indices
     return kw
 
 
@@ -43,7 +45,8 @@ def _call(fn, what, *args, **kw):
     try:
         return fn(*args, **kw)
     except TypeError as e:
-        missing = [n for n in ("window_size", "softcap", "alibi_slopes", "block_table", "dq", "sinks")
+        missing = [n for n in ("window_size", "softcap", "alibi_slopes", "block_table", "dq", "sinks",
+                               "startend_row_indices")
                    if n in kw and repr(n) in str(e) and "unexpected keyword" in str(e)]
         if missing:
             raise NotImplementedError(f"{what} in this cuflash build does not support "
@@ -56,13 +59,13 @@ def _plain_cuda_tensors(*xs) -> bool:
     return all(x is None or (type(x) is Tensor and x.is_cuda) for x in xs)
 
 
-def _route(q, k, v, alibi_slopes=None, sinks=None) -> str:
+def _route(q, k, v, alibi_slopes=None, sinks=None, startend_row_indices=None) -> str:
     """How a call runs: "op", the custom op (torch.compile; fake, functional or other tensor
     subclasses; CPU tensors, which the op reports); "autograd", the op's bodies as an eager
     autograd.Function (real CUDA tensors that need gradients, sinks included); "direct", the
     kernels alone."""
     if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and q.is_cuda and k.is_cuda
-            and v.is_cuda and _plain_cuda_tensors(alibi_slopes, sinks)):
+            and v.is_cuda and _plain_cuda_tensors(alibi_slopes, sinks, startend_row_indices)):
         return "op"
     if torch.compiler.is_compiling():
         return "op"
@@ -80,8 +83,8 @@ def _wants_op(q, k, v, alibi_slopes=None, sinks=None) -> bool:
 # Kernel calls (the bodies of the custom ops; real tensors only)
 
 def _forward_kernel(q, k, v, out, causal, softmax_scale, window_left, window_right, softcap,
-                    alibi_slopes, return_lse, sinks=None):
-    extras = _extras(window_left, window_right, softcap, alibi_slopes, sinks)
+                    alibi_slopes, return_lse, sinks=None, startend_row_indices=None):
+    extras = _extras(window_left, window_right, softcap, alibi_slopes, sinks, startend_row_indices)
     if plans._log is not None:
         plans._record(q, k, causal, extras)
     return _call(cuflash.attention, "cuflash.attention", q, k, v, causal=causal,
@@ -114,10 +117,10 @@ def _backward_module():
 
 
 def _backward_kernel(dout, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, window_left,
-                     window_right, softcap, alibi_slopes, deterministic, sinks=None):
+                     window_right, softcap, alibi_slopes, deterministic, sinks=None, startend_row_indices=None):
     """(dq, dk, dv), or with ``sinks`` (dq, dk, dv, dsinks float32)."""
     bwd = _backward_module()
-    extras = _extras(window_left, window_right, softcap, alibi_slopes, sinks)
+    extras = _extras(window_left, window_right, softcap, alibi_slopes, sinks, startend_row_indices)
     return _call(bwd.attention_backward, "cuflash.backward.attention_backward", dout, q, k, v,
                  out, lse, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
                  dq=dq, dk=dk, dv=dv, **extras)
@@ -172,23 +175,24 @@ def _last_dim_contiguous(x):
 def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float],
                    window_left: int, window_right: int, softcap: float,
                    alibi_slopes: Optional[Tensor], deterministic: bool,
-                   sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                   sinks: Optional[Tensor] = None,
+                   startend_row_indices: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out, lse): out like q (contiguous), lse float32 (batch, nheads, seqlen_q).
     ``deterministic`` only matters to the backward pass."""
     return _fwd_body(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                     sinks=sinks)
+                     sinks=sinks, startend_row_indices=startend_row_indices)
 
 
 def _fwd_body(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-              deterministic=False, sinks=None):  # deterministic: taken like the op's inputs, used by the backward
+              deterministic=False, sinks=None, startend_row_indices=None):  # deterministic: taken like the op's inputs, used by the backward
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return _forward_kernel(q, k, v, out, causal, softmax_scale, window_left, window_right, softcap,
-                           alibi_slopes, True, sinks)
+                           alibi_slopes, True, sinks, startend_row_indices)
 
 
 @_attention_fwd.register_fake
 def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-      deterministic, sinks=None):
+      deterministic, sinks=None, startend_row_indices=None):
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
 
@@ -198,35 +202,36 @@ def _attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    causal: bool, softmax_scale: Optional[float], window_left: int,
                    window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
                    deterministic: bool,
-                   sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                   sinks: Optional[Tensor] = None,
+                   startend_row_indices: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsinks): contiguous, shaped like q, k and v; dsinks like the sinks, or an
     empty float32 tensor without them."""
     return _bwd_body(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right,
-                     softcap, alibi_slopes, deterministic, sinks)
+                     softcap, alibi_slopes, deterministic, sinks, startend_row_indices)
 
 
 def _bwd_body(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap,
-              alibi_slopes, deterministic, sinks=None):
+              alibi_slopes, deterministic, sinks=None, startend_row_indices=None):
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     res = _backward_kernel(_last_dim_contiguous(dout), q, k, v, out, lse, dq, dk, dv, causal,
                            softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                           deterministic, sinks)
+                           deterministic, sinks, startend_row_indices)
     return (*_into((dq, dk, dv), res), _sink_grad(res, q, sinks))
 
 
 @_attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap,
-      alibi_slopes, deterministic, sinks=None):
+      alibi_slopes, deterministic, sinks=None, startend_row_indices=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _sink_fake(q, sinks)
 
 
 def _fwd_setup_context(ctx, inputs, output):
     q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes, det, *rest = inputs
-    sinks = rest[0] if rest else None
+    sinks, startend_row_indices = (*rest, None, None)[:2]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks, startend_row_indices)
     ctx.args = (causal, softmax_scale, window_left, window_right, softcap)
     ctx.deterministic = det
     ctx.n_inputs = len(inputs)  # the backward returns a gradient (or None) per input given
@@ -234,12 +239,12 @@ def _fwd_setup_context(ctx, inputs, output):
 
 
 def _fwd_backward(ctx, dout, dlse, bwd=None):
-    q, k, v, out, lse, alibi_slopes, sinks = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, sinks, startend_row_indices = ctx.saved_tensors
     causal, softmax_scale, window_left, window_right, softcap = ctx.args
     dq, dk, dv, dsinks = (bwd or torch.ops.cuflash.attention_bwd)(
         dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap,
-        alibi_slopes, ctx.deterministic, sinks)
-    grads = (dq, dk, dv, None, None, None, None, None, None, None, None if sinks is None else dsinks)
+        alibi_slopes, ctx.deterministic, sinks, startend_row_indices)
+    grads = (dq, dk, dv, None, None, None, None, None, None, None, None if sinks is None else dsinks, None)
     return grads[:ctx.n_inputs]
 
 
@@ -339,7 +344,7 @@ _attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_
 # Public functions
 
 def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, deterministic=False, return_lse=False, sinks=None):
+              alibi_slopes=None, deterministic=False, return_lse=False, sinks=None, startend_row_indices=None):
     """Differentiable :func:`cuflash.attention` for torch tensors, with flash-attn's
     ``flash_attn_func`` semantics (no dropout).
 
@@ -349,6 +354,9 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
     nheads), float32) follow flash-attn. ``deterministic`` asks the backward pass for a
     deterministic reduction. ``sinks``: attention sinks, (nheads,) float32, bfloat16 or float16
     (as :func:`cuflash.attention`), differentiable: their gradient comes in the sinks' dtype.
+    ``startend_row_indices``: a FlashMask mask (cuflash.masks; int32 CUDA tensor (batch, 1 or
+    nheads_k or nheads, seqlen_k, n), as :func:`cuflash.attention`), in the forward and the
+    backward; it gets no gradient.
     Returns out (contiguous, like q), or (out, lse) with ``return_lse=True`` (lse float32 (batch,
     nheads, seqlen_q), not differentiable).
 
@@ -358,12 +366,12 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
     """
     window_left, window_right = _window(window_size)
     softcap = float(softcap or 0.0)
-    route = _route(q, k, v, alibi_slopes, sinks)
+    route = _route(q, k, v, alibi_slopes, sinks, startend_row_indices)
     if route == "direct":
         return _forward_kernel(q, k, v, None, causal, softmax_scale, window_left, window_right,
-                               softcap, alibi_slopes, return_lse, sinks)
+                               softcap, alibi_slopes, return_lse, sinks, startend_row_indices)
     args = (q, k, v, bool(causal), softmax_scale, window_left, window_right, softcap, alibi_slopes,
-            bool(deterministic), sinks)
+            bool(deterministic), sinks, startend_row_indices)
     if route == "op":
         out, lse = torch.ops.cuflash.attention_fwd(*args)
     else:

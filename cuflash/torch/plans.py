@@ -75,7 +75,8 @@ def _record(q, k, causal, extras, varlen=False):
         return
     win = extras.get("window_size", (-1, -1))
     key = (varlen, tuple(q.shape), tuple(k.shape), q.dtype, bool(causal), win,
-           extras.get("softcap", 0.0), "alibi_slopes" in extras, "sinks" in extras)
+           extras.get("softcap", 0.0), "alibi_slopes" in extras, "sinks" in extras,
+           tuple(extras["startend_row_indices"].shape) if "startend_row_indices" in extras else None)
     with log.lock:
         if key in log.seen:
             return
@@ -85,6 +86,8 @@ def _record(q, k, causal, extras, varlen=False):
         plan_kw = {n: extras[n] for n in ("window_size", "softcap") if n in extras}
         if "sinks" in extras:
             plan_kw["sinks"] = True
+        if "startend_row_indices" in extras:
+            plan_kw["startend_row_indices"] = tuple(extras["startend_row_indices"].shape)
         try:
             plan = cuflash.plan(q, k, k, causal=bool(causal), **plan_kw)
         except TypeError:  # a plan that does not depend on these features

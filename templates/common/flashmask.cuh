@@ -28,6 +28,15 @@ __device__ __forceinline__ int flashmask_class(const int* __restrict__ blk, int 
   return full ? kFmSkip : (part ? kFmMasked : kFmPlain);
 }
 
+// The element rule: query row `row` is masked by a column whose bounds are a0 .. a3 (the first
+// kN of them are read).
+template <int kN, bool kCausal>
+__device__ __forceinline__ bool flashmask_hides(int row, int a0, int a1, int a2, int a3) {
+  if constexpr (kCausal) return row >= a0 && (kN == 1 || row < a1);
+  else if constexpr (kN == 2) return row >= a0 || row < a1;
+  else return (row >= a0 && row < a1) || (row >= a2 && row < a3);
+}
+
 // Sets the masked scores of a warp's S fragment (mask.cuh's layout: rows row0 + (lane >> 2)
 // (+ 8), columns col0 + j * 8 + (lane & 3) * 2 + e) to -inf, reading column j's bounds at
 // idx[j * ss + c * sc]. Columns >= seqlen_k are left to apply_mask.
@@ -46,13 +55,30 @@ __device__ __forceinline__ void apply_flashmask(float (&s)[kNT][4], int row0, in
       const int a0 = __ldg(x), a1 = kN > 1 ? __ldg(x + sc) : 0;
       const int a2 = kN > 2 ? __ldg(x + 2 * sc) : 0, a3 = kN > 2 ? __ldg(x + 3 * sc) : 0;
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = row0 + (lane >> 2) + r * 8;
-        bool m;
-        if constexpr (kCausal) m = row >= a0 && (kN == 1 || row < a1);
-        else if constexpr (kN == 2) m = row >= a0 || row < a1;
-        else m = (row >= a0 && row < a1) || (row >= a2 && row < a3);
-        if (m) s[j][2 * r + e] = neg_inf();
-      }
+      for (int r = 0; r < 2; ++r)
+        if (flashmask_hides<kN, kCausal>(row0 + (lane >> 2) + r * 8, a0, a1, a2, a3)) s[j][2 * r + e] = neg_inf();
     }
+}
+
+// The same on a transposed S^T fragment of one 16-key tile (the backward's dK/dV kernels: rows
+// = keys key0 + (lane >> 2) (+ 8), columns = queries q0 + j * 8 + (lane & 3) * 2 + e): each lane
+// reads its two keys' bounds once. Keys >= seqlen_k are left to apply_mask_t.
+template <int kQT, int kN, bool kCausal>
+__device__ __forceinline__ void apply_flashmask_t(float (&s)[kQT][4], int key0, int q0, int seqlen_k,
+                                                  const int* __restrict__ idx, long long ss, long long sc) {
+  const int lane = threadIdx.x & 31;
+  const int base = q0 + (lane & 3) * 2;  // this lane's first query
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + (lane >> 2) + r * 8;
+    if (key >= seqlen_k) continue;
+    const int* x = idx + key * ss;
+    const int a0 = __ldg(x), a1 = kN > 1 ? __ldg(x + sc) : 0;
+    const int a2 = kN > 2 ? __ldg(x + 2 * sc) : 0, a3 = kN > 2 ? __ldg(x + 3 * sc) : 0;
+#pragma unroll
+    for (int j = 0; j < kQT; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (flashmask_hides<kN, kCausal>(base + j * 8 + e, a0, a1, a2, a3)) s[j][2 * r + e] = neg_inf();
+  }
 }
