@@ -251,6 +251,8 @@ def cmd_bench(a):
         rows = bench.bench_backward(**grid)
     elif a.kind == "jax":
         rows = bench.bench_jax(**grid)
+    elif a.kind == "mask":
+        rows = bench.bench_mask(quick=a.quick)
     else:
         rows = bench.bench_decode()
     print(bench.format_table(rows, "prefill" if a.kind == "backward" else a.kind))
@@ -327,8 +329,9 @@ def main(argv=None):
     c.add_argument("action", choices=["list", "clear"])
 
     b = sub.add_parser("bench", help="benchmark against PyTorch SDPA (flash, cuDNN); jax: cuflash.jax under jax.jit "
-                                     "against jax.nn.dot_product_attention (cuDNN, XLA)")
-    b.add_argument("kind", choices=["prefill", "decode", "backward", "window", "overhead", "jax"])
+                                     "against jax.nn.dot_product_attention (cuDNN, XLA); mask: FlashMask masks "
+                                     "against FlexAttention and SDPA with a dense mask")
+    b.add_argument("kind", choices=["prefill", "decode", "backward", "window", "overhead", "jax", "mask"])
     b.add_argument("--quick", action="store_true")
     b.add_argument("--dtype", nargs="+", choices=["bfloat16", "float16"])
     b.add_argument("--head-dim", type=HEAD_DIM, nargs="+")

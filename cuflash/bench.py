@@ -1,6 +1,6 @@
 """Benchmarks for cuflash: prefill TFLOP/s and decode TB/s against PyTorch SDPA, the cost
-of sliding windows against full attention, and cuflash.jax under jax.jit against
-jax.nn.dot_product_attention.
+of sliding windows against full attention, cuflash.jax under jax.jit against
+jax.nn.dot_product_attention, and FlashMask masks against PyTorch's FlexAttention.
 
 Timing uses CUDA events after warm-up, takes the median of many repeats and
 rotates among several input sets whose total size exceeds 2x L2, so that
@@ -18,6 +18,8 @@ import math
 import os
 import statistics
 import time
+
+import numpy as np
 
 _CEILINGS: dict = {}
 _SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION")
@@ -522,7 +524,7 @@ def bench_window(batch=1, seqlen=32768, d=128, model_dim=2048, windows=(4096, 10
                        kernels=_plan(cuflash, q, k, v, causal)[0] if window == (-1, -1) else
                        "+".join(cuflash.plan(q, k, v, causal=causal, window_size=window).kernels))
             _emit(rows, row, "window", verbose)
-    del sets, q, k, v
+    sets = q = k = v = None  # not del: run() refers to sets
     torch.cuda.empty_cache()
     return rows
 
@@ -584,6 +586,337 @@ def bench_overhead(verbose=True):
     return rows
 
 
+# ---------------------------------------------------------------------------------------------
+# FlashMask masks against FlexAttention and SDPA with a dense mask (bench mask)
+
+MASK_FAMILIES = ("document", "causal_document", "share_question", "prefix_lm_document",
+                 "global_sliding_window", "causal_blockwise", "qk_sparse", "random_eviction")
+QUICK_MASK_FAMILIES = ("causal_document", "global_sliding_window", "random_eviction")
+MASK_IMPLS = ("cuflash", "flex", "sdpa")
+
+
+def _split(rng, total, parts, minimum):
+    """``parts`` random ints >= minimum summing to ``total`` (uniform proportions on top of the
+    minimum: a Dirichlet(1, ..., 1) draw, as random cut points give)."""
+    if parts < 1 or parts * minimum > total:
+        raise ValueError(f"cannot split {total} into {parts} parts of at least {minimum}")
+    extra = rng.multinomial(total - parts * minimum, rng.dirichlet(np.ones(parts)))
+    return [int(minimum + x) for x in extra]
+
+
+def mask_family(name, seqlen, nheads=16, seed=0):
+    """(startend_row_indices, causal, description) of one FlashMask family for a square
+    ``seqlen`` mask, built by cuflash.masks with the bench's parameters: documents of random
+    lengths averaging 2048 tokens, windows of min(1024, seqlen // 8) keys, and so on; seeded by
+    (seed, family, seqlen), so a run is repeatable. random_eviction differs per head (nheads);
+    the others are shared by all heads (heads dim 1)."""
+    from . import masks
+    s = int(seqlen)
+    key = MASK_FAMILIES.index(name) if name in MASK_FAMILIES else -1
+    rng = np.random.default_rng([seed, key + 1, s])
+    docs = lambda mean: _split(rng, s, max(2, s // mean), 16)  # noqa: E731
+    w = min(1024, s // 8)
+    if name == "causal":  # the causal mask alone: the reference row of each sequence length
+        return masks.causal(s), True, "causal"
+    if name == "document":
+        lens = docs(2048)
+        return masks.document(lens), False, f"{len(lens)} documents, mean {s // len(lens)}"
+    if name == "causal_document":
+        lens = docs(2048)
+        return masks.causal_document(lens), True, f"{len(lens)} documents, mean {s // len(lens)}"
+    if name == "share_question":  # each document: a question, then 3 answers that each see it
+        lens = docs(4096)
+        return (masks.share_question([_split(rng, n, 4, 4) for n in lens]), True,
+                f"{len(lens)} documents of a question + 3 answers")
+    if name == "prefix_lm_document":  # each document's prefix: 10% to 50% of it
+        lens = docs(2048)
+        return (masks.prefix_lm_document([(n, int(rng.integers(n // 10, n // 2 + 1))) for n in lens]), False,
+                f"{len(lens)} documents, prefixes 10-50%")
+    if name == "global_sliding_window":
+        g = min(128, s // 16)
+        return masks.global_sliding_window(s, g, w), False, f"{g} global tokens, window {w}"
+    if name == "causal_blockwise":  # in-context examples of about 1024 tokens, the last one the query
+        lens = docs(1024)
+        return masks.causal_blockwise(lens), True, f"{len(lens)} blocks, mean {s // len(lens)}"
+    if name == "qk_sparse":  # 4 spans of seqlen/16 queries, one at a random place in each quarter
+        n, quarter = s // 16, s // 4
+        spans = [(q * quarter + int(rng.integers(1, quarter - n + 1)), n) for q in range(4)]
+        return masks.qk_sparse(s, spans), True, f"4 spans of {n}"
+    if name == "random_eviction":
+        return (masks.random_eviction(s, s // 2, seed=int(rng.integers(2 ** 31)), nheads=nheads), True,
+                f"evictions from row {s // 2}, per head")
+    raise ValueError(f"unknown mask family {name!r}; expected one of {', '.join(MASK_FAMILIES)}")
+
+
+def mask_pairs(startend_row_indices, seqlen, causal, nheads):
+    """The number of (query, key) pairs a square FlashMask mask leaves visible, over batch and
+    ``nheads`` heads (indices with one head count for every head). Each key column has at most
+    two masked row intervals: the mask's own (cuflash.masks.intervals), and with causal=True its
+    one lower interval and the causal mask's rows [0, j), so a column's masked rows are the
+    union of two intervals."""
+    from . import masks
+    a = np.asarray(startend_row_indices)
+    ivals = masks.intervals(a, seqlen, causal)
+    if causal:
+        start = ivals[0][0]
+        ivals.append((np.zeros_like(start), np.broadcast_to(np.arange(a.shape[2]), start.shape)))
+    (s0, e0), (s1, e1) = ivals
+    both = np.maximum(np.minimum(e0, e1) - np.maximum(s0, s1), 0)
+    masked = np.maximum(e0 - s0, 0) + np.maximum(e1 - s1, 0) - both
+    return int((seqlen - masked).sum()) * (nheads // a.shape[1])
+
+
+def mask_flops(pairs, d, backward=False):
+    """FLOPs of attention over ``pairs`` visible (query, key) pairs (all heads and batches): two
+    matmuls of d multiply-adds per pair forward, 4 * pairs * d (bench._flops' count, restricted to
+    the pairs the mask keeps); forward + backward 1 + BACKWARD_FLOPS = 3.5 times that."""
+    return (1 + BACKWARD_FLOPS if backward else 1) * 4 * pairs * d
+
+
+def _mask_columns(torch, idx, seqlen, causal, nheads):
+    """The masked row intervals of a FlashMask tensor on its device as four int32 (batch, nheads,
+    seqlen_k) contiguous tensors (LT start, LT end, UT start, UT end), the n=4 form of
+    cuflash.masks.intervals: query i is masked in column j iff LTS <= i < LTE or UTS <= i < UTE
+    (with causal=True the UT interval is empty, the causal mask being applied apart)."""
+    b, h, sk, n = idx.shape
+    if h not in (1, nheads):
+        raise ValueError(f"bench mask takes startend_row_indices with 1 or {nheads} heads, got {h}")
+    col = [idx[..., c].expand(b, nheads, sk) for c in range(n)]
+    full, zero = torch.full_like(col[0], seqlen), torch.zeros_like(col[0])
+    if causal:
+        cols = (col[0], full if n == 1 else col[1], full, full)
+    elif n == 2:
+        cols = (col[0], full, zero, col[1])
+    else:
+        cols = col
+    return [c.to(torch.int32).contiguous() for c in cols]
+
+
+def _mask_mods(cols):
+    """FlexAttention mask_mods (True = visible) reading the interval tensors ``cols`` of
+    _mask_columns by (batch, head, key) on their device: (causal, non-causal). The tensors are
+    filled in place for each mask, so that every mask of a sequence length runs the same two
+    functions: torch.compile then compiles Flex once per (length, causal, pass), not once per
+    mask (the mask's data is read by the kernels at run time)."""
+    lts, lte, uts, ute = cols
+
+    def causal(b, h, q_idx, kv_idx):  # square masks: key j <= query i
+        return (kv_idx <= q_idx) & ((q_idx < lts[b, h, kv_idx]) | (q_idx >= lte[b, h, kv_idx]))
+
+    def full(b, h, q_idx, kv_idx):
+        return (((q_idx < lts[b, h, kv_idx]) | (q_idx >= lte[b, h, kv_idx]))
+                & ((q_idx < uts[b, h, kv_idx]) | (q_idx >= ute[b, h, kv_idx])))
+    return causal, full
+
+
+def _dense_visible(torch, cols, seqlen, causal, heads):
+    """The dense boolean mask of SDPA, True = visible, (batch, heads, seqlen, seqlen) built on the
+    columns' device from _mask_columns' tensors (their first ``heads`` heads: 1 for a mask shared
+    by every head, which SDPA broadcasts). Built in place, so the peak is two such masks."""
+    i = torch.arange(seqlen, device=cols[0].device)[:, None]
+    lts, lte, uts, ute = (c[:, :heads, None, :] for c in cols)
+    vis = i < lts
+    vis |= i >= lte
+    if causal:
+        vis &= torch.arange(seqlen, device=i.device) <= i
+    else:
+        vis &= (i < uts) | (i >= ute)
+    return vis
+
+
+def _grad_fn(torch, attn, backward):
+    """fn(q, k, v, do): attn's output, or with backward=True the gradients of sum(out * do) with
+    respect to q, k and v through autograd (forward and backward both run)."""
+    if not backward:
+        return lambda q, k, v, do: attn(q, k, v)
+    return lambda q, k, v, do: torch.autograd.grad(attn(q, k, v), (q, k, v), do)
+
+
+def _cuflash_mask_attn(causal, idx, backward):
+    """cuflash.torch.attention with the FlashMask indices (none for the plain causal row), as
+    attn(q, k, v), and the name of the API called. A cuflash.torch.attention that does not take
+    startend_row_indices runs the forward through cuflash.attention, which is what
+    cuflash.torch.attention calls for tensors that need no gradient; the fwd+bwd pass has no such
+    fallback and reports the error."""
+    import inspect
+    import cuflash
+    import cuflash.torch as ct
+    kw = {} if idx is None else {"startend_row_indices": idx}
+    name, fn = "cuflash.torch.attention", ct.attention
+    if kw and not backward and "startend_row_indices" not in inspect.signature(ct.attention).parameters:
+        name, fn = "cuflash.attention", cuflash.attention
+    return (lambda q, k, v: fn(q, k, v, causal=causal, **kw)), name
+
+
+def _bhsd(attn):
+    """attn on (batch, heads, seqlen, d) views of (batch, seqlen, heads, d) tensors, its output
+    seen in (batch, seqlen, heads, d) again."""
+    return lambda q, k, v: attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
+def _first_line(e):
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def _free_cached(torch):
+    """Give the CUDA caching allocator's free blocks back (after a big mask, or a failure out of
+    memory); nothing without CUDA."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _mask_measure(torch, row, outs, name, make, sets, warmup, reps):
+    """row[name + "_ms"] = time_cuda of make()'s fn over sets, outs[name] = its result on sets[0];
+    on failure (refused, not compiled, out of memory) row[name + "_ms"] = None and
+    row["errors"][name] = the error's first line, and the run goes on."""
+    row[f"{name}_ms"] = None
+    try:
+        fn = make()
+        outs[name] = fn(*sets[0])  # the first call compiles: not timed (time_cuda's own first call neither)
+        row[f"{name}_ms"] = time_cuda(fn, sets, warmup, reps)
+    except Exception as e:
+        outs.pop(name, None)
+        row["errors"][name] = _first_line(e)
+        _free_cached(torch)  # what an out-of-memory failure left cached goes back
+
+
+def _mask_summary(row, outs, flops, causal_tflops):
+    """TF/s of each implementation on the visible pairs' FLOPs, cuflash's ratios to Flex and SDPA
+    and to cuflash's plain causal TF/s at the same length and pass (``causal_tflops``), and
+    max |diff| of cuflash's and SDPA's results (output, or dq, dk, dv) against Flex's."""
+    for name in MASK_IMPLS:
+        ms = row.get(f"{name}_ms")
+        row[f"{name}_tflops"] = flops / ms / 1e9 if ms else None
+    row["ratio_flex"] = _div(row["cuflash_tflops"], row["flex_tflops"])
+    row["ratio_sdpa"] = _div(row["cuflash_tflops"], row["sdpa_tflops"])
+    row["frac_causal"] = _div(row["cuflash_tflops"], causal_tflops)
+    for name in ("cuflash", "sdpa"):
+        a, b = outs.get(name), outs.get("flex")
+        if a is None or b is None:
+            row[f"max_diff_{name}"] = None
+            continue
+        a, b = ((x,) if not isinstance(x, (tuple, list)) else x for x in (a, b))
+        row[f"max_diff_{name}"] = max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
+    if row["errors"]:
+        row["error"] = "; ".join(f"{n}: {e}" for n, e in row["errors"].items())
+
+
+def _dynamo_limits(torch):
+    """torch._dynamo settings for the Flex compiles: a recompile limit well above the bench's
+    compiles (shapes x causal x pass), and a failure, not a silent fall back to eager Flex (which
+    would materialise the scores), should a limit still be hit. Names that this PyTorch lacks are
+    left out."""
+    import torch._dynamo
+    config = torch._dynamo.config
+    have = getattr(config, "_config", None) or vars(config)
+    want = {}
+    for names, value in ((("recompile_limit", "cache_size_limit"), 64),  # newer name first
+                         (("accumulated_recompile_limit", "accumulated_cache_size_limit"), 1024),
+                         (("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"), True)):
+        name = next((n for n in names if n in have), None)
+        if name:
+            want[name] = value
+    return config.patch(**want)
+
+
+def bench_mask(seqlens=(8192, 32768), families=MASK_FAMILIES, batch=1, nheads=16, d=128, dtype="bfloat16",
+               reps=10, warmup=3, quick=False, compile=True, seed=0, verbose=True):
+    """FlashMask masks (cuflash.masks' families) in cuflash against PyTorch FlexAttention under
+    torch.compile and SDPA with the dense boolean mask, forward ("fwd") and forward + backward
+    ("fwd+bwd", torch.autograd.grad of sum(out * do) w.r.t. q, k, v), at each sequence length;
+    a plain causal row first at each length (cuflash without indices, Flex with the causal
+    mask_mod, SDPA with is_causal=True) is the reference of frac_causal.
+
+    FLOPs count the visible (query, key) pairs only: 4 * pairs * d forward, 2.5 times more for the
+    backward (bench backward's convention). Flex's BlockMask comes from create_block_mask on a
+    mask_mod that indexes the same startend_row_indices tensor on the device, and SDPA's dense
+    mask is built from it too, so that the three see one mask; max |diff| compares cuflash's and
+    SDPA's results with Flex's. An implementation that fails (no FlashMask in cuflash's backward
+    yet, out of memory) gets no timing and its error in row["errors"]; the run goes on.
+    ``compile=False`` runs Flex eagerly and builds its block mask without torch.compile (for
+    small CPU runs: eager Flex materialises the scores)."""
+    torch = _torch()
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if quick:
+        seqlens, families = (8192,), QUICK_MASK_FAMILIES
+    flex = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
+    F = torch.nn.functional.scaled_dot_product_attention
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    # SDPA's fused backends only: its math fallback would materialise the (batch, heads, s, s)
+    # scores (tens of GB and seconds a call at 32k): a mask no fused backend takes is reported.
+    # The dense mask goes to the memory-efficient or cuDNN kernel; the causal row may use flash.
+    fused = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    sdpa_backends = {False: fused, True: [SDPBackend.FLASH_ATTENTION] + fused}
+    rows = []
+    with _dynamo_limits(torch):
+        for s in seqlens:
+            shp = (batch, s, nheads, d)
+            sets = _make_sets(torch, (shp,) * 4, getattr(torch, dtype), min_sets=2)  # q, k, v, do
+            # leaves that need gradients, on the same memory, for the fwd+bwd pass
+            grad_sets = [(*(t.detach().requires_grad_() for t in x[:3]), x[3]) for x in sets]
+            dev = sets[0][0].device
+            cols = [torch.empty((batch, nheads, s), dtype=torch.int32, device=dev) for _ in range(4)]
+            mods = _mask_mods(cols)
+            causal_tflops = {}
+            for fam in ("causal", *families):
+                a, c, desc = mask_family(fam, s, nheads, seed)
+                a = np.broadcast_to(a, (batch,) + a.shape[1:]).copy()
+                idx = torch.from_numpy(a).to(dev)
+                for dst, src in zip(cols, _mask_columns(torch, idx, s, c, nheads)):
+                    dst.copy_(src)
+                pairs = mask_pairs(a, s, c, nheads)
+                errors = {}
+                try:
+                    block_mask = create_block_mask(mods[0] if c else mods[1], batch, nheads, s, s,
+                                                   device=dev, _compile=compile)
+                except Exception as e:
+                    block_mask, errors["flex"] = None, f"create_block_mask: {_first_line(e)}"
+                plain = fam == "causal"
+                dense = None
+                if not plain:
+                    try:
+                        dense = _dense_visible(torch, cols, s, c, a.shape[1])
+                    except Exception as e:  # out of memory
+                        errors["sdpa"] = f"dense mask: {_first_line(e)}"
+                        _free_cached(torch)
+                for backward in (False, True):
+                    pas = "fwd+bwd" if backward else "fwd"
+                    row = {"family": fam, "mask": desc, "seqlen": s, "batch": batch, "nheads": nheads, "d": d,
+                           "dtype": dtype, "causal": c, "n": a.shape[-1], "mask_heads": a.shape[1], "pass": pas,
+                           "pairs": pairs, "pairs_frac": pairs / (batch * nheads * s * s), "errors": dict(errors)}
+                    run = grad_sets if backward else sets
+                    outs = {}
+                    attn, row["cuflash_api"] = _cuflash_mask_attn(c, None if plain else idx, backward)
+                    _mask_measure(torch, row, outs, "cuflash", lambda: _grad_fn(torch, attn, backward),
+                                  run, warmup, reps)
+                    if block_mask is None:
+                        row["flex_ms"] = None
+                    else:
+                        bm = block_mask
+                        _mask_measure(torch, row, outs, "flex", lambda: _grad_fn(
+                            torch, _bhsd(lambda q, k, v: flex(q, k, v, block_mask=bm)), backward), run, warmup, reps)
+                    if plain or dense is not None:
+                        sdpa = (lambda q, k, v: F(q, k, v, is_causal=True)) if plain else \
+                            (lambda q, k, v: F(q, k, v, attn_mask=dense))
+                        with sdpa_kernel(sdpa_backends[plain]):
+                            _mask_measure(torch, row, outs, "sdpa", lambda: _grad_fn(torch, _bhsd(sdpa), backward),
+                                          run, warmup, reps)
+                    else:
+                        row["sdpa_ms"] = None
+                    flops = mask_flops(pairs, d, backward)
+                    if plain:
+                        causal_tflops[pas] = flops / row["cuflash_ms"] / 1e9 if row["cuflash_ms"] else None
+                    _mask_summary(row, outs, flops, causal_tflops.get(pas))
+                    _emit(rows, row, "mask", verbose)
+                    del outs
+                dense = block_mask = idx = None  # not del: the SDPA lambda refers to dense
+                _free_cached(torch)
+            del sets, grad_sets, cols, mods
+            _free_cached(torch)
+    return rows
+
+
 _f = lambda fmt: lambda x: "-" if x is None else format(x, fmt)  # noqa: E731
 _pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # noqa: E731
 
@@ -615,6 +948,12 @@ _COLUMNS = {
                ("ms", "cuflash_ms", _f(".3f")), ("full ms", "full_ms", _f(".3f")),
                ("time / full", "time_frac", _f(".3f")), ("pairs / full", "pairs_frac", _f(".3f")),
                ("TF/s", "tflops", _f(".1f")), ("kernels", "kernels", lambda x: x or "-")],
+    "mask": [("family", "family", str), ("s", "seqlen", str), ("pass", "pass", str),
+             ("kept", "pairs_frac", lambda x: "-" if x is None else f"{100 * x:.1f}%"),
+             ("cuflash TF/s", "cuflash_tflops", _f(".1f")), ("Flex TF/s", "flex_tflops", _f(".1f")),
+             ("SDPA TF/s", "sdpa_tflops", _f(".1f")), ("xFlex", "ratio_flex", _f(".2f")),
+             ("%causal", "frac_causal", _pct), ("diff vs Flex", "max_diff_cuflash", _f(".1e")),
+             ("failed", "errors", lambda e: ",".join(e) if e else "-")],
 }
 
 
@@ -664,15 +1003,18 @@ def write_results(rows, path):
 
 
 def plot(rows, kind, path):
-    """TFLOP/s (prefill, jax) or TB/s (decode) vs sequence length, one line per implementation."""
+    """TFLOP/s (prefill, jax) or TB/s (decode) vs sequence length, one line per implementation;
+    for mask, bars per mask family (_plot_mask)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise RuntimeError("plot needs matplotlib (pip install matplotlib)") from e
-    if kind not in ("prefill", "decode", "jax"):
-        raise ValueError(f"--plot draws prefill, decode or jax sweeps, not {kind}")
+    if kind not in ("prefill", "decode", "jax", "mask"):
+        raise ValueError(f"--plot draws prefill, decode, jax or mask sweeps, not {kind}")
+    if kind == "mask":
+        return _plot_mask(plt, rows, path)
     if kind in ("prefill", "jax"):  # jax rows: one panel per pass too
         key, x, unit = (lambda r: f"{r['dtype']} d={r['d']} {'causal' if r['causal'] else 'full'}"
                         + (f" {r['pass']}" if "pass" in r else "")), "seqlen", "tflops"
@@ -698,6 +1040,37 @@ def plot(rows, kind, path):
         ax.legend()
     for ax in list(axes.flat)[len(groups):]:
         ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_mask(plt, rows, path):
+    """bench mask's rows as grouped bars: TF/s of cuflash, Flex and SDPA per mask family, one
+    panel per (sequence length, pass), with 85% of cuflash's plain causal TF/s (the target of the
+    masked rows) as a dashed line. A missing bar is an implementation that failed."""
+    seqlens = sorted({r["seqlen"] for r in rows})
+    passes = [p for p in ("fwd", "fwd+bwd") if any(r["pass"] == p for r in rows)]
+    fig, axes = plt.subplots(max(1, len(seqlens)), max(1, len(passes)), squeeze=False,
+                             figsize=(7 * max(1, len(passes)), 4.2 * max(1, len(seqlens))))
+    labels = {"cuflash": "cuflash", "flex": "FlexAttention (torch.compile)", "sdpa": "SDPA, dense mask"}
+    width = 0.8 / len(MASK_IMPLS)
+    for ax_row, s in zip(axes, seqlens):
+        for ax, p in zip(ax_row, passes):
+            rs = [r for r in rows if r["seqlen"] == s and r["pass"] == p]
+            for k, impl in enumerate(MASK_IMPLS):
+                xs = [i + (k - (len(MASK_IMPLS) - 1) / 2) * width for i in range(len(rs))]
+                ax.bar(xs, [r.get(f"{impl}_tflops") or 0 for r in rs], width, label=labels[impl])
+            ref = next((r["cuflash_tflops"] for r in rs if r["family"] == "causal" and r.get("cuflash_tflops")), None)
+            if ref:
+                ax.axhline(0.85 * ref, color="gray", linestyle="--", linewidth=1,
+                           label="85% of cuflash causal")
+            ax.set_xticks(range(len(rs)))
+            ax.set_xticklabels([r["family"].replace("_", " ") for r in rs], rotation=30, ha="right", fontsize=8)
+            ax.set_title(f"s={s}, {p}")
+            ax.set_ylabel("TFLOP/s (visible pairs)")
+            ax.grid(True, axis="y", alpha=0.3)
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
