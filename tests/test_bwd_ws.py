@@ -6,6 +6,7 @@ tests/test_gpu_backward.py, dK and dV bitwise equal to the wgmma kernel's in det
 (the same products in the same order), bitwise repeatability, GQA, long sequences, strided
 operands."""
 import importlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from cuflash.kernels import all_variants, bwd_ws
 from cuflash.kernels.bwd_ws import BwdWsVariant
 
 VARIANTS = bwd_ws.variants(90)
+BULK = [replace(v, dq_bulk=True) for v in VARIANTS if v.dq]  # not planned yet
 plan_mod = importlib.import_module("cuflash.plan")  # the module (cuflash.plan is the function)
 
 
@@ -32,7 +34,7 @@ def test_variants():
 @pytest.mark.parametrize("bad, match", [
     (dict(arch=80), "arch must be 90"), (dict(head_dim=96), "head_dim must be one of"),
     (dict(kind="bwd_dq"), "kind must be"), (dict(causal=True, local=True), "not both"),
-    (dict(dtype="fp32"), "dtype must be"),
+    (dict(dtype="fp32"), "dtype must be"), (dict(kind="bwd_ws_dkdv", dq_bulk=True), "dq_bulk"),
 ])
 def test_bad_variant(bad, match):
     kw = dict(kind="bwd_ws_dkdv_dq", head_dim=128, dtype="bf16", arch=90) | bad
@@ -42,10 +44,10 @@ def test_bad_variant(bad, match):
 
 @pytest.fixture(scope="module")
 def compiled(compile_variants):
-    return compile_variants(VARIANTS)
+    return compile_variants(VARIANTS + BULK)
 
 
-@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("v", VARIANTS + BULK, ids=lambda v: v.name)
 def test_compiles_as_designed(compiled, v):
     """No spills or stack; __launch_bounds__(384, 1) caps the launch at 168 registers, which
     setmaxnreg splits into 24 per producer thread and 240 per consumer thread; ptxas neither
@@ -116,24 +118,28 @@ def _inputs(rng, b, sq, sk, h, hk, d, dtype):
     return mk(b, sq, h, d), mk(b, sk, hk, d), mk(b, sk, hk, d), mk(b, sq, h, d)
 
 
-def _backward(q, k, v, dout, *, ws=True, deterministic=False, **mods):
+def _backward(q, k, v, dout, *, ws=True, deterministic=False, dq_bulk=False, **mods):
     """Forward, then the backward into NaN-filled gradients, with the warp-specialised dK/dV
-    kernel (checked to be the one planned) or, ws=False, the wgmma kernel."""
+    kernel (checked to be the one planned; ``dq_bulk``: that variant) or, ws=False, the wgmma
+    kernel."""
     import torch
     import cuflash
     from cuflash.backward import attention_backward
-    saved = plan_mod.BWD_WS
+    saved, planned = plan_mod.BWD_WS, bwd_ws.planned
     plan_mod.BWD_WS = ws
+    if dq_bulk:
+        plan_mod.bwd_ws.planned = lambda *a: replace(planned(*a), dq_bulk=True)
     plan_mod.make_backward_plan.cache_clear()
     try:
         out, lse = cuflash.attention(q, k, v, return_lse=True, **mods)
         p = cuflash.plan(q, k, v, backward=True, deterministic=deterministic, **mods)
         assert (p.launches[1].variant.family == "bwd_ws") == ws, p
+        assert getattr(p.launches[1].variant, "dq_bulk", False) == dq_bulk, p
         bufs = dict(dq=torch.full_like(q, float("nan")), dk=torch.full_like(k, float("nan")),
                     dv=torch.full_like(v, float("nan")))
         return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **mods, **bufs)
     finally:
-        plan_mod.BWD_WS = saved
+        plan_mod.BWD_WS, plan_mod.bwd_ws.planned = saved, planned
         plan_mod.make_backward_plan.cache_clear()
 
 
@@ -219,3 +225,25 @@ def test_gpu_strided_operands(rng, d):
     dout = torch.from_numpy(rng.standard_normal((2, 300, 4, d), dtype=np.float32)).to("cuda", torch.float16)
     grads = _backward(q, k, v, dout, causal=True)
     _check(grads, q, k, v, dout, causal=True)
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("mask", ["full", "causal", "local"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("case", [(2, 113, 203, 4, 4), (1, 640, 640, 8, 1), (1, 2048, 2048, 16, 2)], ids=str)
+def test_gpu_dq_bulk(rng, case, d, mask):
+    """dQ added by bulk reduce-adds from shared memory: against the reference, and dK, dV bitwise
+    the per-thread-atomics variant's (only the dQ adds differ)."""
+    import torch
+    b, sq, sk, h, hk = case
+    q, k, v, dout = _inputs(rng, b, sq, sk, h, hk, d, "bfloat16")
+    mods = dict(causal=mask == "causal", window_size=(300, 7) if mask == "local" else (-1, -1))
+    grads = _backward(q, k, v, dout, dq_bulk=True, **mods)
+    plain = _backward(q, k, v, dout, **mods)
+    assert torch.equal(grads[1], plain[1]) and torch.equal(grads[2], plain[2])
+    if sq * sk <= 640 * 640:
+        _check(grads, q, k, v, dout, **mods)
+    else:
+        err = (grads[0].float() - plain[0].float()).abs().max().item()
+        assert err <= 1e-2 * plain[0].float().abs().max().item(), err

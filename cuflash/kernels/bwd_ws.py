@@ -23,6 +23,7 @@ BLOCK_N = 128              # keys per block: two consumer warpgroups of 64
 BLOCK_M = {64: 128, 128: 64}  # query rows per step (the S^T accumulators: 64 keys x block_m)
 BARRIER_BYTES = 64         # K/V full, and per Q/dO stage full and empty: 5 mbarriers of 8 bytes
 STAGES = 2                 # Q/dO/LSE/D stages
+DQ_ROW_BYTES = 64 * 4 + 32  # a staged dQ row (dq_bulk): 64 fp32, padded (kDqRowBytes in the template)
 
 PARAMS = ParamTable("BwdWsParams", (
     ("tma_q", "CUtensorMap"), ("tma_k", "CUtensorMap"), ("tma_v", "CUtensorMap"), ("tma_do", "CUtensorMap"),
@@ -51,6 +52,10 @@ class BwdWsVariant(KernelVariant):
     dtype: str                # "fp16" or "bf16"
     causal: bool = False
     local: bool = False
+    # dQ added into the fp32 buffer by bulk reduce-adds (cp.reduce.async.bulk, one 256-byte row
+    # each) from rows each consumer warp stages in shared memory, instead of a red.global.add per
+    # pair of elements per thread (FlashAttention-3 adds dQ from shared memory too).
+    dq_bulk: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -62,6 +67,8 @@ class BwdWsVariant(KernelVariant):
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.dq_bulk, bool) or (self.dq_bulk and not self.dq):
+            raise ValueError(f"dq_bulk must be a bool, and True only with kind 'bwd_ws_dkdv_dq', got {self.dq_bulk!r}")
         if not isinstance(self.causal, bool) or not isinstance(self.local, bool) or (self.causal and self.local):
             raise ValueError(f"causal and local must be bools, not both True, got {self.causal!r}, {self.local!r}")
 
@@ -82,7 +89,8 @@ class BwdWsVariant(KernelVariant):
     @functools.cached_property
     def name(self) -> str:
         mask = "local" if self.local else ("causal" if self.causal else "full")
-        return f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}_m{self.block_m}n{BLOCK_N}_sm{self.arch}"
+        bulk = "_dqbulk" if self.dq_bulk else ""
+        return f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{bulk}_m{self.block_m}n{BLOCK_N}_sm{self.arch}"
 
     @property
     def template(self) -> str:
@@ -99,18 +107,20 @@ class BwdWsVariant(KernelVariant):
     @property
     def smem_bytes(self) -> int:
         """Mirrors kSmemBytes in the template: K and V tiles, Q and dO per stage, two dS^T tiles
-        (dQ variant), LSE and D per stage, the per-block scalars, the mbarriers."""
+        (dQ variant), LSE and D per stage, the dQ staging rows (dq_bulk), the per-block scalars, the
+        mbarriers."""
         tile_q = self.block_m * self.head_dim * 2
         ds = BLOCK_N * self.block_m * 2 if self.dq else 0
+        dq_stage = 8 * 16 * DQ_ROW_BYTES if self.dq_bulk else 0
         return (2 * BLOCK_N * self.head_dim * 2 + 2 * STAGES * tile_q + 2 * ds + 2 * STAGES * self.block_m * 4
-                + INFO_BYTES + BARRIER_BYTES)
+                + dq_stage + INFO_BYTES + BARRIER_BYTES)
 
     def grid(self, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int) -> tuple[int, int, int]:
         return (-(-seqlen_k // BLOCK_N), nheads_k, batch)
 
     def constants(self) -> dict:
         return dict(head_dim=self.head_dim, block_m=self.block_m, causal=self.causal, local=self.local,
-                    bf16=self.dtype == "bf16", dq=self.dq, overlap=self.overlap, producer_regs=PRODUCER_REGS,
+                    bf16=self.dtype == "bf16", dq=self.dq, dq_bulk=self.dq_bulk, overlap=self.overlap, producer_regs=PRODUCER_REGS,
                     consumer_regs=MAX_CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES,
                     info_bytes=INFO_BYTES, barrier_bytes=BARRIER_BYTES, varlen_row_gap=VARLEN_ROW_GAP)
 

@@ -105,6 +105,18 @@ __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u
                :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
+// Add `bytes` of fp32 (a multiple of 16; both addresses 16-byte aligned) from shared memory into
+// global memory element by element (the bulk copy engine's reduction, atomic per element), as
+// part of this thread's current bulk group; bulk_commit closes the group, bulk_wait_read waits
+// until every committed group has read its shared memory, bulk_wait until they are complete.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
 // --- warp specialisation -----------------------------------------------------------------
 
 // Per-thread register limit of the calling warpgroup (sm_90a; every warp of the warpgroup runs

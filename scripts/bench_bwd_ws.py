@@ -1,0 +1,80 @@
+"""Time configurations of the warp-specialised backward (cuflash.kernels.bwd_ws) against the
+wgmma dK/dV kernel it replaced (CUFLASH_BWD_WS's switch off) and SDPA's cuDNN backward, on an
+H100/H200, after checking each one's gradients against the wgmma kernel's.
+
+    python scripts/bench_bwd_ws.py [--quick] [--head-dim D ...]
+
+Configurations: the planned variant, and with dQ added by bulk reduce-adds (``dq_bulk``). Prints
+one line per shape: TFLOP/s (2.5 x the forward's FLOPs) of each, of the wgmma kernel and of
+cuDNN, the best one's ratio to both, and the largest |difference| from the wgmma kernel's
+gradients (dq, dk, dv) relative to their largest magnitude. Model dim 2048, bf16.
+"""
+import argparse
+import contextlib
+import dataclasses
+import importlib
+
+from cuflash import bench
+from cuflash.kernels import bwd_ws
+
+CONFIGS = {"ws": {}, "ws dqbulk": dict(dq_bulk=True)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="one shape per head dim and mask")
+    ap.add_argument("--head-dim", type=int, nargs="+", default=list(bwd_ws.HEAD_DIMS))
+    a = ap.parse_args()
+    torch = bench._torch()
+    import cuflash
+    from cuflash.backward import attention_backward
+    plan = importlib.import_module("cuflash.plan")  # the module (cuflash.plan is the function)
+    planned = bwd_ws.planned
+
+    @contextlib.contextmanager
+    def configured(ws, **kw):
+        """Backward plans made inside run the wgmma kernel (ws=False) or bwd_ws with ``kw``."""
+        def set_(on, fields):
+            plan.BWD_WS = on
+            plan.bwd_ws.planned = lambda *args: dataclasses.replace(planned(*args), **fields)
+            plan.make_backward_plan.cache_clear()
+        set_(ws, kw)
+        try:
+            yield
+        finally:
+            set_(True, {})
+    shapes = ((8, 2048),) if a.quick else ((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384))
+    print(f"\n{'d':>4} {'causal':>6} {'b':>3} {'s':>6} | " + " ".join(f"{n:>10}" for n in CONFIGS)
+          + f" {'wgmma':>7} {'cuDNN':>7} TF/s | {'best/wgmma':>10} {'best/cuDNN':>10} | max rel diff")
+    for d in a.head_dim:
+        for causal in (False, True):
+            for b, s in shapes:
+                h = 2048 // d
+                shp = (b, s, h, d)
+                sets = bench._make_sets(torch, (shp, shp, shp, shp), torch.bfloat16, min_sets=2)
+                saved = [(do, q, k, v, *cuflash.attention(q, k, v, causal=causal, return_lse=True))
+                         for q, k, v, do in sets]
+                fn = lambda do, q, k, v, o, lse: attention_backward(do, q, k, v, o, lse, causal=causal)  # noqa: E731
+                flops = 2.5 * 4 * b * s * s * h * d / (2 if causal else 1)
+                tf = lambda ms: flops / ms / 1e9 if ms else float("nan")  # noqa: E731
+                with configured(False):
+                    base = fn(*saved[0])
+                    wgmma = tf(bench.time_cuda(fn, saved, 3, 20))
+                diff, res = 0.0, {}
+                for name, kw in CONFIGS.items():
+                    with configured(True, **kw):
+                        got = fn(*saved[0])
+                        diff = max([diff] + [((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
+                                             for x, y in zip(got, base)])
+                        res[name] = tf(bench.time_cuda(fn, saved, 3, 20))
+                cudnn = tf(bench._time_sdpa_backward(torch, "CUDNN_ATTENTION", sets, causal, 3, 20))
+                best = max(res.values())
+                print(f"{d:>4} {causal!s:>6} {b:>3} {s:>6} | " + " ".join(f"{x:10.1f}" for x in res.values())
+                      + f" {wgmma:7.1f} {cudnn:7.1f}      | {best / wgmma:10.2f} {best / cudnn:10.2f} | {diff:.3g}",
+                      flush=True)
+                del sets, saved, base
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
