@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from cuflash.kernels import FAMILIES
 
 PRESETS = {
     # name: (nheads, nheads_k, head_dim)
@@ -322,7 +323,7 @@ def main(argv=None):
     w.add_argument("--preset", choices=sorted(PRESETS))
     w.add_argument("--head-dim", type=HEAD_DIM, nargs="+")
     w.add_argument("--dtype", choices=["bfloat16", "float16"])
-    w.add_argument("--family", action="append", choices=["fwd", "combine", "append", "bwd", "fwd_ws"],
+    w.add_argument("--family", action="append", choices=list(FAMILIES),
                    help="only these kernel families (repeatable; default: all)")
 
     c = sub.add_parser("cache", help="list or clear the kernel cache")
