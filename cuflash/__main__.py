@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+
 from cuflash.kernels import FAMILIES
 
 PRESETS = {
