@@ -365,11 +365,60 @@ def scale(softmax_scale, d):
     return s
 
 
+def host_ints(x, name):
+    """The values of an integer array in host memory as nested Python ints (NumPy arrays, CPU
+    tensors and host DLPack producers); None when ``x`` is not an array. A device array raises a
+    TypeError: reading it on the host would wait for the GPU, and no call path here does."""
+    if isinstance(x, np.ndarray):
+        a = x
+    elif arrays._torch_tensor(x):
+        if x.device.type != "cpu":
+            raise TypeError(f"{name} must be in host memory (ints, a NumPy array or a CPU tensor), got a tensor "
+                            f"on {x.device}: reading it would wait for the GPU")
+        if x.dtype.is_floating_point or x.dtype.is_complex:
+            return np.zeros(0, dtype=np.float32)  # not integers (bf16 has no NumPy form): the caller says so
+        a = x.numpy()
+    elif arrays._cupy_array(x) or hasattr(x, "__cuda_array_interface__"):
+        raise TypeError(f"{name} must be in host memory (ints, a NumPy array or a CPU tensor), got a device "
+                        f"{_type(x)}: reading it would wait for the GPU")
+    elif hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        if int(x.__dlpack_device__()[0]) in arrays.CUDA_DEVICE_TYPES:
+            raise TypeError(f"{name} must be in host memory (ints, a NumPy array or a CPU tensor), got a device "
+                            f"{_type(x)}: reading it would wait for the GPU")
+        a = np.from_dlpack(x)
+    else:
+        return None
+    return a
+
+
+def window_pair(window_size):
+    """flash-attn's window_size as two Python ints, range unchecked: a tuple or list of two ints
+    (NumPy ints and 0-d integer arrays of host memory included), or a 2-element integer array in
+    host memory (NumPy, a CPU tensor). A device array is a TypeError (see host_ints): converting it
+    would synchronise with the GPU."""
+    bad = TypeError(f"window_size must be a pair of ints (left, right), got {show(window_size)}")
+    a = host_ints(window_size, "window_size")
+    if a is not None:
+        if a.dtype.kind not in "iu" or a.shape != (2,):
+            raise bad
+        return int(a[0]), int(a[1])
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise bad
+    out = []
+    for w in window_size:
+        if _is_int(w):
+            out.append(int(w))
+            continue
+        a = host_ints(w, "window_size")
+        if a is None or a.dtype.kind not in "iu" or a.shape != ():
+            raise bad
+        out.append(int(a))
+    return tuple(out)
+
+
 def window(window_size):
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(_is_int(w) for w in window_size)):
-        raise TypeError(f"window_size must be a pair of ints (left, right), got {show(window_size)}")
-    left, right = (int(w) for w in window_size)
+    """cuflash's window: window_pair's forms, each entry >= -1 (-1 = unbounded)."""
+    left, right = window_pair(window_size)
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded; got {show(window_size)}")
     return (left, right)

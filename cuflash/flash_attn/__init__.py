@@ -17,11 +17,10 @@ What cuflash does not do yet raises NotImplementedError naming the argument, nev
 ``seqused_k`` without a ``block_table``. vLLM's ``s_aux`` (attention sinks) runs as
 ``cuflash.torch.attention_varlen(..., sinks=s_aux)``.
 """
-import operator
-
 import torch
 
 import cuflash
+from cuflash import validate
 from cuflash.torch import ops
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
@@ -44,15 +43,10 @@ def _no_dropout(dropout_p):
 
 def _window(window_size):
     """flash-attn's window_size -> cuflash's (left, right): a pair of ints, given as a tuple, a
-    list or a tensor/array of 2 integers (a CUDA tensor is read on the host). flash-attn takes
-    any negative bound as unbounded, cuflash wants -1 for it."""
-    if hasattr(window_size, "tolist"):
-        window_size = window_size.tolist()
-    try:
-        left, right = (operator.index(w) for w in window_size)
-    except (TypeError, ValueError):
-        raise TypeError("window_size must be a pair of ints (left, right), or a tensor of 2 ints; "
-                        f"got {window_size!r}") from None
+    list or a 2-element integer array or tensor in host memory (read without waiting for the
+    GPU; a CUDA tensor is a TypeError, since reading it would synchronise). flash-attn takes any
+    negative bound as unbounded, cuflash wants -1 for it."""
+    left, right = validate.window_pair(window_size)
     return max(left, -1), max(right, -1)
 
 
