@@ -278,8 +278,6 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tabl
         bt = block_table(table, batch, qv)
         if kv.shape[1] == 0 or kv.shape[1] % 16:
             raise ValueError(f"page size (k.shape[1]) must be a positive multiple of 16, got {kv.shape[1]}")
-        if d % 8:
-            raise ValueError(f"head dim must be a multiple of 8 with a paged cache, got {d}")
         k_limit, k_what = bt.shape[1] * kv.shape[1], "pages_per_seq * page_size"
     else:
         k_limit, k_what = kv.shape[0], "total_k"
