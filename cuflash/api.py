@@ -408,7 +408,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
         _fits(np.asarray([int(cache_seqlens)]), s_new, capacity, where, scalar=True)
         seqlen0 = int(cache_seqlens)
         seqlens_ptr, seqlen_k_arg = 0, seqlen0 + s_new
-    elif (host := validate.host_ints(cache_seqlens, "cache_seqlens")) is not None:
+    elif (host := validate.host_ints(cache_seqlens, "cache_seqlens", device_ok=True)) is not None:
         if host.dtype.kind not in "iu":
             raise TypeError(f"cache_seqlens must be int32, got {host.dtype}")
         if host.shape != (b,):

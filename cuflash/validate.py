@@ -291,7 +291,8 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tabl
     for name, x in (("q", qv), ("k", kv), ("v", vv)):
         _last_dim_contiguous(x, name)
     if paged:
-        for name, x in (("q", qv), ("k", kv), ("v", vv)):
+        # Head dims that are not a multiple of 8 read the pages element by element (q is copied).
+        for name, x in (("q", qv), ("k", kv), ("v", vv)) if d % 8 == 0 else ():
             if not aligned(x if len(x.shape) == 4 else batched(x, batch, 1)):
                 raise ValueError(f"{name} must be 16-byte aligned with strides in multiples of 8 elements "
                                  f"with a paged cache, got strides {tuple(x.strides)}")
@@ -363,12 +364,15 @@ def scale(softmax_scale, d):
     return s
 
 
-def host_ints(x, name):
-    """The values of an integer array in host memory as nested Python ints (NumPy arrays, CPU
-    tensors and host DLPack producers); None when ``x`` is not an array. A device array raises a
-    TypeError: reading it on the host would wait for the GPU, and no call path here does."""
+def host_ints(x, name, device_ok=False):
+    """An integer array in host memory as a NumPy array (NumPy arrays, CPU tensors and host
+    DLPack producers); None when ``x`` is not an array, or (``device_ok``) is a device array that
+    the caller reads on the device. Otherwise a device array raises a TypeError: reading it on
+    the host would wait for the GPU, and no call path here does."""
     if isinstance(x, np.ndarray):
         a = x
+    elif device_ok and _on_device(x):
+        return None
     elif arrays._torch_tensor(x):
         if x.device.type != "cpu":
             raise TypeError(f"{name} must be in host memory (ints, a NumPy array or a CPU tensor), got a tensor "
@@ -387,6 +391,19 @@ def host_ints(x, name):
     else:
         return None
     return a
+
+
+def _on_device(x) -> bool:
+    """x is an array in device memory (a CUDA tensor, a CuPy array, a CUDA DLPack producer or
+    one of cuflash's own device views)."""
+    if type(x) is arrays.View:
+        return x.device >= 0
+    if arrays._torch_tensor(x):
+        return x.device.type != "cpu"
+    if arrays._cupy_array(x) or hasattr(x, "__cuda_array_interface__"):
+        return True
+    return (hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__")
+            and int(x.__dlpack_device__()[0]) in arrays.CUDA_DEVICE_TYPES)
 
 
 def window_pair(window_size):

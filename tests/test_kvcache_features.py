@@ -184,9 +184,9 @@ def test_non_feature_variants_render_without_the_feature_code():
 # ---------------------------------------------------------------------------------------------
 # GPU: against the float64 reference (flash-attn's rule), outputs poisoned, caches checked
 
-def _case(rng, b=2, s_new=3, h=4, hk=2, d=64, cap=300, page=None, dtype="bfloat16", leftpad=False):
+def _case(rng, b=2, s_new=3, h=4, hk=2, d=64, cap=304, page=None, dtype="bfloat16", leftpad=False):
     """Random inputs: q (b, s_new, h, d), a cache of capacity ``cap`` (paged with ``page`` rows a
-    page: the pages of each sequence shuffled), new k/v, old lengths (device int32), and a
+    page, ``cap`` a multiple of it: the pages of each sequence shuffled), new k/v, old lengths, and a
     ``rows(cache, b, n)`` reader of sequence b's first n cache rows."""
     import torch
     tdt = getattr(torch, dtype)
@@ -195,6 +195,7 @@ def _case(rng, b=2, s_new=3, h=4, hk=2, d=64, cap=300, page=None, dtype="bfloat1
     old[0] = cap - s_new  # one sequence fills the cache
     kw = {}
     if page:
+        assert cap % page == 0, "the capacity is whole pages"
         per_seq = cap // page
         n_pages = b * per_seq + 2
         kc, vc = rnd(n_pages, page, hk, d), rnd(n_pages, page, hk, d)
@@ -254,7 +255,7 @@ def test_gpu_rotary(rng, interleaved, rotary_dim, mask, page, dtype):
     from cuflash.reference import apply_rotary
     from test_gpu_forward import to_np
     q, kc, vc, kn, vn, old, kw, rows, _ = _case(rng, page=page, dtype=dtype)
-    cos, sin = _tables(rng, kc.shape[1] if not page else 300, rotary_dim, dtype)
+    cos, sin = _tables(rng, kc.shape[1] if not page else 304, rotary_dim, dtype)
     before_k, before_v = kc.clone(), vc.clone()
     q_before = q.clone()
     out = torch.full_like(q, float("nan"))
