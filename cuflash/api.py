@@ -264,28 +264,32 @@ def _current_device_id() -> int:
 _plans: dict = {}
 
 
-def _plan_for(fields: tuple, device: int, kv: str = "dense", varlen: bool = False, flashmask=(0, 0)):
+def _plan_for(fields: tuple, device: int, kv: str = "dense", varlen: bool = False, flashmask=(0, 0),
+              leftpad: bool = False):
     """The plan of a call, cached on the call's fields (so a repeated shape builds no Problem);
-    ``flashmask`` is (bound columns, heads) of startend_row_indices, or (0, 0)."""
-    key = (fields, device, kv, varlen, flashmask)
+    ``flashmask`` is (bound columns, heads) of startend_row_indices, or (0, 0); ``leftpad``: a
+    contiguous cache with cache_leftpad."""
+    key = (fields, device, kv, varlen, flashmask, leftpad)
     plan = _plans.get(key)
     if plan is None:
         (b, sq, sk, h, hk, d, dtype, causal, return_lse, num_splits, window, softcap, alibi, sinks) = fields
         problem = Problem(b, sq, sk, h, hk, d, dtype, causal, return_lse, num_splits, kv=kv,
                           window=window, softcap=softcap, alibi=alibi, varlen=varlen, flashmask=flashmask[0],
-                          flashmask_heads=flashmask[1], sinks=sinks)
+                          flashmask_heads=flashmask[1], sinks=sinks, leftpad=leftpad)
         if len(_plans) > 4096:
             _plans.clear()
         plan = _plans[key] = make_plan(problem, device_facts(device))
     return plan
 
 
-def _launch(problem, like, q, k, v, o, lse_arr, scale, kv="dense", varlen_kv=False, fm=None, **extra):
+def _launch(problem, like, q, k, v, o, lse_arr, scale, kv="dense", varlen_kv=False, fm=None, leftpad_kv=False,
+            **extra):
     """Plan ``problem`` (the tuple of Problem's first fields, see _plan_for) and launch it on
     ``like``'s stream; ``extra`` goes to launch.prepare (cache, softcap, ALiBi and varlen
     arguments); ``fm`` is the view of FlashMask's startend_row_indices or None. Returns the
     prepared launch (its Recipe)."""
-    plan = _plan_for(problem, like.device, kv, varlen_kv, (fm.shape[3], fm.shape[1]) if fm is not None else (0, 0))
+    plan = _plan_for(problem, like.device, kv, varlen_kv, (fm.shape[3], fm.shape[1]) if fm is not None else (0, 0),
+                     leftpad_kv)
     dev = like.device
     stream = arrays.stream_for(like)
     lse_ptr = arrays.device_ptr(lse_arr) if lse_arr is not None else 0
@@ -304,10 +308,11 @@ def _launch(problem, like, q, k, v, o, lse_arr, scale, kv="dense", varlen_kv=Fal
 # ---------------------------------------------------------------------------------------------
 # KV cache
 
-def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
-                           cache_batch_idx=None, block_table=None, causal=False, softmax_scale=None,
-                           num_splits=0, return_lse=False, out=None, window_size=(-1, -1),
-                           softcap=0.0, alibi_slopes=None, sinks=None):
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None,
+                           cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                           causal=False, softmax_scale=None, num_splits=0, return_lse=False, out=None,
+                           window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
+                           sinks=None):
     """Decode/append attention over a KV cache, with flash-attn's ``flash_attn_with_kvcache``
     semantics.
 
@@ -316,9 +321,20 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     and page_size a multiple of 16. New k, v (batch, seqlen_new, nheads_k, d) are written into
     the caches in place at positions cache_seqlens[b] ..., then each sequence attends to its
     cache_seqlens[b] + seqlen_new keys (causal: aligned bottom-right per sequence).
-    ``cache_seqlens``: an int, or an int32 device array (batch,), or None for full caches.
-    ``cache_batch_idx``: int32 (batch,) rows of a contiguous cache to use. Device arrays are the
-    caller's contract, as in flash-attn: lengths must fit the cache and pages must exist.
+    ``cache_seqlens``: an int, an int32 device array (batch,), a host integer array (batch,)
+    (NumPy or a CPU tensor: checked on the host, then copied to the device), or None for full
+    caches. ``cache_batch_idx``: int32 (batch,) rows of a contiguous cache to use.
+    ``cache_leftpad``: int32 (batch,) device array: sequence b's cache starts at row
+    cache_leftpad[b] (rows before it are ignored; cache_seqlens[b] still counts from row 0, so it
+    attends to cache_seqlens[b] + seqlen_new - cache_leftpad[b] keys); contiguous caches only.
+    ``rotary_cos``, ``rotary_sin`` (seqlen_ro, rotary_dim / 2) in q's dtype, seqlen_ro >= the
+    capacity: with new k, its first rotary_dim columns are rotated at positions cache_seqlens[b] + i
+    before they are written, and q's at the same positions when causal or local, else all at
+    cache_seqlens[b] (the caller's q is not modified: a rotated copy is attended);
+    ``rotary_interleaved``: pairs (0, 1), (2, 3) ... (GPT-J) when True, (i, i + rotary_dim / 2)
+    (GPT-NeoX) when False. Any head dim from 1 to 256, contiguous or paged. Device arrays are the
+    caller's contract, as in flash-attn (lengths must fit the cache and pages must exist); the
+    kernels never read past a block table nor write past a cache's capacity whatever they say.
     ``window_size``, ``softcap``, ``alibi_slopes`` and ``sinks`` are those of :func:`attention`,
     aligned per sequence.
     """
@@ -329,10 +345,12 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         raise TypeError("attention_with_kvcache needs device arrays: the caches are updated in place")
     b, sq, h, d = qv.shape
     _, cap, hk, _ = kc.shape
-    if d % 8:
-        raise ValueError(f"head dim must be a multiple of 8 for a KV cache (it is updated in place), got {d}")
+    # A head dim that is not a multiple of 8 reads and writes the caches element by element in
+    # place (their rows are not 16-byte aligned); q and out then go through padded copies.
+    d_pad = -(-d // 8) * 8
+    unaligned = d_pad != d
     for name, x in (("q", qv), ("k_cache", kc), ("v_cache", vc)):
-        if not _aligned(x):
+        if not unaligned and not _aligned(x):
             raise ValueError(f"{name} must be 16-byte aligned with strides in multiples of 8 elements, "
                              f"got strides {tuple(x.strides)}")
     scale = validate.scale(softmax_scale, d)
@@ -346,18 +364,22 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     if paged:
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx cannot be combined with block_table (a paged cache)")
+        if cache_leftpad is not None:
+            raise ValueError("cache_leftpad cannot be combined with block_table (a paged cache), as in flash-attn")
         bt = validate.block_table(block_table, b, qv)
         if cap == 0 or cap % 16:
             raise ValueError(f"page size (k_cache.shape[1]) must be a positive multiple of 16, got {cap}")
         page_size, capacity, table = cap, bt.shape[1] * cap, (bt.ptr, bt.strides[0])
         validate.sizes(("pages_per_seq * page_size (the cache's capacity)", capacity))
+        where = f" (block_table's pages_per_seq * page_size = {bt.shape[1]} * {cap})"
     else:
-        page_size, capacity, table = 0, cap, (0, 0)
+        page_size, capacity, table, where = 0, cap, (0, 0), ""
         if cache_batch_idx is None and kc.shape[0] != b:
             raise ValueError(f"k_cache must have q's batch size {b} (or pass cache_batch_idx), "
                              f"got shape {validate.shape_str(kc)}")
     batch_idx = (validate.int32_vector(cache_batch_idx, "cache_batch_idx", b, qv).ptr
                  if cache_batch_idx is not None else 0)
+    leftpad = validate.int32_vector(cache_leftpad, "cache_leftpad", b, qv) if cache_leftpad is not None else None
 
     s_new = 0
     if (k is None) != (v is None):
@@ -370,22 +392,29 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
             if tuple(x.shape) != want or x.dtype != qv.dtype:
                 raise ValueError(f"{name} must be {qv.dtype} of shape (batch, seqlen_new, nheads_k, d) = "
                                  f"{want}, got {x.dtype} {validate.shape_str(x)}")
-            if not _aligned(x) or (d > 1 and x.strides[3] != 1):
+            if (not unaligned and not _aligned(x)) or (d > 1 and x.strides[3] != 1):
                 raise ValueError(f"{name} must be contiguous in its last dim and 16-byte aligned, "
                                  f"got strides {tuple(x.strides)}")
             validate.same_place(("q", qv), (name, x))
         validate.sizes(("k.shape[1] (seqlen_new)", s_new))
         if cache_seqlens is None:
             raise ValueError("cache_seqlens is required when appending k and v")
+    rotary = _rotary(rotary_cos, rotary_sin, rotary_interleaved, k is not None, qv, d, capacity)
 
+    seqlen0 = 0
     if cache_seqlens is None:
         seqlens_ptr, seqlen_k_arg = 0, capacity
     elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, (bool, np.bool_)):
-        if not 0 <= cache_seqlens <= capacity - s_new:
-            raise ValueError(f"cache_seqlens + seqlen_new must fit the cache: {cache_seqlens} + {s_new} "
-                             f"> capacity {capacity}" if cache_seqlens >= 0 else
-                             f"cache_seqlens must be >= 0, got {cache_seqlens}")
-        seqlens_ptr, seqlen_k_arg = 0, int(cache_seqlens) + s_new
+        _fits(np.asarray([int(cache_seqlens)]), s_new, capacity, where, scalar=True)
+        seqlen0 = int(cache_seqlens)
+        seqlens_ptr, seqlen_k_arg = 0, seqlen0 + s_new
+    elif (host := validate.host_ints(cache_seqlens, "cache_seqlens", device_ok=True)) is not None:
+        if host.dtype.kind not in "iu":
+            raise TypeError(f"cache_seqlens must be int32, got {host.dtype}")
+        if host.shape != (b,):
+            raise ValueError(f"cache_seqlens must have shape (batch,) = ({b},), got {tuple(host.shape)}")
+        _fits(host, s_new, capacity, where)
+        seqlens_ptr, seqlen_k_arg = None, s_new  # uploaded below, once nothing else can fail
     else:
         seqlens_ptr, seqlen_k_arg = validate.int32_vector(cache_seqlens, "cache_seqlens", b, qv).ptr, s_new
 
@@ -393,23 +422,111 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     if out is not None:
         ov = validate.view(out, "out")
         validate.out(ov, qv, out)
-        if not _aligned(ov):
+        if not unaligned and not _aligned(ov):
             raise ValueError("out must be 16-byte aligned with strides in multiples of 8 elements")
     o_view, lse_arr = _outputs(qv, ov, return_lse)
     if b and h:
-        if s_new:
+        held = None  # an uploaded cache_seqlens, kept alive until the kernels are queued
+        if seqlens_ptr is None:
+            held = _upload_int32(host, qv)
+            seqlens_ptr = arrays.device_ptr(held)
+        # The query the kernel reads: q itself, a zero-padded copy (head dims not a multiple of 8),
+        # or the rotated copy that the append kernel writes (already padded).
+        q_in = qv
+        if rotary is not None:
+            q_in = arrays.view(arrays.empty_like_framework(qv, (b, sq, h, d_pad), qv.dtype), "q_rot")
+        elif unaligned and sq:
+            q_in = _padded(qv, d_pad)
+        if s_new or (rotary is not None and sq):
+            rowwise = _rotary_rowwise(causal, window, sq, alibi is not None, capacity)
             with arrays.on_device(qv.device):
-                launch.append_kv(kn, vn, kc, vc, seqlens_ptr, int(cache_seqlens) if not seqlens_ptr else 0,
-                                 batch_idx, table, page_size, arrays.stream_for(qv), qv.device,
-                                 device_facts(qv.device).arch)
+                launch.append_kv(kn, vn, kc, vc, seqlens_ptr, seqlen0, batch_idx, table, page_size, capacity,
+                                 arrays.stream_for(qv), qv.device, device_facts(qv.device).arch,
+                                 rotary=None if rotary is None else (*rotary, qv, q_in, rowwise))
         if sq:
+            direct_out = not unaligned
+            kernel_out = o_view if direct_out else arrays.view(
+                arrays.empty_like_framework(qv, (b, sq, h, d_pad), qv.dtype), "out")
             problem = (b, sq, capacity, h, hk, d, arrays.DTYPE_NAMES[qv.dtype], causal,
                        return_lse, num_splits, window, softcap > 0, alibi is not None, sv is not None)
-            _launch(problem, qv, qv, kc, vc, o_view, lse_arr, scale, kv="paged" if paged else "cache",
+            _launch(problem, qv, q_in, kc, vc, kernel_out, lse_arr, scale, kv="paged" if paged else "cache",
+                    leftpad_kv=leftpad is not None,
                     cache=(seqlens_ptr, batch_idx, *table), seqlen_k=seqlen_k_arg, page_size=page_size,
                     softcap=softcap, alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0),
-                    sinks=_sink_arg(sv))
+                    sinks=_sink_arg(sv), pages_per_seq=bt.shape[1] if paged else 0,
+                    leftpad=leftpad.ptr if leftpad is not None else 0)
+            if not direct_out:
+                o_view.array[...] = kernel_out.array[..., :d]
+        del held
     return _result(o_view, ov is not None, lse_arr, qv, return_lse)
+
+
+def _fits(seqlens, s_new, capacity, where, scalar=False):
+    """Host-known cache lengths: each >= 0 and, with the seqlen_new appended keys, within the
+    cache's capacity (a paged cache's: what its block table can address)."""
+    low = int(seqlens.min()) if seqlens.size else 0
+    if low < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got {low}")
+    high = int(seqlens.max()) if seqlens.size else 0
+    if high + s_new > capacity:
+        raise ValueError(f"cache_seqlens + seqlen_new must fit the cache: {'' if scalar else 'max '}{high} + {s_new} "
+                         f"> capacity {capacity}{where}")
+
+
+def _upload_int32(values, like):
+    """A host integer array as an int32 device array of ``like``'s framework, copied on its
+    stream without waiting for the GPU (a pinned staging buffer for PyTorch, which its caching
+    host allocator keeps until the copy is done; CuPy stages pageable memory itself)."""
+    a = np.ascontiguousarray(values, dtype=np.int32)
+    if like.framework == "torch":
+        import torch
+        return torch.from_numpy(a).pin_memory().to(f"cuda:{like.device}", non_blocking=True)
+    import cupy
+    with cupy.cuda.Device(like.device):
+        buf = cupy.empty(a.shape, dtype=cupy.int32)
+        buf.set(a, stream=cupy.cuda.ExternalStream(arrays.stream_for(like)))
+    return buf
+
+
+def _rotary(cos, sin, interleaved, appending, qv, d, capacity):
+    """Checked rotary tables: None, or (cos view, sin view, interleaved)."""
+    if cos is None and sin is None:
+        return None
+    if (cos is None) != (sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    interleaved = validate.boolean(interleaved, "rotary_interleaved")
+    if not appending:
+        raise ValueError("rotary_cos and rotary_sin need new k and v to append (as in flash-attn, the rotation "
+                         "is applied to the appended keys and to q)")
+    cv, sv = validate.view(cos, "rotary_cos"), validate.view(sin, "rotary_sin")
+    for name, x in (("rotary_cos", cv), ("rotary_sin", sv)):
+        if x.dtype != qv.dtype:
+            raise TypeError(f"{name} must have q's dtype {qv.dtype}, got {x.dtype}")
+        if len(x.shape) != 2 or x.shape[1] < 1 or 2 * x.shape[1] > d or x.shape[0] < capacity:
+            raise ValueError(f"{name} must have shape (seqlen_ro, rotary_dim / 2) with rotary_dim <= head dim {d} "
+                             f"and seqlen_ro >= the cache's capacity {capacity}, got {validate.shape_str(x)}")
+        if x.shape[1] > 1 and x.strides[1] != 1 or x.strides[0] != x.shape[1]:
+            raise ValueError(f"{name} must be contiguous, got strides {tuple(x.strides)}")
+        validate.same_place(("q", qv), (name, x))
+    if tuple(sv.shape) != tuple(cv.shape):
+        raise ValueError(f"rotary_sin must have rotary_cos's shape {validate.shape_str(cv)}, got "
+                         f"{validate.shape_str(sv)}")
+    validate.sizes(("rotary_cos.shape[0] (seqlen_ro)", cv.shape[0]))
+    return cv, sv, interleaved
+
+
+def _rotary_rowwise(causal, window, seqlen_q, alibi, capacity) -> bool:
+    """flash-attn's rule for q's rotary positions (mha_fwd_kvcache): query row i sits at
+    cache_seqlens[b] + i when the kernel is causal or local, else every row at cache_seqlens[b].
+    It drops causal for one query row without ALiBi, sets a causal window's right edge to 0, and
+    drops window edges of the cache's capacity or more; what is left is causal or local iff an
+    edge is >= 0."""
+    left, right = window
+    if causal and not (seqlen_q == 1 and not alibi):
+        right = 0
+    left = -1 if left >= capacity else left
+    right = -1 if right >= capacity else right
+    return left >= 0 or right >= 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,13 +586,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if not paged:
         q4, k4, v4 = (x if d_pad == d and _aligned(x) else _batched(_padded(y, d_pad), batch, n)
                       for x, y, n in ((q4, qv, max_sq), (k4, kv, max_sk), (v4, vv, max_sk)))
+    elif d_pad != d:  # the pages are read element by element in place; q goes through a padded copy
+        q4 = _batched(_padded(qv, d_pad), batch, max_sq)
     o4 = _batched(o_view, batch, max_sq)
     direct_out = d_pad == d and _aligned(o4)
     kernel_out = o4 if direct_out else _batched(arrays.view(
         arrays.empty_like_framework(qv, (total_q, h, d_pad), qv.dtype), "out"), batch, max_sq)
-    problem = (batch, max_sq, max_sk, h, kv.shape[-2], d_pad, arrays.DTYPE_NAMES[qv.dtype],
+    problem = (batch, max_sq, max_sk, h, kv.shape[-2], d if paged else d_pad, arrays.DTYPE_NAMES[qv.dtype],
                causal, return_lse, num_splits, window, cap > 0, alibi is not None, sv is not None)
-    extra = dict(cache=(0, 0, bt.ptr, bt.strides[0]), page_size=kv.shape[1]) if paged else {}
+    extra = dict(cache=(0, 0, bt.ptr, bt.strides[0]), page_size=kv.shape[1], pages_per_seq=bt.shape[1]) if paged else {}
     _launch(problem, qv, q4, k4, v4, kernel_out, lse_arr, scale, kv="paged" if paged else "dense", varlen_kv=True,
             softcap=cap,
             alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0),

@@ -167,7 +167,7 @@ class Recipe(NamedTuple):
 
 def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_CACHE,
             seqlen_k: int | None = None, page_size: int = 0, softcap: float = 0.0, alibi=(0, 0),
-            varlen=None, flashmask=None, sinks=None) -> Recipe:
+            varlen=None, flashmask=None, sinks=None, pages_per_seq: int = 0, leftpad: int = 0) -> Recipe:
     """The launch arguments of ``plan`` for views q, k, v, o (their strides; pointers are given
     to ``fire``). For a KV cache, ``cache`` holds the (seqlens_k, kv_batch_idx, block_table)
     pointers and the block table's row stride, and ``seqlen_k`` is added to each seqlens_k entry
@@ -176,7 +176,9 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
     whose views then have token strides as batch strides. ``flashmask`` is (startend_row_indices
     pointer, its four element strides, its head count, pointer of an int32 workspace of
     plan.workspace_bytes) for a FlashMask plan; the Recipe then holds these pointers. ``sinks`` is
-    (pointer, dtype name) of the attention sinks of a plan with sinks (held by the Recipe too)."""
+    (pointer, dtype name) of the attention sinks of a plan with sinks (held by the Recipe too).
+    ``pages_per_seq`` is the block table's column count (paged plans: the kernel reads no page
+    index past it); ``leftpad`` the pointer of cache_leftpad (leftpad plans)."""
     p = plan.problem
     if plan.launches[0].variant.kind == "fwd_ws":
         if all(fwd_ws.tma_readable(x) for x in (q, k, v)):
@@ -196,7 +198,7 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
         **stride_values("v", _strides(v, False, 1)), **o_strides, **scalars,
         seqlens_k=seqlens_ptr, kv_batch_idx=batch_idx_ptr, block_table=table_ptr, cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k, alibi_slopes=alibi[0], **_flashmask_fields(plan, flashmask),
-        **_sink_fields(plan, sinks))
+        **_sink_fields(plan, sinks), **_cache_fields(main.variant, pages_per_seq, leftpad))
     split = not (plan.num_splits == 1 and main.variant.kind == "fwd")
     rows = p.batch * plan.nheads_eff * plan.seqlen_q_eff
     n_o = plan.num_splits * rows * main.variant.head_dim if split else 0
@@ -223,6 +225,20 @@ def _flashmask_fields(plan: Plan, flashmask) -> dict:
     ptr, st, heads, ws = flashmask
     return dict(fm_idx=ptr, fm_sb=st[0], fm_sh=st[1], fm_ss=st[2], fm_sc=st[3],
                 fm_hdiv=plan.problem.nheads // heads, fm_heads=heads, fm_blocks=ws)
+
+
+def _cache_fields(variant, pages_per_seq: int, leftpad: int) -> dict:
+    """The paged and leftpad fields of the forward's struct (none for other variants)."""
+    out = {}
+    if getattr(variant, "kv", "dense") == "paged":
+        if pages_per_seq <= 0:
+            raise ValueError(f"{variant.name} needs the block table's column count (prepare's pages_per_seq=)")
+        out["pages_per_seq"] = pages_per_seq
+    if getattr(variant, "leftpad", False):
+        if not leftpad:
+            raise ValueError(f"{variant.name} needs cache_leftpad (prepare's leftpad=)")
+        out["kv_leftpad"] = leftpad
+    return out
 
 
 def _sink_fields(plan: Plan, sinks) -> dict:
@@ -300,14 +316,40 @@ def run(plan: Plan, q, k, v, o, lse_ptr: int, workspace, softmax_scale: float, s
 
 
 def append_kv(k_new, v_new, k_cache, v_cache, seqlens_ptr: int, seqlen0: int, batch_idx_ptr: int,
-              table, page_size: int, stream, device: int, arch: int):
-    """Write new K/V rows into the caches at each sequence's current length (views in)."""
+              table, page_size: int, capacity: int, stream, device: int, arch: int, rotary=None):
+    """Write new K/V rows into the caches at each sequence's current length (views in), dropping
+    rows at or past ``capacity``. ``rotary`` is None or (cos view, sin view, interleaved, q view,
+    q_rot view, q_rowwise): K is rotated before it is written, and Q into q_rot, in the same launch."""
     b, s_new, hk, d = k_new.shape
-    variant = AppendVariant(kv="paged" if page_size else "cache", arch=arch)
+    vec = d % 8 == 0 and all(validate_aligned(x) for x in (k_new, v_new, k_cache, v_cache))
+    rot = dict(rotary_cos=0, rotary_sin=0, rotary_dim=0, seqlen_ro=0, q=0, q_rot=0, seqlen_q=0, nheads=0,
+               q_rowwise=0, **stride_values("q", (0, 0, 0)), **stride_values("qr", (0, 0, 0)))
+    q_items = 0
+    kind = ""
+    if rotary is not None:
+        cos, sin, interleaved, q, q_rot, rowwise = rotary
+        kind = "interleaved" if interleaved else "neox"
+        rot.update(rotary_cos=cos.ptr, rotary_sin=sin.ptr, rotary_dim=2 * cos.shape[1], seqlen_ro=cos.shape[0],
+                   q=q.ptr, q_rot=q_rot.ptr, seqlen_q=q.shape[1], nheads=q.shape[2], q_rowwise=int(rowwise),
+                   **stride_values("q", _strides(q, False, 1)), **stride_values("qr", _strides(q_rot, False, 1)))
+        q_items = q.shape[0] * q.shape[1] * q.shape[2] * -(-d // 8)
+    variant = AppendVariant(kv="paged" if page_size else "cache", rotary=kind,
+                            dtype=arrays.DTYPE_NAMES[k_new.dtype] if kind else "", arch=arch)
+    items = b * s_new * hk * -(-d // 8) + q_items
+    if items == 0:
+        return
     compiler.get_kernel(variant, device)(
-        variant.grid(b * s_new * hk * (d // 8)), (variant.threads,), stream,
+        variant.grid(items), (variant.threads,), stream,
         k_new=k_new.ptr, v_new=v_new.ptr, k_cache=k_cache.ptr, v_cache=v_cache.ptr,
         **stride_values("kn", _strides(k_new, False, 1)), **stride_values("vn", _strides(v_new, False, 1)),
         **stride_values("kc", _strides(k_cache, False, 1)), **stride_values("vc", _strides(v_cache, False, 1)),
         batch=b, seqlen_new=s_new, nheads_k=hk, head_dim=d, seqlens=seqlens_ptr, seqlen0=seqlen0,
-        kv_batch_idx=batch_idx_ptr, block_table=table[0], block_table_stride=table[1], page_size=page_size)
+        kv_batch_idx=batch_idx_ptr, block_table=table[0], block_table_stride=table[1], page_size=page_size,
+        capacity=capacity, vec=int(vec), **rot)
+
+
+def validate_aligned(x) -> bool:
+    """Every (batch, row, head) row of view x starts on a 16-byte boundary."""
+    st, sh = x.strides, x.shape
+    return (x.ptr % 16 == 0 and (st[0] % 8 == 0 or sh[0] <= 1) and (st[1] % 8 == 0 or sh[1] <= 1)
+            and (st[2] % 8 == 0 or sh[2] <= 1))

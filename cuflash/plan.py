@@ -55,7 +55,7 @@ class Problem:
     seqlen_k: int
     nheads: int
     nheads_k: int
-    head_dim: int          # as the kernel sees it (a multiple of 8)
+    head_dim: int          # as the kernel sees it: a multiple of 8, or a KV cache's own head dim (read element-wise)
     dtype: str             # "fp16" | "bf16"
     causal: bool = False
     return_lse: bool = False
@@ -71,6 +71,7 @@ class Problem:
     flashmask: int = 0     # FlashMask: bound columns per key of startend_row_indices (1, 2 or 4), 0 = none
     flashmask_heads: int = 0  # heads of startend_row_indices (1, nheads_k or nheads)
     sinks: bool = False    # attention sinks: a logit per query head joins each row's softmax
+    leftpad: bool = False  # a contiguous KV cache whose sequences start at row cache_leftpad[b]
 
 
 @dataclass(frozen=True)
@@ -284,7 +285,12 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                        "(FA2's num_splits_heuristic).")
 
     launches = []
-    mods = dict(local=local, softcap=p.softcap, alibi=p.alibi, sinks=p.sinks)
+    mods = dict(local=local, softcap=p.softcap, alibi=p.alibi, sinks=p.sinks, leftpad=p.leftpad,
+                kv_unaligned=p.kv != "dense" and p.head_dim % 8 != 0)
+    if p.leftpad:
+        why.append("cache_leftpad: each sequence's keys start at its cache_leftpad row.")
+    if mods["kv_unaligned"]:
+        why.append(f"head dim {p.head_dim} is not a multiple of 8: the cache's rows are read element by element.")
     if p.softcap or p.alibi:
         why.append("scores are " + " and ".join(
             (["softcapped (softcap * tanh(s / softcap))"] if p.softcap else [])

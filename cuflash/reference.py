@@ -233,6 +233,32 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
     return (out, lse.astype(lse_dtype)) if return_lse else out
 
 
+def apply_rotary(x, cos, sin, positions, interleaved=True):
+    """flash-attn's rotary embedding (``rotary_cos``/``rotary_sin`` of flash_attn_with_kvcache) in
+    float64. x: (batch, seqlen, nheads, d); cos, sin: (seqlen_ro, rotary_dim / 2); positions: ints
+    (batch, seqlen), row i of sequence b being rotated by cos/sin[positions[b, i]]. The first
+    rotary_dim columns rotate: pairs (2f, 2f + 1) when ``interleaved`` (GPT-J), (f, f +
+    rotary_dim / 2) otherwise (GPT-NeoX), as (a, b) -> (a cos - b sin, b cos + a sin); the other
+    columns pass through. Returns float64."""
+    x = np.asarray(x).astype(np.float64)
+    cos, sin = np.asarray(cos).astype(np.float64), np.asarray(sin).astype(np.float64)
+    if cos.ndim != 2 or sin.shape != cos.shape or 2 * cos.shape[1] > x.shape[-1]:
+        raise ValueError(f"cos and sin must have one shape (seqlen_ro, rotary_dim / 2) with rotary_dim <= "
+                         f"{x.shape[-1]}, got {cos.shape} and {sin.shape}")
+    positions = np.asarray(positions)
+    if positions.shape != x.shape[:2] or positions.min(initial=0) < 0 or positions.max(initial=0) >= cos.shape[0]:
+        raise ValueError(f"positions must be (batch, seqlen) = {x.shape[:2]} in [0, {cos.shape[0]}), "
+                         f"got shape {positions.shape}")
+    rd = 2 * cos.shape[1]
+    c, s = cos[positions][:, :, None, :], sin[positions][:, :, None, :]
+    lo, hi = (slice(0, rd, 2), slice(1, rd, 2)) if interleaved else (slice(0, rd // 2), slice(rd // 2, rd))
+    out = x.copy()
+    a, b = x[..., lo], x[..., hi]
+    out[..., lo] = a * c - b * s
+    out[..., hi] = b * c + a * s
+    return out
+
+
 def max_abs_err(a, b) -> float:
     """max |a - b| computed in float64; any NaN (or inf - inf) gives inf."""
     diff = np.abs(np.asarray(a).astype(np.float64) - np.asarray(b).astype(np.float64))

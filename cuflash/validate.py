@@ -278,8 +278,6 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tabl
         bt = block_table(table, batch, qv)
         if kv.shape[1] == 0 or kv.shape[1] % 16:
             raise ValueError(f"page size (k.shape[1]) must be a positive multiple of 16, got {kv.shape[1]}")
-        if d % 8:
-            raise ValueError(f"head dim must be a multiple of 8 with a paged cache, got {d}")
         k_limit, k_what = bt.shape[1] * kv.shape[1], "pages_per_seq * page_size"
     else:
         k_limit, k_what = kv.shape[0], "total_k"
@@ -293,7 +291,8 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tabl
     for name, x in (("q", qv), ("k", kv), ("v", vv)):
         _last_dim_contiguous(x, name)
     if paged:
-        for name, x in (("q", qv), ("k", kv), ("v", vv)):
+        # Head dims that are not a multiple of 8 read the pages element by element (q is copied).
+        for name, x in (("q", qv), ("k", kv), ("v", vv)) if d % 8 == 0 else ():
             if not aligned(x if len(x.shape) == 4 else batched(x, batch, 1)):
                 raise ValueError(f"{name} must be 16-byte aligned with strides in multiples of 8 elements "
                                  f"with a paged cache, got strides {tuple(x.strides)}")
@@ -365,11 +364,76 @@ def scale(softmax_scale, d):
     return s
 
 
+def host_ints(x, name, device_ok=False):
+    """An integer array in host memory as a NumPy array (NumPy arrays, CPU tensors and host
+    DLPack producers); None when ``x`` is not an array, or (``device_ok``) is a device array that
+    the caller reads on the device. Otherwise a device array raises a TypeError: reading it on
+    the host would wait for the GPU, and no call path here does."""
+    if isinstance(x, np.ndarray):
+        a = x
+    elif device_ok and _on_device(x):
+        return None
+    elif arrays._torch_tensor(x):
+        if x.device.type != "cpu":
+            raise TypeError(f"{name} must be in host memory (ints, a NumPy array or a CPU tensor), got a tensor "
+                            f"on {x.device}: reading it would wait for the GPU")
+        if x.dtype.is_floating_point or x.dtype.is_complex:
+            return np.zeros(0, dtype=np.float32)  # not integers (bf16 has no NumPy form): the caller says so
+        a = x.numpy()
+    elif arrays._cupy_array(x) or hasattr(x, "__cuda_array_interface__"):
+        raise TypeError(f"{name} must be in host memory (ints, a NumPy array or a CPU tensor), got a device "
+                        f"{_type(x)}: reading it would wait for the GPU")
+    elif hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        if int(x.__dlpack_device__()[0]) in arrays.CUDA_DEVICE_TYPES:
+            raise TypeError(f"{name} must be in host memory (ints, a NumPy array or a CPU tensor), got a device "
+                            f"{_type(x)}: reading it would wait for the GPU")
+        a = np.from_dlpack(x)
+    else:
+        return None
+    return a
+
+
+def _on_device(x) -> bool:
+    """x is an array in device memory (a CUDA tensor, a CuPy array, a CUDA DLPack producer or
+    one of cuflash's own device views)."""
+    if type(x) is arrays.View:
+        return x.device >= 0
+    if arrays._torch_tensor(x):
+        return x.device.type != "cpu"
+    if arrays._cupy_array(x) or hasattr(x, "__cuda_array_interface__"):
+        return True
+    return (hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__")
+            and int(x.__dlpack_device__()[0]) in arrays.CUDA_DEVICE_TYPES)
+
+
+def window_pair(window_size):
+    """flash-attn's window_size as two Python ints, range unchecked: a tuple or list of two ints
+    (NumPy ints and 0-d integer arrays of host memory included), or a 2-element integer array in
+    host memory (NumPy, a CPU tensor). A device array is a TypeError (see host_ints): converting it
+    would synchronise with the GPU."""
+    bad = TypeError(f"window_size must be a pair of ints (left, right), got {show(window_size)}")
+    a = host_ints(window_size, "window_size")
+    if a is not None:
+        if a.dtype.kind not in "iu" or a.shape != (2,):
+            raise bad
+        return int(a[0]), int(a[1])
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise bad
+    out = []
+    for w in window_size:
+        if _is_int(w):
+            out.append(int(w))
+            continue
+        a = host_ints(w, "window_size")
+        if a is None or a.dtype.kind not in "iu" or a.shape != ():
+            raise bad
+        out.append(int(a))
+    return tuple(out)
+
+
 def window(window_size):
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(_is_int(w) for w in window_size)):
-        raise TypeError(f"window_size must be a pair of ints (left, right), got {show(window_size)}")
-    left, right = (int(w) for w in window_size)
+    """cuflash's window: window_pair's forms, each entry >= -1 (-1 = unbounded)."""
+    left, right = window_pair(window_size)
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded; got {show(window_size)}")
     return (left, right)

@@ -29,12 +29,15 @@ def test_templates_folder_is_found():
 
 
 def test_variant_set_and_unique_names():
-    # 2 append (contiguous and paged cache) + 6 buckets x 2 dtypes x
+    # 10 append (contiguous and paged cache; plain, or rotary interleaved/NeoX x 2 dtypes)
+    # + 6 buckets x 2 dtypes x
     # (2 with and without sinks x 3 masks (full, causal, local) x 4 score modifiers (none, softcap,
-    #  ALiBi, both) x 3 K/V sources x {fwd, fwd_split} x (2 even + 1 decode tile) + 1 combine
-    #  + FlashMask: 2 masks (full, causal) x 2 n x 2 softcap x 2 even)
-    assert len(VARIANTS) == 2 + 6 * 2 * (2 * 3 * 4 * 3 * 2 * 3 + 1 + 2 * 2 * 2 * 2)
-    assert len(all_variants(90, mods=False)) == 2 + 6 * 2 * (2 * 3 * 2 * 3 + 1)
+    #  ALiBi, both) x (3 K/V sources x {fwd, fwd_split} x (2 even + 1 decode tile)
+    #  + cache_leftpad: {fwd, fwd_split} x (2 even + 1 decode tile)
+    #  + unaligned K/V (cache, cache_leftpad, paged) x {fwd, fwd_split}, predicated head dim only)
+    #  + 1 combine + FlashMask: 2 masks (full, causal) x 2 n x 2 softcap x 2 even)
+    assert len(VARIANTS) == 10 + 6 * 2 * (2 * 3 * 4 * (3 * 2 * 3 + 2 * 3 + 3 * 2) + 1 + 2 * 2 * 2 * 2)
+    assert len(all_variants(90, mods=False)) == 10 + 6 * 2 * (2 * (3 * 2 * 3 + 2 * 3 + 3 * 2) + 1)
     names = [v.name for v in VARIANTS]
     assert len(set(names)) == len(names)
     assert len(set(VARIANTS)) == len(VARIANTS)

@@ -191,15 +191,17 @@ def test_kvcache_maps_every_argument(recorded):
     q, kc, vc = _cpu(2, 1, 4, 8), _cpu(2, 16, 2, 8), _cpu(2, 16, 2, 8)
     k, v = _cpu(2, 1, 2, 8), _cpu(2, 1, 2, 8)
     seqlens, idx = torch.tensor([3, 5], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32)
-    out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, cache_batch_idx=idx,
-                                       softmax_scale=0.25, causal=True, window_size=[7, -3],
+    cos, sin, pad = torch.zeros(16, 4), torch.ones(16, 4), torch.tensor([0, 1], dtype=torch.int32)
+    out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, cos, sin, cache_seqlens=seqlens, cache_batch_idx=idx,
+                                       cache_leftpad=pad, softmax_scale=0.25, causal=True, window_size=[7, -3],
                                        softcap=-1.0, rotary_interleaved=False, num_splits=3,
                                        return_softmax_lse=True)
     (fn, args, kw), = recorded
     assert fn == "kvcache" and all(a is b for a, b in zip(args, (q, kc, vc, k, v)))
-    assert kw == dict(cache_seqlens=seqlens, cache_batch_idx=idx, block_table=None, causal=True,
-                      softmax_scale=0.25, num_splits=3, return_lse=True, window_size=(7, -1),
-                      softcap=0.0, alibi_slopes=None)
+    assert kw == dict(rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens, cache_batch_idx=idx,
+                      cache_leftpad=pad, block_table=None, causal=True, softmax_scale=0.25, num_splits=3,
+                      return_lse=True, window_size=(7, -1), softcap=0.0, rotary_interleaved=False,
+                      alibi_slopes=None)
     assert out.shape == q.shape and lse.shape == (2, 4, 1)
 
 
@@ -281,18 +283,6 @@ def test_dropout_is_not_implemented(recorded, name):
     assert not recorded
     call(dropout_p=0.0)  # flash-attn's evaluation setting runs
     assert len(recorded) == 1
-
-
-@pytest.mark.parametrize("arg", ["rotary_cos", "rotary_sin", "cache_leftpad"])
-def test_kvcache_unsupported_arguments(recorded, arg):
-    import torch
-    from cuflash.flash_attn import flash_attn_with_kvcache
-    q, cache = _cpu(1, 1, 2, 8), _cpu(1, 16, 2, 8)
-    with pytest.raises(NotImplementedError, match=f"{arg} is not supported"):
-        flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3,
-                                **{arg: torch.zeros(16, 4) if arg.startswith("rotary") else
-                                   torch.zeros(1, dtype=torch.int32)})
-    assert not recorded
 
 
 def test_varlen_vllm_extras_not_supported(recorded):

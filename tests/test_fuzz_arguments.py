@@ -121,8 +121,10 @@ INVALID = {
     "num_splits": lambda x: not (_int(x) and 0 <= x <= 128),
     "softmax_scale": lambda x: x is not None and not (_real(x) and F32_TINY <= x <= F32_MAX / math.log2(math.e)),
     "softcap": lambda x: not (_real(x) and (x == 0 or F32_TINY <= x <= F32_MAX / math.log2(math.e))),
-    "window_size": lambda x: not (isinstance(x, (tuple, list)) and len(x) == 2
-                                  and all(_int(w) and w >= -1 for w in x)),
+    "window_size": lambda x: not ((isinstance(x, (tuple, list)) and len(x) == 2
+                                   and all(_int(w) and w >= -1 for w in x))
+                                  or (isinstance(x, np.ndarray) and x.shape == (2,) and x.dtype.kind in "iu"
+                                      and bool((x >= -1).all()))),  # a 2-int host array is a pair too
     "heuristic": lambda x: not (isinstance(x, str) and x in ("cuflash", "fa2")),
     "num_sms": lambda x: x is not None and not (_int(x) and 1 <= x <= 2**16),
     "dtype": lambda x: not (isinstance(x, str) and x in ("float16", "bfloat16")),

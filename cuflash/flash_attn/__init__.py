@@ -13,15 +13,13 @@ are differentiable (:func:`cuflash.torch.attention` / :func:`cuflash.torch.atten
 flash-attn (:func:`cuflash.attention_with_kvcache`).
 
 What cuflash does not do yet raises NotImplementedError naming the argument, never ignoring it:
-``dropout_p > 0``, ``rotary_cos``/``rotary_sin``, ``cache_leftpad``, and the vLLM extra
-``seqused_k`` without a ``block_table``. vLLM's ``s_aux`` (attention sinks) runs as
+``dropout_p > 0`` and the vLLM extra ``seqused_k`` without a ``block_table``. vLLM's ``s_aux`` (attention sinks) runs as
 ``cuflash.torch.attention_varlen(..., sinks=s_aux)``.
 """
-import operator
-
 import torch
 
 import cuflash
+from cuflash import validate
 from cuflash.torch import ops
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
@@ -44,15 +42,10 @@ def _no_dropout(dropout_p):
 
 def _window(window_size):
     """flash-attn's window_size -> cuflash's (left, right): a pair of ints, given as a tuple, a
-    list or a tensor/array of 2 integers (a CUDA tensor is read on the host). flash-attn takes
-    any negative bound as unbounded, cuflash wants -1 for it."""
-    if hasattr(window_size, "tolist"):
-        window_size = window_size.tolist()
-    try:
-        left, right = (operator.index(w) for w in window_size)
-    except (TypeError, ValueError):
-        raise TypeError("window_size must be a pair of ints (left, right), or a tensor of 2 ints; "
-                        f"got {window_size!r}") from None
+    list or a 2-element integer array or tensor in host memory (read without waiting for the
+    GPU; a CUDA tensor is a TypeError, since reading it would synchronise). flash-attn takes any
+    negative bound as unbounded, cuflash wants -1 for it."""
+    left, right = validate.window_pair(window_size)
     return max(left, -1), max(right, -1)
 
 
@@ -181,16 +174,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False):
     """flash-attn's ``flash_attn_with_kvcache``: new k, v are appended to the caches in place at
-    ``cache_seqlens``, then q attends to the caches. Returns out, or (out, softmax_lse) with
-    ``return_softmax_lse=True``. ``rotary_interleaved`` only qualifies rotary_cos/rotary_sin."""
-    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-        if x is not None:
-            _not_supported(name, "apply the rotary embedding to q and k before the call")
-    if cache_leftpad is not None:
-        _not_supported("cache_leftpad", "every cached sequence starts at position 0")
+    ``cache_seqlens`` (rotated by ``rotary_cos``/``rotary_sin`` when given, q then attending
+    rotated too), then q attends to the caches (from ``cache_leftpad`` on, when given). Returns
+    out, or (out, softmax_lse) with ``return_softmax_lse=True``. Lengths past a block table's
+    capacity raise a ValueError when cuflash can see them on the host (an int, a NumPy array or a
+    CPU tensor); flash-attn reads a device ``cache_seqlens`` back to check it (a synchronisation),
+    cuflash does not: its kernels clamp to the table instead."""
     q, k, v = (_contiguous_last(x) for x in (q, k, v))
     return cuflash.attention_with_kvcache(
-        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
-        block_table=block_table, causal=causal, softmax_scale=softmax_scale,
-        num_splits=num_splits, return_lse=bool(return_softmax_lse),
-        window_size=_window(window_size), softcap=_softcap(softcap), alibi_slopes=alibi_slopes)
+        q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table, causal=causal,
+        softmax_scale=softmax_scale, num_splits=num_splits, return_lse=bool(return_softmax_lse),
+        window_size=_window(window_size), softcap=_softcap(softcap), rotary_interleaved=rotary_interleaved,
+        alibi_slopes=alibi_slopes)

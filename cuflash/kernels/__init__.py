@@ -102,7 +102,8 @@ class KernelVariant:
 
 def tile_name(kind: str, head_dim: int, dtype: str, *, causal: bool, local: bool, softcap: bool,
               alibi: bool, even_head_dim: bool, mma: str, kv: str, block_m: int, block_n: int,
-              warps: int, stages: int, arch: int, flashmask: int = 0, sinks: bool = False) -> str:
+              warps: int, stages: int, arch: int, flashmask: int = 0, sinks: bool = False,
+              leftpad: bool = False, kv_unaligned: bool = False) -> str:
     """The name of a tiled attention kernel (forward or backward): kind, bucket, dtype, mask,
     score modifiers (attention sinks included), column predicates, product, K/V source, tile and
     arch."""
@@ -111,6 +112,7 @@ def tile_name(kind: str, head_dim: int, dtype: str, *, causal: bool, local: bool
     even = "" if even_head_dim else "_dpred"
     layout = "" if mma == "sync" else f"_{mma}"
     source = "" if kv == "dense" else f"_{kv}"
+    source += ("_leftpad" if leftpad else "") + ("_unaligned" if kv_unaligned else "")
     mods += f"_fm{flashmask}" if flashmask else ""
     mods += "_sinks" if sinks else ""
     return (f"{kind}_d{head_dim}_{dtype}_{mask}{mods}{even}{layout}{source}"
@@ -131,7 +133,8 @@ def all_variants(arch: int, mods: bool = True, families=FAMILIES) -> list:
 def features(v) -> frozenset:
     """The compile-time features of a variant, as names (what a covering sample must cross)."""
     f = {v.family, getattr(v, "kind", v.family), getattr(v, "dtype", "")}
-    for flag in ("causal", "local", "softcap", "alibi", "even_head_dim", "swizzled", "decode", "sinks"):
+    for flag in ("causal", "local", "softcap", "alibi", "even_head_dim", "swizzled", "decode", "sinks", "leftpad",
+                 "kv_unaligned", "rotary"):
         if getattr(v, flag, False):
             f.add(flag)
     kind, kv = getattr(v, "kind", ""), getattr(v, "kv", "dense")

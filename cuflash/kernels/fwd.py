@@ -113,6 +113,24 @@ FLASHMASK_NS = (1, 2, 4)  # bound columns per key: 1 or 2 with causal, 2 or 4 wi
 SINK_FIELDS = (("sinks", "const void*"), ("sinks_dtype", "int"), ("sinks_sh", "int"), ("sinks_sr", "int"))
 SINK_PARAMS = ParamTable("FwdParams", PARAMS.fields[:-DATA_TAIL] + SINK_FIELDS + PARAMS.fields[-DATA_TAIL:])
 SINK_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}  # sinks_dtype (templates/common/sinks.cuh)
+# Paged variants take the block table's column count too (after the sink fields, before the
+# trailing data pointers): the kernel never reads a page index past it, whatever the key counts
+# on the device say. Leftpad variants (a contiguous cache) take cache_leftpad: sequence b's keys
+# start at cache row kv_leftpad[b].
+PAGED_FIELDS = (("pages_per_seq", "int"),)
+LEFTPAD_FIELDS = (("kv_leftpad", "const int*"),)
+
+
+@functools.lru_cache(maxsize=None)
+def _params(flashmask: bool, sinks: bool, paged: bool, leftpad: bool) -> ParamTable:
+    """The struct of a variant: PARAMS with the optional field groups before the trailing data
+    pointers, in a fixed order (so each combination has one layout)."""
+    if flashmask:
+        return FLASHMASK_PARAMS
+    extra = (SINK_FIELDS if sinks else ()) + (PAGED_FIELDS if paged else ()) + (LEFTPAD_FIELDS if leftpad else ())
+    if not extra:
+        return PARAMS
+    return ParamTable("FwdParams", PARAMS.fields[:-DATA_TAIL] + extra + PARAMS.fields[-DATA_TAIL:])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,6 +155,8 @@ class FwdVariant(KernelVariant):
     mma: str = "sync"         # products: warp-level mma.sync, or Hopper's warpgroup wgmma (sm_90a)
     flashmask: int = 0        # FlashMask bound columns per key (cuflash.masks), 0 = none
     sinks: bool = False       # attention sinks: each row's softmax starts from its head's sink logit
+    leftpad: bool = False     # a contiguous cache whose sequences start at row cache_leftpad[b]
+    kv_unaligned: bool = False  # cache/paged K/V read element by element (head dims not a multiple of 8)
 
     def __post_init__(self):
         super().__post_init__()
@@ -163,9 +183,15 @@ class FwdVariant(KernelVariant):
             raise ValueError("a FlashMask variant is a standard kernel (kind 'fwd', not the decode tile) over dense "
                              f"K/V with no window, no ALiBi and no sinks; got {self}")
 
+        if self.leftpad and self.kv != "cache":
+            raise ValueError(f"a leftpad variant reads a contiguous cache (kv 'cache'), as in flash-attn; got {self}")
+        if self.kv_unaligned and (self.kv == "dense" or self.even_head_dim or self.decode):
+            raise ValueError("an unaligned-K/V variant reads a cache or paged cache whose head dim is below its "
+                             f"bucket (not the decode tile); got {self}")
+
     @property
     def params(self) -> ParamTable:
-        return FLASHMASK_PARAMS if self.flashmask else SINK_PARAMS if self.sinks else PARAMS
+        return _params(bool(self.flashmask), self.sinks, self.kv == "paged", self.leftpad)
 
     @functools.cached_property
     def name(self) -> str:
@@ -173,7 +199,7 @@ class FwdVariant(KernelVariant):
                          softcap=self.softcap, alibi=self.alibi, even_head_dim=self.even_head_dim,
                          mma=self.mma, kv=self.kv, block_m=self.block_m, block_n=self.block_n,
                          warps=self.warps, stages=self.stages, arch=self.arch, flashmask=self.flashmask,
-                         sinks=self.sinks)
+                         sinks=self.sinks, leftpad=self.leftpad, kv_unaligned=self.kv_unaligned)
 
     @property
     def template(self) -> str:
@@ -212,7 +238,8 @@ class FwdVariant(KernelVariant):
                     stages=self.stages, causal=self.causal, local=self.local, softcap=self.softcap,
                     alibi=self.alibi, split=self.kind == "fwd_split", bf16=self.dtype == "bf16",
                     even_head_dim=self.even_head_dim, kv_cache=self.kv != "dense", paged=self.kv == "paged",
-                    swizzle=self.swizzled, split_n=self.decode, flashmask=self.flashmask, sinks=self.sinks)
+                    swizzle=self.swizzled, split_n=self.decode, flashmask=self.flashmask, sinks=self.sinks,
+                    leftpad=self.leftpad, kv_unaligned=self.kv_unaligned)
 
 
 MASKS = ((False, False), (True, False), (False, True))  # (causal, local)
@@ -243,6 +270,10 @@ def variants(arch: int, mods: bool = True) -> list[FwdVariant]:
                                 for kind in KINDS:
                                     out.append(FwdVariant(kind=kind, even_head_dim=even, kv=kv, block_m=bm,
                                                           block_n=bn, warps=w, stages=st, **m))
+    # KV-cache features: cache_leftpad on contiguous caches; element-wise K/V loads for cache and
+    # paged variants below their bucket (head dims that are not a multiple of 8).
+    out += [replace(v, leftpad=True) for v in out if v.kv == "cache"]
+    out += [replace(v, kv_unaligned=True) for v in out if v.kv != "dense" and not v.even_head_dim and not v.decode]
     if mods:
         out += [replace(v, sinks=True) for v in out]  # sinks cross everything but FlashMask
         out += flashmask_variants(arch)
