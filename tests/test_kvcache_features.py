@@ -222,13 +222,13 @@ def _tables(rng, cap, rotary_dim, dtype):
             torch.from_numpy(np.sin(ang).astype(np.float32)).to("cuda", getattr(torch, dtype)))
 
 
-def _check_out(out, q_ref, kc, vc, rows, lens, starts, **mods):
+def _check_out(out, q_ref, kc, vc, rows, lens, starts, rtol_factor=2.0, **mods):
     """Each sequence against its cache rows starts[b] .. lens[b] - 1 (read back after the call)."""
     from cuflash.reference import check_close
     from test_gpu_forward import to_np
     for i in range(q_ref.shape[0]):
         ks, vs = (to_np(rows(c, i, int(lens[i])))[int(starts[i]):][None] for c in (kc, vc))
-        ok, err, bound = check_close(to_np(out[i:i + 1]), q_ref[i:i + 1], ks, vs, **mods)
+        ok, err, bound = check_close(to_np(out[i:i + 1]), q_ref[i:i + 1], ks, vs, rtol_factor=rtol_factor, **mods)
         assert ok, f"batch {i}: max error {err:.3g} exceeds bound {bound:.3g}"
 
 
@@ -276,7 +276,10 @@ def test_gpu_rotary(rng, interleaved, rotary_dim, mask, page, dtype):
         assert torch.equal(rows(kc, i, o), rows(before_k, i, o)) and torch.equal(rows(vc, i, o), rows(before_v, i, o))
     np_dt = to_np(q).dtype
     q_ro = apply_rotary(to_np(q), cn, sn, pos_q, interleaved).astype(np_dt)  # flash-attn's test rounds q_ro too
-    _check_out(out, q_ro, kc, vc, rows, old + s_new, np.zeros_like(old), **MASKS[mask])
+    # The kernel's rotated q (rounded once from fp32) may differ from q_ro by one unit in the last
+    # place, an input difference the same-precision reference does not see: flash-attn's KV-cache
+    # test allows 3x, not 2x, for the same reason.
+    _check_out(out, q_ro, kc, vc, rows, old + s_new, np.zeros_like(old), rtol_factor=3.0, **MASKS[mask])
 
 
 @requires_gpu

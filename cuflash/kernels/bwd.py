@@ -59,6 +59,10 @@ DQ_TILES = {
 # FlashMask with a softcap at d = 32: the dQ kernel's 128-key tiles leave no registers for the
 # per-column bounds next to the softcap's 1 - t^2 factors; 64 keys do.
 DQ_FLASHMASK_SOFTCAP_TILES = {32: (64, 64, 4, 2)}
+# FlashMask with a softcap at d = 128: the dK/dV kernel's second Q/dO stage leaves no registers
+# for the per-column bounds next to the softcap's factors (NVRTC 13.0 spills the causal two-bound
+# variant); one stage does.
+DKDV_FLASHMASK_SOFTCAP_TILES = {128: (32, 128, 8, 1, "sync")}
 ROW_PAD = 128          # LSE/D/dQ-accumulator rows are padded to a multiple of every block_m
 VARLEN_ROW_GAP = ROW_PAD + 4  # packed sequences: rows between sequence starts (stats_base, bwd.cuh)
 PREP_ROWS_PER_BLOCK = 8  # one warp per row
@@ -260,7 +264,8 @@ def kernels(bucket: int, dtype: str, causal: bool, deterministic: bool, arch: in
     mask as launched (a window that hides no key beyond the causal mask runs as causal);
     ``flashmask`` is the FlashMask bound columns per key (0 = none), whose prep kernels
     (kernels/flashmask.py) the plan adds."""
-    bm, bn, w, st, mma = dkdv_tile(bucket, softcap, alibi, arch)
+    bm, bn, w, st, mma = (DKDV_FLASHMASK_SOFTCAP_TILES[bucket] if flashmask and softcap
+                          and bucket in DKDV_FLASHMASK_SOFTCAP_TILES else dkdv_tile(bucket, softcap, alibi, arch))
     mods = dict(head_dim=bucket, dtype=dtype, arch=arch, causal=causal, local=local, softcap=softcap, alibi=alibi)
     if flashmask:
         mods["flashmask"] = flashmask
