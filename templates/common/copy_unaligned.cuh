@@ -30,24 +30,32 @@ __device__ __forceinline__ uint4 gather_chunk(const u16* src, int ch, int d_vali
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// load_tile for unaligned rows: kRows x kCols from g (rows row_stride elements apart).
-template <int kRows, int kCols, int kStride, bool kSwizzle, int kThreads>
-__device__ __forceinline__ void load_tile_unaligned(u32 s_tile, const u16* g, long long row_stride,
-                                                    int rows_valid, int d_valid, int tid) {
+// Gather a kRows x kCols tile into shared memory with thread tid of kThreads: tile row r comes
+// from row_src(r) (null: zero), laid out as load_tile lays it out.
+template <int kRows, int kCols, int kStride, bool kSwizzle, int kThreads, class RowSrc>
+__device__ __forceinline__ void gather_tile(u32 s_tile, RowSrc row_src, int d_valid, int tid) {
   constexpr int kChunks = kCols / 8;
   constexpr int kRowStep = tile_row_step<kRows, kCols, kThreads, kSwizzle>();
   constexpr int kPasses = (kRows + kRowStep - 1) / kRowStep;
   const int ch = tid % kChunks, row0 = tid / kChunks;
   if (row0 >= kRowStep) return;
   const u32 dst = s_tile + tile_offset<kRows, kStride, kSwizzle>(row0, ch);
-#pragma unroll
+  // One row at a time: unrolled, every pass's loads would be in flight at once and hold
+  // registers that the kernel's accumulators need (spills in the split and paged kernels).
+#pragma unroll 1
   for (int i = 0; i < kPasses; ++i) {
     const int row = row0 + i * kRowStep;
-    if (kRows % kRowStep == 0 || row < kRows) {
-      const u16* src = row < rows_valid ? g + row * row_stride : nullptr;
-      st_shared16(dst + i * tile_offset<kRows, kStride, kSwizzle>(kRowStep, 0), gather_chunk(src, ch, d_valid));
-    }
+    if (kRows % kRowStep == 0 || row < kRows)
+      st_shared16(dst + i * tile_offset<kRows, kStride, kSwizzle>(kRowStep, 0), gather_chunk(row_src(row), ch, d_valid));
   }
+}
+
+// load_tile for unaligned rows: kRows x kCols from g (rows row_stride elements apart).
+template <int kRows, int kCols, int kStride, bool kSwizzle, int kThreads>
+__device__ __forceinline__ void load_tile_unaligned(u32 s_tile, const u16* g, long long row_stride,
+                                                    int rows_valid, int d_valid, int tid) {
+  gather_tile<kRows, kCols, kStride, kSwizzle, kThreads>(
+      s_tile, [&](int row) { return row < rows_valid ? g + row * row_stride : nullptr; }, d_valid, tid);
 }
 
 // load_tile_paged for unaligned rows: tile row r is sequence row row_start + r, found through
@@ -56,22 +64,12 @@ template <int kRows, int kCols, int kStride, bool kSwizzle, int kThreads>
 __device__ __forceinline__ void load_tile_paged_unaligned(u32 s_tile, const u16* g, const int* pages, int page_size,
                                                           long long page_stride, long long row_stride, int row_start,
                                                           int rows_valid, int d_valid, int tid) {
-  constexpr int kChunks = kCols / 8;
-  constexpr int kRowStep = tile_row_step<kRows, kCols, kThreads, kSwizzle>();
-  constexpr int kPasses = (kRows + kRowStep - 1) / kRowStep;
-  const int ch = tid % kChunks, row0 = tid / kChunks;
-  if (row0 >= kRowStep) return;
-  const u32 dst = s_tile + tile_offset<kRows, kStride, kSwizzle>(row0, ch);
-#pragma unroll
-  for (int i = 0; i < kPasses; ++i) {
-    const int row = row0 + i * kRowStep;
-    if (kRows % kRowStep == 0 || row < kRows) {
-      const u16* src = nullptr;
-      if (row < rows_valid) {  // only rows inside the sequence consult the block table
+  gather_tile<kRows, kCols, kStride, kSwizzle, kThreads>(
+      s_tile,
+      [&](int row) -> const u16* {
+        if (row >= rows_valid) return nullptr;  // only rows inside the sequence consult the block table
         const int j = row_start + row;
-        src = g + pages[j / page_size] * page_stride + (long long)(j % page_size) * row_stride;
-      }
-      st_shared16(dst + i * tile_offset<kRows, kStride, kSwizzle>(kRowStep, 0), gather_chunk(src, ch, d_valid));
-    }
-  }
+        return g + pages[j / page_size] * page_stride + (long long)(j % page_size) * row_stride;
+      },
+      d_valid, tid);
 }
