@@ -27,6 +27,18 @@ GPU_PROBLEM = _gpu_problem()
 requires_gpu = pytest.mark.skipif(GPU_PROBLEM is not None, reason=f"needs a CUDA GPU: {GPU_PROBLEM}")
 
 
+def _sm90_problem():
+    if GPU_PROBLEM is not None:
+        return f"needs a CUDA GPU: {GPU_PROBLEM}"
+    import cupy
+    cc = int(cupy.cuda.Device().compute_capability)
+    return None if cc == 90 else f"needs an sm_90 GPU (H100/H200) for the warp-specialised kernels, this one is sm_{cc}"
+
+
+SM90_PROBLEM = _sm90_problem()
+requires_sm90 = pytest.mark.skipif(SM90_PROBLEM is not None, reason=str(SM90_PROBLEM))
+
+
 def _has(mod):
     try:
         __import__(mod)

@@ -11,7 +11,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from conftest import GPU_PROBLEM, assert_compiled_clean, requires_torch
+from conftest import assert_compiled_clean, requires_sm90, requires_torch
 from cuflash.kernels import all_variants, bwd_ws
 from cuflash.kernels.bwd_ws import BwdWsVariant
 
@@ -100,16 +100,6 @@ def test_turned_off(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # On an sm_90 GPU
 
-def _sm90_problem():
-    if GPU_PROBLEM is not None:
-        return f"needs a CUDA GPU: {GPU_PROBLEM}"
-    import cupy
-    cc = int(cupy.cuda.Device().compute_capability)
-    return None if cc == 90 else f"bwd_ws needs an sm_90 GPU (H100/H200), this one is sm_{cc}"
-
-
-SM90_PROBLEM = _sm90_problem()
-requires_sm90 = pytest.mark.skipif(SM90_PROBLEM is not None, reason=str(SM90_PROBLEM))
 
 
 def _inputs(rng, b, sq, sk, h, hk, d, dtype):
