@@ -210,8 +210,31 @@ def encode_tensor_map(ptr: int, shape: tuple, strides: tuple, dtype: str, box_ro
     ``box_rows`` rows x 1 head x 1 batch, the 128-byte swizzle, no interleave, L2 promotion
     ``l2_promotion`` bytes and zero fill out of bounds (so a tile past the sequence's end reads
     zeros). ``encode`` replaces the driver's cuTensorMapEncodeTiled (tests)."""
-    b, s, h, d = (int(x) for x in shape)
-    sb, ss, sh, sd = (int(x) for x in strides)
+    if ptr % 16:
+        raise ValueError(f"the base address must be 16-byte aligned, got {ptr:#x}")
+    code, global_dim, global_strides, box_dim, element_strides, l2 = _encode_args(
+        tuple(int(x) for x in shape), tuple(int(x) for x in strides), dtype, box_rows, l2_promotion)
+    # The driver writes the map to an address aligned to 64 bytes at least (cuda.h aligns the
+    # type to 128): over-allocate and align.
+    buf = ctypes.create_string_buffer(TENSOR_MAP_BYTES + 128)
+    addr = ctypes.addressof(buf) + (-ctypes.addressof(buf) % 128)
+    fn = encode or _driver_encode()
+    rc = fn(addr, code, RANK, ptr, global_dim, global_strides, box_dim, element_strides,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, l2, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if rc:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {rc} (shape {shape}, strides {strides}, "
+                           f"{dtype}, box 64 x {box_rows})")
+    return ctypes.string_at(addr, TENSOR_MAP_BYTES)
+
+
+@functools.lru_cache(maxsize=256)
+def _encode_args(shape: tuple, strides: tuple, dtype: str, box_rows: int, l2_promotion: int) -> tuple:
+    """encode_tensor_map's checked arguments apart from the address, as the driver takes them:
+    (data type, dims, byte strides, box, element strides, L2 promotion). Remembered per shape, so
+    a call on new buffers of a known shape (a training step's fresh activations) builds and
+    checks nothing again; the arrays are only read by the driver."""
+    b, s, h, d = shape
+    sb, ss, sh, sd = strides
     if dtype not in CU_TENSOR_MAP_DATA_TYPE:
         raise ValueError(f"dtype must be one of {tuple(CU_TENSOR_MAP_DATA_TYPE)}, got {dtype!r}")
     if sd != 1:
@@ -220,8 +243,6 @@ def encode_tensor_map(ptr: int, shape: tuple, strides: tuple, dtype: str, box_ro
         raise ValueError(f"every dim must be in 1 .. 2^31, got {shape}")
     if d % BOX_COLS:
         raise ValueError(f"the head dim must be a multiple of {BOX_COLS}, got {d}")
-    if ptr % 16:
-        raise ValueError(f"the base address must be 16-byte aligned, got {ptr:#x}")
     byte_strides = (ss * 2, sh * 2, sb * 2)  # dims 1, 2, 3 (dim 0's stride is the element size)
     for st in byte_strides:
         if st <= 0 or st % 16 or st >= 1 << 40:
@@ -230,22 +251,9 @@ def encode_tensor_map(ptr: int, shape: tuple, strides: tuple, dtype: str, box_ro
         raise ValueError(f"box_rows must be in 1 .. 256, got {box_rows}")
     if l2_promotion not in CU_TENSOR_MAP_L2_PROMOTION:
         raise ValueError(f"l2_promotion must be one of {tuple(CU_TENSOR_MAP_L2_PROMOTION)}, got {l2_promotion}")
-    global_dim = (ctypes.c_uint64 * RANK)(d, s, h, b)
-    global_strides = (ctypes.c_uint64 * (RANK - 1))(*byte_strides)
-    box_dim = (ctypes.c_uint32 * RANK)(BOX_COLS, box_rows, 1, 1)
-    element_strides = (ctypes.c_uint32 * RANK)(1, 1, 1, 1)
-    # The driver writes the map to an address aligned to 64 bytes at least (cuda.h aligns the
-    # type to 128): over-allocate and align.
-    buf = ctypes.create_string_buffer(TENSOR_MAP_BYTES + 128)
-    addr = ctypes.addressof(buf) + (-ctypes.addressof(buf) % 128)
-    fn = encode or _driver_encode()
-    rc = fn(addr, CU_TENSOR_MAP_DATA_TYPE[dtype], RANK, ptr, global_dim, global_strides, box_dim,
-            element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-            CU_TENSOR_MAP_L2_PROMOTION[l2_promotion], CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-    if rc:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {rc} (shape {shape}, strides {strides}, "
-                           f"{dtype}, box 64 x {box_rows})")
-    return ctypes.string_at(addr, TENSOR_MAP_BYTES)
+    return (CU_TENSOR_MAP_DATA_TYPE[dtype], (ctypes.c_uint64 * RANK)(d, s, h, b),
+            (ctypes.c_uint64 * (RANK - 1))(*byte_strides), (ctypes.c_uint32 * RANK)(BOX_COLS, box_rows, 1, 1),
+            (ctypes.c_uint32 * RANK)(1, 1, 1, 1), CU_TENSOR_MAP_L2_PROMOTION[l2_promotion])
 
 
 def tma_readable(view) -> bool:
