@@ -77,6 +77,24 @@ def main():
         q, k, v = rnd(1, 77, 2, 128), rnd(1, 77, 2, 128), rnd(1, 77, 2, 128)
         o, lse = cuflash.attention(q, k, v, return_lse=True)
         attention_backward(torch.randn_like(o), q, k, v, o, lse, deterministic=det)
+    # the warp-specialised backward (planned on sm_90 for the dense d = 64 / 128 calls above): many
+    # steps through both Q/dO stages and both dS^T tiles, a window, and the dq_bulk variant
+    q, k, v = rnd(1, 700, 8, 128), rnd(1, 650, 2, 128), rnd(1, 700, 8, 128)[:, :650, :2]
+    for mods in (dict(causal=True), dict(window_size=(100, 20))):
+        o, lse = cuflash.attention(q, k, v, return_lse=True, **mods)
+        for det in (False, True):
+            attention_backward(torch.randn_like(o), q, k, v, o, lse, deterministic=det, **mods)
+    if torch.cuda.get_device_capability() == (9, 0):
+        import dataclasses
+        import importlib
+        plan = importlib.import_module("cuflash.plan")
+        planned = plan.bwd_ws.planned
+        plan.bwd_ws.planned = lambda *a: dataclasses.replace(planned(*a), dq_bulk=True)
+        plan.make_backward_plan.cache_clear()
+        o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+        attention_backward(torch.randn_like(o), q, k, v, o, lse, causal=True)
+        plan.bwd_ws.planned = planned
+        plan.make_backward_plan.cache_clear()
     # backward with a window, softcap and ALiBi; varlen backward with empty and length-1 sequences
     from cuflash.backward import attention_varlen_backward
     q, k, v = rnd(2, 113, 4, 64), rnd(2, 203, 2, 64), rnd(2, 203, 2, 64)
