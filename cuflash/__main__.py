@@ -243,6 +243,8 @@ def cmd_bench(a):
         grid["head_dims"] = tuple(a.head_dim)
     if (a.dtype or a.head_dim) and a.kind not in ("prefill", "backward", "jax"):
         _fail(f"cuflash: error: --dtype and --head-dim apply to bench prefill, backward and jax, not {a.kind}")
+    if a.deterministic and a.kind != "backward":
+        _fail(f"cuflash: error: --deterministic applies to bench backward, not {a.kind}")
     if a.kind == "prefill":
         rows = bench.bench_prefill(**grid)
     elif a.kind == "window":
@@ -250,7 +252,7 @@ def cmd_bench(a):
     elif a.kind == "overhead":
         rows = bench.bench_overhead()
     elif a.kind == "backward":
-        rows = bench.bench_backward(**grid)
+        rows = bench.bench_backward(**grid, deterministic=a.deterministic)
     elif a.kind == "jax":
         rows = bench.bench_jax(**grid)
     elif a.kind == "mask":
@@ -337,6 +339,7 @@ def main(argv=None):
     b.add_argument("--quick", action="store_true")
     b.add_argument("--dtype", nargs="+", choices=["bfloat16", "float16"])
     b.add_argument("--head-dim", type=HEAD_DIM, nargs="+")
+    b.add_argument("--deterministic", action="store_true", help="bench backward: cuflash's deterministic mode")
     b.add_argument("--json")
     b.add_argument("--csv")
     b.add_argument("--plot")

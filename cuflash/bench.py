@@ -318,12 +318,13 @@ def bench_decode(shapes=None, reps=20, warmup=10, d=128, dtype="bfloat16", causa
     return rows
 
 
-def bench_backward(dtypes=("bfloat16", "float16"), head_dims=(64, 128), causal=(False, True),
+def bench_backward(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), causal=(False, True),
                    shapes=((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)),
-                   model_dim=2048, reps=20, warmup=3, quick=False, verbose=True):
+                   model_dim=2048, reps=20, warmup=3, quick=False, verbose=True, deterministic=False):
     """Backward sweep on the prefill grid: cuflash.backward.attention_backward against the
     backward of SDPA's flash (FA2) and cuDNN backends, each timed alone (gradients of a saved
-    forward). FLOPs = 2.5 x the forward's (FA2's convention: 5 matmuls against 2)."""
+    forward). FLOPs = 2.5 x the forward's (FA2's convention: 5 matmuls against 2).
+    ``deterministic``: cuflash's deterministic mode (no atomics; SDPA's backends as usual)."""
     torch = _torch()
     import cuflash
     from cuflash.backward import attention_backward
@@ -336,7 +337,8 @@ def bench_backward(dtypes=("bfloat16", "float16"), head_dims=(64, 128), causal=(
         try:
             saved = [(do, q, k, v, *cuflash.attention(q, k, v, causal=c, return_lse=True))
                      for q, k, v, do in sets]
-            fn = lambda do, q, k, v, o, lse: attention_backward(do, q, k, v, o, lse, causal=c)  # noqa: E731
+            fn = lambda do, q, k, v, o, lse: attention_backward(do, q, k, v, o, lse, causal=c,  # noqa: E731
+                                                                deterministic=deterministic)
             row["cuflash_ms"] = time_cuda(fn, saved, warmup, reps)
             del saved
         except Exception as e:

@@ -116,3 +116,18 @@ def test_cuflash_jax_row_against_xla(numpy_kernels, rng, backward):
     assert row["max_diff_cuflash_jax"] == pytest.approx(float(want))
     assert 0 < row["max_diff_cuflash_jax"] < 0.05  # two bf16 roundings of the same attention
     assert numpy_kernels["fwd"] > 0 and (numpy_kernels["bwd"] > 0) == backward
+
+
+def test_grid_flags(capsys, monkeypatch):
+    """--dtype / --head-dim narrow the prefill, backward and jax grids (passed through to the
+    sweep), --deterministic selects cuflash's deterministic backward; elsewhere they are refused."""
+    seen = {}
+    monkeypatch.setattr(bench, "_torch", lambda: None)
+    monkeypatch.setattr(bench, "bench_backward", lambda **kw: seen.update(kw) or [])
+    monkeypatch.setattr(bench, "format_table", lambda rows, kind: "")
+    code, _, _ = run_cli(capsys, "bench", "backward", "--dtype", "float16", "--head-dim", "256", "--deterministic")
+    assert code == 0 and seen == dict(quick=False, dtypes=("float16",), head_dims=(256,), deterministic=True)
+    code, _, err = run_cli(capsys, "bench", "decode", "--dtype", "bfloat16")
+    assert code != 0 and "--dtype and --head-dim apply to bench prefill, backward and jax, not decode" in err
+    code, _, err = run_cli(capsys, "bench", "prefill", "--deterministic")
+    assert code != 0 and "--deterministic applies to bench backward, not prefill" in err
