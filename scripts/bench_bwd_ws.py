@@ -4,7 +4,8 @@ H100/H200, after checking each one's gradients against the wgmma kernel's.
 
     python scripts/bench_bwd_ws.py [--quick] [--head-dim D ...]
 
-Configurations: the planned variant, and with dQ added by bulk reduce-adds (``dq_bulk``). Prints
+Configurations: the planned variant, with dQ added by bulk reduce-adds (``dq_bulk``), and with
+dQ's product issued before dK's so that its adds overlap dK's product (``dq_early``). Prints
 one line per shape: TFLOP/s (2.5 x the forward's FLOPs) of each, of the wgmma kernel and of
 cuDNN, the best one's ratio to both, and the largest |difference| from the wgmma kernel's
 gradients (dq, dk, dv) relative to their largest magnitude. Model dim 2048, bf16.
@@ -17,7 +18,7 @@ import importlib
 from cuflash import bench
 from cuflash.kernels import bwd_ws
 
-CONFIGS = {"ws": {}, "ws dqbulk": dict(dq_bulk=True)}
+CONFIGS = {"ws": {}, "ws dqbulk": dict(dq_bulk=True), "ws dqearly": dict(dq_early=True)}
 
 
 def main():

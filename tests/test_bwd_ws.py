@@ -16,7 +16,8 @@ from cuflash.kernels import all_variants, bwd_ws
 from cuflash.kernels.bwd_ws import BwdWsVariant
 
 VARIANTS = bwd_ws.variants(90)
-BULK = [replace(v, dq_bulk=True) for v in VARIANTS if v.dq]  # not planned yet
+FLAGS = [dict(dq_bulk=True), dict(dq_early=True), dict(dq_bulk=True, dq_early=True)]  # not planned yet
+BULK = [replace(v, **f) for v in VARIANTS if v.dq for f in FLAGS]
 plan_mod = importlib.import_module("cuflash.plan")  # the module (cuflash.plan is the function)
 
 
@@ -35,6 +36,7 @@ def test_variants():
     (dict(arch=80), "arch must be 90"), (dict(head_dim=96), "head_dim must be one of"),
     (dict(kind="bwd_dq"), "kind must be"), (dict(causal=True, local=True), "not both"),
     (dict(dtype="fp32"), "dtype must be"), (dict(kind="bwd_ws_dkdv", dq_bulk=True), "dq_bulk"),
+    (dict(kind="bwd_ws_dkdv", dq_early=True), "dq_early"),
 ])
 def test_bad_variant(bad, match):
     kw = dict(kind="bwd_ws_dkdv_dq", head_dim=128, dtype="bf16", arch=90) | bad
@@ -108,23 +110,24 @@ def _inputs(rng, b, sq, sk, h, hk, d, dtype):
     return mk(b, sq, h, d), mk(b, sk, hk, d), mk(b, sk, hk, d), mk(b, sq, h, d)
 
 
-def _backward(q, k, v, dout, *, ws=True, deterministic=False, dq_bulk=False, **mods):
+def _backward(q, k, v, dout, *, ws=True, deterministic=False, flags=None, **mods):
     """Forward, then the backward into NaN-filled gradients, with the warp-specialised dK/dV
-    kernel (checked to be the one planned; ``dq_bulk``: that variant) or, ws=False, the wgmma
-    kernel."""
+    kernel (checked to be the one planned; ``flags``: BwdWsVariant fields such as dq_bulk) or,
+    ws=False, the wgmma kernel."""
     import torch
     import cuflash
     from cuflash.backward import attention_backward
     saved, planned = plan_mod.BWD_WS, bwd_ws.planned
     plan_mod.BWD_WS = ws
-    if dq_bulk:
-        plan_mod.bwd_ws.planned = lambda *a: replace(planned(*a), dq_bulk=True)
+    if flags:
+        plan_mod.bwd_ws.planned = lambda *a: replace(planned(*a), **flags)
     plan_mod.make_backward_plan.cache_clear()
     try:
         out, lse = cuflash.attention(q, k, v, return_lse=True, **mods)
         p = cuflash.plan(q, k, v, backward=True, deterministic=deterministic, **mods)
         assert (p.launches[1].variant.family == "bwd_ws") == ws, p
-        assert getattr(p.launches[1].variant, "dq_bulk", False) == dq_bulk, p
+        for f, x in (flags or {}).items():
+            assert getattr(p.launches[1].variant, f) == x, p
         bufs = dict(dq=torch.full_like(q, float("nan")), dk=torch.full_like(k, float("nan")),
                     dv=torch.full_like(v, float("nan")))
         return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **mods, **bufs)
@@ -222,14 +225,16 @@ def test_gpu_strided_operands(rng, d):
 @pytest.mark.parametrize("mask", ["full", "causal", "local"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("case", [(2, 113, 203, 4, 4), (1, 640, 640, 8, 1), (1, 2048, 2048, 16, 2)], ids=str)
-def test_gpu_dq_bulk(rng, case, d, mask):
-    """dQ added by bulk reduce-adds from shared memory: against the reference, and dK, dV bitwise
-    the per-thread-atomics variant's (only the dQ adds differ)."""
+@pytest.mark.parametrize("flags", FLAGS, ids=lambda f: "+".join(f))
+def test_gpu_dq_variants(rng, flags, case, d, mask):
+    """dQ added by bulk reduce-adds from shared memory (dq_bulk), dQ's product issued before dK's
+    (dq_early): against the reference, and dK, dV bitwise the planned variant's (only the dQ
+    adds differ)."""
     import torch
     b, sq, sk, h, hk = case
     q, k, v, dout = _inputs(rng, b, sq, sk, h, hk, d, "bfloat16")
     mods = dict(causal=mask == "causal", window_size=(300, 7) if mask == "local" else (-1, -1))
-    grads = _backward(q, k, v, dout, dq_bulk=True, **mods)
+    grads = _backward(q, k, v, dout, flags=flags, **mods)
     plain = _backward(q, k, v, dout, **mods)
     assert torch.equal(grads[1], plain[1]) and torch.equal(grads[2], plain[2])
     if sq * sk <= 640 * 640:

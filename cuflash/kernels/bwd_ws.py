@@ -56,6 +56,10 @@ class BwdWsVariant(KernelVariant):
     # each) from rows each consumer warp stages in shared memory, instead of a red.global.add per
     # pair of elements per thread (FlashAttention-3 adds dQ from shared memory too).
     dq_bulk: bool = False
+    # dQ = dS K issued before dK += dS^T Q, so that dQ's adds into the fp32 buffer overlap dK's
+    # product (FlashAttention-3's order); by default dK is issued with dV and the adds wait for
+    # both.
+    dq_early: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -67,8 +71,10 @@ class BwdWsVariant(KernelVariant):
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if not isinstance(self.dq_bulk, bool) or (self.dq_bulk and not self.dq):
-            raise ValueError(f"dq_bulk must be a bool, and True only with kind 'bwd_ws_dkdv_dq', got {self.dq_bulk!r}")
+        for f in ("dq_bulk", "dq_early"):
+            if not isinstance(getattr(self, f), bool) or (getattr(self, f) and not self.dq):
+                raise ValueError(f"{f} must be a bool, and True only with kind 'bwd_ws_dkdv_dq', "
+                                 f"got {getattr(self, f)!r}")
         if not isinstance(self.causal, bool) or not isinstance(self.local, bool) or (self.causal and self.local):
             raise ValueError(f"causal and local must be bools, not both True, got {self.causal!r}, {self.local!r}")
 
@@ -89,7 +95,7 @@ class BwdWsVariant(KernelVariant):
     @functools.cached_property
     def name(self) -> str:
         mask = "local" if self.local else ("causal" if self.causal else "full")
-        bulk = "_dqbulk" if self.dq_bulk else ""
+        bulk = ("_dqbulk" if self.dq_bulk else "") + ("_dqearly" if self.dq_early else "")
         return f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{bulk}_m{self.block_m}n{BLOCK_N}_sm{self.arch}"
 
     @property
@@ -120,7 +126,7 @@ class BwdWsVariant(KernelVariant):
 
     def constants(self) -> dict:
         return dict(head_dim=self.head_dim, block_m=self.block_m, causal=self.causal, local=self.local,
-                    bf16=self.dtype == "bf16", dq=self.dq, dq_bulk=self.dq_bulk, overlap=self.overlap, producer_regs=PRODUCER_REGS,
+                    bf16=self.dtype == "bf16", dq=self.dq, dq_bulk=self.dq_bulk, dq_early=self.dq_early, overlap=self.overlap, producer_regs=PRODUCER_REGS,
                     consumer_regs=MAX_CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES,
                     info_bytes=INFO_BYTES, barrier_bytes=BARRIER_BYTES, varlen_row_gap=VARLEN_ROW_GAP)
 
