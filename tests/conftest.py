@@ -215,3 +215,19 @@ def check_same_precision(low, ref, dt):
         assert lo.dtype == np.dtype(dt) and r.dtype == np.float64
         err = reference.max_abs_err(lo, r)
         assert 0 < err < tol * max(1.0, np.abs(r).max()), err
+
+
+def paged_cache(rng, rnd, b, per_seq, page, hk, d, spare):
+    """A paged K/V cache for GPU tests: ``b * per_seq + spare`` pages of ``page`` rows made by
+    ``rnd(*shape)``, a block table (int32 CUDA, (b, per_seq)) of distinct shuffled pages, and
+    ``rows(cache, i, n)``, sequence i's first n rows read through the table. Returns (k_cache,
+    v_cache, block_table, rows)."""
+    import torch
+    n_pages = b * per_seq + spare
+    k_cache, v_cache = rnd(n_pages, page, hk, d), rnd(n_pages, page, hk, d)
+    table = torch.from_numpy(rng.permutation(n_pages)[:b * per_seq].reshape(b, per_seq).astype(np.int32)).cuda()
+
+    def rows(c, i, n):
+        j = torch.arange(n, device="cuda")
+        return c[table[i][j // page].long(), j % page]
+    return k_cache, v_cache, table, rows

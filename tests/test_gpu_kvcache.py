@@ -4,7 +4,7 @@ with flash-attn's rule, and the caches checked element by element."""
 import numpy as np
 import pytest
 
-from conftest import requires_gpu, requires_torch
+from conftest import paged_cache, requires_gpu, requires_torch
 from test_gpu_forward import to_np
 
 pytestmark = [requires_gpu, requires_torch]
@@ -28,15 +28,7 @@ def make_case(rng, b, sq, sk, h, hk, d, mode, s_new, dtype="bfloat16"):
     kw = {}
     if mode.startswith("paged"):
         page = int(mode[5:])
-        per_seq = -(-cap // page)
-        n_pages = b * per_seq + 3
-        k_cache, v_cache = rnd(n_pages, page, hk, d), rnd(n_pages, page, hk, d)
-        table = torch.from_numpy(rng.permutation(n_pages)[:b * per_seq].reshape(b, per_seq).astype(np.int32)).cuda()
-        kw["block_table"] = table
-
-        def rows(c, i, n):
-            j = torch.arange(n, device="cuda")
-            return c[table[i][j // page].long(), j % page]
+        k_cache, v_cache, kw["block_table"], rows = paged_cache(rng, rnd, b, -(-cap // page), page, hk, d, 3)
     else:
         nb = b + 2 if mode == "batch_idx" else b
         k_cache, v_cache = rnd(nb, cap, hk, d), rnd(nb, cap, hk, d)

@@ -57,7 +57,7 @@ def test_window_dropin_maps_negatives_to_unbounded():
 # ---------------------------------------------------------------------------------------------
 # Validation before any launch (hand-made device views; nothing is allocated or launched)
 
-from conftest import fake_view, requires_gpu, requires_torch  # noqa: E402
+from conftest import fake_view, paged_cache, requires_gpu, requires_torch  # noqa: E402
 
 
 def dev(shape, dtype="float16", strides=None, ptr=1 << 20):
@@ -196,15 +196,7 @@ def _case(rng, b=2, s_new=3, h=4, hk=2, d=64, cap=304, page=None, dtype="bfloat1
     kw = {}
     if page:
         assert cap % page == 0, "the capacity is whole pages"
-        per_seq = cap // page
-        n_pages = b * per_seq + 2
-        kc, vc = rnd(n_pages, page, hk, d), rnd(n_pages, page, hk, d)
-        table = torch.from_numpy(rng.permutation(n_pages)[:b * per_seq].reshape(b, per_seq).astype(np.int32)).cuda()
-        kw["block_table"] = table
-
-        def rows(c, i, n):
-            j = torch.arange(n, device="cuda")
-            return c[table[i][j // page].long(), j % page]
+        kc, vc, kw["block_table"], rows = paged_cache(rng, rnd, b, cap // page, page, hk, d, 2)
     else:
         kc, vc = rnd(b, cap, hk, d), rnd(b, cap, hk, d)
         rows = lambda c, i, n: c[i, :n]  # noqa: E731
