@@ -293,3 +293,67 @@ def test_gpu_context_parallel_check():
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
     assert r.returncode == 0 and "PASS" in r.stdout, (r.stdout[-6000:], r.stderr[-6000:])
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the benchmark's driver (scripts/bench_context_parallel.py)
+
+def _bench():
+    spec = importlib.util.spec_from_file_location(
+        "bench_cp", os.path.join(ROOT, "scripts", "bench_context_parallel.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_arguments():
+    b = _bench()
+    a = b.parse_args([])
+    assert a.lengths == [32768, 65536, 131072, 262144] and a.gpus == [1, 2]
+    assert a.d_model // a.heads == 128 and a.budget_s <= 600
+    assert b.parse_args(["--lengths", "8k,12288"]).lengths == [8192, 12288]
+    with pytest.raises(ValueError):
+        b.parse_length("0k")
+    with pytest.raises(SystemExit, match="multiple of 16 x 2"):
+        b.main(["--lengths", "1000"])
+    ex = _example()
+    assert ex.parse_args(b.model_argv(a, 65536)).seqlen == 65536  # the example accepts them
+
+
+def test_bench_driver_order_budget_and_oom():
+    """Ascending lengths; a GPU count that ran out of memory is not run longer; no run starts
+    past the budget and each gets at most the time left."""
+    b = _bench()
+    a = b.parse_args(["--lengths", "64k,32k,128k,256k", "--budget-s", "100", "--run-timeout-s", "60"])
+    now, calls = [0.0], []
+
+    def runner(seqlen, gpus, timeout):
+        calls.append((seqlen, gpus, timeout))
+        now[0] += 10
+        oom = gpus == 1 and seqlen >= 128 * 1024
+        return dict(seqlen=seqlen, gpus=gpus, status="does not fit" if oom else "ok", median_s=seqlen / 1e5 / gpus,
+                    peak_gib=[1.0] * gpus)
+
+    *_, rows = b.run_all(a, runner, clock=lambda: now[0])
+    assert calls == [(32768, 1, 60), (32768, 2, 60), (65536, 1, 60), (65536, 2, 60), (131072, 1, 60),
+                     (131072, 2, 50), (262144, 2, 40)]
+    assert [r["status"] for r in rows if r["gpus"] == 1] == ["ok", "ok", "does not fit", "does not fit"]
+    assert b.longest_fit(rows) == {1: 65536, 2: 262144}
+    text = b.table(rows)
+    assert "does not fit" in text and "2.00x" in text and text.count("\n") == 5
+    a.budget_s = 45
+    now[0] = 0.0
+    *_, rows = b.run_all(a, runner, clock=lambda: now[0])
+    assert [r["status"] for r in rows][-5:] == ["not run (time budget)"] * 5
+
+
+def test_bench_merge_ranks():
+    b = _bench()
+    ok = dict(status="ok", step_s=[2.0, 1.0, 3.0], warmup_s=[9.0], peak_gib=50.0, device="H200", total_gib=139.8)
+    r = b.merge(1024, 2, [dict(ok, rank=1, peak_gib=52.0), dict(ok, rank=0)], 0, False, "", 12.0)
+    assert r["status"] == "ok" and r["median_s"] == 2.0 and r["peak_gib"] == [52.0, 50.0]
+    oom = dict(rank=1, status="does not fit", error="OutOfMemoryError: CUDA out of memory")
+    assert b.merge(1024, 2, [dict(ok, rank=0), oom], 1, False, "", 1.0)["status"] == "does not fit"
+    assert b.merge(1024, 2, [dict(ok, rank=0)], 1, False, "log tail", 1.0)["error"].endswith("log tail")
+    assert b.merge(1024, 2, [], -9, True, "", 1.0)["status"] == "timed out"
+    assert b.merge(1024, 2, [dict(ok, rank=0), dict(ok, rank=1)], 1, False, "", 1.0)["status"] == "error"
