@@ -173,7 +173,9 @@ def make_batch(args, device):
     g = torch.Generator().manual_seed(args.seed + 1)
     pattern = torch.randint(0, args.vocab, (args.batch, 64), generator=g)
     seq = pattern.repeat(1, (args.seqlen + 1) // 64 + 1)[:, :args.seqlen + 1]
-    return seq[:, :-1].contiguous().to(device), seq[:, 1:].contiguous().to(device)
+    # Clones, not views or .contiguous() (a no-op on a batch of 1): context_parallel reshards its
+    # buffers in place, and two views of one storage would overwrite each other.
+    return seq[:, :-1].clone().to(device), seq[:, 1:].clone().to(device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,21 +200,23 @@ def cp_step(model, tokens, labels, mesh, autocast=True):
                              no_restore_buffers={tokens, labels}):
         # The backward must run inside the context too: it dispatches SDPA's flash backward to
         # ring attention the same way.
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = model(tokens, labels)
         loss.backward()
-    group = mesh.get_group()
+    # A sum divided by the world size, not ReduceOp.AVG, which gloo (CPU meshes) lacks.
+    group, world = mesh.get_group(), mesh.size()
     for p in model.parameters():
         if p.grad is not None:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=group)
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(world)
     loss = loss.detach().clone()
-    dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=group)
-    return loss
+    dist.all_reduce(loss, group=group)
+    return loss / world
 
 
 def single_step(model, tokens, labels, autocast=True):
     """The same step on one GPU, whole sequences."""
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=autocast):
         loss = model(tokens, labels)
     loss.backward()
     return loss.detach()

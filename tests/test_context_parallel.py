@@ -181,6 +181,80 @@ def test_ring_attention_runs_cuflash(tmp_path, load_balance):
     assert s == 2 * n
 
 
+def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+    """SDPA as it runs on a GPU for bf16 operands without a mask: the flash op, with the scale
+    computed from the head dim (CPU SDPA would call its own CPU flash op instead)."""
+    import torch
+    assert attn_mask is None and not enable_gqa
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
+                                                              scale=scale)[0]
+
+
+# context_parallel replaces the attribute of torch.nn.functional named by the function's __name__.
+_flash_sdpa.__name__ = "scaled_dot_product_attention"
+
+
+def _example_worker(rank, world, init, out_dir):
+    """The example's cp_step (context_parallel with its buffers, load balancing, the ring, the
+    gradient average) on CPU tensors, with bf16 autocast, against its single_step on the whole
+    sequence; SDPA calls the flash op, whose cuflash override runs float64 reference kernels."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    import cuflash.torch.sdpa as sdpa
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    calls = []
+    sdpa._device_problem = lambda *xs: None
+    sdpa.ops._forward_kernel = _ref_forward(calls)
+    sdpa.ops._backward_kernel = _ref_backward(calls)
+    lib = torch.library.Library("aten", "IMPL", "CPU")
+    lib.impl("_scaled_dot_product_flash_attention", sdpa._forward_impl, "CPU", with_keyset=True)
+    lib.impl("_scaled_dot_product_flash_attention_backward", sdpa._backward_impl, "CPU", with_keyset=True)
+    F.scaled_dot_product_attention = _flash_sdpa
+    mesh = init_device_mesh("cpu", (world,))
+    ex = _example()
+    args = ex.parse_args(["--seqlen", "64", "--layers", "2", "--d-model", "64", "--heads", "2",
+                          "--vocab", "50"])
+    model = ex.build_model(args, "cpu")
+    tokens, labels = ex.make_batch(args, "cpu")
+    loss_one = ex.single_step(model, tokens, labels).item()
+    one = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    n_single = len(calls)
+    loss_cp = ex.cp_step(model, tokens, labels, mesh).item()
+    lib._destroy()
+    rel = {n: ((p.grad - one[n]).abs().max() / one[n].abs().max()).item() for n, p in model.named_parameters()}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(dict(single=calls[:n_single], cp=calls[n_single:], loss_one=loss_one, loss_cp=loss_cp,
+                       rel=rel, cos_restored=list(model.cos.shape)), f)
+    dist.destroy_process_group()
+
+
+def test_example_cp_step_on_cpu(tmp_path):
+    """2 gloo processes: the example's context-parallel step equals its one-process step (loss
+    and every gradient, to bf16 autocast's rounding), every attention call having gone through
+    cuflash's override as ring blocks of the load-balanced halves."""
+    import torch.multiprocessing as mp
+    if _cp_module() is None:
+        pytest.skip("this PyTorch has no context-parallel dispatcher")
+    mp.spawn(_example_worker, args=(2, f"file://{tmp_path / 'store'}", str(tmp_path)), nprocs=2, join=True)
+    r = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)]
+    for rank, got in enumerate(r):
+        assert got["single"] == [["fwd", [1, 64, 2, 32], [1, 64, 2, 32], True]] * 2 + \
+            [["bwd", [1, 64, 2, 32], [1, 64, 2, 32], True]] * 2
+        other = [[1, 16, 2, 32], [1, 32, 2, 32]] if rank == 0 else [[1, 32, 2, 32], [1, 16, 2, 32]]
+        blocks = [[[1, 32, 2, 32], [1, 32, 2, 32], True], other + [False]]
+        assert got["cp"] == [["fwd"] + b for b in blocks] * 2 + [["bwd"] + b for b in blocks] * 2, got["cp"]
+        assert abs(got["loss_cp"] - got["loss_one"]) < 2e-3, got
+        assert max(got["rel"].values()) < 2e-2, got["rel"]
+        assert got["cos_restored"] == [64, 32]  # context_parallel put the rotary tables back
+    assert r[0]["loss_cp"] == r[1]["loss_cp"] and r[0]["rel"] == r[1]["rel"]
+
+
 # ---------------------------------------------------------------------------------------------
 # CPU: the example's pure-Python parts
 
@@ -212,6 +286,8 @@ def test_example_model_on_cpu():
     model = ex.build_model(a, "cpu")
     tokens, labels = ex.make_batch(a, "cpu")
     assert tokens.shape == labels.shape == (1, 64) and torch.equal(tokens[:, 1:], labels[:, :-1])
+    # context_parallel reshards buffers in place: tokens and labels must not share storage.
+    assert tokens.untyped_storage().data_ptr() != labels.untyped_storage().data_ptr()
     loss = model(tokens, labels)
     loss.backward()
     assert abs(loss.item() - math.log(100)) < 0.5
