@@ -12,7 +12,7 @@ GPU (2 CUDA GPUs and NCCL): the example's ``--check`` under torchrun.
 import importlib.util
 import json
 import os
-import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -363,12 +363,18 @@ def test_gpu_context_parallel_check():
     why = _two_gpu_problem()
     if why:
         pytest.skip(why)
-    torchrun = shutil.which("torchrun") or shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    cmd = ([torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]) + [
-        "--nproc-per-node", "2", "--master-port", str(_free_port()), EXAMPLE, "--check"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",  # torchrun, this Python's
+           "--master-port", str(_free_port()), EXAMPLE, "--check"]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
-    assert r.returncode == 0 and "PASS" in r.stdout, (r.stdout[-6000:], r.stderr[-6000:])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
+        out, err = proc.communicate()
+        pytest.fail(f"the check did not finish in 600 s:\n{out[-4000:]}\n{err[-4000:]}")
+    assert proc.returncode == 0 and "PASS" in out, (out[-6000:], err[-6000:])
 
 
 # ---------------------------------------------------------------------------------------------
