@@ -16,6 +16,12 @@ cuflash's: float32 (batch, nheads, seqlen_q), natural log. ``is_causal`` on thes
 the bottom-right corner, as in cuflash (SDPA itself only sends causal calls with seqlen_q ==
 seqlen_k to them; ``torch.nn.attention.bias.causal_lower_right`` sends the others). K/V may have
 fewer heads than Q (SDPA's ``enable_gqa``).
+
+PyTorch's context parallelism (``torch.distributed.tensor.experimental.context_parallel``) calls
+these same ops once per block of its ring, on each rank's local tensors: ``is_causal`` only on
+square diagonal blocks, then non-causal blocks of half the queries or half the keys, whose
+backward gets the merged output and LSE as views. Every such call is one cuflash serves (see
+docs/torch.md, "Context parallelism").
 """
 import functools
 import warnings
