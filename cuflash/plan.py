@@ -328,7 +328,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         nbps, workspace = 0, 0
     else:
         bm, bn, warps, stages = decode_tile(bucket) if decode else (
-            SPLIT_BLOCK_M, split_tile_n(bucket, local, p.softcap, p.alibi, p.kv), SPLIT_WARPS, 1)
+            SPLIT_BLOCK_M, split_tile_n(bucket, local, p.softcap, p.alibi, p.kv, mods["kv_unaligned"]), SPLIT_WARPS, 1)
         n_blocks = band_tiles(bm, window, p.seqlen_q, p.seqlen_k, bn)  # in the kernel's own K/V blocks
         nbps = cdiv(n_blocks, splits)
         v = FwdVariant(kind="fwd_split", head_dim=bucket, dtype=p.dtype, causal=causal, even_head_dim=even,

@@ -72,12 +72,15 @@ def split_block_n(d: int) -> int:
 
 
 def split_tile_n(bucket: int, local: bool = False, softcap: bool = False, alibi: bool = False,
-                 kv: str = "dense") -> int:
+                 kv: str = "dense", unaligned: bool = False) -> int:
     """Keys per K/V tile of the split-KV kernel (outside decode): FA2's block_n, but at most 64
     (32 above d = 128) where its registers spill at FA2's tile: a window with softcap and ALiBi
-    together, or a window with either of them over a paged cache (block-table lookups)."""
+    together, or a window with either of them over a paged cache (block-table lookups); and at
+    most 128 when the cache's rows are read element by element (``unaligned``), whose 256-key
+    tiles at d = 64 spill."""
     heavy = local and ((softcap and alibi) or (kv == "paged" and (softcap or alibi)))
-    return (64 if bucket <= 128 else 32) if heavy else split_block_n(bucket)
+    n = (64 if bucket <= 128 else 32) if heavy else split_block_n(bucket)
+    return min(n, 128) if unaligned else n
 
 
 PARAMS = ParamTable("FwdParams", (
@@ -273,7 +276,9 @@ def variants(arch: int, mods: bool = True) -> list[FwdVariant]:
     # KV-cache features: cache_leftpad on contiguous caches; element-wise K/V loads for cache and
     # paged variants below their bucket (head dims that are not a multiple of 8).
     out += [replace(v, leftpad=True) for v in out if v.kv == "cache"]
-    out += [replace(v, kv_unaligned=True) for v in out if v.kv != "dense" and not v.even_head_dim and not v.decode]
+    out += [replace(v, kv_unaligned=True, block_n=split_tile_n(v.head_dim, v.local, v.softcap, v.alibi, v.kv, True)
+                    if v.kind == "fwd_split" else v.block_n)
+            for v in out if v.kv != "dense" and not v.even_head_dim and not v.decode]
     if mods:
         out += [replace(v, sinks=True) for v in out]  # sinks cross everything but FlashMask
         out += flashmask_variants(arch)
