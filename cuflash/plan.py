@@ -457,11 +457,12 @@ def _bwd_ws_blocker(p: Problem, bucket: int, arch: int) -> str:
 
 
 def backward_kernels(bucket: int, dtype: str, causal: bool, deterministic: bool, arch: int, local: bool = False,
-                     softcap: bool = False, alibi: bool = False, flashmask: int = 0) -> tuple[KernelVariant, ...]:
+                     softcap: bool = False, alibi: bool = False, flashmask: int = 0,
+                     dropout: bool = False) -> tuple[KernelVariant, ...]:
     """The kernels one backward call launches, in launch order (prep, dK/dV, dQ); ``causal`` and
     ``local`` are the mask as launched (effective_window); ``flashmask``: FlashMask's bound
-    columns per key (0 = none)."""
-    return bwd.kernels(bucket, dtype, causal, deterministic, arch, local, softcap, alibi, flashmask)
+    columns per key (0 = none); ``dropout``: attention dropout."""
+    return bwd.kernels(bucket, dtype, causal, deterministic, arch, local, softcap, alibi, flashmask, dropout)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -473,11 +474,12 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     window = effective_window(p.causal, p.window, p.seqlen_q, p.seqlen_k)
     causal = window[0] < 0 and window[1] == 0
     local = window != (-1, -1) and not causal
+    _dropout_rejects(p)
     if p.flashmask:
         _flashmask_rejects(p)
         causal = p.causal  # the indices' columns follow the caller's causal (as in the forward)
     prep, main, last = backward_kernels(bucket, p.dtype, causal, p.deterministic, dev.arch, local, p.softcap, p.alibi,
-                                        p.flashmask)
+                                        p.flashmask, p.dropout)
     ws = _bwd_ws_blocker(p, bucket, dev.arch)
     if ws == "":
         main = bwd_ws.planned(bucket, p.dtype, causal, local, p.deterministic, dev.arch)
@@ -504,11 +506,16 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
         kind = (f"Hopper's warpgroup MMA (wgmma, sm_90a), two warpgroups of 64 keys; not the warp-specialised "
                 f"kernel: {ws}")
     else:
-        kind = "mma.sync" + (" (the wgmma kernel has no registers for softcap/ALiBi)" if dev.arch == 90
+        kind = "mma.sync" + ((" (the wgmma kernel has no registers for dropout)" if p.dropout else
+                              " (the wgmma kernel has no registers for softcap/ALiBi)") if dev.arch == 90
                              and bucket in bwd.DKDV_WGMMA_TILES else "")
     why.append(f"{main.kind}: a block per {main.block_n} keys of a KV head keeps K and V in shared memory and walks "
                f"its {p.nheads // p.nheads_k} query head(s) in steps of {main.block_m} query rows, with {kind}; "
                "dK and dV are summed in registers and written once.")
+    if p.dropout:
+        why.append("dropout: the forward's mask is regenerated from (seed, offset, batch, head, row, key) in "
+                   f"{main.kind}" + (f" and {last.kind}" if last.kind == "bwd_dq" else "") + ": dV = (P Z / (1 - p))^T "
+                   "dO and dS = P (Z dP / (1 - p) - D), D = rowsum(dO * O) of the dropped output.")
     if p.sinks:
         why.append("sinks: dq, dk and dv need nothing more, since P = exp(s - LSE) and the LSE holds the sink; "
                    "dsinks = -sum over batch and rows of exp(sink - LSE) * D, from the LSE and D rows of "

@@ -30,7 +30,7 @@ from . import masks, validate
 
 __all__ = ["attention", "attention_varlen", "attention_backward", "attention_varlen_backward",
            "max_abs_err", "check_close", "philox4x32", "dropout_keep_mask", "dropout_threshold",
-           "dropout_offset_increment"]
+           "dropout_offset_increment", "attention_probs"]
 
 _BUDGET = 1 << 22  # max float64 elements of one score block (32 MiB)
 _LOW_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16),
@@ -554,3 +554,24 @@ def _dropout_tuple(dropout_p, seed, offset):
     if seed is None:
         raise ValueError("dropout_p > 0 needs seed (an int in [0, 2**64)): the mask is a function of it")
     return p, _u64(seed, "seed"), _u64(offset, "offset")
+
+
+def attention_probs(q, k, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, batch0=0):
+    """The attention probabilities P = softmax(scores) of :func:`attention` as float64 (batch,
+    nheads, seqlen_q, seqlen_k) (0 where masked and on rows that see no key), with flash-attn's
+    ``S_dmask`` convention for dropout: a dropped element is negated, so ``P >= 0`` is the mask
+    (kept, including the zeros of masked positions) and ``abs(P)`` the probabilities before
+    dropout, already normalised (flash-attn's own S_dmask needs normalize_flash_attn_S)."""
+    v = np.asarray(k)  # shapes only: P does not depend on v
+    a = _Args(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, "float64",
+              dropout=_dropout_tuple(dropout_p, seed, offset), batch0=batch0)
+    batch, sq, nheads, _ = a.q.shape
+    out = np.zeros((batch, nheads, sq, a.k.shape[1]), dtype=np.float64)
+    for b, _, hs, i0, i1, _, _, _, s, _ in a.blocks():
+        _, p, l = _softmax_parts(s)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            p = np.where(l == 0, 0.0, p / l)
+        z = a.keep(b, hs, i0, i1, s.shape[-1])
+        out[b, hs, i0:i1] = np.where(np.asarray(z) != 0, p, -p)
+    return out
