@@ -112,9 +112,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     q, k, v = (_contiguous_last(x) for x in (q, k, v))
     window, cap = _window(window_size), _softcap(softcap)
     seed, offset = _draw(validate.dropout_p(dropout_p), q, q.shape[0], return_attn_probs)
+    drop = {} if not dropout_p else dict(dropout_p=dropout_p, seed=seed, offset=offset)
     res = ops.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window, softcap=cap,
                         alibi_slopes=alibi_slopes, deterministic=deterministic,
-                        return_lse=bool(return_attn_probs), dropout_p=dropout_p, seed=seed, offset=offset)
+                        return_lse=bool(return_attn_probs), **drop)
     if return_attn_probs and seed is not None:
         b, sq, h, _ = q.shape
         mask = _s_dmask(q, k, [(i, q[i:i + 1], k[i:i + 1]) for i in range(b)], dropout_p, seed, offset, causal,
