@@ -59,6 +59,9 @@ DQ_TILES = {
 # FlashMask with a softcap at d = 32: the dQ kernel's 128-key tiles leave no registers for the
 # per-column bounds next to the softcap's 1 - t^2 factors; 64 keys do.
 DQ_FLASHMASK_SOFTCAP_TILES = {32: (64, 64, 4, 2)}
+# Dropout at d = 32: the dQ kernel's 128-key tiles leave no registers for the Philox words (with a
+# window, softcap and ALiBi it spilled 88-132 B under NVRTC 13.5); 64 keys do.
+DQ_DROPOUT_TILES = {32: (64, 64, 4, 2)}
 # FlashMask with a softcap at d = 128: the dK/dV kernel's second Q/dO stage leaves no registers
 # for the per-column bounds next to the softcap's factors (NVRTC 13.0 spills the causal two-bound
 # variant); one stage does.
@@ -287,7 +290,7 @@ def kernels(bucket: int, dtype: str, causal: bool, deterministic: bool, arch: in
     prep = BwdRowVariant(kind="bwd_prep", head_dim=bucket, dtype=dtype, arch=arch)
     if deterministic:
         qm, qn, qw, qst = (DQ_FLASHMASK_SOFTCAP_TILES.get(bucket, DQ_TILES[bucket]) if flashmask and softcap
-                           else DQ_TILES[bucket])
+                           else DQ_DROPOUT_TILES.get(bucket, DQ_TILES[bucket]) if dropout else DQ_TILES[bucket])
         return (prep, BwdTileVariant(kind="bwd_dkdv", block_m=bm, block_n=bn, warps=w, stages=st, mma=mma, **mods),
                 BwdTileVariant(kind="bwd_dq", block_m=qm, block_n=qn, warps=qw, stages=qst, **mods))
     return (prep, BwdTileVariant(kind="bwd_dkdv_dq", block_m=bm, block_n=bn, warps=w, stages=st, mma=mma, **mods),
