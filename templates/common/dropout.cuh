@@ -54,7 +54,7 @@ __device__ __forceinline__ uint4 dropout_words(const DropoutRng& d, int row16, i
 // x if the 16-bit half (hi: the upper one) of `word` is below keep, else 0 (kNeg: -x, so a
 // non-negative P keeps its magnitude and carries the mask in its sign, for the backward).
 template <bool kNeg = false>
-__device__ __forceinline__ float dropout_keep(float x, u32 word, bool hi, u32 keep) {
+__device__ __forceinline__ float keep_or_drop(float x, u32 word, bool hi, u32 keep) {
   return ((hi ? word >> 16 : word & 0xffffu) < keep) ? x : (kNeg ? -x : 0.f);
 }
 
@@ -77,14 +77,14 @@ __device__ __forceinline__ void apply_dropout(float (&s)[kNT][4], const DropoutR
   for (int kk = 0; kk < kNT / 2; ++kk) {
     const uint4 w = dropout_words(d, row0 >> 4, (key0 >> 4) + kk, lane);
     // Word = row half * 2 + key half: x (g, keys 2t..), y (g, keys 8 + 2t..), z (g + 8, 2t..), w.
-    s[2 * kk][0] = dropout_keep<kNeg>(s[2 * kk][0], w.x, false, d.keep);
-    s[2 * kk][1] = dropout_keep<kNeg>(s[2 * kk][1], w.x, true, d.keep);
-    s[2 * kk][2] = dropout_keep<kNeg>(s[2 * kk][2], w.z, false, d.keep);
-    s[2 * kk][3] = dropout_keep<kNeg>(s[2 * kk][3], w.z, true, d.keep);
-    s[2 * kk + 1][0] = dropout_keep<kNeg>(s[2 * kk + 1][0], w.y, false, d.keep);
-    s[2 * kk + 1][1] = dropout_keep<kNeg>(s[2 * kk + 1][1], w.y, true, d.keep);
-    s[2 * kk + 1][2] = dropout_keep<kNeg>(s[2 * kk + 1][2], w.w, false, d.keep);
-    s[2 * kk + 1][3] = dropout_keep<kNeg>(s[2 * kk + 1][3], w.w, true, d.keep);
+    s[2 * kk][0] = keep_or_drop<kNeg>(s[2 * kk][0], w.x, false, d.keep);
+    s[2 * kk][1] = keep_or_drop<kNeg>(s[2 * kk][1], w.x, true, d.keep);
+    s[2 * kk][2] = keep_or_drop<kNeg>(s[2 * kk][2], w.z, false, d.keep);
+    s[2 * kk][3] = keep_or_drop<kNeg>(s[2 * kk][3], w.z, true, d.keep);
+    s[2 * kk + 1][0] = keep_or_drop<kNeg>(s[2 * kk + 1][0], w.y, false, d.keep);
+    s[2 * kk + 1][1] = keep_or_drop<kNeg>(s[2 * kk + 1][1], w.y, true, d.keep);
+    s[2 * kk + 1][2] = keep_or_drop<kNeg>(s[2 * kk + 1][2], w.w, false, d.keep);
+    s[2 * kk + 1][3] = keep_or_drop<kNeg>(s[2 * kk + 1][3], w.w, true, d.keep);
   }
 }
 
@@ -101,10 +101,10 @@ __device__ __forceinline__ void apply_dropout_t(float (&s)[kNT][4], const Dropou
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const uint4 w = dropout_words(d, (row0 >> 4) + kk, key0 >> 4, (2 * t + e) * 4 + (g >> 1));
-      s[2 * kk][e] = dropout_keep<kNeg>(s[2 * kk][e], w.x, hi, d.keep);          // query 2t + e, key g
-      s[2 * kk][2 + e] = dropout_keep<kNeg>(s[2 * kk][2 + e], w.y, hi, d.keep);  // query 2t + e, key g + 8
-      s[2 * kk + 1][e] = dropout_keep<kNeg>(s[2 * kk + 1][e], w.z, hi, d.keep);  // query 2t + e + 8, key g
-      s[2 * kk + 1][2 + e] = dropout_keep<kNeg>(s[2 * kk + 1][2 + e], w.w, hi, d.keep);  // 2t + e + 8, g + 8
+      s[2 * kk][e] = keep_or_drop<kNeg>(s[2 * kk][e], w.x, hi, d.keep);          // query 2t + e, key g
+      s[2 * kk][2 + e] = keep_or_drop<kNeg>(s[2 * kk][2 + e], w.y, hi, d.keep);  // query 2t + e, key g + 8
+      s[2 * kk + 1][e] = keep_or_drop<kNeg>(s[2 * kk + 1][e], w.z, hi, d.keep);  // query 2t + e + 8, key g
+      s[2 * kk + 1][2 + e] = keep_or_drop<kNeg>(s[2 * kk + 1][2 + e], w.w, hi, d.keep);  // 2t + e + 8, g + 8
     }
   }
 }
