@@ -291,6 +291,10 @@ def test_torch_seed_offset_plumbing():
     with pytest.raises(ValueError, match="dropout_p"):
         flash_attn_func(q, q, q, 1.5)
     assert reference.dropout_offset_increment(3, 5) == 16
+    for op in (torch.ops.cuflash.attention_fwd, torch.ops.cuflash.attention_bwd, torch.ops.cuflash.attention_varlen_fwd,
+               torch.ops.cuflash.attention_varlen_bwd):
+        args = [(a.name, str(a.type)) for a in op.default._schema.arguments][-3:]
+        assert args == [("dropout_p", "float"), ("seed", "int"), ("offset", "int")], op
 
 
 # ---------------------------------------------------------------------------------------------
