@@ -90,6 +90,31 @@ def test_mask_depends_only_on_its_inputs():
         assert (other != full).mean() > 0.4  # independent masks differ in about half the elements
 
 
+def test_fragment_tables_of_the_header_follow_the_mapping():
+    """templates/common/dropout.cuh's tables, element by element of the mma.sync m16n8k16
+    accumulator (lane 4 g + t holds rows g, g + 8 and columns 2t, 2t + 1 of each n8 tile, as
+    c[0..3]), against the mapping: the call's lane index is (i % 8) * 4 + (j % 8) // 2, its word
+    ((i % 16) // 8) * 2 + (j % 16) // 8 and the half j % 2, for query row i and key j."""
+    words = "xyzw"
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for tile in range(2):  # n8 tiles 2 kk and 2 kk + 1 of one 16 x 16 block
+            for e in range(4):
+                r, c = g + 8 * (e >> 1), 8 * tile + 2 * t + (e & 1)
+                # apply_dropout (S = Q K^T: rows are queries): its own lane's call; tile 2kk takes
+                # x (e 0, 1) and z (e 2, 3), tile 2kk + 1 takes y and w; the half is e & 1.
+                i, j = r, c
+                word = ("xz" if tile == 0 else "yw")[e >> 1]
+                assert lane == (i % 8) * 4 + (j % 8) // 2
+                assert words.index(word) == ((i % 16) // 8) * 2 + (j % 16) // 8 and (e & 1) == j % 2
+                # apply_dropout_t (S^T = K Q^T: rows are keys): the call of lane (2t + e') * 4 + g / 2
+                # with e' = e & 1; word x, y (query tile 0; key g, g + 8), z, w (query tile 1); half g & 1.
+                i, j = c, r
+                word = ("xy" if tile == 0 else "zw")[e >> 1]
+                assert (2 * t + (e & 1)) * 4 + (g >> 1) == (i % 8) * 4 + (j % 8) // 2
+                assert words.index(word) == ((i % 16) // 8) * 2 + (j % 16) // 8 and (g & 1) == j % 2
+
+
 @pytest.mark.parametrize("p", [0.0, 1e-6, 0.1, 0.5, 0.9, 0.999])
 def test_mask_kept_fraction(p):
     n = 256 * 512
