@@ -46,7 +46,7 @@ def _current_device() -> int:
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None,
               num_splits=0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, startend_row_indices=None,
-              sinks=None):
+              sinks=None, dropout_p=0.0, seed=None, offset=0):
     """Scaled dot-product attention with flash-attn's ``flash_attn_func`` semantics.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim), float16
@@ -69,8 +69,17 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     column, exp(sink), with no value (compared with the scaled, softcapped, biased scores, in
     natural-log units), so out_i = sum_j exp(s_ij) v_j / (exp(sink) + sum_j exp(s_ij)) and the
     LSE includes it; a row that sees no key gives 0 and LSE = sink.
+    ``dropout_p``: attention dropout (flash-attn's): a float in [0, 1); elements of the softmax's
+    probabilities are dropped and the kept ones scaled by 1 / (1 - dropout_p). The mask is a pure
+    function of ``seed`` and ``offset`` (ints in [0, 2**64); seed is required when dropout_p > 0)
+    and of (batch, head, row, key): cuflash.reference.dropout_keep_mask regenerates it, and
+    cuflash.backward.attention_backward with the same seed and offset differentiates the same
+    mask. A call uses the counters of offsets offset ... offset + batch * nheads - 1, so the next
+    independent call should pass offset + reference.dropout_offset_increment(batch, nheads) (or a
+    new seed). Not with a KV cache, num_splits > 1, sinks or startend_row_indices.
     """
-    sig = None if startend_row_indices is not None or sinks is not None else _signature(
+    plain = type(dropout_p) in (int, float) and dropout_p == 0 and seed is None and type(offset) is int and offset == 0
+    sig = None if startend_row_indices is not None or sinks is not None or not plain else _signature(
         q, k, v, out, causal, softmax_scale, return_lse, num_splits, window_size, softcap, alibi_slopes)
     if sig is not None:
         try:
@@ -93,6 +102,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     return_lse = validate.boolean(return_lse, "return_lse")
     mods = validate.mods(window_size, softcap, alibi_slopes, qv.shape[0], qv.shape[2], qv, scale)
     sv = validate.sinks(sinks, qv.shape[2], qv)
+    drop = _dropout(dropout_p, seed, offset, num_splits, sv, startend_row_indices)
     fm = None
     if startend_row_indices is not None:
         fm = _flashmask(startend_row_indices, qv, kv, causal, num_splits, mods, sv is not None)
@@ -105,10 +115,28 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
                         window_size=mods[0], softcap=mods[1],
                         alibi_slopes=None if mods[2] is None else dev_array(mods[2]),
                         startend_row_indices=None if fm is None else dev_array(fm),
-                        sinks=None if sv is None else dev_array(sv))
+                        sinks=None if sv is None else dev_array(sv), **_dropout_kwargs(drop))
         return _host_result(res, qv, out, return_lse)
 
-    return _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mods, sig, fm, sv)
+    return _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mods, sig, fm, sv, drop)
+
+
+def _dropout(dropout_p, seed, offset, num_splits, sv, startend_row_indices):
+    """(dropout_p, seed, offset) after their checks, or None without dropout; what dropout cannot
+    be combined with is named (flash-attn applies dropout in training only: no split, no cache)."""
+    p = validate.dropout_p(dropout_p)
+    seed, offset = validate.seed_offset(seed, offset, p > 0)
+    if p == 0:
+        return None
+    for bad, what in ((num_splits > 1, f"num_splits={num_splits}"), (sv is not None, "sinks (attention sinks)"),
+                      (startend_row_indices is not None, "startend_row_indices (FlashMask)")):
+        if bad:
+            raise ValueError(f"dropout_p > 0 cannot be combined with {what}")
+    return p, seed, offset
+
+
+def _dropout_kwargs(drop):
+    return {} if drop is None else dict(dropout_p=drop[0], seed=drop[1], offset=drop[2])
 
 
 def _flashmask(indices, qv, kv, causal, num_splits, mods, sinks=False):
@@ -161,7 +189,8 @@ def _sink_arg(sv):
     return None if sv is None else (sv.ptr, sv.dtype)
 
 
-def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mods, sig=None, fm=None, sv=None):
+def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mods, sig=None, fm=None, sv=None,
+                      drop=None):
     b, sq, h, d = qv.shape
     sk, hk = kv.shape[1], kv.shape[2]
     o_view, lse_arr = _outputs(qv, ov, return_lse)
@@ -181,10 +210,11 @@ def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mod
     problem = (b, sq, sk, h, hk, d_pad, arrays.DTYPE_NAMES[qv.dtype], causal, return_lse, num_splits,
                window, cap > 0, alibi is not None, sv is not None)
     recipe = _launch(problem, qv, *qk, kernel_out, lse_arr, scale, softcap=cap,
-                     alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0), fm=fm, sinks=_sink_arg(sv))
+                     alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0), fm=fm, sinks=_sink_arg(sv),
+                     dropout=drop)
     if not direct_out:
         o_view.array[...] = kernel_out.array[..., :d]
-    elif sig is not None and all(in_place):  # read in place: the next such call can skip to here
+    elif sig is not None and all(in_place) and drop is None:  # read in place: the next such call can skip to here
         if len(_repeats) >= 1024:
             _repeats.clear()
         contiguous = qv.strides == (sq * h * d, h * d, d, 1)
@@ -265,17 +295,17 @@ _plans: dict = {}
 
 
 def _plan_for(fields: tuple, device: int, kv: str = "dense", varlen: bool = False, flashmask=(0, 0),
-              leftpad: bool = False):
+              leftpad: bool = False, dropout: bool = False):
     """The plan of a call, cached on the call's fields (so a repeated shape builds no Problem);
     ``flashmask`` is (bound columns, heads) of startend_row_indices, or (0, 0); ``leftpad``: a
-    contiguous cache with cache_leftpad."""
-    key = (fields, device, kv, varlen, flashmask, leftpad)
+    contiguous cache with cache_leftpad; ``dropout``: attention dropout."""
+    key = (fields, device, kv, varlen, flashmask, leftpad, dropout)
     plan = _plans.get(key)
     if plan is None:
         (b, sq, sk, h, hk, d, dtype, causal, return_lse, num_splits, window, softcap, alibi, sinks) = fields
         problem = Problem(b, sq, sk, h, hk, d, dtype, causal, return_lse, num_splits, kv=kv,
                           window=window, softcap=softcap, alibi=alibi, varlen=varlen, flashmask=flashmask[0],
-                          flashmask_heads=flashmask[1], sinks=sinks, leftpad=leftpad)
+                          flashmask_heads=flashmask[1], sinks=sinks, leftpad=leftpad, dropout=dropout)
         if len(_plans) > 4096:
             _plans.clear()
         plan = _plans[key] = make_plan(problem, device_facts(device))
@@ -289,7 +319,7 @@ def _launch(problem, like, q, k, v, o, lse_arr, scale, kv="dense", varlen_kv=Fal
     arguments); ``fm`` is the view of FlashMask's startend_row_indices or None. Returns the
     prepared launch (its Recipe)."""
     plan = _plan_for(problem, like.device, kv, varlen_kv, (fm.shape[3], fm.shape[1]) if fm is not None else (0, 0),
-                     leftpad_kv)
+                     leftpad_kv, extra.get("dropout") is not None)
     dev = like.device
     stream = arrays.stream_for(like)
     lse_ptr = arrays.device_ptr(lse_arr) if lse_arr is not None else 0
@@ -535,7 +565,7 @@ def _rotary_rowwise(causal, window, seqlen_q, alibi, capacity) -> bool:
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                      alibi_slopes=None, return_lse=False, num_splits=0, block_table=None, out=None,
-                     sinks=None):
+                     sinks=None, dropout_p=0.0, seed=None, offset=0):
     """Attention over packed variable-length sequences, with flash-attn's
     ``flash_attn_varlen_func`` semantics.
 
@@ -548,7 +578,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     start at 0, end at the tokens given and stay under the maxima is the caller's contract, as in
     flash-attn. Causal masks and windows align bottom-right per sequence. Returns out (total_q,
     nheads, d), or (out, lse) with lse float32 (nheads, total_q). Other arguments as in
-    :func:`attention`; ALiBi slopes may be (nheads,) or (batch, nheads).
+    :func:`attention`; ALiBi slopes may be (nheads,) or (batch, nheads). Dropout: sequence b is
+    batch b of the mask, rows and keys counted from the sequence's first (not with block_table).
     """
     qv, kv, vv, cq, ck, bt, batch, max_sq, max_sk = validate.varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
@@ -564,6 +595,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     num_splits = validate.num_splits(num_splits)
     window, cap, alibi, alibi_sb = validate.mods(window_size, softcap, alibi_slopes, batch, h, qv, scale)
     sv = validate.sinks(sinks, h, qv)
+    drop = _dropout(dropout_p, seed, offset, num_splits, sv, None)
+    if drop is not None and paged:
+        raise ValueError("dropout_p > 0 cannot be combined with block_table (a paged KV cache): dropout is for "
+                         "training, where flash-attn has no KV cache")
 
     if qv.device < 0:  # NumPy in, NumPy out: compute on the current GPU
         dev = _current_device()
@@ -572,7 +607,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                max_sq, max_sk, causal=causal, softmax_scale=scale, window_size=window,
                                softcap=cap, alibi_slopes=dev_array(alibi), return_lse=return_lse,
                                num_splits=num_splits, block_table=dev_array(bt) if paged else None,
-                               sinks=dev_array(sv))
+                               sinks=dev_array(sv), **_dropout_kwargs(drop))
         return _host_result(res, qv, out, return_lse)
 
     o_view, lse_arr = _outputs(qv, ov, return_lse)
@@ -598,7 +633,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     _launch(problem, qv, q4, k4, v4, kernel_out, lse_arr, scale, kv="paged" if paged else "dense", varlen_kv=True,
             softcap=cap,
             alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0),
-            varlen=(cq.ptr, ck.ptr, total_q), sinks=_sink_arg(sv), **extra)
+            varlen=(cq.ptr, ck.ptr, total_q), sinks=_sink_arg(sv), dropout=drop, **extra)
     if not direct_out:
         o_view.array[...] = kernel_out.array[..., :d]
     return _result(o_view, ov is not None, lse_arr, qv, return_lse)
@@ -621,7 +656,7 @@ def _plan_operands(q, k, v, dtype):
 def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_splits=0,
          heuristic="cuflash", num_sms=None, arch=None, dtype="bfloat16", window_size=(-1, -1),
          softcap=0.0, alibi_slopes=None, backward=False, deterministic=False, startend_row_indices=None,
-         sinks=None):
+         sinks=None, dropout_p=0.0):
     """The plan ``attention(q, k, v, ...)`` would run: kernels, tiles, grids, splits and why; with
     ``backward=True``, the plan of its backward (``attention_backward(..., deterministic=...)``).
 
@@ -634,7 +669,8 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     ``num_splits_heuristic``, to see what FA2 would do). ``window_size``, ``softcap``,
     ``alibi_slopes`` and ``sinks`` (each of the last two an array, a shape tuple, or True) are
     those of :func:`attention`; a plan with sinks never runs the warp-specialised kernel (its
-    reason says why) and says how the sink joins the softmax.
+    reason says why) and says how the sink joins the softmax. ``dropout_p`` > 0: the plan of a
+    call with dropout (the standard kernel, never split; no fwd_ws or bwd_ws, the reason says why).
 
     ``startend_row_indices`` (FlashMask, cuflash.masks: an int32 array or a shape tuple) is
     checked; the plan is the FlashMask one (forward: the prep kernel and the standard kernel with
@@ -660,6 +696,7 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     if sinks is True or isinstance(sinks, (tuple, list)):
         sinks = validate.Shape((h,) if sinks is True else sinks, "float32", "sinks")
     sv = validate.sinks(sinks, h, qv)
+    dropout = validate.dropout_p(dropout_p) > 0
     fm = None
     if startend_row_indices is not None:
         fm = startend_row_indices
@@ -678,7 +715,7 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     problem = Problem(b, sq, kv.shape[1], h, kv.shape[2], -(-d // 8) * 8,
                       arrays.DTYPE_NAMES[qv.dtype], causal, return_lse, num_splits,
                       heuristic, window=window, softcap=cap > 0, alibi=alibi is not None,
-                      deterministic=deterministic, sinks=sv is not None,
+                      deterministic=deterministic, sinks=sv is not None, dropout=dropout,
                       flashmask=fm.shape[3] if fm is not None else 0,
                       flashmask_heads=fm.shape[1] if fm is not None else 0)
     result = empty_plan(problem, facts) or (make_backward_plan if backward else make_plan)(problem, facts)

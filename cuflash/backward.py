@@ -65,6 +65,7 @@ from . import api, arrays, compiler, validate
 from .kernels.bwd import ROW_PAD, VARLEN_ROW_GAP
 from .kernels.fwd_ws import tensor_map, tma_readable
 from .kernels.params import stride_values
+from .launch import dropout_fields
 from .plan import Problem, cdiv, make_backward_plan
 
 _LOG2E = math.log2(math.e)
@@ -126,7 +127,7 @@ def _options(causal, softmax_scale, deterministic, window_size, softcap, alibi_s
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None,
-                       sinks=None, startend_row_indices=None):
+                       sinks=None, startend_row_indices=None, dropout_p=0.0, seed=None, offset=0):
     """Gradients (dq, dk, dv) of ``out = cuflash.attention(q, k, v, causal=..., softmax_scale=...,
     window_size=..., softcap=..., alibi_slopes=...)`` for the output gradient ``dout``.
 
@@ -142,12 +143,16 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     ``startend_row_indices``: the forward's FlashMask mask (as in :func:`cuflash.attention`:
     int32 (batch, 1 or nheads_k or nheads, seqlen_k, n) in q's framework and on its device, not
     with a window, ALiBi or sinks), read in place.
+    ``dropout_p``, ``seed``, ``offset``: the forward's dropout (as in :func:`cuflash.attention`;
+    the same three values regenerate the same mask): dv = (P Z / (1 - p))^T dout and
+    dS = P (Z dP / (1 - p) - D), D = rowsum(dout * out) with out the forward's (dropped) output.
     Returns the caller's array type (NumPy inputs are computed on the current GPU and come back
     as NumPy).
     """
     qv, kv, vv, dov, ov, lv, grads, scale, causal, deterministic, mods, sv = _validate(
         dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dq, dk, dv, window_size, softcap,
         alibi_slopes, sinks)
+    drop = api._dropout(dropout_p, seed, offset, 0, sv, startend_row_indices)
     fm = None
     if startend_row_indices is not None:
         fm = api._flashmask(startend_row_indices, qv, kv, causal, 0, mods, sv is not None)
@@ -157,14 +162,16 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         res = attention_backward(on(dov), on(qv), on(kv), on(vv), on(ov), on(lv), causal=causal,
                                  softmax_scale=scale, window_size=mods[0], softcap=mods[1],
                                  alibi_slopes=on(mods[2]), deterministic=deterministic, sinks=on(sv),
-                                 startend_row_indices=on(fm))
+                                 startend_row_indices=on(fm), **api._dropout_kwargs(drop))
         return _host_results(res, (dq, dk, dv, None), (qv, kv, vv, qv))
-    return _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministic, mods, sv=sv, fm=fm)
+    return _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministic, mods, sv=sv, fm=fm,
+                            drop=drop)
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                              alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None, sinks=None):
+                              alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None, sinks=None,
+                              dropout_p=0.0, seed=None, offset=0):
     """Gradients (dq, dk, dv) of ``out = cuflash.attention_varlen(q, k, v, cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)`` (dense K/V) for the output gradient ``dout``.
 
@@ -174,20 +181,22 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     host synchronisation; well-formed offsets under the maxima are the caller's contract, as in
     the forward). Sequences may be empty. Other arguments as in :func:`attention_backward`
     (with ``sinks``: (dq, dk, dv, dsinks)); ALiBi slopes may be (nheads,) or (batch, nheads).
+    Dropout: sequence b is batch b of the mask, as in the forward.
     """
     qv, kv, vv, dov, ov, lv, cq, ck, max_sq, max_sk, grads, scale, causal, deterministic, mods, sv = \
         _validate_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                          softmax_scale, deterministic, dq, dk, dv, window_size, softcap, alibi_slopes, sinks)
+    drop = api._dropout(dropout_p, seed, offset, 0, sv, None)
     if qv.device < 0:  # NumPy in, NumPy out: compute on the current GPU
         dev = api._current_device()
         on = lambda x: None if x is None else arrays.to_device(np.asarray(x.array), dev)
         res = attention_varlen_backward(on(dov), on(qv), on(kv), on(vv), on(ov), on(lv), on(cq), on(ck),
                                         max_sq, max_sk, causal=causal, softmax_scale=scale,
                                         window_size=mods[0], softcap=mods[1], alibi_slopes=on(mods[2]),
-                                        deterministic=deterministic, sinks=on(sv))
+                                        deterministic=deterministic, sinks=on(sv), **api._dropout_kwargs(drop))
         return _host_results(res, (dq, dk, dv, None), (qv, kv, vv, qv))
     return _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministic, mods,
-                            varlen=(cq, ck, max_sq, max_sk), sv=sv)
+                            varlen=(cq, ck, max_sq, max_sk), sv=sv, drop=drop)
 
 
 def _host_results(res, given, likes):
@@ -228,7 +237,7 @@ def _padded(x, d_pad):
 
 
 def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministic, mods, varlen=None, sv=None,
-                     fm=None):
+                     fm=None, drop=None):
     if varlen is None:
         b, sq, h, d = qv.shape
         sk, hk = kv.shape[1], kv.shape[2]
@@ -255,7 +264,7 @@ def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministi
     dev = qv.device
     plan = make_backward_plan(Problem(b, sq, sk, h, hk, d_pad, _DTYPES[qv.dtype], causal=causal, window=window,
                                       softcap=cap > 0, alibi=alibi is not None, varlen=varlen is not None,
-                                      deterministic=deterministic, sinks=sv is not None,
+                                      deterministic=deterministic, sinks=sv is not None, dropout=drop is not None,
                                       tma=varlen is None and all(tma_readable(x) for x in ops[:4]),
                                       flashmask=0 if fm is None else fm.shape[3],
                                       flashmask_heads=0 if fm is None else fm.shape[1]), api.device_facts(dev))
@@ -269,7 +278,7 @@ def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministi
         ws[rows:2 * rows] = 0
     with arrays.on_device(dev):
         run(plan, ops, lv, [g for g, _ in bufs], arrays.device_ptr(ws), scale, mods, arrays.stream_for(qv), dev,
-            None if varlen is None else varlen[:2], fm)
+            None if varlen is None else varlen[:2], fm, drop)
         out = []
         for (kern, final), like in zip(bufs, (qv, kv, vv)):
             if kern is not final:
@@ -346,13 +355,15 @@ def _flashmask_preps(plan):
             for l, bn in zip(plan.launches[3:], sizes)]
 
 
-def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, device: int, cu=None, fm=None):
+def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, device: int, cu=None, fm=None,
+        dropout=None):
     """Launch the backward ``plan`` on ``stream`` (a raw pointer) for device views the kernels read
     and write in place (head dim ``plan.problem.head_dim``, 16-byte aligned, strides in multiples
     of 8 elements): ops = (q, k, v, dout, out), grads = (dq, dk, dv), lse; ``ws_ptr`` is an fp32
     workspace of ``workspace_floats(plan, total_q)``; ``mods`` as validate.mods gives them. Packed
     sequences: 3-dim views and ``cu`` = (cu_seqlens_q, cu_seqlens_k) views. ``fm``: the view of
-    FlashMask's startend_row_indices for a FlashMask plan. Allocates nothing."""
+    FlashMask's startend_row_indices for a FlashMask plan. ``dropout``: (dropout_p, seed, offset) of
+    a plan with dropout. Allocates nothing."""
     p = plan.problem
     b, sq, sk, h, hk, d = p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_k, p.head_dim
     head_rows, rows = stats_rows(b, sq, h, None if cu is None else ops[0].shape[0])
@@ -379,7 +390,7 @@ def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, dev
                  alibi_slopes=alibi.ptr if alibi is not None else 0, alibi_sb=alibi_sb, alibi_scale=1.0 / post)
     kernels = tuple(launch.variant for launch in plan.launches)
     _launch(kernels[:3], ops, lse, lse_st, grads, (lse2_ptr, dsum_ptr, acc_ptr), (b, sq, sk, h, hk, d, head_rows),
-            score, stream, device, fm_args)
+            score, stream, device, fm_args, dropout_fields(kernels[1], dropout))
 
 
 def _flashmask_args(plan, fm, ptr: int):
@@ -405,9 +416,10 @@ def _st(prefix: str, x) -> dict:
     return stride_values(prefix, x.strides)
 
 
-def _launch(kernels, ops, lse, lse_st, grads, ws, shape, score, stream, device, fm=None):
+def _launch(kernels, ops, lse, lse_st, grads, ws, shape, score, stream, device, fm=None, drop=None):
     """``score``: the kernels' scale, varlen, window, softcap and ALiBi fields by name; ``fm``:
-    FlashMask's (prep launches, dK/dV fields, dQ fields) from _flashmask_args, or None."""
+    FlashMask's (prep launches, dK/dV fields, dQ fields) from _flashmask_args, or None; ``drop``:
+    the dropout fields of the dK/dV and dQ kernels (launch.dropout_fields), or None."""
     q, k, v, do, o = ops
     dq, dk, dv = grads
     lse2, dsum, acc = ws
@@ -438,9 +450,9 @@ def _launch(kernels, ops, lse, lse_st, grads, ws, shape, score, stream, device, 
             **{f: score[f] for f in ("scale_log2", "scale", "window_left", "window_right")})
     else:
         run(main, main.grid(b, sq, sk, h, hk), dq_accum=acc, dk=dk.ptr, dv=dv.ptr, **_st("dk", dk), **_st("dv", dv),
-            **common, **fm_main)
+            **common, **fm_main, **(drop or {}))
     if last.kind == "bwd_dq":
-        run(last, last.grid(b, sq, sk, h, hk), dq=dq.ptr, **_st("dq", dq), **common, **fm_last)
+        run(last, last.grid(b, sq, sk, h, hk), dq=dq.ptr, **_st("dq", dq), **common, **fm_last, **(drop or {}))
     else:
         run(last, last.grid(b, sq, h, d), dq_accum=acc, dq=dq.ptr, **_st("dq", dq), **rows, scale=score["scale"],
             cu_seqlens_q=cu_q)

@@ -167,7 +167,8 @@ class Recipe(NamedTuple):
 
 def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_CACHE,
             seqlen_k: int | None = None, page_size: int = 0, softcap: float = 0.0, alibi=(0, 0),
-            varlen=None, flashmask=None, sinks=None, pages_per_seq: int = 0, leftpad: int = 0) -> Recipe:
+            varlen=None, flashmask=None, sinks=None, pages_per_seq: int = 0, leftpad: int = 0,
+            dropout=None) -> Recipe:
     """The launch arguments of ``plan`` for views q, k, v, o (their strides; pointers are given
     to ``fire``). For a KV cache, ``cache`` holds the (seqlens_k, kv_batch_idx, block_table)
     pointers and the block table's row stride, and ``seqlen_k`` is added to each seqlens_k entry
@@ -178,7 +179,8 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
     plan.workspace_bytes) for a FlashMask plan; the Recipe then holds these pointers. ``sinks`` is
     (pointer, dtype name) of the attention sinks of a plan with sinks (held by the Recipe too).
     ``pages_per_seq`` is the block table's column count (paged plans: the kernel reads no page
-    index past it); ``leftpad`` the pointer of cache_leftpad (leftpad plans)."""
+    index past it); ``leftpad`` the pointer of cache_leftpad (leftpad plans). ``dropout`` is
+    (dropout_p, seed, offset) of a plan with dropout."""
     p = plan.problem
     if plan.launches[0].variant.kind == "fwd_ws":
         if all(fwd_ws.tma_readable(x) for x in (q, k, v)):
@@ -198,7 +200,8 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
         **stride_values("v", _strides(v, False, 1)), **o_strides, **scalars,
         seqlens_k=seqlens_ptr, kv_batch_idx=batch_idx_ptr, block_table=table_ptr, cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k, alibi_slopes=alibi[0], **_flashmask_fields(plan, flashmask),
-        **_sink_fields(plan, sinks), **_cache_fields(main.variant, pages_per_seq, leftpad))
+        **_sink_fields(plan, sinks), **_cache_fields(main.variant, pages_per_seq, leftpad),
+        **dropout_fields(main.variant, dropout))
     split = not (plan.num_splits == 1 and main.variant.kind == "fwd")
     rows = p.batch * plan.nheads_eff * plan.seqlen_q_eff
     n_o = plan.num_splits * rows * main.variant.head_dim if split else 0
@@ -239,6 +242,25 @@ def _cache_fields(variant, pages_per_seq: int, leftpad: int) -> dict:
             raise ValueError(f"{variant.name} needs cache_leftpad (prepare's leftpad=)")
         out["kv_leftpad"] = leftpad
     return out
+
+
+def _i64(x: int) -> int:
+    """A 64-bit unsigned word as the signed long long that carries its bits."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def dropout_fields(variant, dropout) -> dict:
+    """The dropout fields of a forward or backward struct (none for other variants): the Philox
+    seed and offset, the 16-bit keep threshold and 1 / (1 - dropout_p) (templates/common/dropout.cuh,
+    cuflash.reference.dropout_keep_mask)."""
+    if not getattr(variant, "dropout", False):
+        return {}
+    if dropout is None:
+        raise ValueError(f"{variant.name} needs (dropout_p, seed, offset) (prepare's dropout=)")
+    from .reference import dropout_threshold
+    p, seed, offset = dropout
+    return dict(dropout_seed=_i64(seed), dropout_offset=_i64(offset), dropout_keep=dropout_threshold(p),
+                dropout_scale=1.0 / (1.0 - p))
 
 
 def _sink_fields(plan: Plan, sinks) -> dict:

@@ -72,6 +72,7 @@ class Problem:
     flashmask_heads: int = 0  # heads of startend_row_indices (1, nheads_k or nheads)
     sinks: bool = False    # attention sinks: a logit per query head joins each row's softmax
     leftpad: bool = False  # a contiguous KV cache whose sequences start at row cache_leftpad[b]
+    dropout: bool = False  # attention dropout on P (the probability, seed and offset are launch arguments)
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ class Plan:
         p = self.problem
         extras = "".join([f" window={p.window}" if p.window != (-1, -1) else "",
                           " softcap" if p.softcap else "", " alibi" if p.alibi else "",
-                          " sinks" if p.sinks else "",
+                          " sinks" if p.sinks else "", " dropout" if p.dropout else "",
                           " varlen (max lengths)" if p.varlen else ""])
         lines = [
             f"cuflash {'backward ' if self.backward else ''}plan: batch={p.batch} seqlen_q={p.seqlen_q} seqlen_k={p.seqlen_k} "
@@ -202,6 +203,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
     ngroups = p.nheads // p.nheads_k
     why = []
 
+    _dropout_rejects(p)
     if p.flashmask:
         return _flashmask_plan(p, dev)
     window = effective_window(p.causal, p.window, p.seqlen_q, p.seqlen_k)
@@ -214,7 +216,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                                                                        "the sequence: no window mask.")))
     # FA2's seqlen_q/ngroups swap: one query per head, several heads per KV head -> rows. Not
     # with a window or ALiBi, whose masks and biases depend on the query position and head.
-    pack = p.seqlen_q == 1 and ngroups > 1 and not local and not p.alibi
+    pack = p.seqlen_q == 1 and ngroups > 1 and not local and not p.alibi and not p.dropout
     sq, nh, ng = (ngroups, p.nheads_k, 1) if pack else (p.seqlen_q, p.nheads, ngroups)
     if pack:
         why.append(f"seqlen_q=1 with {ngroups} query heads per KV head: each KV head's query heads "
@@ -238,8 +240,14 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
     table: tuple = ()
     if p.heuristic not in ("cuflash", "fa2"):
         raise ValueError(f"heuristic must be 'cuflash' or 'fa2', got {p.heuristic!r}")
-    decode = sq <= DECODE_MAX_ROWS and even
-    if p.seqlen_k == 0:
+    decode = sq <= DECODE_MAX_ROWS and even and not p.dropout
+    if p.dropout:
+        splits = 1
+        why.append("dropout: the standard kernel, never split and never the decode tile (flash-attn applies "
+                   "dropout in training only, with no KV cache and no split); each lane regenerates its "
+                   "Philox4x32-10 words per 16x16 block of P from (seed, offset, batch, head, row, key), zeroes "
+                   "the dropped probabilities after the row sums and scales O by 1 / (1 - dropout_p).")
+    elif p.seqlen_k == 0:
         splits = 1
         why.append("seqlen_k=0: no key is visible, the standard kernel writes zeros (LSE "
                    + ("the sink" if p.sinks else "+inf") + ").")
@@ -307,7 +315,8 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         if decode:
             bm, bn_fwd, warps, stages, mma = (*decode_tile(bucket), "sync")
         else:
-            bm, bn_fwd, warps, stages, mma = fwd_tile(bucket, even, dev.arch, p.kv, local or p.softcap or p.alibi)
+            bm, bn_fwd, warps, stages, mma = fwd_tile(bucket, even, dev.arch, p.kv,
+                                                      local or p.softcap or p.alibi or p.dropout)
         ws = None if decode or mma != "wgmma" else _fwd_ws_blocker(p, even, bucket, local, pack)
         if ws == "":
             v = fwd_ws.planned(bucket, p.dtype, causal, sq, dev.arch)
@@ -320,7 +329,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         else:
             v = FwdVariant(kind="fwd", head_dim=bucket, dtype=p.dtype, causal=causal, even_head_dim=even,
                            block_m=bm, block_n=bn_fwd, warps=warps, arch=dev.arch, stages=stages, kv=p.kv, **mods,
-                           mma=mma)
+                           mma=mma, dropout=p.dropout)
             if mma == "wgmma":
                 why.append(f"sm_90: Hopper's warpgroup MMA (wgmma, sm_90a), {warps // 4} warpgroups of 64 query "
                            f"rows sharing K/V tiles of {bn_fwd} keys; not the warp-specialised kernel: {ws}.")
@@ -391,6 +400,18 @@ def _flashmask_rejects(p: Problem) -> None:
             raise ValueError(f"startend_row_indices (FlashMask) cannot be combined with {what}")
 
 
+def _dropout_rejects(p: Problem) -> None:
+    """A ValueError naming what a dropout problem (forward or backward) cannot be combined with.
+    flash-attn applies dropout in training only: never with a KV cache or split-KV."""
+    if not p.dropout:
+        return
+    for bad, what in ((p.kv != "dense", "a KV cache"), (p.num_splits > 1, f"num_splits={p.num_splits}"),
+                      (p.sinks, "sinks (attention sinks)"), (p.flashmask, "startend_row_indices (FlashMask)")):
+        if bad:
+            raise ValueError(f"dropout_p > 0 cannot be combined with {what}: dropout is for training, "
+                             "where flash-attn has no KV cache and no split")
+
+
 def _fwd_ws_blocker(p: Problem, even: bool, bucket: int, local: bool, pack: bool) -> str:
     """Why the warp-specialised forward (kernels/fwd_ws.py) cannot run ``p`` on sm_90, or ""."""
     if not FWD_WS:
@@ -405,6 +426,8 @@ def _fwd_ws_blocker(p: Problem, even: bool, bucket: int, local: bool, pack: bool
         return "it has no sliding window, softcap or ALiBi"
     if p.sinks:
         return "it has no attention sinks"
+    if p.dropout:
+        return "it has no dropout (its consumers' P has no Philox mask)"
     if p.seqlen_k == 0:
         return "no key to load"
     if not p.tma:
@@ -426,17 +449,20 @@ def _bwd_ws_blocker(p: Problem, bucket: int, arch: int) -> str:
         return "it has no softcap or ALiBi"
     if p.flashmask:
         return "it has no FlashMask"
+    if p.dropout:
+        return "it has no dropout (its P^T and dS^T have no Philox mask)"
     if not p.tma:
         return "an operand has a stride the TMA cannot read (zero, or beyond 2^40 bytes)"
     return ""
 
 
 def backward_kernels(bucket: int, dtype: str, causal: bool, deterministic: bool, arch: int, local: bool = False,
-                     softcap: bool = False, alibi: bool = False, flashmask: int = 0) -> tuple[KernelVariant, ...]:
+                     softcap: bool = False, alibi: bool = False, flashmask: int = 0,
+                     dropout: bool = False) -> tuple[KernelVariant, ...]:
     """The kernels one backward call launches, in launch order (prep, dK/dV, dQ); ``causal`` and
     ``local`` are the mask as launched (effective_window); ``flashmask``: FlashMask's bound
-    columns per key (0 = none)."""
-    return bwd.kernels(bucket, dtype, causal, deterministic, arch, local, softcap, alibi, flashmask)
+    columns per key (0 = none); ``dropout``: attention dropout."""
+    return bwd.kernels(bucket, dtype, causal, deterministic, arch, local, softcap, alibi, flashmask, dropout)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -448,11 +474,12 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     window = effective_window(p.causal, p.window, p.seqlen_q, p.seqlen_k)
     causal = window[0] < 0 and window[1] == 0
     local = window != (-1, -1) and not causal
+    _dropout_rejects(p)
     if p.flashmask:
         _flashmask_rejects(p)
         causal = p.causal  # the indices' columns follow the caller's causal (as in the forward)
     prep, main, last = backward_kernels(bucket, p.dtype, causal, p.deterministic, dev.arch, local, p.softcap, p.alibi,
-                                        p.flashmask)
+                                        p.flashmask, p.dropout)
     ws = _bwd_ws_blocker(p, bucket, dev.arch)
     if ws == "":
         main = bwd_ws.planned(bucket, p.dtype, causal, local, p.deterministic, dev.arch)
@@ -479,11 +506,16 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
         kind = (f"Hopper's warpgroup MMA (wgmma, sm_90a), two warpgroups of 64 keys; not the warp-specialised "
                 f"kernel: {ws}")
     else:
-        kind = "mma.sync" + (" (the wgmma kernel has no registers for softcap/ALiBi)" if dev.arch == 90
+        kind = "mma.sync" + ((" (the wgmma kernel has no registers for dropout)" if p.dropout else
+                              " (the wgmma kernel has no registers for softcap/ALiBi)") if dev.arch == 90
                              and bucket in bwd.DKDV_WGMMA_TILES else "")
     why.append(f"{main.kind}: a block per {main.block_n} keys of a KV head keeps K and V in shared memory and walks "
                f"its {p.nheads // p.nheads_k} query head(s) in steps of {main.block_m} query rows, with {kind}; "
                "dK and dV are summed in registers and written once.")
+    if p.dropout:
+        why.append("dropout: the forward's mask is regenerated from (seed, offset, batch, head, row, key) in "
+                   f"{main.kind}" + (f" and {last.kind}" if last.kind == "bwd_dq" else "") + ": dV = (P Z / (1 - p))^T "
+                   "dO and dS = P (Z dP / (1 - p) - D), D = rowsum(dO * O) of the dropped output.")
     if p.sinks:
         why.append("sinks: dq, dk and dv need nothing more, since P = exp(s - LSE) and the LSE holds the sink; "
                    "dsinks = -sum over batch and rows of exp(sink - LSE) * D, from the LSE and D rows of "

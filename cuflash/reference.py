@@ -29,7 +29,8 @@ import numpy as np
 from . import masks, validate
 
 __all__ = ["attention", "attention_varlen", "attention_backward", "attention_varlen_backward",
-           "max_abs_err", "check_close"]
+           "max_abs_err", "check_close", "philox4x32", "dropout_keep_mask", "dropout_threshold",
+           "dropout_offset_increment", "attention_probs"]
 
 _BUDGET = 1 << 22  # max float64 elements of one score block (32 MiB)
 _LOW_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16),
@@ -84,7 +85,7 @@ class _Args:
     the ALiBi slopes as float64 (batch, nheads) or None."""
 
     def __init__(self, q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, precision,
-                 startend_row_indices=None, sinks=None):
+                 startend_row_indices=None, sinks=None, dropout=None, batch0=0):
         self.q, self.k, self.v = np.asarray(q), np.asarray(k), np.asarray(v)
         slopes = None if alibi_slopes is None else np.asarray(alibi_slopes, dtype=np.float64)
         _validate(self.q, self.k, self.v, slopes)
@@ -101,6 +102,20 @@ class _Args:
         self.slopes = None if slopes is None else np.broadcast_to(slopes, (batch, nheads))
         same = precision == "same"
         self.rnd = (lambda x: x.astype(self.out_dtype).astype(np.float64)) if same else (lambda x: x)
+        # Dropout: (dropout_p, seed, offset) or None; batch b of these arrays is batch (varlen:
+        # sequence) batch0 + b of the call whose mask is regenerated.
+        self.dropout, self.batch0 = dropout, batch0
+        self.rp = 1.0 if dropout is None else 1.0 / (1.0 - dropout[0])
+
+    def keep(self, b, hs, i0, i1, sk):
+        """The dropout mask Z (1.0 = kept, 0.0 = dropped) of query rows i0:i1, keys 0:sk of query
+        heads ``hs`` in batch b, as (G, r, sk) float64; the scalar 1.0 without dropout."""
+        if self.dropout is None:
+            return 1.0
+        p, seed, offset = self.dropout
+        nheads = self.q.shape[2]
+        return np.stack([dropout_keep_mask(seed, offset, self.batch0 + b, h, nheads, range(i0, i1), range(sk), p)
+                         for h in range(nheads)[hs]]).astype(np.float64)
 
     def blocks(self):
         """Per (batch b, KV head g, block of query rows i0:i1): b, g, the query heads hs of g,
@@ -195,17 +210,19 @@ def _softmax_parts(s, sink=None):
     return m, p, (l if sink is None else l + np.exp(sink - m))
 
 
-def _output(p, l, vg, rnd):
+def _output(p, l, vg, rnd, rp=1.0):
     """The forward's output before its final rounding: (rnd(p) @ v) / l from p = exp(s - m) and
     the unrounded l = sum(p), as a fused kernel rounds p for its P V product (rows with l = 0
-    give 0; NaN scores propagate, as in FA2)."""
+    give 0; NaN scores propagate, as in FA2). With dropout p arrives with the dropped elements
+    zeroed (l still sums them all) and ``rp`` = 1 / (1 - dropout_p) scales O with 1 / l, as the
+    kernel does in its epilogue."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(l == 0, 0.0, np.matmul(rnd(p), vg) / l)
+        return np.where(l == 0, 0.0, np.matmul(rnd(p), vg) / l * rp)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
               window_size=(-1, -1), softcap=0.0, alibi_slopes=None, precision="float64",
-              startend_row_indices=None, sinks=None):
+              startend_row_indices=None, sinks=None, dropout_p=0.0, seed=None, offset=0, batch0=0):
     """Reference attention; returns out (like q) or (out, lse) with lse (batch, nheads, seqlen_q).
 
     Arguments follow cuflash.attention's rules: ``causal`` a bool, ``softmax_scale`` None or a
@@ -215,9 +232,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
     mask (cuflash.masks; not combined with a window, as in Paddle), which cuflash.attention does
     not run yet: the reference applies it for tests. ``sinks``: attention sinks, (nheads,) float32,
     bfloat16 or float16 (see the module's docstring); rows that see no key then report LSE = sink.
+    ``dropout_p`` > 0 (with ``seed`` and ``offset``, see dropout_keep_mask) drops elements of the
+    probabilities P after the softmax and scales the kept ones by 1 / (1 - dropout_p), as
+    flash-attn does: out = (P Z / (1 - dropout_p)) v with the mask Z regenerated from (seed,
+    offset, batch0 + b, h, i, j); the LSE is the softmax's (dropout does not change it).
     """
     a = _Args(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, precision,
-              startend_row_indices, sinks)
+              startend_row_indices, sinks, _dropout_tuple(dropout_p, seed, offset), batch0)
     batch, sq, nheads, d = a.q.shape
     out = np.zeros((batch, sq, nheads, d), dtype=np.float64)
     lse = np.full((batch, nheads, sq), np.inf, dtype=np.float64)
@@ -227,7 +248,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
         m, p, l = _softmax_parts(s, a.sink(hs))
         with np.errstate(divide="ignore"):  # rows that see no key: LSE = +inf
             lse[b, hs, i0:i1] = np.where(l == 0, np.inf, m + np.log(l))[..., 0]
-        out[b, i0:i1, hs] = _output(p, l, vg, a.rnd).transpose(1, 0, 2)
+        out[b, i0:i1, hs] = _output(p * a.keep(b, hs, i0, i1, s.shape[-1]), l, vg, a.rnd, a.rp).transpose(1, 0, 2)
     out = out.astype(a.out_dtype)
     lse_dtype = np.float64 if precision == "float64" else np.float32
     return (out, lse.astype(lse_dtype)) if return_lse else out
@@ -311,7 +332,7 @@ def _sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, precision, mod
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softmax_scale=None,
                      return_lse=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     precision="float64", sinks=None):
+                     precision="float64", sinks=None, dropout_p=0.0, seed=None, offset=0):
     """Reference for packed variable-length batches (flash-attn's ``flash_attn_varlen_func``).
 
     q is (total_q, nheads, d), k and v (total_k, nheads_k, d); sequence b holds rows
@@ -319,7 +340,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softm
     Every sequence is attended independently (causal and windows aligned bottom-right per
     sequence); rows of empty sequences do not exist. Returns out (like q) or (out, lse) with
     lse (nheads, total_q). ``alibi_slopes`` may be (nheads,) or (batch, nheads); the other
-    keyword arguments are those of :func:`attention`.
+    keyword arguments are those of :func:`attention` (dropout: sequence b is batch b of the mask).
     """
     mods = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
     q, k, v, out_dtype, seqs = _sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, precision, mods)
@@ -327,16 +348,17 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softm
     out = np.zeros(q.shape, dtype=out_dtype)
     lse = np.full((q.shape[1], q.shape[0]), np.inf,
                   dtype=np.float64 if precision == "float64" else np.float32)
-    for qs, ks, s in seqs:
+    for b, (qs, ks, s) in enumerate(seqs):
         o, l = attention(q[None, qs], k[None, ks], v[None, ks], return_lse=True, alibi_slopes=s,
-                         precision=precision, sinks=sinks, **mods)
+                         precision=precision, sinks=sinks, dropout_p=dropout_p, seed=seed, offset=offset,
+                         batch0=b, **mods)
         out[qs], lse[:, qs] = o[0], l[0]
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, precision="float64", startend_row_indices=None,
-                       sinks=None):
+                       sinks=None, dropout_p=0.0, seed=None, offset=0, batch0=0):
     """Reference gradients (dq, dk, dv) of :func:`attention` (same masking, FlashMask's
     ``startend_row_indices`` included, score and argument rules) for the output gradient
     ``dout`` (shaped like q); with ``sinks``, (dq, dk, dv, dsinks).
@@ -349,6 +371,10 @@ def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, windo
     formulas above are unchanged (the sink's column has no value: it adds nothing to O or dP);
     the sink's own probability P_i = exp(sink - lse_i) gives dsinks = -sum over batch and rows
     of P_i D_i (d out_i / d sink = -P_i out_i).
+    With dropout (``dropout_p``, ``seed``, ``offset``, ``batch0`` as in :func:`attention`, the
+    same mask Z): O = (P Zs) v with Zs = Z / (1 - dropout_p), so dv = (P Zs)^T dout and
+    dL/dP = Zs dP; the softmax's backward gives dS = P (Zs dP - D), where D = rowsum(dout * O)
+    = sum_j P_j Zs_j dP_j, since O already holds the dropout (flash-attn's backward).
     ``precision="float64"`` computes everything in float64 and returns float64.
     ``precision="same"`` mimics a fused kernel: D is formed from the output that the forward
     stores, i.e. that of ``attention(..., precision="same")`` (p = exp(s - m) rounded to q's
@@ -360,7 +386,7 @@ def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, windo
     gradients' largest; scripts/bwd_rounding_study.py measures it.)
     """
     a = _Args(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, precision,
-              startend_row_indices, sinks)
+              startend_row_indices, sinks, _dropout_tuple(dropout_p, seed, offset), batch0)
     grads = _backward(a, dout)
     out = tuple(g.astype(a.out_dtype) for g in grads[:3])
     return out if sinks is None else (*out, _sink_grad(grads[3], sinks, precision))
@@ -385,15 +411,17 @@ def _backward(a, dout):
         dog = dout[b, i0:i1, hs].astype(np.float64).transpose(1, 0, 2)
         sink = a.sink(hs)
         m, p, l = _softmax_parts(s, sink)
-        o = rnd(_output(p, l, vg, rnd))  # the forward's output (stored in q's dtype)
+        z = a.keep(b, hs, i0, i1, s.shape[-1])
+        o = rnd(_output(p * z, l, vg, rnd, a.rp))  # the forward's output (stored in q's dtype)
         with np.errstate(divide="ignore", invalid="ignore"):
             p = np.where(l == 0, 0.0, p / l)  # exp(s - lse); empty rows give 0
         dsum = (dog * o).sum(axis=-1, keepdims=True)
         if sink is not None:  # the sink's probability exp(sink - lse) times D, over the rows
             dsinks[hs] -= (np.exp(sink - m) / l * dsum).sum(axis=(1, 2))
-        dv[b, :, g] += np.matmul(rnd(p).transpose(0, 2, 1), dog).sum(axis=0)
+        zs = z * a.rp  # Z / (1 - dropout_p)
+        dv[b, :, g] += np.matmul(rnd(p * zs).transpose(0, 2, 1), dog).sum(axis=0)
         dp = np.matmul(dog, vg.T)
-        ds = rnd(p * (dp - dsum) * dcap)
+        ds = rnd(p * (zs * dp - dsum) * dcap)
         dq[b, i0:i1, hs] = (scale * np.matmul(ds, kg)).transpose(1, 0, 2)
         dk[b, :, g] += scale * np.matmul(ds.transpose(0, 2, 1), qg).sum(axis=0)
     return dq, dk, dv, dsinks
@@ -401,7 +429,8 @@ def _backward(a, dout):
 
 def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False,
                               softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                              alibi_slopes=None, precision="float64", sinks=None):
+                              alibi_slopes=None, precision="float64", sinks=None, dropout_p=0.0, seed=None,
+                              offset=0):
     """Reference gradients (dq, dk, dv) of :func:`attention_varlen` for packed sequences: q, dout
     (total_q, nheads, d), k, v (total_k, nheads_k, d); every sequence is differentiated on its
     own (causal and windows aligned per sequence). Rows of k and v outside every sequence get
@@ -417,12 +446,132 @@ def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, caus
     if dout.shape != q.shape:
         raise ValueError(f"dout: expected shape {q.shape} (same as q), got {dout.shape}")
     grads = [np.zeros(x.shape, dtype=out_dtype) for x in (q, k, v)]
-    for qs, ks, s in seqs:
+    drop = _dropout_tuple(dropout_p, seed, offset)
+    for b, (qs, ks, s) in enumerate(seqs):
         g = _backward(_Args(q[None, qs], k[None, ks], v[None, ks], causal, softmax_scale, window_size, softcap, s,
-                            precision, sinks=sinks), dout[None, qs])
+                            precision, sinks=sinks, dropout=drop, batch0=b), dout[None, qs])
         for out, x, sl in zip(grads, g, (qs, ks, ks)):
             out[sl] = x[0]
         if dsinks is not None:
             dsinks += g[3]
     grads = tuple(grads)
     return grads if sinks is None else (*grads, _sink_grad(dsinks, sinks, precision))
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention dropout: the element -> random-number mapping (templates/common/dropout.cuh is the
+# same rule in CUDA; the two must change together).
+#
+# Random numbers come from Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as
+# 1, 2, 3", SC'11; Random123), a counter-based generator: one call maps a 128-bit counter and a
+# 64-bit key to four 32-bit words, so any element's bits can be recomputed anywhere, in any order.
+# A dropout call has a 64-bit ``seed`` (the key: low word, high word) and a 64-bit ``offset``.
+# Element (query row i, key j) of (batch b, query head h) of a call with nheads query heads
+# takes its 16 bits from the call with counter
+#     c0 = (j // 16) * 32 + (i % 8) * 4 + (j % 8) // 2
+#     c1 = i // 16
+#     (c2, c3) = low and high words of the 64-bit sum offset + b * nheads + h (mod 2^64)
+# namely word ((i % 16) // 8) * 2 + (j % 16) // 8 of the four, its low 16 bits for even j and its
+# high 16 bits for odd j. The element is kept iff those bits are below the threshold
+# keep = round((1 - dropout_p) * 65536) (so it is kept with probability keep / 65536), and a
+# kept element is scaled by 1 / (1 - dropout_p) as in flash-attn. b is the sequence index of a
+# varlen batch, i and j count from each sequence's first query and key. The mapping depends on
+# nothing else: not on tiles, warps or which kernel runs, so the forward and every backward
+# kernel regenerate the same mask. It is built so that one lane of an mma.sync m16n8k16
+# accumulator (rows g, g + 8 and keys 2t, 2t + 1 of two n8 tiles: lane = 4 g + t) needs exactly
+# one call per 16 x 16 block of P; a call's offsets then advance by at least batch * nheads
+# (dropout_offset_increment) so that successive calls never reuse a counter.
+
+PHILOX_M = (0xD2511F53, 0xCD9E8D57)   # Philox4x32 multipliers
+PHILOX_W = (0x9E3779B9, 0xBB67AE85)   # Weyl key increments (golden ratio, sqrt(3) - 1)
+_U32 = np.uint64(0xFFFFFFFF)
+
+
+def philox4x32(counter, key, rounds=10):
+    """Philox4x32-``rounds`` in NumPy uint32 arithmetic: ``counter`` (..., 4) and ``key`` (..., 2)
+    unsigned 32-bit words (broadcast together) -> (..., 4) uint32. Each round: (hi0, lo0) =
+    M0 * c0, (hi1, lo1) = M1 * c2 (64-bit products), c = (hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0);
+    the key gains (W0, W1) between rounds."""
+    c = np.asarray(counter, dtype=np.uint64) & _U32
+    k = np.asarray(key, dtype=np.uint64) & _U32
+    if c.shape[-1:] != (4,) or k.shape[-1:] != (2,):
+        raise ValueError(f"counter must be (..., 4) and key (..., 2) words, got {c.shape} and {k.shape}")
+    shape = np.broadcast_shapes(c.shape[:-1], k.shape[:-1])
+    c0, c1, c2, c3 = (np.broadcast_to(c[..., n], shape).copy() for n in range(4))
+    k0, k1 = (np.broadcast_to(k[..., n], shape).copy() for n in range(2))
+    m0, m1 = np.uint64(PHILOX_M[0]), np.uint64(PHILOX_M[1])
+    for r in range(rounds):
+        if r:
+            k0 = (k0 + np.uint64(PHILOX_W[0])) & _U32
+            k1 = (k1 + np.uint64(PHILOX_W[1])) & _U32
+        p0, p1 = m0 * c0, m1 * c2  # < 2^64: exact in uint64
+        c0, c1, c2, c3 = (p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & _U32, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & _U32
+    return np.stack([c0, c1, c2, c3], axis=-1).astype(np.uint32)
+
+
+def dropout_threshold(dropout_p) -> int:
+    """The 16-bit keep threshold of ``dropout_p``: an element is kept iff its 16 random bits are
+    below it (probability threshold / 65536)."""
+    return int(round((1.0 - float(dropout_p)) * 65536.0))
+
+
+def dropout_offset_increment(batch: int, nheads: int) -> int:
+    """How far a dropout call's offset must advance for the next call to share no counter with
+    it: batch * nheads (rounded up to a multiple of 4, as PyTorch's Philox offsets are)."""
+    return -(-batch * nheads // 4) * 4
+
+
+def _u64(x, name):
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or not 0 <= int(x) < 1 << 64:
+        raise ValueError(f"{name} must be an int in [0, 2**64), got {x!r}")
+    return int(x)
+
+
+def dropout_keep_mask(seed, offset, b, h, nheads, rows, cols, dropout_p):
+    """The dropout mask (True = kept) of query rows ``rows`` and keys ``cols`` (int arrays or
+    ranges: positions within the sequence) of batch (or varlen sequence) ``b``, query head ``h``
+    of a call with ``nheads`` query heads, as (len(rows), len(cols)) bool (see the mapping above)."""
+    seed, offset = _u64(seed, "seed"), _u64(offset, "offset")
+    i = np.asarray(rows, dtype=np.uint64)[:, None]
+    j = np.asarray(cols, dtype=np.uint64)[None, :]
+    hi = (offset + int(b) * int(nheads) + int(h)) & ((1 << 64) - 1)
+    c0 = (j // 16) * np.uint64(32) + (i % 8) * np.uint64(4) + (j % 8) // 2
+    c1 = np.broadcast_to(i // 16, c0.shape)
+    ctr = np.stack([c0, c1, np.full(c0.shape, hi & 0xFFFFFFFF, np.uint64),
+                    np.full(c0.shape, hi >> 32, np.uint64)], axis=-1)
+    words = philox4x32(ctr, np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint64))
+    w = ((i % 16) // 8) * 2 + (j % 16) // 8
+    word = np.take_along_axis(words, np.broadcast_to(w, c0.shape)[..., None].astype(np.int64), axis=-1)[..., 0]
+    bits = (word.astype(np.uint64) >> ((j % 2) * np.uint64(16))) & np.uint64(0xFFFF)
+    return bits < np.uint64(dropout_threshold(dropout_p))
+
+
+def _dropout_tuple(dropout_p, seed, offset):
+    """(dropout_p, seed, offset) checked with the library's rules, or None for dropout_p = 0."""
+    p = validate.dropout_p(dropout_p)
+    if p == 0.0:
+        return None
+    if seed is None:
+        raise ValueError("dropout_p > 0 needs seed (an int in [0, 2**64)): the mask is a function of it")
+    return p, _u64(seed, "seed"), _u64(offset, "offset")
+
+
+def attention_probs(q, k, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, batch0=0):
+    """The attention probabilities P = softmax(scores) of :func:`attention` as float64 (batch,
+    nheads, seqlen_q, seqlen_k) (0 where masked and on rows that see no key), with flash-attn's
+    ``S_dmask`` convention for dropout: a dropped element is negated, so ``P >= 0`` is the mask
+    (kept, including the zeros of masked positions) and ``abs(P)`` the probabilities before
+    dropout, already normalised (flash-attn's own S_dmask needs normalize_flash_attn_S)."""
+    v = np.asarray(k)  # shapes only: P does not depend on v
+    a = _Args(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, "float64",
+              dropout=_dropout_tuple(dropout_p, seed, offset), batch0=batch0)
+    batch, sq, nheads, _ = a.q.shape
+    out = np.zeros((batch, nheads, sq, a.k.shape[1]), dtype=np.float64)
+    for b, _, hs, i0, i1, _, _, _, s, _ in a.blocks():
+        _, p, l = _softmax_parts(s)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            p = np.where(l == 0, 0.0, p / l)
+        z = a.keep(b, hs, i0, i1, s.shape[-1])
+        out[b, hs, i0:i1] = np.where(np.asarray(z) != 0, p, -p)
+    return out

@@ -636,3 +636,33 @@ def check_startend_row_indices(x, batch, nheads, seqlen_q, seqlen_k, causal, *, 
                     raise ValueError(f"{name} must have {s} <= {e} in every key column, got {s}={lo[at]} > "
                                      f"{e}={hi[at]} at (batch, head, key) = {at}")
     return v
+
+
+def dropout_p(p):
+    """The attention-dropout probability: a real in [0, 1) (1 would drop everything and scale by
+    1 / 0), as a float."""
+    x = _real(p, "dropout_p")
+    if not 0.0 <= x < 1.0:  # NaN fails too
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {show(p)}")
+    return x
+
+
+def seed_offset(seed, offset, needed):
+    """The dropout call's Philox (seed, offset), each an int in [0, 2**64): the mask is a pure
+    function of them (cuflash.reference.dropout_keep_mask). ``needed``: dropout_p > 0, where a
+    missing seed is an error (a seed the caller does not know could not recompute the mask in
+    the backward)."""
+    out = []
+    for name, x in (("seed", seed), ("offset", offset)):
+        if x is None and name == "seed" and not needed:
+            out.append(0)
+            continue
+        if x is None:
+            raise ValueError("dropout_p > 0 needs seed (an int in [0, 2**64)): the mask is a function of "
+                             "(seed, offset), which the backward needs too")
+        if not _is_int(x):
+            raise TypeError(f"{name} must be an int, got {_type(x)}")
+        if not 0 <= x < 1 << 64:
+            raise ValueError(f"{name} must be in [0, 2**64), got {x}")
+        out.append(int(x))
+    return tuple(out)

@@ -23,9 +23,11 @@ from conftest import GPU_PROBLEM, check_same_precision, fake_view, finite_diff, 
 def test_variant_set_and_names():
     vs = family.variants(90)
     # 6 buckets x 2 dtypes x (3 masks x 4 softcap/ALiBi x {dkdv_dq, dkdv, dq} + prep + convert), and
-    # FlashMask's: 6 x 2 x 4 (causal, n) x 2 softcap x {dkdv_dq, dkdv, dq}
-    assert len(vs) == len(HEAD_DIM_BUCKETS) * 2 * (3 * 4 * 3 + 2 + 4 * 2 * 3) == 744
+    # FlashMask's: 6 x 2 x 4 (causal, n) x 2 softcap x {dkdv_dq, dkdv, dq}, and dropout's: 6 x 2 x 3
+    # masks x 4 softcap/ALiBi x {dkdv_dq, dkdv, dq}
+    assert len(vs) == len(HEAD_DIM_BUCKETS) * 2 * (3 * 4 * 3 + 2 + 4 * 2 * 3 + 3 * 4 * 3) == 1176
     assert sum(getattr(v, "flashmask", 0) > 0 for v in vs) == 288
+    assert sum(getattr(v, "dropout", False) for v in vs) == 432
     base = family.variants(90, mods=False)
     assert len(base) == len(HEAD_DIM_BUCKETS) * 2 * (2 * 3 + 2) == 96 and set(base) <= set(vs)
     assert not any(getattr(v, f, False) for v in base for f in ("local", "softcap", "alibi"))

@@ -276,13 +276,19 @@ def _dense_calls():
 
 
 @pytest.mark.parametrize("name", sorted(set(UPSTREAM) - {"flash_attn_with_kvcache"}))
-def test_dropout_is_not_implemented(recorded, name):
+def test_dropout_is_passed_on(recorded, name):
+    """dropout_p reaches cuflash.torch, which takes the seed and offset from the default CUDA
+    generator (seed=None, offset=None); 0 passes nothing; outside [0, 1) nothing runs."""
     call = _dense_calls()[name]
-    with pytest.raises(NotImplementedError, match=r"dropout_p=0\.1 is not supported"):
-        call(dropout_p=0.1)
+    for bad in (1.0, -0.5):
+        with pytest.raises(ValueError, match="dropout_p must be a float in"):
+            call(dropout_p=bad)
     assert not recorded
-    call(dropout_p=0.0)  # flash-attn's evaluation setting runs
-    assert len(recorded) == 1
+    call(dropout_p=0.1)
+    assert {n: recorded[0][2][n] for n in ("dropout_p", "seed", "offset")} == dict(dropout_p=0.1, seed=None,
+                                                                                 offset=None)
+    call(dropout_p=0.0)  # flash-attn's evaluation setting
+    assert len(recorded) == 2 and "dropout_p" not in recorded[1][2]
 
 
 def test_varlen_vllm_extras_not_supported(recorded):

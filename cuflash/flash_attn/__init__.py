@@ -12,10 +12,21 @@ are differentiable (:func:`cuflash.torch.attention` / :func:`cuflash.torch.atten
 ``deterministic`` passed to their backward); ``flash_attn_with_kvcache`` is forward only, as in
 flash-attn (:func:`cuflash.attention_with_kvcache`).
 
+``dropout_p`` (a float in [0, 1)) is flash-attn's attention dropout, its Philox seed and offset
+taken from the default CUDA generator as flash-attn takes them (cuflash.torch.attention).
+With dropout, ``return_attn_probs=True`` gives S_dmask as float32 (batch, nheads, seqlen_q,
+seqlen_k) (varlen: (batch, nheads, max_seqlen_q, max_seqlen_k), zero past each sequence): the
+softmax's probabilities with the dropped elements negated, flash-attn's sign convention
+(``S_dmask >= 0`` is the kept mask). Unlike flash-attn's, whose magnitudes follow its kernel's
+running maxima (normalize_flash_attn_S undoes them), they are already normalised; and they are
+computed by cuflash.reference on the host from the same seed and offset (float64, then copied:
+slow and synchronising, meant for tests).
+
 What cuflash does not do yet raises NotImplementedError naming the argument, never ignoring it:
-``dropout_p > 0`` and the vLLM extra ``seqused_k`` without a ``block_table``. vLLM's ``s_aux`` (attention sinks) runs as
+the vLLM extra ``seqused_k`` without a ``block_table``. vLLM's ``s_aux`` (attention sinks) runs as
 ``cuflash.torch.attention_varlen(..., sinks=s_aux)``.
 """
+import numpy as np
 import torch
 
 import cuflash
@@ -34,10 +45,31 @@ def _not_supported(what, hint):
     raise NotImplementedError(f"{what} is not supported by cuflash yet ({hint})")
 
 
-def _no_dropout(dropout_p):
-    if dropout_p != 0:
-        _not_supported(f"dropout_p={dropout_p!r}", "cuflash has no attention dropout; pass "
-                       "dropout_p=0.0, as flash-attn users do in evaluation")
+def _s_dmask(q, k, batches, dropout_p, seed, offset, causal, softmax_scale, window_size, softcap, alibi_slopes,
+             shape):
+    """flash-attn's S_dmask with dropout (see the module's docstring): float32 ``shape`` (batch,
+    nheads, rows, keys) on q's device, from cuflash.reference.attention_probs of each (q, k) pair
+    in ``batches`` (batch index, q rows (1, sq, h, d), k rows (1, sk, hk, d))."""
+    from cuflash import reference
+    out = np.zeros(shape, dtype=np.float32)
+    slopes = None if alibi_slopes is None else alibi_slopes.detach().float().cpu().numpy()
+    for b, qb, kb in batches:
+        sl = None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b:b + 1])
+        p = reference.attention_probs(qb.detach().float().cpu().numpy(), kb.detach().float().cpu().numpy(),
+                                      causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                      softcap=softcap, alibi_slopes=sl, dropout_p=dropout_p, seed=seed,
+                                      offset=offset, batch0=b)
+        out[b, :, :p.shape[2], :p.shape[3]] = p[0]
+    return torch.from_numpy(out).to(q.device)
+
+
+def _draw(dropout_p, q, batch, return_attn_probs):
+    """(seed, offset): drawn here when S_dmask must regenerate the mask, else (None, None) (the
+    forward draws them)."""
+    if not (return_attn_probs and dropout_p > 0):
+        return None, None
+    _, seed, offset = ops._dropout_state(dropout_p, None, None, q.device, batch, q.shape[-2])
+    return ops._u64(seed), ops._u64(offset)
 
 
 def _window(window_size):
@@ -75,13 +107,20 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     return_attn_probs=False):
     """flash-attn's ``flash_attn_func`` (differentiable): q (batch, seqlen_q, nheads, d), k, v
     (batch, seqlen_k, nheads_k, d). Returns out, or (out, softmax_lse (batch, nheads, seqlen_q),
-    empty S_dmask) with ``return_attn_probs=True``."""
-    _no_dropout(dropout_p)
+    S_dmask) with ``return_attn_probs=True`` (S_dmask empty without dropout; see the module's
+    docstring)."""
     q, k, v = (_contiguous_last(x) for x in (q, k, v))
-    res = ops.attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                        window_size=_window(window_size), softcap=_softcap(softcap),
+    window, cap = _window(window_size), _softcap(softcap)
+    seed, offset = _draw(validate.dropout_p(dropout_p), q, q.shape[0], return_attn_probs)
+    drop = {} if not dropout_p else dict(dropout_p=dropout_p, seed=seed, offset=offset)
+    res = ops.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window, softcap=cap,
                         alibi_slopes=alibi_slopes, deterministic=deterministic,
-                        return_lse=bool(return_attn_probs))
+                        return_lse=bool(return_attn_probs), **drop)
+    if return_attn_probs and seed is not None:
+        b, sq, h, _ = q.shape
+        mask = _s_dmask(q, k, [(i, q[i:i + 1], k[i:i + 1]) for i in range(b)], dropout_p, seed, offset, causal,
+                        softmax_scale, window, cap, alibi_slopes, (b, h, sq, k.shape[1]))
+        return (*res, mask)
     return _with_probs(res, q) if return_attn_probs else res
 
 
@@ -123,8 +162,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     returning (out, softmax_lse), and ``s_aux``, attention sinks: (nheads,) float32, bfloat16 or
     float16, one logit per query head joining each row's softmax as a column with no value
     (vLLM's semantics; softmax_lse includes it; differentiable here, vLLM's is not).
+    With dropout and ``return_attn_probs=True``, S_dmask reads cu_seqlens back to the host.
     """
-    _no_dropout(dropout_p)
     if seqused_k is not None:
         if block_table is None:
             _not_supported("seqused_k without a block_table", "dense K/V rows of sequence b are "
@@ -133,12 +172,21 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         # key counts (offset differences) from cu_seqlens_k, so the counts' prefix sums serve.
         cu_seqlens_k = torch.nn.functional.pad(torch.cumsum(seqused_k, 0, dtype=torch.int32), (1, 0))
     q, k, v = (_contiguous_last(x) for x in (q, k, v))
+    window, cap = _window(window_size), _softcap(softcap)
+    batch = cu_seqlens_q.shape[0] - 1
+    seed, offset = _draw(validate.dropout_p(dropout_p), q, batch, return_attn_probs)
+    drop = {} if not dropout_p else dict(dropout_p=dropout_p, seed=seed, offset=offset)
     res = ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               causal=causal, softmax_scale=softmax_scale,
-                               window_size=_window(window_size), softcap=_softcap(softcap),
+                               causal=causal, softmax_scale=softmax_scale, window_size=window, softcap=cap,
                                alibi_slopes=alibi_slopes, deterministic=deterministic,
                                return_lse=bool(return_attn_probs or return_softmax_lse),
-                               block_table=block_table, **({} if s_aux is None else {"sinks": s_aux}))
+                               block_table=block_table, **({} if s_aux is None else {"sinks": s_aux}), **drop)
+    if return_attn_probs and seed is not None:
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        seqs = [(i, q[None, cq[i]:cq[i + 1]], k[None, ck[i]:ck[i + 1]]) for i in range(batch)]
+        mask = _s_dmask(q, k, seqs, dropout_p, seed, offset, causal, softmax_scale, window, cap, alibi_slopes,
+                        (batch, q.shape[1], max_seqlen_q, max_seqlen_k))
+        return (*res, mask)
     return _with_probs(res, q) if return_attn_probs else res  # out, or (out, lse) for vLLM
 
 

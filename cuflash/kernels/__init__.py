@@ -103,7 +103,7 @@ class KernelVariant:
 def tile_name(kind: str, head_dim: int, dtype: str, *, causal: bool, local: bool, softcap: bool,
               alibi: bool, even_head_dim: bool, mma: str, kv: str, block_m: int, block_n: int,
               warps: int, stages: int, arch: int, flashmask: int = 0, sinks: bool = False,
-              leftpad: bool = False, kv_unaligned: bool = False) -> str:
+              leftpad: bool = False, kv_unaligned: bool = False, dropout: bool = False) -> str:
     """The name of a tiled attention kernel (forward or backward): kind, bucket, dtype, mask,
     score modifiers (attention sinks included), column predicates, product, K/V source, tile and
     arch."""
@@ -115,6 +115,7 @@ def tile_name(kind: str, head_dim: int, dtype: str, *, causal: bool, local: bool
     source += ("_leftpad" if leftpad else "") + ("_unaligned" if kv_unaligned else "")
     mods += f"_fm{flashmask}" if flashmask else ""
     mods += "_sinks" if sinks else ""
+    mods += "_dropout" if dropout else ""
     return (f"{kind}_d{head_dim}_{dtype}_{mask}{mods}{even}{layout}{source}"
             f"_m{block_m}n{block_n}w{warps}s{stages}_sm{arch}")
 
@@ -134,7 +135,7 @@ def features(v) -> frozenset:
     """The compile-time features of a variant, as names (what a covering sample must cross)."""
     f = {v.family, getattr(v, "kind", v.family), getattr(v, "dtype", "")}
     for flag in ("causal", "local", "softcap", "alibi", "even_head_dim", "swizzled", "decode", "sinks", "leftpad",
-                 "kv_unaligned", "rotary"):
+                 "kv_unaligned", "rotary", "dropout"):
         if getattr(v, flag, False):
             f.add(flag)
     kind, kv = getattr(v, "kind", ""), getattr(v, "kv", "dense")

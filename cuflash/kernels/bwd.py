@@ -23,7 +23,7 @@ import functools
 from dataclasses import dataclass
 
 from . import HEAD_DIM_BUCKETS, KernelVariant, tile_name
-from .fwd import FLASHMASK_FIELDS, FLASHMASK_NS
+from .fwd import DROPOUT_FIELDS, FLASHMASK_FIELDS, FLASHMASK_NS
 from .params import ParamTable, strides
 
 ROW_KINDS = ("bwd_prep", "bwd_convert")
@@ -59,6 +59,9 @@ DQ_TILES = {
 # FlashMask with a softcap at d = 32: the dQ kernel's 128-key tiles leave no registers for the
 # per-column bounds next to the softcap's 1 - t^2 factors; 64 keys do.
 DQ_FLASHMASK_SOFTCAP_TILES = {32: (64, 64, 4, 2)}
+# Dropout at d = 32: the dQ kernel's 128-key tiles leave no registers for the Philox words (with a
+# window, softcap and ALiBi it spilled 88-132 B under NVRTC 13.5); 64 keys do.
+DQ_DROPOUT_TILES = {32: (64, 64, 4, 2)}
 # FlashMask with a softcap at d = 128: the dK/dV kernel's second Q/dO stage leaves no registers
 # for the per-column bounds next to the softcap's factors (NVRTC 13.0 spills the causal two-bound
 # variant); one stage does.
@@ -118,6 +121,10 @@ DQ_PARAMS = ParamTable("BwdDqParams", (
 # kernel's per-key-block bounds for this kernel's block_n.
 DKDV_FM_PARAMS = ParamTable("BwdDkdvParams", DKDV_PARAMS.fields + FLASHMASK_FIELDS)
 DQ_FM_PARAMS = ParamTable("BwdDqParams", DQ_PARAMS.fields + FLASHMASK_FIELDS)
+# Dropout variants take the forward's dropout fields too, at the end (the call's Philox seed and
+# offset, keep threshold and 1 / (1 - dropout_p)): the same mask is regenerated.
+DKDV_DROPOUT_PARAMS = ParamTable("BwdDkdvParams", DKDV_PARAMS.fields + DROPOUT_FIELDS)
+DQ_DROPOUT_PARAMS = ParamTable("BwdDqParams", DQ_PARAMS.fields + DROPOUT_FIELDS)
 CONVERT_PARAMS = ParamTable("BwdConvertParams", (
     ("dq_accum", "const float*"), ("dq", "u16*"), *strides("dq", "sb", "ss", "sh"),
     ("seqlen_q_arg", "int"), ("nheads", "int"), ("head_dim", "int"), ("head_rows", "int"), ("scale", "float"),
@@ -188,6 +195,7 @@ class BwdTileVariant(KernelVariant):
     alibi: bool = False
     mma: str = "sync"
     flashmask: int = 0  # FlashMask bound columns per key (cuflash.masks), 0 = none
+    dropout: bool = False  # attention dropout: the forward's mask regenerated (common/dropout.cuh)
 
     def __post_init__(self):
         super().__post_init__()
@@ -207,19 +215,24 @@ class BwdTileVariant(KernelVariant):
                              f"with causal={self.causal}")
         if self.flashmask and (self.local or self.alibi):
             raise ValueError(f"a FlashMask backward variant has no window and no ALiBi; got {self}")
+        if self.dropout and (self.flashmask or self.mma == "wgmma"):
+            # The wgmma dK/dV kernel holds S^T and dP^T of 64 keys x its whole step at once: with
+            # the Philox words and the sign-encoded P it spills (255 registers, 8-68 B at d = 64
+            # and 128 under NVRTC 13.5), and its tiles cannot shrink (block_m * d = 128 * 64).
+            raise ValueError(f"a dropout backward variant is an mma.sync kernel with no FlashMask; got {self}")
 
     @property
     def params(self) -> ParamTable:
         if self.kind == "bwd_dq":
-            return DQ_FM_PARAMS if self.flashmask else DQ_PARAMS
-        return DKDV_FM_PARAMS if self.flashmask else DKDV_PARAMS
+            return DQ_FM_PARAMS if self.flashmask else DQ_DROPOUT_PARAMS if self.dropout else DQ_PARAMS
+        return DKDV_FM_PARAMS if self.flashmask else DKDV_DROPOUT_PARAMS if self.dropout else DKDV_PARAMS
 
     @functools.cached_property
     def name(self) -> str:
         return tile_name(self.kind, self.head_dim, self.dtype, causal=self.causal, local=self.local,
                          softcap=self.softcap, alibi=self.alibi, even_head_dim=False, mma=self.mma,
                          kv="dense", block_m=self.block_m, block_n=self.block_n, warps=self.warps,
-                         stages=self.stages, arch=self.arch, flashmask=self.flashmask)
+                         stages=self.stages, arch=self.arch, flashmask=self.flashmask, dropout=self.dropout)
 
     @property
     def template(self) -> str:
@@ -255,24 +268,29 @@ class BwdTileVariant(KernelVariant):
                     stages=self.stages, causal=self.causal, local=self.local, softcap=self.softcap,
                     alibi=self.alibi, bf16=self.dtype == "bf16", dq=self.kind == "bwd_dkdv_dq",
                     even_head_dim=False, swizzle=self.swizzled, varlen_row_gap=VARLEN_ROW_GAP, info_bytes=INFO_BYTES,
-                    flashmask=self.flashmask)
+                    flashmask=self.flashmask, dropout=self.dropout)
 
 
 def kernels(bucket: int, dtype: str, causal: bool, deterministic: bool, arch: int, local: bool = False,
-            softcap: bool = False, alibi: bool = False, flashmask: int = 0) -> tuple[KernelVariant, ...]:
+            softcap: bool = False, alibi: bool = False, flashmask: int = 0,
+            dropout: bool = False) -> tuple[KernelVariant, ...]:
     """The kernels one backward call launches, in launch order. ``causal``/``local`` are the
     mask as launched (a window that hides no key beyond the causal mask runs as causal);
     ``flashmask`` is the FlashMask bound columns per key (0 = none), whose prep kernels
-    (kernels/flashmask.py) the plan adds."""
+    (kernels/flashmask.py) the plan adds; ``dropout``: attention dropout (same tiles)."""
     bm, bn, w, st, mma = (DKDV_FLASHMASK_SOFTCAP_TILES[bucket] if flashmask and softcap
                           and bucket in DKDV_FLASHMASK_SOFTCAP_TILES else dkdv_tile(bucket, softcap, alibi, arch))
+    if dropout and mma == "wgmma":  # the wgmma kernel has no registers for dropout (BwdTileVariant)
+        bm, bn, w, st, mma = DKDV_TILES[bucket]
     mods = dict(head_dim=bucket, dtype=dtype, arch=arch, causal=causal, local=local, softcap=softcap, alibi=alibi)
     if flashmask:
         mods["flashmask"] = flashmask
+    if dropout:
+        mods["dropout"] = True
     prep = BwdRowVariant(kind="bwd_prep", head_dim=bucket, dtype=dtype, arch=arch)
     if deterministic:
         qm, qn, qw, qst = (DQ_FLASHMASK_SOFTCAP_TILES.get(bucket, DQ_TILES[bucket]) if flashmask and softcap
-                           else DQ_TILES[bucket])
+                           else DQ_DROPOUT_TILES.get(bucket, DQ_TILES[bucket]) if dropout else DQ_TILES[bucket])
         return (prep, BwdTileVariant(kind="bwd_dkdv", block_m=bm, block_n=bn, warps=w, stages=st, mma=mma, **mods),
                 BwdTileVariant(kind="bwd_dq", block_m=qm, block_n=qn, warps=qw, stages=qst, **mods))
     return (prep, BwdTileVariant(kind="bwd_dkdv_dq", block_m=bm, block_n=bn, warps=w, stages=st, mma=mma, **mods),
@@ -296,6 +314,20 @@ def variants(arch: int, mods: bool = True) -> list[KernelVariant]:
                         out.extend(kernels(bucket, dtype, causal, det, arch, local, softcap, alibi))
     if mods:
         out += flashmask_variants(arch)
+        out += dropout_variants(arch)
+    return list(dict.fromkeys(out))
+
+
+def dropout_variants(arch: int) -> list[KernelVariant]:
+    """The dropout backward kernels: every mask, softcap and ALiBi, atomic and deterministic."""
+    out = []
+    for bucket in HEAD_DIM_BUCKETS:
+        for dtype in ("fp16", "bf16"):
+            for causal, local in MASKS:
+                for softcap, alibi in MODS:
+                    for det in (False, True):
+                        out.extend(v for v in kernels(bucket, dtype, causal, det, arch, local, softcap, alibi,
+                                                      dropout=True) if getattr(v, "dropout", False))
     return list(dict.fromkeys(out))
 
 

@@ -122,15 +122,20 @@ SINK_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}  # sinks_dtype (templa
 # start at cache row kv_leftpad[b].
 PAGED_FIELDS = (("pages_per_seq", "int"),)
 LEFTPAD_FIELDS = (("kv_leftpad", "const int*"),)
+# Dropout variants take the call's Philox seed and offset (64-bit words, as two's complement),
+# the 16-bit keep threshold and 1 / (1 - dropout_p) (templates/common/dropout.cuh).
+DROPOUT_FIELDS = (("dropout_seed", "long long"), ("dropout_offset", "long long"), ("dropout_keep", "int"),
+                  ("dropout_scale", "float"))
 
 
 @functools.lru_cache(maxsize=None)
-def _params(flashmask: bool, sinks: bool, paged: bool, leftpad: bool) -> ParamTable:
+def _params(flashmask: bool, sinks: bool, paged: bool, leftpad: bool, dropout: bool = False) -> ParamTable:
     """The struct of a variant: PARAMS with the optional field groups before the trailing data
     pointers, in a fixed order (so each combination has one layout)."""
     if flashmask:
         return FLASHMASK_PARAMS
     extra = (SINK_FIELDS if sinks else ()) + (PAGED_FIELDS if paged else ()) + (LEFTPAD_FIELDS if leftpad else ())
+    extra += DROPOUT_FIELDS if dropout else ()
     if not extra:
         return PARAMS
     return ParamTable("FwdParams", PARAMS.fields[:-DATA_TAIL] + extra + PARAMS.fields[-DATA_TAIL:])
@@ -160,6 +165,7 @@ class FwdVariant(KernelVariant):
     sinks: bool = False       # attention sinks: each row's softmax starts from its head's sink logit
     leftpad: bool = False     # a contiguous cache whose sequences start at row cache_leftpad[b]
     kv_unaligned: bool = False  # cache/paged K/V read element by element (head dims not a multiple of 8)
+    dropout: bool = False     # attention dropout on P (templates/common/dropout.cuh)
 
     def __post_init__(self):
         super().__post_init__()
@@ -188,13 +194,18 @@ class FwdVariant(KernelVariant):
 
         if self.leftpad and self.kv != "cache":
             raise ValueError(f"a leftpad variant reads a contiguous cache (kv 'cache'), as in flash-attn; got {self}")
+        if self.dropout and (self.kind != "fwd" or self.kv != "dense" or self.decode or self.flashmask or self.sinks):
+            # Dropout is for training: no KV cache, no split (flash-attn's rule), no decode tile
+            # (its warps split the keys), no FlashMask or sinks (not combined in flash-attn either).
+            raise ValueError("a dropout variant is a standard kernel (kind 'fwd', not the decode tile) over dense "
+                             f"K/V with no FlashMask and no sinks; got {self}")
         if self.kv_unaligned and (self.kv == "dense" or self.even_head_dim or self.decode):
             raise ValueError("an unaligned-K/V variant reads a cache or paged cache whose head dim is below its "
                              f"bucket (not the decode tile); got {self}")
 
     @property
     def params(self) -> ParamTable:
-        return _params(bool(self.flashmask), self.sinks, self.kv == "paged", self.leftpad)
+        return _params(bool(self.flashmask), self.sinks, self.kv == "paged", self.leftpad, self.dropout)
 
     @functools.cached_property
     def name(self) -> str:
@@ -202,7 +213,8 @@ class FwdVariant(KernelVariant):
                          softcap=self.softcap, alibi=self.alibi, even_head_dim=self.even_head_dim,
                          mma=self.mma, kv=self.kv, block_m=self.block_m, block_n=self.block_n,
                          warps=self.warps, stages=self.stages, arch=self.arch, flashmask=self.flashmask,
-                         sinks=self.sinks, leftpad=self.leftpad, kv_unaligned=self.kv_unaligned)
+                         sinks=self.sinks, leftpad=self.leftpad, kv_unaligned=self.kv_unaligned,
+                         dropout=self.dropout)
 
     @property
     def template(self) -> str:
@@ -242,7 +254,7 @@ class FwdVariant(KernelVariant):
                     alibi=self.alibi, split=self.kind == "fwd_split", bf16=self.dtype == "bf16",
                     even_head_dim=self.even_head_dim, kv_cache=self.kv != "dense", paged=self.kv == "paged",
                     swizzle=self.swizzled, split_n=self.decode, flashmask=self.flashmask, sinks=self.sinks,
-                    leftpad=self.leftpad, kv_unaligned=self.kv_unaligned)
+                    leftpad=self.leftpad, kv_unaligned=self.kv_unaligned, dropout=self.dropout)
 
 
 MASKS = ((False, False), (True, False), (False, True))  # (causal, local)
@@ -282,6 +294,28 @@ def variants(arch: int, mods: bool = True) -> list[FwdVariant]:
     if mods:
         out += [replace(v, sinks=True) for v in out]  # sinks cross everything but FlashMask
         out += flashmask_variants(arch)
+        out += dropout_variants(arch)
+    return out
+
+
+def dropout_tile(bucket: int, even: bool, arch: int) -> tuple[int, int, int, int, str]:
+    """The dropout kernel's tile: the standard kernel's tile with score modifiers (the Philox
+    words and their temporaries need the registers a modifier does); wgmma's on sm_90."""
+    return fwd_tile(bucket, even, arch, "dense", True)
+
+
+def dropout_variants(arch: int) -> list[FwdVariant]:
+    """The dropout forward variants: standard kernel, dense K/V, every mask and score modifier."""
+    out = []
+    for bucket in HEAD_DIM_BUCKETS:
+        for dtype in ("fp16", "bf16"):
+            for causal, local in MASKS:
+                for softcap, alibi in MODS:
+                    for even in (False, True):
+                        bm, bn, w, st, mma = dropout_tile(bucket, even, arch)
+                        out.append(FwdVariant(kind="fwd", head_dim=bucket, dtype=dtype, causal=causal, local=local,
+                                              softcap=softcap, alibi=alibi, even_head_dim=even, block_m=bm,
+                                              block_n=bn, warps=w, stages=st, mma=mma, arch=arch, dropout=True))
     return out
 
 

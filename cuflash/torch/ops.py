@@ -22,10 +22,14 @@ def _window(window_size):
     return int(left), int(right)
 
 
-def _extras(window_left, window_right, softcap, alibi_slopes, sinks=None, startend_row_indices=None):
+def _extras(window_left, window_right, softcap, alibi_slopes, sinks=None, startend_row_indices=None,
+            dropout_p=0.0, seed=0, offset=0):
     """Keyword arguments for the kernels' optional features, only where they differ from the
-    defaults: builds of cuflash without these features accept every call that does not use them."""
+    defaults: builds of cuflash without these features accept every call that does not use them.
+    ``seed``/``offset`` arrive as the custom ops carry them (signed 64-bit, see _s64)."""
     kw = {}
+    if dropout_p:
+        kw.update(dropout_p=float(dropout_p), seed=_u64(seed), offset=_u64(offset))
     if (window_left, window_right) != (-1, -1):
         kw["window_size"] = (window_left, window_right)
     if softcap:
@@ -46,12 +50,42 @@ def _call(fn, what, *args, **kw):
         return fn(*args, **kw)
     except TypeError as e:
         missing = [n for n in ("window_size", "softcap", "alibi_slopes", "block_table", "dq", "sinks",
-                               "startend_row_indices")
+                               "startend_row_indices", "dropout_p")
                    if n in kw and repr(n) in str(e) and "unexpected keyword" in str(e)]
         if missing:
             raise NotImplementedError(f"{what} in this cuflash build does not support "
                                       f"{', '.join(missing)}") from e
         raise
+
+
+def _s64(x: int) -> int:
+    """A 64-bit unsigned Philox seed or offset as the signed int64 a custom op's ``int`` carries."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _u64(x: int) -> int:
+    return x & ((1 << 64) - 1)
+
+
+def _dropout_state(dropout_p, seed, offset, device, batch, nheads):
+    """(dropout_p, seed, offset) of a call, seed and offset as the custom ops carry them (_s64).
+    Without ``seed``, flash-attn's rule: the seed of the device's default CUDA generator
+    (torch.manual_seed sets it) and its Philox offset, which is advanced past this call's
+    counters (batch * nheads, rounded up to a multiple of 4 as PyTorch's philox_cuda_state does),
+    so successive calls draw fresh masks and a re-seeded generator repeats them."""
+    dropout_p = cuflash.validate.dropout_p(dropout_p)
+    if dropout_p == 0.0:
+        cuflash.validate.seed_offset(seed, 0 if offset is None else offset, False)
+        return 0.0, 0, 0
+    if seed is None:
+        if offset is not None:
+            raise ValueError("offset needs seed: without seed both come from the default CUDA generator")
+        gen = torch.cuda.default_generators[device.index if device.index is not None
+                                            else torch.cuda.current_device()]
+        seed, offset = gen.initial_seed(), gen.get_offset()
+        gen.set_offset(offset + cuflash.reference.dropout_offset_increment(batch, nheads))
+    seed, offset = cuflash.validate.seed_offset(seed, 0 if offset is None else offset, True)
+    return dropout_p, _s64(seed), _s64(offset)
 
 
 def _plain_cuda_tensors(*xs) -> bool:
@@ -83,8 +117,8 @@ def _wants_op(q, k, v, alibi_slopes=None, sinks=None) -> bool:
 # Kernel calls (the bodies of the custom ops; real tensors only)
 
 def _forward_kernel(q, k, v, out, causal, softmax_scale, window_left, window_right, softcap,
-                    alibi_slopes, return_lse, sinks=None, startend_row_indices=None):
-    extras = _extras(window_left, window_right, softcap, alibi_slopes, sinks, startend_row_indices)
+                    alibi_slopes, return_lse, sinks=None, startend_row_indices=None, dropout=(0.0, 0, 0)):
+    extras = _extras(window_left, window_right, softcap, alibi_slopes, sinks, startend_row_indices, *dropout)
     if plans._log is not None:
         plans._record(q, k, causal, extras)
     return _call(cuflash.attention, "cuflash.attention", q, k, v, causal=causal,
@@ -93,11 +127,11 @@ def _forward_kernel(q, k, v, out, causal, softmax_scale, window_left, window_rig
 
 def _varlen_forward_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
                            causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                           block_table, return_lse, sinks=None):
+                           block_table, return_lse, sinks=None, dropout=(0.0, 0, 0)):
     fn = getattr(cuflash, "attention_varlen", None)
     if fn is None:
         raise NotImplementedError("this cuflash build has no attention_varlen")
-    extras = _extras(window_left, window_right, softcap, alibi_slopes, sinks)
+    extras = _extras(window_left, window_right, softcap, alibi_slopes, sinks, None, *dropout)
     if block_table is not None:
         extras["block_table"] = block_table
     if plans._log is not None:
@@ -117,10 +151,11 @@ def _backward_module():
 
 
 def _backward_kernel(dout, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, window_left,
-                     window_right, softcap, alibi_slopes, deterministic, sinks=None, startend_row_indices=None):
+                     window_right, softcap, alibi_slopes, deterministic, sinks=None, startend_row_indices=None,
+                     dropout=(0.0, 0, 0)):
     """(dq, dk, dv), or with ``sinks`` (dq, dk, dv, dsinks float32)."""
     bwd = _backward_module()
-    extras = _extras(window_left, window_right, softcap, alibi_slopes, sinks, startend_row_indices)
+    extras = _extras(window_left, window_right, softcap, alibi_slopes, sinks, startend_row_indices, *dropout)
     return _call(bwd.attention_backward, "cuflash.backward.attention_backward", dout, q, k, v,
                  out, lse, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
                  dq=dq, dk=dk, dv=dv, **extras)
@@ -128,13 +163,13 @@ def _backward_kernel(dout, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale,
 
 def _varlen_backward_kernel(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, dq, dk, dv, causal, softmax_scale, window_left,
-                            window_right, softcap, alibi_slopes, deterministic, sinks=None):
+                            window_right, softcap, alibi_slopes, deterministic, sinks=None, dropout=(0.0, 0, 0)):
     fn = getattr(_backward_module(), "attention_varlen_backward", None)
     if fn is None:
         raise NotImplementedError("this cuflash build has no varlen backward "
                                   "(cuflash.backward.attention_varlen_backward): "
                                   "attention_varlen is forward-only here")
-    extras = _extras(window_left, window_right, softcap, alibi_slopes, sinks)
+    extras = _extras(window_left, window_right, softcap, alibi_slopes, sinks, None, *dropout)
     return _call(fn, "cuflash.backward.attention_varlen_backward", dout, q, k, v, out, lse,
                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                  softmax_scale=softmax_scale, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
@@ -176,23 +211,27 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale:
                    window_left: int, window_right: int, softcap: float,
                    alibi_slopes: Optional[Tensor], deterministic: bool,
                    sinks: Optional[Tensor] = None,
-                   startend_row_indices: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                   startend_row_indices: Optional[Tensor] = None, dropout_p: float = 0.0, seed: int = 0,
+                   offset: int = 0) -> tuple[Tensor, Tensor]:
     """(out, lse): out like q (contiguous), lse float32 (batch, nheads, seqlen_q).
-    ``deterministic`` only matters to the backward pass."""
+    ``deterministic`` only matters to the backward pass. ``seed``/``offset``: the dropout's
+    Philox state as signed 64-bit ints (_s64)."""
     return _fwd_body(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                     sinks=sinks, startend_row_indices=startend_row_indices)
+                     sinks=sinks, startend_row_indices=startend_row_indices, dropout_p=dropout_p, seed=seed,
+                     offset=offset)
 
 
 def _fwd_body(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-              deterministic=False, sinks=None, startend_row_indices=None):  # deterministic: taken like the op's inputs, used by the backward
+              deterministic=False, sinks=None, startend_row_indices=None, dropout_p=0.0, seed=0,
+              offset=0):  # deterministic: taken like the op's inputs, used by the backward
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return _forward_kernel(q, k, v, out, causal, softmax_scale, window_left, window_right, softcap,
-                           alibi_slopes, True, sinks, startend_row_indices)
+                           alibi_slopes, True, sinks, startend_row_indices, (dropout_p, seed, offset))
 
 
 @_attention_fwd.register_fake
 def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-      deterministic, sinks=None, startend_row_indices=None):
+      deterministic, sinks=None, startend_row_indices=None, dropout_p=0.0, seed=0, offset=0):
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
 
@@ -203,36 +242,38 @@ def _attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
                    deterministic: bool,
                    sinks: Optional[Tensor] = None,
-                   startend_row_indices: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                   startend_row_indices: Optional[Tensor] = None, dropout_p: float = 0.0, seed: int = 0,
+                   offset: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsinks): contiguous, shaped like q, k and v; dsinks like the sinks, or an
     empty float32 tensor without them."""
     return _bwd_body(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right,
-                     softcap, alibi_slopes, deterministic, sinks, startend_row_indices)
+                     softcap, alibi_slopes, deterministic, sinks, startend_row_indices, dropout_p, seed, offset)
 
 
 def _bwd_body(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap,
-              alibi_slopes, deterministic, sinks=None, startend_row_indices=None):
+              alibi_slopes, deterministic, sinks=None, startend_row_indices=None, dropout_p=0.0, seed=0, offset=0):
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     res = _backward_kernel(_last_dim_contiguous(dout), q, k, v, out, lse, dq, dk, dv, causal,
                            softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                           deterministic, sinks, startend_row_indices)
+                           deterministic, sinks, startend_row_indices, (dropout_p, seed, offset))
     return (*_into((dq, dk, dv), res), _sink_grad(res, q, sinks))
 
 
 @_attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap,
-      alibi_slopes, deterministic, sinks=None, startend_row_indices=None):
+      alibi_slopes, deterministic, sinks=None, startend_row_indices=None, dropout_p=0.0, seed=0, offset=0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _sink_fake(q, sinks)
 
 
 def _fwd_setup_context(ctx, inputs, output):
     q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes, det, *rest = inputs
-    sinks, startend_row_indices = (*rest, None, None)[:2]
+    sinks, startend_row_indices, *dropout = (*rest, None, None, 0.0, 0, 0)[:5]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks, startend_row_indices)
     ctx.args = (causal, softmax_scale, window_left, window_right, softcap)
+    ctx.dropout = tuple(dropout)  # the same (dropout_p, seed, offset) regenerate the forward's mask
     ctx.deterministic = det
     ctx.n_inputs = len(inputs)  # the backward returns a gradient (or None) per input given
     ctx.mark_non_differentiable(lse)
@@ -243,8 +284,9 @@ def _fwd_backward(ctx, dout, dlse, bwd=None):
     causal, softmax_scale, window_left, window_right, softcap = ctx.args
     dq, dk, dv, dsinks = (bwd or torch.ops.cuflash.attention_bwd)(
         dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap,
-        alibi_slopes, ctx.deterministic, sinks, startend_row_indices)
-    grads = (dq, dk, dv, None, None, None, None, None, None, None, None if sinks is None else dsinks, None)
+        alibi_slopes, ctx.deterministic, sinks, startend_row_indices, *ctx.dropout)
+    grads = (dq, dk, dv, None, None, None, None, None, None, None, None if sinks is None else dsinks, None,
+             None, None, None)
     return grads[:ctx.n_inputs]
 
 
@@ -273,17 +315,19 @@ def _attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                           softmax_scale: Optional[float], window_left: int, window_right: int,
                           softcap: float, alibi_slopes: Optional[Tensor],
                           block_table: Optional[Tensor], deterministic: bool,
-                          sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                          sinks: Optional[Tensor] = None, dropout_p: float = 0.0, seed: int = 0,
+                          offset: int = 0) -> tuple[Tensor, Tensor]:
     """(out, lse): out like q (total_q, nheads, d), contiguous; lse float32 (nheads, total_q)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return _varlen_forward_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   out, causal, softmax_scale, window_left, window_right, softcap,
-                                  alibi_slopes, block_table, True, sinks)
+                                  alibi_slopes, block_table, True, sinks, (dropout_p, seed, offset))
 
 
 @_attention_varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-      window_left, window_right, softcap, alibi_slopes, block_table, deterministic, sinks=None):
+      window_left, window_right, softcap, alibi_slopes, block_table, deterministic, sinks=None, dropout_p=0.0,
+      seed=0, offset=0):
     total_q, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((h, total_q), dtype=torch.float32)
 
@@ -294,7 +338,8 @@ def _attention_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                           max_seqlen_k: int, causal: bool, softmax_scale: Optional[float],
                           window_left: int, window_right: int, softcap: float,
                           alibi_slopes: Optional[Tensor], deterministic: bool,
-                          sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                          sinks: Optional[Tensor] = None, dropout_p: float = 0.0, seed: int = 0,
+                          offset: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsinks), as cuflash::attention_bwd."""
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -302,20 +347,22 @@ def _attention_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     res = _varlen_backward_kernel(_last_dim_contiguous(dout), q, k, v, out, lse, cu_seqlens_q,
                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, dq, dk, dv, causal,
                                   softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                                  deterministic, sinks)
+                                  deterministic, sinks, (dropout_p, seed, offset))
     return (*_into((dq, dk, dv), res), _sink_grad(res, q, sinks))
 
 
 @_attention_varlen_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-      softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, sinks=None):
+      softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, sinks=None, dropout_p=0.0,
+      seed=0, offset=0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _sink_fake(q, sinks)
 
 
 def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_left, window_right, softcap,
      alibi_slopes, block_table, det, *rest) = inputs
-    sinks = rest[0] if rest else None
+    sinks, *dropout = (*rest, None, 0.0, 0, 0)[:4]
+    ctx.dropout = tuple(dropout)  # the same (dropout_p, seed, offset) regenerate the forward's mask
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks)
     ctx.n_inputs = len(inputs)
@@ -333,8 +380,8 @@ def _varlen_backward(ctx, dout, dlse):
     max_q, max_k, causal, softmax_scale, window_left, window_right, softcap = ctx.args
     dq, dk, dv, dsinks = torch.ops.cuflash.attention_varlen_bwd(
         dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_left,
-        window_right, softcap, alibi_slopes, ctx.deterministic, sinks)
-    return ((dq, dk, dv) + (None,) * 12 + (None if sinks is None else dsinks,))[:ctx.n_inputs]
+        window_right, softcap, alibi_slopes, ctx.deterministic, sinks, *ctx.dropout)
+    return ((dq, dk, dv) + (None,) * 12 + (None if sinks is None else dsinks,) + (None,) * 3)[:ctx.n_inputs]
 
 
 _attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -344,9 +391,10 @@ _attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_
 # Public functions
 
 def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, deterministic=False, return_lse=False, sinks=None, startend_row_indices=None):
+              alibi_slopes=None, deterministic=False, return_lse=False, sinks=None, startend_row_indices=None,
+              dropout_p=0.0, seed=None, offset=None):
     """Differentiable :func:`cuflash.attention` for torch tensors, with flash-attn's
-    ``flash_attn_func`` semantics (no dropout).
+    ``flash_attn_func`` semantics.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim); float16 or
     bfloat16 CUDA tensors, last dim contiguous (other strides are free). ``window_size=(left,
@@ -357,6 +405,13 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
     ``startend_row_indices``: a FlashMask mask (cuflash.masks; int32 CUDA tensor (batch, 1 or
     nheads_k or nheads, seqlen_k, n), as :func:`cuflash.attention`), in the forward and the
     backward; it gets no gradient.
+    ``dropout_p``: attention dropout as in flash-attn (a float in [0, 1); not with a KV cache,
+    sinks or FlashMask). The mask's Philox ``seed`` and ``offset`` (ints in [0, 2**64)) are the
+    arguments when given (``offset`` defaults to 0), else flash-attn's: the seed of the device's
+    default CUDA generator (``torch.manual_seed``) and its offset, advanced past the call's
+    counters, so each call draws a new mask. The backward reuses the forward's seed and offset
+    (saved for it). The generator is read on the host: a call captured in a CUDA graph replays
+    the mask of the capture (pass a seed per replay outside the graph if that matters).
     Returns out (contiguous, like q), or (out, lse) with ``return_lse=True`` (lse float32 (batch,
     nheads, seqlen_q), not differentiable).
 
@@ -366,12 +421,13 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
     """
     window_left, window_right = _window(window_size)
     softcap = float(softcap or 0.0)
+    dropout = _dropout_state(dropout_p, seed, offset, q.device, q.shape[0], q.shape[-2])
     route = _route(q, k, v, alibi_slopes, sinks, startend_row_indices)
     if route == "direct":
         return _forward_kernel(q, k, v, None, causal, softmax_scale, window_left, window_right,
-                               softcap, alibi_slopes, return_lse, sinks, startend_row_indices)
+                               softcap, alibi_slopes, return_lse, sinks, startend_row_indices, dropout)
     args = (q, k, v, bool(causal), softmax_scale, window_left, window_right, softcap, alibi_slopes,
-            bool(deterministic), sinks, startend_row_indices)
+            bool(deterministic), sinks, startend_row_indices) + (dropout if dropout[0] else ())
     if route == "op":
         out, lse = torch.ops.cuflash.attention_fwd(*args)
     else:
@@ -381,7 +437,8 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     deterministic=False, return_lse=False, block_table=None, sinks=None):
+                     deterministic=False, return_lse=False, block_table=None, sinks=None, dropout_p=0.0, seed=None,
+                     offset=None):
     """Differentiable :func:`cuflash.attention_varlen` (flash-attn's ``flash_attn_varlen_func``).
 
     q: (total_q, nheads, d); k, v: (total_k, nheads_k, d) (or a paged cache with
@@ -390,15 +447,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     is attended on its own (causal and windows aligned bottom-right per sequence). ``sinks`` as
     in :func:`attention` (differentiable). Returns out, or (out, lse) with lse float32 (nheads,
     total_q). The backward pass needs ``cuflash.backward.attention_varlen_backward``.
+    ``dropout_p``, ``seed``, ``offset`` as in :func:`attention` (sequence b is batch b of the
+    mask; the generator's offset advances by batch * nheads; not with ``block_table``).
     """
     window_left, window_right = _window(window_size)
     softcap = float(softcap or 0.0)
+    batch = max(cu_seqlens_q.shape[0] - 1, 0) if hasattr(cu_seqlens_q, "shape") else 0
+    dropout = _dropout_state(dropout_p, seed, offset, q.device, batch, q.shape[-2])
     if not _wants_op(q, k, v, alibi_slopes, sinks):
         return _varlen_forward_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                       int(max_seqlen_k), None, causal, softmax_scale, window_left,
-                                      window_right, softcap, alibi_slopes, block_table, return_lse, sinks)
+                                      window_right, softcap, alibi_slopes, block_table, return_lse, sinks, dropout)
     out, lse = torch.ops.cuflash.attention_varlen_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal),
         softmax_scale, window_left, window_right, softcap, alibi_slopes, block_table,
-        bool(deterministic), sinks)
+        bool(deterministic), sinks, *(dropout if dropout[0] else ()))
     return (out, lse) if return_lse else out
