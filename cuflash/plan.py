@@ -17,7 +17,8 @@ from .kernels import bwd, bwd_ws, fwd_ws
 from .kernels.combine import CombineVariant
 from .kernels.flashmask import FlashMaskPrepVariant
 from .kernels.fwd import (DECODE_BLOCK_M, DECODE_MAX_ROWS, DECODE_WARPS, SPLIT_BLOCK_M, SPLIT_WARPS, FwdVariant,
-                          decode_tile, flashmask_tile, fwd_tile, split_block_n, split_tile_n)
+                          decode_tile, flashmask_tile, fwd_tile, split_block_n, split_tile_n,
+                          unaligned_leftpad_tile)
 
 DECODE_WIDE_SPLITS = 16  # more splits than this need four K/V tiles each (the merge's cost)
 MAX_SPLITS = 128
@@ -317,6 +318,8 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         else:
             bm, bn_fwd, warps, stages, mma = fwd_tile(bucket, even, dev.arch, p.kv,
                                                       local or p.softcap or p.alibi or p.dropout)
+            if mods["kv_unaligned"] and p.leftpad:
+                bm, bn_fwd, warps, stages, mma = unaligned_leftpad_tile((bm, bn_fwd, warps, stages, mma))
         ws = None if decode or mma != "wgmma" else _fwd_ws_blocker(p, even, bucket, local, pack)
         if ws == "":
             v = fwd_ws.planned(bucket, p.dtype, causal, sq, dev.arch)

@@ -66,6 +66,14 @@ def fwd_tile(bucket: int, even: bool, arch: int, kv: str = "dense",
     return (bm, 32 if bucket == 128 else min(bn, 64), w, 1, "sync")
 
 
+def unaligned_leftpad_tile(tile: tuple) -> tuple:
+    """The standard kernel's mma.sync tile over a cache read element by element with
+    cache_leftpad: at most 32 keys per tile (at d = 96 the 64-key tile spilled 32 B under NVRTC
+    13.0). wgmma tiles are unchanged."""
+    bm, bn, w, st, mma = tile
+    return tile if mma == "wgmma" else (bm, min(bn, 32), w, st, mma)
+
+
 def split_block_n(d: int) -> int:
     """FA2's split-KV kBlockN (and the block_n of its heuristic): 256 / 128 / 64."""
     return 256 if d <= 64 else (128 if d <= 128 else 64)
@@ -289,7 +297,9 @@ def variants(arch: int, mods: bool = True) -> list[FwdVariant]:
     # paged variants below their bucket (head dims that are not a multiple of 8).
     out += [replace(v, leftpad=True) for v in out if v.kv == "cache"]
     out += [replace(v, kv_unaligned=True, block_n=split_tile_n(v.head_dim, v.local, v.softcap, v.alibi, v.kv, True)
-                    if v.kind == "fwd_split" else v.block_n)
+                    if v.kind == "fwd_split" else
+                    unaligned_leftpad_tile((v.block_m, v.block_n, v.warps, v.stages, v.mma))[1] if v.leftpad
+                    else v.block_n)
             for v in out if v.kv != "dense" and not v.even_head_dim and not v.decode]
     if mods:
         out += [replace(v, sinks=True) for v in out]  # sinks cross everything but FlashMask
