@@ -557,21 +557,35 @@ def _dropout_tuple(dropout_p, seed, offset):
 
 
 def attention_probs(q, k, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, batch0=0):
+                    alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, batch0=0, block_n=None):
     """The attention probabilities P = softmax(scores) of :func:`attention` as float64 (batch,
     nheads, seqlen_q, seqlen_k) (0 where masked and on rows that see no key), with flash-attn's
     ``S_dmask`` convention for dropout: a dropped element is negated, so ``P >= 0`` is the mask
     (kept, including the zeros of masked positions) and ``abs(P)`` the probabilities before
-    dropout, already normalised (flash-attn's own S_dmask needs normalize_flash_attn_S)."""
+    dropout.
+
+    ``block_n``: give flash-attn's unnormalised magnitudes instead, exp(s - m_j) for the keys of
+    block j (blocks of ``block_n`` keys from key 0), m_j being the maximum of the row's scores over
+    blocks j and later: flash-attn's kernel visits the key blocks from the last one down and
+    stores P relative to its running maximum (its tests' normalize_flash_attn_S undoes that)."""
     v = np.asarray(k)  # shapes only: P does not depend on v
     a = _Args(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, "float64",
               dropout=_dropout_tuple(dropout_p, seed, offset), batch0=batch0)
     batch, sq, nheads, _ = a.q.shape
     out = np.zeros((batch, nheads, sq, a.k.shape[1]), dtype=np.float64)
     for b, _, hs, i0, i1, _, _, _, s, _ in a.blocks():
-        _, p, l = _softmax_parts(s)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            p = np.where(l == 0, 0.0, p / l)
+        if block_n:
+            sk = s.shape[-1]
+            nb = -(-sk // block_n)
+            pad = np.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, nb * block_n - sk)], constant_values=-np.inf)
+            m = pad.reshape(*s.shape[:-1], nb, block_n).max(axis=-1)
+            m = np.maximum.accumulate(m[..., ::-1], axis=-1)[..., ::-1]  # max over blocks j..
+            m = np.where(np.isfinite(m), m, 0.0)
+            p = np.exp(s - np.repeat(m, block_n, axis=-1)[..., :sk])
+        else:
+            _, p, l = _softmax_parts(s)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                p = np.where(l == 0, 0.0, p / l)
         z = a.keep(b, hs, i0, i1, s.shape[-1])
         out[b, hs, i0:i1] = np.where(np.asarray(z) != 0, p, -p)
     return out

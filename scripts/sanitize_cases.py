@@ -107,6 +107,11 @@ def main():
     for det in (False, True):
         attention_varlen_backward(torch.randn_like(o), q, k, v, o, lse, cu_q, cu_k, 113, 290, causal=True,
                                   deterministic=det)
+    # dropout: forward (mma.sync at d=40 and wgmma at d=128 on sm_90) and the mma.sync backward
+    import cuflash.torch as ct
+    for d in (40, 128):
+        q, k, v = (rnd(2, 150, 4, d).requires_grad_() for _ in range(3))
+        ct.attention(q, k, v, causal=True, dropout_p=0.17).backward(rnd(2, 150, 4, d))
     # varlen with a head dim that is not a multiple of 8 (padded copies)
     cuflash.attention_varlen(rnd(200, 8, 60), rnd(500, 2, 60), rnd(500, 2, 60), cu_q, cu_k, 113, 290, causal=True)
     torch.cuda.synchronize()

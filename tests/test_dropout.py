@@ -153,6 +153,27 @@ def test_reference_forward_is_dropped_probabilities_times_v(rng, causal, window)
                                                                                    window_size=window))
 
 
+@pytest.mark.parametrize("block_n", [16, 32, 64])
+def test_reference_probs_in_flash_attn_blocks(rng, block_n):
+    """attention_probs(block_n=...): flash-attn's S_dmask magnitudes exp(s - m_j), m_j the row's
+    maximum over key blocks j and later; flash-attn's normalisation (block j times
+    exp(m_j - lse), its tests' normalize_flash_attn_S) gives the probabilities back."""
+    q, k, v = _qkv(rng, b=1, sq=37, sk=150, h=2, hk=1, d=8)
+    kw = dict(causal=True, dropout_p=0.25, seed=7, offset=3)
+    probs = reference.attention_probs(q, k, **kw)
+    raw = reference.attention_probs(q, k, block_n=block_n, **kw)
+    np.testing.assert_array_equal(np.signbit(raw), np.signbit(probs))  # the same mask
+    s = np.einsum("bihd,bjhd->bhij", q, np.repeat(k, 2, axis=2)) / math.sqrt(8)
+    sq, sk = s.shape[-2:]
+    s[..., np.arange(sk)[None, :] > np.arange(sq)[:, None] + sk - sq] = -np.inf  # causal, bottom right
+    _, lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    blocks = range(0, sk, block_n)
+    m = np.stack([s[..., j:].max(axis=-1) for j in blocks], axis=-1)  # max over blocks j.. (j at block starts)
+    scale = np.repeat(np.exp(m - lse[..., None]), block_n, axis=-1)[..., :sk]
+    np.testing.assert_allclose(np.abs(raw) * scale, np.abs(probs), rtol=1e-12, atol=1e-15)
+    assert np.abs(raw).max() <= 1.0 and (np.abs(raw) > np.abs(probs)).any()
+
+
 def test_reference_backward_matches_finite_differences(rng):
     q, k, v = _qkv(rng, b=1, sq=9, sk=11, h=2, hk=1, d=4)
     dout = rng.standard_normal(q.shape)
@@ -482,6 +503,7 @@ def test_gpu_dropout_varlen(rng):
 @requires_torch
 def test_gpu_dropout_torch_autograd_and_generator(rng):
     import torch
+    import cuflash.torch  # noqa: F401 (a module of its own: not imported by cuflash)
     q, k, v = (_t(rng, 2, 128, 4, 64).requires_grad_() for _ in range(3))
     dout = _t(rng, 2, 128, 4, 64)
     kw = dict(causal=True, dropout_p=0.25, seed=11, offset=4)
@@ -506,14 +528,26 @@ def test_gpu_dropout_torch_autograd_and_generator(rng):
 @requires_gpu
 @requires_torch
 def test_gpu_dropout_flash_attn_dropin_s_dmask(rng):
+    """S_dmask as flash-attn returns it: q's dtype, dropped elements negated, magnitudes relative
+    to the running maximum over key blocks of _get_block_size_n keys. Normalised as flash-attn's
+    tests do, its kept part times V / (1 - p) is the kernel's output."""
     import torch
     from cuflash.flash_attn import flash_attn_func
+    from cuflash.flash_attn.flash_attn_interface import _get_block_size_n
     q, k, v = _t(rng, 2, 113, 4, 64), _t(rng, 2, 203, 2, 64), _t(rng, 2, 203, 2, 64)
     p = 0.3
     out, lse, s_dmask = flash_attn_func(q, k, v, p, None, True, return_attn_probs=True)
-    assert s_dmask.shape == (2, 4, 113, 203) and s_dmask.dtype == torch.float32
-    kept = torch.where(s_dmask >= 0, s_dmask, torch.zeros_like(s_dmask)) / (1 - p)
-    vh = v.float().repeat_interleave(2, dim=2)
+    assert s_dmask.shape == (2, 4, 113, 203) and s_dmask.dtype == q.dtype
+    kh, vh = (x.float().repeat_interleave(2, dim=2) for x in (k, v))
+    s = torch.einsum("bihd,bjhd->bhij", q.float(), kh) / 8.0
+    visible = torch.ones(113, 203, dtype=torch.bool, device=DEVICE).tril(203 - 113)  # causal, bottom right
+    s = s.masked_fill(~visible, -torch.inf)
+    bn = _get_block_size_n(q.device, 64, True, True)
+    m = torch.stack([s[..., j:].amax(-1) for j in range(0, 203, bn)], -1)  # max over blocks j..
+    scale = torch.exp(m - torch.logsumexp(s, -1, keepdim=True)).repeat_interleave(bn, -1)[..., :203]
+    probs = s_dmask.float().abs() * scale
+    assert (probs.sum(-1) - 1).abs().max().item() < 2e-2  # normalised rows
+    kept = torch.where(s_dmask >= 0, probs, 0.0) / (1 - p)
     expected = torch.einsum("bhij,bjhd->bihd", kept, vh)
     assert (out.float() - expected).abs().max().item() < 2e-2
-    assert abs((s_dmask >= 0).float().mean().item() - (1 - p)) < 0.02
+    assert abs((s_dmask >= 0)[..., visible].float().mean().item() - (1 - p)) < 0.02

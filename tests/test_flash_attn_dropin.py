@@ -566,3 +566,60 @@ def test_gpu_kvcache(rng):
     for i, n in enumerate((101, 256)):
         assert torch.equal(kc[i, n - 1], k[i, 0]) and torch.equal(vc[i, n - 1], v[i, 0])
         _check_out(out[i:i + 1], q[i:i + 1], kc[i:i + 1, :n], vc[i:i + 1, :n], causal=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# layers.rotary.apply_rotary_emb (flash-attn's, in PyTorch) against cuflash.reference.apply_rotary
+
+def _angles(n, half, seed=4):
+    import torch
+    a = _cpu(n, half, seed=seed) * 3
+    return torch.cos(a), torch.sin(a)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("offsets", ["int", "tensor"])
+def test_apply_rotary_emb_matches_reference(interleaved, offsets):
+    import torch
+    from cuflash import reference
+    from cuflash.flash_attn.layers.rotary import apply_rotary_emb
+    x = _cpu(3, 7, 2, 10)
+    cos, sin = _angles(20, 3)  # rotary_dim 6 of 10
+    off = 5 if offsets == "int" else torch.tensor([0, 13, 4], dtype=torch.int32)
+    pos = np.arange(7)[None, :] + (np.full((3, 1), 5) if offsets == "int" else off.numpy()[:, None])
+    want = reference.apply_rotary(x.numpy(), cos.numpy(), sin.numpy(), np.minimum(pos, 19), interleaved)
+    want[pos >= 20] = x.numpy()[pos >= 20]  # positions past cos's rows are not rotated
+    got = apply_rotary_emb(x, cos, sin, interleaved=interleaved, seqlen_offsets=off)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6)  # float32 arithmetic
+    y = x.clone()
+    assert apply_rotary_emb(y, cos, sin, interleaved=interleaved, inplace=True, seqlen_offsets=off) is y
+    torch.testing.assert_close(y, got)
+
+
+def test_apply_rotary_emb_varlen_and_gradient():
+    import torch
+    from cuflash.flash_attn.layers.rotary import apply_rotary_emb
+    x = _cpu(2, 6, 3, 8)
+    cos, sin = _angles(16, 4)  # rotary_dim 8: every feature
+    off = torch.tensor([2, 9])
+    dense = apply_rotary_emb(x, cos, sin, seqlen_offsets=off)
+    cu = torch.tensor([0, 6, 12], dtype=torch.int32)
+    packed = apply_rotary_emb(x.reshape(12, 3, 8), cos, sin, seqlen_offsets=off, cu_seqlens=cu, max_seqlen=6)
+    torch.testing.assert_close(packed, dense.reshape(12, 3, 8))
+    # a rotation: the gradient of <R x, g> is R^T g, the rotation by the negated angles
+    xg = x.clone().requires_grad_()
+    g = _cpu(2, 6, 3, 8, seed=5)
+    (apply_rotary_emb(xg, cos, sin, seqlen_offsets=off) * g).sum().backward()
+    torch.testing.assert_close(xg.grad, apply_rotary_emb(g, cos, -sin, seqlen_offsets=off), rtol=1e-6, atol=1e-6)
+
+
+def test_apply_rotary_emb_rejects_bad_tables():
+    from cuflash.flash_attn.layers.rotary import apply_rotary_emb
+    cos, sin = _angles(8, 6)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        apply_rotary_emb(_cpu(1, 4, 1, 8), cos, sin)  # rotary_dim 12 > 8
+    with pytest.raises(ValueError, match="exceeds the 8 rows"):
+        apply_rotary_emb(_cpu(1, 4, 1, 16), cos, sin, seqlen_offsets=5)
+    with pytest.raises(ValueError, match="one shape"):
+        apply_rotary_emb(_cpu(1, 4, 1, 16), cos, sin[:, :2])

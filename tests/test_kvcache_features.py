@@ -38,7 +38,7 @@ def test_window_bad_forms_are_type_errors(window):
 def test_window_device_tensor_is_a_type_error():
     """A tensor off the host would have to be read with a device synchronisation: refused."""
     torch = pytest.importorskip("torch", reason="needs PyTorch (optional dependency)")
-    from cuflash.flash_attn import _window
+    from cuflash.flash_attn.flash_attn_interface import _window
     for w in (torch.tensor([3, 0], device="meta"), (torch.tensor(3, device="meta"), 0)):
         with pytest.raises(TypeError, match="window_size must be in host memory .* got a tensor on meta"):
             validate.window(w)
@@ -48,7 +48,7 @@ def test_window_device_tensor_is_a_type_error():
 
 def test_window_dropin_maps_negatives_to_unbounded():
     torch = pytest.importorskip("torch", reason="needs PyTorch (optional dependency)")
-    from cuflash.flash_attn import _window
+    from cuflash.flash_attn.flash_attn_interface import _window
     assert _window(torch.tensor([-5, 3])) == (-1, 3)
     assert _window(np.array([4, -100])) == (4, -1)
     assert _window((np.int32(-2), torch.tensor(0))) == (-1, 0)

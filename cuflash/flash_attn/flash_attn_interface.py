@@ -1,0 +1,292 @@
+"""flash-attn 2.8's ``flash_attn.flash_attn_interface`` on cuflash's kernels (the functions are
+re-exported by :mod:`cuflash.flash_attn`).
+
+The functions keep flash-attn 2.8.x's signatures (names, positional order, defaults) and return
+conventions: ``out``, or with ``return_attn_probs=True`` ``(out, softmax_lse, S_dmask)``, where
+S_dmask is an empty tensor (shape (0,), q's dtype) as flash-attn returns it without dropout. The
+dense and varlen functions are differentiable (:func:`cuflash.torch.attention` /
+:func:`cuflash.torch.attention_varlen`, ``deterministic`` passed to their backward);
+``flash_attn_with_kvcache`` is forward only, as in flash-attn (:func:`cuflash.attention_with_kvcache`).
+
+``dropout_p`` (a float in [0, 1)) is flash-attn's attention dropout, its Philox seed and offset
+taken from the default CUDA generator as flash-attn takes them (cuflash.torch.attention).
+With dropout, ``return_attn_probs=True`` gives S_dmask as flash-attn does: q's dtype, (batch,
+nheads, seqlen_q, seqlen_k) (varlen: (batch, nheads, max_seqlen_q, max_seqlen_k), zero past each
+sequence), the dropped elements negated (``S_dmask >= 0`` is the kept mask), and magnitudes
+relative to flash-attn's running row maximum over key blocks of :func:`_get_block_size_n` keys
+(see :func:`cuflash.reference.attention_probs`), so flash-attn's ``normalize_flash_attn_S``
+turns them into probabilities. cuflash computes S_dmask on the host from the same seed and
+offset (float64, then copied: slow and synchronising, meant for tests).
+
+What cuflash does not do yet raises NotImplementedError naming the argument, never ignoring it:
+the vLLM extra ``seqused_k`` without a ``block_table``. vLLM's ``s_aux`` (attention sinks) runs as
+``cuflash.torch.attention_varlen(..., sinks=s_aux)``.
+"""
+import os
+
+import numpy as np
+import torch
+
+import cuflash
+from cuflash import validate
+from cuflash.torch import ops
+
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
+           "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
+
+
+# ---------------------------------------------------------------------------------------------
+# flash-attn's argument conventions -> cuflash's
+
+def _not_supported(what, hint):
+    raise NotImplementedError(f"{what} is not supported by cuflash yet ({hint})")
+
+
+# flash-attn's switch to its Triton kernels on AMD GPUs; cuflash has no such path.
+USE_TRITON_ROCM = os.getenv("FLASH_ATTENTION_TRITON_AMD_ENABLE", "FALSE") == "TRUE"
+
+
+def _get_block_size_n(device, head_dim, is_dropout, is_causal):
+    """The key-block size of flash-attn 2.8's forward kernel for ``head_dim`` on ``device``'s GPU
+    (its ``_get_block_size_n``): the blocks over which S_dmask's magnitudes take their running
+    row maximum (flash-attn's tests normalise S_dmask with it)."""
+    if not 0 < head_dim <= 256:
+        raise ValueError(f"head_dim must be in 1..256, got {head_dim}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if head_dim <= 32:
+        return 128
+    if head_dim <= 64:
+        return 64 if is_dropout else 128
+    if head_dim <= 96:
+        return 64
+    if head_dim <= 128:
+        if major == 8 and minor > 0:  # sm86 / sm89
+            return 64 if (not is_dropout and is_causal) else 32
+        return 32 if is_dropout else 64
+    return 64
+
+
+def _kernel_keep(q, k, dropout_p, seed, offset, shape, varlen=None):
+    """The kernel's own dropout mask (True = kept), read back: with q = k = 0 every key of a row
+    has probability 1 / seqlen_k, and v = one-hot rows for keys c .. c + d - 1 puts
+    kept / (seqlen_k (1 - p)) into out's d columns, so out > 0 is the mask of those keys (the mask
+    is a function of (seed, offset, batch, head, row, key) only). ``shape`` (batch, nheads, rows,
+    keys) bool on q's device; ``varlen`` = (cu_seqlens_q, cu_seqlens_k, starts_q, starts_k) with
+    the starts as host lists."""
+    d = q.shape[-1]
+    q0, k0 = torch.zeros_like(q), torch.zeros(k.shape, dtype=q.dtype, device=q.device)
+    keep = torch.zeros(shape, dtype=torch.bool, device=q.device)
+    for c in range(0, shape[-1], d):
+        w = min(d, shape[-1] - c)
+        v, t = torch.zeros_like(k0), torch.arange(w, device=q.device)
+        if varlen is None:
+            v[:, c + t, :, t] = 1
+            out = cuflash.attention(q0, k0, v, dropout_p=dropout_p, seed=seed, offset=offset)
+            keep[..., c:c + w] = (out[..., :w] > 0).permute(0, 2, 1, 3)
+            continue
+        cu_q, cu_k, cq, ck = varlen
+        for b in range(shape[0]):
+            n = min(w, ck[b + 1] - ck[b] - c)
+            if n > 0:
+                v[ck[b] + c + t[:n], :, t[:n]] = 1
+        out = cuflash.attention_varlen(q0, k0, v, cu_q, cu_k, shape[2], shape[3], dropout_p=dropout_p, seed=seed,
+                                       offset=offset)
+        for b in range(shape[0]):
+            keep[b, :, :cq[b + 1] - cq[b], c:c + w] = (out[cq[b]:cq[b + 1], :, :w] > 0).permute(1, 0, 2)
+    return keep
+
+
+def _s_dmask(q, batches, keep, causal, softmax_scale, window_size, softcap, alibi_slopes):
+    """flash-attn's S_dmask with dropout (see the module's docstring), q's dtype on q's device:
+    the magnitudes from cuflash.reference.attention_probs (float64) of each (batch index, q rows
+    (1, sq, h, d), k rows (1, sk, hk, d)) in ``batches``, negated where ``keep`` (batch, nheads,
+    rows, keys) is False."""
+    from cuflash import reference
+    block_n = _get_block_size_n(q.device, q.shape[-1], True, causal)
+    out = np.zeros(keep.shape, dtype=np.float32)
+    slopes = None if alibi_slopes is None else alibi_slopes.detach().float().cpu().numpy()
+    for b, qb, kb in batches:
+        sl = None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b:b + 1])
+        p = reference.attention_probs(qb.detach().float().cpu().numpy(), kb.detach().float().cpu().numpy(),
+                                      causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                      softcap=softcap, alibi_slopes=sl, block_n=block_n)
+        out[b, :, :p.shape[2], :p.shape[3]] = p[0]
+    mag = torch.from_numpy(out).to(q.device)
+    return torch.where(keep, mag, -mag).to(q.dtype)
+
+
+def _draw(dropout_p, q, batch, return_attn_probs):
+    """(seed, offset): drawn here when S_dmask must regenerate the mask, else (None, None) (the
+    forward draws them)."""
+    if not (return_attn_probs and dropout_p > 0):
+        return None, None
+    _, seed, offset = ops._dropout_state(dropout_p, None, None, q.device, batch, q.shape[-2])
+    return ops._u64(seed), ops._u64(offset)
+
+
+def _window(window_size):
+    """flash-attn's window_size -> cuflash's (left, right): a pair of ints, given as a tuple, a
+    list or a 2-element integer array or tensor in host memory (read without waiting for the
+    GPU; a CUDA tensor is a TypeError, since reading it would synchronise). flash-attn takes any
+    negative bound as unbounded, cuflash wants -1 for it."""
+    left, right = validate.window_pair(window_size)
+    return max(left, -1), max(right, -1)
+
+
+def _softcap(softcap):
+    """flash-attn turns softcapping off for softcap <= 0; cuflash wants 0 for off."""
+    return float(softcap) if softcap > 0 else 0.0
+
+
+def _contiguous_last(x):
+    """flash-attn copies an operand whose last dim is not contiguous; cuflash needs a unit stride
+    there and reads every other stride in place."""
+    return x.contiguous() if x is not None and x.stride(-1) != 1 else x
+
+
+def _with_probs(res, q):
+    """(out, softmax_lse) -> flash-attn's (out, softmax_lse, S_dmask), S_dmask being the empty
+    (0,) tensor that flash-attn returns when there is no dropout."""
+    out, lse = res
+    return out, lse, q.new_empty((0,))
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense batches (batch, seqlen, nheads, headdim)
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False):
+    """flash-attn's ``flash_attn_func`` (differentiable): q (batch, seqlen_q, nheads, d), k, v
+    (batch, seqlen_k, nheads_k, d). Returns out, or (out, softmax_lse (batch, nheads, seqlen_q),
+    S_dmask) with ``return_attn_probs=True`` (S_dmask empty without dropout; see the module's
+    docstring)."""
+    q, k, v = (_contiguous_last(x) for x in (q, k, v))
+    window, cap = _window(window_size), _softcap(softcap)
+    seed, offset = _draw(validate.dropout_p(dropout_p), q, q.shape[0], return_attn_probs)
+    drop = {} if not dropout_p else dict(dropout_p=dropout_p, seed=seed, offset=offset)
+    res = ops.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window, softcap=cap,
+                        alibi_slopes=alibi_slopes, deterministic=deterministic,
+                        return_lse=bool(return_attn_probs), **drop)
+    if return_attn_probs and seed is not None:
+        b, sq, h, _ = q.shape
+        keep = _kernel_keep(q, k, dropout_p, seed, offset, (b, h, sq, k.shape[1]))
+        mask = _s_dmask(q, [(i, q[i:i + 1], k[i:i + 1]) for i in range(b)], keep, causal, softmax_scale, window,
+                        cap, alibi_slopes)
+        return (*res, mask)
+    return _with_probs(res, q) if return_attn_probs else res
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False):
+    """flash-attn's ``flash_attn_kvpacked_func``: kv (batch, seqlen_k, 2, nheads_k, d), split
+    into k and v by views (no copies)."""
+    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
+                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False):
+    """flash-attn's ``flash_attn_qkvpacked_func``: qkv (batch, seqlen, 3, nheads, d), split into
+    q, k and v by views (no copies)."""
+    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
+                           causal, window_size, softcap, alibi_slopes, deterministic,
+                           return_attn_probs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed variable-length batches (total, nheads, headdim)
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None, *, seqused_k=None,
+                           return_softmax_lse=False, s_aux=None):
+    """flash-attn's ``flash_attn_varlen_func`` (differentiable without ``block_table``): q
+    (total_q, nheads, d), k, v (total_k, nheads_k, d) or a paged cache (num_pages, page_size,
+    nheads_k, d) with ``block_table``. Returns out, or (out, softmax_lse (nheads, total_q),
+    empty S_dmask) with ``return_attn_probs=True``.
+
+    Keyword-only extras from vLLM's fork (not in upstream flash-attn 2.8): ``seqused_k`` int32
+    (batch,) key counts of a paged cache (then ``cu_seqlens_k`` is not read and may be None; a
+    dense K/V with ``seqused_k`` raises NotImplementedError), ``return_softmax_lse=True``
+    returning (out, softmax_lse), and ``s_aux``, attention sinks: (nheads,) float32, bfloat16 or
+    float16, one logit per query head joining each row's softmax as a column with no value
+    (vLLM's semantics; softmax_lse includes it; differentiable here, vLLM's is not).
+    With dropout and ``return_attn_probs=True``, S_dmask reads cu_seqlens back to the host.
+    """
+    if seqused_k is not None:
+        if block_table is None:
+            _not_supported("seqused_k without a block_table", "dense K/V rows of sequence b are "
+                           "cu_seqlens_k[b] to cu_seqlens_k[b + 1]; seqused_k needs a paged cache")
+        # A paged sequence's keys are found through its block-table row: cuflash reads only the
+        # key counts (offset differences) from cu_seqlens_k, so the counts' prefix sums serve.
+        cu_seqlens_k = torch.nn.functional.pad(torch.cumsum(seqused_k, 0, dtype=torch.int32), (1, 0))
+    q, k, v = (_contiguous_last(x) for x in (q, k, v))
+    window, cap = _window(window_size), _softcap(softcap)
+    batch = cu_seqlens_q.shape[0] - 1
+    seed, offset = _draw(validate.dropout_p(dropout_p), q, batch, return_attn_probs)
+    drop = {} if not dropout_p else dict(dropout_p=dropout_p, seed=seed, offset=offset)
+    res = ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               causal=causal, softmax_scale=softmax_scale, window_size=window, softcap=cap,
+                               alibi_slopes=alibi_slopes, deterministic=deterministic,
+                               return_lse=bool(return_attn_probs or return_softmax_lse),
+                               block_table=block_table, **({} if s_aux is None else {"sinks": s_aux}), **drop)
+    if return_attn_probs and seed is not None:
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        seqs = [(i, q[None, cq[i]:cq[i + 1]], k[None, ck[i]:ck[i + 1]]) for i in range(batch)]
+        keep = _kernel_keep(q, k, dropout_p, seed, offset, (batch, q.shape[1], max_seqlen_q, max_seqlen_k),
+                            varlen=(cu_seqlens_q, cu_seqlens_k, cq, ck))
+        mask = _s_dmask(q, seqs, keep, causal, softmax_scale, window, cap, alibi_slopes)
+        return (*res, mask)
+    return _with_probs(res, q) if return_attn_probs else res  # out, or (out, lse) for vLLM
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    dropout_p=0.0, softmax_scale=None, causal=False,
+                                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                    deterministic=False, return_attn_probs=False):
+    """flash-attn's ``flash_attn_varlen_kvpacked_func``: kv (total_k, 2, nheads_k, d), split into
+    k and v by views (no copies)."""
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                  softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash-attn's ``flash_attn_varlen_qkvpacked_func``: qkv (total, 3, nheads, d), split into
+    q, k and v by views (no copies); ``cu_seqlens``/``max_seqlen`` serve queries and keys."""
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens,
+                                  max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
+                                  window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache (forward only, as in flash-attn)
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                            block_table=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """flash-attn's ``flash_attn_with_kvcache``: new k, v are appended to the caches in place at
+    ``cache_seqlens`` (rotated by ``rotary_cos``/``rotary_sin`` when given, q then attending
+    rotated too), then q attends to the caches (from ``cache_leftpad`` on, when given). Returns
+    out, or (out, softmax_lse) with ``return_softmax_lse=True``. Lengths past a block table's
+    capacity raise a ValueError when cuflash can see them on the host (an int, a NumPy array or a
+    CPU tensor); flash-attn reads a device ``cache_seqlens`` back to check it (a synchronisation),
+    cuflash does not: its kernels clamp to the table instead."""
+    q, k, v = (_contiguous_last(x) for x in (q, k, v))
+    return cuflash.attention_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table, causal=causal,
+        softmax_scale=softmax_scale, num_splits=num_splits, return_lse=bool(return_softmax_lse),
+        window_size=_window(window_size), softcap=_softcap(softcap), rotary_interleaved=rotary_interleaved,
+        alibi_slopes=alibi_slopes)
