@@ -61,6 +61,7 @@ def main(argv=None):
     ap.add_argument("test_file", type=pathlib.Path, help="flash-attn's tests/test_flash_attn.py")
     ap.add_argument("--per-test", type=int, default=120, help="cases per test function (0: all)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-dir", type=pathlib.Path, help="keep each shard's pytest log here (shardK.log)")
     ap.add_argument("-n", "--shards", type=int, default=min(16, os.cpu_count() or 1),
                     help="pytest processes (default: CPU cores, at most 16)")
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -70,6 +71,8 @@ def main(argv=None):
         ap.error(f"no such file: {a.test_file}")
     if a.shards < 1:
         ap.error(f"-n must be at least 1, got {a.shards}")
+    if a.log_dir:
+        a.log_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="cuflash-fa-tests-") as d:
         d = pathlib.Path(d)
@@ -79,7 +82,7 @@ def main(argv=None):
         procs = []
         for k in range(a.shards):
             env = dict(os.environ, PYTHONPATH=path, CUFLASH_FA_SHARD=str(k), CUFLASH_FA_SHARDS=f"{k}/{a.shards}")
-            log = open(d / f"shard{k}.log", "w+")
+            log = open((a.log_dir or d) / f"shard{k}.log", "w+")
             cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-p", "no:xdist",
                    a.test_file.name, *extra]
             procs.append((subprocess.Popen(cmd, cwd=d, env=env, stdout=log, stderr=subprocess.STDOUT), log))
