@@ -552,8 +552,8 @@ def host_us(fn, reps=300, rounds=7):
 def bench_overhead(verbose=True):
     """Host time per call of repeated calls (kernels compiled, plans cached) from PyTorch:
     ``cuflash.attention`` on the standard and split-KV paths, with ``out=`` and the LSE, the
-    differentiable ``cuflash.torch.attention`` (a torch.library custom op), and SDPA on the same
-    tensors for scale."""
+    differentiable ``cuflash.torch.attention`` (without and with gradients, its forward alone and
+    forward + backward), and SDPA on the same tensors for scale."""
     torch = _torch()
     import cuflash
     import cuflash.torch as ct
@@ -564,6 +564,7 @@ def bench_overhead(verbose=True):
     t1 = [x.transpose(1, 2) for x in (q1, k1, v1)]
     t2 = q2.transpose(1, 2)
     g2 = q2.clone().requires_grad_()
+    do2 = torch.randn_like(q2)
     tg2 = g2.transpose(1, 2)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     cases = [
@@ -577,8 +578,11 @@ def bench_overhead(verbose=True):
          lambda: cuflash.attention(q2, q2, q2, causal=True, return_lse=True), None, (q2, q2)),
         ("cuflash.torch.attention", "b=2, s=256, 8 heads, d=64",
          lambda: ct.attention(q2, q2, q2, causal=True), None, (q2, q2)),
-        ("cuflash.torch.attention, requires_grad (custom op + autograd)", "b=2, s=256, 8 heads, d=64",
+        ("cuflash.torch.attention, requires_grad (autograd)", "b=2, s=256, 8 heads, d=64",
          lambda: ct.attention(g2, g2, g2, causal=True), lambda: sdpa(tg2, tg2, tg2, is_causal=True), (q2, q2)),
+        ("cuflash.torch.attention, forward + backward (autograd.grad)", "b=2, s=256, 8 heads, d=64",
+         lambda: torch.autograd.grad(ct.attention(g2, g2, g2, causal=True), g2, do2),
+         lambda: torch.autograd.grad(sdpa(tg2, tg2, tg2, is_causal=True), g2, do2.transpose(1, 2)), (q2, q2)),
     ]
     rows = []
     for name, shape, fn, ref, (q, k) in cases:

@@ -215,8 +215,8 @@ def test_fast_path_only_for_plain_cuda_inference():
     import torch
     from cuflash.torch import ops
     q = torch.empty(1, 4, 2, 8)
-    assert ops._wants_op(q, q, q)  # CPU tensors: through the op (which reports the CPU tensor)
-    assert ops._wants_op(torch.empty(1, 4, 2, 8, device="meta"), q, q)
+    assert ops._route(q, q, q) == "op"  # CPU tensors: through the op (which reports the CPU tensor)
+    assert ops._route(torch.empty(1, 4, 2, 8, device="meta"), q, q) == "op"
 
 
 @requires_torch
@@ -349,6 +349,26 @@ def test_eager_autograd_function_plumbing(ref_kernels):
         torch.testing.assert_close(got, w)
     assert [c[0] for c in ref_kernels] == ["attention", "backward"]
     assert ref_kernels[0][3]["window_size"] == (5, 0) and ref_kernels[1][3]["window_size"] == (5, 0)
+
+
+@requires_torch
+def test_eager_varlen_autograd_function_plumbing(ref_kernels):
+    """The varlen autograd.Function of eager CUDA calls: the custom op's bodies, run here on CPU
+    tensors with the reference kernels."""
+    import torch
+    from cuflash.torch import ops
+    cu = torch.tensor([0, 5, 5, 12], dtype=torch.int32)
+    q, k, v = (_cpu(12, 4, 16, seed=s, grad=True) for s in range(3))
+    out, lse = ops._EagerVarlenAttention.apply(q, k, v, cu, cu, 7, 7, True, 0.3, -1, -1, 0.0, None, None, False)
+    ref, _ = ref_attention_varlen(q, k, v, cu, cu, causal=True, softmax_scale=0.3)
+    torch.testing.assert_close(out, ref)
+    assert not lse.requires_grad
+    dout = _cpu(12, 4, 16, seed=3)
+    out.backward(dout)
+    want = _ref_grads(lambda *x: ref_attention_varlen(*x, cu, cu, causal=True, softmax_scale=0.3), dout, (q, k, v))
+    for got, w in zip((q.grad, k.grad, v.grad), want):
+        torch.testing.assert_close(got, w)
+    assert [c[0] for c in ref_kernels] == ["varlen", "varlen_backward"]
 
 
 @requires_torch

@@ -73,6 +73,8 @@ def _dropout_state(dropout_p, seed, offset, device, batch, nheads):
     (torch.manual_seed sets it) and its Philox offset, which is advanced past this call's
     counters (batch * nheads, rounded up to a multiple of 4 as PyTorch's philox_cuda_state does),
     so successive calls draw fresh masks and a re-seeded generator repeats them."""
+    if seed is None and offset is None and type(dropout_p) in (int, float) and dropout_p == 0:
+        return 0.0, 0, 0  # the common call, without the checks' cost
     dropout_p = cuflash.validate.dropout_p(dropout_p)
     if dropout_p == 0.0:
         cuflash.validate.seed_offset(seed, 0 if offset is None else offset, False)
@@ -108,10 +110,6 @@ def _route(q, k, v, alibi_slopes=None, sinks=None, startend_row_indices=None) ->
         return "autograd"
     return "direct"
 
-
-def _wants_op(q, k, v, alibi_slopes=None, sinks=None) -> bool:
-    """Go through the custom op (or its eager twin) rather than calling the kernels directly."""
-    return _route(q, k, v, alibi_slopes, sinks) != "direct"
 
 # ---------------------------------------------------------------------------------------------
 # Kernel calls (the bodies of the custom ops; real tensors only)
@@ -295,11 +293,16 @@ _attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context
 
 class _EagerAttention(torch.autograd.Function):
     """The custom op's forward, autograd context and backward as a plain autograd.Function, for
-    eager calls on real CUDA tensors: the same kernels without the custom-op dispatch (about
-    0.2 ms of host time per call). Compiled code and fake tensors use the op."""
+    eager calls on real CUDA tensors: the same kernels without the custom-op dispatch. Compiled
+    code and fake tensors use the op. The forward takes ``ctx`` itself (no separate
+    ``setup_context``): with one, ``Function.apply`` binds the arguments to the forward's
+    signature through ``inspect`` on every call."""
 
-    forward = staticmethod(_fwd_body)
-    setup_context = staticmethod(_fwd_setup_context)
+    @staticmethod
+    def forward(ctx, *args):
+        output = _fwd_body(*args)
+        _fwd_setup_context(ctx, args, output)
+        return output
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -318,6 +321,14 @@ def _attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                           sinks: Optional[Tensor] = None, dropout_p: float = 0.0, seed: int = 0,
                           offset: int = 0) -> tuple[Tensor, Tensor]:
     """(out, lse): out like q (total_q, nheads, d), contiguous; lse float32 (nheads, total_q)."""
+    return _varlen_fwd_body(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                            window_left, window_right, softcap, alibi_slopes, block_table, deterministic, sinks,
+                            dropout_p, seed, offset)
+
+
+def _varlen_fwd_body(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                     window_left, window_right, softcap, alibi_slopes, block_table, deterministic, sinks=None,
+                     dropout_p=0.0, seed=0, offset=0):  # deterministic: used by the backward
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return _varlen_forward_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   out, causal, softmax_scale, window_left, window_right, softcap,
@@ -341,6 +352,14 @@ def _attention_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                           sinks: Optional[Tensor] = None, dropout_p: float = 0.0, seed: int = 0,
                           offset: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsinks), as cuflash::attention_bwd."""
+    return _varlen_bwd_body(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            causal, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic,
+                            sinks, dropout_p, seed, offset)
+
+
+def _varlen_bwd_body(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                     softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, sinks=None,
+                     dropout_p=0.0, seed=0, offset=0):
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -372,19 +391,34 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _varlen_backward(ctx, dout, dlse):
+def _varlen_backward(ctx, dout, dlse, bwd=None):
     if ctx.paged:
         raise NotImplementedError("attention_varlen with a block_table (a paged KV cache) has no "
                                   "backward pass; run it under torch.no_grad()")
     q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks = ctx.saved_tensors
     max_q, max_k, causal, softmax_scale, window_left, window_right, softcap = ctx.args
-    dq, dk, dv, dsinks = torch.ops.cuflash.attention_varlen_bwd(
+    dq, dk, dv, dsinks = (bwd or torch.ops.cuflash.attention_varlen_bwd)(
         dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_left,
         window_right, softcap, alibi_slopes, ctx.deterministic, sinks, *ctx.dropout)
     return ((dq, dk, dv) + (None,) * 12 + (None if sinks is None else dsinks,) + (None,) * 3)[:ctx.n_inputs]
 
 
 _attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+class _EagerVarlenAttention(torch.autograd.Function):
+    """cuflash::attention_varlen_fwd / _bwd as a plain autograd.Function for eager calls on real
+    CUDA tensors (see _EagerAttention)."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        output = _varlen_fwd_body(*args)
+        _varlen_setup_context(ctx, args, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _varlen_backward(ctx, dout, dlse, _varlen_bwd_body)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -454,12 +488,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     softcap = float(softcap or 0.0)
     batch = max(cu_seqlens_q.shape[0] - 1, 0) if hasattr(cu_seqlens_q, "shape") else 0
     dropout = _dropout_state(dropout_p, seed, offset, q.device, batch, q.shape[-2])
-    if not _wants_op(q, k, v, alibi_slopes, sinks):
+    route = _route(q, k, v, alibi_slopes, sinks)
+    if route == "direct":
         return _varlen_forward_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                       int(max_seqlen_k), None, causal, softmax_scale, window_left,
                                       window_right, softcap, alibi_slopes, block_table, return_lse, sinks, dropout)
-    out, lse = torch.ops.cuflash.attention_varlen_fwd(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal),
-        softmax_scale, window_left, window_right, softcap, alibi_slopes, block_table,
-        bool(deterministic), sinks, *(dropout if dropout[0] else ()))
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal), softmax_scale,
+            window_left, window_right, softcap, alibi_slopes, block_table, bool(deterministic), sinks
+            ) + (dropout if dropout[0] else ())
+    if route == "autograd" and _plain_cuda_tensors(cu_seqlens_q, cu_seqlens_k, block_table):
+        out, lse = _EagerVarlenAttention.apply(*args)
+    else:
+        out, lse = torch.ops.cuflash.attention_varlen_fwd(*args)
     return (out, lse) if return_lse else out
