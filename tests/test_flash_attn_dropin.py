@@ -623,3 +623,36 @@ def test_apply_rotary_emb_rejects_bad_tables():
         apply_rotary_emb(_cpu(1, 4, 1, 16), cos, sin, seqlen_offsets=5)
     with pytest.raises(ValueError, match="one shape"):
         apply_rotary_emb(_cpu(1, 4, 1, 16), cos, sin[:, :2])
+
+
+# ---------------------------------------------------------------------------------------------
+# S_dmask's magnitudes (flash-attn's running-maximum convention), against the float64 reference
+
+@pytest.mark.parametrize("sq,sk,causal,window,softcap,alibi", [
+    (37, 150, True, (-1, -1), 0.0, None),
+    (150, 37, True, (-1, -1), 0.0, "batch"),
+    (64, 64, False, (20, 3), 0.0, "heads"),
+    (50, 90, False, (-1, -1), 5.0, None),
+    (33, 70, True, (10, -1), 0.0, None),
+])
+@pytest.mark.parametrize("block_n", [32, 64])
+def test_s_dmask_magnitudes_match_reference(sq, sk, causal, window, softcap, alibi, block_n):
+    import torch
+    from cuflash import reference
+    from cuflash.flash_attn.flash_attn_interface import _magnitudes, _s_dmask
+    q, k = _cpu(2, sq, 4, 16, dtype="float32"), _cpu(2, sk, 2, 16, seed=1, dtype="float32")
+    slopes = {None: None, "heads": torch.rand(4, generator=torch.Generator().manual_seed(2)),
+              "batch": torch.rand(2, 4, generator=torch.Generator().manual_seed(3))}[alibi]
+    kw = dict(causal=causal, softmax_scale=0.3, window_size=window, softcap=softcap)
+    want = np.abs(reference.attention_probs(q.numpy(), k.numpy(), alibi_slopes=None if slopes is None
+                                            else slopes.numpy(), block_n=block_n, **kw))
+    got = _magnitudes(q, k, causal, 0.3, window, softcap, slopes, block_n)
+    assert got.dtype == torch.float32 and got.shape == (2, 4, sq, sk)
+    np.testing.assert_allclose(got.numpy(), want, rtol=2e-5, atol=1e-6)
+    # negated where dropped; the varlen form (per-sequence slices) fills the same rows
+    keep = torch.rand(2, 4, sq, sk, generator=torch.Generator().manual_seed(4)) > 0.3
+    dense = _s_dmask(q, [(slice(None), q, k)], keep, causal, 0.3, window, softcap, slopes, block_n)
+    per_seq = _s_dmask(q, [(slice(b, b + 1), q[b:b + 1], k[b:b + 1]) for b in range(2)], keep, causal, 0.3,
+                       window, softcap, slopes, block_n)
+    torch.testing.assert_close(dense, per_seq)
+    assert torch.equal(dense >= 0, keep | (got == 0))

@@ -15,8 +15,9 @@ nheads, seqlen_q, seqlen_k) (varlen: (batch, nheads, max_seqlen_q, max_seqlen_k)
 sequence), the dropped elements negated (``S_dmask >= 0`` is the kept mask), and magnitudes
 relative to flash-attn's running row maximum over key blocks of :func:`_get_block_size_n` keys
 (see :func:`cuflash.reference.attention_probs`), so flash-attn's ``normalize_flash_attn_S``
-turns them into probabilities. cuflash computes S_dmask on the host from the same seed and
-offset (float64, then copied: slow and synchronising, meant for tests).
+turns them into probabilities. The mask is the kernel's own, read back by extra launches, and
+the magnitudes are computed with PyTorch in float32 on q's device: meant for tests (varlen calls
+read cu_seqlens back to the host).
 
 What cuflash does not do yet raises NotImplementedError naming the argument, never ignoring it:
 the vLLM extra ``seqused_k`` without a ``block_table``. vLLM's ``s_aux`` (attention sinks) runs as
@@ -24,7 +25,6 @@ the vLLM extra ``seqused_k`` without a ``block_table``. vLLM's ``s_aux`` (attent
 """
 import os
 
-import numpy as np
 import torch
 
 import cuflash
@@ -97,22 +97,49 @@ def _kernel_keep(q, k, dropout_p, seed, offset, shape, varlen=None):
     return keep
 
 
-def _s_dmask(q, batches, keep, causal, softmax_scale, window_size, softcap, alibi_slopes):
+def _magnitudes(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes, block_n):
+    """S_dmask's magnitudes for one dense batch, float32 (batch, nheads, seqlen_q, seqlen_k) on
+    q's device: exp(s - m_j), s the masked scores (the forward's rules: scale, softcap, ALiBi
+    -slope * |key - row's diagonal key|, causal and window bounds aligned bottom-right) and m_j the
+    row's maximum over key blocks j and later of ``block_n`` keys (cuflash.reference.attention_probs
+    with block_n, in float32 and PyTorch)."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float().repeat_interleave(h // hk, dim=2)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    rel = (torch.arange(sk, device=q.device)[None, :] - torch.arange(sq, device=q.device)[:, None]
+           - (sk - sq))  # key minus the row's diagonal key
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.float().to(q.device).reshape(-1, h)  # (1 or batch, nheads)
+        s = s - slopes[:, :, None, None] * rel.abs()
+    left, right = window_size
+    right = 0 if causal else right
+    visible = torch.ones_like(rel, dtype=torch.bool)
+    if left >= 0:
+        visible &= rel >= -left
+    if right >= 0:
+        visible &= rel <= right
+    s = s.masked_fill(~visible, -torch.inf)
+    nb = -(-sk // block_n)
+    blocks = torch.nn.functional.pad(s, (0, nb * block_n - sk), value=-torch.inf)
+    m = blocks.reshape(b, h, sq, nb, block_n).amax(-1).flip(-1).cummax(-1).values.flip(-1)  # max over blocks j..
+    m = torch.where(torch.isfinite(m), m, 0.0).repeat_interleave(block_n, dim=-1)[..., :sk]
+    return torch.exp(s - m)
+
+
+def _s_dmask(q, batches, keep, causal, softmax_scale, window_size, softcap, alibi_slopes, block_n):
     """flash-attn's S_dmask with dropout (see the module's docstring), q's dtype on q's device:
-    the magnitudes from cuflash.reference.attention_probs (float64) of each (batch index, q rows
-    (1, sq, h, d), k rows (1, sk, hk, d)) in ``batches``, negated where ``keep`` (batch, nheads,
-    rows, keys) is False."""
-    from cuflash import reference
-    block_n = _get_block_size_n(q.device, q.shape[-1], True, causal)
-    out = np.zeros(keep.shape, dtype=np.float32)
-    slopes = None if alibi_slopes is None else alibi_slopes.detach().float().cpu().numpy()
+    the magnitudes (_magnitudes) of each (batch index, q rows (1, sq, h, d), k rows (1, sk, hk,
+    d)) in ``batches`` (the index a slice of the batch), negated where ``keep`` (batch, nheads,
+    rows, keys) is False; ``block_n``: _get_block_size_n's."""
+    mag = torch.zeros(keep.shape, dtype=torch.float32, device=q.device)
     for b, qb, kb in batches:
-        sl = None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b:b + 1])
-        p = reference.attention_probs(qb.detach().float().cpu().numpy(), kb.detach().float().cpu().numpy(),
-                                      causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                                      softcap=softcap, alibi_slopes=sl, block_n=block_n)
-        out[b, :, :p.shape[2], :p.shape[3]] = p[0]
-    mag = torch.from_numpy(out).to(q.device)
+        sl = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b]
+        with torch.no_grad():
+            p = _magnitudes(qb, kb, causal, softmax_scale, window_size, softcap, sl, block_n)
+        mag[b, :, :p.shape[2], :p.shape[3]] = p
     return torch.where(keep, mag, -mag).to(q.dtype)
 
 
@@ -172,8 +199,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     if return_attn_probs and seed is not None:
         b, sq, h, _ = q.shape
         keep = _kernel_keep(q, k, dropout_p, seed, offset, (b, h, sq, k.shape[1]))
-        mask = _s_dmask(q, [(i, q[i:i + 1], k[i:i + 1]) for i in range(b)], keep, causal, softmax_scale, window,
-                        cap, alibi_slopes)
+        mask = _s_dmask(q, [(slice(None), q, k)], keep, causal, softmax_scale, window, cap, alibi_slopes,
+                        _get_block_size_n(q.device, q.shape[-1], True, causal))
         return (*res, mask)
     return _with_probs(res, q) if return_attn_probs else res
 
@@ -237,10 +264,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                block_table=block_table, **({} if s_aux is None else {"sinks": s_aux}), **drop)
     if return_attn_probs and seed is not None:
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        seqs = [(i, q[None, cq[i]:cq[i + 1]], k[None, ck[i]:ck[i + 1]]) for i in range(batch)]
+        seqs = [(slice(i, i + 1), q[None, cq[i]:cq[i + 1]], k[None, ck[i]:ck[i + 1]]) for i in range(batch)]
         keep = _kernel_keep(q, k, dropout_p, seed, offset, (batch, q.shape[1], max_seqlen_q, max_seqlen_k),
                             varlen=(cu_seqlens_q, cu_seqlens_k, cq, ck))
-        mask = _s_dmask(q, seqs, keep, causal, softmax_scale, window, cap, alibi_slopes)
+        mask = _s_dmask(q, seqs, keep, causal, softmax_scale, window, cap, alibi_slopes,
+                        _get_block_size_n(q.device, q.shape[-1], True, causal))
         return (*res, mask)
     return _with_probs(res, q) if return_attn_probs else res  # out, or (out, lse) for vLLM
 
