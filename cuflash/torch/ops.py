@@ -291,22 +291,24 @@ def _fwd_backward(ctx, dout, dlse, bwd=None):
 _attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
-class _EagerAttention(torch.autograd.Function):
-    """The custom op's forward, autograd context and backward as a plain autograd.Function, for
-    eager calls on real CUDA tensors: the same kernels without the custom-op dispatch. Compiled
-    code and fake tensors use the op. The forward takes ``ctx`` itself (no separate
+def _eager_function(name, body, setup_context, backward, bwd_body):
+    """A custom op's forward, autograd context and backward as a plain autograd.Function, for
+    eager calls on real CUDA tensors: the same kernels without the custom-op dispatch (compiled
+    code and fake tensors use the op). The forward takes ``ctx`` itself (no separate
     ``setup_context``): with one, ``Function.apply`` binds the arguments to the forward's
     signature through ``inspect`` on every call."""
-
-    @staticmethod
     def forward(ctx, *args):
-        output = _fwd_body(*args)
-        _fwd_setup_context(ctx, args, output)
+        output = body(*args)
+        setup_context(ctx, args, output)
         return output
 
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        return _fwd_backward(ctx, dout, dlse, _bwd_body)
+    def backward_(ctx, dout, dlse):
+        return backward(ctx, dout, dlse, bwd_body)
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                   "backward": staticmethod(backward_)})
+
+
+_EagerAttention = _eager_function("_EagerAttention", _fwd_body, _fwd_setup_context, _fwd_backward, _bwd_body)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,19 +408,8 @@ def _varlen_backward(ctx, dout, dlse, bwd=None):
 _attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
-class _EagerVarlenAttention(torch.autograd.Function):
-    """cuflash::attention_varlen_fwd / _bwd as a plain autograd.Function for eager calls on real
-    CUDA tensors (see _EagerAttention)."""
-
-    @staticmethod
-    def forward(ctx, *args):
-        output = _varlen_fwd_body(*args)
-        _varlen_setup_context(ctx, args, output)
-        return output
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        return _varlen_backward(ctx, dout, dlse, _varlen_bwd_body)
+_EagerVarlenAttention = _eager_function("_EagerVarlenAttention", _varlen_fwd_body, _varlen_setup_context,
+                                        _varlen_backward, _varlen_bwd_body)
 
 
 # ---------------------------------------------------------------------------------------------
