@@ -25,9 +25,10 @@ requires_transformers = pytest.mark.skipif(not _has("transformers"),
 # ---------------------------------------------------------------------------------------------
 # A float64 PyTorch reference with flash-attn semantics (CPU or GPU), standing in for the kernels
 
-def _scores(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes):
+def _scores(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks=None):
     """float64 (b, h, sq, sk) probabilities, lse, visibility and tanh(s/softcap) (flash-attn
-    semantics: masks aligned bottom-right); K/V heads repeated for GQA."""
+    semantics: masks aligned bottom-right); K/V heads repeated for GQA. ``sinks`` (h,): one more
+    column per row in the softmax, with no value (the lse includes it)."""
     import torch
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -51,16 +52,20 @@ def _scores(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes):
     if right >= 0:
         vis &= j <= i + right
     s = s.masked_fill(~vis, float("-inf"))
+    if sinks is not None:
+        col = sinks.double()[None, :, None, None].expand(b, h, sq, 1)
+        lse = torch.logsumexp(torch.cat([s, col], dim=-1), dim=-1)
+        return torch.exp(s - lse[..., None]), lse, scale, t
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     return p, lse.masked_fill(~vis.any(-1), float("inf")), scale, t
 
 
 def ref_attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                  alibi_slopes=None):
+                  alibi_slopes=None, sinks=None):
     """(out like q's dtype, lse float32 (b, h, sq)); layout (b, s, h, d)."""
     import torch
-    p, lse, _, _ = _scores(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes)
+    p, lse, _, _ = _scores(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks)
     vf = v.double().repeat_interleave(q.shape[2] // v.shape[2], dim=2)
     return torch.einsum("bhqk,bkhd->bqhd", p, vf).to(q.dtype), lse.float()
 
@@ -460,12 +465,52 @@ def _tiny_qwen2(attn, dtype="float32", device="cpu", seed=0, **over):
     return model.to(device).eval()
 
 
+def _tiny_gpt_oss(attn, dtype="float32", device="cpu", seed=0, **over):
+    """A random gpt-oss-shaped model (sliding-window and full layers, attention sinks, a
+    mixture of experts), larger sinks than its initialisation gives so that they matter."""
+    import torch
+    from transformers import AutoModelForCausalLM, GptOssConfig
+    import cuflash.torch as ct
+    ct.register_transformers()
+    cfg = dict(vocab_size=512, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=16,
+               num_local_experts=2, num_experts_per_tok=2, initializer_range=0.1, tie_word_embeddings=False)
+    cfg.update(over)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(GptOssConfig(**cfg), attn_implementation=attn,
+                                             dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)
+    return model.to(device).eval()
+
+
 def _pair(**over):
     """The same weights under the cuflash and the sdpa backend."""
     a = _tiny_qwen2("cuFlash", **over)
     b = _tiny_qwen2("sdpa", **over)
     b.load_state_dict(a.state_dict())
     return a, b
+
+
+@requires_torch
+@requires_transformers
+def test_hf_gpt_oss_sinks_and_windows_match_eager(ref_kernels):
+    """A gpt-oss-shaped model on the cuflash backend (reference kernels standing in) gives eager
+    attention's logits and greedy tokens: s_aux reaches the kernels as sinks, sliding layers as
+    a window of sliding_window - 1 keys to the left."""
+    import torch
+    a = _tiny_gpt_oss("cuFlash")
+    b = _tiny_gpt_oss("eager")
+    b.load_state_dict(a.state_dict())
+    ids = torch.randint(1, 512, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(a(ids).logits, b(ids).logits, rtol=1e-5, atol=1e-5)
+        ta = a.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        tb = b.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert torch.equal(ta, tb)
+    assert all("sinks" in c[3] for c in ref_kernels)
+    assert {c[3].get("window_size", (-1, -1)) for c in ref_kernels if c[1][1] > 1} == {(15, 15), (-1, -1)}
 
 
 @requires_torch
@@ -879,8 +924,17 @@ def test_gpu_hf_generate_matches_sdpa(padded):
     mask = torch.ones_like(ids)
     if padded:
         mask[0, :37] = 0
+    _check_generation(a, b, _tiny_qwen2("sdpa", dtype="float32", device="cuda", **over), ids, mask, 64)
+
+
+def _check_generation(a, b, ref, ids, mask, n):
+    """Greedy generation of model ``a`` (cuflash) against ``b`` (PyTorch's attention, same bf16
+    weights): the same tokens up to the first step where they differ, and there only at a tie at
+    bf16 precision of b's logits; then the logits of a teacher-forced forward over b's sequence
+    obey flash-attn's rule against ``ref``, a float32 copy: |a - ref| <= 2 |b - ref| + 1e-3."""
+    import torch
+    ref.load_state_dict({n_: p.float() for n_, p in a.state_dict().items()})
     kw = {"attention_mask": mask}
-    n = 64
     sa, la = _greedy(a, ids, n, **kw)
     sb, lb = _greedy(b, ids, n, **kw)
     diff = (sa != sb).any(dim=0).nonzero()
@@ -892,10 +946,7 @@ def test_gpu_hf_generate_matches_sdpa(padded):
                 margin = float(lb[row, t, tb] - lb[row, t, ta])
                 # a tie at bf16 precision: within two rounding steps of the logit's magnitude
                 step = torch.finfo(torch.bfloat16).eps * 2.0 ** math.floor(math.log2(abs(float(lb[row, t, tb]))))
-                assert margin <= 2 * step, f"row {row} step {t}: token {ta} vs sdpa {tb}, margin {margin:.3f}"
-
-    ref = _tiny_qwen2("sdpa", dtype="float32", device="cuda", **over)
-    ref.load_state_dict({n_: p.float() for n_, p in a.state_dict().items()})
+                assert margin <= 2 * step, f"row {row} step {t}: token {ta} vs {tb}, margin {margin:.3f}"
     fkw = {"attention_mask": torch.cat([mask, torch.ones_like(sb[:, ids.shape[1]:])], dim=1)}
     with torch.no_grad():
         l_ref = ref(sb, **fkw).logits
@@ -903,4 +954,32 @@ def test_gpu_hf_generate_matches_sdpa(padded):
     keep = fkw["attention_mask"].bool()
     err_a = (l_a - l_ref).abs()[keep].max().item()
     err_b = (l_b - l_ref).abs()[keep].max().item()
-    assert err_a <= 2 * err_b + 1e-3, f"cuflash logits error {err_a:.3g} vs sdpa {err_b:.3g}"
+    assert err_a <= 2 * err_b + 1e-3, f"cuflash logits error {err_a:.3g} vs PyTorch's {err_b:.3g}"
+
+
+@requires_gpu
+@requires_torch
+@requires_transformers
+@pytest.mark.parametrize("padded", [False, True])
+def test_gpu_hf_gpt_oss_generate_matches_eager(padded):
+    """A random gpt-oss-shaped model in bf16 (attention sinks, sliding-window layers of 64 tokens,
+    a 150-token prompt) generates with cuflash's kernels as with transformers' eager attention
+    (_check_generation's rules), and cuflash's kernels ran with sinks."""
+    import torch
+    over = dict(hidden_size=512, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+                head_dim=64, sliding_window=64, vocab_size=4096)
+    a = _tiny_gpt_oss("cuFlash", dtype="bfloat16", device="cuda", **over)
+    b = _tiny_gpt_oss("eager", dtype="bfloat16", device="cuda", **over)
+    b.load_state_dict(a.state_dict())
+    ids = torch.randint(1, 4096, (2 if padded else 1, 150), device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(0))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :37] = 0
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.no_grad():
+        a(ids, attention_mask=mask)
+        torch.cuda.synchronize()
+    ran = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    assert any(n.startswith("fwd_") and "_sinks_" in n for n in ran), sorted(ran)
+    _check_generation(a, b, _tiny_gpt_oss("eager", dtype="float32", device="cuda", **over), ids, mask, 32)
