@@ -4,8 +4,10 @@ H100/H200, after checking each one's gradients against the wgmma kernel's.
 
     python scripts/bench_bwd_ws.py [--quick] [--head-dim D ...]
 
-Configurations: the planned variant, with dQ added by bulk reduce-adds (``dq_bulk``), and with
-dQ's product issued before dK's so that its adds overlap dK's product (``dq_early``). Prints
+Configurations: the planned variant, with dQ added by bulk reduce-adds (``dq_bulk``), with
+dQ's product issued before dK's so that its adds overlap dK's product (``dq_early``), and with
+dQ staged in shared memory for a producer warp to add (``dq_writer``, alone and with
+``dq_early``). Prints
 one line per shape: TFLOP/s (2.5 x the forward's FLOPs) of each, of the wgmma kernel and of
 cuDNN, the best one's ratio to both, and the largest |difference| from the wgmma kernel's
 gradients (dq, dk, dv) relative to their largest magnitude. Model dim 2048, bf16.
@@ -18,7 +20,8 @@ import importlib
 from cuflash import bench
 from cuflash.kernels import bwd_ws
 
-CONFIGS = {"ws": {}, "ws dqbulk": dict(dq_bulk=True), "ws dqearly": dict(dq_early=True)}
+CONFIGS = {"ws": {}, "ws dqbulk": dict(dq_bulk=True), "ws dqearly": dict(dq_early=True),
+           "ws writer": dict(dq_writer=True), "writer+early": dict(dq_writer=True, dq_early=True)}
 
 
 def main():

@@ -78,7 +78,7 @@ def main():
         o, lse = cuflash.attention(q, k, v, return_lse=True)
         attention_backward(torch.randn_like(o), q, k, v, o, lse, deterministic=det)
     # the warp-specialised backward (planned on sm_90 for the dense d = 64 / 128 calls above): many
-    # steps through both Q/dO stages and both dS^T tiles, a window, and the dq_bulk + dq_early variant
+    # steps through both Q/dO stages and both dS^T tiles, a window, and the unplanned dQ variants
     q, k, v = rnd(1, 700, 8, 128), rnd(1, 650, 2, 128), rnd(1, 700, 8, 128)[:, :650, :2]
     for mods in (dict(causal=True), dict(window_size=(100, 20))):
         o, lse = cuflash.attention(q, k, v, return_lse=True, **mods)
@@ -89,10 +89,11 @@ def main():
         import importlib
         plan = importlib.import_module("cuflash.plan")
         planned = plan.bwd_ws.planned
-        plan.bwd_ws.planned = lambda *a: dataclasses.replace(planned(*a), dq_bulk=True, dq_early=True)
-        plan.make_backward_plan.cache_clear()
-        o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
-        attention_backward(torch.randn_like(o), q, k, v, o, lse, causal=True)
+        for flags in (dict(dq_bulk=True, dq_early=True), dict(dq_writer=True), dict(dq_writer=True, dq_early=True)):
+            plan.bwd_ws.planned = lambda *a, f=flags: dataclasses.replace(planned(*a), **f)
+            plan.make_backward_plan.cache_clear()
+            o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+            attention_backward(torch.randn_like(o), q, k, v, o, lse, causal=True)
         plan.bwd_ws.planned = planned
         plan.make_backward_plan.cache_clear()
     # backward with a window, softcap and ALiBi; varlen backward with empty and length-1 sequences

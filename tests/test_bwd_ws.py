@@ -16,7 +16,8 @@ from cuflash.kernels import all_variants, bwd_ws
 from cuflash.kernels.bwd_ws import BwdWsVariant
 
 VARIANTS = bwd_ws.variants(90)
-FLAGS = [dict(dq_bulk=True), dict(dq_early=True), dict(dq_bulk=True, dq_early=True)]  # not planned yet
+FLAGS = [dict(dq_bulk=True), dict(dq_early=True), dict(dq_bulk=True, dq_early=True), dict(dq_writer=True),
+         dict(dq_writer=True, dq_early=True)]  # not planned yet
 BULK = [replace(v, **f) for v in VARIANTS if v.dq for f in FLAGS]
 plan_mod = importlib.import_module("cuflash.plan")  # the module (cuflash.plan is the function)
 
@@ -36,7 +37,8 @@ def test_variants():
     (dict(arch=80), "arch must be 90"), (dict(head_dim=96), "head_dim must be one of"),
     (dict(kind="bwd_dq"), "kind must be"), (dict(causal=True, local=True), "not both"),
     (dict(dtype="fp32"), "dtype must be"), (dict(kind="bwd_ws_dkdv", dq_bulk=True), "dq_bulk"),
-    (dict(kind="bwd_ws_dkdv", dq_early=True), "dq_early"),
+    (dict(kind="bwd_ws_dkdv", dq_early=True), "dq_early"), (dict(kind="bwd_ws_dkdv", dq_writer=True), "dq_writer"),
+    (dict(dq_writer=True, dq_bulk=True), "at most one"), (dict(dq_writer=1), "dq_writer must be a bool"),
 ])
 def test_bad_variant(bad, match):
     kw = dict(kind="bwd_ws_dkdv_dq", head_dim=128, dtype="bf16", arch=90) | bad
@@ -226,13 +228,14 @@ def test_gpu_strided_operands(rng, d):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("case", [(2, 113, 203, 4, 4), (1, 640, 640, 8, 1), (1, 2048, 2048, 16, 2)], ids=str)
 @pytest.mark.parametrize("flags", FLAGS, ids=lambda f: "+".join(f))
-def test_gpu_dq_variants(rng, flags, case, d, mask):
-    """dQ added by bulk reduce-adds from shared memory (dq_bulk), dQ's product issued before dK's
-    (dq_early): against the reference, and dK, dV bitwise the planned variant's (only the dQ
-    adds differ)."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpu_dq_variants(rng, dtype, flags, case, d, mask):
+    """dQ added by bulk reduce-adds from shared memory (dq_bulk), by a producer warp from a
+    staged tile (dq_writer), dQ's product issued before dK's (dq_early): against the reference,
+    and dK, dV bitwise the planned variant's (only the dQ adds differ)."""
     import torch
     b, sq, sk, h, hk = case
-    q, k, v, dout = _inputs(rng, b, sq, sk, h, hk, d, "bfloat16")
+    q, k, v, dout = _inputs(rng, b, sq, sk, h, hk, d, dtype)
     mods = dict(causal=mask == "causal", window_size=(300, 7) if mask == "local" else (-1, -1))
     grads = _backward(q, k, v, dout, flags=flags, **mods)
     plain = _backward(q, k, v, dout, **mods)

@@ -21,7 +21,7 @@ from .params import ParamTable, strides
 HEAD_DIMS = (64, 128)
 BLOCK_N = 128              # keys per block: two consumer warpgroups of 64
 BLOCK_M = {64: 128, 128: 64}  # query rows per step (the S^T accumulators: 64 keys x block_m)
-BARRIER_BYTES = 64         # K/V full, and per Q/dO stage full and empty: 5 mbarriers of 8 bytes
+BARRIER_BYTES = 64         # K/V full, per Q/dO stage full and empty, dq_writer's full and empty: <= 7 of 8 bytes
 STAGES = 2                 # Q/dO/LSE/D stages
 DQ_ROW_BYTES = 64 * 4 + 32  # a staged dQ row (dq_bulk): 64 fp32, padded (kDqRowBytes in the template)
 
@@ -60,6 +60,10 @@ class BwdWsVariant(KernelVariant):
     # product (FlashAttention-3's order); by default dK is issued with dV and the adds wait for
     # both.
     dq_early: bool = False
+    # dQ staged by the consumers in shared memory (a padded tile) and added into the fp32 buffer
+    # by a warp of the producer warpgroup with a bulk reduce-add per row, so that no consumer
+    # waits on the adds (FlashAttention-3's dQ writer).
+    dq_writer: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -71,10 +75,12 @@ class BwdWsVariant(KernelVariant):
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for f in ("dq_bulk", "dq_early"):
+        for f in ("dq_bulk", "dq_early", "dq_writer"):
             if not isinstance(getattr(self, f), bool) or (getattr(self, f) and not self.dq):
                 raise ValueError(f"{f} must be a bool, and True only with kind 'bwd_ws_dkdv_dq', "
                                  f"got {getattr(self, f)!r}")
+        if self.dq_writer and self.dq_bulk:
+            raise ValueError("dq_writer and dq_bulk are two ways of adding dQ: at most one may be True")
         if not isinstance(self.causal, bool) or not isinstance(self.local, bool) or (self.causal and self.local):
             raise ValueError(f"causal and local must be bools, not both True, got {self.causal!r}, {self.local!r}")
 
@@ -95,7 +101,8 @@ class BwdWsVariant(KernelVariant):
     @functools.cached_property
     def name(self) -> str:
         mask = "local" if self.local else ("causal" if self.causal else "full")
-        bulk = ("_dqbulk" if self.dq_bulk else "") + ("_dqearly" if self.dq_early else "")
+        bulk = (("_dqbulk" if self.dq_bulk else "") + ("_dqwriter" if self.dq_writer else "")
+                + ("_dqearly" if self.dq_early else ""))
         return f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{bulk}_m{self.block_m}n{BLOCK_N}_sm{self.arch}"
 
     @property
@@ -113,11 +120,12 @@ class BwdWsVariant(KernelVariant):
     @property
     def smem_bytes(self) -> int:
         """Mirrors kSmemBytes in the template: K and V tiles, Q and dO per stage, two dS^T tiles
-        (dQ variant), LSE and D per stage, the dQ staging rows (dq_bulk), the per-block scalars, the
-        mbarriers."""
+        (dQ variant), LSE and D per stage, the dQ staging rows (dq_bulk) or tile (dq_writer), the
+        per-block scalars, the mbarriers."""
         tile_q = self.block_m * self.head_dim * 2
         ds = BLOCK_N * self.block_m * 2 if self.dq else 0
-        dq_stage = 8 * 16 * DQ_ROW_BYTES if self.dq_bulk else 0
+        dq_stage = (8 * 16 * DQ_ROW_BYTES if self.dq_bulk else 0) + (
+            self.block_m * (self.head_dim + 8) * 4 if self.dq_writer else 0)
         return (2 * BLOCK_N * self.head_dim * 2 + 2 * STAGES * tile_q + 2 * ds + 2 * STAGES * self.block_m * 4
                 + dq_stage + INFO_BYTES + BARRIER_BYTES)
 
@@ -126,7 +134,8 @@ class BwdWsVariant(KernelVariant):
 
     def constants(self) -> dict:
         return dict(head_dim=self.head_dim, block_m=self.block_m, causal=self.causal, local=self.local,
-                    bf16=self.dtype == "bf16", dq=self.dq, dq_bulk=self.dq_bulk, dq_early=self.dq_early, overlap=self.overlap, producer_regs=PRODUCER_REGS,
+                    bf16=self.dtype == "bf16", dq=self.dq, dq_bulk=self.dq_bulk, dq_early=self.dq_early,
+                    dq_writer=self.dq_writer, overlap=self.overlap, producer_regs=PRODUCER_REGS,
                     consumer_regs=MAX_CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES,
                     info_bytes=INFO_BYTES, barrier_bytes=BARRIER_BYTES, varlen_row_gap=VARLEN_ROW_GAP)
 
