@@ -377,6 +377,24 @@ def test_eager_varlen_autograd_function_plumbing(ref_kernels):
 
 
 @requires_torch
+def test_torch_func_grad(ref_kernels):
+    """torch.func.grad through the autograd.Function that CUDA calls take under torch.func's
+    transforms (run here on CPU tensors with the reference kernels) gives autograd's gradients;
+    the eager one (no setup_context) is refused by them, hence the route."""
+    import torch
+    from cuflash.torch import ops
+    q, k, v = _cpu(2, 7, 4, 16), _cpu(2, 11, 2, 16, seed=1), _cpu(2, 11, 2, 16, seed=2)
+    args = (True, None, -1, -1, 0.0, None, False)
+    loss = lambda q, k, v: ops._FuncAttention.apply(q, k, v, *args)[0].square().sum()  # noqa: E731
+    got = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    want = _ref_grads(lambda *x: ref_attention(*x, True), 2 * ref_attention(q, k, v, True)[0], (q, k, v))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda q: ops._EagerAttention.apply(q, k, v, *args)[0].sum())(q)
+
+
+@requires_torch
 def test_varlen_autograd_plumbing(ref_kernels):
     import torch
     import cuflash.torch as ct
@@ -793,6 +811,31 @@ def test_gpu_gradients_vs_reference(dtype, sq, sk, h, hk, d, causal):
     for name, got, r64, rlp in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), ref64, ref_lp):
         err, bound = max_abs_err(_np(got), r64), 3 * max_abs_err(rlp, r64) + 1e-4
         assert err <= bound, f"{name}: max error {err:.3g} exceeds {bound:.3g}"
+
+
+@requires_gpu
+@requires_torch
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gpu_torch_func_grad(varlen):
+    """torch.func.grad of a loss through cuflash.torch.attention / attention_varlen on CUDA
+    tensors gives autograd's gradients bit for bit (deterministic backward)."""
+    import torch
+    import cuflash.torch as ct
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 150, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32, device="cuda")
+    if varlen:
+        q, k, v = (x.reshape(300, 4, 64) for x in (q, k, v))
+        attn = lambda q, k, v: ct.attention_varlen(q, k, v, cu, cu, 200, 200, causal=True,  # noqa: E731
+                                                   deterministic=True)
+    else:
+        attn = lambda q, k, v: ct.attention(q, k, v, causal=True, deterministic=True)  # noqa: E731
+    loss = lambda q, k, v: attn(q, k, v).float().square().sum()  # noqa: E731
+    got = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    want = torch.autograd.grad(loss(*leaves), leaves)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 @requires_gpu

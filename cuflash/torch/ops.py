@@ -97,7 +97,9 @@ def _plain_cuda_tensors(*xs) -> bool:
 
 def _route(q, k, v, alibi_slopes=None, sinks=None, startend_row_indices=None) -> str:
     """How a call runs: "op", the custom op (torch.compile; fake, functional or other tensor
-    subclasses; CPU tensors, which the op reports); "autograd", the op's bodies as an eager
+    subclasses; CPU tensors, which the op reports); "func", the op's bodies as an autograd.Function
+    that torch.func's transforms accept (real CUDA tensors under torch.func.grad and the like);
+    "autograd", the op's bodies as an eager
     autograd.Function (real CUDA tensors that need gradients, sinks included); "direct", the
     kernels alone."""
     if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and q.is_cuda and k.is_cuda
@@ -105,6 +107,8 @@ def _route(q, k, v, alibi_slopes=None, sinks=None, startend_row_indices=None) ->
         return "op"
     if torch.compiler.is_compiling():
         return "op"
+    if torch._C._are_functorch_transforms_active():
+        return "func"
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (sinks is not None and sinks.requires_grad)):
         return "autograd"
@@ -291,12 +295,14 @@ def _fwd_backward(ctx, dout, dlse, bwd=None):
 _attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
-def _eager_function(name, body, setup_context, backward, bwd_body):
+def _eager_function(name, body, setup_context, backward, bwd_body, functorch=False):
     """A custom op's forward, autograd context and backward as a plain autograd.Function, for
     eager calls on real CUDA tensors: the same kernels without the custom-op dispatch (compiled
-    code and fake tensors use the op). The forward takes ``ctx`` itself (no separate
-    ``setup_context``): with one, ``Function.apply`` binds the arguments to the forward's
-    signature through ``inspect`` on every call."""
+    code and fake tensors use the op). The forward takes ``ctx`` itself: with a separate
+    ``setup_context``, ``Function.apply`` binds the arguments to the forward's signature through
+    ``inspect`` on every call. ``functorch=True``: with the separate ``setup_context`` that
+    torch.func's transforms (grad, jacrev, ...) require; vmap is not supported (the kernels are
+    not batching rules)."""
     def forward(ctx, *args):
         output = body(*args)
         setup_context(ctx, args, output)
@@ -304,11 +310,15 @@ def _eager_function(name, body, setup_context, backward, bwd_body):
 
     def backward_(ctx, dout, dlse):
         return backward(ctx, dout, dlse, bwd_body)
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
-                                                   "backward": staticmethod(backward_)})
+    attrs = {"forward": staticmethod(forward), "backward": staticmethod(backward_)}
+    if functorch:
+        attrs.update(forward=staticmethod(body), setup_context=staticmethod(setup_context))
+    return type(name, (torch.autograd.Function,), attrs)
 
 
 _EagerAttention = _eager_function("_EagerAttention", _fwd_body, _fwd_setup_context, _fwd_backward, _bwd_body)
+_FuncAttention = _eager_function("_FuncAttention", _fwd_body, _fwd_setup_context, _fwd_backward, _bwd_body,
+                                 functorch=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,6 +420,8 @@ _attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_
 
 _EagerVarlenAttention = _eager_function("_EagerVarlenAttention", _varlen_fwd_body, _varlen_setup_context,
                                         _varlen_backward, _varlen_bwd_body)
+_FuncVarlenAttention = _eager_function("_FuncVarlenAttention", _varlen_fwd_body, _varlen_setup_context,
+                                       _varlen_backward, _varlen_bwd_body, functorch=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -442,7 +454,8 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
 
     Under ``torch.compile`` (or on fake tensors) this runs the ``cuflash::attention_fwd`` custom
     op (backward: ``cuflash::attention_bwd``); eager calls that need gradients run the same
-    bodies as a ``torch.autograd.Function``; others call :func:`cuflash.attention` directly.
+    bodies as a ``torch.autograd.Function`` (one that torch.func's grad, jacrev and the like
+    accept while they are active; not vmap); others call :func:`cuflash.attention` directly.
     """
     window_left, window_right = _window(window_size)
     softcap = float(softcap or 0.0)
@@ -453,10 +466,8 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
                                softcap, alibi_slopes, return_lse, sinks, startend_row_indices, dropout)
     args = (q, k, v, bool(causal), softmax_scale, window_left, window_right, softcap, alibi_slopes,
             bool(deterministic), sinks, startend_row_indices) + (dropout if dropout[0] else ())
-    if route == "op":
-        out, lse = torch.ops.cuflash.attention_fwd(*args)
-    else:
-        out, lse = _EagerAttention.apply(*args)
+    fn = {"op": torch.ops.cuflash.attention_fwd, "func": _FuncAttention.apply}.get(route, _EagerAttention.apply)
+    out, lse = fn(*args)
     return (out, lse) if return_lse else out
 
 
@@ -487,8 +498,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal), softmax_scale,
             window_left, window_right, softcap, alibi_slopes, block_table, bool(deterministic), sinks
             ) + (dropout if dropout[0] else ())
-    if route == "autograd" and _plain_cuda_tensors(cu_seqlens_q, cu_seqlens_k, block_table):
-        out, lse = _EagerVarlenAttention.apply(*args)
-    else:
-        out, lse = torch.ops.cuflash.attention_varlen_fwd(*args)
+    fn = torch.ops.cuflash.attention_varlen_fwd
+    if _plain_cuda_tensors(cu_seqlens_q, cu_seqlens_k, block_table):
+        fn = {"autograd": _EagerVarlenAttention.apply, "func": _FuncVarlenAttention.apply}.get(route, fn)
+    out, lse = fn(*args)
     return (out, lse) if return_lse else out
