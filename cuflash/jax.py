@@ -36,6 +36,10 @@ from cuflash.plan import Problem, make_backward_plan, make_plan
 __all__ = ["attention", "attention_varlen"]
 
 COMMAND_BUFFER = os.environ.get("CUFLASH_JAX_COMMAND_BUFFER", "1") != "0"
+# The forward's programmatic early launch (launch.EARLY_LAUNCH: the kernel starts while the
+# stream's previous one finishes and waits for it before touching memory) inside XLA's execution;
+# off unless CUFLASH_JAX_EARLY_LAUNCH=1 (not yet run inside XLA's command buffers).
+EARLY_LAUNCH = os.environ.get("CUFLASH_JAX_EARLY_LAUNCH", "0") == "1"
 _DLPACK_CUDA = 2
 
 
@@ -259,9 +263,11 @@ def _run_forward(call: _Call, plan, ctx, outs, ins):
         kw["varlen"] = (cu[0].ptr, cu[1].ptr, call.total_q)
     stream = ctx.stream
     with arrays.on_device(dev):
-        # Plain launches (no programmatic stream serialisation): XLA may nest the capture of this
-        # callback in its own CUDA graph.
-        r = launch.prepare(plan, q, k, v, o, call.scale, dev, **kw)._replace(early=False)
+        # Plain launches (no programmatic stream serialisation) unless EARLY_LAUNCH: XLA may nest
+        # the capture of this callback in its own CUDA graph.
+        r = launch.prepare(plan, q, k, v, o, call.scale, dev, **kw)
+        if not EARLY_LAUNCH:
+            r = r._replace(early=False)
         ws = None
         if r.split:
             w = _view(outs[2], dev)
