@@ -50,6 +50,21 @@ def _has(mod):
 requires_torch = pytest.mark.skipif(not _has("torch"), reason="needs PyTorch (optional dependency)")
 
 
+def render_without_flag(v, flag):
+    """Variant v's source rendered by its template given no ``flag`` at all (Jinja's default,
+    lenient undefined), checked to be codegen's (which passes ``flag=False``): the flag adds
+    nothing to variants without it. Returns the source."""
+    import jinja2
+    from cuflash import codegen
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(codegen.templates_dir())), keep_trailing_newline=True)
+    consts = v.constants()
+    assert consts.pop(flag) is False
+    src = env.get_template(v.template).render(name=v.name, params_name=v.params.struct_name,
+                                              params_struct=v.params.cuda(), params_unpack=v.params.unpack(), **consts)
+    assert src == codegen.render(v)
+    return src
+
+
 def assert_compiled_clean(c, v):
     """A cubin of ``v`` for its arch whose ptxas report shows no spills, no stack and at most 255
     registers; returns the report."""

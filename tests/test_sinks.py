@@ -24,7 +24,8 @@ import pytest
 
 import cuflash
 from cuflash import reference
-from conftest import assert_compiled_clean, fake_view, finite_diff, record_launches, requires_gpu, requires_torch
+from conftest import (assert_compiled_clean, fake_view, finite_diff, record_launches, render_without_flag, requires_gpu,
+                      requires_torch)
 
 H100 = dict(num_sms=132, arch=90)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -292,15 +293,10 @@ def test_variant_without_sinks_renders_as_with_no_sink_flag(v):
     """A template given no ``sinks`` at all (Jinja's default, lenient undefined) renders the same
     source as ``sinks=False``: the flag adds nothing to variants without sinks, so their cubins
     are the ones compiled before sinks existed."""
-    import jinja2
     from cuflash import codegen
     from cuflash.kernels import fwd
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(codegen.templates_dir())), keep_trailing_newline=True)
-    consts = v.constants()
-    assert consts.pop("sinks") is False and not set(fwd.SINK_FIELDS) & set(v.params.fields)
-    src = env.get_template(v.template).render(name=v.name, params_name=v.params.struct_name,
-                                              params_struct=v.params.cuda(), params_unpack=v.params.unpack(), **consts)
-    assert src == codegen.render(v)
+    assert not set(fwd.SINK_FIELDS) & set(v.params.fields)
+    src = render_without_flag(v, "sinks")
     assert "sink" not in src
     if not v.flashmask and not v.dropout:  # the twin with sinks: its own name (and cache file), the sink's code
         twin = replace(v, sinks=True)

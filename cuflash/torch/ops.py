@@ -466,8 +466,12 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
                                softcap, alibi_slopes, return_lse, sinks, startend_row_indices, dropout)
     args = (q, k, v, bool(causal), softmax_scale, window_left, window_right, softcap, alibi_slopes,
             bool(deterministic), sinks, startend_row_indices) + (dropout if dropout[0] else ())
-    fn = {"op": torch.ops.cuflash.attention_fwd, "func": _FuncAttention.apply}.get(route, _EagerAttention.apply)
-    out, lse = fn(*args)
+    if route == "autograd":
+        out, lse = _EagerAttention.apply(*args)
+    elif route == "func":
+        out, lse = _FuncAttention.apply(*args)
+    else:
+        out, lse = torch.ops.cuflash.attention_fwd(*args)
     return (out, lse) if return_lse else out
 
 
@@ -498,8 +502,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal), softmax_scale,
             window_left, window_right, softcap, alibi_slopes, block_table, bool(deterministic), sinks
             ) + (dropout if dropout[0] else ())
-    fn = torch.ops.cuflash.attention_varlen_fwd
-    if _plain_cuda_tensors(cu_seqlens_q, cu_seqlens_k, block_table):
-        fn = {"autograd": _EagerVarlenAttention.apply, "func": _FuncVarlenAttention.apply}.get(route, fn)
-    out, lse = fn(*args)
+    if route != "op" and not _plain_cuda_tensors(cu_seqlens_q, cu_seqlens_k, block_table):
+        route = "op"
+    if route == "autograd":
+        out, lse = _EagerVarlenAttention.apply(*args)
+    elif route == "func":
+        out, lse = _FuncVarlenAttention.apply(*args)
+    else:
+        out, lse = torch.ops.cuflash.attention_varlen_fwd(*args)
     return (out, lse) if return_lse else out
