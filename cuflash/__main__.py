@@ -100,12 +100,13 @@ def _selected(a, arch: int) -> list:
         dims.add(head_dim_bucket(PRESETS[a.preset][2]))
     if a.head_dim:
         dims.update(head_dim_bucket(d) for d in a.head_dim)
-    # append kernels have no head-dim or dtype: they serve every shape
+    # append kernels have no head-dim, and some kernels (FlashMask's prep, the plain append) no
+    # dtype: they serve every shape and are always kept
     if dims:
         variants = [v for v in variants if getattr(v, "head_dim", None) in dims or v.family == "append"]
     if a.dtype:
         want = {"bfloat16": "bf16", "float16": "fp16"}[a.dtype]
-        variants = [v for v in variants if getattr(v, "dtype", want) == want]
+        variants = [v for v in variants if getattr(v, "dtype", None) in (want, None, "")]
     return variants
 
 

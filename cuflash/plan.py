@@ -527,8 +527,12 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
         why.append(f"deterministic=True: dQ has its own kernel, a block per {last.block_m} query rows walking the "
                    "K/V blocks it sees and writing dQ once: no atomics, every gradient is bitwise repeatable.")
     else:
-        why.append("deterministic=False: the dK/dV kernel also adds dQ = dS K into an fp32 accumulator with "
-                   "atomics (the order of additions varies), and bwd_convert scales it into the input dtype.")
+        how = ("atomics" if main.family != "bwd_ws" else
+               "bulk reduce-adds of a warp of the producer warpgroup, from a tile the consumers stage in shared "
+               "memory (the dQ writer)" if main.dq_writer else
+               "atomics issued before dK's product, so that they overlap it" if main.dq_early else "atomics")
+        why.append(f"deterministic=False: the dK/dV kernel also adds dQ = dS K into an fp32 accumulator with {how} "
+                   "(the order of additions varies), and bwd_convert scales it into the input dtype.")
     if p.flashmask:
         fm, fm_bytes, sizes = _flashmask_backward(p, dev, main, last)
         launches += fm

@@ -4,10 +4,10 @@ H100/H200, after checking each one's gradients against the wgmma kernel's.
 
     python scripts/bench_bwd_ws.py [--quick] [--head-dim D ...]
 
-Configurations: the planned variant, with dQ added by bulk reduce-adds (``dq_bulk``), with
-dQ's product issued before dK's so that its adds overlap dK's product (``dq_early``), and with
-dQ staged in shared memory for a producer warp to add (``dq_writer``, alone and with
-``dq_early``). Prints
+Configurations: dQ added with atomics after dK's product (``ws``), by bulk reduce-adds
+(``dq_bulk``), with dQ's product issued before dK's so that its adds overlap dK's product
+(``dq_early``, planned at d = 64), and staged in shared memory for a producer warp to add
+(``dq_writer``, planned at d = 128; alone and with ``dq_early``). Prints
 one line per shape: TFLOP/s (2.5 x the forward's FLOPs) of each, of the wgmma kernel and of
 cuDNN, the best one's ratio to both, and the largest |difference| from the wgmma kernel's
 gradients (dq, dk, dv) relative to their largest magnitude. Model dim 2048, bf16.
@@ -20,8 +20,9 @@ import importlib
 from cuflash import bench
 from cuflash.kernels import bwd_ws
 
-CONFIGS = {"ws": {}, "ws dqbulk": dict(dq_bulk=True), "ws dqearly": dict(dq_early=True),
-           "ws writer": dict(dq_writer=True), "writer+early": dict(dq_writer=True, dq_early=True)}
+_NONE = dict(dq_bulk=False, dq_early=False, dq_writer=False)
+CONFIGS = {"ws": _NONE, "ws dqbulk": {**_NONE, "dq_bulk": True}, "ws dqearly": {**_NONE, "dq_early": True},
+           "ws writer": {**_NONE, "dq_writer": True}, "writer+early": {**_NONE, "dq_writer": True, "dq_early": True}}
 
 
 def main():

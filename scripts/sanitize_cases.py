@@ -89,7 +89,8 @@ def main():
         import importlib
         plan = importlib.import_module("cuflash.plan")
         planned = plan.bwd_ws.planned
-        for flags in (dict(dq_bulk=True, dq_early=True), dict(dq_writer=True), dict(dq_writer=True, dq_early=True)):
+        for b, e, w in ((False, False, False), (True, True, False), (False, True, True)):  # planned: writer
+            flags = dict(dq_bulk=b, dq_early=e, dq_writer=w)
             plan.bwd_ws.planned = lambda *a, f=flags: dataclasses.replace(planned(*a), **f)
             plan.make_backward_plan.cache_clear()
             o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)

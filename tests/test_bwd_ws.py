@@ -16,9 +16,10 @@ from cuflash.kernels import all_variants, bwd_ws
 from cuflash.kernels.bwd_ws import BwdWsVariant
 
 VARIANTS = bwd_ws.variants(90)
-FLAGS = [dict(dq_bulk=True), dict(dq_early=True), dict(dq_bulk=True, dq_early=True), dict(dq_writer=True),
-         dict(dq_writer=True, dq_early=True)]  # not planned yet
-BULK = [replace(v, **f) for v in VARIANTS if v.dq for f in FLAGS]
+# Every way of adding dQ, each field given (planned() sets dq_early at d = 64, dq_writer at 128)
+FLAGS = [dict(dq_bulk=b, dq_early=e, dq_writer=w) for b, w in ((False, False), (True, False), (False, True))
+         for e in (False, True)]
+BULK = [x for v in VARIANTS if v.dq for f in FLAGS if (x := replace(v, **f)) != v]  # the unplanned ones
 plan_mod = importlib.import_module("cuflash.plan")  # the module (cuflash.plan is the function)
 
 
@@ -227,7 +228,7 @@ def test_gpu_strided_operands(rng, d):
 @pytest.mark.parametrize("mask", ["full", "causal", "local"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("case", [(2, 113, 203, 4, 4), (1, 640, 640, 8, 1), (1, 2048, 2048, 16, 2)], ids=str)
-@pytest.mark.parametrize("flags", FLAGS, ids=lambda f: "+".join(f))
+@pytest.mark.parametrize("flags", FLAGS, ids=lambda f: "+".join(k for k, x in f.items() if x) or "atomic")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_gpu_dq_variants(rng, dtype, flags, case, d, mask):
     """dQ added by bulk reduce-adds from shared memory (dq_bulk), by a producer warp from a

@@ -357,6 +357,19 @@ def test_warmup_reports_cached_kernels_apart(capsys, monkeypatch, cache):
     assert code == 0 and len(built) == n and f"compiled 0 kernels ({n} already cached) for sm_90" in out
 
 
+def test_warmup_dtype_filters_cover_every_variant():
+    """--dtype bfloat16 and --dtype float16 together select every variant (those without a dtype,
+    FlashMask's prep and the plain append, in both), so a sweep can be split by dtype."""
+    import argparse
+    from cuflash.__main__ import _selected
+    from cuflash.kernels import all_variants
+    for arch in (80, 90):
+        parts = [_selected(argparse.Namespace(family=None, preset=None, head_dim=None, dtype=dt), arch)
+                 for dt in ("bfloat16", "float16")]
+        assert set(parts[0]) | set(parts[1]) == set(all_variants(arch))
+        assert {v.family for v in set(parts[0]) & set(parts[1])} == {"append", "flashmask"}
+
+
 def test_empty_plan_is_not_local():
     p = cuflash.plan((0, 1, 8, 64), (0, 128, 8, 64), (0, 128, 8, 64), num_sms=132, window_size=(4, 0))
     assert p.launches == () and p.local is False

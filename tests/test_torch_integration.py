@@ -117,6 +117,13 @@ def _ref_grads(fwd, dout, inputs):
     return [g.to(x.dtype) for g, x in zip(grads, inputs)]
 
 
+def _storage(*xs):
+    """The kernels read data pointers: functorch's wrapped tensors (which have none) must not
+    reach them."""
+    for x in xs:
+        x.data_ptr()
+
+
 @pytest.fixture
 def ref_kernels(monkeypatch):
     """cuflash's kernels replaced by ``ref_attention``: the torch-side plumbing runs on the CPU.
@@ -128,6 +135,7 @@ def ref_kernels(monkeypatch):
     def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None,
                   num_splits=0, **feat):
         calls.append(("attention", tuple(q.shape), tuple(k.shape), dict(causal=causal, **feat)))
+        _storage(q, k, v)
         o, lse = ref_attention(q, k, v, causal, softmax_scale, **feat)
         o = out.copy_(o) if out is not None else o
         return (o, lse) if return_lse else o
@@ -135,6 +143,7 @@ def ref_kernels(monkeypatch):
     def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal=False, softmax_scale=None,
                          return_lse=False, out=None, num_splits=0, block_table=None, **feat):
         calls.append(("varlen", tuple(q.shape), tuple(k.shape), dict(causal=causal, **feat)))
+        _storage(q, k, v)
         assert cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32
         assert isinstance(max_q, int) and isinstance(max_k, int)
         o, lse = ref_attention_varlen(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=softmax_scale,
@@ -145,6 +154,7 @@ def ref_kernels(monkeypatch):
     def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
                            deterministic=False, dq=None, dk=None, dv=None, **feat):
         calls.append(("backward", tuple(q.shape), tuple(k.shape), dict(causal=causal, **feat)))
+        _storage(dout, q, k, v, out, lse)
         assert dout.stride(-1) == 1
         g = ref_attention_backward(dout, q, k, v, causal, softmax_scale, **feat)
         return tuple(buf.copy_(x) for buf, x in zip((dq, dk, dv), g))
@@ -153,6 +163,7 @@ def ref_kernels(monkeypatch):
                                   softmax_scale=None, deterministic=False, dq=None, dk=None, dv=None,
                                   **feat):
         calls.append(("varlen_backward", tuple(q.shape), tuple(k.shape), dict(causal=causal, **feat)))
+        _storage(dout, q, k, v, out, lse)
         for sq_, sk_ in _segments(cu_q, cu_k):
             g = ref_attention_backward(dout[None, sq_], q[None, sq_], k[None, sk_], v[None, sk_],
                                        causal, softmax_scale, **feat)
@@ -377,21 +388,32 @@ def test_eager_varlen_autograd_function_plumbing(ref_kernels):
 
 
 @requires_torch
-def test_torch_func_grad(ref_kernels):
-    """torch.func.grad through the autograd.Function that CUDA calls take under torch.func's
-    transforms (run here on CPU tensors with the reference kernels) gives autograd's gradients;
-    the eager one (no setup_context) is refused by them, hence the route."""
+@pytest.mark.parametrize("varlen", [False, True])
+def test_torch_func_grad(ref_kernels, varlen):
+    """torch.func.grad through the autograd.Functions that CUDA calls take under torch.func's
+    transforms (run here on CPU tensors with the reference kernels, which like the real ones
+    need tensors with storage, not functorch's wrappers) gives autograd's gradients. The eager
+    Function (no setup_context) is refused by the transforms, hence the route."""
     import torch
     from cuflash.torch import ops
-    q, k, v = _cpu(2, 7, 4, 16), _cpu(2, 11, 2, 16, seed=1), _cpu(2, 11, 2, 16, seed=2)
-    args = (True, None, -1, -1, 0.0, None, False)
-    loss = lambda q, k, v: ops._FuncAttention.apply(q, k, v, *args)[0].square().sum()  # noqa: E731
-    got = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
-    want = _ref_grads(lambda *x: ref_attention(*x, True), 2 * ref_attention(q, k, v, True)[0], (q, k, v))
+    q, k, v = _cpu(2, 7, 4, 16), _cpu(2, 7, 2, 16, seed=1), _cpu(2, 7, 2, 16, seed=2)
+    if varlen:
+        cu = torch.tensor([0, 7, 14], dtype=torch.int32)
+        q, k, v = (x.reshape(14, *x.shape[2:]) for x in (q, k, v))
+        attn = lambda q, k, v: ops._FuncVarlenAttention.apply(  # noqa: E731
+            q, k, v, cu, cu, 7, 7, True, None, -1, -1, 0.0, None, None, False)[0]
+        ref = lambda q, k, v: ref_attention_varlen(q, k, v, cu, cu, causal=True)  # noqa: E731
+    else:
+        attn = lambda q, k, v: ops._FuncAttention.apply(q, k, v, True, None, -1, -1, 0.0, None, False)[0]  # noqa: E731
+        ref = lambda q, k, v: ref_attention(q, k, v, True)  # noqa: E731
+    got = torch.func.grad(lambda q, k, v: attn(q, k, v).square().sum(), argnums=(0, 1, 2))(q, k, v)
+    want = _ref_grads(ref, 2 * ref(q, k, v)[0], (q, k, v))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+    assert [c[0] for c in ref_kernels] == (["varlen", "varlen_backward"] if varlen else ["attention", "backward"])
+    args = (True, None, -1, -1, 0.0, None, False)
     with pytest.raises(RuntimeError, match="setup_context"):
-        torch.func.grad(lambda q: ops._EagerAttention.apply(q, k, v, *args)[0].sum())(q)
+        torch.func.grad(lambda q: ops._EagerAttention.apply(q, k, v, *args)[0].sum())(_cpu(2, 7, 4, 16))
 
 
 @requires_torch

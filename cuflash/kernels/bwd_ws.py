@@ -142,9 +142,13 @@ class BwdWsVariant(KernelVariant):
 
 def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic: bool,
             arch: int = 90) -> BwdWsVariant:
-    """The variant a backward plan launches for these head dim, dtype, mask and dQ mode."""
-    return BwdWsVariant(kind="bwd_ws_dkdv" if deterministic else "bwd_ws_dkdv_dq", head_dim=head_dim,
-                        dtype=dtype, causal=causal, local=local, arch=arch)
+    """The variant a backward plan launches for these head dim, dtype, mask and dQ mode: with dQ,
+    the dQ writer at d = 128 and dQ's product issued early at d = 64, the fastest of the dQ
+    variants on an H200 at each (BENCHMARKS.md, scripts/bench_bwd_ws.py)."""
+    dq = not deterministic
+    return BwdWsVariant(kind="bwd_ws_dkdv_dq" if dq else "bwd_ws_dkdv", head_dim=head_dim, dtype=dtype,
+                        causal=causal, local=local, arch=arch, dq_early=dq and head_dim == 64,
+                        dq_writer=dq and head_dim == 128)
 
 
 def variants(arch: int, mods: bool = True) -> list[BwdWsVariant]:

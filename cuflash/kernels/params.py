@@ -39,9 +39,14 @@ class ParamTable:
         for _, ctype in self.fields:
             _format(ctype)  # an unknown C type fails here, at import
 
-    @property
+    @functools.cached_property
     def names(self) -> tuple[str, ...]:
         return tuple(n for n, _ in self.fields)
+
+    @functools.cached_property
+    def _checks(self) -> tuple[frozenset, tuple[str, ...]]:
+        """The set of names, and the CUtensorMap fields (values() checks their size)."""
+        return frozenset(self.names), tuple(n for n, ctype in self.fields if ctype == "CUtensorMap")
 
     @functools.cached_property
     def _walk(self) -> tuple[str, tuple[int, ...]]:
@@ -70,12 +75,12 @@ class ParamTable:
 
     def values(self, **kw) -> tuple:
         """The values in field order; every field must be given, and nothing else."""
-        missing = [n for n in self.names if n not in kw]
-        extra = [n for n in kw if n not in self.names]
-        if missing or extra:
-            raise TypeError(f"{self.struct_name}: missing {missing}, unknown {extra}")
-        for name, ctype in self.fields:  # "128s" would silently pad or cut a wrong-sized map
-            if ctype == "CUtensorMap" and not (isinstance(kw[name], bytes) and len(kw[name]) == TENSOR_MAP_BYTES):
+        names, maps = self._checks
+        if kw.keys() != names:
+            missing = [n for n in self.names if n not in kw]
+            raise TypeError(f"{self.struct_name}: missing {missing}, unknown {[n for n in kw if n not in names]}")
+        for name in maps:  # "128s" would silently pad or cut a wrong-sized map
+            if not (isinstance(kw[name], bytes) and len(kw[name]) == TENSOR_MAP_BYTES):
                 raise TypeError(f"{self.struct_name}.{name}: a CUtensorMap is {TENSOR_MAP_BYTES} bytes")
         return tuple(kw[n] for n in self.names)
 

@@ -301,8 +301,9 @@ def _eager_function(name, body, setup_context, backward, bwd_body, functorch=Fal
     code and fake tensors use the op). The forward takes ``ctx`` itself: with a separate
     ``setup_context``, ``Function.apply`` binds the arguments to the forward's signature through
     ``inspect`` on every call. ``functorch=True``: with the separate ``setup_context`` that
-    torch.func's transforms (grad, jacrev, ...) require; vmap is not supported (the kernels are
-    not batching rules)."""
+    torch.func's transforms (grad, jacrev, ...) require, and the backward custom op (its
+    saved tensors are functorch's wrappers, which only the dispatcher unwraps); vmap is not
+    supported (the kernels are not batching rules)."""
     def forward(ctx, *args):
         output = body(*args)
         setup_context(ctx, args, output)
@@ -312,7 +313,11 @@ def _eager_function(name, body, setup_context, backward, bwd_body, functorch=Fal
         return backward(ctx, dout, dlse, bwd_body)
     attrs = {"forward": staticmethod(forward), "backward": staticmethod(backward_)}
     if functorch:
-        attrs.update(forward=staticmethod(body), setup_context=staticmethod(setup_context))
+        def func_backward(ctx, dout, dlse):  # the op: the dispatcher unwraps functorch's tensors
+            with torch.no_grad():  # no double backward; no_grad keeps the op's autograd out
+                return backward(ctx, dout, dlse)
+        attrs.update(forward=staticmethod(body), setup_context=staticmethod(setup_context),
+                     backward=staticmethod(func_backward))
     return type(name, (torch.autograd.Function,), attrs)
 
 
