@@ -10,7 +10,6 @@ import math
 import subprocess
 import sys
 import types
-import warnings
 
 import pytest
 
@@ -275,57 +274,19 @@ def test_extras_only_when_not_default():
 
 
 @requires_torch
-def test_missing_feature_is_not_implemented(monkeypatch):
-    import torch
-    import cuflash
-    import cuflash.torch as ct
-
-    def old_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None,
-                      num_splits=0):
-        return out
-
-    monkeypatch.setattr(cuflash, "attention", old_attention)
-    x = torch.zeros(1, 4, 2, 8)
-    with pytest.raises(NotImplementedError, match="window_size"):
-        ct.attention(x, x, x, window_size=(2, 0))
-
-
-@requires_torch
 def test_calls_bind_to_cuflash_signatures():
-    """The keyword arguments cuflash.torch passes exist in this build's entry points."""
+    """The keyword arguments cuflash.torch passes exist in cuflash's entry points."""
     import inspect
     import cuflash
-    sig = inspect.signature(cuflash.attention)
-    sig.bind(1, 2, 3, causal=True, softmax_scale=None, return_lse=True, out=None)
-    if "window_size" in sig.parameters:
-        sig.bind(1, 2, 3, window_size=(1, 0), softcap=1.0, alibi_slopes=None)
-    if hasattr(cuflash, "attention_varlen"):
-        inspect.signature(cuflash.attention_varlen).bind(
-            1, 2, 3, 4, 5, 6, 7, causal=True, softmax_scale=None, return_lse=True, out=None,
-            window_size=(1, 0), softcap=1.0, alibi_slopes=None, block_table=None)
-    try:
-        from cuflash import backward
-    except ImportError:
-        return
-    inspect.signature(backward.attention_backward).bind(
-        1, 2, 3, 4, 5, 6, causal=True, softmax_scale=None, deterministic=False, dq=None, dk=None,
-        dv=None)
-
-
-@requires_torch
-def test_backward_without_window_support_is_not_implemented():
-    import torch
-    from cuflash.torch import ops
-    try:
-        from cuflash import backward
-    except ImportError:
-        pytest.skip("no cuflash.backward in this build")
-    import inspect
-    if "window_size" in inspect.signature(backward.attention_backward).parameters:
-        pytest.skip("this build's backward supports windows")
-    x = torch.zeros(1, 4, 2, 8, dtype=torch.float16)
-    with pytest.raises(NotImplementedError, match="window_size"):
-        ops._backward_kernel(x, x, x, x, x, x, x, x, x, True, None, 2, 0, 0.0, None, False)
+    from cuflash import backward
+    extras = dict(window_size=(1, 0), softcap=1.0, alibi_slopes=None, sinks=None, dropout_p=0.1, seed=1, offset=2)
+    inspect.signature(cuflash.attention).bind(1, 2, 3, causal=True, softmax_scale=None, return_lse=True, out=None,
+                                              startend_row_indices=None, **extras)
+    inspect.signature(cuflash.attention_varlen).bind(
+        1, 2, 3, 4, 5, 6, 7, causal=True, softmax_scale=None, return_lse=True, out=None, block_table=None, **extras)
+    grads = dict(causal=True, softmax_scale=None, deterministic=False, dq=None, dk=None, dv=None, **extras)
+    inspect.signature(backward.attention_backward).bind(1, 2, 3, 4, 5, 6, startend_row_indices=None, **grads)
+    inspect.signature(backward.attention_varlen_backward).bind(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, **grads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -607,29 +568,6 @@ def test_hf_left_padding_uses_varlen(ref_kernels):
 
 @requires_torch
 @requires_transformers
-def test_hf_padding_falls_back_to_sdpa_without_varlen(ref_kernels, monkeypatch):
-    import torch
-    import cuflash
-    a, b = _pair()
-    monkeypatch.delattr(cuflash, "attention_varlen")
-    ids = torch.randint(1, 512, (2, 9), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones(2, 9, dtype=torch.long)
-    mask[1, :3] = 0
-    from cuflash.torch import hf
-    hf._warned.clear()
-    with torch.no_grad(), warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        la, lb = a(ids, attention_mask=mask).logits, b(ids, attention_mask=mask).logits
-        ta = a.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
-        tb = b.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
-    torch.testing.assert_close(la[0], lb[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(la[1, 3:], lb[1, 3:], rtol=1e-5, atol=1e-5)
-    assert torch.equal(ta, tb)
-    assert sum("SDPA" in str(x.message) for x in w) == 1  # warned once
-
-
-@requires_torch
-@requires_transformers
 def test_hf_sliding_window_matches_sdpa(ref_kernels):
     import torch
     a, b = _pair(use_sliding_window=True, sliding_window=5, max_window_layers=0,
@@ -680,27 +618,6 @@ def test_hf_training_step_plumbing(ref_kernels, padded):
         torch.testing.assert_close(ga[n].grad, gb[n].grad, rtol=1e-4, atol=1e-5, msg=n)
     assert {c[0] for c in ref_kernels} == ({"varlen", "varlen_backward"} if padded else
                                            {"attention", "backward"})
-
-
-@requires_torch
-@requires_transformers
-def test_hf_padded_training_without_varlen_backward_uses_sdpa(ref_kernels, monkeypatch):
-    import torch
-    import cuflash
-    from cuflash.torch import hf
-    monkeypatch.delattr(cuflash.backward, "attention_varlen_backward")
-    a, b = _pair()
-    a.train(), b.train()
-    ids = torch.randint(1, 512, (2, 10), generator=torch.Generator().manual_seed(6))
-    mask = torch.ones_like(ids)
-    mask[1, 6:] = 0
-    hf._warned.clear()
-    with pytest.warns(UserWarning, match="varlen backward"):
-        la = a(ids, attention_mask=mask).logits
-    lb = b(ids, attention_mask=mask).logits
-    torch.testing.assert_close(la[0], lb[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(la[1, :6], lb[1, :6], rtol=1e-5, atol=1e-5)
-    assert not ref_kernels  # nothing ran through cuflash
 
 
 @requires_torch
@@ -802,17 +719,6 @@ def test_gpu_forward_matches_cuflash(dtype, sq, sk, h, hk, d, causal):
     check(got.detach(), q.detach(), k.detach(), v.detach(), causal=causal)
 
 
-def _need_backward():
-    try:
-        from cuflash import backward  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"cuflash.backward is not available ({e})")
-    from cuflash import reference
-    if not hasattr(reference, "attention_backward"):
-        pytest.skip("cuflash.reference.attention_backward is not available")
-    return reference
-
-
 @requires_gpu
 @requires_torch
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -823,7 +729,7 @@ def test_gpu_gradients_vs_reference(dtype, sq, sk, h, hk, d, causal):
     """Autograd gradients against the float64 reference, with flash-attn's backward rule:
     max|grad - ref64| <= 3 * max|ref_same_precision - ref64| + 1e-4."""
     import cuflash.torch as ct
-    reference = _need_backward()
+    from cuflash import reference
     g = _gen(7 * sq + sk)
     q, k, v = (_cuda(g, 2, n, hh, d, dtype=dtype, grad=True) for n, hh in ((sq, h), (sk, hk), (sk, hk)))
     out = ct.attention(q, k, v, causal=causal)
@@ -878,10 +784,6 @@ def test_gpu_torch_compile_fullgraph():
     fc = torch.compile(f, fullgraph=True)
     with torch.no_grad():
         torch.testing.assert_close(fc(q, k, v), f(q, k, v))
-    try:
-        from cuflash import backward  # noqa: F401
-    except ImportError:
-        return  # forward only in this build
     for x in (q, k, v):
         x.requires_grad_()
     fc(q, k, v).sum().backward()

@@ -5,8 +5,6 @@ import weakref
 
 import torch
 
-import cuflash
-
 from .ops import attention, attention_varlen
 
 
@@ -151,24 +149,13 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
     position_ids = kwargs.get("position_ids")
-    has_varlen = hasattr(cuflash, "attention_varlen")
 
     if attention_mask is not None and attention_mask.dim() != 2:
         return _crop(_sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling,
                                     sliding_window, cap, causal, _fwd_kwargs(kwargs),
                                     "a prepared 4D attention mask is not supported"), v_head_dim)
 
-    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    no_varlen = ("this build lacks cuflash.attention_varlen" if not has_varlen else
-                 "this build lacks a varlen backward pass" if training and not _has_varlen_backward()
-                 else None)
-
     if attention_mask is not None:  # padding: unpad, run varlen, pad back
-        if no_varlen:
-            return _crop(_sdpa_fallback(module, query, key, value, attention_mask, dropout,
-                                        scaling, sliding_window, cap, causal, _fwd_kwargs(kwargs),
-                                        f"padding masks need varlen attention and {no_varlen}"),
-                         v_head_dim)
         mask = attention_mask
         if k.shape[1] > mask.shape[1]:  # a static cache longer than the tokens seen
             k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
@@ -200,24 +187,12 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
         if pk is not None:
             packed = (pk[0], pk[0], pk[1], pk[1])
     if packed is not None:  # several sequences packed in one row: each attends on its own
-        if no_varlen:
-            raise NotImplementedError("cuflash backend: packed sequences (cu_seq_lens or "
-                                      "position_ids restarting within a row) need varlen "
-                                      f"attention, and {no_varlen}")
         o = attention_varlen(q.reshape(b * sq, h, d), k.reshape(b * sk, k.shape[2], d),
                              v.reshape(b * sk, v.shape[2], d), *packed, **feats)
         return _crop((o.view(b, sq, h, d), None), v_head_dim)
 
     out = attention(q, k, v, **feats)
     return _crop((out, None), v_head_dim)
-
-
-def _has_varlen_backward() -> bool:
-    try:
-        from cuflash import backward
-    except ImportError:
-        return False
-    return hasattr(backward, "attention_varlen_backward")
 
 
 def _fwd_kwargs(kwargs):

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 import cuflash
+import cuflash.backward
 
 from . import plans
 
@@ -41,21 +42,6 @@ def _extras(window_left, window_right, softcap, alibi_slopes, sinks=None, starte
     if startend_row_indices is not None:
         kw["startend_row_indices"] = startend_row_indices
     return kw
-
-
-def _call(fn, what, *args, **kw):
-    """``fn(*args, **kw)``; an optional feature that this cuflash build lacks becomes a clear
-    NotImplementedError instead of a TypeError about a keyword argument."""
-    try:
-        return fn(*args, **kw)
-    except TypeError as e:
-        missing = [n for n in ("window_size", "softcap", "alibi_slopes", "block_table", "dq", "sinks",
-                               "startend_row_indices", "dropout_p")
-                   if n in kw and repr(n) in str(e) and "unexpected keyword" in str(e)]
-        if missing:
-            raise NotImplementedError(f"{what} in this cuflash build does not support "
-                                      f"{', '.join(missing)}") from e
-        raise
 
 
 def _s64(x: int) -> int:
@@ -123,59 +109,38 @@ def _forward_kernel(q, k, v, out, causal, softmax_scale, window_left, window_rig
     extras = _extras(window_left, window_right, softcap, alibi_slopes, sinks, startend_row_indices, *dropout)
     if plans._log is not None:
         plans._record(q, k, causal, extras)
-    return _call(cuflash.attention, "cuflash.attention", q, k, v, causal=causal,
-                 softmax_scale=softmax_scale, return_lse=return_lse, out=out, **extras)
+    return cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, out=out,
+                             **extras)
 
 
 def _varlen_forward_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
                            causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
                            block_table, return_lse, sinks=None, dropout=(0.0, 0, 0)):
-    fn = getattr(cuflash, "attention_varlen", None)
-    if fn is None:
-        raise NotImplementedError("this cuflash build has no attention_varlen")
     extras = _extras(window_left, window_right, softcap, alibi_slopes, sinks, None, *dropout)
     if block_table is not None:
         extras["block_table"] = block_table
     if plans._log is not None:
         plans._record(q, k, causal, extras, varlen=True)
-    return _call(fn, "cuflash.attention_varlen", q, k, v, cu_seqlens_q, cu_seqlens_k,
-                 max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-                 return_lse=return_lse, out=out, **extras)
-
-
-def _backward_module():
-    try:
-        from cuflash import backward
-    except ImportError as e:
-        raise NotImplementedError("this cuflash build has no backward pass (cuflash.backward): "
-                                  "attention is forward-only here") from e
-    return backward
+    return cuflash.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                    softmax_scale=softmax_scale, return_lse=return_lse, out=out, **extras)
 
 
 def _backward_kernel(dout, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, window_left,
                      window_right, softcap, alibi_slopes, deterministic, sinks=None, startend_row_indices=None,
                      dropout=(0.0, 0, 0)):
     """(dq, dk, dv), or with ``sinks`` (dq, dk, dv, dsinks float32)."""
-    bwd = _backward_module()
     extras = _extras(window_left, window_right, softcap, alibi_slopes, sinks, startend_row_indices, *dropout)
-    return _call(bwd.attention_backward, "cuflash.backward.attention_backward", dout, q, k, v,
-                 out, lse, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
-                 dq=dq, dk=dk, dv=dv, **extras)
+    return cuflash.backward.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                               deterministic=deterministic, dq=dq, dk=dk, dv=dv, **extras)
 
 
 def _varlen_backward_kernel(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, dq, dk, dv, causal, softmax_scale, window_left,
                             window_right, softcap, alibi_slopes, deterministic, sinks=None, dropout=(0.0, 0, 0)):
-    fn = getattr(_backward_module(), "attention_varlen_backward", None)
-    if fn is None:
-        raise NotImplementedError("this cuflash build has no varlen backward "
-                                  "(cuflash.backward.attention_varlen_backward): "
-                                  "attention_varlen is forward-only here")
     extras = _extras(window_left, window_right, softcap, alibi_slopes, sinks, None, *dropout)
-    return _call(fn, "cuflash.backward.attention_varlen_backward", dout, q, k, v, out, lse,
-                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                 softmax_scale=softmax_scale, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
-                 **extras)
+    return cuflash.backward.attention_varlen_backward(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+        softmax_scale=softmax_scale, deterministic=deterministic, dq=dq, dk=dk, dv=dv, **extras)
 
 
 def _into(buffers, results):
@@ -491,7 +456,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     cumulative lengths on the GPU; ``max_seqlen_q``/``max_seqlen_k``: Python ints. Each sequence
     is attended on its own (causal and windows aligned bottom-right per sequence). ``sinks`` as
     in :func:`attention` (differentiable). Returns out, or (out, lse) with lse float32 (nheads,
-    total_q). The backward pass needs ``cuflash.backward.attention_varlen_backward``.
+    total_q).
     ``dropout_p``, ``seed``, ``offset`` as in :func:`attention` (sequence b is batch b of the
     mask; the generator's offset advances by batch * nheads; not with ``block_table``).
     """
