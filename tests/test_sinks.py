@@ -369,6 +369,7 @@ def _np(x):
 def sink_ref_kernels(monkeypatch):
     """cuflash.attention, attention_varlen and the backward replaced by cuflash.reference on CPU
     tensors (sinks included); calls are recorded with their keyword arguments."""
+    import cuflash.backward  # noqa: F401  the real module first: undoing the patch restores it
     import sys
     import types
     import torch
@@ -415,7 +416,7 @@ def sink_ref_kernels(monkeypatch):
     bwd.attention_varlen_backward = attention_varlen_backward
     monkeypatch.setattr(cuflash, "attention", attention)
     monkeypatch.setattr(cuflash, "attention_varlen", attention_varlen)
-    monkeypatch.setattr(cuflash, "backward", bwd, raising=False)
+    monkeypatch.setattr(cuflash, "backward", bwd)
     monkeypatch.setitem(sys.modules, "cuflash.backward", bwd)
     return calls
 

@@ -175,7 +175,8 @@ def ref_kernels(monkeypatch):
     bwd.attention_varlen_backward = attention_varlen_backward
     monkeypatch.setattr(cuflash, "attention", attention)
     monkeypatch.setattr(cuflash, "attention_varlen", attention_varlen, raising=False)
-    monkeypatch.setattr(cuflash, "backward", bwd, raising=False)
+    import cuflash.backward  # noqa: F401  the real module first: undoing the patch restores it
+    monkeypatch.setattr(cuflash, "backward", bwd)
     monkeypatch.setitem(sys.modules, "cuflash.backward", bwd)
     return calls
 
@@ -375,6 +376,17 @@ def test_torch_func_grad(ref_kernels, varlen):
     args = (True, None, -1, -1, 0.0, None, False)
     with pytest.raises(RuntimeError, match="setup_context"):
         torch.func.grad(lambda q: ops._EagerAttention.apply(q, k, v, *args)[0].sum())(_cpu(2, 7, 4, 16))
+
+
+@requires_torch
+def test_reference_kernel_fixture_leaves_the_real_backward():
+    """After the tests above that patch cuflash.backward (ref_kernels), cuflash.torch reaches the
+    real module again (it looks the module up as cuflash.backward on each call)."""
+    import sys
+    import cuflash
+    import cuflash.torch  # noqa: F401
+    assert cuflash.backward is sys.modules["cuflash.backward"]
+    assert cuflash.backward.attention_backward.__module__ == "cuflash.backward"
 
 
 @requires_torch
