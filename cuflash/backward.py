@@ -58,13 +58,15 @@ LSE +inf, D 0, so they add 0), by a few operations of the caller's framework on 
 from __future__ import annotations
 
 import math
+import sys
+from typing import NamedTuple
 
 import numpy as np
 
 from . import api, arrays, compiler, validate
 from .kernels.bwd import ROW_PAD, VARLEN_ROW_GAP
 from .kernels.fwd_ws import tensor_map, tma_readable
-from .kernels.params import stride_values
+from .kernels.params import TENSOR_MAP_BYTES, stride_values
 from .launch import dropout_fields
 from .plan import Problem, cdiv, make_backward_plan
 
@@ -149,6 +151,16 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     Returns the caller's array type (NumPy inputs are computed on the current GPU and come back
     as NumPy).
     """
+    sig = None
+    if (alibi_slopes is None and sinks is None and startend_row_indices is None and seed is None
+            and dropout_p.__class__ in (int, float) and dropout_p == 0):
+        sig = _signature(dout, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, deterministic, window_size,
+                         softcap, offset)
+        r = _repeats.get(sig) if sig is not None else None
+        if r is not None:
+            res = r(dout, q, k, v, out, lse, dq, dk, dv)
+            if res is not None:
+                return res
     qv, kv, vv, dov, ov, lv, grads, scale, causal, deterministic, mods, sv = _validate(
         dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dq, dk, dv, window_size, softcap,
         alibi_slopes, sinks)
@@ -165,7 +177,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
                                  startend_row_indices=on(fm), **api._dropout_kwargs(drop))
         return _host_results(res, (dq, dk, dv, None), (qv, kv, vv, qv))
     return _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministic, mods, sv=sv, fm=fm,
-                            drop=drop)
+                            drop=drop, sig=sig)
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -237,7 +249,10 @@ def _padded(x, d_pad):
 
 
 def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministic, mods, varlen=None, sv=None,
-                     fm=None, drop=None):
+                     fm=None, drop=None, sig=None):
+    """The gradients of a checked call on the GPU. ``sig``: the call's repeat signature
+    (_signature), under which its prepared launches are kept when they read and write the
+    caller's arrays in place."""
     if varlen is None:
         b, sq, h, d = qv.shape
         sk, hk = kv.shape[1], kv.shape[2]
@@ -277,8 +292,8 @@ def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministi
         ws[:rows] = float("inf")
         ws[rows:2 * rows] = 0
     with arrays.on_device(dev):
-        run(plan, ops, lv, [g for g, _ in bufs], arrays.device_ptr(ws), scale, mods, arrays.stream_for(qv), dev,
-            None if varlen is None else varlen[:2], fm, drop)
+        prepared = run(plan, ops, lv, [g for g, _ in bufs], arrays.device_ptr(ws), scale, mods,
+                       arrays.stream_for(qv), dev, None if varlen is None else varlen[:2], fm, drop)
         out = []
         for (kern, final), like in zip(bufs, (qv, kv, vv)):
             if kern is not final:
@@ -287,7 +302,66 @@ def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministi
         if sv is not None:
             out.append(_dsinks(ws, rows, (h, head_rows) if varlen is not None else (b, h, head_rows), sv))
     del ws  # the framework's allocator orders the free after the launches on this stream
+    if sig is not None and all(x is y for x, y in zip(ops, (qv, kv, vv, dov, ov))) and all(
+            kern is final for kern, final in bufs):
+        if len(_repeats) >= 1024:
+            _repeats.clear()
+        _repeats[sig] = _Repeat(prepared, dev, workspace_floats(plan), tuple(g is None for g in grads))
     return tuple(arrays.hand_back(r, like) for r, like in zip(out, (qv, kv, vv, qv)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Repeated calls from PyTorch (as cuflash.attention's): a call whose shapes, strides, dtypes,
+# devices and options were checked, planned and launched before fires the same prepared
+# launches with its own data pointers.
+
+_repeats: dict = {}  # signature (see _signature) -> _Repeat
+
+
+def _signature(dout, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, deterministic, window_size, softcap,
+               offset):
+    """Everything the checks, the plan and the launch arguments of an attention_backward call
+    on PyTorch CUDA tensors (no ALiBi, sinks, FlashMask or dropout) depend on, except the data
+    pointers (values and their types: True is not 1); None for other calls."""
+    torch = sys.modules.get("torch")
+    if (torch is None or q.__class__ is not torch.Tensor or window_size.__class__ is not tuple
+            or len(window_size) != 2 or offset.__class__ is not int):
+        return None
+    w0, w1 = window_size
+    if w0.__class__ is not int or w1.__class__ is not int:
+        return None
+    try:
+        arrays_ = tuple(None if x is None else (x.shape, x.stride(), x.dtype, x.get_device())
+                        for x in (dout, q, k, v, out, lse, dq, dk, dv))
+    except (AttributeError, TypeError, RuntimeError):  # not all PyTorch tensors (or not strided)
+        return None
+    return (arrays_, causal.__class__, causal, softmax_scale.__class__, softmax_scale, deterministic.__class__,
+            deterministic, w0, w1, softcap.__class__, softcap, offset)
+
+
+class _Repeat(NamedTuple):
+    launches: tuple          # _prepare's
+    device: int
+    ws_floats: int
+    allocate: tuple          # (dq, dk, dv): made here (contiguous, like the first call's) where True
+
+    def __call__(self, dout, q, k, v, out, lse, dq, dk, dv):
+        """The call's (dq, dk, dv), or None when its pointers need the general path (alignment)."""
+        torch = sys.modules["torch"]
+        grads = [q.new_empty(x.shape) if new else g for new, g, x in zip(self.allocate, (dq, dk, dv), (q, k, v))]
+        ptrs = dict(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout.data_ptr(), out=out.data_ptr(),
+                    lse=lse.data_ptr(), dq=grads[0].data_ptr(), dk=grads[1].data_ptr(), dv=grads[2].data_ptr())
+        if sum(p & 15 for p in ptrs.values()):
+            return None
+        ws = q.new_empty((self.ws_floats,), dtype=torch.float32)
+        ptrs["ws"] = ws.data_ptr()
+        dev = self.device
+        if api._current_device_id() == dev:
+            _fire(self.launches, ptrs, arrays.torch_stream(dev))
+        else:
+            with arrays.on_device(dev):
+                _fire(self.launches, ptrs, arrays.torch_stream(dev))
+        return tuple(grads)
 
 
 def _dsinks(ws, rows, shape, sv):
@@ -363,12 +437,13 @@ def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, dev
     workspace of ``workspace_floats(plan, total_q)``; ``mods`` as validate.mods gives them. Packed
     sequences: 3-dim views and ``cu`` = (cu_seqlens_q, cu_seqlens_k) views. ``fm``: the view of
     FlashMask's startend_row_indices for a FlashMask plan. ``dropout``: (dropout_p, seed, offset) of
-    a plan with dropout. Allocates nothing."""
+    a plan with dropout. Allocates nothing. Returns the prepared launches (_prepare), which
+    ``_fire`` launches again for other data pointers of the same shapes and strides."""
     p = plan.problem
     b, sq, sk, h, hk, d = p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_k, p.head_dim
     head_rows, rows = stats_rows(b, sq, h, None if cu is None else ops[0].shape[0])
-    lse2_ptr, dsum_ptr = ws_ptr, ws_ptr + 4 * rows
-    acc_ptr = 0 if p.deterministic else ws_ptr + 8 * rows
+    lse2, dsum = _Ptr("ws"), _Ptr("ws", 4 * rows)
+    acc = 0 if p.deterministic else _Ptr("ws", 8 * rows)
     fm_args = None
     if p.flashmask:
         if fm is None:
@@ -389,8 +464,11 @@ def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, dev
                  window_right=right, softcap_scale=scale / cap if cap > 0 else 0.0,
                  alibi_slopes=alibi.ptr if alibi is not None else 0, alibi_sb=alibi_sb, alibi_scale=1.0 / post)
     kernels = tuple(launch.variant for launch in plan.launches)
-    _launch(kernels[:3], ops, lse, lse_st, grads, (lse2_ptr, dsum_ptr, acc_ptr), (b, sq, sk, h, hk, d, head_rows),
-            score, stream, device, fm_args, dropout_fields(kernels[1], dropout))
+    prepared = _prepare(_launch_specs(kernels[:3], ops, lse, lse_st, grads, (lse2, dsum, acc),
+                                      (b, sq, sk, h, hk, d, head_rows), score, fm_args,
+                                      dropout_fields(kernels[1], dropout)), device)
+    _fire(prepared, _pointers(ops, lse, grads, ws_ptr), stream)
+    return prepared
 
 
 def _flashmask_args(plan, fm, ptr: int):
@@ -416,43 +494,105 @@ def _st(prefix: str, x) -> dict:
     return stride_values(prefix, x.strides)
 
 
-def _launch(kernels, ops, lse, lse_st, grads, ws, shape, score, stream, device, fm=None, drop=None):
-    """``score``: the kernels' scale, varlen, window, softcap and ALiBi fields by name; ``fm``:
-    FlashMask's (prep launches, dK/dV fields, dQ fields) from _flashmask_args, or None; ``drop``:
-    the dropout fields of the dK/dV and dQ kernels (launch.dropout_fields), or None."""
+class _Ptr(NamedTuple):
+    """A pointer field of a launch, resolved when it fires: operand ``role``'s data pointer (q, k,
+    v, dout, out, lse, dq, dk, dv, or ws: the fp32 workspace) plus ``offset`` bytes."""
+    role: str
+    offset: int = 0
+
+
+class _Map(NamedTuple):
+    """A TMA tensor-map field, encoded when the launch fires (it holds operand ``role``'s
+    pointer): the operand's shape and strides, the box's rows and the dtype."""
+    role: str
+    shape: tuple
+    strides: tuple
+    rows: int
+    dtype: str
+
+
+def _pointers(ops, lse, grads, ws_ptr: int) -> dict:
+    """The data pointers of a backward call by role (see _Ptr)."""
+    q, k, v, do, o = ops
+    dq, dk, dv = grads
+    return dict(q=q.ptr, k=k.ptr, v=v.ptr, dout=do.ptr, out=o.ptr, lse=lse.ptr, dq=dq.ptr, dk=dk.ptr, dv=dv.ptr,
+                ws=ws_ptr)
+
+
+def _launch_specs(kernels, ops, lse, lse_st, grads, ws, shape, score, fm=None, drop=None) -> list:
+    """(variant, grid, fields) of each launch of a backward, in order; pointer fields are _Ptr and
+    tensor maps _Map. ``ws`` = (lse2, dsum, dQ accumulator) fields; ``score``: the kernels' scale,
+    varlen, window, softcap and ALiBi fields by name; ``fm``: FlashMask's (prep launches, dK/dV
+    fields, dQ fields) from _flashmask_args, or None; ``drop``: the dropout fields of the dK/dV and
+    dQ kernels (launch.dropout_fields), or None."""
     q, k, v, do, o = ops
     dq, dk, dv = grads
     lse2, dsum, acc = ws
     b, sq, sk, h, hk, d, head_rows = shape
     prep, main, last = kernels
     cu_q = score["cu_seqlens_q"]
-    run = lambda var, grid, **f: compiler.get_kernel(var, device)(  # noqa: E731
-        grid, (var.threads,), stream, var.smem_bytes, **f)
     rows = dict(seqlen_q_arg=sq, nheads=h, head_dim=d, head_rows=head_rows)
+    out = []
     fm_main, fm_last = {}, {}
     if fm is not None:
         preps, fm_main, fm_last = fm
-        for launch, fields in preps:
-            if launch.grid[0] > 0:  # no key block: nothing to reduce
-                run(launch.variant, launch.grid, **fields)
-    run(prep, prep.grid(b, sq, h, d), dout=do.ptr, out=o.ptr, lse=lse.ptr, lse2=lse2, dsum=dsum, dq_accum=acc,
-        **_st("do", do), **_st("o", o), lse_sb=lse_st[0], lse_sh=lse_st[1], lse_ss=lse_st[2], **rows,
-        cu_seqlens_q=cu_q)
-    common = dict(q=q.ptr, k=k.ptr, v=v.ptr, dout=do.ptr, lse2=lse2, dsum=dsum, **_st("q", q), **_st("k", k),
-                  **_st("v", v), **_st("do", do), **rows, seqlen_k_arg=sk, ngroups=h // hk, **score)
+        out += [(launch.variant, launch.grid, fields) for launch, fields in preps
+                if launch.grid[0] > 0]  # no key block: nothing to reduce
+    out.append((prep, prep.grid(b, sq, h, d), dict(
+        dout=_Ptr("dout"), out=_Ptr("out"), lse=_Ptr("lse"), lse2=lse2, dsum=dsum, dq_accum=acc, **_st("do", do),
+        **_st("o", o), lse_sb=lse_st[0], lse_sh=lse_st[1], lse_ss=lse_st[2], **rows, cu_seqlens_q=cu_q)))
+    common = dict(q=_Ptr("q"), k=_Ptr("k"), v=_Ptr("v"), dout=_Ptr("dout"), lse2=lse2, dsum=dsum, **_st("q", q),
+                  **_st("k", k), **_st("v", v), **_st("do", do), **rows, seqlen_k_arg=sk, ngroups=h // hk, **score)
+    grads_kv = dict(dk=_Ptr("dk"), dv=_Ptr("dv"), **_st("dk", dk), **_st("dv", dv))
     if main.family == "bwd_ws":  # q, k, v, dout through TMA tensor maps (boxes: a step's rows, a block's keys)
-        maps = {f"tma_{n}": tensor_map(x.ptr, x.shape, x.strides, rows_, main.dtype)
-                for n, x, rows_ in (("q", q, main.block_m), ("k", k, main.block_n), ("v", v, main.block_n),
-                                    ("do", do, main.block_m))}
-        run(main, main.grid(b, sq, sk, h, hk), **maps, lse2=lse2, dsum=dsum, dq_accum=acc, dk=dk.ptr, dv=dv.ptr,
-            **_st("dk", dk), **_st("dv", dv), seqlen_q_arg=sq, nheads=h, head_rows=head_rows, seqlen_k_arg=sk,
-            ngroups=h // hk,
-            **{f: score[f] for f in ("scale_log2", "scale", "window_left", "window_right")})
+        maps = {f"tma_{n}": _Map(role, tuple(x.shape), tuple(x.strides), rows_, main.dtype)
+                for n, role, x, rows_ in (("q", "q", q, main.block_m), ("k", "k", k, main.block_n),
+                                          ("v", "v", v, main.block_n), ("do", "dout", do, main.block_m))}
+        out.append((main, main.grid(b, sq, sk, h, hk), dict(
+            **maps, lse2=lse2, dsum=dsum, dq_accum=acc, **grads_kv, seqlen_q_arg=sq, nheads=h, head_rows=head_rows,
+            seqlen_k_arg=sk, ngroups=h // hk, **{f: score[f] for f in ("scale_log2", "scale", "window_left",
+                                                                       "window_right")})))
     else:
-        run(main, main.grid(b, sq, sk, h, hk), dq_accum=acc, dk=dk.ptr, dv=dv.ptr, **_st("dk", dk), **_st("dv", dv),
-            **common, **fm_main, **(drop or {}))
+        out.append((main, main.grid(b, sq, sk, h, hk), dict(dq_accum=acc, **grads_kv, **common, **fm_main,
+                                                            **(drop or {}))))
     if last.kind == "bwd_dq":
-        run(last, last.grid(b, sq, sk, h, hk), dq=dq.ptr, **_st("dq", dq), **common, **fm_last, **(drop or {}))
+        out.append((last, last.grid(b, sq, sk, h, hk), dict(dq=_Ptr("dq"), **_st("dq", dq), **common, **fm_last,
+                                                            **(drop or {}))))
     else:
-        run(last, last.grid(b, sq, h, d), dq_accum=acc, dq=dq.ptr, **_st("dq", dq), **rows, scale=score["scale"],
-            cu_seqlens_q=cu_q)
+        out.append((last, last.grid(b, sq, h, d), dict(dq_accum=acc, dq=_Ptr("dq"), **_st("dq", dq), **rows,
+                                                       scale=score["scale"], cu_seqlens_q=cu_q)))
+    return out
+
+
+class _Launch(NamedTuple):
+    """One prepared launch: the loaded kernel, grid, block, shared memory, its struct's values
+    in order, and the (index, _Ptr or _Map) of the values filled in when it fires."""
+    kernel: object
+    grid: tuple
+    block: tuple
+    smem: int
+    values: tuple
+    slots: tuple
+
+
+def _prepare(specs, device: int) -> tuple:
+    """_Launch of each (variant, grid, fields) of _launch_specs, on ``device``."""
+    out = []
+    for var, grid, fields in specs:
+        table = var.params
+        slots = tuple((table.index(n), x) for n, x in fields.items() if isinstance(x, (_Ptr, _Map)))
+        values = table.values(**{n: (0 if x.__class__ is _Ptr else bytes(TENSOR_MAP_BYTES))
+                                 if isinstance(x, (_Ptr, _Map)) else x for n, x in fields.items()})
+        out.append(_Launch(compiler.get_kernel(var, device), (*grid, 1, 1)[:3], (var.threads, 1, 1), var.smem_bytes,
+                           values, slots))
+    return tuple(out)
+
+
+def _fire(launches, ptrs: dict, stream: int):
+    """Launch prepared launches on ``stream`` for the data pointers ``ptrs`` (by role)."""
+    for la in launches:
+        values = list(la.values)
+        for i, x in la.slots:
+            values[i] = (ptrs[x.role] + x.offset if x.__class__ is _Ptr
+                         else tensor_map(ptrs[x.role], x.shape, x.strides, x.rows, x.dtype))
+        la.kernel.launch(la.grid, la.block, la.smem, stream, values)

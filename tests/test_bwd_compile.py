@@ -232,7 +232,7 @@ KWARGS = ("causal", "softmax_scale", "deterministic", "dq", "dk", "dv", "window_
 def no_launch(fake_views, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("validation passed: allocation or launch reached")
-    monkeypatch.setattr(backward, "_launch", boom)
+    monkeypatch.setattr(backward, "_prepare", boom)
     monkeypatch.setattr(backward, "_backward_device", boom)
 
 
@@ -444,3 +444,53 @@ def test_varlen_host_arrays_are_validated(no_launch):
     cuk = np.array([0, 5, 9, 14], np.int32)
     with pytest.raises(ValueError, match=r"lse must have shape \(nheads, total_q\)"):
         backward.attention_varlen_backward(z, z, kv, kv, z, np.zeros((10, 8), np.float32), cu, cuk, 6, 5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prepared launches (what a repeated call fires): the same launches as a fresh run's
+
+@pytest.mark.parametrize("arch,d,deterministic,causal", [(90, 128, False, True), (90, 64, True, False),
+                                                         (80, 96, False, False), (80, 128, True, True)])
+def test_prepared_launches_fired_anew_match_a_fresh_run(monkeypatch, arch, d, deterministic, causal):
+    """backward.run's prepared launches, fired with another call's pointers (_fire), launch
+    exactly what a fresh run with those pointers launches: every field, tensor maps included
+    (encoded here by a stand-in that writes its arguments into the 128 bytes)."""
+    import struct
+    from conftest import record_launches
+    launched = record_launches(monkeypatch)
+    monkeypatch.setattr(backward, "tensor_map", lambda ptr, shape, strides, rows, dtype: struct.pack(
+        "<Q8qq", ptr, *shape, *strides, rows).ljust(128, b"\0"))
+    b, sq, sk, h, hk = 2, 300, 333, 8, 2
+    plan = make_backward_plan(Problem(b, sq, sk, h, hk, d, "bf16", causal=causal, deterministic=deterministic),
+                              DeviceFacts(132, arch))
+
+    def views(base):
+        q, do, o = (fake_view(0, (b, sq, h, d), "bfloat16", ptr=base + (i << 24)) for i in range(3))
+        k, v = (fake_view(0, (b, sk, hk, d), "bfloat16", ptr=base + ((i + 3) << 24)) for i in range(2))
+        lse = fake_view(0, (b, h, sq), "float32", ptr=base + (5 << 24))
+        grads = [fake_view(0, x.shape, "bfloat16", ptr=base + ((6 + i) << 24)) for i, x in enumerate((q, k, v))]
+        return (q, k, v, do, o), lse, grads, base + (9 << 24)
+
+    first = views(1 << 40)
+    prepared = backward.run(plan, *first, 0.1, ((-1, -1), 0.0, None, 0), 5, 0)
+    second = views(2 << 40)
+    fresh = launched[len(prepared):]
+    assert not fresh
+    backward.run(plan, *second, 0.1, ((-1, -1), 0.0, None, 0), 5, 0)
+    fresh = launched[len(prepared):]
+    backward._fire(prepared, backward._pointers(*second), 5)
+    again = launched[2 * len(prepared):]
+    assert [n for n, _, _ in again] == [n for n, _, _ in fresh] == [la.name for la in plan.launches[:3]]
+    assert again == fresh
+    (q, k, v, do, o), lse, (dq, dk, dv), ws = second  # the fields are the second call's pointers
+    _, rows = backward.stats_rows(b, sq, h)
+    prep, main, last = (f for _, _, f in fresh)
+    assert (prep["dout"], prep["out"], prep["lse"], prep["lse2"], prep["dsum"], prep["dq_accum"]) == (
+        do.ptr, o.ptr, lse.ptr, ws, ws + 4 * rows, 0 if deterministic else ws + 8 * rows)
+    assert (main["dk"], main["dv"], main["lse2"], main["dsum"]) == (dk.ptr, dv.ptr, ws, ws + 4 * rows)
+    if "tma_q" in main:
+        assert [struct.unpack_from("<Q", main[f"tma_{n}"])[0] for n in ("q", "k", "v", "do")] == [
+            q.ptr, k.ptr, v.ptr, do.ptr]
+    else:
+        assert (main["q"], main["k"], main["v"], main["dout"]) == (q.ptr, k.ptr, v.ptr, do.ptr)
+    assert last["dq"] == dq.ptr

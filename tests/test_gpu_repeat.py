@@ -156,3 +156,74 @@ def test_back_to_back_calls_see_the_previous_output(rng, b, sq, sk, h, hk, d, sp
     torch.cuda.synchronize()
     for q_in, q_out in zip(qs, qs[1:]):
         check(q_out if between is None else q_out / 4, q_in, k, v, causal=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward's repeated calls (cuflash.backward._repeats)
+
+def _bwd_inputs(seed, b, sq, sk, h, hk, d, causal):
+    import torch
+    import cuflash
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    q, k, v, do = mk(b, sq, h, d), mk(b, sk, hk, d), mk(b, sk, hk, d), mk(b, sq, h, d)
+    o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    return do, q, k, v, o, lse
+
+
+@pytest.mark.parametrize("d,causal,deterministic,given", [(64, True, False, False), (128, False, False, True),
+                                                          (128, True, True, False), (96, True, True, True)])
+def test_backward_repeats_compute_fresh_data(monkeypatch, d, causal, deterministic, given):
+    """A second backward call with the first one's signature fires its prepared launches (the
+    checks and the plan do not run) and computes its own data's gradients: bitwise the general
+    path's when deterministic, within atomics' reordering otherwise."""
+    import torch
+    from cuflash import backward
+    shape = (2, 200, 300, 4, 2, d)
+    kw = dict(causal=causal, deterministic=deterministic)
+    bufs = lambda x: dict(dq=torch.empty_like(x[1]), dk=torch.empty_like(x[2]), dv=torch.empty_like(x[3])) \
+        if given else {}  # noqa: E731
+    backward._repeats.clear()
+    first = _bwd_inputs(0, *shape, causal)
+    backward.attention_backward(*first, **kw, **bufs(first))
+    assert len(backward._repeats) == 1
+    second = _bwd_inputs(1, *shape, causal)
+    with monkeypatch.context() as m:
+        m.setattr(backward, "_validate", lambda *a: (_ for _ in ()).throw(AssertionError("general path")))
+        got = backward.attention_backward(*second, **kw, **bufs(second))
+    backward._repeats.clear()
+    want = backward.attention_backward(*second, **kw)
+    for name, x, y in zip(("dq", "dk", "dv"), got, want):
+        assert x.shape == y.shape and x.is_contiguous(), name
+        if deterministic:
+            assert torch.equal(x, y), name
+        else:
+            err = (x.float() - y.float()).abs().max().item()
+            assert err <= 1e-2 * y.float().abs().max().item(), (name, err)
+
+
+def test_backward_repeat_through_autograd_and_misaligned_pointers():
+    """Eager autograd steps reuse the prepared backward (one entry for the shape), and a call
+    whose pointers are not 16-byte aligned falls back to the general path (padded copies)."""
+    import torch
+    import cuflash.torch as ct
+    from cuflash import backward
+    backward._repeats.clear()
+    grads = []
+    for seed in range(3):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        q, k, v = (torch.randn(2, 130, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+                   for _ in range(3))
+        ct.attention(q, k, v, causal=True, deterministic=True).float().square().sum().backward()
+        grads.append((q, k, v))
+    assert len(backward._repeats) == 1
+    q, k, v = (x.detach().clone().requires_grad_() for x in grads[-1])
+    ct.attention(q, k, v, causal=True, deterministic=True).float().square().sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip((q, k, v), grads[-1]))
+    # misaligned: the same signature (shape, strides) with pointers off by 2 bytes
+    do, q, k, v, o, lse = _bwd_inputs(5, 2, 130, 130, 4, 4, 64, True)
+    buf = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)
+    q_odd = buf[1:].view(q.shape).copy_(q)
+    want = backward.attention_backward(do, q, k, v, o, lse, causal=True, deterministic=True)
+    got = backward.attention_backward(do, q_odd, k, v, o, lse, causal=True, deterministic=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -26,7 +26,7 @@ def _window(window_size):
 def _extras(window_left, window_right, softcap, alibi_slopes, sinks=None, startend_row_indices=None,
             dropout_p=0.0, seed=0, offset=0):
     """Keyword arguments for the kernels' optional features, only where they differ from the
-    defaults: builds of cuflash without these features accept every call that does not use them.
+    defaults (a default call can take the backward's repeated-call path).
     ``seed``/``offset`` arrive as the custom ops carry them (signed 64-bit, see _s64)."""
     kw = {}
     if dropout_p:
