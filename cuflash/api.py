@@ -30,17 +30,6 @@ def device_facts(device: int) -> DeviceFacts:
     return DeviceFacts(d.attributes["MultiProcessorCount"], int(d.compute_capability))
 
 
-def _current_device() -> int:
-    try:
-        import cupy
-        if cupy.cuda.runtime.getDeviceCount() > 0:
-            return cupy.cuda.Device().id
-    except Exception as e:  # no driver, no device
-        raise RuntimeError(f"cuflash needs a CUDA GPU to run attention, and none is available ({e}). "
-                           "cuflash.plan(..., num_sms=N) and offline compilation work without one.") from None
-    raise RuntimeError("cuflash needs a CUDA GPU to run attention, and none is available.")
-
-
 # ---------------------------------------------------------------------------------------------
 # Entry point
 
@@ -102,52 +91,23 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     return_lse = validate.boolean(return_lse, "return_lse")
     mods = validate.mods(window_size, softcap, alibi_slopes, qv.shape[0], qv.shape[2], qv, scale)
     sv = validate.sinks(sinks, qv.shape[2], qv)
-    drop = _dropout(dropout_p, seed, offset, num_splits, sv, startend_row_indices)
+    drop = validate.dropout(dropout_p, seed, offset, num_splits, sv, startend_row_indices)
     fm = None
     if startend_row_indices is not None:
-        fm = _flashmask(startend_row_indices, qv, kv, causal, num_splits, mods, sv is not None)
+        fm = validate.flashmask(startend_row_indices, qv, kv, causal, num_splits, mods, sv is not None)
 
     if qv.device < 0:  # NumPy in, NumPy out: compute on the current GPU
-        dev = _current_device()
+        dev = arrays.current_device()
         dev_array = lambda x: arrays.to_device(np.asarray(x.array), dev)
         res = attention(dev_array(qv), dev_array(kv), dev_array(vv), causal=causal,
                         softmax_scale=scale, return_lse=return_lse, num_splits=num_splits,
                         window_size=mods[0], softcap=mods[1],
                         alibi_slopes=None if mods[2] is None else dev_array(mods[2]),
                         startend_row_indices=None if fm is None else dev_array(fm),
-                        sinks=None if sv is None else dev_array(sv), **_dropout_kwargs(drop))
+                        sinks=None if sv is None else dev_array(sv), **validate.dropout_kwargs(drop))
         return _host_result(res, qv, out, return_lse)
 
     return _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mods, sig, fm, sv, drop)
-
-
-def _dropout(dropout_p, seed, offset, num_splits, sv, startend_row_indices):
-    """(dropout_p, seed, offset) after their checks, or None without dropout; what dropout cannot
-    be combined with is named (flash-attn applies dropout in training only: no split, no cache)."""
-    p = validate.dropout_p(dropout_p)
-    seed, offset = validate.seed_offset(seed, offset, p > 0)
-    if p == 0:
-        return None
-    for bad, what in ((num_splits > 1, f"num_splits={num_splits}"), (sv is not None, "sinks (attention sinks)"),
-                      (startend_row_indices is not None, "startend_row_indices (FlashMask)")):
-        if bad:
-            raise ValueError(f"dropout_p > 0 cannot be combined with {what}")
-    return p, seed, offset
-
-
-def _dropout_kwargs(drop):
-    return {} if drop is None else dict(dropout_p=drop[0], seed=drop[1], offset=drop[2])
-
-
-def _flashmask(indices, qv, kv, causal, num_splits, mods, sinks=False):
-    """The view of ``startend_row_indices`` after its checks (the options it cannot be combined
-    with are named first)."""
-    window, _, alibi, _ = mods
-    fm = validate.check_startend_row_indices(indices, qv.shape[0], qv.shape[2], qv.shape[1], kv.shape[1], causal,
-                                             nheads_k=kv.shape[2], window=window, alibi=alibi is not None,
-                                             num_splits=num_splits, sinks=sinks)
-    validate.same_place(("q", qv), ("startend_row_indices", fm))
-    return fm
 
 
 def _host_result(res, qv, out, return_lse):
@@ -275,20 +235,12 @@ class _Repeat(NamedTuple):
         workspace, held = launch.workspace(  # a per-call workspace is held until its kernels are queued
             recipe, dev, stream, lambda n: q.new_empty((n,), dtype=torch.float32))
         args = (recipe, dev, stream, qp, kp, vp, op, 0 if lse is None else lse.data_ptr(), workspace)
-        if _current_device_id() == dev:
+        if arrays.current_device_id() == dev:
             launch.fire(*args)
         else:
             with arrays.on_device(dev):
                 launch.fire(*args)
         return (out, lse) if lse is not None else out
-
-
-def _current_device_id() -> int:
-    """The current CUDA device (CuPy's runtime call, bound on first use)."""
-    global _current_device_id
-    import cupy
-    _current_device_id = cupy.cuda.runtime.getDevice
-    return _current_device_id()
 
 
 _plans: dict = {}
@@ -595,19 +547,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     num_splits = validate.num_splits(num_splits)
     window, cap, alibi, alibi_sb = validate.mods(window_size, softcap, alibi_slopes, batch, h, qv, scale)
     sv = validate.sinks(sinks, h, qv)
-    drop = _dropout(dropout_p, seed, offset, num_splits, sv, None)
+    drop = validate.dropout(dropout_p, seed, offset, num_splits, sv, None)
     if drop is not None and paged:
         raise ValueError("dropout_p > 0 cannot be combined with block_table (a paged KV cache): dropout is for "
                          "training, where flash-attn has no KV cache")
 
     if qv.device < 0:  # NumPy in, NumPy out: compute on the current GPU
-        dev = _current_device()
+        dev = arrays.current_device()
         dev_array = lambda x: None if x is None else arrays.to_device(np.asarray(x.array), dev)
         res = attention_varlen(dev_array(qv), dev_array(kv), dev_array(vv), dev_array(cq), dev_array(ck),
                                max_sq, max_sk, causal=causal, softmax_scale=scale, window_size=window,
                                softcap=cap, alibi_slopes=dev_array(alibi), return_lse=return_lse,
                                num_splits=num_splits, block_table=dev_array(bt) if paged else None,
-                               sinks=dev_array(sv), **_dropout_kwargs(drop))
+                               sinks=dev_array(sv), **validate.dropout_kwargs(drop))
         return _host_result(res, qv, out, return_lse)
 
     o_view, lse_arr = _outputs(qv, ov, return_lse)
@@ -708,7 +660,7 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
         validate.same_place(("q", qv), ("startend_row_indices", fm))
     arch = None if arch is None else validate.arch(arch)
     if num_sms is None:
-        dev = device_facts(qv.device if qv.device >= 0 else _current_device())
+        dev = device_facts(qv.device if qv.device >= 0 else arrays.current_device())
         facts = DeviceFacts(dev.num_sms, arch or dev.arch)
     else:
         facts = DeviceFacts(validate.num_sms(num_sms), arch or 90)

@@ -144,3 +144,23 @@ def hand_back(result, like: View):
             return jax.dlpack.from_dlpack(result)
         return result
     return result
+
+
+def current_device() -> int:
+    """The current CUDA device, or a RuntimeError saying there is none."""
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return cupy.cuda.Device().id
+    except Exception as e:  # no driver, no device
+        raise RuntimeError(f"cuflash needs a CUDA GPU to run attention, and none is available ({e}). "
+                           "cuflash.plan(..., num_sms=N) and offline compilation work without one.") from None
+    raise RuntimeError("cuflash needs a CUDA GPU to run attention, and none is available.")
+
+
+def current_device_id() -> int:
+    """The current CUDA device (CuPy's runtime call, bound on first use)."""
+    global current_device_id
+    import cupy
+    current_device_id = cupy.cuda.runtime.getDevice
+    return current_device_id()

@@ -164,17 +164,17 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     qv, kv, vv, dov, ov, lv, grads, scale, causal, deterministic, mods, sv = _validate(
         dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dq, dk, dv, window_size, softcap,
         alibi_slopes, sinks)
-    drop = api._dropout(dropout_p, seed, offset, 0, sv, startend_row_indices)
+    drop = validate.dropout(dropout_p, seed, offset, 0, sv, startend_row_indices)
     fm = None
     if startend_row_indices is not None:
-        fm = api._flashmask(startend_row_indices, qv, kv, causal, 0, mods, sv is not None)
+        fm = validate.flashmask(startend_row_indices, qv, kv, causal, 0, mods, sv is not None)
     if qv.device < 0:  # NumPy in, NumPy out: compute on the current GPU
-        dev = api._current_device()
+        dev = arrays.current_device()
         on = lambda x: None if x is None else arrays.to_device(np.asarray(x.array), dev)
         res = attention_backward(on(dov), on(qv), on(kv), on(vv), on(ov), on(lv), causal=causal,
                                  softmax_scale=scale, window_size=mods[0], softcap=mods[1],
                                  alibi_slopes=on(mods[2]), deterministic=deterministic, sinks=on(sv),
-                                 startend_row_indices=on(fm), **api._dropout_kwargs(drop))
+                                 startend_row_indices=on(fm), **validate.dropout_kwargs(drop))
         return _host_results(res, (dq, dk, dv, None), (qv, kv, vv, qv))
     return _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministic, mods, sv=sv, fm=fm,
                             drop=drop, sig=sig)
@@ -198,14 +198,14 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     qv, kv, vv, dov, ov, lv, cq, ck, max_sq, max_sk, grads, scale, causal, deterministic, mods, sv = \
         _validate_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                          softmax_scale, deterministic, dq, dk, dv, window_size, softcap, alibi_slopes, sinks)
-    drop = api._dropout(dropout_p, seed, offset, 0, sv, None)
+    drop = validate.dropout(dropout_p, seed, offset, 0, sv, None)
     if qv.device < 0:  # NumPy in, NumPy out: compute on the current GPU
-        dev = api._current_device()
+        dev = arrays.current_device()
         on = lambda x: None if x is None else arrays.to_device(np.asarray(x.array), dev)
         res = attention_varlen_backward(on(dov), on(qv), on(kv), on(vv), on(ov), on(lv), on(cq), on(ck),
                                         max_sq, max_sk, causal=causal, softmax_scale=scale,
                                         window_size=mods[0], softcap=mods[1], alibi_slopes=on(mods[2]),
-                                        deterministic=deterministic, sinks=on(sv), **api._dropout_kwargs(drop))
+                                        deterministic=deterministic, sinks=on(sv), **validate.dropout_kwargs(drop))
         return _host_results(res, (dq, dk, dv, None), (qv, kv, vv, qv))
     return _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministic, mods,
                             varlen=(cq, ck, max_sq, max_sk), sv=sv, drop=drop)
@@ -234,8 +234,8 @@ def _grad_buffer(given, like, d_pad):
 
 
 def _aligned(x) -> bool:
-    """api._aligned for 4-dim views and for packed (total, nheads, d) ones (token stride checked)."""
-    return api._aligned(x if len(x.shape) == 4 else api._batched(x, 1, x.shape[0]))
+    """validate.aligned for 4-dim views and for packed (total, nheads, d) ones (token stride checked)."""
+    return validate.aligned(x if len(x.shape) == 4 else validate.batched(x, 1, x.shape[0]))
 
 
 def _padded(x, d_pad):
@@ -356,7 +356,7 @@ class _Repeat(NamedTuple):
         ws = q.new_empty((self.ws_floats,), dtype=torch.float32)
         ptrs["ws"] = ws.data_ptr()
         dev = self.device
-        if api._current_device_id() == dev:
+        if arrays.current_device_id() == dev:
             _fire(self.launches, ptrs, arrays.torch_stream(dev))
         else:
             with arrays.on_device(dev):
@@ -450,8 +450,8 @@ def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, dev
             raise ValueError(f"{plan.launches[1].name} needs startend_row_indices (run's fm=)")
         fm_args = _flashmask_args(plan, fm, ws_ptr + 4 * rows * _row_floats(plan))
     if cu is not None:  # packed views as (batch, max_seqlen, nheads, d) with token batch strides
-        ops = [api._batched(x, b, n) for x, n in zip(ops, (sq, sk, sk, sq, sq))]
-        grads = [api._batched(g, b, n) for g, n in zip(grads, (sq, sk, sk))]
+        ops = [validate.batched(x, b, n) for x, n in zip(ops, (sq, sk, sk, sq, sq))]
+        grads = [validate.batched(g, b, n) for g, n in zip(grads, (sq, sk, sk))]
         lse_st = (lse.strides[1], lse.strides[0], lse.strides[1])  # row i of (sequence b, head h)
         cu = (cu[0].ptr, cu[1].ptr)
     else:

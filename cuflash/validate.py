@@ -666,3 +666,33 @@ def seed_offset(seed, offset, needed):
             raise ValueError(f"{name} must be in [0, 2**64), got {x}")
         out.append(int(x))
     return tuple(out)
+
+
+def dropout(p, seed, offset, num_splits, sv, startend_row_indices):
+    """(dropout_p, seed, offset) after their checks, or None without dropout; what dropout cannot
+    be combined with is named (flash-attn applies dropout in training only: no split, no cache)."""
+    p = dropout_p(p)
+    seed, offset = seed_offset(seed, offset, p > 0)
+    if p == 0:
+        return None
+    for bad, what in ((num_splits > 1, f"num_splits={num_splits}"), (sv is not None, "sinks (attention sinks)"),
+                      (startend_row_indices is not None, "startend_row_indices (FlashMask)")):
+        if bad:
+            raise ValueError(f"dropout_p > 0 cannot be combined with {what}")
+    return p, seed, offset
+
+
+def dropout_kwargs(drop) -> dict:
+    """dropout()'s result as the keyword arguments of an entry point."""
+    return {} if drop is None else dict(dropout_p=drop[0], seed=drop[1], offset=drop[2])
+
+
+def flashmask(indices, qv, kv, causal, num_splits, mods, sinks=False):
+    """The view of ``startend_row_indices`` after its checks (the options it cannot be combined
+    with are named first)."""
+    window, _, alibi, _ = mods
+    fm = check_startend_row_indices(indices, qv.shape[0], qv.shape[2], qv.shape[1], kv.shape[1], causal,
+                                    nheads_k=kv.shape[2], window=window, alibi=alibi is not None,
+                                    num_splits=num_splits, sinks=sinks)
+    same_place(("q", qv), ("startend_row_indices", fm))
+    return fm

@@ -215,7 +215,7 @@ def test_attention_backward_checks_before_launch(monkeypatch, x, kw, exc, msg):
     def boom(*a, **k):
         raise AssertionError("validation passed: device path reached")
     monkeypatch.setattr(backward, "_backward_device", boom)
-    monkeypatch.setattr(cuflash.api, "_current_device", boom)
+    monkeypatch.setattr(cuflash.arrays, "current_device", boom)
     grads = [np.full_like(a, 7) for a in _np_args()[1:4]]
     with pytest.raises(exc, match=msg):
         backward.attention_backward(*_np_args(), causal=True, startend_row_indices=x, dq=grads[0], dk=grads[1],

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import api, backward, compiler
+from cuflash import api, arrays, backward, compiler
 from cuflash.__main__ import main
 from cuflash.arrays import View
 
@@ -26,7 +26,7 @@ def reach(fake_views, monkeypatch):
     """Reaching an allocation, a launch or the GPU lookup of the NumPy path raises REACHED."""
     def boom(*a, **k):
         raise AssertionError("validation passed: the device path was reached")
-    monkeypatch.setattr(api, "_current_device", boom)
+    monkeypatch.setattr(arrays, "current_device", boom)
     monkeypatch.setattr(api, "_launch", boom)
     monkeypatch.setattr(api, "device_facts", boom)
     monkeypatch.setattr(api.arrays, "on_device", boom)

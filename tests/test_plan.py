@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import api
+from cuflash import api, arrays
 from cuflash.plan import DeviceFacts, num_splits_heuristic
 
 
@@ -192,7 +192,7 @@ def test_plan_rejects_non_bool_causal():
 
 
 def test_plan_parses_arch_when_asking_the_gpu(monkeypatch):
-    monkeypatch.setattr(api, "_current_device", lambda: 0)
+    monkeypatch.setattr(arrays, "current_device", lambda: 0)
     monkeypatch.setattr(api, "device_facts", lambda dev: DeviceFacts(132, 90))
     s = (1, 128, 4, 64)
     p = cuflash.plan(s, s, s, arch="sm_80")

@@ -242,7 +242,7 @@ class _HostDLPack:
 
 
 def test_out_host_dlpack_producer_is_rejected_before_launch(monkeypatch):
-    monkeypatch.setattr(api, "_current_device", lambda: 0)  # pretend a GPU: reach the device path
+    monkeypatch.setattr(arrays, "current_device", lambda: 0)  # pretend a GPU: reach the device path
     q, k, v = z(Q), z(KV), z(KV)
     with pytest.raises(TypeError, match="out"):
         cuflash.attention(q, k, v, out=_HostDLPack(z(Q)))
