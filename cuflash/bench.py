@@ -376,8 +376,9 @@ def bench_jax(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), causal=(
     """cuflash.jax.attention under jax.jit against jax.nn.dot_product_attention with
     implementation="cudnn" and "xla", on the prefill grid, and cuflash.torch.attention at the
     same shapes in the same process. Two rows per shape: "fwd" (the forward) and "fwd+bwd"
-    (jax.jit(jax.grad(loss)) of loss = sum(out * do) for a fixed random do, w.r.t. q, k and v;
-    for PyTorch, torch.autograd.grad of the same), counted as (1 + 2.5) x the forward's FLOPs.
+    (jax.jit of jax.vjp applied to a fixed random output cotangent do: the gradients w.r.t. q, k
+    and v; for PyTorch, torch.autograd.grad(out, (q, k, v), do): the same work), counted as
+    (1 + 2.5) x the forward's FLOPs.
     Every implementation is timed by `time_sync`; max |diff| is against cuDNN's output (XLA's
     where cuDNN is unavailable). An implementation that fails (a shape or dtype it refuses, out
     of memory) gets no timing and its error in row["errors"]."""
@@ -407,10 +408,9 @@ def bench_jax(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), causal=(
 
 def _jax_fn(name, causal, scale, backward):
     """One JAX implementation as a jitted fn(q, k, v, do) on (batch, seqlen, nheads, d) arrays:
-    the output, or with backward=True the gradients (dq, dk, dv) of sum(out * do), which run the
-    forward and the backward."""
+    the output, or with backward=True the gradients (dq, dk, dv) for the output cotangent do
+    (jax.vjp), which run the forward and the backward."""
     import jax
-    import jax.numpy as jnp
     if name == "cuflash_jax":
         import cuflash.jax as cj
         attn = lambda q, k, v: cj.attention(q, k, v, causal=causal, softmax_scale=scale)  # noqa: E731
@@ -419,8 +419,10 @@ def _jax_fn(name, causal, scale, backward):
             q, k, v, scale=scale, is_causal=causal, implementation=name)
     if not backward:
         return jax.jit(lambda q, k, v, do: attn(q, k, v))
-    loss = lambda q, k, v, do: jnp.sum(attn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))  # noqa: E731
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+    def grads(q, k, v, do):  # do as the output's cotangent: the work of torch.autograd.grad(out, (q, k, v), do)
+        return jax.vjp(attn, q, k, v)[1](do)
+    return jax.jit(grads)
 
 
 def _torch_fn(torch, causal, scale, backward):
