@@ -193,24 +193,13 @@ _repeats: dict = {}  # signature (see _signature) -> _Repeat
 def _signature(q, k, v, out, causal, softmax_scale, return_lse, num_splits, window_size, softcap,
                alibi_slopes):
     """Everything the checks, the plan and the launch arguments of an ``attention`` call on
-    PyTorch CUDA tensors depend on, except the data pointers (values and their types: True is
-    not 1); None for other calls. Calls with one signature pass the same checks and launch the
+    PyTorch CUDA tensors depend on, except the data pointers (arrays.repeat_signature); None for
+    other calls (ALiBi included). Calls with one signature pass the same checks and launch the
     same kernels with the same arguments."""
-    torch = sys.modules.get("torch")
-    if (torch is None or q.__class__ is not torch.Tensor or alibi_slopes is not None
-            or window_size.__class__ is not tuple or len(window_size) != 2):
+    if alibi_slopes is not None:
         return None
-    w0, w1 = window_size
-    if w0.__class__ is not int or w1.__class__ is not int:
-        return None
-    try:
-        o = None if out is None else (out.shape, out.stride(), out.dtype, out.get_device())
-        return (q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype,
-                k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(), o,
-                causal.__class__, causal, softmax_scale.__class__, softmax_scale, return_lse.__class__,
-                return_lse, num_splits.__class__, num_splits, w0, w1, softcap.__class__, softcap)
-    except (AttributeError, TypeError, RuntimeError):  # not all PyTorch tensors (or not strided)
-        return None
+    return arrays.repeat_signature((q, k, v, out), window_size, (causal, softmax_scale, return_lse, num_splits,
+                                                                 softcap))
 
 
 class _Repeat(NamedTuple):

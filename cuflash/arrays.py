@@ -164,3 +164,23 @@ def current_device_id() -> int:
     import cupy
     current_device_id = cupy.cuda.runtime.getDevice
     return current_device_id()
+
+
+def repeat_signature(tensors, window_size, options):
+    """The key under which a call from PyTorch reuses an earlier call's checks, plan and launch
+    arguments: each tensor's shape, strides, dtype and device (None stays None), the window as
+    two ints and each option's type and value (True is not 1). None when the first tensor is not
+    a plain torch.Tensor, another is not a strided PyTorch tensor, or the window is not a tuple
+    of two ints: such calls take the general path."""
+    torch = sys.modules.get("torch")
+    if (torch is None or tensors[0].__class__ is not torch.Tensor or window_size.__class__ is not tuple
+            or len(window_size) != 2):
+        return None
+    w0, w1 = window_size
+    if w0.__class__ is not int or w1.__class__ is not int:
+        return None
+    try:
+        layouts = tuple(None if x is None else (x.shape, x.stride(), x.dtype, x.get_device()) for x in tensors)
+    except (AttributeError, TypeError, RuntimeError):  # not all PyTorch tensors (or not strided)
+        return None
+    return layouts, w0, w1, tuple((x.__class__, x) for x in options)

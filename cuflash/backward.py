@@ -322,21 +322,9 @@ def _signature(dout, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, deter
                offset):
     """Everything the checks, the plan and the launch arguments of an attention_backward call
     on PyTorch CUDA tensors (no ALiBi, sinks, FlashMask or dropout) depend on, except the data
-    pointers (values and their types: True is not 1); None for other calls."""
-    torch = sys.modules.get("torch")
-    if (torch is None or q.__class__ is not torch.Tensor or window_size.__class__ is not tuple
-            or len(window_size) != 2 or offset.__class__ is not int):
-        return None
-    w0, w1 = window_size
-    if w0.__class__ is not int or w1.__class__ is not int:
-        return None
-    try:
-        arrays_ = tuple(None if x is None else (x.shape, x.stride(), x.dtype, x.get_device())
-                        for x in (dout, q, k, v, out, lse, dq, dk, dv))
-    except (AttributeError, TypeError, RuntimeError):  # not all PyTorch tensors (or not strided)
-        return None
-    return (arrays_, causal.__class__, causal, softmax_scale.__class__, softmax_scale, deterministic.__class__,
-            deterministic, w0, w1, softcap.__class__, softcap, offset)
+    pointers (arrays.repeat_signature); None for other calls."""
+    return arrays.repeat_signature((q, k, v, dout, out, lse, dq, dk, dv), window_size,
+                                   (causal, softmax_scale, deterministic, softcap, offset))
 
 
 class _Repeat(NamedTuple):
@@ -521,7 +509,8 @@ def _pointers(ops, lse, grads, ws_ptr: int) -> dict:
 
 def _launch_specs(kernels, ops, lse, lse_st, grads, ws, shape, score, fm=None, drop=None) -> list:
     """(variant, grid, fields) of each launch of a backward, in order; pointer fields are _Ptr and
-    tensor maps _Map. ``ws`` = (lse2, dsum, dQ accumulator) fields; ``score``: the kernels' scale,
+    tensor maps _Map (pointers given as ints, cu_seqlens, ALiBi's slopes and FlashMask's, stay
+    fixed: calls with them do not repeat). ``ws`` = (lse2, dsum, dQ accumulator) fields; ``score``: the kernels' scale,
     varlen, window, softcap and ALiBi fields by name; ``fm``: FlashMask's (prep launches, dK/dV
     fields, dQ fields) from _flashmask_args, or None; ``drop``: the dropout fields of the dK/dV and
     dQ kernels (launch.dropout_fields), or None."""
@@ -564,6 +553,9 @@ def _launch_specs(kernels, ops, lse, lse_st, grads, ws, shape, score, fm=None, d
     return out
 
 
+_PLACEHOLDERS = {_Ptr: 0, _Map: bytes(TENSOR_MAP_BYTES)}  # what a slot holds until it fires
+
+
 class _Launch(NamedTuple):
     """One prepared launch: the loaded kernel, grid, block, shared memory, its struct's values
     in order, and the (index, _Ptr or _Map) of the values filled in when it fires."""
@@ -580,9 +572,8 @@ def _prepare(specs, device: int) -> tuple:
     out = []
     for var, grid, fields in specs:
         table = var.params
-        slots = tuple((table.index(n), x) for n, x in fields.items() if isinstance(x, (_Ptr, _Map)))
-        values = table.values(**{n: (0 if x.__class__ is _Ptr else bytes(TENSOR_MAP_BYTES))
-                                 if isinstance(x, (_Ptr, _Map)) else x for n, x in fields.items()})
+        slots = tuple((table.index(n), x) for n, x in fields.items() if x.__class__ in _PLACEHOLDERS)
+        values = table.values(**{n: _PLACEHOLDERS.get(x.__class__, x) for n, x in fields.items()})
         out.append(_Launch(compiler.get_kernel(var, device), (*grid, 1, 1)[:3], (var.threads, 1, 1), var.smem_bytes,
                            values, slots))
     return tuple(out)

@@ -394,6 +394,14 @@ _FuncVarlenAttention = _eager_function("_FuncVarlenAttention", _varlen_fwd_body,
                                        _varlen_backward, _varlen_bwd_body, functorch=True)
 
 
+def _apply(route, eager, func, op, args):
+    """(out, lse) of the forward on ``route`` (see _route): the eager Function, the torch.func
+    one, or the custom op."""
+    if route == "autograd":
+        return eager.apply(*args)
+    return func.apply(*args) if route == "func" else op(*args)
+
+
 # ---------------------------------------------------------------------------------------------
 # Public functions
 
@@ -436,12 +444,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
                                softcap, alibi_slopes, return_lse, sinks, startend_row_indices, dropout)
     args = (q, k, v, bool(causal), softmax_scale, window_left, window_right, softcap, alibi_slopes,
             bool(deterministic), sinks, startend_row_indices) + (dropout if dropout[0] else ())
-    if route == "autograd":
-        out, lse = _EagerAttention.apply(*args)
-    elif route == "func":
-        out, lse = _FuncAttention.apply(*args)
-    else:
-        out, lse = torch.ops.cuflash.attention_fwd(*args)
+    out, lse = _apply(route, _EagerAttention, _FuncAttention, torch.ops.cuflash.attention_fwd, args)
     return (out, lse) if return_lse else out
 
 
@@ -474,10 +477,6 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             ) + (dropout if dropout[0] else ())
     if route != "op" and not _plain_cuda_tensors(cu_seqlens_q, cu_seqlens_k, block_table):
         route = "op"
-    if route == "autograd":
-        out, lse = _EagerVarlenAttention.apply(*args)
-    elif route == "func":
-        out, lse = _FuncVarlenAttention.apply(*args)
-    else:
-        out, lse = torch.ops.cuflash.attention_varlen_fwd(*args)
+    out, lse = _apply(route, _EagerVarlenAttention, _FuncVarlenAttention, torch.ops.cuflash.attention_varlen_fwd,
+                      args)
     return (out, lse) if return_lse else out
