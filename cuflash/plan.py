@@ -445,7 +445,7 @@ def _bwd_ws_blocker(p: Problem, bucket: int, arch: int) -> str:
     if not BWD_WS:
         return "CUFLASH_BWD_WS=0 turned it off"
     if bucket not in bwd_ws.HEAD_DIMS or p.head_dim != bucket:
-        return f"it has head dims {' and '.join(map(str, bwd_ws.HEAD_DIMS))} only"
+        return f"it has head dims {', '.join(map(str, bwd_ws.HEAD_DIMS[:-1]))} and {bwd_ws.HEAD_DIMS[-1]} only"
     if p.varlen:
         return "it reads dense batches only (no varlen)"
     if p.softcap or p.alibi:
@@ -504,7 +504,8 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     if main.family == "bwd_ws":
         kind = ("the warp-specialised kernel (bwd_ws, sm_90a): a producer warpgroup loads K and V once and each "
                 "step's Q and dO tiles by TMA, LSE and D by bulk copies, into 2 stages on mbarriers; two consumer "
-                "warpgroups of 64 keys run wgmma")
+                + ("warpgroups run wgmma, each on half the head dim of dK, dV and dQ (the block's P^T and dS^T "
+                   "through shared memory)" if main.split_d else "warpgroups of 64 keys run wgmma"))
     elif main.mma == "wgmma":
         kind = (f"Hopper's warpgroup MMA (wgmma, sm_90a), two warpgroups of 64 keys; not the warp-specialised "
                 f"kernel: {ws}")

@@ -19,19 +19,24 @@ VARIANTS = bwd_ws.variants(90)
 # Every way of adding dQ, each field given (planned() sets dq_early at d = 64, dq_writer at 128)
 FLAGS = [dict(dq_bulk=b, dq_early=e, dq_writer=w) for b, w in ((False, False), (True, False), (False, True))
          for e in (False, True)]
-BULK = [x for v in VARIANTS if v.dq for f in FLAGS if (x := replace(v, **f)) != v]  # the unplanned ones
+BULK = [x for v in VARIANTS if v.dq and not v.split_d for f in FLAGS
+        if (x := replace(v, **f)) != v]  # the unplanned ones (d = 256 has atomics only)
 plan_mod = importlib.import_module("cuflash.plan")  # the module (cuflash.plan is the function)
 
 
 def test_variants():
-    """d 64 and 128, fp16/bf16, full/causal/local, atomic and deterministic dQ: 24 kernels, sm_90
-    only, all in all_variants (warmup and the CI's sample draw from it), within 227 KB."""
-    assert len({v.name for v in VARIANTS}) == len(VARIANTS) == 24
-    assert bwd_ws.variants(80) == [] and len(bwd_ws.variants(90, mods=False)) == 16
+    """d 64, 128 and 256, fp16/bf16, full/causal/local, atomic and deterministic dQ: 36 kernels,
+    sm_90 only, all in all_variants (warmup and the CI's sample draw from it), within 227 KB; at
+    d = 256 64 x 64 steps with the head dim split between the groups."""
+    assert len({v.name for v in VARIANTS}) == len(VARIANTS) == 36
+    assert bwd_ws.variants(80) == [] and len(bwd_ws.variants(90, mods=False)) == 24
     assert set(VARIANTS) <= set(all_variants(90))
     for v in VARIANTS:
-        assert v.smem_bytes <= 227 * 1024 and v.threads == 384 and v.block_n == 128
-        assert v.block_m * v.head_dim == 128 * 64
+        assert v.smem_bytes <= 227 * 1024 and v.threads == 384
+        if v.head_dim == 256:
+            assert v.split_d and (v.block_m, v.block_n) == (64, 64) and not (v.dq_early or v.dq_writer)
+        else:
+            assert not v.split_d and v.block_n == 128 and v.block_m * v.head_dim == 128 * 64
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -40,6 +45,7 @@ def test_variants():
     (dict(dtype="fp32"), "dtype must be"), (dict(kind="bwd_ws_dkdv", dq_bulk=True), "dq_bulk"),
     (dict(kind="bwd_ws_dkdv", dq_early=True), "dq_early"), (dict(kind="bwd_ws_dkdv", dq_writer=True), "dq_writer"),
     (dict(dq_writer=True, dq_bulk=True), "at most one"), (dict(dq_writer=1), "dq_writer must be a bool"),
+    (dict(head_dim=256, dq_early=True), "at head_dim 256"), (dict(head_dim=256, dq_writer=True), "at head_dim 256"),
 ])
 def test_bad_variant(bad, match):
     kw = dict(kind="bwd_ws_dkdv_dq", head_dim=128, dtype="bf16", arch=90) | bad
@@ -70,18 +76,19 @@ def _plan(d=128, causal=True, arch=90, **kw):
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_planned_on_sm90(d, deterministic):
     p = _plan(d, deterministic=deterministic)
     main = p.launches[1].variant
     assert main.family == "bwd_ws" and main.dq != deterministic and main.causal
-    assert p.launches[1].grid == (8, 2, 2) and p.launches[1].threads == 384
+    assert p.launches[1].grid == ((16 if d == 256 else 8), 2, 2) and p.launches[1].threads == 384
     assert "warp-specialised kernel (bwd_ws" in p.reason
+    assert ("each on half the head dim" in p.reason) == (d == 256)
 
 
 @pytest.mark.parametrize("kw, why", [
-    (dict(softcap=30.0), "no softcap or ALiBi"), (dict(d=96), "head dims 64 and 128 only"),
-    (dict(d=120), "head dims 64 and 128 only"),
+    (dict(softcap=30.0), "no softcap or ALiBi"), (dict(d=96), "head dims 64, 128 and 256 only"),
+    (dict(d=120), "head dims 64, 128 and 256 only"), (dict(d=192), "head dims 64, 128 and 256 only"),
 ])
 def test_not_planned_says_why(kw, why):
     p = _plan(**kw)
@@ -156,7 +163,7 @@ CASES = [  # (b, sq, sk, h, hk)
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("mask", ["full", "causal", "local"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_gpu_against_reference(rng, case, d, dtype, mask, deterministic):
     b, sq, sk, h, hk = case
@@ -185,10 +192,11 @@ def test_gpu_deterministic_bitwise_equals_wgmma_kernel(rng, d, mask):
 @requires_sm90
 @requires_torch
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_gpu_long_against_wgmma_kernel(rng, d, causal):
     """4k x 4k with GQA 16/2: many steps through both stages and both dS^T tiles; the atomic dQ
-    against the wgmma kernel's within the reference rule's scale."""
+    against the kernel planned without bwd_ws (wgmma; mma.sync at d = 256) within the reference
+    rule's scale."""
     import torch
     q, k, v, dout = _inputs(rng, 1, 4096, 4096, 16, 2, d, "bfloat16")
     a = _backward(q, k, v, dout, causal=causal)

@@ -2,9 +2,11 @@
 FlashAttention-3: a producer warpgroup loads the block's K and V once and, per step, the Q and dO
 tiles by TMA and the rows' LSE and D by bulk copies into two stages on mbarriers; two consumer
 warpgroups of 64 keys each run the wgmma kernel's products (bwd/dkdv_wgmma.cu.j2) with no
-block-wide barrier. It replaces the second of the backward's three kernels (kernels/bwd.py):
+block-wide barrier. At d = 256 (``split_d``) a block has 64 keys and the two groups split the head
+dim of dK, dV and dQ instead, with P^T and dS^T through shared memory (FlashAttention-3's
+dKV_swapAB: dK^T and dV^T with the head dim as M). It replaces the second of the backward's three kernels (kernels/bwd.py):
 ``bwd_prep`` before it and ``bwd_convert`` (or, deterministic, ``bwd_dq``) after it are the
-same. Dense batches, head dims 64 and 128 (exactly), fp16/bf16, full, causal or sliding-window
+same. Dense batches, head dims 64, 128 and 256 (exactly), fp16/bf16, full, causal or sliding-window
 masks, GQA; the planner says where it does not apply (plan._bwd_ws_blocker).
 """
 from __future__ import annotations
@@ -18,9 +20,9 @@ from .bwd import INFO_BYTES, MASKS, VARLEN_ROW_GAP
 from .fwd_ws import HANG_TRAP_CYCLES, MAX_CONSUMER_REGS, PRODUCER_REGS
 from .params import ParamTable, strides
 
-HEAD_DIMS = (64, 128)
-BLOCK_N = 128              # keys per block: two consumer warpgroups of 64
-BLOCK_M = {64: 128, 128: 64}  # query rows per step (the S^T accumulators: 64 keys x block_m)
+HEAD_DIMS = (64, 128, 256)
+BLOCK_N = {64: 128, 128: 128, 256: 64}  # keys per block: two consumer warpgroups of 64 (d = 256: shared)
+BLOCK_M = {64: 128, 128: 64, 256: 64}   # query rows per step (the S^T accumulators: 64 keys x block_m)
 BARRIER_BYTES = 64         # K/V full, per Q/dO stage full and empty, dq_writer's full and empty: <= 7 of 8 bytes
 STAGES = 2                 # Q/dO/LSE/D stages
 DQ_ROW_BYTES = 64 * 4 + 32  # a staged dQ row (dq_bulk): 64 fp32, padded (kDqRowBytes in the template)
@@ -44,11 +46,10 @@ class BwdWsVariant(KernelVariant):
     mma: ClassVar[str] = "wgmma"
     softcap: ClassVar[bool] = False
     alibi: ClassVar[bool] = False
-    block_n: ClassVar[int] = BLOCK_N
     stages: ClassVar[int] = STAGES
 
     kind: str
-    head_dim: int             # 64 or 128: the real head dim (no column predicates)
+    head_dim: int             # 64, 128 or 256: the real head dim (no column predicates)
     dtype: str                # "fp16" or "bf16"
     causal: bool = False
     local: bool = False
@@ -79,6 +80,9 @@ class BwdWsVariant(KernelVariant):
             if not isinstance(getattr(self, f), bool) or (getattr(self, f) and not self.dq):
                 raise ValueError(f"{f} must be a bool, and True only with kind 'bwd_ws_dkdv_dq', "
                                  f"got {getattr(self, f)!r}")
+        if self.split_d and (self.dq_bulk or self.dq_early or self.dq_writer):
+            raise ValueError("at head_dim 256 dQ is added with atomics, issued before dK and dV: "
+                             "dq_bulk, dq_early and dq_writer must be False")
         if self.dq_writer and self.dq_bulk:
             raise ValueError("dq_writer and dq_bulk are two ways of adding dQ: at most one may be True")
         if not isinstance(self.causal, bool) or not isinstance(self.local, bool) or (self.causal and self.local):
@@ -87,6 +91,16 @@ class BwdWsVariant(KernelVariant):
     @property
     def block_m(self) -> int:
         return BLOCK_M[self.head_dim]
+
+    @property
+    def block_n(self) -> int:
+        return BLOCK_N[self.head_dim]
+
+    @property
+    def split_d(self) -> bool:
+        """The consumer groups split the head dim (d = 256: a group's dK and dV over all of it
+        would not fit in its registers)."""
+        return self.head_dim == 256
 
     @property
     def overlap(self) -> bool:
@@ -103,7 +117,7 @@ class BwdWsVariant(KernelVariant):
         mask = "local" if self.local else ("causal" if self.causal else "full")
         bulk = (("_dqbulk" if self.dq_bulk else "") + ("_dqwriter" if self.dq_writer else "")
                 + ("_dqearly" if self.dq_early else ""))
-        return f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{bulk}_m{self.block_m}n{BLOCK_N}_sm{self.arch}"
+        return f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{bulk}_m{self.block_m}n{self.block_n}_sm{self.arch}"
 
     @property
     def template(self) -> str:
@@ -120,20 +134,20 @@ class BwdWsVariant(KernelVariant):
     @property
     def smem_bytes(self) -> int:
         """Mirrors kSmemBytes in the template: K and V tiles, Q and dO per stage, two dS^T tiles
-        (dQ variant), LSE and D per stage, the dQ staging rows (dq_bulk) or tile (dq_writer), the
-        per-block scalars, the mbarriers."""
+        (dQ variant; split_d: two P^T and two dS^T tiles), LSE and D per stage, the dQ staging
+        rows (dq_bulk) or tile (dq_writer), the per-block scalars, the mbarriers."""
         tile_q = self.block_m * self.head_dim * 2
-        ds = BLOCK_N * self.block_m * 2 if self.dq else 0
+        ds = self.block_n * self.block_m * 2 if self.dq or self.split_d else 0
         dq_stage = (8 * 16 * DQ_ROW_BYTES if self.dq_bulk else 0) + (
             self.block_m * (self.head_dim + 8) * 4 if self.dq_writer else 0)
-        return (2 * BLOCK_N * self.head_dim * 2 + 2 * STAGES * tile_q + 2 * ds + 2 * STAGES * self.block_m * 4
-                + dq_stage + INFO_BYTES + BARRIER_BYTES)
+        return (2 * self.block_n * self.head_dim * 2 + 2 * STAGES * tile_q + (4 if self.split_d else 2) * ds
+                + 2 * STAGES * self.block_m * 4 + dq_stage + INFO_BYTES + BARRIER_BYTES)
 
     def grid(self, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int) -> tuple[int, int, int]:
-        return (-(-seqlen_k // BLOCK_N), nheads_k, batch)
+        return (-(-seqlen_k // self.block_n), nheads_k, batch)
 
     def constants(self) -> dict:
-        return dict(head_dim=self.head_dim, block_m=self.block_m, causal=self.causal, local=self.local,
+        return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, split_d=self.split_d, causal=self.causal, local=self.local,
                     bf16=self.dtype == "bf16", dq=self.dq, dq_bulk=self.dq_bulk, dq_early=self.dq_early,
                     dq_writer=self.dq_writer, overlap=self.overlap, producer_regs=PRODUCER_REGS,
                     consumer_regs=MAX_CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES,

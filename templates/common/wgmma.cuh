@@ -46,15 +46,16 @@ __device__ __forceinline__ void fence_regs(u32 (&a)[kN][4]) {
     for the shapes and element type it uses (an inline asm statement names every accumulator
     register, so each N needs its own operand list). fn: the function's name; n: the product's N;
     bf16: the element type (bf16, else fp16). -#}
-{#- Both operands from shared memory (m64 x n x k16; trans = 1 reads A and B MN-major). -#}
-{% macro wgmma_ss_fn(fn, n, trans, bf16) %}
+{#- Both operands from shared memory (m64 x n x k16; trans = 1 reads A and B MN-major; trans_b,
+    when given, sets B's apart from A's). -#}
+{% macro wgmma_ss_fn(fn, n, trans, bf16, trans_b=none) %}
 {%- set ab = "bf16" if bf16 else "f16" %}
 __device__ __forceinline__ void {{ fn }}(float (&d)[{{ n // 8 }}][4], u64 desc_a, u64 desc_b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %{{ n // 2 + 2 }}, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n{{ n }}k16.f32.{{ ab }}.{{ ab }} "
       "{ {% for i in range(n // 2) %}%{{ i }}{{ ", " if not loop.last }}{% endfor %} }, "
-      "%{{ n // 2 }}, %{{ n // 2 + 1 }}, p, 1, 1, {{ trans }}, {{ trans }};\n}\n"
+      "%{{ n // 2 }}, %{{ n // 2 + 1 }}, p, 1, 1, {{ trans }}, {{ trans if trans_b is none else trans_b }};\n}\n"
       : {% for i in range(n // 2) %}"+f"(d[{{ i // 4 }}][{{ i % 4 }}]){{ ", " if not loop.last }}{% endfor %}
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }

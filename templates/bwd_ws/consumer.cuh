@@ -1,0 +1,227 @@
+{#- The consumer warpgroups of bwd_ws/dkdv_ws.cu.j2 at head dims 64 and 128: each owns 64 keys
+    of the block and the whole head dim of their dK and dV. Included inside the kernel. -#}
+    // ---- Consumer warpgroups: warp cw (0 .. 7) owns keys 16 cw .. 16 cw + 15 of the block in
+    // the accumulator layout of wgmma.cuh (warp w of group g: keys g * 64 + 16 (w & 3) +
+    // {lane / 4, + 8}; per n8 tile j, columns 8 j + 2 (lane & 3) + {0, 1}).
+    setmaxnreg_inc<kConsumerRegs>();
+    const int cw = warp - 4, wg = cw >> 2, ctid = tid - 128;
+    const int key_w = cw * 16;                       // this warp's first key inside the block
+    float acc_dk[1][kDT][4], acc_dv[1][kDT][4];
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dk[0][dt][e] = acc_dv[0][dt][e] = 0.f;
+
+    mbar_wait<kHangTrap>(bar_kv, 0);  // also with no step: the K/V copies land before the epilogue reuses them
+
+    auto step = [&](int it, auto masked) {
+      const int st = it % kStages;
+      const int h = h0 + it / n_m, m0 = (blocks.lo + it % n_m) * kBlockM;
+      const u32 q_st = sQ(st), do_st = sdO(st);
+      const float* s_lse = reinterpret_cast<const float*>(reinterpret_cast<const char*>(smem) + kOffStats) +
+                           st * 2 * kBlockM;
+      const float* s_d = s_lse + kBlockM;
+      mbar_wait<kHangTrap>(bar_full(st), (it / kStages) & 1);
+
+      // S^T = K Q^T, then dP^T = V dO^T, for this group's 64 keys x the step's queries.
+      // The empty asm keeps the compiler from hoisting the loop-invariant descriptors (64-bit
+      // each, dozens of them) out of the step loop.
+      u32 k_wg = sK + wg * 64 * 128, v_wg = sV + wg * 64 * 128;
+      asm volatile("" : "+r"(k_wg), "+r"(v_wg));
+      float s[kQT][4], dp[kQT][4];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk)
+        wgmma_ss(s, wgmma_desc(k_wg + (kk >> 2) * kBlockN * 128 + (kk & 3) * 32, 16, 1024),
+                 wgmma_desc(q_st + (kk >> 2) * kBlockM * 128 + (kk & 3) * 32, 16, 1024), kk > 0);
+      wgmma_commit();
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk)
+        wgmma_ss(dp, wgmma_desc(v_wg + (kk >> 2) * kBlockN * 128 + (kk & 3) * 32, 16, 1024),
+                 wgmma_desc(do_st + (kk >> 2) * kBlockM * 128 + (kk & 3) * 32, 16, 1024), kk > 0);
+      wgmma_commit();
+
+      // Mask, then P^T = exp2(S^T c - LSE2) and dS^T = P^T (dP^T - D) (scaled at the end; LSE
+      // and D are per query: per column), then dV += P^T dO and dK += dS^T Q with P^T and dS^T
+      // from registers and dO, Q read MN-major (rows of queries). kOverlap: P^T is formed while
+      // dP^T is in flight and dV is issued at once, so it runs while dS^T is formed.
+      u32 pa[kQT / 2][4], dsa[kQT / 2][4];
+      auto issue_dv = [&] {
+        fence_regs(acc_dv[0]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk)
+          wgmma_rs(acc_dv[0], pa[kk], wgmma_desc(do_st + kk * 16 * 128, kBlockM * 128, 1024));
+      };
+      auto issue_dk = [&] {
+        fence_regs(acc_dk[0]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk)
+          wgmma_rs(acc_dk[0], dsa[kk], wgmma_desc(q_st + kk * 16 * 128, kBlockM * 128, 1024));
+      };
+      if constexpr (kOverlap) wgmma_wait<1>();  // S^T
+      else wgmma_wait<0>();
+      fence_regs(s);
+      if constexpr (decltype(masked)::value)
+        apply_mask_t<kQT, kIsLocal>(s, n0 + key_w, m0, info_i32(sInfo, kInfoSeqK), info_i32(sInfo, kInfoDiag),
+                                    kIsLocal ? info_i32(sInfo, kInfoDiagLo) : 0);
+      if constexpr (kOverlap) {
+#pragma unroll
+        for (int j = 0; j < kQT; ++j) {
+          const float2 l = *reinterpret_cast<const float2*>(s_lse + j * 8 + (lane & 3) * 2);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[j][e] = exp2_approx(fmaf(s[j][e], scale_log2, -((e & 1) ? l.y : l.x)));
+        }
+        c_to_a<kIsBF16, kQT>(pa, s);
+        issue_dv();
+        wgmma_commit();
+        wgmma_wait<1>();  // dP^T (dV may still run)
+        fence_regs(dp);
+#pragma unroll
+        for (int j = 0; j < kQT; ++j) {
+          const float2 d = *reinterpret_cast<const float2*>(s_d + j * 8 + (lane & 3) * 2);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp[j][e] - ((e & 1) ? d.y : d.x));
+        }
+        c_to_a<kIsBF16, kQT>(dsa, dp);
+        if constexpr (!kDqEarly) issue_dk();
+      } else {
+        // One pass, so each score's registers die as they are used.
+        fence_regs(dp);
+#pragma unroll
+        for (int j = 0; j < kQT; ++j) {
+          const float2 l = *reinterpret_cast<const float2*>(s_lse + j * 8 + (lane & 3) * 2);
+          const float2 d = *reinterpret_cast<const float2*>(s_d + j * 8 + (lane & 3) * 2);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            s[j][e] = exp2_approx(fmaf(s[j][e], scale_log2, -((e & 1) ? l.y : l.x)));
+            dp[j][e] = s[j][e] * (dp[j][e] - ((e & 1) ? d.y : d.x));
+          }
+        }
+        c_to_a<kIsBF16, kQT>(pa, s);
+        c_to_a<kIsBF16, kQT>(dsa, dp);
+        issue_dv();
+        if constexpr (!kDqEarly) issue_dk();
+      }
+      wgmma_commit();
+
+      if constexpr (kDqAtomic) {
+        // dS^T to this step's shared tile, swizzled (row = key, 16-byte chunk c of queries at
+        // c ^ (key & 7)), published to both groups by a named barrier; then dQ = dS K with dS^T
+        // and K read MN-major, added into the fp32 buffer.
+        const u32 ds_st = sK + kOffDs + (it & 1) * kTileDs;
+        char* tile = reinterpret_cast<char*>(smem) + kOffDs + (it & 1) * kTileDs;
+#pragma unroll
+        for (int kk = 0; kk < kQT / 2; ++kk)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = key_w + (lane >> 2) + (e & 1) * 8, c = 2 * kk + (e >> 1);  // 16-byte chunk
+            *reinterpret_cast<u32*>(tile + tile_offset<kBlockN, kBlockM, true>(row, c) + (lane & 3) * 4) = dsa[kk][e];
+          }
+        fence_proxy_async();
+        named_bar_sync<1, kConsumerThreads>();
+        float dq[8][4];
+        u32 a_ds = ds_st + kDqQ * wg * kBlockN * 128, b_k = sK + kDqD * wg * kBlockN * 128;
+        asm volatile("" : "+r"(a_ds), "+r"(b_k));
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk)
+          wgmma_ss_mn(dq, wgmma_desc(a_ds + kk * 16 * 128, kBlockN * 128, 1024),
+                      wgmma_desc(b_k + kk * 16 * 128, kBlockN * 128, 1024), kk > 0);
+        wgmma_commit();
+        if constexpr (kDqEarly) {  // dK += dS^T Q runs while dQ is added
+          issue_dk();
+          wgmma_commit();
+          wgmma_wait<1>();
+        } else {
+          wgmma_wait<0>();
+        }
+        fence_regs(dq);
+        if constexpr (!kDqEarly) mbar_arrive(bar_empty(st));  // this thread's products have read the stage (Q, dO, LSE, D)
+        float* dqa = dq_accum + (info_i64(sInfo, kInfoStats) + (long long)h * head_rows + m0) * kHeadDim;
+        if constexpr (kDqBulk) {
+          // This warp's 16 rows x 64 columns to its staging rows (once the previous step's
+          // reduce-adds have read them), then lane 0 adds each row into the buffer (256 bytes).
+          char* stage = reinterpret_cast<char*>(smem) + kOffDqS + cw * 16 * kDqRowBytes;
+          if (lane == 0) bulk_wait_read();
+          __syncwarp();
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+              *reinterpret_cast<float2*>(stage + ((lane >> 2) + r * 8) * kDqRowBytes + (j * 8 + (lane & 3) * 2) * 4) =
+                  make_float2(dq[j][2 * r], dq[j][2 * r + 1]);
+          fence_proxy_async();
+          __syncwarp();
+          if (lane == 0) {
+            float* g = dqa + (kDqQ * wg * 64 + (cw & 3) * 16) * kHeadDim + kDqD * wg * 64;
+#pragma unroll 1
+            for (int r = 0; r < 16; ++r) bulk_reduce_add_f32(g + r * kHeadDim, sK + kOffDqS + (cw * 16 + r) * kDqRowBytes, 256);
+            bulk_commit();
+          }
+        } else if constexpr (kDqWriter) {
+          // This thread's dQ fragments to the staged tile once the writer has read the previous
+          // step's, made visible to the bulk copies (async proxy), then handed to the writer.
+          if (it > 0) mbar_wait<kHangTrap>(bar_dq_empty, (it - 1) & 1);
+          float* tile = reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + kOffDqW);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int row = kDqQ * wg * 64 + (cw & 3) * 16 + (lane >> 2) + r * 8;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              const int col = kDqD * wg * 64 + j * 8 + (lane & 3) * 2;
+              *reinterpret_cast<float2*>(tile + row * kDqStride + col) = make_float2(dq[j][2 * r], dq[j][2 * r + 1]);
+            }
+          }
+          fence_proxy_async();
+          mbar_arrive(bar_dq_full);
+        } else {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = kDqQ * wg * 64 + (cw & 3) * 16 + (lane >> 2) + r * 8;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const int col = kDqD * wg * 64 + j * 8 + (lane & 3) * 2;
+            red_add_f32x2(dqa + row * kHeadDim + col, dq[j][2 * r], dq[j][2 * r + 1]);
+          }
+        }
+        }
+        if constexpr (kDqEarly) {
+          wgmma_wait<0>();
+          mbar_arrive(bar_empty(st));
+        }
+      } else {
+        wgmma_wait<0>();
+        mbar_arrive(bar_empty(st));
+      }
+      fence_regs(acc_dv[0]);
+      fence_regs(acc_dk[0]);
+      fence_regs(pa);
+      fence_regs(dsa);
+    };
+
+    // Per query head of the group: first the steps on the upper band edge (masked), then the
+    // rest, the last ones masked again where they cross a window's lower edge. With a sequence
+    // tail in this key block, every step is masked.
+    for (int it = 0; it < n_iter; ++it) {
+      const int m0 = (blocks.lo + it % n_m) * kBlockM;
+      if (m0 < info_i32(sInfo, kInfoUnmasked) || (kIsLocal && m0 > info_i32(sInfo, kInfoLower))) step(it, Bool<true>{});
+      else step(it, Bool<false>{});
+    }
+    if constexpr (kDqBulk) {
+      if (lane == 0) bulk_wait();  // the reduce-adds are done with the staging rows (and complete)
+    }
+    named_bar_sync<1, kConsumerThreads>();  // both groups are done reading K, V, Q, dO and dS^T
+
+    // Epilogue: dK (scaled) and dV through padded rows over the K and V tiles, then 16-byte stores.
+    u16* tile_k = smem;
+    u16* tile_v = smem + kBlockN * kSmemStride;
+    stage_c<kIsBF16, 1, kDT, kSmemStride>(tile_k, acc_dk, key_w, 0, scale);
+    stage_c<kIsBF16, 1, kDT, kSmemStride>(tile_v, acc_dv, key_w, 0, 1.f);
+    named_bar_sync<1, kConsumerThreads>();
+    const int keys = info_i32(sInfo, kInfoSeqK) - n0;
+    store_tile<kBlockN, kHeadDim, kSmemStride, kConsumerThreads, true>(
+        dk + b * dk_sb + hk * dk_sh + (long long)n0 * dk_ss, dk_ss, tile_k, keys, kHeadDim, ctid);
+    store_tile<kBlockN, kHeadDim, kSmemStride, kConsumerThreads, true>(
+        dv + b * dv_sb + hk * dv_sh + (long long)n0 * dv_ss, dv_ss, tile_v, keys, kHeadDim, ctid);
