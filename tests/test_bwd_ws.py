@@ -22,6 +22,7 @@ FLAGS = [dict(dq_bulk=b, dq_early=e, dq_writer=w) for b, w in ((False, False), (
 BULK = [x for v in VARIANTS if v.dq and not v.split_d for f in FLAGS
         if (x := replace(v, **f)) != v]  # the unplanned ones (d = 256 has atomics only)
 plan_mod = importlib.import_module("cuflash.plan")  # the module (cuflash.plan is the function)
+bwd_mod = importlib.import_module("cuflash.backward")
 
 
 def test_variants():
@@ -123,7 +124,8 @@ def _inputs(rng, b, sq, sk, h, hk, d, dtype):
 def _backward(q, k, v, dout, *, ws=True, deterministic=False, flags=None, **mods):
     """Forward, then the backward into NaN-filled gradients, with the warp-specialised dK/dV
     kernel (checked to be the one planned; ``flags``: BwdWsVariant fields such as dq_bulk) or,
-    ws=False, the wgmma kernel."""
+    ws=False, the wgmma kernel. The plan cache and the repeated-call launches are cleared on
+    the way in and out, so that the call runs the kernel the switches select."""
     import torch
     import cuflash
     from cuflash.backward import attention_backward
@@ -132,6 +134,7 @@ def _backward(q, k, v, dout, *, ws=True, deterministic=False, flags=None, **mods
     if flags:
         plan_mod.bwd_ws.planned = lambda *a: replace(planned(*a), **flags)
     plan_mod.make_backward_plan.cache_clear()
+    bwd_mod._repeats.clear()
     try:
         out, lse = cuflash.attention(q, k, v, return_lse=True, **mods)
         p = cuflash.plan(q, k, v, backward=True, deterministic=deterministic, **mods)
@@ -144,6 +147,7 @@ def _backward(q, k, v, dout, *, ws=True, deterministic=False, flags=None, **mods
     finally:
         plan_mod.BWD_WS, plan_mod.bwd_ws.planned = saved, planned
         plan_mod.make_backward_plan.cache_clear()
+        bwd_mod._repeats.clear()
 
 
 def _check(grads, q, k, v, dout, **mods):

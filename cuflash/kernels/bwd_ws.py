@@ -3,8 +3,7 @@ FlashAttention-3: a producer warpgroup loads the block's K and V once and, per s
 tiles by TMA and the rows' LSE and D by bulk copies into two stages on mbarriers; two consumer
 warpgroups of 64 keys each run the wgmma kernel's products (bwd/dkdv_wgmma.cu.j2) with no
 block-wide barrier. At d = 256 (``split_d``) a block has 64 keys and the two groups split the head
-dim of dK, dV and dQ instead, with P^T and dS^T through shared memory (FlashAttention-3's
-dKV_swapAB: dK^T and dV^T with the head dim as M). It replaces the second of the backward's three kernels (kernels/bwd.py):
+dim of dK, dV and dQ instead, with P^T and dS^T through shared memory. It replaces the second of the backward's three kernels (kernels/bwd.py):
 ``bwd_prep`` before it and ``bwd_convert`` (or, deterministic, ``bwd_dq``) after it are the
 same. Dense batches, head dims 64, 128 and 256 (exactly), fp16/bf16, full, causal or sliding-window
 masks, GQA; the planner says where it does not apply (plan._bwd_ws_blocker).

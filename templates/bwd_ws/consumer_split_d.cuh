@@ -1,22 +1,20 @@
 {#- The consumer warpgroups of bwd_ws/dkdv_ws.cu.j2 at d = 256 (kSplitD): group wg forms S^T and
-    dP^T for all 64 keys of the block and queries 32 wg .. 32 wg + 31 of the step, then owns
-    head-dim columns 128 wg .. 128 wg + 127 of dK, dV (held as dK^T, dV^T) and dQ. Included
-    inside the kernel. -#}
+    dP^T for all 64 keys of the block and queries 32 wg .. 32 wg + 31 of the step, writes its part
+    of P^T and dS^T to shared tiles, then owns head-dim columns 128 wg .. 128 wg + 127 of dK, dV
+    and dQ. Included inside the kernel. -#}
     // ---- Consumer warpgroups: warp cw (0 .. 7), w = cw & 3, holds keys 16 w + {lane / 4, + 8}
-    // of its group's S^T (the accumulator layout of wgmma.cuh), and of dK^T / dV^T head-dim rows
-    // 128 wg + 64 mi + 16 w + {lane / 4, + 8} (mi = 0, 1) by keys 8 j + 2 (lane & 3) + {0, 1}.
+    // of S^T and dP^T (the accumulator layout of wgmma.cuh) and of its group's dK, dV columns
+    // 128 wg + 8 j + 2 (lane & 3) + {0, 1}.
     setmaxnreg_inc<kConsumerRegs>();
     const int cw = warp - 4, wg = cw >> 2, ctid = tid - 128;
-    const int key_w = (cw & 3) * 16;      // this warp's first key of S^T inside the block
-    const int q_wg = wg * (kBlockM / 2);  // the group's first query of the step
-    constexpr int kKT = kBlockN / 8;      // n8 tiles (keys) of dK^T / dV^T
-    float acc_dk[2][kKT][4], acc_dv[2][kKT][4];
+    const int key_w = (cw & 3) * 16;      // this warp's first key inside the block
+    const int q_wg = wg * (kBlockM / 2);  // the group's first query of S^T and dP^T
+    constexpr int kDT = kHeadDim / 16;    // n8 tiles of the group's dK, dV, dQ columns
+    float acc_dk[1][kDT][4], acc_dv[1][kDT][4];
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
+    for (int j = 0; j < kDT; ++j)
 #pragma unroll
-      for (int j = 0; j < kKT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dk[mi][j][e] = acc_dv[mi][j][e] = 0.f;
+      for (int e = 0; e < 4; ++e) acc_dk[0][j][e] = acc_dv[0][j][e] = 0.f;
 
     mbar_wait<kHangTrap>(bar_kv, 0);  // also with no step: the K/V copies land before the epilogue reuses them
 
@@ -27,6 +25,15 @@
       const float* s_lse = reinterpret_cast<const float*>(reinterpret_cast<const char*>(smem) + kOffStats) +
                            st * 2 * kBlockM + q_wg;
       const float* s_d = s_lse + kBlockM;
+      // This step parity's P^T and dS^T tiles, swizzled (row = key, 16-byte chunk c of queries at
+      // c ^ (key & 7)). A group reaches the next step's barrier only after its products of this
+      // step completed, so the other parity's tiles are free when a group writes them.
+      const u32 p_st = sK + kOffDs + (it & 1) * 2 * kTileDs, ds_st = p_st + kTileDs;
+      char* tile = reinterpret_cast<char*>(smem) + kOffDs + (it & 1) * 2 * kTileDs;
+      auto tile_at = [&](int kk, int e) {  // this thread's word of A fragment pa[kk][e] in a tile
+        return tile_offset<kBlockN, kBlockM, true>(key_w + (lane >> 2) + (e & 1) * 8, q_wg / 8 + 2 * kk + (e >> 1)) +
+               (lane & 3) * 4;
+      };
       mbar_wait<kHangTrap>(bar_full(st), (it / kStages) & 1);
 
       // S^T = K Q^T, then dP^T = V dO^T, for the block's 64 keys x the group's 32 queries. The
@@ -70,32 +77,23 @@
         for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp[j][e] - ((e & 1) ? d.y : d.x));
       }
       c_to_a<kIsBF16, kQT>(dsa, dp);
-
-      // P^T and dS^T to this step parity's tiles, swizzled (row = key, 16-byte chunk c of
-      // queries at c ^ (key & 7)), published to both groups by the named barrier. A group
-      // reaches the next step's barrier only after its products of this step completed, so the
-      // other parity's tiles are free when a group writes them.
-      const u32 p_st = sK + kOffDs + (it & 1) * 2 * kTileDs, ds_st = p_st + kTileDs;
-      char* tile = reinterpret_cast<char*>(smem) + kOffDs + (it & 1) * 2 * kTileDs;
 #pragma unroll
       for (int kk = 0; kk < kQT / 2; ++kk)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int row = key_w + (lane >> 2) + (e & 1) * 8, c = q_wg / 8 + 2 * kk + (e >> 1);
-          const u32 off = tile_offset<kBlockN, kBlockM, true>(row, c) + (lane & 3) * 4;
-          *reinterpret_cast<u32*>(tile + off) = pa[kk][e];
-          *reinterpret_cast<u32*>(tile + kTileDs + off) = dsa[kk][e];
+          *reinterpret_cast<u32*>(tile + tile_at(kk, e)) = pa[kk][e];
+          *reinterpret_cast<u32*>(tile + kTileDs + tile_at(kk, e)) = dsa[kk][e];
         }
       fence_proxy_async();
-      named_bar_sync<1, kConsumerThreads>();
+      named_bar_sync<1, kConsumerThreads>();  // both tiles are complete
 
       // kDqAtomic: dQ = dS K for the group's 128 columns (dS^T and K read MN-major) first, so
-      // that its adds into the fp32 buffer run while dK^T += Q^T dS and dV^T += dO^T P do (Q, dO
-      // read MN-major as A, dS^T and P^T K-major as B; column block 2 wg + mi of Q and dO).
-      u32 a_ds = ds_st, b_k = sK + 2 * wg * kBlockN * 128, p_b = p_st, q_a = q_st + 2 * wg * kBlockM * 128,
-          do_a = do_st + 2 * wg * kBlockM * 128;
-      asm volatile("" : "+r"(a_ds), "+r"(b_k), "+r"(p_b), "+r"(q_a), "+r"(do_a));
-      float dq[kHeadDim / 16][4];
+      // that its adds into the fp32 buffer run while dK += dS^T Q and dV += P^T dO do (P^T, dS^T
+      // K-major as A; Q, dO MN-major as B, column blocks 2 wg and 2 wg + 1).
+      u32 a_ds = ds_st, a_p = p_st, b_k = sK + 2 * wg * kBlockN * 128, b_q = q_st + 2 * wg * kBlockM * 128,
+          b_do = do_st + 2 * wg * kBlockM * 128;
+      asm volatile("" : "+r"(a_ds), "+r"(a_p), "+r"(b_k), "+r"(b_q), "+r"(b_do));
+      float dq[kDT][4];
       if constexpr (kDqAtomic) {
         wgmma_fence();
 #pragma unroll
@@ -104,24 +102,15 @@
                       wgmma_desc(b_k + kk * 16 * 128, kBlockN * 128, 1024), kk > 0);
         wgmma_commit();
       }
-#pragma unroll
-      for (int mi = 0; mi < 2; ++mi) {
-        fence_regs(acc_dk[mi]);
-        fence_regs(acc_dv[mi]);
-      }
+      fence_regs(acc_dk[0]);
+      fence_regs(acc_dv[0]);
       wgmma_fence();
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi)
+      for (int kk = 0; kk < kBlockM / 16; ++kk)
+        wgmma_ss_kv(acc_dk[0], wgmma_desc(a_ds + kk * 32, 16, 1024), wgmma_desc(b_q + kk * 16 * 128, kBlockM * 128, 1024), 1);
 #pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk)
-          wgmma_ss_t(acc_dk[mi], wgmma_desc(q_a + mi * kBlockM * 128 + kk * 16 * 128, kBlockM * 128, 1024),
-                     wgmma_desc(a_ds + kk * 32, 16, 1024), 1);
-#pragma unroll
-      for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk)
-          wgmma_ss_t(acc_dv[mi], wgmma_desc(do_a + mi * kBlockM * 128 + kk * 16 * 128, kBlockM * 128, 1024),
-                     wgmma_desc(p_b + kk * 32, 16, 1024), 1);
+      for (int kk = 0; kk < kBlockM / 16; ++kk)
+        wgmma_ss_kv(acc_dv[0], wgmma_desc(a_p + kk * 32, 16, 1024), wgmma_desc(b_do + kk * 16 * 128, kBlockM * 128, 1024), 1);
       wgmma_commit();
       if constexpr (kDqAtomic) {
         wgmma_wait<1>();
@@ -131,7 +120,7 @@
         for (int r = 0; r < 2; ++r) {
           const int row = (cw & 3) * 16 + (lane >> 2) + r * 8;
 #pragma unroll
-          for (int j = 0; j < kHeadDim / 16; ++j) {
+          for (int j = 0; j < kDT; ++j) {
             const int col = wg * (kHeadDim / 2) + j * 8 + (lane & 3) * 2;
             red_add_f32x2(dqa + row * kHeadDim + col, dq[j][2 * r], dq[j][2 * r + 1]);
           }
@@ -139,11 +128,8 @@
       }
       wgmma_wait<0>();
       mbar_arrive(bar_empty(st));  // this thread's products have read the stage (Q, dO, LSE, D)
-#pragma unroll
-      for (int mi = 0; mi < 2; ++mi) {
-        fence_regs(acc_dk[mi]);
-        fence_regs(acc_dv[mi]);
-      }
+      fence_regs(acc_dk[0]);
+      fence_regs(acc_dv[0]);
     };
 
     // Per query head of the group: first the steps on the upper band edge (masked), then the
@@ -156,25 +142,11 @@
     }
     named_bar_sync<1, kConsumerThreads>();  // both groups are done reading K, V, Q, dO, P^T and dS^T
 
-    // Epilogue: dK^T (scaled) and dV^T transposed into padded rows of keys over the K and V
-    // tiles (pairs of keys converted together, stored as two halves), then 16-byte stores.
+    // Epilogue: dK (scaled) and dV through padded rows over the K and V tiles, then 16-byte stores.
     u16* tile_k = smem;
     u16* tile_v = smem + kBlockN * kSmemStride;
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int j = 0; j < kKT; ++j) {
-          const int col = wg * (kHeadDim / 2) + mi * 64 + key_w + (lane >> 2) + r * 8;
-          const int key = j * 8 + (lane & 3) * 2;
-          const u32 k2 = pack2<kIsBF16>(acc_dk[mi][j][2 * r] * scale, acc_dk[mi][j][2 * r + 1] * scale);
-          const u32 v2 = pack2<kIsBF16>(acc_dv[mi][j][2 * r], acc_dv[mi][j][2 * r + 1]);
-          tile_k[key * kSmemStride + col] = static_cast<u16>(k2);
-          tile_k[(key + 1) * kSmemStride + col] = static_cast<u16>(k2 >> 16);
-          tile_v[key * kSmemStride + col] = static_cast<u16>(v2);
-          tile_v[(key + 1) * kSmemStride + col] = static_cast<u16>(v2 >> 16);
-        }
+    stage_c<kIsBF16, 1, kDT, kSmemStride>(tile_k, acc_dk, key_w, wg * (kHeadDim / 2), scale);
+    stage_c<kIsBF16, 1, kDT, kSmemStride>(tile_v, acc_dv, key_w, wg * (kHeadDim / 2), 1.f);
     named_bar_sync<1, kConsumerThreads>();
     const int keys = info_i32(sInfo, kInfoSeqK) - n0;
     store_tile<kBlockN, kHeadDim, kSmemStride, kConsumerThreads, true>(

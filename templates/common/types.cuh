@@ -19,6 +19,18 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
   return r;
 }
 
+// The two values of a word that pack2 wrote, as fp32 (exact: every bf16/fp16 value is one).
+template <bool kBF16>
+__device__ __forceinline__ float2 unpack2(u32 w) {
+  if constexpr (kBF16) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  } else {
+    float lo, hi;
+    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }" : "=f"(lo), "=f"(hi) : "r"(w));
+    return make_float2(lo, hi);
+  }
+}
+
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
