@@ -1,18 +1,9 @@
 {#- The consumer warpgroups of bwd_ws/dkdv_ws.cu.j2 at head dims 64 and 128: each owns 64 keys
     of the block and the whole head dim of their dK and dV. Included inside the kernel. -#}
-    // ---- Consumer warpgroups: warp cw (0 .. 7) owns keys 16 cw .. 16 cw + 15 of the block in
+    // Warp cw (0 .. 7) owns keys 16 cw .. 16 cw + 15 of the block in
     // the accumulator layout of wgmma.cuh (warp w of group g: keys g * 64 + 16 (w & 3) +
     // {lane / 4, + 8}; per n8 tile j, columns 8 j + 2 (lane & 3) + {0, 1}).
-    setmaxnreg_inc<kConsumerRegs>();
-    const int cw = warp - 4, wg = cw >> 2, ctid = tid - 128;
-    const int key_w = cw * 16;                       // this warp's first key inside the block
-    float acc_dk[1][kDT][4], acc_dv[1][kDT][4];
-#pragma unroll
-    for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_dk[0][dt][e] = acc_dv[0][dt][e] = 0.f;
-
-    mbar_wait<kHangTrap>(bar_kv, 0);  // also with no step: the K/V copies land before the epilogue reuses them
+    const int key_w = cw * 16, col_w = 0;  // this warp's first key inside the block, its first dK/dV column
 
     auto step = [&](int it, auto masked) {
       const int st = it % kStages;
@@ -29,37 +20,21 @@
       u32 k_wg = sK + wg * 64 * 128, v_wg = sV + wg * 64 * 128;
       asm volatile("" : "+r"(k_wg), "+r"(v_wg));
       float s[kQT][4], dp[kQT][4];
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk)
-        wgmma_ss(s, wgmma_desc(k_wg + (kk >> 2) * kBlockN * 128 + (kk & 3) * 32, 16, 1024),
-                 wgmma_desc(q_st + (kk >> 2) * kBlockM * 128 + (kk & 3) * 32, 16, 1024), kk > 0);
-      wgmma_commit();
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk)
-        wgmma_ss(dp, wgmma_desc(v_wg + (kk >> 2) * kBlockN * 128 + (kk & 3) * 32, 16, 1024),
-                 wgmma_desc(do_st + (kk >> 2) * kBlockM * 128 + (kk & 3) * 32, 16, 1024), kk > 0);
-      wgmma_commit();
+      issue_sdp(s, dp, k_wg, v_wg, q_st, do_st);
 
       // Mask, then P^T = exp2(S^T c - LSE2) and dS^T = P^T (dP^T - D) (scaled at the end; LSE
       // and D are per query: per column), then dV += P^T dO and dK += dS^T Q with P^T and dS^T
       // from registers and dO, Q read MN-major (rows of queries). kOverlap: P^T is formed while
       // dP^T is in flight and dV is issued at once, so it runs while dS^T is formed.
       u32 pa[kQT / 2][4], dsa[kQT / 2][4];
-      auto issue_dv = [&] {
-        fence_regs(acc_dv[0]);
+      auto issue_rs = [&](float (&acc)[kDT][4], const u32 (&a)[kQT / 2][4], u32 b) {  // acc += a b
+        fence_regs(acc);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk)
-          wgmma_rs(acc_dv[0], pa[kk], wgmma_desc(do_st + kk * 16 * 128, kBlockM * 128, 1024));
+        for (int kk = 0; kk < kBlockM / 16; ++kk) wgmma_rs(acc, a[kk], wgmma_desc(b + kk * 16 * 128, kBlockM * 128, 1024));
       };
-      auto issue_dk = [&] {
-        fence_regs(acc_dk[0]);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk)
-          wgmma_rs(acc_dk[0], dsa[kk], wgmma_desc(q_st + kk * 16 * 128, kBlockM * 128, 1024));
-      };
+      auto issue_dv = [&] { issue_rs(acc_dv[0], pa, do_st); };
+      auto issue_dk = [&] { issue_rs(acc_dk[0], dsa, q_st); };
       if constexpr (kOverlap) wgmma_wait<1>();  // S^T
       else wgmma_wait<0>();
       fence_regs(s);
@@ -67,23 +42,13 @@
         apply_mask_t<kQT, kIsLocal>(s, n0 + key_w, m0, info_i32(sInfo, kInfoSeqK), info_i32(sInfo, kInfoDiag),
                                     kIsLocal ? info_i32(sInfo, kInfoDiagLo) : 0);
       if constexpr (kOverlap) {
-#pragma unroll
-        for (int j = 0; j < kQT; ++j) {
-          const float2 l = *reinterpret_cast<const float2*>(s_lse + j * 8 + (lane & 3) * 2);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[j][e] = exp2_approx(fmaf(s[j][e], scale_log2, -((e & 1) ? l.y : l.x)));
-        }
+        exp_t(s, s_lse, scale_log2);
         c_to_a<kIsBF16, kQT>(pa, s);
         issue_dv();
         wgmma_commit();
         wgmma_wait<1>();  // dP^T (dV may still run)
         fence_regs(dp);
-#pragma unroll
-        for (int j = 0; j < kQT; ++j) {
-          const float2 d = *reinterpret_cast<const float2*>(s_d + j * 8 + (lane & 3) * 2);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp[j][e] - ((e & 1) ? d.y : d.x));
-        }
+        ds_t(dp, s, s_d);
         c_to_a<kIsBF16, kQT>(dsa, dp);
         if constexpr (!kDqEarly) issue_dk();
       } else {
@@ -201,27 +166,3 @@
       fence_regs(dsa);
     };
 
-    // Per query head of the group: first the steps on the upper band edge (masked), then the
-    // rest, the last ones masked again where they cross a window's lower edge. With a sequence
-    // tail in this key block, every step is masked.
-    for (int it = 0; it < n_iter; ++it) {
-      const int m0 = (blocks.lo + it % n_m) * kBlockM;
-      if (m0 < info_i32(sInfo, kInfoUnmasked) || (kIsLocal && m0 > info_i32(sInfo, kInfoLower))) step(it, Bool<true>{});
-      else step(it, Bool<false>{});
-    }
-    if constexpr (kDqBulk) {
-      if (lane == 0) bulk_wait();  // the reduce-adds are done with the staging rows (and complete)
-    }
-    named_bar_sync<1, kConsumerThreads>();  // both groups are done reading K, V, Q, dO and dS^T
-
-    // Epilogue: dK (scaled) and dV through padded rows over the K and V tiles, then 16-byte stores.
-    u16* tile_k = smem;
-    u16* tile_v = smem + kBlockN * kSmemStride;
-    stage_c<kIsBF16, 1, kDT, kSmemStride>(tile_k, acc_dk, key_w, 0, scale);
-    stage_c<kIsBF16, 1, kDT, kSmemStride>(tile_v, acc_dv, key_w, 0, 1.f);
-    named_bar_sync<1, kConsumerThreads>();
-    const int keys = info_i32(sInfo, kInfoSeqK) - n0;
-    store_tile<kBlockN, kHeadDim, kSmemStride, kConsumerThreads, true>(
-        dk + b * dk_sb + hk * dk_sh + (long long)n0 * dk_ss, dk_ss, tile_k, keys, kHeadDim, ctid);
-    store_tile<kBlockN, kHeadDim, kSmemStride, kConsumerThreads, true>(
-        dv + b * dv_sb + hk * dv_sh + (long long)n0 * dv_ss, dv_ss, tile_v, keys, kHeadDim, ctid);

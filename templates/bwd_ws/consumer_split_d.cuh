@@ -2,21 +2,12 @@
     dP^T for all 64 keys of the block and queries 32 wg .. 32 wg + 31 of the step, writes its part
     of P^T and dS^T to shared tiles, then owns head-dim columns 128 wg .. 128 wg + 127 of dK, dV
     and dQ. Included inside the kernel. -#}
-    // ---- Consumer warpgroups: warp cw (0 .. 7), w = cw & 3, holds keys 16 w + {lane / 4, + 8}
+    // Warp cw (0 .. 7), w = cw & 3, holds keys 16 w + {lane / 4, + 8}
     // of S^T and dP^T (the accumulator layout of wgmma.cuh) and of its group's dK, dV columns
     // 128 wg + 8 j + 2 (lane & 3) + {0, 1}.
-    setmaxnreg_inc<kConsumerRegs>();
-    const int cw = warp - 4, wg = cw >> 2, ctid = tid - 128;
-    const int key_w = (cw & 3) * 16;      // this warp's first key inside the block
-    const int q_wg = wg * (kBlockM / 2);  // the group's first query of S^T and dP^T
-    constexpr int kDT = kHeadDim / 16;    // n8 tiles of the group's dK, dV, dQ columns
-    float acc_dk[1][kDT][4], acc_dv[1][kDT][4];
-#pragma unroll
-    for (int j = 0; j < kDT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_dk[0][j][e] = acc_dv[0][j][e] = 0.f;
-
-    mbar_wait<kHangTrap>(bar_kv, 0);  // also with no step: the K/V copies land before the epilogue reuses them
+    const int key_w = (cw & 3) * 16;        // this warp's first key inside the block
+    const int col_w = wg * (kHeadDim / 2);  // and its group's first dK/dV/dQ column
+    const int q_wg = wg * (kBlockM / 2);    // the group's first query of S^T and dP^T
 
     auto step = [&](int it, auto masked) {
       const int st = it % kStages;
@@ -41,17 +32,7 @@
       u32 k_s = sK, v_s = sV, q_g = q_st + q_wg * 128, do_g = do_st + q_wg * 128;
       asm volatile("" : "+r"(k_s), "+r"(v_s), "+r"(q_g), "+r"(do_g));
       float s[kQT][4], dp[kQT][4];
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk)
-        wgmma_ss(s, wgmma_desc(k_s + (kk >> 2) * kBlockN * 128 + (kk & 3) * 32, 16, 1024),
-                 wgmma_desc(q_g + (kk >> 2) * kBlockM * 128 + (kk & 3) * 32, 16, 1024), kk > 0);
-      wgmma_commit();
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk)
-        wgmma_ss(dp, wgmma_desc(v_s + (kk >> 2) * kBlockN * 128 + (kk & 3) * 32, 16, 1024),
-                 wgmma_desc(do_g + (kk >> 2) * kBlockM * 128 + (kk & 3) * 32, 16, 1024), kk > 0);
-      wgmma_commit();
+      issue_sdp(s, dp, k_s, v_s, q_g, do_g);
 
       // Mask, P^T = exp2(S^T c - LSE2) while dP^T is in flight, then dS^T = P^T (dP^T - D)
       // (scaled at the end; LSE and D are per query: per column).
@@ -60,22 +41,12 @@
       if constexpr (decltype(masked)::value)
         apply_mask_t<kQT, kIsLocal>(s, n0 + key_w, m0 + q_wg, info_i32(sInfo, kInfoSeqK),
                                     info_i32(sInfo, kInfoDiag), kIsLocal ? info_i32(sInfo, kInfoDiagLo) : 0);
-#pragma unroll
-      for (int j = 0; j < kQT; ++j) {
-        const float2 l = *reinterpret_cast<const float2*>(s_lse + j * 8 + (lane & 3) * 2);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] = exp2_approx(fmaf(s[j][e], scale_log2, -((e & 1) ? l.y : l.x)));
-      }
+      exp_t(s, s_lse, scale_log2);
       u32 pa[kQT / 2][4], dsa[kQT / 2][4];
       c_to_a<kIsBF16, kQT>(pa, s);
       wgmma_wait<0>();
       fence_regs(dp);
-#pragma unroll
-      for (int j = 0; j < kQT; ++j) {
-        const float2 d = *reinterpret_cast<const float2*>(s_d + j * 8 + (lane & 3) * 2);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp[j][e] - ((e & 1) ? d.y : d.x));
-      }
+      ds_t(dp, s, s_d);
       c_to_a<kIsBF16, kQT>(dsa, dp);
 #pragma unroll
       for (int kk = 0; kk < kQT / 2; ++kk)
@@ -121,7 +92,7 @@
           const int row = (cw & 3) * 16 + (lane >> 2) + r * 8;
 #pragma unroll
           for (int j = 0; j < kDT; ++j) {
-            const int col = wg * (kHeadDim / 2) + j * 8 + (lane & 3) * 2;
+            const int col = col_w + j * 8 + (lane & 3) * 2;
             red_add_f32x2(dqa + row * kHeadDim + col, dq[j][2 * r], dq[j][2 * r + 1]);
           }
         }
@@ -132,24 +103,3 @@
       fence_regs(acc_dv[0]);
     };
 
-    // Per query head of the group: first the steps on the upper band edge (masked), then the
-    // rest, the last ones masked again where they cross a window's lower edge. With a sequence
-    // tail in this key block, every step is masked.
-    for (int it = 0; it < n_iter; ++it) {
-      const int m0 = (blocks.lo + it % n_m) * kBlockM;
-      if (m0 < info_i32(sInfo, kInfoUnmasked) || (kIsLocal && m0 > info_i32(sInfo, kInfoLower))) step(it, Bool<true>{});
-      else step(it, Bool<false>{});
-    }
-    named_bar_sync<1, kConsumerThreads>();  // both groups are done reading K, V, Q, dO, P^T and dS^T
-
-    // Epilogue: dK (scaled) and dV through padded rows over the K and V tiles, then 16-byte stores.
-    u16* tile_k = smem;
-    u16* tile_v = smem + kBlockN * kSmemStride;
-    stage_c<kIsBF16, 1, kDT, kSmemStride>(tile_k, acc_dk, key_w, wg * (kHeadDim / 2), scale);
-    stage_c<kIsBF16, 1, kDT, kSmemStride>(tile_v, acc_dv, key_w, wg * (kHeadDim / 2), 1.f);
-    named_bar_sync<1, kConsumerThreads>();
-    const int keys = info_i32(sInfo, kInfoSeqK) - n0;
-    store_tile<kBlockN, kHeadDim, kSmemStride, kConsumerThreads, true>(
-        dk + b * dk_sb + hk * dk_sh + (long long)n0 * dk_ss, dk_ss, tile_k, keys, kHeadDim, ctid);
-    store_tile<kBlockN, kHeadDim, kSmemStride, kConsumerThreads, true>(
-        dv + b * dv_sb + hk * dv_sh + (long long)n0 * dv_ss, dv_ss, tile_v, keys, kHeadDim, ctid);

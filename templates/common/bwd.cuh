@@ -146,6 +146,30 @@ __device__ __forceinline__ void apply_mask_t(float (&s)[kQT][4], int key0, int q
   }
 }
 
+// On S^T / dP^T fragments (rows = keys, columns = queries): P^T = exp2(S^T c - LSE2) in place,
+// and dS^T = P^T (dP^T - D) in place in dP^T, with lse2 and d the per-query values of the
+// fragment's first query (this lane's columns at j * 8 + 2 (lane & 3) + {0, 1}).
+template <int kQT>
+__device__ __forceinline__ void exp_t(float (&s)[kQT][4], const float* lse2, float scale_log2) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int j = 0; j < kQT; ++j) {
+    const float2 l = *reinterpret_cast<const float2*>(lse2 + j * 8 + (lane & 3) * 2);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = exp2_approx(fmaf(s[j][e], scale_log2, -((e & 1) ? l.y : l.x)));
+  }
+}
+template <int kQT>
+__device__ __forceinline__ void ds_t(float (&dp)[kQT][4], const float (&p)[kQT][4], const float* d) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int j = 0; j < kQT; ++j) {
+    const float2 dd = *reinterpret_cast<const float2*>(d + j * 8 + (lane & 3) * 2);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dp[j][e] = p[j][e] * (dp[j][e] - ((e & 1) ? dd.y : dd.x));
+  }
+}
+
 // Transposed ALiBi: s -= slope * |i + seqlen_k - seqlen_q - j| on an S^T fragment, with `pos0` =
 // q0 + seqlen_k - seqlen_q (the key aligned with the fragment's first query) and the slope in
 // the units of the raw scores (mask.cuh's apply_alibi seen from the keys).
