@@ -213,9 +213,10 @@ def test_gpu_long_against_wgmma_kernel(rng, d, causal):
 
 @requires_sm90
 @requires_torch
-def test_gpu_deterministic_repeats_bitwise(rng):
+@pytest.mark.parametrize("d", [128, 256])
+def test_gpu_deterministic_repeats_bitwise(rng, d):
     import torch
-    q, k, v, dout = _inputs(rng, 2, 777, 901, 8, 2, 128, "bfloat16")
+    q, k, v, dout = _inputs(rng, 2, 777, 901, 8, 2, d, "bfloat16")
     first = _backward(q, k, v, dout, deterministic=True, causal=True)
     for _ in range(50):
         again = _backward(q, k, v, dout, deterministic=True, causal=True)
@@ -224,7 +225,7 @@ def test_gpu_deterministic_repeats_bitwise(rng):
 
 @requires_sm90
 @requires_torch
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_gpu_strided_operands(rng, d):
     """q, k, v sliced from one packed (b, s, 3, h, d) tensor: row strides of 3 h d elements."""
     import torch
