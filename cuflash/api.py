@@ -14,7 +14,7 @@ import numpy as np
 
 from . import arrays, launch
 from . import validate
-from .plan import DeviceFacts, Problem, empty_plan, make_backward_plan, make_plan, with_flashmask
+from .plan import DeviceFacts, Problem, cached_on_plans, empty_plan, make_backward_plan, make_plan, with_flashmask
 
 # validate.aligned and validate.batched are used by the launch paths here and in backward.py
 _aligned, _batched = validate.aligned, validate.batched
@@ -187,7 +187,7 @@ def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mod
 # checked, planned and launched before reuses that launch's arguments, so it only reads the
 # data pointers, allocates the output and launches.
 
-_repeats: dict = {}  # signature (see _signature) -> _Repeat
+_repeats: dict = cached_on_plans({})  # signature (see _signature) -> _Repeat
 
 
 def _signature(q, k, v, out, causal, softmax_scale, return_lse, num_splits, window_size, softcap,
@@ -232,7 +232,7 @@ class _Repeat(NamedTuple):
         return (out, lse) if lse is not None else out
 
 
-_plans: dict = {}
+_plans: dict = cached_on_plans({})
 
 
 def _plan_for(fields: tuple, device: int, kv: str = "dense", varlen: bool = False, flashmask=(0, 0),
@@ -633,7 +633,8 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     b, sq, h, d = qv.shape
     if alibi_slopes is True or isinstance(alibi_slopes, (tuple, list)):
         alibi_slopes = validate.Shape((h,) if alibi_slopes is True else alibi_slopes, "float32", "alibi_slopes")
-    window, cap, alibi, _ = validate.mods(window_size, softcap, alibi_slopes, b, h, qv, scale)
+    mods = validate.mods(window_size, softcap, alibi_slopes, b, h, qv, scale)
+    window, cap, alibi, _ = mods
     if sinks is True or isinstance(sinks, (tuple, list)):
         sinks = validate.Shape((h,) if sinks is True else sinks, "float32", "sinks")
     sv = validate.sinks(sinks, h, qv)
@@ -643,10 +644,7 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
         fm = startend_row_indices
         if isinstance(fm, (tuple, list)):
             fm = validate.Shape(fm, "int32", "startend_row_indices")
-        fm = validate.check_startend_row_indices(fm, b, h, sq, kv.shape[1], causal, nheads_k=kv.shape[2],
-                                                 window=window, alibi=alibi is not None,
-                                                 num_splits=0 if backward else num_splits, sinks=sv is not None)
-        validate.same_place(("q", qv), ("startend_row_indices", fm))
+        fm = validate.flashmask(fm, qv, kv, causal, 0 if backward else num_splits, mods, sv is not None)
     arch = None if arch is None else validate.arch(arch)
     if num_sms is None:
         dev = device_facts(qv.device if qv.device >= 0 else arrays.current_device())

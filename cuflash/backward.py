@@ -68,7 +68,7 @@ from .kernels.bwd import ROW_PAD, VARLEN_ROW_GAP
 from .kernels.fwd_ws import tensor_map, tma_readable
 from .kernels.params import TENSOR_MAP_BYTES, stride_values
 from .launch import dropout_fields
-from .plan import Problem, cdiv, make_backward_plan
+from .plan import Problem, cached_on_plans, cdiv, make_backward_plan
 
 _LOG2E = math.log2(math.e)
 _DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
@@ -315,7 +315,7 @@ def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministi
 # devices and options were checked, planned and launched before fires the same prepared
 # launches with its own data pointers.
 
-_repeats: dict = {}  # signature (see _signature) -> _Repeat
+_repeats: dict = cached_on_plans({})  # signature (see _signature) -> _Repeat
 
 
 def _signature(dout, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, deterministic, window_size, softcap,

@@ -197,6 +197,25 @@ def band_tiles(rows: int, window: tuple[int, int], seqlen_q: int, seqlen_k: int,
     return max(1, min(n, cdiv(span, bn) + 1))
 
 
+_derived: list = []  # clear() of each cache kept on plans (cached_on_plans)
+
+
+def cached_on_plans(cache: dict) -> dict:
+    """Register ``cache``, whose entries were derived from plans (per-call plans, prepared
+    launches), to be cleared by forget_plans; returns it."""
+    _derived.append(cache.clear)
+    return cache
+
+
+def forget_plans() -> None:
+    """Drop every cached plan and everything derived from one, so that calls made after the
+    planner's switches change (FWD_WS, BWD_WS, a replaced chooser) are planned afresh."""
+    make_plan.cache_clear()
+    make_backward_plan.cache_clear()
+    for clear in _derived:
+        clear()
+
+
 @functools.lru_cache(maxsize=4096)
 def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
     bucket = head_dim_bucket(p.head_dim)
@@ -528,10 +547,10 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
         why.append(f"deterministic=True: dQ has its own kernel, a block per {last.block_m} query rows walking the "
                    "K/V blocks it sees and writing dQ once: no atomics, every gradient is bitwise repeatable.")
     else:
-        how = ("atomics" if main.family != "bwd_ws" else
-               "bulk reduce-adds of a warp of the producer warpgroup, from a tile the consumers stage in shared "
-               "memory (the dQ writer)" if main.dq_writer else
-               "atomics issued before dK's product, so that they overlap it" if main.dq_early else "atomics")
+        how = ("bulk reduce-adds of a warp of the producer warpgroup, from a tile the consumers stage in shared "
+               "memory (the dQ writer)" if getattr(main, "dq_writer", False) else
+               "atomics issued before dK's product, so that they overlap it" if getattr(main, "dq_early", False)
+               else "atomics")
         why.append(f"deterministic=False: the dK/dV kernel also adds dQ = dS K into an fp32 accumulator with {how} "
                    "(the order of additions varies), and bwd_convert scales it into the input dtype.")
     if p.flashmask:

@@ -36,7 +36,6 @@ def main():
     import cuflash
     from cuflash.backward import attention_backward
     plan = importlib.import_module("cuflash.plan")  # the module (cuflash.plan is the function)
-    backward = importlib.import_module("cuflash.backward")
     planned = bwd_ws.planned
 
     @contextlib.contextmanager
@@ -45,8 +44,7 @@ def main():
         def set_(on, fields):
             plan.BWD_WS = on
             plan.bwd_ws.planned = lambda *args: dataclasses.replace(planned(*args), **fields)
-            plan.make_backward_plan.cache_clear()
-            backward._repeats.clear()  # repeated calls would fire the launches planned before
+            plan.forget_plans()
         set_(ws, kw)
         try:
             yield

@@ -43,7 +43,6 @@ def main():
     a = ap.parse_args()
     torch = bench._torch()
     import cuflash
-    from cuflash import api
     plan = importlib.import_module("cuflash.plan")  # the module (cuflash.plan is the function)
 
     @contextlib.contextmanager
@@ -51,7 +50,7 @@ def main():
         """The planner's fwd_ws switch off inside (plans made then are dropped on both sides)."""
         def switch(on):
             plan.FWD_WS = on
-            plan.make_plan.cache_clear(), api._plans.clear(), api._repeats.clear()
+            plan.forget_plans()
         switch(False)
         try:
             yield

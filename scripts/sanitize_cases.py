@@ -94,12 +94,11 @@ def main():
         for b, e, w in ((False, False, False), (True, True, False), (False, True, True)):  # planned: writer
             flags = dict(dq_bulk=b, dq_early=e, dq_writer=w)
             plan.bwd_ws.planned = lambda *a, f=flags: dataclasses.replace(planned(*a), **f)
-            plan.make_backward_plan.cache_clear()
-            importlib.import_module("cuflash.backward")._repeats.clear()  # else a repeated call fires the old launches
+            plan.forget_plans()
             o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
             attention_backward(torch.randn_like(o), q, k, v, o, lse, causal=True)
         plan.bwd_ws.planned = planned
-        plan.make_backward_plan.cache_clear()
+        plan.forget_plans()
     # backward with a window, softcap and ALiBi; varlen backward with empty and length-1 sequences
     from cuflash.backward import attention_varlen_backward
     q, k, v = rnd(2, 113, 4, 64), rnd(2, 203, 2, 64), rnd(2, 203, 2, 64)

@@ -22,7 +22,6 @@ FLAGS = [dict(dq_bulk=b, dq_early=e, dq_writer=w) for b, w in ((False, False), (
 BULK = [x for v in VARIANTS if v.dq and not v.split_d for f in FLAGS
         if (x := replace(v, **f)) != v]  # the unplanned ones (d = 256 has atomics only)
 plan_mod = importlib.import_module("cuflash.plan")  # the module (cuflash.plan is the function)
-bwd_mod = importlib.import_module("cuflash.backward")
 
 
 def test_variants():
@@ -101,13 +100,13 @@ def test_not_planned_says_why(kw, why):
 
 def test_turned_off(monkeypatch):
     monkeypatch.setattr(plan_mod, "BWD_WS", False)
-    plan_mod.make_backward_plan.cache_clear()
+    plan_mod.forget_plans()
     try:
         p = _plan()
         assert p.launches[1].variant.mma == "wgmma" and "CUFLASH_BWD_WS=0" in p.reason
     finally:
         monkeypatch.undo()
-        plan_mod.make_backward_plan.cache_clear()
+        plan_mod.forget_plans()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,8 +123,8 @@ def _inputs(rng, b, sq, sk, h, hk, d, dtype):
 def _backward(q, k, v, dout, *, ws=True, deterministic=False, flags=None, **mods):
     """Forward, then the backward into NaN-filled gradients, with the warp-specialised dK/dV
     kernel (checked to be the one planned; ``flags``: BwdWsVariant fields such as dq_bulk) or,
-    ws=False, the wgmma kernel. The plan cache and the repeated-call launches are cleared on
-    the way in and out, so that the call runs the kernel the switches select."""
+    ws=False, the wgmma kernel. The plans and what was derived from them are forgotten on the way
+    in and out, so that the call runs the kernel the switches select."""
     import torch
     import cuflash
     from cuflash.backward import attention_backward
@@ -133,8 +132,7 @@ def _backward(q, k, v, dout, *, ws=True, deterministic=False, flags=None, **mods
     plan_mod.BWD_WS = ws
     if flags:
         plan_mod.bwd_ws.planned = lambda *a: replace(planned(*a), **flags)
-    plan_mod.make_backward_plan.cache_clear()
-    bwd_mod._repeats.clear()
+    plan_mod.forget_plans()
     try:
         out, lse = cuflash.attention(q, k, v, return_lse=True, **mods)
         p = cuflash.plan(q, k, v, backward=True, deterministic=deterministic, **mods)
@@ -146,8 +144,7 @@ def _backward(q, k, v, dout, *, ws=True, deterministic=False, flags=None, **mods
         return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **mods, **bufs)
     finally:
         plan_mod.BWD_WS, plan_mod.bwd_ws.planned = saved, planned
-        plan_mod.make_backward_plan.cache_clear()
-        bwd_mod._repeats.clear()
+        plan_mod.forget_plans()
 
 
 def _check(grads, q, k, v, dout, **mods):

@@ -268,3 +268,20 @@ def test_grids_beyond_cuda_limits_are_refused_or_folded():
         cuflash.plan((70000, 16, 2, 64), (70000, 16, 2, 64), (70000, 16, 2, 64), num_sms=132)
     p = cuflash.plan((4000, 1, 8, 128), (4000, 65536, 8, 128), (4000, 65536, 8, 128), num_sms=132)
     assert p.launches[0].grid[2] <= 65535
+
+
+def test_forget_plans_drops_derived_caches(monkeypatch):
+    """forget_plans clears the planner's caches and every cache derived from plans (api's per-call
+    plans and repeated launches, the backward's repeated launches), so that a changed switch takes
+    effect on the next call."""
+    import importlib
+    plan_mod = importlib.import_module("cuflash.plan")
+    backward = importlib.import_module("cuflash.backward")
+    for cache in (api._plans, api._repeats, backward._repeats):
+        monkeypatch.setitem(cache, "key", "entry")
+    cuflash.plan((1, 8, 2, 64), (1, 8, 2, 64), (1, 8, 2, 64), num_sms=132, arch=90)
+    cuflash.plan((1, 8, 2, 64), (1, 8, 2, 64), (1, 8, 2, 64), num_sms=132, arch=90, backward=True)
+    assert plan_mod.make_plan.cache_info().currsize > 0 and plan_mod.make_backward_plan.cache_info().currsize > 0
+    plan_mod.forget_plans()
+    assert not api._plans and not api._repeats and not backward._repeats
+    assert plan_mod.make_plan.cache_info().currsize == plan_mod.make_backward_plan.cache_info().currsize == 0

@@ -89,12 +89,7 @@
         float dq[8][4];
         u32 a_ds = ds_st + kDqQ * wg * kBlockN * 128, b_k = sK + kDqD * wg * kBlockN * 128;
         asm volatile("" : "+r"(a_ds), "+r"(b_k));
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk)
-          wgmma_ss_mn(dq, wgmma_desc(a_ds + kk * 16 * 128, kBlockN * 128, 1024),
-                      wgmma_desc(b_k + kk * 16 * 128, kBlockN * 128, 1024), kk > 0);
-        wgmma_commit();
+        issue_dq(dq, a_ds, b_k);
         if constexpr (kDqEarly) {  // dK += dS^T Q runs while dQ is added
           issue_dk();
           wgmma_commit();
@@ -130,27 +125,14 @@
           // step's, made visible to the bulk copies (async proxy), then handed to the writer.
           if (it > 0) mbar_wait<kHangTrap>(bar_dq_empty, (it - 1) & 1);
           float* tile = reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + kOffDqW);
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int row = kDqQ * wg * 64 + (cw & 3) * 16 + (lane >> 2) + r * 8;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              const int col = kDqD * wg * 64 + j * 8 + (lane & 3) * 2;
-              *reinterpret_cast<float2*>(tile + row * kDqStride + col) = make_float2(dq[j][2 * r], dq[j][2 * r + 1]);
-            }
-          }
+          for_each_pair(dq, kDqQ * wg * 64 + (cw & 3) * 16, kDqD * wg * 64, [&](int row, int col, float x, float y) {
+            *reinterpret_cast<float2*>(tile + row * kDqStride + col) = make_float2(x, y);
+          });
           fence_proxy_async();
           mbar_arrive(bar_dq_full);
         } else {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = kDqQ * wg * 64 + (cw & 3) * 16 + (lane >> 2) + r * 8;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const int col = kDqD * wg * 64 + j * 8 + (lane & 3) * 2;
-            red_add_f32x2(dqa + row * kHeadDim + col, dq[j][2 * r], dq[j][2 * r + 1]);
-          }
-        }
+          for_each_pair(dq, kDqQ * wg * 64 + (cw & 3) * 16, kDqD * wg * 64,
+                        [&](int row, int col, float x, float y) { red_add_f32x2(dqa + row * kHeadDim + col, x, y); });
         }
         if constexpr (kDqEarly) {
           wgmma_wait<0>();

@@ -65,14 +65,7 @@
           b_do = do_st + 2 * wg * kBlockM * 128;
       asm volatile("" : "+r"(a_ds), "+r"(a_p), "+r"(b_k), "+r"(b_q), "+r"(b_do));
       float dq[kDT][4];
-      if constexpr (kDqAtomic) {
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk)
-          wgmma_ss_mn(dq, wgmma_desc(a_ds + kk * 16 * 128, kBlockN * 128, 1024),
-                      wgmma_desc(b_k + kk * 16 * 128, kBlockN * 128, 1024), kk > 0);
-        wgmma_commit();
-      }
+      if constexpr (kDqAtomic) issue_dq(dq, a_ds, b_k);
       fence_regs(acc_dk[0]);
       fence_regs(acc_dv[0]);
       wgmma_fence();
@@ -87,15 +80,8 @@
         wgmma_wait<1>();
         fence_regs(dq);
         float* dqa = dq_accum + (info_i64(sInfo, kInfoStats) + (long long)h * head_rows + m0) * kHeadDim;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = (cw & 3) * 16 + (lane >> 2) + r * 8;
-#pragma unroll
-          for (int j = 0; j < kDT; ++j) {
-            const int col = col_w + j * 8 + (lane & 3) * 2;
-            red_add_f32x2(dqa + row * kHeadDim + col, dq[j][2 * r], dq[j][2 * r + 1]);
-          }
-        }
+        for_each_pair(dq, key_w, col_w,
+                      [&](int row, int col, float x, float y) { red_add_f32x2(dqa + row * kHeadDim + col, x, y); });
       }
       wgmma_wait<0>();
       mbar_arrive(bar_empty(st));  // this thread's products have read the stage (Q, dO, LSE, D)

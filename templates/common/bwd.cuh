@@ -170,6 +170,19 @@ __device__ __forceinline__ void ds_t(float (&dp)[kQT][4], const float (&p)[kQT][
   }
 }
 
+// f(row, column, x, y) for each pair of adjacent columns of a warp's 16 rows of an fp32
+// accumulator of kNT n8 tiles (mma.sync's and wgmma.cuh's C layout: rows lane / 4 + {0, 8}),
+// its rows counted from row0 and its columns from col0.
+template <int kNT, class F>
+__device__ __forceinline__ void for_each_pair(const float (&c)[kNT][4], int row0, int col0, F f) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int j = 0; j < kNT; ++j)
+      f(row0 + (lane >> 2) + r * 8, col0 + j * 8 + (lane & 3) * 2, c[j][2 * r], c[j][2 * r + 1]);
+}
+
 // Transposed ALiBi: s -= slope * |i + seqlen_k - seqlen_q - j| on an S^T fragment, with `pos0` =
 // q0 + seqlen_k - seqlen_q (the key aligned with the fragment's first query) and the slope in
 // the units of the raw scores (mask.cuh's apply_alibi seen from the keys).
