@@ -389,17 +389,28 @@ def stats_rows(batch: int, seqlen_q: int, nheads: int, total_q: int | None = Non
 
 
 def workspace_floats(plan, total_q: int | None = None) -> int:
-    """The fp32 workspace a backward ``plan`` needs: LSE and D rows, then the dQ accumulator
-    (none when deterministic); ``total_q`` for packed sequences."""
+    """The 4-byte words of workspace a backward ``plan`` needs: LSE and D rows, the dQ
+    accumulator (none when the deterministic dQ kernel writes dQ), FlashMask's int32 bounds, then
+    the ordered dQ writer's int32 semaphores (one per 64 rows); ``total_q`` for packed sequences."""
     p = plan.problem
     _, rows = stats_rows(p.batch, p.seqlen_q, p.nheads, total_q)
+    return _sem_word(plan, rows) + (rows // 64 if _ordered(plan) else 0)
+
+
+def _sem_word(plan, rows: int) -> int:
+    """The workspace word where the ordered dQ writer's semaphores start (after every other part)."""
     return rows * _row_floats(plan) + sum(n for *_, n in _flashmask_preps(plan))
 
 
+def _ordered(plan) -> bool:
+    """Whether the dK/dV kernel adds dQ in a fixed order (deterministic, through its dQ writer)."""
+    return getattr(plan.launches[1].variant, "dq_ordered", False)
+
+
 def _row_floats(plan) -> int:
-    """fp32 values per workspace row: LSE and D, and the dQ accumulator's head dim unless
-    deterministic."""
-    return 2 + (0 if plan.problem.deterministic else plan.launches[0].variant.head_dim)
+    """fp32 values per workspace row: LSE and D, and the dQ accumulator's head dim unless the
+    deterministic dQ kernel writes dQ."""
+    return 2 + (0 if plan.launches[2].variant.kind == "bwd_dq" else plan.launches[0].variant.head_dim)
 
 
 def _flashmask_preps(plan):
@@ -431,7 +442,8 @@ def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, dev
     b, sq, sk, h, hk, d = p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_k, p.head_dim
     head_rows, rows = stats_rows(b, sq, h, None if cu is None else ops[0].shape[0])
     lse2, dsum = _Ptr("ws"), _Ptr("ws", 4 * rows)
-    acc = 0 if p.deterministic else _Ptr("ws", 8 * rows)
+    acc = 0 if plan.launches[2].variant.kind == "bwd_dq" else _Ptr("ws", 8 * rows)
+    sem = _Ptr("ws", 4 * _sem_word(plan, rows)) if _ordered(plan) else 0
     fm_args = None
     if p.flashmask:
         if fm is None:
@@ -452,7 +464,7 @@ def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, dev
                  window_right=right, softcap_scale=scale / cap if cap > 0 else 0.0,
                  alibi_slopes=alibi.ptr if alibi is not None else 0, alibi_sb=alibi_sb, alibi_scale=1.0 / post)
     kernels = tuple(launch.variant for launch in plan.launches)
-    prepared = _prepare(_launch_specs(kernels[:3], ops, lse, lse_st, grads, (lse2, dsum, acc),
+    prepared = _prepare(_launch_specs(kernels[:3], ops, lse, lse_st, grads, (lse2, dsum, acc, sem),
                                       (b, sq, sk, h, hk, d, head_rows), score, fm_args,
                                       dropout_fields(kernels[1], dropout)), device)
     _fire(prepared, _pointers(ops, lse, grads, ws_ptr), stream)
@@ -510,13 +522,14 @@ def _pointers(ops, lse, grads, ws_ptr: int) -> dict:
 def _launch_specs(kernels, ops, lse, lse_st, grads, ws, shape, score, fm=None, drop=None) -> list:
     """(variant, grid, fields) of each launch of a backward, in order; pointer fields are _Ptr and
     tensor maps _Map (pointers given as ints, cu_seqlens, ALiBi's slopes and FlashMask's, stay
-    fixed: calls with them do not repeat). ``ws`` = (lse2, dsum, dQ accumulator) fields; ``score``: the kernels' scale,
+    fixed: calls with them do not repeat). ``ws`` = (lse2, dsum, dQ accumulator, dQ semaphores)
+    fields; ``score``: the kernels' scale,
     varlen, window, softcap and ALiBi fields by name; ``fm``: FlashMask's (prep launches, dK/dV
     fields, dQ fields) from _flashmask_args, or None; ``drop``: the dropout fields of the dK/dV and
     dQ kernels (launch.dropout_fields), or None."""
     q, k, v, do, o = ops
     dq, dk, dv = grads
-    lse2, dsum, acc = ws
+    lse2, dsum, acc, sem = ws
     b, sq, sk, h, hk, d, head_rows = shape
     prep, main, last = kernels
     cu_q = score["cu_seqlens_q"]
@@ -528,7 +541,8 @@ def _launch_specs(kernels, ops, lse, lse_st, grads, ws, shape, score, fm=None, d
         out += [(launch.variant, launch.grid, fields) for launch, fields in preps
                 if launch.grid[0] > 0]  # no key block: nothing to reduce
     out.append((prep, prep.grid(b, sq, h, d), dict(
-        dout=_Ptr("dout"), out=_Ptr("out"), lse=_Ptr("lse"), lse2=lse2, dsum=dsum, dq_accum=acc, **_st("do", do),
+        dout=_Ptr("dout"), out=_Ptr("out"), lse=_Ptr("lse"), lse2=lse2, dsum=dsum, dq_accum=acc, dq_sem=sem,
+        **_st("do", do),
         **_st("o", o), lse_sb=lse_st[0], lse_sh=lse_st[1], lse_ss=lse_st[2], **rows, cu_seqlens_q=cu_q)))
     common = dict(q=_Ptr("q"), k=_Ptr("k"), v=_Ptr("v"), dout=_Ptr("dout"), lse2=lse2, dsum=dsum, **_st("q", q),
                   **_st("k", k), **_st("v", v), **_st("do", do), **rows, seqlen_k_arg=sk, ngroups=h // hk, **score)
@@ -538,7 +552,7 @@ def _launch_specs(kernels, ops, lse, lse_st, grads, ws, shape, score, fm=None, d
                 for n, role, x, rows_ in (("q", "q", q, main.block_m), ("k", "k", k, main.block_n),
                                           ("v", "v", v, main.block_n), ("do", "dout", do, main.block_m))}
         out.append((main, main.grid(b, sq, sk, h, hk), dict(
-            **maps, lse2=lse2, dsum=dsum, dq_accum=acc, **grads_kv, seqlen_q_arg=sq, nheads=h, head_rows=head_rows,
+            **maps, lse2=lse2, dsum=dsum, dq_accum=acc, dq_sem=sem, **grads_kv, seqlen_q_arg=sq, nheads=h, head_rows=head_rows,
             seqlen_k_arg=sk, ngroups=h // hk, **{f: score[f] for f in ("scale_log2", "scale", "window_left",
                                                                        "window_right")})))
     else:

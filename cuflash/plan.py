@@ -505,6 +505,8 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     ws = _bwd_ws_blocker(p, bucket, dev.arch)
     if ws == "":
         main = bwd_ws.planned(bucket, p.dtype, causal, local, p.deterministic, dev.arch)
+        if main.dq_ordered:  # deterministic dQ from the dK/dV kernel: converted as the atomic one is
+            last = backward_kernels(bucket, p.dtype, causal, False, dev.arch, local)[2]
     sq, sk, b = p.seqlen_q, p.seqlen_k, p.batch
     launches = (Launch(prep, prep.grid(b, sq, p.nheads, p.head_dim), prep.threads, prep.smem_bytes),
                 Launch(main, main.grid(b, sq, sk, p.nheads, p.nheads_k), main.threads, main.smem_bytes),
@@ -513,7 +515,8 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     # fp32 rows of LSE and D (and of the dQ accumulator), each sequence padded to bwd.ROW_PAD rows;
     # packed sequences are bounded by batch * max length.
     rows = b * p.nheads * (cdiv(sq, bwd.ROW_PAD) * bwd.ROW_PAD + (bwd.VARLEN_ROW_GAP if p.varlen else 0))
-    workspace = 4 * rows * (2 + (0 if p.deterministic else bucket))
+    workspace = 4 * rows * (2 + (0 if last.kind == "bwd_dq" else bucket)) + (
+        4 * (rows // 64) if getattr(main, "dq_ordered", False) else 0)
     why = []
     if p.window != (-1, -1):
         why.append(f"window {p.window} runs as " + (f"a local band {window}" if local else
@@ -543,7 +546,14 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
         why.append("sinks: dq, dk and dv need nothing more, since P = exp(s - LSE) and the LSE holds the sink; "
                    "dsinks = -sum over batch and rows of exp(sink - LSE) * D, from the LSE and D rows of "
                    "bwd_prep, reduced by the caller's framework on the same stream.")
-    if p.deterministic:
+    if getattr(main, "dq_ordered", False):
+        order = ("from the last key block that sees it (the key blocks are launched from the last)" if causal or local
+                 else "from the first key block")
+        why.append("deterministic=True: the dK/dV kernel's dQ writer adds dQ = dS K into an fp32 accumulator with "
+                   "bulk reduce-adds in a fixed order: per query block a semaphore lets the key blocks add in turn, "
+                   f"{order}, each once the previous one's adds are complete; every gradient is bitwise repeatable, "
+                   "and bwd_convert scales dQ into the input dtype.")
+    elif p.deterministic:
         why.append(f"deterministic=True: dQ has its own kernel, a block per {last.block_m} query rows walking the "
                    "K/V blocks it sees and writing dQ once: no atomics, every gradient is bitwise repeatable.")
     else:

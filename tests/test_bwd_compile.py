@@ -450,7 +450,8 @@ def test_varlen_host_arrays_are_validated(no_launch):
 # Prepared launches (what a repeated call fires): the same launches as a fresh run's
 
 @pytest.mark.parametrize("arch,d,deterministic,causal", [(90, 128, False, True), (90, 64, True, False),
-                                                         (80, 96, False, False), (80, 128, True, True)])
+                                                         (90, 128, True, False), (80, 96, False, False),
+                                                         (80, 128, True, True)])
 def test_prepared_launches_fired_anew_match_a_fresh_run(monkeypatch, arch, d, deterministic, causal):
     """backward.run's prepared launches, fired with another call's pointers (_fire), launch
     exactly what a fresh run with those pointers launches: every field, tensor maps included
@@ -485,9 +486,18 @@ def test_prepared_launches_fired_anew_match_a_fresh_run(monkeypatch, arch, d, de
     (q, k, v, do, o), lse, (dq, dk, dv), ws = second  # the fields are the second call's pointers
     _, rows = backward.stats_rows(b, sq, h)
     prep, main, last = (f for _, _, f in fresh)
-    assert (prep["dout"], prep["out"], prep["lse"], prep["lse2"], prep["dsum"], prep["dq_accum"]) == (
-        do.ptr, o.ptr, lse.ptr, ws, ws + 4 * rows, 0 if deterministic else ws + 8 * rows)
+    # deterministic: no dQ accumulator (the dQ kernel writes dQ), except on sm_90 at d = 128: the
+    # accumulator and, after it, the ordered dQ writer's semaphores (one per 64 rows)
+    ordered = deterministic and arch == 90 and d == 128
+    dq_kernel = deterministic and not ordered
+    assert (prep["dout"], prep["out"], prep["lse"], prep["lse2"], prep["dsum"], prep["dq_accum"], prep["dq_sem"]) == (
+        do.ptr, o.ptr, lse.ptr, ws, ws + 4 * rows, 0 if dq_kernel else ws + 8 * rows,
+        ws + 4 * rows * (2 + d) if ordered else 0)
     assert (main["dk"], main["dv"], main["lse2"], main["dsum"]) == (dk.ptr, dv.ptr, ws, ws + 4 * rows)
+    assert plan.workspace_bytes == 4 * backward.workspace_floats(plan) == 4 * rows * (2 + (0 if dq_kernel else d)) + (
+        4 * rows // 64 if ordered else 0)
+    if ordered:
+        assert main["dq_sem"] == prep["dq_sem"] and main["dq_accum"] == prep["dq_accum"]
     if "tma_q" in main:
         assert [struct.unpack_from("<Q", main[f"tma_{n}"])[0] for n in ("q", "k", "v", "do")] == [
             q.ptr, k.ptr, v.ptr, do.ptr]

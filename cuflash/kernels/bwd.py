@@ -101,7 +101,7 @@ _QKVDO = (*strides("q", "sb", "ss", "sh"), *strides("k", "sb", "ss", "sh"), *str
           *strides("do", "sb", "ss", "sh"))
 PREP_PARAMS = ParamTable("BwdPrepParams", (
     ("dout", "const u16*"), ("out", "const u16*"), ("lse", "const float*"),
-    ("lse2", "float*"), ("dsum", "float*"), ("dq_accum", "float*"),
+    ("lse2", "float*"), ("dsum", "float*"), ("dq_accum", "float*"), ("dq_sem", "int*"),
     *strides("do", "sb", "ss", "sh"), *strides("o", "sb", "ss", "sh"), *strides("lse", "sb", "sh", "ss"),
     ("seqlen_q_arg", "int"), ("nheads", "int"), ("head_dim", "int"), ("head_rows", "int"),
     ("cu_seqlens_q", "const int*"),

@@ -28,8 +28,8 @@ DQ_ROW_BYTES = 64 * 4 + 32  # a staged dQ row (dq_bulk): 64 fp32, padded (kDqRow
 
 PARAMS = ParamTable("BwdWsParams", (
     ("tma_q", "CUtensorMap"), ("tma_k", "CUtensorMap"), ("tma_v", "CUtensorMap"), ("tma_do", "CUtensorMap"),
-    ("lse2", "const float*"), ("dsum", "const float*"), ("dq_accum", "float*"), ("dk", "u16*"), ("dv", "u16*"),
-    *strides("dk", "sb", "ss", "sh"), *strides("dv", "sb", "ss", "sh"),
+    ("lse2", "const float*"), ("dsum", "const float*"), ("dq_accum", "float*"), ("dq_sem", "int*"),
+    ("dk", "u16*"), ("dv", "u16*"), *strides("dk", "sb", "ss", "sh"), *strides("dv", "sb", "ss", "sh"),
     ("seqlen_q_arg", "int"), ("seqlen_k_arg", "int"), ("nheads", "int"), ("ngroups", "int"), ("head_rows", "int"),
     ("scale_log2", "float"), ("scale", "float"), ("window_left", "int"), ("window_right", "int"),
 ))
@@ -64,6 +64,10 @@ class BwdWsVariant(KernelVariant):
     # by a warp of the producer warpgroup with a bulk reduce-add per row, so that no consumer
     # waits on the adds (FlashAttention-3's dQ writer).
     dq_writer: bool = False
+    # Deterministic dQ through the writer: a semaphore per query block lets the key blocks add
+    # their dQ in a fixed order, each after the previous one's adds are complete (FlashAttention-3's
+    # deterministic mode); with a causal or local mask the key blocks run from the last.
+    dq_ordered: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -75,13 +79,15 @@ class BwdWsVariant(KernelVariant):
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for f in ("dq_bulk", "dq_early", "dq_writer"):
+        for f in ("dq_bulk", "dq_early", "dq_writer", "dq_ordered"):
             if not isinstance(getattr(self, f), bool) or (getattr(self, f) and not self.dq):
                 raise ValueError(f"{f} must be a bool, and True only with kind 'bwd_ws_dkdv_dq', "
                                  f"got {getattr(self, f)!r}")
         if self.split_d and (self.dq_bulk or self.dq_early or self.dq_writer):
             raise ValueError("at head_dim 256 dQ is added with atomics, issued before dK and dV: "
                              "dq_bulk, dq_early and dq_writer must be False")
+        if self.dq_ordered and not self.dq_writer:
+            raise ValueError("dq_ordered orders the dQ writer's adds: it needs dq_writer=True")
         if self.dq_writer and self.dq_bulk:
             raise ValueError("dq_writer and dq_bulk are two ways of adding dQ: at most one may be True")
         if not isinstance(self.causal, bool) or not isinstance(self.local, bool) or (self.causal and self.local):
@@ -115,7 +121,7 @@ class BwdWsVariant(KernelVariant):
     def name(self) -> str:
         mask = "local" if self.local else ("causal" if self.causal else "full")
         bulk = (("_dqbulk" if self.dq_bulk else "") + ("_dqwriter" if self.dq_writer else "")
-                + ("_dqearly" if self.dq_early else ""))
+                + ("_dqearly" if self.dq_early else "") + ("_ordered" if self.dq_ordered else ""))
         return f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{bulk}_m{self.block_m}n{self.block_n}_sm{self.arch}"
 
     @property
@@ -148,20 +154,24 @@ class BwdWsVariant(KernelVariant):
     def constants(self) -> dict:
         return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, split_d=self.split_d, causal=self.causal, local=self.local,
                     bf16=self.dtype == "bf16", dq=self.dq, dq_bulk=self.dq_bulk, dq_early=self.dq_early,
-                    dq_writer=self.dq_writer, overlap=self.overlap, producer_regs=PRODUCER_REGS,
+                    dq_writer=self.dq_writer, dq_ordered=self.dq_ordered, overlap=self.overlap, producer_regs=PRODUCER_REGS,
                     consumer_regs=MAX_CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES,
                     info_bytes=INFO_BYTES, barrier_bytes=BARRIER_BYTES, varlen_row_gap=VARLEN_ROW_GAP)
 
 
 def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic: bool,
             arch: int = 90) -> BwdWsVariant:
-    """The variant a backward plan launches for these head dim, dtype, mask and dQ mode: with dQ,
-    the dQ writer at d = 128 and dQ's product issued early at d = 64, the fastest of the dQ
-    variants on an H200 at each (BENCHMARKS.md, scripts/bench_bwd_ws.py)."""
-    dq = not deterministic
+    """The variant a backward plan launches for these head dim, dtype, mask and dQ mode: with
+    atomic dQ, the dQ writer at d = 128 and dQ's product issued early at d = 64, the fastest of the
+    dQ variants on an H200 at each (BENCHMARKS.md, scripts/bench_bwd_ws.py); deterministic, the
+    writer with ordered adds at d = 128, and elsewhere no dQ (the deterministic dQ kernel computes
+    it: at d = 64 the ordered writer, one bulk add per 256-byte row, was slower without a mask; at
+    d = 256 its tile does not fit in shared memory)."""
+    ordered = deterministic and head_dim == 128
+    dq = ordered or not deterministic
     return BwdWsVariant(kind="bwd_ws_dkdv_dq" if dq else "bwd_ws_dkdv", head_dim=head_dim, dtype=dtype,
-                        causal=causal, local=local, arch=arch, dq_early=dq and head_dim == 64,
-                        dq_writer=dq and head_dim == 128)
+                        causal=causal, local=local, arch=arch, dq_early=not deterministic and head_dim == 64,
+                        dq_writer=ordered or (dq and head_dim == 128), dq_ordered=ordered)
 
 
 def variants(arch: int, mods: bool = True) -> list[BwdWsVariant]:
