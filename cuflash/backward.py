@@ -407,10 +407,15 @@ def _ordered(plan) -> bool:
     return getattr(plan.launches[1].variant, "dq_ordered", False)
 
 
+def _accumulates(plan) -> bool:
+    """Whether dQ goes through the fp32 accumulator (and bwd_convert), not the deterministic dQ
+    kernel."""
+    return plan.launches[2].variant.kind != "bwd_dq"
+
+
 def _row_floats(plan) -> int:
-    """fp32 values per workspace row: LSE and D, and the dQ accumulator's head dim unless the
-    deterministic dQ kernel writes dQ."""
-    return 2 + (0 if plan.launches[2].variant.kind == "bwd_dq" else plan.launches[0].variant.head_dim)
+    """fp32 values per workspace row: LSE and D, and the dQ accumulator's head dim."""
+    return 2 + (plan.launches[0].variant.head_dim if _accumulates(plan) else 0)
 
 
 def _flashmask_preps(plan):
@@ -442,7 +447,7 @@ def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, dev
     b, sq, sk, h, hk, d = p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_k, p.head_dim
     head_rows, rows = stats_rows(b, sq, h, None if cu is None else ops[0].shape[0])
     lse2, dsum = _Ptr("ws"), _Ptr("ws", 4 * rows)
-    acc = 0 if plan.launches[2].variant.kind == "bwd_dq" else _Ptr("ws", 8 * rows)
+    acc = _Ptr("ws", 8 * rows) if _accumulates(plan) else 0
     sem = _Ptr("ws", 4 * _sem_word(plan, rows)) if _ordered(plan) else 0
     fm_args = None
     if p.flashmask:
@@ -523,8 +528,7 @@ def _launch_specs(kernels, ops, lse, lse_st, grads, ws, shape, score, fm=None, d
     """(variant, grid, fields) of each launch of a backward, in order; pointer fields are _Ptr and
     tensor maps _Map (pointers given as ints, cu_seqlens, ALiBi's slopes and FlashMask's, stay
     fixed: calls with them do not repeat). ``ws`` = (lse2, dsum, dQ accumulator, dQ semaphores)
-    fields; ``score``: the kernels' scale,
-    varlen, window, softcap and ALiBi fields by name; ``fm``: FlashMask's (prep launches, dK/dV
+    fields; ``score``: the kernels' scale, varlen, window, softcap and ALiBi fields by name; ``fm``: FlashMask's (prep launches, dK/dV
     fields, dQ fields) from _flashmask_args, or None; ``drop``: the dropout fields of the dK/dV and
     dQ kernels (launch.dropout_fields), or None."""
     q, k, v, do, o = ops
@@ -542,8 +546,7 @@ def _launch_specs(kernels, ops, lse, lse_st, grads, ws, shape, score, fm=None, d
                 if launch.grid[0] > 0]  # no key block: nothing to reduce
     out.append((prep, prep.grid(b, sq, h, d), dict(
         dout=_Ptr("dout"), out=_Ptr("out"), lse=_Ptr("lse"), lse2=lse2, dsum=dsum, dq_accum=acc, dq_sem=sem,
-        **_st("do", do),
-        **_st("o", o), lse_sb=lse_st[0], lse_sh=lse_st[1], lse_ss=lse_st[2], **rows, cu_seqlens_q=cu_q)))
+        **_st("do", do), **_st("o", o), lse_sb=lse_st[0], lse_sh=lse_st[1], lse_ss=lse_st[2], **rows, cu_seqlens_q=cu_q)))
     common = dict(q=_Ptr("q"), k=_Ptr("k"), v=_Ptr("v"), dout=_Ptr("dout"), lse2=lse2, dsum=dsum, **_st("q", q),
                   **_st("k", k), **_st("v", v), **_st("do", do), **rows, seqlen_k_arg=sk, ngroups=h // hk, **score)
     grads_kv = dict(dk=_Ptr("dk"), dv=_Ptr("dv"), **_st("dk", dk), **_st("dv", dv))
@@ -552,8 +555,8 @@ def _launch_specs(kernels, ops, lse, lse_st, grads, ws, shape, score, fm=None, d
                 for n, role, x, rows_ in (("q", "q", q, main.block_m), ("k", "k", k, main.block_n),
                                           ("v", "v", v, main.block_n), ("do", "dout", do, main.block_m))}
         out.append((main, main.grid(b, sq, sk, h, hk), dict(
-            **maps, lse2=lse2, dsum=dsum, dq_accum=acc, dq_sem=sem, **grads_kv, seqlen_q_arg=sq, nheads=h, head_rows=head_rows,
-            seqlen_k_arg=sk, ngroups=h // hk, **{f: score[f] for f in ("scale_log2", "scale", "window_left",
+            **maps, lse2=lse2, dsum=dsum, dq_accum=acc, dq_sem=sem, **grads_kv, seqlen_q_arg=sq, nheads=h,
+            head_rows=head_rows, seqlen_k_arg=sk, ngroups=h // hk, **{f: score[f] for f in ("scale_log2", "scale", "window_left",
                                                                        "window_right")})))
     else:
         out.append((main, main.grid(b, sq, sk, h, hk), dict(dq_accum=acc, **grads_kv, **common, **fm_main,

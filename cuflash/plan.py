@@ -503,9 +503,11 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     prep, main, last = backward_kernels(bucket, p.dtype, causal, p.deterministic, dev.arch, local, p.softcap, p.alibi,
                                         p.flashmask, p.dropout)
     ws = _bwd_ws_blocker(p, bucket, dev.arch)
+    ordered = False  # deterministic dQ added in a fixed order by the dK/dV kernel (bwd_ws)
     if ws == "":
         main = bwd_ws.planned(bucket, p.dtype, causal, local, p.deterministic, dev.arch)
-        if main.dq_ordered:  # deterministic dQ from the dK/dV kernel: converted as the atomic one is
+        ordered = main.dq_ordered
+        if ordered:  # converted as the atomic dQ is
             last = backward_kernels(bucket, p.dtype, causal, False, dev.arch, local)[2]
     sq, sk, b = p.seqlen_q, p.seqlen_k, p.batch
     launches = (Launch(prep, prep.grid(b, sq, p.nheads, p.head_dim), prep.threads, prep.smem_bytes),
@@ -515,8 +517,7 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     # fp32 rows of LSE and D (and of the dQ accumulator), each sequence padded to bwd.ROW_PAD rows;
     # packed sequences are bounded by batch * max length.
     rows = b * p.nheads * (cdiv(sq, bwd.ROW_PAD) * bwd.ROW_PAD + (bwd.VARLEN_ROW_GAP if p.varlen else 0))
-    workspace = 4 * rows * (2 + (0 if last.kind == "bwd_dq" else bucket)) + (
-        4 * (rows // 64) if getattr(main, "dq_ordered", False) else 0)
+    workspace = 4 * rows * (2 + (0 if last.kind == "bwd_dq" else bucket)) + (4 * (rows // 64) if ordered else 0)
     why = []
     if p.window != (-1, -1):
         why.append(f"window {p.window} runs as " + (f"a local band {window}" if local else
@@ -546,7 +547,7 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
         why.append("sinks: dq, dk and dv need nothing more, since P = exp(s - LSE) and the LSE holds the sink; "
                    "dsinks = -sum over batch and rows of exp(sink - LSE) * D, from the LSE and D rows of "
                    "bwd_prep, reduced by the caller's framework on the same stream.")
-    if getattr(main, "dq_ordered", False):
+    if ordered:
         order = ("from the last key block that sees it (the key blocks are launched from the last)" if causal or local
                  else "from the first key block")
         why.append("deterministic=True: the dK/dV kernel's dQ writer adds dQ = dS K into an fp32 accumulator with "

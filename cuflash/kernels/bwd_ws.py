@@ -152,9 +152,10 @@ class BwdWsVariant(KernelVariant):
         return (-(-seqlen_k // self.block_n), nheads_k, batch)
 
     def constants(self) -> dict:
-        return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, split_d=self.split_d, causal=self.causal, local=self.local,
-                    bf16=self.dtype == "bf16", dq=self.dq, dq_bulk=self.dq_bulk, dq_early=self.dq_early,
-                    dq_writer=self.dq_writer, dq_ordered=self.dq_ordered, overlap=self.overlap, producer_regs=PRODUCER_REGS,
+        return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, split_d=self.split_d,
+                    causal=self.causal, local=self.local, bf16=self.dtype == "bf16", dq=self.dq,
+                    dq_bulk=self.dq_bulk, dq_early=self.dq_early, dq_writer=self.dq_writer,
+                    dq_ordered=self.dq_ordered, overlap=self.overlap, producer_regs=PRODUCER_REGS,
                     consumer_regs=MAX_CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES,
                     info_bytes=INFO_BYTES, barrier_bytes=BARRIER_BYTES, varlen_row_gap=VARLEN_ROW_GAP)
 
@@ -171,7 +172,7 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
     dq = ordered or not deterministic
     return BwdWsVariant(kind="bwd_ws_dkdv_dq" if dq else "bwd_ws_dkdv", head_dim=head_dim, dtype=dtype,
                         causal=causal, local=local, arch=arch, dq_early=not deterministic and head_dim == 64,
-                        dq_writer=ordered or (dq and head_dim == 128), dq_ordered=ordered)
+                        dq_writer=dq and head_dim == 128, dq_ordered=ordered)
 
 
 def variants(arch: int, mods: bool = True) -> list[BwdWsVariant]:
