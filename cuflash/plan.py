@@ -507,8 +507,8 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     if ws == "":
         main = bwd_ws.planned(bucket, p.dtype, causal, local, p.deterministic, dev.arch)
         ordered = main.dq_ordered
-        if ordered:  # converted as the atomic dQ is
-            last = backward_kernels(bucket, p.dtype, causal, False, dev.arch, local)[2]
+        if main.dq:  # its accumulator is in fragment order (atomic or ordered)
+            last = bwd_ws.convert(bucket, p.dtype, dev.arch)
     sq, sk, b = p.seqlen_q, p.seqlen_k, p.batch
     launches = (Launch(prep, prep.grid(b, sq, p.nheads, p.head_dim), prep.threads, prep.smem_bytes),
                 Launch(main, main.grid(b, sq, sk, p.nheads, p.nheads_k), main.threads, main.smem_bytes),

@@ -4,11 +4,12 @@ H100/H200, after checking each one's gradients against the wgmma kernel's.
 
     python scripts/bench_bwd_ws.py [--quick] [--head-dim D ...]
 
-Configurations: dQ added with atomics after dK's product (``ws``), by bulk reduce-adds
-(``dq_bulk``), with dQ's product issued before dK's so that its adds overlap dK's product
-(``dq_early``, planned at d = 64), and staged in shared memory for a producer warp to add
-(``dq_writer``, planned at d = 128; alone and with ``dq_early``); at d = 256 the planned kernel
-against the mma.sync one it replaced. Prints
+Configurations: dQ added with atomics after dK's product (``ws``), with dQ's product issued
+before dK's so that its adds overlap dK's product (``dq_early``, planned at d = 64), and staged
+in shared memory for a producer warp to add (``dq_writer``, planned at d = 128; alone and with
+``dq_early``); at d = 256 the planned kernel against the mma.sync one it replaced.
+``--deterministic``: the planned deterministic backward (the ordered dQ writer at d = 64 and 128)
+against the same without ``dq_early``. Prints
 one line per shape: TFLOP/s (2.5 x the forward's FLOPs) of each, of the replaced kernel and of
 cuDNN, the best one's ratio to both, and the largest |difference| from the wgmma kernel's
 gradients (dq, dk, dv) relative to their largest magnitude. Model dim 2048, bf16.
@@ -21,16 +22,18 @@ import importlib
 from cuflash import bench
 from cuflash.kernels import bwd_ws
 
-_NONE = dict(dq_bulk=False, dq_early=False, dq_writer=False)
-CONFIGS = {"ws": _NONE, "ws dqbulk": {**_NONE, "dq_bulk": True}, "ws dqearly": {**_NONE, "dq_early": True},
-           "ws writer": {**_NONE, "dq_writer": True}, "writer+early": {**_NONE, "dq_writer": True, "dq_early": True}}
+_NONE = dict(dq_early=False, dq_writer=False)
+CONFIGS = {"ws": _NONE, "ws dqearly": {**_NONE, "dq_early": True}, "ws writer": {**_NONE, "dq_writer": True},
+           "writer+early": {**_NONE, "dq_writer": True, "dq_early": True}}
 CONFIGS_256 = {"ws": {}}
+CONFIGS_DET = {"planned": {}, "not early": dict(dq_early=False)}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one shape per head dim and mask")
     ap.add_argument("--head-dim", type=int, nargs="+", default=list(bwd_ws.HEAD_DIMS))
+    ap.add_argument("--deterministic", action="store_true", help="deterministic backward configurations")
     a = ap.parse_args()
     torch = bench._torch()
     import cuflash
@@ -52,7 +55,7 @@ def main():
             set_(True, {})
     shapes = ((8, 2048),) if a.quick else ((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384))
     for d in a.head_dim:
-        configs = CONFIGS_256 if d == 256 else CONFIGS
+        configs = CONFIGS_256 if d == 256 else CONFIGS_DET if a.deterministic else CONFIGS
         print(f"\n{'d':>4} {'causal':>6} {'b':>3} {'s':>6} | " + " ".join(f"{n:>10}" for n in configs)
               + f" {'before':>7} {'cuDNN':>7} TF/s | {'best/before':>11} {'best/cuDNN':>10} | max rel diff")
         for causal in (False, True):
@@ -62,7 +65,8 @@ def main():
                 sets = bench._make_sets(torch, (shp, shp, shp, shp), torch.bfloat16, min_sets=2)
                 saved = [(do, q, k, v, *cuflash.attention(q, k, v, causal=causal, return_lse=True))
                          for q, k, v, do in sets]
-                fn = lambda do, q, k, v, o, lse: attention_backward(do, q, k, v, o, lse, causal=causal)  # noqa: E731
+                fn = lambda do, q, k, v, o, lse: attention_backward(  # noqa: E731
+                    do, q, k, v, o, lse, causal=causal, deterministic=a.deterministic)
                 flops = 2.5 * 4 * b * s * s * h * d / (2 if causal else 1)
                 tf = lambda ms: flops / ms / 1e9 if ms else float("nan")  # noqa: E731
                 with configured(False):

@@ -92,8 +92,8 @@ def main():
         import importlib
         plan = importlib.import_module("cuflash.plan")
         planned = plan.bwd_ws.planned
-        for b, e, w in ((False, False, False), (True, True, False), (False, True, True)):  # planned: writer
-            flags = dict(dq_bulk=b, dq_early=e, dq_writer=w)
+        for e, w, o in ((False, False, False), (True, False, False), (False, True, True)):  # planned: writer
+            flags = dict(dq_early=e, dq_writer=w, dq_ordered=o)
             plan.bwd_ws.planned = lambda *a, f=flags: dataclasses.replace(planned(*a), **f)
             plan.forget_plans()
             o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)

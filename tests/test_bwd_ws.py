@@ -13,14 +13,17 @@ import pytest
 
 from conftest import assert_compiled_clean, requires_sm90, requires_torch
 from cuflash.kernels import all_variants, bwd_ws
+from cuflash.kernels.bwd import BwdRowVariant
 from cuflash.kernels.bwd_ws import BwdWsVariant
 
-VARIANTS = bwd_ws.variants(90)
-# Every way of adding dQ, each field given (planned() sets dq_early at d = 64, dq_writer at 128)
-FLAGS = [dict(dq_bulk=b, dq_early=e, dq_writer=w) for b, w in ((False, False), (True, False), (False, True))
-         for e in (False, True)]
-BULK = [x for v in VARIANTS if v.dq and not v.split_d and not v.dq_ordered for f in FLAGS
-        if (x := replace(v, **f)) != v]  # the unplanned ones (d = 256 has atomics only)
+VARIANTS = [v for v in bwd_ws.variants(90) if v.family == "bwd_ws"]
+CONVERTS = [v for v in bwd_ws.variants(90) if v.family != "bwd_ws"]
+# Every way of adding dQ, each field given (planned() sets dq_early at d = 64, dq_writer at 128),
+# and the ordered writer (planned deterministic at d = 128 only)
+FLAGS = [dict(dq_early=e, dq_writer=w, dq_ordered=False) for w in (False, True) for e in (False, True)] + [
+    dict(dq_early=False, dq_writer=True, dq_ordered=True)]
+BULK = list(dict.fromkeys(x for v in VARIANTS if v.dq and not v.split_d for f in FLAGS
+                          if (x := replace(v, **f)) not in VARIANTS))  # the unplanned ones (d = 256 has atomics only)
 plan_mod = importlib.import_module("cuflash.plan")  # the module (cuflash.plan is the function)
 
 
@@ -29,8 +32,10 @@ def test_variants():
     sm_90 only, all in all_variants (warmup and the CI's sample draw from it), within 227 KB; at
     d = 256 64 x 64 steps with the head dim split between the groups."""
     assert len({v.name for v in VARIANTS}) == len(VARIANTS) == 36
-    assert bwd_ws.variants(80) == [] and len(bwd_ws.variants(90, mods=False)) == 24
-    assert set(VARIANTS) <= set(all_variants(90))
+    assert bwd_ws.variants(80) == [] and len(bwd_ws.variants(90, mods=False)) == 24 + 6
+    assert set(VARIANTS + CONVERTS) <= set(all_variants(90))
+    assert [(v.kind, v.tiled, v.head_dim) for v in CONVERTS] == [("bwd_convert", True, d) for d in (64, 128, 256)
+                                                                 for _ in range(2)]
     for v in VARIANTS:
         assert v.smem_bytes <= 227 * 1024 and v.threads == 384
         if v.head_dim == 256:
@@ -42,9 +47,9 @@ def test_variants():
 @pytest.mark.parametrize("bad, match", [
     (dict(arch=80), "arch must be 90"), (dict(head_dim=96), "head_dim must be one of"),
     (dict(kind="bwd_dq"), "kind must be"), (dict(causal=True, local=True), "not both"),
-    (dict(dtype="fp32"), "dtype must be"), (dict(kind="bwd_ws_dkdv", dq_bulk=True), "dq_bulk"),
+    (dict(dtype="fp32"), "dtype must be"),
     (dict(kind="bwd_ws_dkdv", dq_early=True), "dq_early"), (dict(kind="bwd_ws_dkdv", dq_writer=True), "dq_writer"),
-    (dict(dq_writer=True, dq_bulk=True), "at most one"), (dict(dq_writer=1), "dq_writer must be a bool"),
+    (dict(dq_writer=1), "dq_writer must be a bool"),
     (dict(head_dim=256, dq_early=True), "at head_dim 256"), (dict(head_dim=256, dq_writer=True), "at head_dim 256"),
     (dict(dq_ordered=True), "needs dq_writer=True"), (dict(kind="bwd_ws_dkdv", dq_ordered=True), "dq_ordered"),
 ])
@@ -54,9 +59,21 @@ def test_bad_variant(bad, match):
         BwdWsVariant(**kw)
 
 
+@pytest.mark.parametrize("kw", [dict(kind="bwd_prep"), dict(head_dim=96), dict(tiled=1)])
+def test_bad_tiled_convert(kw):
+    """The tiled bwd_convert reads 64 x 64 pieces: a convert at a head dim that is a multiple of 64."""
+    with pytest.raises(ValueError, match="tiled must be a bool"):
+        BwdRowVariant(**(dict(kind="bwd_convert", head_dim=128, dtype="bf16", arch=90, tiled=True) | kw))
+
+
 @pytest.fixture(scope="module")
 def compiled(compile_variants):
-    return compile_variants(VARIANTS + BULK)
+    return compile_variants(VARIANTS + BULK + CONVERTS)
+
+
+@pytest.mark.parametrize("v", CONVERTS, ids=lambda v: v.name)
+def test_tiled_convert_compiles(compiled, v):
+    assert_compiled_clean(compiled[v], v)
 
 
 @pytest.mark.parametrize("v", VARIANTS + BULK, ids=lambda v: v.name)
@@ -81,11 +98,12 @@ def _plan(d=128, causal=True, arch=90, **kw):
 def test_planned_on_sm90(d, deterministic):
     p = _plan(d, deterministic=deterministic)
     main = p.launches[1].variant
-    ordered = deterministic and d == 128  # deterministic dQ by the ordered writer, or bwd_dq
+    ordered = deterministic and d != 256  # deterministic dQ by the ordered writer, or bwd_dq
     assert main.family == "bwd_ws" and main.dq == (ordered or not deterministic) and main.causal
-    assert main.dq_ordered == ordered and main.dq_writer == (ordered or (d == 128 and not deterministic))
+    assert main.dq_ordered == ordered and main.dq_writer == main.dq_early == (d != 256)
     assert [la.variant.kind for la in p.launches[::2]] == ["bwd_prep", "bwd_dq" if deterministic and not ordered
                                                           else "bwd_convert"]
+    assert getattr(p.launches[2].variant, "tiled", False) == main.dq  # reads the fragment-ordered accumulator
     assert p.launches[1].grid == ((16 if d == 256 else 8), 2, 2) and p.launches[1].threads == 384
     assert "warp-specialised kernel (bwd_ws" in p.reason
     assert ("each on half the head dim" in p.reason) == (d == 256)
@@ -276,9 +294,10 @@ def test_gpu_strided_operands(rng, d):
 @pytest.mark.parametrize("flags", FLAGS, ids=lambda f: "+".join(k for k, x in f.items() if x) or "atomic")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_gpu_dq_variants(rng, dtype, flags, case, d, mask):
-    """dQ added by bulk reduce-adds from shared memory (dq_bulk), by a producer warp from a
-    staged tile (dq_writer), dQ's product issued before dK's (dq_early): against the reference,
-    and dK, dV bitwise the planned variant's (only the dQ adds differ)."""
+    """dQ added with 16-byte atomics into the fragment-ordered accumulator, by a producer warp from
+    a staged tile (dq_writer; in a fixed order: dq_ordered), dQ's product issued before dK's
+    (dq_early): against the reference, and dK, dV bitwise the planned variant's (only the dQ adds
+    differ)."""
     import torch
     b, sq, sk, h, hk = case
     q, k, v, dout = _inputs(rng, b, sq, sk, h, hk, d, dtype)

@@ -141,12 +141,18 @@ class BwdRowVariant(KernelVariant):
     kind: str
     head_dim: int
     dtype: str
+    # bwd_convert reading the warp-specialised backward's fragment-ordered accumulator (64 x 64
+    # pieces in its registers' order, templates/common/bwd.cuh): dense batches, head_dim exact.
+    tiled: bool = False
 
     def __post_init__(self):
         super().__post_init__()
         if self.kind not in ROW_KINDS:
             raise ValueError(f"kind must be one of {ROW_KINDS}, got {self.kind!r}")
         self._check_head_dim_dtype()
+        if not isinstance(self.tiled, bool) or (self.tiled and (self.kind != "bwd_convert" or self.head_dim % 64)):
+            raise ValueError(f"tiled must be a bool, and True only for bwd_convert at a head_dim that is a multiple "
+                             f"of 64, got {self.tiled!r} ({self.kind}, head_dim {self.head_dim})")
 
     @property
     def params(self) -> ParamTable:
@@ -154,7 +160,7 @@ class BwdRowVariant(KernelVariant):
 
     @functools.cached_property
     def name(self) -> str:
-        return f"{self.kind}_d{self.head_dim}_{self.dtype}_sm{self.arch}"
+        return f"{self.kind}_d{self.head_dim}_{self.dtype}{'_tiled' if self.tiled else ''}_sm{self.arch}"
 
     @property
     def template(self) -> str:
@@ -167,11 +173,13 @@ class BwdRowVariant(KernelVariant):
     def grid(self, batch: int, seqlen_q: int, nheads: int, head_dim: int) -> tuple[int, int, int]:
         if self.kind == "bwd_prep":  # a warp per row of the padded rows
             return (cdiv(cdiv(seqlen_q, ROW_PAD) * ROW_PAD, PREP_ROWS_PER_BLOCK), nheads, batch)
+        if self.tiled:  # a block per 64 x 64 piece
+            return (cdiv(seqlen_q, 64) * (head_dim // 64), nheads, batch)
         return (cdiv(seqlen_q * nheads * (head_dim // 8), CONVERT_THREADS), 1, batch)
 
     def constants(self) -> dict:
         return dict(head_dim=self.head_dim, bf16=self.dtype == "bf16", warps=PREP_ROWS_PER_BLOCK,
-                    threads=CONVERT_THREADS, varlen_row_gap=VARLEN_ROW_GAP)
+                    threads=CONVERT_THREADS, varlen_row_gap=VARLEN_ROW_GAP, tiled=self.tiled)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,9 +3,10 @@ FlashAttention-3: a producer warpgroup loads the block's K and V once and, per s
 tiles by TMA and the rows' LSE and D by bulk copies into two stages on mbarriers; two consumer
 warpgroups of 64 keys each run the wgmma kernel's products (bwd/dkdv_wgmma.cu.j2) with no
 block-wide barrier. At d = 256 (``split_d``) a block has 64 keys and the two groups split the head
-dim of dK, dV and dQ instead, with P^T and dS^T through shared memory. It replaces the second of the backward's three kernels (kernels/bwd.py):
-``bwd_prep`` before it and ``bwd_convert`` (or, deterministic, ``bwd_dq``) after it are the
-same. Dense batches, head dims 64, 128 and 256 (exactly), fp16/bf16, full, causal or sliding-window
+dim of dK, dV and dQ instead, with P^T and dS^T through shared memory. It replaces the second of
+the backward's three kernels (kernels/bwd.py): ``bwd_prep`` before it is the same; after it runs
+``bwd_convert`` reading dQ's fragment-ordered accumulator (``convert()``), or, deterministic
+without dQ, ``bwd_dq``. Dense batches, head dims 64, 128 and 256 (exactly), fp16/bf16, full, causal or sliding-window
 masks, GQA; the planner says where it does not apply (plan._bwd_ws_blocker).
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from . import DTYPES, KernelVariant
-from .bwd import INFO_BYTES, MASKS, VARLEN_ROW_GAP
+from .bwd import INFO_BYTES, MASKS, VARLEN_ROW_GAP, BwdRowVariant
 from .fwd_ws import HANG_TRAP_CYCLES, MAX_CONSUMER_REGS, PRODUCER_REGS
 from .params import ParamTable, strides
 
@@ -24,7 +25,6 @@ BLOCK_N = {64: 128, 128: 128, 256: 64}  # keys per block: two consumer warpgroup
 BLOCK_M = {64: 128, 128: 64, 256: 64}   # query rows per step (the S^T accumulators: 64 keys x block_m)
 BARRIER_BYTES = 64         # K/V full, per Q/dO stage full and empty, dq_writer's full and empty: <= 7 of 8 bytes
 STAGES = 2                 # Q/dO/LSE/D stages
-DQ_ROW_BYTES = 64 * 4 + 32  # a staged dQ row (dq_bulk): 64 fp32, padded (kDqRowBytes in the template)
 
 PARAMS = ParamTable("BwdWsParams", (
     ("tma_q", "CUtensorMap"), ("tma_k", "CUtensorMap"), ("tma_v", "CUtensorMap"), ("tma_do", "CUtensorMap"),
@@ -52,17 +52,14 @@ class BwdWsVariant(KernelVariant):
     dtype: str                # "fp16" or "bf16"
     causal: bool = False
     local: bool = False
-    # dQ added into the fp32 buffer by bulk reduce-adds (cp.reduce.async.bulk, one 256-byte row
-    # each) from rows each consumer warp stages in shared memory, instead of a red.global.add per
-    # pair of elements per thread (FlashAttention-3 adds dQ from shared memory too).
-    dq_bulk: bool = False
     # dQ = dS K issued before dK += dS^T Q, so that dQ's adds into the fp32 buffer overlap dK's
     # product (FlashAttention-3's order); by default dK is issued with dV and the adds wait for
     # both.
     dq_early: bool = False
-    # dQ staged by the consumers in shared memory (a padded tile) and added into the fp32 buffer
-    # by a warp of the producer warpgroup with a bulk reduce-add per row, so that no consumer
-    # waits on the adds (FlashAttention-3's dQ writer).
+    # dQ staged by the consumers in shared memory and added into the fp32 buffer by a warp of the
+    # producer warpgroup with one bulk reduce-add per step, so that no consumer waits on the adds
+    # (FlashAttention-3's dQ writer). Every variant's dQ accumulator is fragment-ordered
+    # (templates/common/bwd.cuh), so the tiled ``bwd_convert`` (convert()) follows it.
     dq_writer: bool = False
     # Deterministic dQ through the writer: a semaphore per query block lets the key blocks add
     # their dQ in a fixed order, each after the previous one's adds are complete (FlashAttention-3's
@@ -79,17 +76,15 @@ class BwdWsVariant(KernelVariant):
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for f in ("dq_bulk", "dq_early", "dq_writer", "dq_ordered"):
+        for f in ("dq_early", "dq_writer", "dq_ordered"):
             if not isinstance(getattr(self, f), bool) or (getattr(self, f) and not self.dq):
                 raise ValueError(f"{f} must be a bool, and True only with kind 'bwd_ws_dkdv_dq', "
                                  f"got {getattr(self, f)!r}")
-        if self.split_d and (self.dq_bulk or self.dq_early or self.dq_writer):
+        if self.split_d and (self.dq_early or self.dq_writer):
             raise ValueError("at head_dim 256 dQ is added with atomics, issued before dK and dV: "
-                             "dq_bulk, dq_early and dq_writer must be False")
+                             "dq_early and dq_writer must be False")
         if self.dq_ordered and not self.dq_writer:
             raise ValueError("dq_ordered orders the dQ writer's adds: it needs dq_writer=True")
-        if self.dq_writer and self.dq_bulk:
-            raise ValueError("dq_writer and dq_bulk are two ways of adding dQ: at most one may be True")
         if not isinstance(self.causal, bool) or not isinstance(self.local, bool) or (self.causal and self.local):
             raise ValueError(f"causal and local must be bools, not both True, got {self.causal!r}, {self.local!r}")
 
@@ -120,8 +115,8 @@ class BwdWsVariant(KernelVariant):
     @functools.cached_property
     def name(self) -> str:
         mask = "local" if self.local else ("causal" if self.causal else "full")
-        bulk = (("_dqbulk" if self.dq_bulk else "") + ("_dqwriter" if self.dq_writer else "")
-                + ("_dqearly" if self.dq_early else "") + ("_ordered" if self.dq_ordered else ""))
+        bulk = (("_dqwriter" if self.dq_writer else "") + ("_dqearly" if self.dq_early else "")
+                + ("_ordered" if self.dq_ordered else ""))
         return f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{bulk}_m{self.block_m}n{self.block_n}_sm{self.arch}"
 
     @property
@@ -140,11 +135,10 @@ class BwdWsVariant(KernelVariant):
     def smem_bytes(self) -> int:
         """Mirrors kSmemBytes in the template: K and V tiles, Q and dO per stage, two dS^T tiles
         (dQ variant; split_d: two P^T and two dS^T tiles), LSE and D per stage, the dQ staging
-        rows (dq_bulk) or tile (dq_writer), the per-block scalars, the mbarriers."""
+        tile (dq_writer), the per-block scalars, the mbarriers."""
         tile_q = self.block_m * self.head_dim * 2
         ds = self.block_n * self.block_m * 2 if self.dq or self.split_d else 0
-        dq_stage = (8 * 16 * DQ_ROW_BYTES if self.dq_bulk else 0) + (
-            self.block_m * (self.head_dim + 8) * 4 if self.dq_writer else 0)
+        dq_stage = self.block_m * self.head_dim * 4 if self.dq_writer else 0
         return (2 * self.block_n * self.head_dim * 2 + 2 * STAGES * tile_q + (4 if self.split_d else 2) * ds
                 + 2 * STAGES * self.block_m * 4 + dq_stage + INFO_BYTES + BARRIER_BYTES)
 
@@ -154,7 +148,7 @@ class BwdWsVariant(KernelVariant):
     def constants(self) -> dict:
         return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, split_d=self.split_d,
                     causal=self.causal, local=self.local, bf16=self.dtype == "bf16", dq=self.dq,
-                    dq_bulk=self.dq_bulk, dq_early=self.dq_early, dq_writer=self.dq_writer,
+                    dq_early=self.dq_early, dq_writer=self.dq_writer,
                     dq_ordered=self.dq_ordered, overlap=self.overlap, producer_regs=PRODUCER_REGS,
                     consumer_regs=MAX_CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES,
                     info_bytes=INFO_BYTES, barrier_bytes=BARRIER_BYTES, varlen_row_gap=VARLEN_ROW_GAP)
@@ -162,23 +156,29 @@ class BwdWsVariant(KernelVariant):
 
 def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic: bool,
             arch: int = 90) -> BwdWsVariant:
-    """The variant a backward plan launches for these head dim, dtype, mask and dQ mode: with
-    atomic dQ, the dQ writer at d = 128 and dQ's product issued early at d = 64, the fastest of the
-    dQ variants on an H200 at each (BENCHMARKS.md, scripts/bench_bwd_ws.py); deterministic, the
-    writer with ordered adds at d = 128, and elsewhere no dQ (the deterministic dQ kernel computes
-    it: at d = 64 the ordered writer, one bulk add per 256-byte row, was slower without a mask; at
-    d = 256 its tile does not fit in shared memory)."""
-    ordered = deterministic and head_dim == 128
-    dq = ordered or not deterministic
+    """The variant a backward plan launches for these head dim, dtype, mask and dQ mode: at d = 64
+    and 128 the dQ writer with dQ's product issued early, its adds in a fixed order when
+    deterministic (the fastest of the dQ variants on an H200 at each, and the ordered writer
+    faster than the deterministic dQ kernel: BENCHMARKS.md, scripts/bench_bwd_ws.py); at d = 256
+    atomics, and deterministic no dQ (the deterministic dQ kernel computes it: the writer's tile
+    does not fit in shared memory there)."""
+    dq = not deterministic or head_dim != 256
     return BwdWsVariant(kind="bwd_ws_dkdv_dq" if dq else "bwd_ws_dkdv", head_dim=head_dim, dtype=dtype,
-                        causal=causal, local=local, arch=arch, dq_early=not deterministic and head_dim == 64,
-                        dq_writer=dq and head_dim == 128, dq_ordered=ordered)
+                        causal=causal, local=local, arch=arch, dq_early=head_dim != 256, dq_writer=head_dim != 256,
+                        dq_ordered=deterministic and head_dim != 256)
 
 
-def variants(arch: int, mods: bool = True) -> list[BwdWsVariant]:
-    """Every bwd_ws variant a plan can launch on ``arch`` (sm_90 only); ``mods=False`` leaves out
-    the sliding-window ones."""
+def convert(head_dim: int, dtype: str, arch: int = 90) -> BwdRowVariant:
+    """The ``bwd_convert`` after a bwd_ws kernel that adds dQ: it reads the fragment-ordered
+    accumulator."""
+    return BwdRowVariant(kind="bwd_convert", head_dim=head_dim, dtype=dtype, arch=arch, tiled=True)
+
+
+def variants(arch: int, mods: bool = True) -> list[KernelVariant]:
+    """Every bwd_ws variant a plan can launch on ``arch`` (sm_90 only), and the tiled
+    ``bwd_convert`` kernels after them; ``mods=False`` leaves out the sliding-window ones."""
     if arch != 90:
         return []
     return [planned(d, dt, c, loc, det, arch) for d in HEAD_DIMS for dt in DTYPES
-            for c, loc in (MASKS if mods else MASKS[:2]) for det in (False, True)]
+            for c, loc in (MASKS if mods else MASKS[:2]) for det in (False, True)] + [
+        convert(d, dt, arch) for d in HEAD_DIMS for dt in DTYPES]

@@ -99,40 +99,22 @@
         }
         fence_regs(dq);
         if constexpr (!kDqEarly) mbar_arrive(bar_empty(st));  // this thread's products have read the stage (Q, dO, LSE, D)
-        float* dqa = dq_accum + (info_i64(sInfo, kInfoStats) + (long long)h * head_rows + m0) * kHeadDim;
-        if constexpr (kDqBulk) {
-          // This warp's 16 rows x 64 columns to its staging rows (once the previous step's
-          // reduce-adds have read them), then lane 0 adds each row into the buffer (256 bytes).
-          char* stage = reinterpret_cast<char*>(smem) + kOffDqS + cw * 16 * kDqRowBytes;
-          if (lane == 0) bulk_wait_read();
-          __syncwarp();
-#pragma unroll
-          for (int r = 0; r < 2; ++r)
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-              *reinterpret_cast<float2*>(stage + ((lane >> 2) + r * 8) * kDqRowBytes + (j * 8 + (lane & 3) * 2) * 4) =
-                  make_float2(dq[j][2 * r], dq[j][2 * r + 1]);
-          fence_proxy_async();
-          __syncwarp();
-          if (lane == 0) {
-            float* g = dqa + (kDqQ * wg * 64 + (cw & 3) * 16) * kHeadDim + kDqD * wg * 64;
-#pragma unroll 1
-            for (int r = 0; r < 16; ++r) bulk_reduce_add_f32(g + r * kHeadDim, sK + kOffDqS + (cw * 16 + r) * kDqRowBytes, 256);
-            bulk_commit();
-          }
-        } else if constexpr (kDqWriter) {
-          // This thread's dQ fragments to the staged tile once the writer has read the previous
-          // step's, made visible to the bulk copies (async proxy), then handed to the writer.
+        // This group's 64 x 64 piece of the step's dQ (piece wg: queries 64 wg with kDqQ, columns
+        // 64 wg with kDqD) in fragment order (bwd.cuh).
+        const int t = ctid & 127;
+        if constexpr (kDqWriter) {
+          // To the staged tile once the writer has read the previous step's, made visible to the
+          // bulk copy (async proxy), then handed to the writer.
           if (it > 0) mbar_wait<kHangTrap>(bar_dq_empty, (it - 1) & 1);
-          float* tile = reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + kOffDqW);
-          for_each_pair(dq, kDqQ * wg * 64 + (cw & 3) * 16, kDqD * wg * 64, [&](int row, int col, float x, float y) {
-            *reinterpret_cast<float2*>(tile + row * kDqStride + col) = make_float2(x, y);
-          });
+          float* tile = reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + kOffDqW) + wg * 4096;
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            *reinterpret_cast<float4*>(frag_word(tile, j, t)) = make_float4(dq[j][0], dq[j][1], dq[j][2], dq[j][3]);
           fence_proxy_async();
           mbar_arrive(bar_dq_full);
         } else {
-          for_each_pair(dq, kDqQ * wg * 64 + (cw & 3) * 16, kDqD * wg * 64,
-                        [&](int row, int col, float x, float y) { red_add_f32x2(dqa + row * kHeadDim + col, x, y); });
+          red_add_frag(dq_accum + (info_i64(sInfo, kInfoStats) + (long long)h * head_rows + m0) * kHeadDim + wg * 4096,
+                       dq, t);
         }
         if constexpr (kDqEarly) {
           wgmma_wait<0>();

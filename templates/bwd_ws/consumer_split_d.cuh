@@ -79,9 +79,9 @@
       if constexpr (kDqAtomic) {
         wgmma_wait<1>();
         fence_regs(dq);
-        float* dqa = dq_accum + (info_i64(sInfo, kInfoStats) + (long long)h * head_rows + m0) * kHeadDim;
-        for_each_pair(dq, key_w, col_w,
-                      [&](int row, int col, float x, float y) { red_add_f32x2(dqa + row * kHeadDim + col, x, y); });
+        // The group's pieces 2 wg and 2 wg + 1 (columns 128 wg ...) of the step's dQ, in fragment order (bwd.cuh).
+        red_add_frag(dq_accum + (info_i64(sInfo, kInfoStats) + (long long)h * head_rows + m0) * kHeadDim + 2 * wg * 4096,
+                     dq, ctid & 127);
       }
       wgmma_wait<0>();
       mbar_arrive(bar_empty(st));  // this thread's products have read the stage (Q, dO, LSE, D)

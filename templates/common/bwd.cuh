@@ -170,19 +170,6 @@ __device__ __forceinline__ void ds_t(float (&dp)[kQT][4], const float (&p)[kQT][
   }
 }
 
-// f(row, column, x, y) for each pair of adjacent columns of a warp's 16 rows of an fp32
-// accumulator of kNT n8 tiles (mma.sync's and wgmma.cuh's C layout: rows lane / 4 + {0, 8}),
-// its rows counted from row0 and its columns from col0.
-template <int kNT, class F>
-__device__ __forceinline__ void for_each_pair(const float (&c)[kNT][4], int row0, int col0, F f) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int r = 0; r < 2; ++r)
-#pragma unroll
-    for (int j = 0; j < kNT; ++j)
-      f(row0 + (lane >> 2) + r * 8, col0 + j * 8 + (lane & 3) * 2, c[j][2 * r], c[j][2 * r + 1]);
-}
-
 // Transposed ALiBi: s -= slope * |i + seqlen_k - seqlen_q - j| on an S^T fragment, with `pos0` =
 // q0 + seqlen_k - seqlen_q (the key aligned with the fragment's first query) and the slope in
 // the units of the raw scores (mask.cuh's apply_alibi seen from the keys).
@@ -241,6 +228,32 @@ __device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
   red_add_f32(p, x);
   red_add_f32(p + 1, y);
 #endif
+}
+
+__device__ __forceinline__ void red_add_f32x4(float* p, const float (&x)[4]) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], { %1, %2, %3, %4};" :: "l"(p), "f"(x[0]), "f"(x[1]), "f"(x[2]), "f"(x[3])
+               : "memory");
+#else
+  red_add_f32x2(p, x[0], x[1]);
+  red_add_f32x2(p + 2, x[2], x[3]);
+#endif
+}
+
+// The fragment-ordered dQ accumulator of the warp-specialised backward (FlashAttention-3's
+// dQaccum): the rows of a 64-row query block hold, per 64-column block, a 64 x 64 piece whose
+// 4096 floats are a warpgroup's m64n64 accumulator in register order: value e of n8 tile j of
+// thread t (row 16 (t / 32) + (t % 32) / 4 + 8 (e / 2), column 8 j + 2 (t % 4) + e % 2 of the
+// piece) at (j * 128 + t) * 4 + e. A thread's four values of a tile are one 16-byte word and a
+// warp's 32 words are 512 contiguous bytes, so the adds need no exchange and stay coalesced.
+// The word of n8 tile j (8 per piece, then the next piece) of thread t.
+__device__ __forceinline__ float* frag_word(float* piece, int j, int t) {
+  return piece + (j >> 3) * 4096 + ((j & 7) * 128 + t) * 4;
+}
+template <int kNT>
+__device__ __forceinline__ void red_add_frag(float* piece, const float (&c)[kNT][4], int t) {
+#pragma unroll
+  for (int j = 0; j < kNT; ++j) red_add_f32x4(frag_word(piece, j, t), c[j]);
 }
 
 // Write a warp's C fragments (kMT 16-row tiles x kNT n8 tiles, times `mul`) into a padded
