@@ -550,8 +550,11 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     if ordered:
         order = ("from the last key block that sees it (the key blocks are launched from the last)" if causal or local
                  else "from the first key block")
-        why.append("deterministic=True: the dK/dV kernel's dQ writer adds dQ = dS K into an fp32 accumulator with "
-                   "bulk reduce-adds in a fixed order: per query block a semaphore lets the key blocks add in turn, "
+        who = ("the dK/dV kernel's consumer warpgroups add dQ = dS K into an fp32 accumulator with atomics, each "
+               "its own columns," if main.split_d else
+               "the dK/dV kernel's dQ writer adds dQ = dS K into an fp32 accumulator with bulk reduce-adds")
+        why.append(f"deterministic=True: {who} in a fixed order: per query block a semaphore lets the key blocks add "
+                   "in turn, "
                    f"{order}, each once the previous one's adds are complete; every gradient is bitwise repeatable, "
                    "and bwd_convert scales dQ into the input dtype.")
     elif p.deterministic:

@@ -486,9 +486,9 @@ def test_prepared_launches_fired_anew_match_a_fresh_run(monkeypatch, arch, d, de
     (q, k, v, do, o), lse, (dq, dk, dv), ws = second  # the fields are the second call's pointers
     _, rows = backward.stats_rows(b, sq, h)
     prep, main, last = (f for _, _, f in fresh)
-    # deterministic: no dQ accumulator (the dQ kernel writes dQ), except on sm_90 at d = 128: the
-    # accumulator and, after it, the ordered dQ writer's semaphores (one per 64 rows)
-    ordered = deterministic and arch == 90 and d == 128
+    # deterministic: no dQ accumulator (the dQ kernel writes dQ), except on sm_90 (bwd_ws at d = 64,
+    # 128 and 256): the accumulator and, after it, the ordered adds' semaphores (one per 64 rows)
+    ordered = deterministic and arch == 90 and d in (64, 128, 256)
     dq_kernel = deterministic and not ordered
     assert (prep["dout"], prep["out"], prep["lse"], prep["lse2"], prep["dsum"], prep["dq_accum"], prep["dq_sem"]) == (
         do.ptr, o.ptr, lse.ptr, ws, ws + 4 * rows, 0 if dq_kernel else ws + 8 * rows,

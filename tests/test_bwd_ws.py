@@ -98,8 +98,8 @@ def _plan(d=128, causal=True, arch=90, **kw):
 def test_planned_on_sm90(d, deterministic):
     p = _plan(d, deterministic=deterministic)
     main = p.launches[1].variant
-    ordered = deterministic and d != 256  # deterministic dQ by the ordered writer, or bwd_dq
-    assert main.family == "bwd_ws" and main.dq == (ordered or not deterministic) and main.causal
+    ordered = deterministic  # deterministic dQ by the ordered writer (d = 256: ordered atomics)
+    assert main.family == "bwd_ws" and main.dq and main.causal
     assert main.dq_ordered == ordered and main.dq_writer == main.dq_early == (d != 256)
     assert [la.variant.kind for la in p.launches[::2]] == ["bwd_prep", "bwd_dq" if deterministic and not ordered
                                                           else "bwd_convert"]

@@ -61,9 +61,10 @@ class BwdWsVariant(KernelVariant):
     # (FlashAttention-3's dQ writer). Every variant's dQ accumulator is fragment-ordered
     # (templates/common/bwd.cuh), so the tiled ``bwd_convert`` (convert()) follows it.
     dq_writer: bool = False
-    # Deterministic dQ through the writer: a semaphore per query block lets the key blocks add
-    # their dQ in a fixed order, each after the previous one's adds are complete (FlashAttention-3's
-    # deterministic mode); with a causal or local mask the key blocks run from the last.
+    # Deterministic dQ through the writer (at d = 256 the consumers' atomics): a semaphore per
+    # query block lets the key blocks add their dQ in a fixed order, each after the previous one's
+    # adds are complete (FlashAttention-3's deterministic mode); with a causal or local mask the
+    # key blocks run from the last.
     dq_ordered: bool = False
 
     def __post_init__(self):
@@ -83,8 +84,9 @@ class BwdWsVariant(KernelVariant):
         if self.split_d and (self.dq_early or self.dq_writer):
             raise ValueError("at head_dim 256 dQ is added with atomics, issued before dK and dV: "
                              "dq_early and dq_writer must be False")
-        if self.dq_ordered and not self.dq_writer:
-            raise ValueError("dq_ordered orders the dQ writer's adds: it needs dq_writer=True")
+        if self.dq_ordered and not (self.dq_writer or (self.split_d and self.dq)):
+            raise ValueError("dq_ordered orders the dQ writer's adds (at head_dim 256 the atomic ones): "
+                             "it needs dq_writer=True")
         if not isinstance(self.causal, bool) or not isinstance(self.local, bool) or (self.causal and self.local):
             raise ValueError(f"causal and local must be bools, not both True, got {self.causal!r}, {self.local!r}")
 
@@ -157,15 +159,12 @@ class BwdWsVariant(KernelVariant):
 def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic: bool,
             arch: int = 90) -> BwdWsVariant:
     """The variant a backward plan launches for these head dim, dtype, mask and dQ mode: at d = 64
-    and 128 the dQ writer with dQ's product issued early, its adds in a fixed order when
-    deterministic (the fastest of the dQ variants on an H200 at each, and the ordered writer
-    faster than the deterministic dQ kernel: BENCHMARKS.md, scripts/bench_bwd_ws.py); at d = 256
-    atomics, and deterministic no dQ (the deterministic dQ kernel computes it: the writer's tile
-    does not fit in shared memory there)."""
-    dq = not deterministic or head_dim != 256
-    return BwdWsVariant(kind="bwd_ws_dkdv_dq" if dq else "bwd_ws_dkdv", head_dim=head_dim, dtype=dtype,
-                        causal=causal, local=local, arch=arch, dq_early=head_dim != 256, dq_writer=head_dim != 256,
-                        dq_ordered=deterministic and head_dim != 256)
+    and 128 the dQ writer with dQ's product issued early, at d = 256 (no room for the writer's
+    tile) atomics; deterministic, the same adds in a fixed order (the fastest of the dQ variants
+    on an H200 at each, and the ordered adds faster than the deterministic dQ kernel:
+    BENCHMARKS.md, scripts/bench_bwd_ws.py)."""
+    return BwdWsVariant(kind="bwd_ws_dkdv_dq", head_dim=head_dim, dtype=dtype, causal=causal, local=local,
+                        arch=arch, dq_early=head_dim != 256, dq_writer=head_dim != 256, dq_ordered=deterministic)
 
 
 def convert(head_dim: int, dtype: str, arch: int = 90) -> BwdRowVariant:

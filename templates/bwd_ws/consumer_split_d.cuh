@@ -79,9 +79,22 @@
       if constexpr (kDqAtomic) {
         wgmma_wait<1>();
         fence_regs(dq);
-        // The group's pieces 2 wg and 2 wg + 1 (columns 128 wg ...) of the step's dQ, in fragment order (bwd.cuh).
-        red_add_frag(dq_accum + (info_i64(sInfo, kInfoStats) + (long long)h * head_rows + m0) * kHeadDim + 2 * wg * 4096,
-                     dq, ctid & 127);
+        // The group's pieces 2 wg and 2 wg + 1 (columns 128 wg ...) of the step's dQ, in fragment
+        // order (bwd.cuh). kDqOrdered: once both groups of every key block before this one have
+        // added theirs (the semaphore counts groups), and counted once every thread's adds are
+        // complete (group barrier 2 + wg).
+        const long long row = info_i64(sInfo, kInfoStats) + (long long)h * head_rows + m0;
+        const bool leader = (ctid & 127) == 0;
+        if constexpr (kDqOrdered) {
+          if (leader) sem_wait<kHangTrap>(dq_sem + (row >> 6), 2 * dq_turn(m0));
+          named_bar_sync_at<128>(2 + wg);
+        }
+        red_add_frag(dq_accum + row * kHeadDim + 2 * wg * 4096, dq, ctid & 127);
+        if constexpr (kDqOrdered) {
+          __threadfence();
+          named_bar_sync_at<128>(2 + wg);
+          if (leader) sem_release(dq_sem + (row >> 6));
+        }
       }
       wgmma_wait<0>();
       mbar_arrive(bar_empty(st));  // this thread's products have read the stage (Q, dO, LSE, D)

@@ -117,8 +117,8 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
-// A semaphore in global memory: an int counting turns. sem_wait spins until it reads `turn`
-// (acquire, GPU scope; traps after kTrapAfter cycles as mbar_wait does), then orders this
+// A semaphore in global memory: an int counting turns. sem_wait spins until it reads `turn` or
+// more (acquire, GPU scope; traps after kTrapAfter cycles as mbar_wait does), then orders this
 // thread's later bulk copies (async proxy) after what it saw. sem_release, once this thread's
 // bulk writes are complete (bulk_wait), orders them before the release that counts one more turn.
 template <long long kTrapAfter = 0>
@@ -128,7 +128,7 @@ __device__ __forceinline__ void sem_wait(const int* sem, int turn) {
   while (true) {
     int v;
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(sem) : "memory");
-    if (v == turn) break;
+    if (v >= turn) break;
     if constexpr (kTrapAfter > 0) {
       long long t;
       asm volatile("mov.u64 %0, %%clock64;" : "=l"(t));
