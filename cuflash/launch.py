@@ -184,7 +184,7 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
     p = plan.problem
     if plan.launches[0].variant.kind == "fwd_ws":
         if all(fwd_ws.tma_readable(x) for x in (q, k, v)):
-            return _prepare_ws(plan, q, k, v, o, softmax_scale, device)
+            return _prepare_ws(plan, q, k, v, o, softmax_scale, device, flashmask)
         plan = make_plan(replace(p, tma=False), plan.device)  # the wgmma kernel reads any strides
     ngroups = p.nheads // p.nheads_k
     seqlens_ptr, batch_idx_ptr, table_ptr, table_stride = cache
@@ -206,17 +206,22 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
     rows = p.batch * plan.nheads_eff * plan.seqlen_q_eff
     n_o = plan.num_splits * rows * main.variant.head_dim if split else 0
     early, smem = _early_smem(plan, main)
-    prep = None
-    if main.variant.flashmask:
-        ptr, st, heads, ws = flashmask
-        pl = plan.launches[1]
-        prep = (compiler.get_kernel(pl.variant, device), pl.grid, (pl.threads,),
-                dict(idx=ptr, idx_sb=st[0], idx_sh=st[1], idx_ss=st[2], idx_sc=st[3], out=ws,
-                     seqlen_k=p.seqlen_k, block_n=main.variant.block_n, heads=heads))
     return Recipe(plan, kernel, (*main.grid, 1, 1)[:3], (main.threads, 1, 1), smem,
                   values[fwd.DATA_HEAD:-fwd.DATA_TAIL], split, dict(combine, **o_strides, cu_seqlens_q=cu_q),
                   main.grid[0] * main.grid[1] * p.batch, n_o + plan.num_splits * rows if split else 0, n_o, early,
-                  prep=prep)
+                  prep=_flashmask_prep(plan, flashmask, device))
+
+
+def _flashmask_prep(plan: Plan, flashmask, device: int):
+    """The FlashMask prep launch of a FlashMask plan (kernel, grid, block, fields), else None."""
+    main = plan.launches[0].variant
+    if not main.flashmask:
+        return None
+    ptr, st, heads, ws = flashmask
+    pl = plan.launches[1]
+    return (compiler.get_kernel(pl.variant, device), pl.grid, (pl.threads,),
+            dict(idx=ptr, idx_sb=st[0], idx_sh=st[1], idx_ss=st[2], idx_sc=st[3], out=ws,
+                 seqlen_k=plan.problem.seqlen_k, block_n=main.block_n, heads=heads))
 
 
 def _flashmask_fields(plan: Plan, flashmask) -> dict:
@@ -276,9 +281,10 @@ def _sink_fields(plan: Plan, sinks) -> dict:
     return dict(sinks=ptr, sinks_dtype=fwd.SINK_DTYPES[dtype], sinks_sh=g, sinks_sr=1 if plan.pack_gqa else 0)
 
 
-def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int) -> Recipe:
+def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int, flashmask=None) -> Recipe:
     """The Recipe of a fwd_ws launch: its struct's fields after o and lse, and the shapes,
-    strides and boxes of its three tensor maps (encoded in ``fire``: they hold the pointers)."""
+    strides and boxes of its three tensor maps (encoded in ``fire``: they hold the pointers);
+    ``flashmask`` as ``prepare`` takes it."""
     p, main = plan.problem, plan.launches[0]
     w = main.variant
     kernel = compiler.get_kernel(w, device)
@@ -286,11 +292,12 @@ def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int) -> Re
         tma_q=bytes(fwd_ws.TENSOR_MAP_BYTES), tma_k=bytes(fwd_ws.TENSOR_MAP_BYTES),
         tma_v=bytes(fwd_ws.TENSOR_MAP_BYTES), o=0, lse=0, **stride_values("o", _strides(o, False, 1)),
         lse_sb=p.nheads * p.seqlen_q, lse_sh=p.seqlen_q, lse_sr=1, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
-        ngroups=p.nheads // p.nheads_k, nheads=p.nheads, batch=p.batch, scale_log2=softmax_scale * _LOG2E)
+        ngroups=p.nheads // p.nheads_k, nheads=p.nheads, batch=p.batch, scale_log2=softmax_scale * _LOG2E,
+        **_flashmask_fields(plan, flashmask))
     maps = tuple((tuple(x.shape), tuple(x.strides), box) for x, box in ((q, w.block_m), (k, w.block_n), (v, w.block_n)))
     early, smem = _early_smem(plan, main)
     return Recipe(plan, kernel, main.grid, (main.threads, 1, 1), smem, values[5:], False, {}, 0, 0, 0, early,
-                  (p.dtype, *maps))
+                  (p.dtype, *maps), _flashmask_prep(plan, flashmask, device))
 
 
 def _early_smem(plan: Plan, main) -> tuple[bool, int]:
@@ -307,15 +314,15 @@ def fire(r: Recipe, device: int, stream: int, q: int, k: int, v: int, o: int, ls
     """Launch a prepared plan on ``stream`` (a raw pointer) for these data pointers;
     ``workspace`` is the (partial O, partial LSE) pointer pair when the plan splits. ``fused=False``
     merges the splits with the combine kernel (no per-stream counter buffer is made)."""
+    if r.prep is not None and r.prep[1][0] > 0:  # no key block: nothing to reduce
+        kernel, grid, block, fields = r.prep
+        kernel(grid, block, stream, **fields)
     if r.maps is not None:
         dtype, mq, mk, mv = r.maps
         r.kernel.launch(r.grid, r.block, r.smem, stream,
                         (fwd_ws.tensor_map(q, *mq, dtype), fwd_ws.tensor_map(k, *mk, dtype),
                          fwd_ws.tensor_map(v, *mv, dtype), o, lse, *r.mid), r.early)
         return
-    if r.prep is not None and r.prep[1][0] > 0:  # no key block: nothing to reduce
-        kernel, grid, block, fields = r.prep
-        kernel(grid, block, stream, **fields)
     if not r.split:
         r.kernel.launch(r.grid, r.block, r.smem, stream, (q, k, v, o, lse, *r.mid, 0, 0, 0), r.early)
         return

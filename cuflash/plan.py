@@ -382,27 +382,41 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
 
 def _flashmask_plan(p: Problem, dev: DeviceFacts) -> Plan:
     """A FlashMask forward: the prep kernel reduces startend_row_indices to each K/V tile's min and
-    max of every bound column, then the standard kernel (never fwd_ws, never split, no GQA packing:
-    its rows are query positions) skips, masks or runs each tile plain."""
+    max of every bound column, then the forward kernel (on sm_90 the warp-specialised one where it
+    applies, else the standard one; never split, no GQA packing: its rows are query positions)
+    skips, masks or runs each tile plain."""
     _flashmask_rejects(p)
     bucket = head_dim_bucket(p.head_dim)
     even = p.head_dim == bucket
     bm, bn, warps, stages, mma = flashmask_tile(bucket, even, dev.arch)
-    v = FwdVariant(kind="fwd", head_dim=bucket, dtype=p.dtype, causal=p.causal, even_head_dim=even, block_m=bm,
-                   block_n=bn, warps=warps, arch=dev.arch, stages=stages, softcap=p.softcap, mma=mma,
-                   flashmask=p.flashmask)
+    bn_std = bn
+    ws = _fwd_ws_blocker(p, even, bucket, False, False) if mma == "wgmma" else None
+    if ws == "":
+        v = fwd_ws.planned(bucket, p.dtype, p.causal, p.seqlen_q, dev.arch, p.flashmask)
+        bm, bn = v.block_m, v.block_n
+        kernel = (f"the warp-specialised forward (fwd_ws, sm_90a: a producer warpgroup loading Q and K/V tiles by "
+                  f"TMA, {v.consumers} consumer warpgroups of 64 query rows) walks only the K/V blocks of {bn} "
+                  f"keys in which some row of its {bm}-row tile is visible (the others are never loaded), masks")
+    else:
+        v = FwdVariant(kind="fwd", head_dim=bucket, dtype=p.dtype, causal=p.causal, even_head_dim=even, block_m=bm,
+                       block_n=bn, warps=warps, arch=dev.arch, stages=stages, softcap=p.softcap, mma=mma,
+                       flashmask=p.flashmask)
+        kernel = (f"the standard forward kernel (never split, no GQA packing) then skips the math of each tile of "
+                  f"{bm} x {bn} whose rows are all masked, masks")
     prep = FlashMaskPrepVariant(columns=p.flashmask, arch=dev.arch)
     heads = p.flashmask_heads or 1
-    launches = (Launch(v, (cdiv(p.seqlen_q, bm), p.nheads, p.batch), v.threads, v.smem_bytes),
+    grid = v.grid(p.batch, p.seqlen_q, p.nheads) if ws == "" else (cdiv(p.seqlen_q, bm), p.nheads, p.batch)
+    launches = (Launch(v, grid, v.threads, v.smem_bytes),
                 Launch(prep, prep.grid(p.batch, heads, p.seqlen_k, bn), prep.threads, 0))
-    workspace = 4 * prep.workspace_ints(p.batch, heads, p.seqlen_k, bn)
+    # Room for the standard kernel's blocks too: launch.prepare runs it instead of fwd_ws when the
+    # operands' strides turn out unreadable by the TMA.
+    workspace = 4 * max(prep.workspace_ints(p.batch, heads, p.seqlen_k, n) for n in (bn, bn_std))
     why = [f"startend_row_indices (FlashMask, n={p.flashmask}, causal={p.causal}): {prep.name} runs first and "
-           f"writes the min and max of each bound column per block of {bn} keys ({workspace} B); the standard "
-           f"forward kernel (never fwd_ws, never split, no GQA packing) then skips the math of each tile of "
-           f"{bm} x {bn} whose rows are all masked, masks the partly masked ones element by element and runs "
-           "the rest unmasked."]
-    if mma == "wgmma":
-        why.append(f"sm_90: Hopper's warpgroup MMA (wgmma, sm_90a), {warps // 4} warpgroups of 64 query rows.")
+           f"writes the min and max of each bound column per block of {bn} keys ({workspace} B); {kernel} the "
+           "partly masked ones element by element and runs the rest unmasked."]
+    if ws:
+        why.append(f"sm_90: Hopper's warpgroup MMA (wgmma, sm_90a), {warps // 4} warpgroups of 64 query rows; not "
+                   f"the warp-specialised kernel: {ws}.")
     if p.softcap:
         why.append("scores are softcapped (softcap * tanh(s / softcap)) in registers.")
     if p.seqlen_k == 0:

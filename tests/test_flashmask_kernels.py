@@ -1,5 +1,6 @@
 """FlashMask in the forward kernels: the prep kernel and the flashmask variants compile clean
-offline (NVRTC, no GPU), plans route FlashMask to the standard kernel with the prep launch,
+offline (NVRTC, no GPU), plans route FlashMask to the warp-specialised kernel on sm_90 (else the
+standard one) with the prep launch,
 attention rejects the options it cannot be combined with before any launch, and (on a GPU) the
 outputs and LSE match the float64 reference with flash-attn's rule for every builder in
 cuflash.masks."""
@@ -10,8 +11,8 @@ import cuflash
 from cuflash import codegen, masks
 from cuflash.kernels import covering_sample
 from cuflash.kernels.flashmask import FlashMaskPrepVariant
-from cuflash.kernels.fwd import FLASHMASK_PARAMS, PARAMS, FwdVariant, flashmask_variants
-from conftest import assert_compiled_clean, requires_gpu, requires_torch
+from cuflash.kernels.fwd import FLASHMASK_PARAMS, PARAMS, FwdVariant, flashmask_tile, flashmask_variants
+from conftest import assert_compiled_clean, requires_gpu, requires_sm90, requires_torch
 
 PREP = [FlashMaskPrepVariant(columns=n, arch=a) for a in (80, 90) for n in (1, 2, 4)]
 # The covering sample's FlashMask variants: each n on both archs (mma.sync and wgmma on sm_90).
@@ -19,7 +20,7 @@ SAMPLE = [v for v in covering_sample() if getattr(v, "flashmask", 0)]
 
 
 def test_sample_has_every_n_on_both_archs():
-    got = {(v.arch, v.flashmask, v.mma) for v in SAMPLE}
+    got = {(v.arch, v.flashmask, getattr(v, "mma", "wgmma")) for v in SAMPLE}
     for arch in (80, 90):
         assert {n for a, n, _ in got if a == arch} == {1, 2, 4}
     assert any(m == "wgmma" for *_, m in got)
@@ -62,17 +63,28 @@ def _plan(q=(2, 512, 8, 64), hk=2, arch=90, **kw):
                                        (True, masks.causal_blockwise([200, 200, 112], batch=2)),
                                        (False, masks.document([100, 412], batch=2)),
                                        (False, masks.global_sliding_window(512, 16, 64, batch=2))])
-def test_plan_routes_flashmask_to_the_standard_kernel(arch, causal, x):
+def test_plan_routes_flashmask(arch, causal, x):
+    """sm_90: the warp-specialised forward; sm_80: the standard kernel; the prep kernel reduces the
+    indices per block of the forward's keys, in a workspace with room for either kernel's blocks."""
     p = _plan(arch=arch, causal=causal, startend_row_indices=x)
     v, prep = (l.variant for l in p.launches)
     n = x.shape[-1]
-    assert v.kind == "fwd" and v.flashmask == n and v.causal == causal and p.num_splits == 1
-    assert prep.family == "flashmask" and prep.columns == n
+    assert v.kind == ("fwd_ws" if arch == 90 else "fwd") and v.flashmask == n and v.causal == causal
+    assert p.num_splits == 1 and prep.family == "flashmask" and prep.columns == n
     assert p.launches[1].grid == (-(-512 // v.block_n), 1, 2)
-    assert p.workspace_bytes == 4 * 2 * (-(-512 // v.block_n)) * 2 * n
-    assert "startend_row_indices (FlashMask" in p.reason and "never fwd_ws, never split" in p.reason
+    bn_std = flashmask_tile(64, True, arch)[1]
+    assert p.workspace_bytes == 4 * 2 * max(-(-512 // b) for b in (v.block_n, bn_std)) * 2 * n
+    assert "startend_row_indices (FlashMask" in p.reason
+    assert ("warp-specialised forward (fwd_ws" in p.reason) == (arch == 90)
+    assert ("the standard forward kernel (never split" in p.reason) == (arch == 80)
     assert "skipped" in p.reason and "not run FlashMask" not in p.reason
-    assert (v.mma == "wgmma") == (arch == 90)
+
+
+def test_plan_flashmask_softcap_keeps_the_standard_kernel():
+    p = _plan(arch=90, causal=True, softcap=5.0, startend_row_indices=(2, 1, 512, 1))
+    v = p.launches[0].variant
+    assert v.kind == "fwd" and v.mma == "wgmma" and v.softcap and v.flashmask == 1
+    assert "not the warp-specialised kernel: it has no sliding window, softcap or ALiBi" in p.reason
 
 
 def test_plan_flashmask_never_splits_or_packs():
@@ -183,10 +195,25 @@ def _run(rng, b, s, h, hk, d, dtype, causal, x, **kw):
 
 @requires_gpu
 @requires_torch
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("name, causal, x", _builders(300), ids=lambda a: a if isinstance(a, str) else None)
 def test_gpu_builders(rng, name, causal, x, d):
     _run(rng, 2, 300, 4, 2, d, "bfloat16", causal, np.concatenate([x, x]))
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("name, causal, x", [b for b in _builders(1500) if b[0] in (
+    "causal_document", "share_question", "global_sliding_window", "qk_sparse", "prefix_lm_document",
+    "random_eviction")], ids=lambda a: a if isinstance(a, str) else None)
+def test_gpu_fwd_ws_longer(rng, name, causal, x, d, dtype):
+    """The warp-specialised forward (sm_90) over many K/V blocks, some never loaded: GQA, both
+    dtypes, every head dim it has."""
+    kernel = _plan(q=(1, 1500, 8, d), hk=2, causal=causal, startend_row_indices=x).launches[0].variant
+    assert kernel.kind == "fwd_ws" and kernel.flashmask == x.shape[-1]
+    _run(rng, 1, 1500, 8, 2, d, dtype, causal, x)
 
 
 @requires_gpu

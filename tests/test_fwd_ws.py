@@ -20,7 +20,8 @@ from cuflash.kernels import all_variants, covering_sample, fwd_ws
 from cuflash.kernels.fwd_ws import FwdWsVariant
 from cuflash.kernels.params import ParamTable
 
-VARIANTS = fwd_ws.variants(90)
+VARIANTS = fwd_ws.variants(90, mods=False)
+FLASHMASK = [v for v in fwd_ws.variants(90) if v.flashmask]  # the planned tiles, with FlashMask
 REG_FILE = 65536  # 32-bit registers per SM (and so per block with one block per SM)
 
 
@@ -35,6 +36,9 @@ def test_variants_of_each_arch():
     assert {(v.head_dim, v.dtype, v.causal) for v in VARIANTS} == {
         (d, dt, c) for d in (64, 128, 256) for dt in ("fp16", "bf16") for c in (False, True)}
     assert fwd_ws.variants(80) == [] and fwd_ws.variants(89) == []
+    assert sorted(fwd_ws.variants(90), key=str) == sorted(VARIANTS + FLASHMASK, key=str) and len(FLASHMASK) == 28
+    assert {(v.causal, v.flashmask) for v in FLASHMASK} == {(True, 1), (True, 2), (False, 2), (False, 4)}
+    assert {replace(v, flashmask=0) for v in FLASHMASK} == set(VARIANTS)
     tiles = {(v.head_dim, v.block_m, v.block_n, v.overlap, v.pingpong) for v in VARIANTS}
     assert tiles == {(64, 192, 128, True, False), (64, 128, 128, True, True), (128, 128, 128, True, True),
                      (256, 128, 80, True, True)}
@@ -58,7 +62,9 @@ def test_consumer_registers_fill_the_register_file():
 
 @pytest.mark.parametrize("kw", [dict(arch=80), dict(head_dim=96), dict(head_dim=192), dict(dtype="fp32"),
                                 dict(block_m=96), dict(block_n=264), dict(stages=1), dict(causal=1),
-                                dict(overlap=1), dict(pingpong="yes"), dict(pingpong=True, block_m=192)])
+                                dict(overlap=1), dict(pingpong="yes"), dict(pingpong=True, block_m=192),
+                                dict(flashmask=4, causal=True), dict(flashmask=1), dict(flashmask=3),
+                                dict(flashmask=2, persistent=True)])
 def test_bad_variants_are_refused(kw):
     with pytest.raises(ValueError):
         FwdWsVariant(**{**dict(head_dim=128, dtype="bf16", arch=90), **kw})
@@ -140,7 +146,7 @@ def test_tables_without_tensor_maps_keep_their_layout():
     from cuflash.kernels.params import _format
     tables = {v.params for arch in (80, 90) for v in all_variants(arch)}
     plain = [t for t in tables if all(c != "CUtensorMap" for _, c in t.fields)]
-    assert len(plain) == len(tables) - 2 >= 4  # fwd_ws and bwd_ws hold tensor maps
+    assert len(plain) == len(tables) - 3 >= 4  # fwd_ws (with and without FlashMask) and bwd_ws hold tensor maps
     for t in plain:
         assert t.layout.format == "@" + "".join(_format(c) for _, c in t.fields) + "0q"
         assert "offsetof" not in t.cuda()
@@ -225,7 +231,7 @@ def test_renders(v):
     assert f"constexpr int kProducerRegs = {fwd_ws.PRODUCER_REGS};" in src
 
 
-@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("v", VARIANTS + FLASHMASK, ids=lambda v: v.name)
 def test_compiles_as_designed(compiled, v):
     """sm_90a cubin with no spills or stack; __launch_bounds__(384, 1) caps the launch at 168
     registers (65536 / 384, rounded down to 8), which setmaxnreg then splits into 24 per producer

@@ -363,7 +363,7 @@ def test_plan_counts_tiles_from_the_indices():
     x = np.concatenate([masks.causal_document([100, 300, 112]), masks.causal(512)])
     p = _plan(causal=True, startend_row_indices=x)
     v = p.launches[0].variant
-    assert v.flashmask == 1 and v.kind == "fwd" and p.launches[1].variant.family == "flashmask"
+    assert v.flashmask == 1 and v.kind == "fwd_ws" and p.launches[1].variant.family == "flashmask"
     t = mask_tiles(x, 512, 512, v.block_m, v.block_n, True)
     n = 2 * 8 * math.ceil(512 / v.block_m) * math.ceil(512 / v.block_n)
     assert (f"FlashMask: {n} tiles of {v.block_m} x {v.block_n} (batch 2 x 8 heads): {t.skipped * 8} skipped, "

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from . import DTYPES, KernelVariant
+from .fwd import FLASHMASK_FIELDS, FLASHMASK_NS
 from .params import TENSOR_MAP_BYTES, ParamTable, strides
 
 HEAD_DIMS = (64, 128, 256)
@@ -39,6 +40,7 @@ PARAMS = ParamTable("FwdWsParams", (
     ("scale_log2", "float"),
     ("nheads", "int"), ("batch", "int"),  # the tile count of a persistent grid
 ))
+FLASHMASK_PARAMS = ParamTable("FwdWsParams", PARAMS.fields + FLASHMASK_FIELDS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,7 +49,6 @@ class FwdWsVariant(KernelVariant):
 
     family = "fwd_ws"
     kind: ClassVar[str] = "fwd_ws"
-    params = PARAMS
     local: ClassVar[bool] = False    # no sliding window, softcap or ALiBi (what plans ask of a forward)
     softcap: ClassVar[bool] = False
     alibi: ClassVar[bool] = False
@@ -68,6 +69,9 @@ class FwdWsVariant(KernelVariant):
     # (query block fastest, then head, then batch) so that the producer loads the next tile's
     # K/V during the last tile's epilogue, and no block pays a launch and a cold start per tile.
     persistent: bool = False
+    # FlashMask bound columns per key (cuflash.masks; 1 or 2 with causal, 2 or 4 without), 0 =
+    # none: the walk leaves out fully masked K/V blocks and masks the partly masked ones.
+    flashmask: int = 0
 
     def __post_init__(self):
         super().__post_init__()
@@ -91,12 +95,20 @@ class FwdWsVariant(KernelVariant):
                              f"a multiple of 16 up to 256 (a TMA box's rows), got {self.block_m}x{self.block_n}")
         if self.stages < 2:
             raise ValueError(f"stages must be at least 2, got {self.stages!r}")
+        if self.flashmask and not (self.flashmask in FLASHMASK_NS[:2] if self.causal else
+                                   self.flashmask in FLASHMASK_NS[1:]) or self.flashmask and self.persistent:
+            raise ValueError(f"flashmask must be 0, or 1 or 2 with causal, 2 or 4 without, and not persistent; got "
+                             f"{self.flashmask!r} (causal={self.causal}, persistent={self.persistent})")
+
+    @property
+    def params(self) -> ParamTable:
+        return FLASHMASK_PARAMS if self.flashmask else PARAMS
 
     @functools.cached_property
     def name(self) -> str:
         mask = "causal" if self.causal else "full"
         sched = ("_overlap" if self.overlap else "") + ("_pingpong" if self.pingpong else "") + (
-            "_persistent" if self.persistent else "")
+            "_persistent" if self.persistent else "") + (f"_fm{self.flashmask}" if self.flashmask else "")
         return (f"fwd_ws_d{self.head_dim}_{self.dtype}_{mask}"
                 f"_m{self.block_m}n{self.block_n}s{self.stages}{sched}_sm{self.arch}")
 
@@ -139,7 +151,7 @@ class FwdWsVariant(KernelVariant):
     def constants(self) -> dict:
         return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, stages=self.stages,
                     causal=self.causal, bf16=self.dtype == "bf16", overlap=self.overlap, pingpong=self.pingpong,
-                    persistent=self.persistent, barrier_bytes=BARRIER_BYTES,
+                    persistent=self.persistent, flashmask=self.flashmask, barrier_bytes=BARRIER_BYTES,
                     producer_regs=PRODUCER_REGS,
                     consumer_regs=self.consumer_regs, hang_trap_cycles=HANG_TRAP_CYCLES)
 
@@ -155,19 +167,22 @@ TILES = {64: dict(block_m=192, block_n=128, overlap=True), 128: dict(block_n=128
 SHORT_CAUSAL_D64 = dict(block_m=128, block_n=128, overlap=True, pingpong=True)
 
 
-def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 90) -> FwdWsVariant:
-    """The variant the planner runs for a problem with these head dim, dtype, mask and queries."""
+def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 90,
+            flashmask: int = 0) -> FwdWsVariant:
+    """The variant the planner runs for a problem with these head dim, dtype, mask and queries
+    (``flashmask``: FlashMask's bound columns per key, 0 = none)."""
     tile = SHORT_CAUSAL_D64 if head_dim == 64 and causal and seqlen_q < 2048 else TILES[head_dim]
-    return FwdWsVariant(head_dim=head_dim, dtype=dtype, causal=causal, arch=arch, **tile)
+    return FwdWsVariant(head_dim=head_dim, dtype=dtype, causal=causal, arch=arch, flashmask=flashmask, **tile)
 
 
 def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
     """The fwd_ws variants the planner can pick on ``arch``: sm_90 only, none with window/softcap/
-    ALiBi (``mods`` is accepted for all_variants and changes nothing)."""
+    ALiBi; ``mods=False`` leaves out the FlashMask ones."""
     if arch != 90:
         return []
-    return list(dict.fromkeys(planned(d, dt, c, sq, arch) for d in HEAD_DIMS for dt in DTYPES
-                              for c in (False, True) for sq in (1, 2048)))
+    return list(dict.fromkeys(planned(d, dt, c, sq, arch, n) for d in HEAD_DIMS for dt in DTYPES
+                              for c in (False, True) for sq in (1, 2048)
+                              for n in (0, *(FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:]) * mods)))
 
 
 # ---------------------------------------------------------------------------------------------
