@@ -556,8 +556,8 @@ def _launch_specs(kernels, ops, lse, lse_st, grads, ws, shape, score, fm=None, d
                                           ("v", "v", v, main.block_n), ("do", "dout", do, main.block_m))}
         out.append((main, main.grid(b, sq, sk, h, hk), dict(
             **maps, lse2=lse2, dsum=dsum, dq_accum=acc, dq_sem=sem, **grads_kv, seqlen_q_arg=sq, nheads=h,
-            head_rows=head_rows, seqlen_k_arg=sk, ngroups=h // hk, **{f: score[f] for f in ("scale_log2", "scale", "window_left",
-                                                                       "window_right")})))
+            head_rows=head_rows, seqlen_k_arg=sk, ngroups=h // hk, **fm_main,
+            **{f: score[f] for f in ("scale_log2", "scale", "window_left", "window_right")})))
     else:
         out.append((main, main.grid(b, sq, sk, h, hk), dict(dq_accum=acc, **grads_kv, **common, **fm_main,
                                                             **(drop or {}))))

@@ -483,8 +483,8 @@ def _bwd_ws_blocker(p: Problem, bucket: int, arch: int) -> str:
         return "it reads dense batches only (no varlen)"
     if p.softcap or p.alibi:
         return "it has no softcap or ALiBi"
-    if p.flashmask:
-        return "it has no FlashMask"
+    if p.flashmask and p.deterministic:
+        return "its deterministic dQ has no FlashMask"
     if p.dropout:
         return "it has no dropout (its P^T and dS^T have no Philox mask)"
     if not p.tma:
@@ -519,7 +519,7 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     ws = _bwd_ws_blocker(p, bucket, dev.arch)
     ordered = False  # deterministic dQ added in a fixed order by the dK/dV kernel (bwd_ws)
     if ws == "":
-        main = bwd_ws.planned(bucket, p.dtype, causal, local, p.deterministic, dev.arch)
+        main = bwd_ws.planned(bucket, p.dtype, causal, local, p.deterministic, dev.arch, p.flashmask)
         ordered = main.dq_ordered
         if main.dq:  # its accumulator is in fragment order (atomic or ordered)
             last = bwd_ws.convert(bucket, p.dtype, dev.arch)

@@ -16,7 +16,8 @@ from cuflash.kernels import all_variants, bwd_ws
 from cuflash.kernels.bwd import BwdRowVariant
 from cuflash.kernels.bwd_ws import BwdWsVariant
 
-VARIANTS = [v for v in bwd_ws.variants(90) if v.family == "bwd_ws"]
+VARIANTS = [v for v in bwd_ws.variants(90) if v.family == "bwd_ws" and not v.flashmask]
+FLASHMASK = [v for v in bwd_ws.variants(90) if v.family == "bwd_ws" and v.flashmask]
 CONVERTS = [v for v in bwd_ws.variants(90) if v.family != "bwd_ws"]
 # Every way of adding dQ, each field given (planned() sets dq_early at d = 64, dq_writer at 128),
 # and the ordered writer (planned deterministic at d = 128 only)
@@ -33,7 +34,9 @@ def test_variants():
     d = 256 64 x 64 steps with the head dim split between the groups."""
     assert len({v.name for v in VARIANTS}) == len(VARIANTS) == 36
     assert bwd_ws.variants(80) == [] and len(bwd_ws.variants(90, mods=False)) == 24 + 6
-    assert set(VARIANTS + CONVERTS) <= set(all_variants(90))
+    assert set(VARIANTS + CONVERTS + FLASHMASK) <= set(all_variants(90)) and len(FLASHMASK) == 24
+    assert all(v.dq and not v.dq_ordered and v == bwd_ws.planned(v.head_dim, v.dtype, v.causal, False, False, 90,
+                                                                  v.flashmask) for v in FLASHMASK)
     assert [(v.kind, v.tiled, v.head_dim) for v in CONVERTS] == [("bwd_convert", True, d) for d in (64, 128, 256)
                                                                  for _ in range(2)]
     for v in VARIANTS:
@@ -51,7 +54,9 @@ def test_variants():
     (dict(kind="bwd_ws_dkdv", dq_early=True), "dq_early"), (dict(kind="bwd_ws_dkdv", dq_writer=True), "dq_writer"),
     (dict(dq_writer=1), "dq_writer must be a bool"),
     (dict(head_dim=256, dq_early=True), "at head_dim 256"), (dict(head_dim=256, dq_writer=True), "at head_dim 256"),
-    (dict(dq_ordered=True), "needs dq_writer=True"), (dict(kind="bwd_ws_dkdv", dq_ordered=True), "dq_ordered"),
+    (dict(dq_ordered=True), "needs dq_writer=True"), (dict(flashmask=1), "flashmask must be"),
+    (dict(flashmask=4, causal=True), "flashmask must be"), (dict(flashmask=2, kind="bwd_ws_dkdv"), "flashmask must be"),
+    (dict(flashmask=2, dq_writer=True, dq_ordered=True), "flashmask must be"), (dict(kind="bwd_ws_dkdv", dq_ordered=True), "dq_ordered"),
 ])
 def test_bad_variant(bad, match):
     kw = dict(kind="bwd_ws_dkdv_dq", head_dim=128, dtype="bf16", arch=90) | bad
@@ -68,7 +73,7 @@ def test_bad_tiled_convert(kw):
 
 @pytest.fixture(scope="module")
 def compiled(compile_variants):
-    return compile_variants(VARIANTS + BULK + CONVERTS)
+    return compile_variants(VARIANTS + BULK + CONVERTS + FLASHMASK)
 
 
 @pytest.mark.parametrize("v", CONVERTS, ids=lambda v: v.name)
@@ -76,7 +81,7 @@ def test_tiled_convert_compiles(compiled, v):
     assert_compiled_clean(compiled[v], v)
 
 
-@pytest.mark.parametrize("v", VARIANTS + BULK, ids=lambda v: v.name)
+@pytest.mark.parametrize("v", VARIANTS + BULK + FLASHMASK, ids=lambda v: v.name)
 def test_compiles_as_designed(compiled, v):
     """No spills or stack; __launch_bounds__(384, 1) caps the launch at 168 registers, which
     setmaxnreg splits into 24 per producer thread and 240 per consumer thread; ptxas neither

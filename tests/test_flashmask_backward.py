@@ -20,7 +20,7 @@ from cuflash.kernels import bwd
 from cuflash.kernels.bwd import BwdTileVariant
 from cuflash.kernels.flashmask import FlashMaskPrepVariant
 from cuflash.plan import DeviceFacts, Problem, make_backward_plan
-from conftest import assert_compiled_clean, fake_view, record_launches, requires_gpu, requires_torch
+from conftest import assert_compiled_clean, fake_view, record_launches, requires_gpu, requires_sm90, requires_torch
 from test_flashmask_kernels import _builders, _kernel_mask
 
 H100 = dict(num_sms=132)
@@ -105,8 +105,12 @@ def test_plan_adds_the_prep_launches(arch, deterministic, d):
     p = _bwd_plan(arch, deterministic, n=2, causal=False, heads=2, d=d)
     prep, main, last, *fm = (l.variant for l in p.launches)
     assert prep.kind == "bwd_prep" and main.flashmask == 2 and not main.causal
-    assert main.mma == ("wgmma" if arch == 90 and d in (64, 128) else "sync")
+    ws = arch == 90 and not deterministic  # the warp-specialised kernel: atomic dQ only
+    assert main.family == ("bwd_ws" if ws else "bwd")
+    assert main.mma == ("wgmma" if arch == 90 and (d in (64, 128) or ws) else "sync")
     assert (last.kind, getattr(last, "flashmask", 0)) == (("bwd_dq", 2) if deterministic else ("bwd_convert", 0))
+    assert getattr(last, "tiled", False) == ws
+    assert ("its deterministic dQ has no FlashMask" in p.reason) == (arch == 90 and deterministic and d != 256)
     sizes = [main.block_n] + ([last.block_n] if deterministic and last.block_n != main.block_n else [])
     assert [v.family for v in fm] == ["flashmask"] * len(sizes) and all(v.columns == 2 for v in fm)
     assert [l.grid for l in p.launches[3:]] == [(-(-333 // bn), 2, 2) for bn in sizes]
@@ -158,6 +162,7 @@ def test_cuflash_plan_backward_counts_the_dkdv_tiles():
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_launch_arguments(monkeypatch, deterministic):
     launched = record_launches(monkeypatch)
+    monkeypatch.setattr(backward, "tensor_map", lambda *a: bytes(128))  # bwd_ws's maps (no driver here)
     plan = _bwd_plan(90, deterministic, n=4, causal=False, heads=8, d=128)
     b, sq, sk, h, hk, d = 2, 300, 333, 8, 2, 128
     q, do, o = (fake_view(0, (b, sq, h, d), "bfloat16", ptr=(i + 1) << 24) for i in range(3))
@@ -419,6 +424,19 @@ def _check(rng, b, sq, sk, h, hk, d, dtype, causal, x, deterministic=False, **kw
 @pytest.mark.parametrize("name, causal, x", _builders(300), ids=lambda a: a if isinstance(a, str) else None)
 def test_gpu_builders(rng, name, causal, x, d, deterministic):
     _check(rng, 2, 300, 300, 4, 2, d, "bfloat16", causal, np.concatenate([x, x]), deterministic)
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("name, causal, x", [b for b in _builders(1100) if b[0] in (
+    "causal_document", "share_question", "global_sliding_window", "prefix_lm_document", "random_eviction")],
+    ids=lambda a: a if isinstance(a, str) else None)
+def test_gpu_bwd_ws_longer(rng, name, causal, x, d):
+    """The warp-specialised backward (sm_90, atomic dQ) over many query blocks, some left out: GQA."""
+    p = _bwd_plan(90, False, n=x.shape[-1], causal=causal, d=d)
+    assert p.launches[1].variant.family == "bwd_ws" and p.launches[1].variant.flashmask == x.shape[-1]
+    _check(rng, 1, 1100, 1100, 4, 2, d, "bfloat16", causal, x)
 
 
 @requires_gpu

@@ -17,6 +17,7 @@ from typing import ClassVar
 
 from . import DTYPES, KernelVariant
 from .bwd import INFO_BYTES, MASKS, VARLEN_ROW_GAP, BwdRowVariant
+from .fwd import FLASHMASK_FIELDS, FLASHMASK_NS
 from .fwd_ws import HANG_TRAP_CYCLES, MAX_CONSUMER_REGS, PRODUCER_REGS
 from .params import ParamTable, strides
 
@@ -33,6 +34,7 @@ PARAMS = ParamTable("BwdWsParams", (
     ("seqlen_q_arg", "int"), ("seqlen_k_arg", "int"), ("nheads", "int"), ("ngroups", "int"), ("head_rows", "int"),
     ("scale_log2", "float"), ("scale", "float"), ("window_left", "int"), ("window_right", "int"),
 ))
+FLASHMASK_PARAMS = ParamTable("BwdWsParams", PARAMS.fields + FLASHMASK_FIELDS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +43,6 @@ class BwdWsVariant(KernelVariant):
     "bwd_ws_dkdv" (deterministic: dQ has its own kernel)."""
 
     family = "bwd_ws"
-    params = PARAMS
     mma: ClassVar[str] = "wgmma"
     softcap: ClassVar[bool] = False
     alibi: ClassVar[bool] = False
@@ -66,6 +67,10 @@ class BwdWsVariant(KernelVariant):
     # adds are complete (FlashAttention-3's deterministic mode); with a causal or local mask the
     # key blocks run from the last.
     dq_ordered: bool = False
+    # FlashMask bound columns per key (cuflash.masks; 1 or 2 with causal, 2 or 4 without), 0 =
+    # none: every role leaves out the fully masked steps, the consumers mask the partly masked
+    # ones. Atomic dQ only (a left-out step has no turn to pass on).
+    flashmask: int = 0
 
     def __post_init__(self):
         super().__post_init__()
@@ -87,8 +92,16 @@ class BwdWsVariant(KernelVariant):
         if self.dq_ordered and not (self.dq_writer or (self.split_d and self.dq)):
             raise ValueError("dq_ordered orders the dQ writer's adds (at head_dim 256 the atomic ones): "
                              "it needs dq_writer=True")
+        if self.flashmask and not (self.dq and not self.dq_ordered and not self.local
+                                   and self.flashmask in (FLASHMASK_NS[:2] if self.causal else FLASHMASK_NS[1:])):
+            raise ValueError(f"flashmask must be 0, or 1 or 2 with causal, 2 or 4 without, with atomic dQ (kind "
+                             f"'bwd_ws_dkdv_dq', not dq_ordered) and no window; got {self.flashmask!r}")
         if not isinstance(self.causal, bool) or not isinstance(self.local, bool) or (self.causal and self.local):
             raise ValueError(f"causal and local must be bools, not both True, got {self.causal!r}, {self.local!r}")
+
+    @property
+    def params(self) -> ParamTable:
+        return FLASHMASK_PARAMS if self.flashmask else PARAMS
 
     @property
     def block_m(self) -> int:
@@ -118,7 +131,7 @@ class BwdWsVariant(KernelVariant):
     def name(self) -> str:
         mask = "local" if self.local else ("causal" if self.causal else "full")
         bulk = (("_dqwriter" if self.dq_writer else "") + ("_dqearly" if self.dq_early else "")
-                + ("_ordered" if self.dq_ordered else ""))
+                + ("_ordered" if self.dq_ordered else "") + (f"_fm{self.flashmask}" if self.flashmask else ""))
         return f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{bulk}_m{self.block_m}n{self.block_n}_sm{self.arch}"
 
     @property
@@ -151,20 +164,22 @@ class BwdWsVariant(KernelVariant):
         return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, split_d=self.split_d,
                     causal=self.causal, local=self.local, bf16=self.dtype == "bf16", dq=self.dq,
                     dq_early=self.dq_early, dq_writer=self.dq_writer,
-                    dq_ordered=self.dq_ordered, overlap=self.overlap, producer_regs=PRODUCER_REGS,
+                    dq_ordered=self.dq_ordered, flashmask=self.flashmask, overlap=self.overlap, producer_regs=PRODUCER_REGS,
                     consumer_regs=MAX_CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES,
                     info_bytes=INFO_BYTES, barrier_bytes=BARRIER_BYTES, varlen_row_gap=VARLEN_ROW_GAP)
 
 
 def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic: bool,
-            arch: int = 90) -> BwdWsVariant:
+            arch: int = 90, flashmask: int = 0) -> BwdWsVariant:
     """The variant a backward plan launches for these head dim, dtype, mask and dQ mode: at d = 64
     and 128 the dQ writer with dQ's product issued early, at d = 256 (no room for the writer's
     tile) atomics; deterministic, the same adds in a fixed order (the fastest of the dQ variants
     on an H200 at each, and the ordered adds faster than the deterministic dQ kernel:
-    BENCHMARKS.md, scripts/bench_bwd_ws.py)."""
+    BENCHMARKS.md, scripts/bench_bwd_ws.py). ``flashmask``: FlashMask's bound columns per key
+    (atomic dQ only)."""
     return BwdWsVariant(kind="bwd_ws_dkdv_dq", head_dim=head_dim, dtype=dtype, causal=causal, local=local,
-                        arch=arch, dq_early=head_dim != 256, dq_writer=head_dim != 256, dq_ordered=deterministic)
+                        arch=arch, dq_early=head_dim != 256, dq_writer=head_dim != 256, dq_ordered=deterministic,
+                        flashmask=flashmask)
 
 
 def convert(head_dim: int, dtype: str, arch: int = 90) -> BwdRowVariant:
@@ -175,9 +190,12 @@ def convert(head_dim: int, dtype: str, arch: int = 90) -> BwdRowVariant:
 
 def variants(arch: int, mods: bool = True) -> list[KernelVariant]:
     """Every bwd_ws variant a plan can launch on ``arch`` (sm_90 only), and the tiled
-    ``bwd_convert`` kernels after them; ``mods=False`` leaves out the sliding-window ones."""
+    ``bwd_convert`` kernels after them; ``mods=False`` leaves out the sliding-window and
+    FlashMask ones."""
     if arch != 90:
         return []
     return [planned(d, dt, c, loc, det, arch) for d in HEAD_DIMS for dt in DTYPES
             for c, loc in (MASKS if mods else MASKS[:2]) for det in (False, True)] + [
-        convert(d, dt, arch) for d in HEAD_DIMS for dt in DTYPES]
+        convert(d, dt, arch) for d in HEAD_DIMS for dt in DTYPES] + [
+        planned(d, dt, c, False, False, arch, n) for d in HEAD_DIMS for dt in DTYPES for c in (False, True)
+        for n in (FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:]) if mods]

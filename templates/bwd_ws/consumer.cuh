@@ -6,13 +6,14 @@
     const int key_w = cw * 16, col_w = 0;  // this warp's first key inside the block, its first dK/dV column
 
     auto step = [&](int it, auto masked) {
-      const int st = it % kStages;
+      const int j = {{ "j_walk++" if flashmask else "it" }};  // the steps walked before this one: stage and phase
+      const int st = j % kStages;
       const int h = h0 + it / n_m, m0 = (blocks.lo + it % n_m) * kBlockM;
       const u32 q_st = sQ(st), do_st = sdO(st);
       const float* s_lse = reinterpret_cast<const float*>(reinterpret_cast<const char*>(smem) + kOffStats) +
                            st * 2 * kBlockM;
       const float* s_d = s_lse + kBlockM;
-      mbar_wait<kHangTrap>(bar_full(st), (it / kStages) & 1);
+      mbar_wait<kHangTrap>(bar_full(st), (j / kStages) & 1);
 
       // S^T = K Q^T, then dP^T = V dO^T, for this group's 64 keys x the step's queries.
       // The empty asm keeps the compiler from hoisting the loop-invariant descriptors (64-bit
@@ -41,6 +42,12 @@
       if constexpr (decltype(masked)::value)
         apply_mask_t<kQT, kIsLocal>(s, n0 + key_w, m0, info_i32(sInfo, kInfoSeqK), info_i32(sInfo, kInfoDiag),
                                     kIsLocal ? info_i32(sInfo, kInfoDiagLo) : 0);
+{% if flashmask %}
+      if constexpr (decltype(masked)::value)
+        if (fm_class(it) == kFmMasked)
+          apply_flashmask_t<kQT, kFlashMask, kIsCausal>(s, n0 + key_w, m0, info_i32(sInfo, kInfoSeqK),
+                                                       fm_idx + b * fm_sb + (h / fm_hdiv) * fm_sh, fm_ss, fm_sc);
+{% endif %}
       if constexpr (kOverlap) {
         exp_t(s, s_lse, scale_log2);
         c_to_a<kIsBF16, kQT>(pa, s);
@@ -75,8 +82,8 @@
         // dS^T to this step's shared tile, swizzled (row = key, 16-byte chunk c of queries at
         // c ^ (key & 7)), published to both groups by a named barrier; then dQ = dS K with dS^T
         // and K read MN-major, added into the fp32 buffer.
-        const u32 ds_st = sK + kOffDs + (it & 1) * kTileDs;
-        char* tile = reinterpret_cast<char*>(smem) + kOffDs + (it & 1) * kTileDs;
+        const u32 ds_st = sK + kOffDs + (j & 1) * kTileDs;
+        char* tile = reinterpret_cast<char*>(smem) + kOffDs + (j & 1) * kTileDs;
 #pragma unroll
         for (int kk = 0; kk < kQT / 2; ++kk)
 #pragma unroll
@@ -105,7 +112,7 @@
         if constexpr (kDqWriter) {
           // To the staged tile once the writer has read the previous step's, made visible to the
           // bulk copy (async proxy), then handed to the writer.
-          if (it > 0) mbar_wait<kHangTrap>(bar_dq_empty, (it - 1) & 1);
+          if (j > 0) mbar_wait<kHangTrap>(bar_dq_empty, (j - 1) & 1);
           float* tile = reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + kOffDqW) + wg * 4096;
 #pragma unroll
           for (int j = 0; j < 8; ++j)

@@ -10,7 +10,8 @@
     const int q_wg = wg * (kBlockM / 2);    // the group's first query of S^T and dP^T
 
     auto step = [&](int it, auto masked) {
-      const int st = it % kStages;
+      const int j = {{ "j_walk++" if flashmask else "it" }};  // the steps walked before this one: stage and phase
+      const int st = j % kStages;
       const int h = h0 + it / n_m, m0 = (blocks.lo + it % n_m) * kBlockM;
       const u32 q_st = sQ(st), do_st = sdO(st);
       const float* s_lse = reinterpret_cast<const float*>(reinterpret_cast<const char*>(smem) + kOffStats) +
@@ -19,13 +20,13 @@
       // This step parity's P^T and dS^T tiles, swizzled (row = key, 16-byte chunk c of queries at
       // c ^ (key & 7)). A group reaches the next step's barrier only after its products of this
       // step completed, so the other parity's tiles are free when a group writes them.
-      const u32 p_st = sK + kOffDs + (it & 1) * 2 * kTileDs, ds_st = p_st + kTileDs;
-      char* tile = reinterpret_cast<char*>(smem) + kOffDs + (it & 1) * 2 * kTileDs;
+      const u32 p_st = sK + kOffDs + (j & 1) * 2 * kTileDs, ds_st = p_st + kTileDs;
+      char* tile = reinterpret_cast<char*>(smem) + kOffDs + (j & 1) * 2 * kTileDs;
       auto tile_at = [&](int kk, int e) {  // this thread's word of A fragment pa[kk][e] in a tile
         return tile_offset<kBlockN, kBlockM, true>(key_w + (lane >> 2) + (e & 1) * 8, q_wg / 8 + 2 * kk + (e >> 1)) +
                (lane & 3) * 4;
       };
-      mbar_wait<kHangTrap>(bar_full(st), (it / kStages) & 1);
+      mbar_wait<kHangTrap>(bar_full(st), (j / kStages) & 1);
 
       // S^T = K Q^T, then dP^T = V dO^T, for the block's 64 keys x the group's 32 queries. The
       // empty asm keeps the compiler from hoisting the loop-invariant descriptors out of the loop.
@@ -41,6 +42,12 @@
       if constexpr (decltype(masked)::value)
         apply_mask_t<kQT, kIsLocal>(s, n0 + key_w, m0 + q_wg, info_i32(sInfo, kInfoSeqK),
                                     info_i32(sInfo, kInfoDiag), kIsLocal ? info_i32(sInfo, kInfoDiagLo) : 0);
+{% if flashmask %}
+      if constexpr (decltype(masked)::value)
+        if (fm_class(it) == kFmMasked)
+          apply_flashmask_t<kQT, kFlashMask, kIsCausal>(s, n0 + key_w, m0 + q_wg, info_i32(sInfo, kInfoSeqK),
+                                                       fm_idx + b * fm_sb + (h / fm_hdiv) * fm_sh, fm_ss, fm_sc);
+{% endif %}
       exp_t(s, s_lse, scale_log2);
       u32 pa[kQT / 2][4], dsa[kQT / 2][4];
       c_to_a<kIsBF16, kQT>(pa, s);
