@@ -163,6 +163,7 @@ class Recipe(NamedTuple):
     early: bool                # launch with programmatic stream serialisation (see EARLY_LAUNCH)
     maps: tuple | None = None  # fwd_ws: what its tensor maps need besides the pointers (see fire)
     prep: tuple | None = None  # FlashMask: (prep kernel, grid, block, its fields by name), launched first
+    tiles: tuple | None = None  # persistent fwd_ws: the one-block-per-tile grid, run without a tile counter
 
 
 def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_CACHE,
@@ -293,11 +294,12 @@ def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int, flash
         tma_v=bytes(fwd_ws.TENSOR_MAP_BYTES), o=0, lse=0, **stride_values("o", _strides(o, False, 1)),
         lse_sb=p.nheads * p.seqlen_q, lse_sh=p.seqlen_q, lse_sr=1, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
         ngroups=p.nheads // p.nheads_k, nheads=p.nheads, batch=p.batch, scale_log2=softmax_scale * _LOG2E,
-        **_flashmask_fields(plan, flashmask))
+        **_flashmask_fields(plan, flashmask), **({"tile_counter": 0} if w.persistent else {}))
     maps = tuple((tuple(x.shape), tuple(x.strides), box) for x, box in ((q, w.block_m), (k, w.block_n), (v, w.block_n)))
     early, smem = _early_smem(plan, main)
+    tiles = (math.ceil(p.seqlen_q / w.block_m) * p.nheads * p.batch, 1, 1) if w.persistent else None
     return Recipe(plan, kernel, main.grid, (main.threads, 1, 1), smem, values[5:], False, {}, 0, 0, 0, early,
-                  (p.dtype, *maps), _flashmask_prep(plan, flashmask, device))
+                  (p.dtype, *maps), _flashmask_prep(plan, flashmask, device), tiles)
 
 
 def _early_smem(plan: Plan, main) -> tuple[bool, int]:
@@ -313,15 +315,20 @@ def fire(r: Recipe, device: int, stream: int, q: int, k: int, v: int, o: int, ls
          fused: bool = True):
     """Launch a prepared plan on ``stream`` (a raw pointer) for these data pointers;
     ``workspace`` is the (partial O, partial LSE) pointer pair when the plan splits. ``fused=False``
-    merges the splits with the combine kernel (no per-stream counter buffer is made)."""
+    merges the splits with the combine kernel and runs persistent blocks as one block per tile (no
+    per-stream counter buffer is made)."""
     if r.prep is not None and r.prep[1][0] > 0:  # no key block: nothing to reduce
         kernel, grid, block, fields = r.prep
         kernel(grid, block, stream, **fields)
     if r.maps is not None:
         dtype, mq, mk, mv = r.maps
-        r.kernel.launch(r.grid, r.block, r.smem, stream,
+        grid, mid = r.grid, r.mid
+        if r.tiles is not None:  # persistent: tiles from the stream's counter, or one block per tile
+            counter = _counter_ptr(device, stream, 1) if fused else 0
+            grid, mid = (grid, (*mid[:-1], counter)) if counter else (r.tiles, mid)
+        r.kernel.launch(grid, r.block, r.smem, stream,
                         (fwd_ws.tensor_map(q, *mq, dtype), fwd_ws.tensor_map(k, *mk, dtype),
-                         fwd_ws.tensor_map(v, *mv, dtype), o, lse, *r.mid), r.early)
+                         fwd_ws.tensor_map(v, *mv, dtype), o, lse, *mid), r.early)
         return
     if not r.split:
         r.kernel.launch(r.grid, r.block, r.smem, stream, (q, k, v, o, lse, *r.mid, 0, 0, 0), r.early)

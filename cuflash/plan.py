@@ -341,12 +341,17 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                 bm, bn_fwd, warps, stages, mma = unaligned_leftpad_tile((bm, bn_fwd, warps, stages, mma))
         ws = None if decode or mma != "wgmma" else _fwd_ws_blocker(p, even, bucket, local, pack)
         if ws == "":
-            v = fwd_ws.planned(bucket, p.dtype, causal, sq, dev.arch)
+            v = fwd_ws.planned(bucket, p.dtype, causal, sq, dev.arch, seqlen_k=p.seqlen_k)
             why.append(f"sm_90: the warp-specialised kernel (fwd_ws, sm_90a): a producer warpgroup loads Q and "
                        f"K/V tiles of {v.block_n} keys by TMA into {v.stages} stages on mbarriers; "
                        f"{v.consumers} consumer warpgroups of 64 query rows run wgmma and the softmax"
                        + (", each issuing the next tile's QK^T before this tile's softmax" if v.overlap else "")
-                       + (", taking turns at the tensor cores (ping-pong)" if v.pingpong else "") + ".")
+                       + (", taking turns at the tensor cores (ping-pong)" if v.pingpong else "") + "."
+                       + (f" Persistent blocks (at most one per SM) take the query tiles from an atomic counter in "
+                          f"the one-tile order and load a tile's Q and first K/V while finishing the last: with "
+                          f"{p.seqlen_k} keys (at most {fwd_ws.PERSISTENT_MAX_KEYS}) each tile walks few K/V blocks, "
+                          f"and a one-tile block's start and end would cost a large share of its time."
+                          if v.persistent else ""))
             launches.append(Launch(v, v.grid(p.batch, sq, nh, dev.num_sms), v.threads, v.smem_bytes))
         else:
             v = FwdVariant(kind="fwd", head_dim=bucket, dtype=p.dtype, causal=causal, even_head_dim=even,

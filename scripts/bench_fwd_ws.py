@@ -2,11 +2,12 @@
 wgmma kernel it replaced (planned with CUFLASH_FWD_WS's switch off) and SDPA's cuDNN backend, on
 an H100/H200, after checking each one's output against the wgmma kernel's.
 
-    python scripts/bench_fwd_ws.py [--quick] [--tiles] [--head-dim D ...]
+    python scripts/bench_fwd_ws.py [--quick] [--tiles | --persistent] [--head-dim D ...]
 
 Default: the four schedules (plain, overlap, pingpong, both: fwd_ws.run's variant flags) on the
 planned K/V tile. ``--tiles``: the candidate tiles of each head dim (TILES below), the planned
-ones among them. Prints one line per shape: TFLOP/s of each configuration, of the wgmma kernel
+ones among them. ``--persistent``: the planned variant of each shape with one-tile blocks and
+with persistent blocks taking tiles from the counter and in a fixed order. Prints one line per shape: TFLOP/s of each configuration, of the wgmma kernel
 and of cuDNN, the best one's ratio to both, and the largest |difference| from the wgmma
 kernel's output over all configurations (0 where only the schedule differs: the same arithmetic
 in the same order). Model dim 2048, bf16.
@@ -39,6 +40,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one shape per head dim and mask")
     ap.add_argument("--tiles", action="store_true", help="candidate tiles instead of schedules")
+    ap.add_argument("--persistent", action="store_true", help="the planned variant, one-tile and persistent blocks")
     ap.add_argument("--head-dim", type=int, nargs="+", default=list(fwd_ws.HEAD_DIMS))
     a = ap.parse_args()
     torch = bench._torch()
@@ -58,7 +60,7 @@ def main():
             switch(True)
     shapes = ((8, 2048),) if a.quick else ((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384))
     for d in a.head_dim:
-        configs = TILES[d] if a.tiles else {
+        configs = TILES[d] if a.tiles else {"one-tile": {}, "persistent": {}, "pers static": {}} if a.persistent else {
             n: dict(kw, block_n=fwd_ws.TILES[d]["block_n"]) for n, kw in SCHEDULES.items()}
         print(f"\n{'d':>4} {'causal':>6} {'b':>3} {'s':>6} | " + " ".join(f"{n:>12}" for n in configs)
               + f" {'wgmma':>7} {'cuDNN':>7} TF/s | {'best/wgmma':>10} {'best/cuDNN':>10} | max |diff|")
@@ -75,6 +77,10 @@ def main():
                 tf = lambda ms: flops / ms / 1e9 if ms else float("nan")  # noqa: E731
                 diff, ws = 0.0, {}
                 for name, kw in configs.items():
+                    if a.persistent:  # the planner's tile for this shape
+                        kw = dict(block_m=(p := fwd_ws.planned(d, "bf16", causal, s)).block_m, block_n=p.block_n,
+                                  overlap=p.overlap, pingpong=p.pingpong, persistent=name != "one-tile",
+                                  **({"dynamic": False} if name == "pers static" else {}))
                     diff = max(diff, (fwd_ws.run(q, k, v, causal=causal, **kw).float() - base.float()).abs().max().item())
                     ws[name] = tf(bench.time_cuda(lambda q, k, v: fwd_ws.run(q, k, v, causal=causal, **kw), sets, 5, 30))
                 planned = tf(planned)

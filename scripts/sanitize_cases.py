@@ -20,12 +20,14 @@ def main():
                                        (37, 301, 4, 1, 40, False), (129, 129, 2, 2, 256, True),
                                        (300, 211, 4, 2, 64, False), (2100, 2100, 1, 1, 64, True)]:
         cuflash.attention(rnd(2, sq, h, d), rnd(2, sk, hk, d), rnd(2, sk, hk, d), causal=causal, return_lse=True)
-    # persistent fwd_ws blocks (not planned yet): more query tiles than SMs, rows with no key
+    # persistent fwd_ws blocks: more query tiles than SMs, rows with no key, tiles from the
+    # counter and in a fixed order
     if torch.cuda.get_device_capability() == (9, 0):
         from cuflash.kernels import fwd_ws
-        for d, causal in ((64, False), (128, True), (256, True)):
+        for d, causal, dynamic in ((64, False, True), (128, True, True), (128, False, False), (256, True, True),
+                                   (256, False, False)):
             fwd_ws.run(rnd(5, 129, 40, d), rnd(5, 100, 8, d), rnd(5, 100, 8, d), causal=causal, return_lse=True,
-                       persistent=True, **fwd_ws.TILES[d])
+                       persistent=True, dynamic=dynamic, **fwd_ws.TILES[d])
     # FlashMask (on sm_90 the warp-specialised forward and backward, at every head dim): skipped,
     # masked and plain blocks, rows with no visible key, GQA
     from cuflash import masks

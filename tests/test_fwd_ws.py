@@ -31,25 +31,34 @@ REG_FILE = 65536  # 32-bit registers per SM (and so per block with one block per
 def test_variants_of_each_arch():
     """The planned tiles: d 128 and 256 two consumer warpgroups of 64 rows with both schedules,
     d 64 three warpgroups with the overlap (and two for short causal problems); fp16 and bf16,
-    causal or not; all within Hopper's 227 KB of shared memory."""
-    assert len({v.name for v in VARIANTS}) == len(VARIANTS) == 14
+    causal or not; persistent at d 64 and 128 for at most 1024 keys; all within Hopper's 227 KB
+    of shared memory."""
+    assert len({v.name for v in VARIANTS}) == len(VARIANTS) == 24
+    assert {(v.head_dim, v.block_m, v.causal) for v in VARIANTS if v.persistent} == {
+        (64, 192, False), (64, 128, True), (64, 192, True), (128, 128, False), (128, 128, True)}
     assert {(v.head_dim, v.dtype, v.causal) for v in VARIANTS} == {
         (d, dt, c) for d in (64, 128, 256) for dt in ("fp16", "bf16") for c in (False, True)}
     assert fwd_ws.variants(80) == [] and fwd_ws.variants(89) == []
     assert sorted(fwd_ws.variants(90), key=str) == sorted(VARIANTS + FLASHMASK, key=str) and len(FLASHMASK) == 28
     assert {(v.causal, v.flashmask) for v in FLASHMASK} == {(True, 1), (True, 2), (False, 2), (False, 4)}
-    assert {replace(v, flashmask=0) for v in FLASHMASK} == set(VARIANTS)
+    assert {replace(v, flashmask=0) for v in FLASHMASK} == {v for v in VARIANTS if not v.persistent}
     tiles = {(v.head_dim, v.block_m, v.block_n, v.overlap, v.pingpong) for v in VARIANTS}
     assert tiles == {(64, 192, 128, True, False), (64, 128, 128, True, True), (128, 128, 128, True, True),
                      (256, 128, 80, True, True)}
     for v in VARIANTS:
         assert (v.kind, v.family, v.target, v.stages) == ("fwd_ws", "fwd_ws", "90a", 2)
         assert v.threads == 128 * (1 + v.block_m // 64)
-        assert v.smem_bytes == (v.block_m + 2 * 2 * v.block_n) * v.head_dim * 2 + fwd_ws.BARRIER_BYTES <= 227 << 10
+        assert v.smem_bytes == (v.block_m * (1 + v.own_o) + 2 * 2 * v.block_n) * v.head_dim * 2 + fwd_ws.BARRIER_BYTES <= 227 << 10
         assert re.fullmatch(r"[A-Za-z0-9_]+", v.name)
     short, long = (fwd_ws.planned(64, "bf16", True, sq) for sq in (2047, 2048))
     assert (short.block_m, long.block_m) == (128, 192)
     assert fwd_ws.planned(64, "bf16", False, 1).block_m == 192
+    # persistent: from the keys (as many as queries unless given), d 64 and 128, never with FlashMask
+    assert fwd_ws.planned(128, "bf16", True, 4096, seqlen_k=1024).persistent
+    assert not fwd_ws.planned(128, "bf16", True, 512, seqlen_k=1025).persistent
+    assert fwd_ws.planned(64, "bf16", False, 1024).persistent and not fwd_ws.planned(64, "bf16", False, 1025).persistent
+    assert not fwd_ws.planned(256, "bf16", False, 128).persistent
+    assert not fwd_ws.planned(128, "bf16", True, 128, flashmask=1).persistent
 
 
 def test_consumer_registers_fill_the_register_file():
@@ -87,8 +96,13 @@ def test_registered_and_planned_where_it_applies():
                 plan = make_plan(p, h100)
                 assert [l.variant.family for l in plan.launches] == ["fwd_ws"], plan
                 v = plan.launches[0].variant
-                assert v == fwd_ws.planned(d, "bf16", causal, sq)
+                assert v == fwd_ws.planned(d, "bf16", causal, sq, seqlen_k=4096) and not v.persistent
                 assert (v.head_dim, v.causal, plan.launches[0].grid) == (d, causal, (-(-sq // v.block_m), 16, 2))
+                short = make_plan(replace(p, seqlen_k=1000), h100)
+                v = short.launches[0].variant
+                assert v == fwd_ws.planned(d, "bf16", causal, sq, seqlen_k=1000) and v.persistent == (d <= 128)
+                if v.persistent:
+                    assert short.launches[0].grid == (132, 1, 1) and "Persistent blocks" in short.reason
                 assert "fwd_ws" in plan.reason and "TMA" in plan.reason
                 assert make_plan(p, DeviceFacts(108, 80)).launches[0].variant.family == "fwd"
                 for other, why in ((dict(window=(256, 0)), "window"), (dict(softcap=True), "softcap"),
@@ -146,7 +160,7 @@ def test_tables_without_tensor_maps_keep_their_layout():
     from cuflash.kernels.params import _format
     tables = {v.params for arch in (80, 90) for v in all_variants(arch)}
     plain = [t for t in tables if all(c != "CUtensorMap" for _, c in t.fields)]
-    assert len(tables) - len(plain) == 4 and len(plain) >= 4  # fwd_ws and bwd_ws (each with and without FlashMask) hold tensor maps
+    assert len(tables) - len(plain) == 5 and len(plain) >= 4  # fwd_ws (plain, FlashMask, persistent), bwd_ws (plain, FlashMask) hold tensor maps
     for t in plain:
         assert t.layout.format == "@" + "".join(_format(c) for _, c in t.fields) + "0q"
         assert "offsetof" not in t.cuda()
@@ -279,11 +293,30 @@ def test_persistent_renders_the_tile_loop_only_when_asked():
     x, x + gridDim.x, ... and lets the producer reload Q after the consumers' epilogue."""
     one = codegen.render(fwd_ws.planned(128, "bf16", False, 4096))
     many = codegen.render(replace(fwd_ws.planned(128, "bf16", False, 4096), persistent=True))
-    loop = "for (int t = blockIdx.x, j = 0; t < num_tiles; t += gridDim.x, ++j)"
-    assert loop not in one and "bar_q_empty" not in one and "kv0" not in one
-    assert many.count(loop) == 2  # the producer's and the consumers'
+    loops = ("for (int j = 0, t = blockIdx.x;; ++j)", "for (int j = 0;; ++j)")  # the producer's, the consumers'
+    for loop in loops:
+        assert loop not in one and many.count(loop) == 1
+    assert "bar_q_empty" not in one and "kv0" not in one and "atomicAdd(tile_counter" not in one
     assert "mbar_wait<kHangTrap>(bar_q_empty, (j - 1) & 1)" in many and "mbar_arrive(bar_q_empty)" in many
     assert "mbar_wait<kHangTrap>(bar_q, j & 1)" in many and "mbar_wait<kHangTrap>(bar_q, 0)" in one
+    # Tiles handed out by an atomic counter that the launch's last increment zeroes again.
+    assert "next = atomicAdd(tile_counter, 1);" in many and "atomicExch(tile_counter, 0)" in many
+    assert "tile_counter" in fwd_ws.FwdWsVariant(head_dim=128, dtype="bf16", arch=90, persistent=True).params.names
+    assert "constexpr bool kOwnO = false;" in one and "constexpr bool kOwnO = true;" in many
+
+
+def test_persistent_stages_o_apart_where_shared_memory_allows():
+    """Persistent blocks stage O in a buffer of their own (Q's tile is released before the
+    epilogue) wherever Q, the K/V stages and O fit in 227 KiB: not at d=256 (128 x 80), whose
+    tiles fill it, where O goes through Q's tile as before."""
+    for d, c, sq in ((64, False, 4096), (64, True, 1024), (128, False, 4096), (128, True, 4096)):
+        one = fwd_ws.planned(d, "bf16", c, sq, seqlen_k=4096)
+        v = replace(one, persistent=True)
+        assert v.own_o and v.smem_bytes == one.smem_bytes + v.block_m * d * 2
+        assert v.smem_bytes <= fwd_ws.MAX_SMEM
+    v = fwd_ws.planned(256, "bf16", True, 4096)
+    assert not replace(v, persistent=True).own_o and replace(v, persistent=True).smem_bytes == v.smem_bytes
+    assert not fwd_ws.planned(128, "bf16", True, 4096).own_o  # one-tile blocks: never
 
 
 def test_persistent_grid():
@@ -416,18 +449,22 @@ def test_gpu_gqa(rng, h, hk, causal, sq, sk, d):
                          "m{block_m}n{block_n}".format(**{"block_m": 128, **x}))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("b,h,hk,sq,sk", [(3, 8, 2, 768, 768), (3, 6, 6, 1000, 1300), (2, 4, 1, 555, 300),
-                                         (1, 2, 2, 1, 239), (5, 40, 8, 129, 129)])
+                                         (1, 2, 2, 1, 239), (5, 40, 8, 129, 129), (2, 16, 4, 200, 20000)])
 def test_gpu_persistent_matches_one_tile_blocks(rng, d, tile, causal, b, h, hk, sq, sk):
     """Persistent blocks (more tiles than SMs in three of the shapes, so blocks walk several
     query tiles and carry stage phases across them; rows that see no key when causal with
-    sq > sk) compute what one-tile blocks compute, bitwise, and pass the reference check."""
+    sq > sk), taking tiles from the counter or in a fixed order, compute what one-tile blocks
+    compute, bitwise, and pass the reference check; a launch leaves the counter at 0 (the next
+    launch on the stream finds every tile, checked by running three)."""
     import torch
     q, k, v = _inputs(rng, b, sq, sk, h, hk, d, "bfloat16")
-    out = torch.full_like(q, float("nan"))
-    res, lse = fwd_ws.run(q, k, v, causal=causal, out=out, return_lse=True, persistent=True, **tile)
     one, one_lse = fwd_ws.run(q, k, v, causal=causal, return_lse=True, **tile)
-    torch.cuda.synchronize()
-    assert res is out and torch.equal(out, one) and torch.equal(lse, one_lse)
+    for dynamic in (True, True, False, True):
+        out = torch.full_like(q, float("nan"))
+        res, lse = fwd_ws.run(q, k, v, causal=causal, out=out, return_lse=True, persistent=True, dynamic=dynamic,
+                              **tile)
+        torch.cuda.synchronize()
+        assert res is out and torch.equal(out, one) and torch.equal(lse, one_lse), dynamic
     _check(out, lse, q, k, v, causal)
 
 

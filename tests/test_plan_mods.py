@@ -80,15 +80,16 @@ PREFILL = (2, 1024, 16, 128)  # 2*16*ceil(1024/64) = 512 blocks >= 0.8 * 264 slo
 @pytest.mark.parametrize("arch", [90, 80])
 def test_prefill_kernel_names(kw, mask, mods, arch):
     p = plan(PREFILL, PREFILL, **{**kw, "arch": arch})
-    if arch == 90 and not mods and mask != "local":  # the warp-specialised kernel
-        kernel = f"fwd_ws_d128_bf16_{mask}_m128n128s2_overlap_pingpong_sm90"
+    if arch == 90 and not mods and mask != "local":  # the warp-specialised kernel, persistent at 1024 keys
+        kernel = f"fwd_ws_d128_bf16_{mask}_m128n128s2_overlap_pingpong_persistent_sm90"
     elif arch == 90:  # wgmma: two warpgroups of 64 rows, 128 keys, two stages, whatever the mask
         kernel = f"fwd_d128_bf16_{mask}{mods}_wgmma_m128n128w8s2_sm90"
     else:  # mma.sync, one K/V stage: 32 keys at d=128, or 64 rows x 64 keys with a window/softcap/ALiBi
         kernel = f"fwd_d128_bf16_{mask}{mods}_" + ("m64n64" if mods or mask == "local" else "m128n32") + "w4s1_sm80"
     assert p.kernels == (kernel,) and p.num_splits == 1
     block_m = p.launches[0].variant.block_m
-    assert p.launches[0].grid == (1024 // block_m, 16, 2) and block_m == (64 if "_m64" in kernel else 128)
+    grid = (132, 1, 1) if "_persistent" in kernel else (1024 // block_m, 16, 2)
+    assert p.launches[0].grid == grid and block_m == (64 if "_m64" in kernel else 128)
 
 
 def test_local_window_plan_fields():

@@ -26,6 +26,7 @@ PRODUCER_REGS = 24    # setmaxnreg of the producer warpgroup
 MAX_CONSUMER_REGS = 240  # of a consumer's, with two (128 * 24 + 256 * 240 = 64512 <= 65536)
 BOX_COLS = 64                           # one TMA box is 64 columns (128 bytes: the swizzle's width)
 BARRIER_BYTES = 128                     # 2 + 4 * stages mbarriers of 8 bytes, rounded up
+MAX_SMEM = 232448                       # dynamic shared memory a block may have on sm_90 (227 KiB)
 # An mbarrier wait longer than this many clock cycles traps (the launch fails instead of hanging
 # on a phase that never completes): a debugging aid while changing the pipeline, e.g. 1 << 32
 # (about 2 s). 0: waits never trap (a slow but legitimate wait, under a profiler's replay, must
@@ -41,6 +42,8 @@ PARAMS = ParamTable("FwdWsParams", (
     ("nheads", "int"), ("batch", "int"),  # the tile count of a persistent grid
 ))
 FLASHMASK_PARAMS = ParamTable("FwdWsParams", PARAMS.fields + FLASHMASK_FIELDS)
+# Persistent blocks: a zeroed int32 that hands out tiles (each launch leaves it zeroed), or null.
+PERSISTENT_PARAMS = ParamTable("FwdWsParams", PARAMS.fields + (("tile_counter", "int*"),))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,7 +105,7 @@ class FwdWsVariant(KernelVariant):
 
     @property
     def params(self) -> ParamTable:
-        return FLASHMASK_PARAMS if self.flashmask else PARAMS
+        return FLASHMASK_PARAMS if self.flashmask else PERSISTENT_PARAMS if self.persistent else PARAMS
 
     @functools.cached_property
     def name(self) -> str:
@@ -135,9 +138,19 @@ class FwdWsVariant(KernelVariant):
         return min(MAX_CONSUMER_REGS, (65536 - 128 * PRODUCER_REGS) // (128 * self.consumers) // 8 * 8)
 
     @property
+    def own_o(self) -> bool:
+        """Persistent blocks stage O in a buffer of their own where shared memory has room for one
+        (so Q's tile is released before the epilogue), else in Q's tile."""
+        return self.persistent and self._tiles_bytes + self.block_m * self.head_dim * 2 + BARRIER_BYTES <= MAX_SMEM
+
+    @property
+    def _tiles_bytes(self) -> int:
+        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
+
+    @property
     def smem_bytes(self) -> int:
-        """Q, kStages K and V tiles (2-byte elements), then the mbarriers."""
-        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + BARRIER_BYTES
+        """Q, kStages K and V tiles (2-byte elements), O's staging (own_o), then the mbarriers."""
+        return self._tiles_bytes + (self.block_m * self.head_dim * 2 if self.own_o else 0) + BARRIER_BYTES
 
     def grid(self, batch: int, seqlen_q: int, nheads: int, num_sms: int = 0) -> tuple[int, int, int]:
         """One block per query tile; persistent: one per SM (``num_sms``), or per tile if fewer."""
@@ -151,7 +164,8 @@ class FwdWsVariant(KernelVariant):
     def constants(self) -> dict:
         return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, stages=self.stages,
                     causal=self.causal, bf16=self.dtype == "bf16", overlap=self.overlap, pingpong=self.pingpong,
-                    persistent=self.persistent, flashmask=self.flashmask, barrier_bytes=BARRIER_BYTES,
+                    persistent=self.persistent, own_o=self.own_o, flashmask=self.flashmask,
+                    barrier_bytes=BARRIER_BYTES,
                     producer_regs=PRODUCER_REGS,
                     consumer_regs=self.consumer_regs, hang_trap_cycles=HANG_TRAP_CYCLES)
 
@@ -165,14 +179,21 @@ class FwdWsVariant(KernelVariant):
 TILES = {64: dict(block_m=192, block_n=128, overlap=True), 128: dict(block_n=128, overlap=True, pingpong=True),
          256: dict(block_n=80, overlap=True, pingpong=True)}
 SHORT_CAUSAL_D64 = dict(block_m=128, block_n=128, overlap=True, pingpong=True)
+# Persistent blocks where each query tile walks few K/V blocks (at most this many keys), so that
+# a one-tile block's start (its Q and first K/V loads) and end are a large share of its time:
+# d 64 and 128 (BENCHMARKS.md: +7 to +12% at 1k keys, within +-3% at 2k, slower beyond; d=256
+# slower everywhere).
+PERSISTENT_MAX_KEYS = 1024
 
 
 def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 90,
-            flashmask: int = 0) -> FwdWsVariant:
-    """The variant the planner runs for a problem with these head dim, dtype, mask and queries
-    (``flashmask``: FlashMask's bound columns per key, 0 = none)."""
+            flashmask: int = 0, seqlen_k: int | None = None) -> FwdWsVariant:
+    """The variant the planner runs for a problem with these head dim, dtype, mask, queries and
+    keys (default: as many as queries; ``flashmask``: FlashMask's bound columns per key, 0 = none)."""
     tile = SHORT_CAUSAL_D64 if head_dim == 64 and causal and seqlen_q < 2048 else TILES[head_dim]
-    return FwdWsVariant(head_dim=head_dim, dtype=dtype, causal=causal, arch=arch, flashmask=flashmask, **tile)
+    persistent = not flashmask and head_dim <= 128 and (seqlen_q if seqlen_k is None else seqlen_k) <= PERSISTENT_MAX_KEYS
+    return FwdWsVariant(head_dim=head_dim, dtype=dtype, causal=causal, arch=arch, flashmask=flashmask,
+                        persistent=persistent, **tile)
 
 
 def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
@@ -180,8 +201,8 @@ def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
     ALiBi; ``mods=False`` leaves out the FlashMask ones."""
     if arch != 90:
         return []
-    return list(dict.fromkeys(planned(d, dt, c, sq, arch, n) for d in HEAD_DIMS for dt in DTYPES
-                              for c in (False, True) for sq in (1, 2048)
+    return list(dict.fromkeys(planned(d, dt, c, sq, arch, n, sk) for d in HEAD_DIMS for dt in DTYPES
+                              for c in (False, True) for sq in (1, 2048) for sk in (1024, 2048)
                               for n in (0, *(FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:]) * mods)))
 
 
@@ -292,12 +313,22 @@ def tensor_map(ptr: int, shape: tuple, strides: tuple, box_rows: int, dtype: str
 _LOG2E = 1.4426950408889634
 
 
+def tile_counter(device: int, stream: int, dynamic: bool = True) -> int:
+    """The tile counter of a persistent launch on ``stream``: the first of the per-stream zeroed
+    counters that split launches use too (kernels on one stream run in order, each leaving its
+    counters zeroed), or 0 (null: blocks take tiles in a fixed order) when ``dynamic`` is false or
+    none can be made now (a first launch inside a CUDA graph capture)."""
+    from ..launch import _counter_ptr
+    return _counter_ptr(device, stream, 1) if dynamic else 0
+
+
 def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, out=None, return_lse: bool = False,
-        **variant):
+        dynamic: bool = True, **variant):
     """Attention with the fwd_ws kernel on (batch, seqlen, heads, d) CUDA arrays (PyTorch or
     CuPy) of fp16/bf16, d 64, 128 or 256, nheads a multiple of k's heads. Returns out, or (out, lse)
     with lse (batch, nheads, seqlen_q) fp32. ``variant``: FwdWsVariant fields (block_n, overlap,
-    pingpong, ...). Minimal checks: this is a test entry point, not the public API."""
+    pingpong, ...); ``dynamic=False`` makes persistent blocks take tiles in a fixed order. Minimal
+    checks: this is a test entry point, not the public API."""
     from .. import arrays, compiler
     qv, kv, vv = arrays.view(q, "q"), arrays.view(k, "k"), arrays.view(v, "v")
     dtype = arrays.DTYPE_NAMES.get(qv.dtype)
@@ -328,5 +359,6 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, ou
                o=ov.ptr, lse=arrays.device_ptr(lse) if lse is not None else 0,
                o_sb=ov.strides[0], o_ss=ov.strides[1], o_sh=ov.strides[2],
                lse_sb=h * sq, lse_sh=sq, lse_sr=1,
-               seqlen_q=sq, seqlen_k=sk, ngroups=h // hk, nheads=h, batch=b, scale_log2=scale * _LOG2E)
+               seqlen_q=sq, seqlen_k=sk, ngroups=h // hk, nheads=h, batch=b, scale_log2=scale * _LOG2E,
+               **({"tile_counter": tile_counter(qv.device, arrays.stream_for(qv), dynamic)} if variant.persistent else {}))
     return (out, lse) if return_lse else out
