@@ -45,8 +45,8 @@
 {% if flashmask %}
       if constexpr (decltype(masked)::value)
         if (fm_class(it) == kFmMasked)
-          apply_flashmask_t<kQT, kFlashMask, kIsCausal>(s, n0 + key_w, m0, info_i32(sInfo, kInfoSeqK),
-                                                       fm_idx + b * fm_sb + (h / fm_hdiv) * fm_sh, fm_ss, fm_sc);
+          apply_flashmask_t<kQT, kFlashMask, kIsCausal, !kIsCausal>(s, n0 + key_w, m0, info_i32(sInfo, kInfoSeqK),
+                                                                   fm_idx + b * fm_sb + (h / fm_hdiv) * fm_sh, fm_ss, fm_sc);
 {% endif %}
       if constexpr (kOverlap) {
         exp_t(s, s_lse, scale_log2);
