@@ -39,9 +39,11 @@ def test_variants_of_each_arch():
     assert {(v.head_dim, v.dtype, v.causal) for v in VARIANTS} == {
         (d, dt, c) for d in (64, 128, 256) for dt in ("fp16", "bf16") for c in (False, True)}
     assert fwd_ws.variants(80) == [] and fwd_ws.variants(89) == []
-    assert sorted(fwd_ws.variants(90), key=str) == sorted(VARIANTS + FLASHMASK, key=str) and len(FLASHMASK) == 28
+    assert sorted(fwd_ws.variants(90), key=str) == sorted(VARIANTS + FLASHMASK, key=str) and len(FLASHMASK) == 24
     assert {(v.causal, v.flashmask) for v in FLASHMASK} == {(True, 1), (True, 2), (False, 2), (False, 4)}
-    assert {replace(v, flashmask=0) for v in FLASHMASK} == {v for v in VARIANTS if not v.persistent}
+    # d=64 causal FlashMask: the short causal tile (128 rows, both schedules) at any length
+    assert {replace(v, flashmask=0) for v in FLASHMASK} == {
+        v for v in VARIANTS if not v.persistent and not (v.head_dim == 64 and v.causal and v.block_m == 192)}
     tiles = {(v.head_dim, v.block_m, v.block_n, v.overlap, v.pingpong) for v in VARIANTS}
     assert tiles == {(64, 192, 128, True, False), (64, 128, 128, True, True), (128, 128, 128, True, True),
                      (256, 128, 80, True, True)}

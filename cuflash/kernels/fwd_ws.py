@@ -190,7 +190,10 @@ def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 
             flashmask: int = 0, seqlen_k: int | None = None) -> FwdWsVariant:
     """The variant the planner runs for a problem with these head dim, dtype, mask, queries and
     keys (default: as many as queries; ``flashmask``: FlashMask's bound columns per key, 0 = none)."""
-    tile = SHORT_CAUSAL_D64 if head_dim == 64 and causal and seqlen_q < 2048 else TILES[head_dim]
+    # d=64 causal with FlashMask: 128-row tiles at any length (in the 192-row tile's 160 registers
+    # per consumer thread, NVRTC 13.0 spills the causal FlashMask walk).
+    short = head_dim == 64 and causal and (flashmask or seqlen_q < 2048)
+    tile = SHORT_CAUSAL_D64 if short else TILES[head_dim]
     persistent = not flashmask and head_dim <= 128 and (seqlen_q if seqlen_k is None else seqlen_k) <= PERSISTENT_MAX_KEYS
     return FwdWsVariant(head_dim=head_dim, dtype=dtype, causal=causal, arch=arch, flashmask=flashmask,
                         persistent=persistent, **tile)
