@@ -14,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from conftest import assert_compiled_clean, requires_sm90, requires_torch
+from conftest import assert_compiled_clean, fake_view, requires_sm90, requires_torch
 from cuflash import codegen
 from cuflash.kernels import all_variants, covering_sample, fwd_ws
 from cuflash.kernels.fwd_ws import FwdWsVariant
@@ -500,3 +500,46 @@ def test_gpu_schedules_match_plain(rng, kw, d, causal, sq, sk):
     torch.cuda.synchronize()
     assert res is out and torch.equal(out, plain) and torch.equal(lse, plain_lse)
     _check(out, lse, q, k, v, causal)
+
+
+def test_fire_gives_persistent_blocks_the_stream_counter_or_one_block_per_tile(monkeypatch):
+    """launch.fire (kernels recorded, tensor maps stubbed): a persistent plan launches one block
+    per SM with the stream's counter; without one (none can be made now, or fused=False as
+    jax.jit calls it) the same kernel gets one block per tile and a null counter; a one-tile plan
+    never asks for a counter."""
+    from cuflash import compiler, launch
+    from cuflash.plan import DeviceFacts, Problem, make_plan
+    launched, asked = [], []
+
+    class Kernel:
+        def __init__(self, variant):
+            self.table = variant.params
+
+        def launch(self, grid, block, smem, stream, values, early=False):
+            self.table.layout.pack(*values)
+            launched.append((grid, dict(zip(self.table.names, values))))
+
+    monkeypatch.setattr(compiler, "get_kernel", lambda variant, device: Kernel(variant))
+    monkeypatch.setattr(fwd_ws, "tensor_map", lambda *a: bytes(fwd_ws.TENSOR_MAP_BYTES))
+    counter = [0x7000]
+
+    def counter_ptr(device, stream, need):
+        asked.append((device, stream, need))
+        return counter[0]
+    monkeypatch.setattr(launch, "_counter_ptr", counter_ptr)
+    for sk, persistent in ((1000, True), (4096, False)):
+        plan = make_plan(Problem(2, 1000, sk, 16, 4, 128, "bf16", True), DeviceFacts(132, 90))
+        assert plan.launches[0].variant.persistent == persistent
+        q, k = fake_view(0, (2, 1000, 16, 128), "bfloat16"), fake_view(0, (2, sk, 4, 128), "bfloat16", ptr=2 << 20)
+        r = launch.prepare(plan, q, k, k, q, 0.125, 0)
+        tiles = (8 * 16 * 2, 1, 1)
+        for fused, ptr in ((True, 0x7000), (True, 0), (False, 0x7000)):
+            counter[0], launched[:], asked[:] = ptr, [], []
+            launch.fire(r, 0, 9, q.ptr, k.ptr, k.ptr, q.ptr, 0, fused=fused)
+            (grid, fields), = launched
+            if not persistent:
+                assert grid == (8, 16, 2) and "tile_counter" not in fields and asked == []
+            elif fused and ptr:
+                assert grid == (132, 1, 1) and fields["tile_counter"] == 0x7000 and asked == [(0, 9, 1)]
+            else:
+                assert grid == tiles and fields["tile_counter"] == 0 and asked == ([(0, 9, 1)] if fused else [])
