@@ -68,9 +68,10 @@ class FwdWsVariant(KernelVariant):
     # barriers), so one's softmax runs while the other's products use the tensor cores.
     overlap: bool = False
     pingpong: bool = False
-    # FlashAttention-3's persistent blocks: at most one block per SM, each walking query tiles
-    # (query block fastest, then head, then batch) so that the producer loads the next tile's
-    # K/V during the last tile's epilogue, and no block pays a launch and a cold start per tile.
+    # FlashAttention-3's persistent blocks: at most one block per SM, each taking query tiles
+    # from an atomic counter (``tile_counter``; null: a fixed order) in the one-tile launch order
+    # (query block fastest, then head, then batch), so that the producer loads the next tile's Q
+    # and first K/V while the consumers finish the last, and no block pays a cold start per tile.
     persistent: bool = False
     # FlashMask bound columns per key (cuflash.masks; 1 or 2 with causal, 2 or 4 without), 0 =
     # none: the walk leaves out fully masked K/V blocks and masks the partly masked ones.
