@@ -80,6 +80,22 @@ def test_plan_routes_flashmask(arch, causal, x):
     assert "skipped" in p.reason and "not run FlashMask" not in p.reason
 
 
+def test_fwd_ws_flashmask_walk_is_published_by_the_producer():
+    """The producer's warp works out the walk (a ballot over 32 blocks' bounds) and writes each
+    visited block, with its class, into its stage's slot before the K barrier's arrival; the
+    consumers read the slots (and a -1 end) instead of reading bounds to walk themselves."""
+    import re
+    from cuflash import codegen
+    from cuflash.kernels import fwd_ws
+    for v in (v for v in fwd_ws.variants(90) if v.flashmask and v.dtype == "bf16"):
+        src = codegen.render(v)
+        calls = re.findall(r"\bvisit\(([^()]*)\)", src)
+        assert calls == ["blocks.hi - 1, cls", "n - 1, cls"], (v.name, calls)  # the producer's loop only
+        assert "kv_slot[i % kStages] = 2 * n + (cls == kFmMasked);" in src and "kv_slot[i % kStages] = -1;" in src
+        assert src.count("peek(0)") == 3 and "return kv_slot[stage(i)];" in src  # non-overlap loop, overlap test and first
+        assert "fm_class(n) == kFmMasked" not in src  # the consumers' class comes from the slot
+
+
 def test_plan_flashmask_softcap_keeps_the_standard_kernel():
     p = _plan(arch=90, causal=True, softcap=5.0, startend_row_indices=(2, 1, 512, 1))
     v = p.launches[0].variant
