@@ -6,9 +6,9 @@ an H100/H200, after checking each one's output against the wgmma kernel's.
 
 Default: the four schedules (plain, overlap, pingpong, both: fwd_ws.run's variant flags) on the
 planned K/V tile. ``--tiles``: the candidate tiles of each head dim (TILES below), the planned
-ones among them. ``--persistent``: the planned variant of each shape with one-tile blocks and
-with persistent blocks taking tiles from the counter and in a fixed order. Prints one line per shape: TFLOP/s of each configuration, of the wgmma kernel
-and of cuDNN, the best one's ratio to both, and the largest |difference| from the wgmma
+ones among them. ``--persistent``: the planned tile of each shape with one-tile blocks and with
+persistent blocks taking tiles from the counter and in a fixed order. Prints one line per shape:
+TFLOP/s of each configuration, of the wgmma kernel and of cuDNN, the best one's ratio to both, and the largest |difference| from the wgmma
 kernel's output over all configurations (0 where only the schedule differs: the same arithmetic
 in the same order). Model dim 2048, bf16.
 """
@@ -23,6 +23,8 @@ from cuflash.kernels import fwd_ws
 SCHEDULES = {"plain": {}, "overlap": dict(overlap=True), "pingpong": dict(pingpong=True),
              "both": dict(overlap=True, pingpong=True)}
 BOTH = SCHEDULES["both"]
+PERSISTENT = {"one-tile": dict(persistent=False), "persistent": dict(persistent=True),
+              "pers static": dict(persistent=True, dynamic=False)}
 TILES = {
     64: {"128x128": BOTH, "192x128 ov": dict(block_m=192, overlap=True), "192x128": dict(block_m=192),
          "128x128 pers": dict(persistent=True, **BOTH), "192x128 ov pers": dict(block_m=192, overlap=True, persistent=True),
@@ -60,7 +62,7 @@ def main():
             switch(True)
     shapes = ((8, 2048),) if a.quick else ((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384))
     for d in a.head_dim:
-        configs = TILES[d] if a.tiles else {"one-tile": {}, "persistent": {}, "pers static": {}} if a.persistent else {
+        configs = TILES[d] if a.tiles else PERSISTENT if a.persistent else {
             n: dict(kw, block_n=fwd_ws.TILES[d]["block_n"]) for n, kw in SCHEDULES.items()}
         print(f"\n{'d':>4} {'causal':>6} {'b':>3} {'s':>6} | " + " ".join(f"{n:>12}" for n in configs)
               + f" {'wgmma':>7} {'cuDNN':>7} TF/s | {'best/wgmma':>10} {'best/cuDNN':>10} | max |diff|")
@@ -77,10 +79,9 @@ def main():
                 tf = lambda ms: flops / ms / 1e9 if ms else float("nan")  # noqa: E731
                 diff, ws = 0.0, {}
                 for name, kw in configs.items():
-                    if a.persistent:  # the planner's tile for this shape
-                        kw = dict(block_m=(p := fwd_ws.planned(d, "bf16", causal, s)).block_m, block_n=p.block_n,
-                                  overlap=p.overlap, pingpong=p.pingpong, persistent=name != "one-tile",
-                                  **({"dynamic": False} if name == "pers static" else {}))
+                    if a.persistent:  # on the planner's tile for this shape
+                        p = fwd_ws.planned(d, "bf16", causal, s)
+                        kw = dict(block_m=p.block_m, block_n=p.block_n, overlap=p.overlap, pingpong=p.pingpong, **kw)
                     diff = max(diff, (fwd_ws.run(q, k, v, causal=causal, **kw).float() - base.float()).abs().max().item())
                     ws[name] = tf(bench.time_cuda(lambda q, k, v: fwd_ws.run(q, k, v, causal=causal, **kw), sets, 5, 30))
                 planned = tf(planned)

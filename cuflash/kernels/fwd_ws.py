@@ -42,7 +42,8 @@ PARAMS = ParamTable("FwdWsParams", (
     ("nheads", "int"), ("batch", "int"),  # the tile count of a persistent grid
 ))
 FLASHMASK_PARAMS = ParamTable("FwdWsParams", PARAMS.fields + FLASHMASK_FIELDS)
-# Persistent blocks: a zeroed int32 that hands out tiles (each launch leaves it zeroed), or null.
+# Persistent blocks: a zeroed int32 that hands out tiles (each launch leaves it zeroed), or null;
+# the last field (launch.fire puts the stream's counter there).
 PERSISTENT_PARAMS = ParamTable("FwdWsParams", PARAMS.fields + (("tile_counter", "int*"),))
 
 
@@ -317,15 +318,6 @@ def tensor_map(ptr: int, shape: tuple, strides: tuple, box_rows: int, dtype: str
 _LOG2E = 1.4426950408889634
 
 
-def tile_counter(device: int, stream: int, dynamic: bool = True) -> int:
-    """The tile counter of a persistent launch on ``stream``: the first of the per-stream zeroed
-    counters that split launches use too (kernels on one stream run in order, each leaving its
-    counters zeroed), or 0 (null: blocks take tiles in a fixed order) when ``dynamic`` is false or
-    none can be made now (a first launch inside a CUDA graph capture)."""
-    from ..launch import _counter_ptr
-    return _counter_ptr(device, stream, 1) if dynamic else 0
-
-
 def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, out=None, return_lse: bool = False,
         dynamic: bool = True, **variant):
     """Attention with the fwd_ws kernel on (batch, seqlen, heads, d) CUDA arrays (PyTorch or
@@ -333,7 +325,7 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, ou
     with lse (batch, nheads, seqlen_q) fp32. ``variant``: FwdWsVariant fields (block_n, overlap,
     pingpong, ...); ``dynamic=False`` makes persistent blocks take tiles in a fixed order. Minimal
     checks: this is a test entry point, not the public API."""
-    from .. import arrays, compiler
+    from .. import arrays, compiler, launch
     qv, kv, vv = arrays.view(q, "q"), arrays.view(k, "k"), arrays.view(v, "v")
     dtype = arrays.DTYPE_NAMES.get(qv.dtype)
     b, sq, h, d = qv.shape
@@ -364,5 +356,6 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, ou
                o_sb=ov.strides[0], o_ss=ov.strides[1], o_sh=ov.strides[2],
                lse_sb=h * sq, lse_sh=sq, lse_sr=1,
                seqlen_q=sq, seqlen_k=sk, ngroups=h // hk, nheads=h, batch=b, scale_log2=scale * _LOG2E,
-               **({"tile_counter": tile_counter(qv.device, arrays.stream_for(qv), dynamic)} if variant.persistent else {}))
+               **({"tile_counter": launch._counter_ptr(qv.device, arrays.stream_for(qv), 1) if dynamic else 0}
+                  if variant.persistent else {}))
     return (out, lse) if return_lse else out
