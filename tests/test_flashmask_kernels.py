@@ -4,6 +4,8 @@ standard one) with the prep launch,
 attention rejects the options it cannot be combined with before any launch, and (on a GPU) the
 outputs and LSE match the float64 reference with flash-attn's rule for every builder in
 cuflash.masks."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -91,9 +93,34 @@ def test_fwd_ws_flashmask_walk_is_published_by_the_producer():
         src = codegen.render(v)
         calls = re.findall(r"\bvisit\(([^()]*)\)", src)
         assert calls == ["blocks.hi - 1, cls", "n - 1, cls"], (v.name, calls)  # the producer's loop only
-        assert "kv_slot[i % kStages] = 2 * n + (cls == kFmMasked);" in src and "kv_slot[i % kStages] = -1;" in src
+        assert "kv_slot[s] = 2 * n + (cls == kFmMasked);" in src and "kv_slot[i % kStages] = -1;" in src
         assert src.count("peek(0)") == 3 and "return kv_slot[stage(i)];" in src  # non-overlap loop, overlap test and first
         assert "fm_class(n) == kFmMasked" not in src  # the consumers' class comes from the slot
+
+
+def test_fwd_ws_flashmask_bounds_are_staged_in_shared_memory():
+    """The producer's warp copies a partly masked block's bounds into the block's stage (each lane
+    arrives on the K barrier after its copies); the consumers read them there, not from global memory,
+    and release the K stage only after the softmax that reads them. Shared memory holds one
+    block's bounds per stage."""
+    from cuflash import codegen
+    from cuflash.kernels import fwd_ws
+    for v in (v for v in fwd_ws.variants(90) if v.flashmask and v.dtype == "bf16"):
+        src = codegen.render(v)
+        kernel = src.split('extern "C"')[1]
+        assert kernel.count("flashmask_stage<kBlockN, kFlashMask>(") == 1, v.name
+        assert "if (cls == kFmMasked)" in kernel and "cp.async.wait_all;" in src
+        assert "mbar_init(bar_k_full(s), 1 + 32);" in kernel
+        assert "apply_flashmask_staged<kNT, kFlashMask, kIsCausal>(" in kernel and "apply_flashmask<" not in kernel
+        softmax = kernel.split("auto softmax = ")[1].split("\n    };")[0]
+        assert softmax.rstrip().endswith("mbar_arrive(bar_k_empty(s));"), v.name
+        assert kernel.count("mbar_arrive(bar_k_empty(") == 1, v.name  # only there
+        plain = dataclasses.replace(v, flashmask=0)
+        assert v.smem_bytes == plain.smem_bytes + v.stages * v.block_n * v.flashmask * 4 <= fwd_ws.MAX_SMEM
+    for v in (v for v in fwd_ws.variants(90) if not v.flashmask and v.dtype == "bf16"):
+        kernel = codegen.render(v).split('extern "C"')[1]
+        softmax = kernel.split("auto softmax = ")[1].split("\n    };")[0]
+        assert [x.strip() for x in softmax.splitlines() if x.strip()][1] == "mbar_arrive(bar_k_empty(s));", v.name
 
 
 def test_plan_flashmask_softcap_keeps_the_standard_kernel():

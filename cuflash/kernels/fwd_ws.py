@@ -151,8 +151,10 @@ class FwdWsVariant(KernelVariant):
 
     @property
     def smem_bytes(self) -> int:
-        """Q, kStages K and V tiles (2-byte elements), O's staging (own_o), then the mbarriers."""
-        return self._tiles_bytes + (self.block_m * self.head_dim * 2 if self.own_o else 0) + BARRIER_BYTES
+        """Q, kStages K and V tiles (2-byte elements), O's staging (own_o), the mbarriers, then
+        (FlashMask) a partly masked K/V block's bounds per stage (int32)."""
+        return (self._tiles_bytes + (self.block_m * self.head_dim * 2 if self.own_o else 0) + BARRIER_BYTES
+                + self.stages * self.block_n * self.flashmask * 4)
 
     def grid(self, batch: int, seqlen_q: int, nheads: int, num_sms: int = 0) -> tuple[int, int, int]:
         """One block per query tile; persistent: one per SM (``num_sms``), or per tile if fewer."""

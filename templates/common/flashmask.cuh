@@ -38,69 +38,89 @@ __device__ __forceinline__ bool flashmask_hides(int row, int a0, int a1, int a2,
 }
 
 // Whether column bounds can be read as vectors: each column's kN bounds contiguous (sc = 1),
-// columns adjacent (ss = kN), the first column 8 * kN bytes aligned (so a column pair c, c + 1
-// with c even is one 8- or 16-byte load, or two of 16 bytes at kN = 4).
+// columns adjacent (ss = kN), the first column 8 * kN bytes aligned (so a column's kN > 1
+// bounds are one 8- or 16-byte load).
 template <int kN>
 __device__ __forceinline__ bool flashmask_vector(const int* idx, long long ss, long long sc) {
   return sc == 1 && ss == kN && (reinterpret_cast<unsigned long long>(idx) & (kN == 1 ? 7 : 15)) == 0;
 }
 
-// Bounds a[e][0 .. kN - 1] of columns c + e (e = 0, 1) at x = idx + c * kN, c even (flashmask_vector).
-template <int kN>
-__device__ __forceinline__ void flashmask_load_pair(const int* x, int (&a)[2][4]) {
-  if constexpr (kN == 1) {
-    const int2 v = __ldg(reinterpret_cast<const int2*>(x));
-    a[0][0] = v.x, a[1][0] = v.y;
-  } else if constexpr (kN == 2) {
-    const int4 v = __ldg(reinterpret_cast<const int4*>(x));
-    a[0][0] = v.x, a[0][1] = v.y, a[1][0] = v.z, a[1][1] = v.w;
-  } else {
-    const int4 v = __ldg(reinterpret_cast<const int4*>(x)), w = __ldg(reinterpret_cast<const int4*>(x) + 1);
-    a[0][0] = v.x, a[0][1] = v.y, a[0][2] = v.z, a[0][3] = v.w;
-    a[1][0] = w.x, a[1][1] = w.y, a[1][2] = w.z, a[1][3] = w.w;
+// The bounds of keys key0 .. key0 + kBlockN - 1 (column c's at idx[c * ss + t * sc]) into
+// shared memory at the 32-bit shared address sm, kN ints per key (key key0 + c's at sm + 4 kN c),
+// by the calling warp's 32 lanes with 4-byte cp.async (keys >= seqlen_k zero-filled); each lane
+// waits for its own copies (an arrival on an mbarrier afterwards publishes them).
+template <int kBlockN, int kN>
+__device__ __forceinline__ void flashmask_stage(u32 sm, const int* __restrict__ idx, long long ss, long long sc,
+                                                int key0, int seqlen_k) {
+  static_assert(32 % kN == 0, "a lane copies the same bound column of every key it copies");
+  constexpr int kKeysPerStep = 32 / kN;
+  const int lane = threadIdx.x & 31;
+  int key = key0 + lane / kN;  // element lane + 32 t: key key0 + lane / kN + kKeysPerStep t, column lane % kN
+  const int* src = idx + key * ss + (lane % kN) * sc;
+  u32 dst = sm + 4 * lane;
+#pragma unroll
+  for (int t = 0; t < (kBlockN + kKeysPerStep - 1) / kKeysPerStep; ++t) {
+    if (kBlockN % kKeysPerStep == 0 || key < key0 + kBlockN) {
+      const bool in = key < seqlen_k;
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(in ? src : idx), "r"(in ? 4 : 0)
+                   : "memory");
+    }
+    key += kKeysPerStep, src += kKeysPerStep * ss, dst += 128;
   }
+  asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
 // Sets the masked scores of a warp's S fragment (mask.cuh's layout: rows row0 + (lane >> 2)
 // (+ 8), columns col0 + j * 8 + (lane & 3) * 2 + e) to -inf, reading column j's bounds at
-// idx[j * ss + c * sc] (kVec: a lane's two columns in one or two loads where flashmask_vector
-// holds, col0 even; it costs registers). Columns >= seqlen_k are left to apply_mask.
-template <int kNT, int kN, bool kCausal, bool kVec = false>
+// idx[j * ss + c * sc]. Columns >= seqlen_k are left to apply_mask.
+template <int kNT, int kN, bool kCausal>
 __device__ __forceinline__ void apply_flashmask(float (&s)[kNT][4], int row0, int col0, int seqlen_k,
                                                 const int* __restrict__ idx, long long ss, long long sc) {
   const int lane = threadIdx.x & 31;
   const int c0 = col0 + (lane & 3) * 2;
-  auto hide = [&](int j, int e, int a0, int a1, int a2, int a3) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
-      if (flashmask_hides<kN, kCausal>(row0 + (lane >> 2) + r * 8, a0, a1, a2, a3)) s[j][2 * r + e] = neg_inf();
-  };
-  auto scalar = [&](int j, int e) {
-    const int col = c0 + j * 8 + e;
-    if (col >= seqlen_k) return;
-    const int* x = idx + col * ss;
-    const int a0 = __ldg(x), a1 = kN > 1 ? __ldg(x + sc) : 0;
-    const int a2 = kN > 2 ? __ldg(x + 2 * sc) : 0, a3 = kN > 2 ? __ldg(x + 3 * sc) : 0;
-    hide(j, e, a0, a1, a2, a3);
-  };
-  if (kVec && flashmask_vector<kN>(idx, ss, sc)) {
+  for (int j = 0; j < kNT; ++j)
 #pragma unroll
-    for (int j = 0; j < kNT; ++j) {
-      if (c0 + j * 8 + 1 < seqlen_k) {
-        int a[2][4] = {};
-        flashmask_load_pair<kN>(idx + (c0 + j * 8) * kN, a);
+    for (int e = 0; e < 2; ++e) {
+      const int col = c0 + j * 8 + e;
+      if (col >= seqlen_k) continue;
+      const int* x = idx + col * ss;
+      const int a0 = __ldg(x), a1 = kN > 1 ? __ldg(x + sc) : 0;
+      const int a2 = kN > 2 ? __ldg(x + 2 * sc) : 0, a3 = kN > 2 ? __ldg(x + 3 * sc) : 0;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) hide(j, e, a[e][0], a[e][1], a[e][2], a[e][3]);
-      } else {
-        scalar(j, 0);
-        scalar(j, 1);
-      }
+      for (int r = 0; r < 2; ++r)
+        if (flashmask_hides<kN, kCausal>(row0 + (lane >> 2) + r * 8, a0, a1, a2, a3)) s[j][2 * r + e] = neg_inf();
     }
-  } else {
+}
+
+// The same with the K/V block's bounds staged in shared memory by flashmask_stage (the block's
+// column c at sm[kN * c], sm 16-byte aligned): a lane reads its two adjacent columns' bounds in
+// one 8- or 16-byte load (two at kN = 4). Staged keys >= seqlen_k read as zeros (apply_mask's).
+template <int kNT, int kN, bool kCausal>
+__device__ __forceinline__ void apply_flashmask_staged(float (&s)[kNT][4], int row0, const int* sm) {
+  const int lane = threadIdx.x & 31;
+  const int* x0 = sm + (lane & 3) * 2 * kN;
 #pragma unroll
-    for (int j = 0; j < kNT; ++j)
+  for (int j = 0; j < kNT; ++j) {
+    const int* x = x0 + j * 8 * kN;
+    int a[2][4] = {};
+    if constexpr (kN == 1) {
+      const int2 v = *reinterpret_cast<const int2*>(x);
+      a[0][0] = v.x, a[1][0] = v.y;
+    } else if constexpr (kN == 2) {
+      const int4 v = *reinterpret_cast<const int4*>(x);
+      a[0][0] = v.x, a[0][1] = v.y, a[1][0] = v.z, a[1][1] = v.w;
+    } else {
+      const int4 v = reinterpret_cast<const int4*>(x)[0], w = reinterpret_cast<const int4*>(x)[1];
+      a[0][0] = v.x, a[0][1] = v.y, a[0][2] = v.z, a[0][3] = v.w;
+      a[1][0] = w.x, a[1][1] = w.y, a[1][2] = w.z, a[1][3] = w.w;
+    }
 #pragma unroll
-      for (int e = 0; e < 2; ++e) scalar(j, e);
+    for (int e = 0; e < 2; ++e)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        if (flashmask_hides<kN, kCausal>(row0 + (lane >> 2) + r * 8, a[e][0], a[e][1], a[e][2], a[e][3]))
+          s[j][2 * r + e] = neg_inf();
   }
 }
 
