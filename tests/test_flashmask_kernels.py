@@ -261,6 +261,28 @@ def test_gpu_fwd_ws_longer(rng, name, causal, x, d, dtype):
 
 @requires_gpu
 @requires_torch
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("name, causal, x", [b for b in _builders(700) if b[0] in (
+    "causal_document", "share_question", "global_sliding_window", "random_eviction")],
+    ids=lambda a: a if isinstance(a, str) else None)
+def test_gpu_strided_indices_are_read_in_place(rng, name, causal, x, d):
+    """Indices whose bound columns are outermost in memory (a (batch, heads, n, seqlen_k) tensor
+    seen transposed) give bitwise the output of their contiguous copy: the kernels read them
+    through their strides (on sm_90 the forward's producer copies a block's bounds element by
+    element into shared memory)."""
+    import torch
+    from test_gpu_forward import torch_inputs
+    q, k, v = torch_inputs(rng, 2, 700, 700, 4, 2, d, "bfloat16")
+    xt = torch.from_numpy(np.ascontiguousarray(np.concatenate([x, x]))).cuda()
+    strided = xt.transpose(2, 3).contiguous().transpose(2, 3)
+    assert torch.equal(strided, xt) and (x.shape[-1] == 1 or not strided.is_contiguous())
+    want = cuflash.attention(q, k, v, causal=causal, startend_row_indices=xt)
+    got = cuflash.attention(q, k, v, causal=causal, startend_row_indices=strided)
+    assert torch.equal(got, want)
+
+
+@requires_gpu
+@requires_torch
 @pytest.mark.parametrize("heads", [1, 2, 8])  # broadcast, per KV head (GQA), per query head
 def test_gpu_gqa_and_per_head_indices(rng, heads):
     s = 257
