@@ -401,7 +401,8 @@ def _flashmask_plan(p: Problem, dev: DeviceFacts) -> Plan:
         bm, bn = v.block_m, v.block_n
         kernel = (f"the warp-specialised forward (fwd_ws, sm_90a: a producer warpgroup loading Q and K/V tiles by "
                   f"TMA, {v.consumers} consumer warpgroups of 64 query rows) walks only the K/V blocks of {bn} "
-                  f"keys in which some row of its {bm}-row tile is visible (the others are never loaded), masks")
+                  f"keys in which some row of its {bm}-row tile is visible (the others are never loaded; a partly "
+                  f"masked block's bounds are copied into shared memory with its K tile), masks")
     else:
         v = FwdVariant(kind="fwd", head_dim=bucket, dtype=p.dtype, causal=p.causal, even_head_dim=even, block_m=bm,
                        block_n=bn, warps=warps, arch=dev.arch, stages=stages, softcap=p.softcap, mma=mma,
