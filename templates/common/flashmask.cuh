@@ -45,7 +45,7 @@ __device__ __forceinline__ bool flashmask_vector(const int* idx, long long ss, l
   return sc == 1 && ss == kN && (reinterpret_cast<unsigned long long>(idx) & (kN == 1 ? 7 : 15)) == 0;
 }
 
-// The bounds of keys key0 .. key0 + kBlockN - 1 (column c's at idx[c * ss + t * sc]) into
+// The bounds of keys key0 .. key0 + kBlockN - 1 (bound b of key j at idx[j * ss + b * sc]) into
 // shared memory at the 32-bit shared address sm, kN ints per key (key key0 + c's at sm + 4 kN c),
 // by the calling warp's 32 lanes with 4-byte cp.async (keys >= seqlen_k zero-filled); each lane
 // waits for its own copies (an arrival on an mbarrier afterwards publishes them).
