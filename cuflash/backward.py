@@ -336,7 +336,8 @@ class _Repeat(NamedTuple):
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv):
         """The call's (dq, dk, dv), or None when its pointers need the general path (alignment)."""
         torch = sys.modules["torch"]
-        grads = [torch.empty_like(x, memory_format=torch.contiguous_format) if new else g for new, g, x in zip(self.allocate, (dq, dk, dv), (q, k, v))]
+        grads = [torch.empty_like(x, memory_format=torch.contiguous_format) if new else g
+                 for new, g, x in zip(self.allocate, (dq, dk, dv), (q, k, v))]
         ptrs = dict(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout.data_ptr(), out=out.data_ptr(),
                     lse=lse.data_ptr(), dq=grads[0].data_ptr(), dk=grads[1].data_ptr(), dv=grads[2].data_ptr())
         if sum(p & 15 for p in ptrs.values()):

@@ -143,17 +143,21 @@ class FwdWsVariant(KernelVariant):
     def own_o(self) -> bool:
         """Persistent blocks stage O in a buffer of their own where shared memory has room for one
         (so Q's tile is released before the epilogue), else in Q's tile."""
-        return self.persistent and self._tiles_bytes + self.block_m * self.head_dim * 2 + BARRIER_BYTES <= MAX_SMEM
+        return self.persistent and self._tiles_bytes + self._o_bytes + BARRIER_BYTES <= MAX_SMEM
 
     @property
     def _tiles_bytes(self) -> int:
         return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
 
     @property
+    def _o_bytes(self) -> int:  # O's staging, a Q-shaped tile
+        return self.block_m * self.head_dim * 2
+
+    @property
     def smem_bytes(self) -> int:
         """Q, kStages K and V tiles (2-byte elements), O's staging (own_o), the mbarriers, then
         (FlashMask) a partly masked K/V block's bounds per stage (int32)."""
-        return (self._tiles_bytes + (self.block_m * self.head_dim * 2 if self.own_o else 0) + BARRIER_BYTES
+        return (self._tiles_bytes + (self._o_bytes if self.own_o else 0) + BARRIER_BYTES
                 + self.stages * self.block_n * self.flashmask * 4)
 
     def grid(self, batch: int, seqlen_q: int, nheads: int, num_sms: int = 0) -> tuple[int, int, int]:
@@ -198,7 +202,8 @@ def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 
     # per consumer thread, NVRTC 13.0 spills the causal FlashMask walk).
     short = head_dim == 64 and causal and (flashmask or seqlen_q < 2048)
     tile = SHORT_CAUSAL_D64 if short else TILES[head_dim]
-    persistent = not flashmask and head_dim <= 128 and (seqlen_q if seqlen_k is None else seqlen_k) <= PERSISTENT_MAX_KEYS
+    keys = seqlen_q if seqlen_k is None else seqlen_k
+    persistent = not flashmask and head_dim <= 128 and keys <= PERSISTENT_MAX_KEYS
     return FwdWsVariant(head_dim=head_dim, dtype=dtype, causal=causal, arch=arch, flashmask=flashmask,
                         persistent=persistent, **tile)
 
