@@ -227,3 +227,72 @@ def test_backward_repeat_through_autograd_and_misaligned_pointers():
     want = backward.attention_backward(do, q, k, v, o, lse, causal=True, deterministic=True)
     got = backward.attention_backward(do, q_odd, k, v, o, lse, causal=True, deterministic=True)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+# ---------------------------------------------------------------------------------------------
+# The eager autograd path of plain calls (cuflash.torch.ops._PreparedAttention)
+
+@pytest.mark.parametrize("kw", [dict(causal=True, deterministic=True),
+                                dict(causal=False, softmax_scale=0.2, window_size=(40, 7), softcap=20.0,
+                                     deterministic=True),
+                                dict(causal=True)])
+def test_prepared_autograd_steps(monkeypatch, kw):
+    """Repeated training steps fire the forward's and the backward's prepared launches (neither
+    general path runs after the first step) and give the general path's results for their own
+    data: bitwise with deterministic=True, within the atomics' reordering otherwise. An output
+    gradient laid out unlike the output takes the general backward."""
+    import torch
+    import cuflash.torch as ct
+    from cuflash import api, backward
+    from cuflash.torch import ops
+
+    def step(seed, general=False, dout_t=False):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+        q, k, v = (x.requires_grad_() for x in (mk(2, 150, 4, 64), mk(2, 190, 2, 64), mk(2, 190, 2, 64)))
+        do = mk(2, 4, 150, 64).transpose(1, 2) if dout_t else mk(2, 150, 4, 64)
+        if general:  # the custom op's bodies (the eager Function of calls with extras)
+            wl, wr = kw.get("window_size", (-1, -1))
+            out, _ = ops._EagerAttention.apply(q, k, v, kw["causal"], kw.get("softmax_scale"), wl, wr,
+                                               kw.get("softcap", 0.0), None, kw.get("deterministic", False))
+        else:
+            out = ct.attention(q, k, v, **kw)
+        return (out.detach(), *torch.autograd.grad(out, (q, k, v), do))
+
+    def same(got, want):
+        for x, y in zip(got, want):
+            assert x.shape == y.shape and x.is_contiguous()
+            if kw.get("deterministic"):
+                assert torch.equal(x, y)
+            else:
+                assert (x.float() - y.float()).abs().max().item() <= 1e-2 * y.float().abs().max().item()
+
+    ops._prepared.clear()
+    step(0)
+    (p,) = ops._prepared.values()
+    assert p.fwd is not None and p.bwd is not None
+    boom = lambda *a, **k: (_ for _ in ()).throw(AssertionError("general path"))  # noqa: E731
+    for seed in (1, 2):
+        with monkeypatch.context() as m:
+            m.setattr(api, "_attention_device", boom)
+            m.setattr(backward, "_validate", boom)
+            got = step(seed)
+        same(got, step(seed, general=True))
+    same(step(3, dout_t=True), step(3, general=True, dout_t=True))
+    assert len(ops._prepared) == 1
+
+
+def test_prepared_autograd_returns_the_lse():
+    """return_lse on the prepared path: the LSE of cuflash.attention, float32, without a
+    gradient; the output's gradient flows as without it."""
+    import torch
+    import cuflash
+    import cuflash.torch as ct
+    q, k, v = (torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.float16).requires_grad_() for _ in range(3))
+    for _ in range(2):  # the first call makes the prepared launches, the second fires them
+        out, lse = ct.attention(q, k, v, causal=True, return_lse=True)
+    want_out, want_lse = cuflash.attention(q.detach(), k.detach(), v.detach(), causal=True, return_lse=True)
+    assert out.requires_grad and not lse.requires_grad and lse.dtype == torch.float32
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    out.float().sum().backward()
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k, v))

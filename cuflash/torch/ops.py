@@ -8,6 +8,8 @@ from torch import Tensor
 
 import cuflash
 import cuflash.backward
+from cuflash import api, arrays
+from cuflash.plan import cached_on_plans
 
 from . import plans
 
@@ -406,6 +408,80 @@ _FuncVarlenAttention = _eager_function("_FuncVarlenAttention", _varlen_fwd_body,
                                        _varlen_backward, _varlen_bwd_body, functorch=True)
 
 
+# ---------------------------------------------------------------------------------------------
+# The eager autograd path of a plain dense call (no ALiBi, sinks, FlashMask or dropout): per call
+# layout, the prepared launches of cuflash.attention's and cuflash.backward's repeat paths are
+# kept side by side, and a Function of four inputs fires the forward's in its forward and the
+# backward's in its backward, without the custom op's argument handling on either side.
+
+class _Prepared:
+    """The options of one plain call layout and its prepared forward and backward: ``fwd`` and
+    ``bwd`` are the repeat objects of cuflash.api and cuflash.backward, None until a general call
+    has made them."""
+    __slots__ = ("causal", "scale", "window", "softcap", "deterministic", "fwd", "bwd")
+
+    def __init__(self, causal, scale, window, softcap, deterministic):
+        self.causal, self.scale, self.window, self.softcap = causal, scale, window, softcap
+        self.deterministic, self.fwd, self.bwd = deterministic, None, None
+
+
+_prepared: dict = cached_on_plans({})  # arrays.repeat_signature of (q, k, v) and the options -> _Prepared
+
+
+def _prepared_for(q, k, v, causal, softmax_scale, window, softcap, deterministic):
+    """The _Prepared of a plain call's layout and options, or None where the call takes the
+    custom op's bodies (a scale that is not a number: their checks name it)."""
+    if softmax_scale is not None and softmax_scale.__class__ not in (float, int):
+        return None
+    key = arrays.repeat_signature((q, k, v), window, (causal, softmax_scale, softcap, deterministic))
+    if key is None:
+        return None
+    p = _prepared.get(key)
+    if p is None:
+        if len(_prepared) >= 1024:
+            _prepared.clear()
+        p = _prepared[key] = _Prepared(causal, softmax_scale, window, softcap, deterministic)
+    return p
+
+
+class _PreparedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, p):
+        res = p.fwd(q, k, v, None) if p.fwd is not None else None
+        if res is None:  # the first call of this layout, or pointers the repeat path does not take
+            res = cuflash.attention(q, k, v, causal=p.causal, softmax_scale=p.scale, window_size=p.window,
+                                    softcap=p.softcap, return_lse=True)
+            if p.fwd is None:
+                p.fwd = api._repeats.get(api._signature(q, k, v, None, p.causal, p.scale, True, 0, p.window,
+                                                        p.softcap, None))
+        out, lse = res
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.prepared = p
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # the LSE's gradient stays None
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if dout is None:  # the output got no gradient
+            return None, None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        p = ctx.prepared
+        # The backward's prepared launches hold for an output gradient laid out as the output.
+        usual = dout.dtype == out.dtype and dout.stride() == out.stride()
+        res = p.bwd(dout, q, k, v, out, lse, None, None, None) if usual and p.bwd is not None else None
+        if res is None:
+            res = cuflash.backward.attention_backward(
+                _last_dim_contiguous(dout), q, k, v, out, lse, causal=p.causal, softmax_scale=p.scale,
+                window_size=p.window, softcap=p.softcap, deterministic=p.deterministic)
+            if usual and p.bwd is None:
+                p.bwd = cuflash.backward._repeats.get(cuflash.backward._signature(
+                    dout, q, k, v, out, lse, None, None, None, p.causal, p.scale, p.deterministic, p.window,
+                    p.softcap, 0))
+        dq, dk, dv = res
+        return dq, dk, dv, None
+
+
 def _apply(route, eager, func, op, args):
     """(out, lse) of the forward on ``route`` (see _route): the eager Function, the torch.func
     one, or the custom op."""
@@ -454,6 +530,13 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
     if route == "direct":
         return _forward_kernel(q, k, v, None, causal, softmax_scale, window_left, window_right,
                                softcap, alibi_slopes, return_lse, sinks, startend_row_indices, dropout)
+    if (route == "autograd" and alibi_slopes is None and sinks is None and startend_row_indices is None
+            and not dropout[0] and plans._log is None):
+        p = _prepared_for(q, k, v, bool(causal), softmax_scale, (window_left, window_right), softcap,
+                          bool(deterministic))
+        if p is not None:
+            out, lse = _PreparedAttention.apply(q, k, v, p)
+            return (out, lse) if return_lse else out
     args = (q, k, v, bool(causal), softmax_scale, window_left, window_right, softcap, alibi_slopes,
             bool(deterministic), sinks, startend_row_indices) + (dropout if dropout[0] else ())
     out, lse = _apply(route, _EagerAttention, _FuncAttention, torch.ops.cuflash.attention_fwd, args)
