@@ -141,6 +141,22 @@ def time_sync(fn, inputs_list, sync, warmup=3, reps=20, sample_ms=10.0):
     return statistics.median(samples)
 
 
+def rotated_rounds(timers: dict, rounds: int) -> dict:
+    """Median ms of each timer (name -> a callable returning ms, or None where it cannot run)
+    over ``rounds`` rounds, the order rotated by one each round. A GPU's clocks follow its power
+    draw with some delay, so a timer run right after a heavy kernel reads slower than one run
+    after a light one (up to 10% at 16 x 1k rows on an H200, BENCHMARKS.md): a fixed order would
+    favour the same implementation on every row."""
+    names = list(timers)
+    got = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            ms = timers[n]()
+            if ms is not None:
+                got[n].append(ms)
+    return {n: statistics.median(v) if v else None for n, v in got.items()}
+
+
 def _make_sets(torch, shapes, dtype, extra_bytes=0, min_sets=4):
     """Enough random input sets that their total exceeds max(2*L2, 120 MB)."""
     elem = torch.empty((), dtype=dtype).element_size()
@@ -233,8 +249,10 @@ def _prefill_grid(dtypes, head_dims, causal, shapes, model_dim, quick):
 
 def bench_prefill(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), causal=(False, True),
                   shapes=((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)),
-                  model_dim=2048, reps=30, warmup=5, quick=False, verbose=True):
-    """Forward prefill sweep (sq == sk, nheads_k == nheads); returns one dict per config."""
+                  model_dim=2048, reps=30, warmup=5, quick=False, verbose=True, rounds=3):
+    """Forward prefill sweep (sq == sk, nheads_k == nheads); returns one dict per config. cuflash
+    and SDPA's flash and cuDNN backends are timed in ``rounds`` rotated rounds
+    (rotated_rounds)."""
     torch = _torch()
     import cuflash
     gemm = measure_ceilings()["gemm_tflops"]
@@ -247,17 +265,28 @@ def bench_prefill(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), caus
         row["kernels"], _ = _plan(cuflash, q, k, v, c)
         flops = _flops(b, s, h, d, c)
         tf = lambda ms: flops / ms / 1e9 if ms else None  # noqa: E731
+        sets_t = [tuple(t.transpose(1, 2) for t in x) for x in sets]
+
+        def cuflash_ms():
+            try:
+                return time_cuda(lambda q, k, v: cuflash.attention(q, k, v, causal=c), sets, warmup, reps)
+            except Exception as e:
+                row.update(error=f"{type(e).__name__}: {e}")
+                return None
         try:
             row["max_diff_vs_sdpa"] = _max_diff(torch, cuflash.attention(q, k, v, causal=c),
                                                 q, k, v, c, False)
-            row["cuflash_ms"] = time_cuda(lambda q, k, v: cuflash.attention(q, k, v, causal=c),
-                                          sets, warmup, reps)
+            timers = {"cuflash": cuflash_ms}
         except Exception as e:
-            row.update(cuflash_ms=None, error=f"{type(e).__name__}: {e}")
-        sets_t = [tuple(t.transpose(1, 2) for t in x) for x in sets]
+            row.update(error=f"{type(e).__name__}: {e}")
+            timers = {}
+        timers.update(flash=lambda: _time_sdpa(torch, "FLASH_ATTENTION", sets_t, c, False, warmup, reps),
+                      cudnn=lambda: _time_sdpa(torch, "CUDNN_ATTENTION", sets_t, c, False, warmup, reps))
+        ms = rotated_rounds(timers, rounds)
+        row["cuflash_ms"] = ms.get("cuflash")
         row["cuflash_tflops"] = tf(row["cuflash_ms"])
-        row["flash_tflops"] = tf(_time_sdpa(torch, "FLASH_ATTENTION", sets_t, c, False, warmup, reps))
-        row["cudnn_tflops"] = tf(_time_sdpa(torch, "CUDNN_ATTENTION", sets_t, c, False, warmup, reps))
+        row["flash_tflops"] = tf(ms["flash"])
+        row["cudnn_tflops"] = tf(ms["cudnn"])
         row["ratio_flash"] = _div(row["cuflash_tflops"], row["flash_tflops"])
         row["ratio_cudnn"] = _div(row["cuflash_tflops"], row["cudnn_tflops"])
         row["frac_gemm"] = _div(row["cuflash_tflops"], gemm)
@@ -320,10 +349,12 @@ def bench_decode(shapes=None, reps=20, warmup=10, d=128, dtype="bfloat16", causa
 
 def bench_backward(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), causal=(False, True),
                    shapes=((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)),
-                   model_dim=2048, reps=20, warmup=3, quick=False, verbose=True, deterministic=False):
+                   model_dim=2048, reps=20, warmup=3, quick=False, verbose=True, deterministic=False,
+                   rounds=3):
     """Backward sweep on the prefill grid: cuflash.backward.attention_backward against the
     backward of SDPA's flash (FA2) and cuDNN backends, each timed alone (gradients of a saved
-    forward). FLOPs = 2.5 x the forward's (FA2's convention: 5 matmuls against 2).
+    forward), in ``rounds`` rotated rounds (rotated_rounds). FLOPs = 2.5 x the forward's (FA2's
+    convention: 5 matmuls against 2).
     ``deterministic``: cuflash's deterministic mode (no atomics; SDPA's backends as usual)."""
     torch = _torch()
     import cuflash
@@ -334,17 +365,22 @@ def bench_backward(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), cau
         row = dict(dtype=dt, d=d, causal=c, batch=b, seqlen=s, nheads=h)
         flops = BACKWARD_FLOPS * _flops(b, s, h, d, c)
         tf = lambda ms: flops / ms / 1e9 if ms else None  # noqa: E731
-        try:
-            saved = [(do, q, k, v, *cuflash.attention(q, k, v, causal=c, return_lse=True))
-                     for q, k, v, do in sets]
-            fn = lambda do, q, k, v, o, lse: attention_backward(do, q, k, v, o, lse, causal=c,  # noqa: E731
-                                                                deterministic=deterministic)
-            row["cuflash_ms"] = time_cuda(fn, saved, warmup, reps)
-            del saved
-        except Exception as e:
-            row.update(cuflash_ms=None, error=f"{type(e).__name__}: {e}")
-        for name, backend in (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION")):
-            row[f"{name}_tflops"] = tf(_time_sdpa_backward(torch, backend, sets, c, warmup, reps))
+
+        def cuflash_ms():
+            try:
+                saved = [(do, q, k, v, *cuflash.attention(q, k, v, causal=c, return_lse=True))
+                         for q, k, v, do in sets]
+                fn = lambda do, q, k, v, o, lse: attention_backward(  # noqa: E731
+                    do, q, k, v, o, lse, causal=c, deterministic=deterministic)
+                return time_cuda(fn, saved, warmup, reps)
+            except Exception as e:
+                row.update(error=f"{type(e).__name__}: {e}")
+                return None
+        ms = rotated_rounds({"cuflash": cuflash_ms, **{
+            name: functools.partial(_time_sdpa_backward, torch, backend, sets, c, warmup, reps)
+            for name, backend in (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION"))}}, rounds)
+        row["cuflash_ms"] = ms["cuflash"]
+        row["flash_tflops"], row["cudnn_tflops"] = tf(ms["flash"]), tf(ms["cudnn"])
         row["cuflash_tflops"] = tf(row["cuflash_ms"])
         row["ratio_flash"] = _div(row["cuflash_tflops"], row["flash_tflops"])
         row["ratio_cudnn"] = _div(row["cuflash_tflops"], row["cudnn_tflops"])
