@@ -31,7 +31,7 @@ REG_FILE = 65536  # 32-bit registers per SM (and so per block with one block per
 def test_variants_of_each_arch():
     """The planned tiles: d 128 and 256 two consumer warpgroups of 64 rows with both schedules,
     d 64 three warpgroups with the overlap (and two for short causal problems); fp16 and bf16,
-    causal or not; persistent at d 64 and 128 for at most 1024 keys; all within Hopper's 227 KB
+    causal or not; persistent at d 64 and 128 for at most 1024 keys (2048 at d=64 causal); all within Hopper's 227 KB
     of shared memory."""
     assert len({v.name for v in VARIANTS}) == len(VARIANTS) == 24
     assert {(v.head_dim, v.block_m, v.causal) for v in VARIANTS if v.persistent} == {
@@ -52,7 +52,7 @@ def test_variants_of_each_arch():
         assert v.threads == 128 * (1 + v.block_m // 64)
         assert v.smem_bytes == (v.block_m * (1 + v.own_o) + 2 * 2 * v.block_n) * v.head_dim * 2 + fwd_ws.BARRIER_BYTES <= 227 << 10
         assert re.fullmatch(r"[A-Za-z0-9_]+", v.name)
-    short, long = (fwd_ws.planned(64, "bf16", True, sq) for sq in (2047, 2048))
+    short, long = (fwd_ws.planned(64, "bf16", True, sq) for sq in (2048, 2049))
     assert (short.block_m, long.block_m) == (128, 192)
     assert fwd_ws.planned(64, "bf16", False, 1).block_m == 192
     # persistent: from the keys (as many as queries unless given), d 64 and 128, never with FlashMask
@@ -60,6 +60,9 @@ def test_variants_of_each_arch():
     assert not fwd_ws.planned(128, "bf16", True, 512, seqlen_k=1025).persistent
     assert fwd_ws.planned(64, "bf16", False, 1024).persistent and not fwd_ws.planned(64, "bf16", False, 1025).persistent
     assert not fwd_ws.planned(256, "bf16", False, 128).persistent
+    # d=64 causal: persistent 128-row tiles up to 2048 keys
+    assert fwd_ws.planned(64, "bf16", True, 2048).persistent and not fwd_ws.planned(64, "bf16", True, 2049).persistent
+    assert not fwd_ws.planned(64, "bf16", False, 2048).persistent
     assert not fwd_ws.planned(128, "bf16", True, 128, flashmask=1).persistent
 
 

@@ -182,7 +182,7 @@ class FwdWsVariant(KernelVariant):
 # rows in two consumer warpgroups with both FlashAttention-3 schedules, and K/V tiles of 128 and
 # 80 keys (256: two stages of 80-key K and V tiles fill shared memory); d 64 takes 192 rows in three
 # warpgroups with the intra-warpgroup overlap (ping-pong needs two), except causal attention
-# over fewer than 2048 queries, where the larger diagonal share of 192-row tiles costs more than
+# over at most 2048 queries, where the larger diagonal share of 192-row tiles costs more than
 # it saves and 128-row tiles run faster.
 TILES = {64: dict(block_m=192, block_n=128, overlap=True), 128: dict(block_n=128, overlap=True, pingpong=True),
          256: dict(block_n=80, overlap=True, pingpong=True)}
@@ -190,8 +190,9 @@ SHORT_CAUSAL_D64 = dict(block_m=128, block_n=128, overlap=True, pingpong=True)
 # Persistent blocks where each query tile walks few K/V blocks (at most this many keys), so that
 # a one-tile block's start (its Q and first K/V loads) and end are a large share of its time:
 # d 64 and 128 (BENCHMARKS.md: +7 to +12% at 1k keys, within +-3% at 2k, slower beyond; d=256
-# slower everywhere).
+# slower everywhere); d=64 causal up to 2k keys, where its 128-row tiles gain 8% at 2k.
 PERSISTENT_MAX_KEYS = 1024
+PERSISTENT_MAX_KEYS_D64_CAUSAL = 2048
 
 
 def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 90,
@@ -200,10 +201,11 @@ def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 
     keys (default: as many as queries; ``flashmask``: FlashMask's bound columns per key, 0 = none)."""
     # d=64 causal with FlashMask: 128-row tiles at any length (in the 192-row tile's 160 registers
     # per consumer thread, NVRTC 13.0 spills the causal FlashMask walk).
-    short = head_dim == 64 and causal and (flashmask or seqlen_q < 2048)
+    short = head_dim == 64 and causal and (flashmask or seqlen_q <= 2048)
     tile = SHORT_CAUSAL_D64 if short else TILES[head_dim]
     keys = seqlen_q if seqlen_k is None else seqlen_k
-    persistent = not flashmask and head_dim <= 128 and keys <= PERSISTENT_MAX_KEYS
+    persistent = not flashmask and head_dim <= 128 and keys <= (
+        PERSISTENT_MAX_KEYS_D64_CAUSAL if head_dim == 64 and causal else PERSISTENT_MAX_KEYS)
     return FwdWsVariant(head_dim=head_dim, dtype=dtype, causal=causal, arch=arch, flashmask=flashmask,
                         persistent=persistent, **tile)
 
@@ -214,7 +216,7 @@ def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
     if arch != 90:
         return []
     return list(dict.fromkeys(planned(d, dt, c, sq, arch, n, sk) for d in HEAD_DIMS for dt in DTYPES
-                              for c in (False, True) for sq in (1, 2048) for sk in (1024, 2048)
+                              for c in (False, True) for sq in (1, 4096) for sk in (1024, 2048, 4096)
                               for n in (0, *(FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:]) * mods)))
 
 
