@@ -585,8 +585,10 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
                "memory (the dQ writer)" if getattr(main, "dq_writer", False) else
                "atomics issued before dK's product, so that they overlap it" if getattr(main, "dq_early", False)
                else "atomics")
+        rot = (" Each key block walks its query steps from a different one, so that the blocks running together "
+               "add into different rows." if getattr(main, "rotate", False) else "")
         why.append(f"deterministic=False: the dK/dV kernel also adds dQ = dS K into an fp32 accumulator with {how} "
-                   "(the order of additions varies), and bwd_convert scales it into the input dtype.")
+                   f"(the order of additions varies), and bwd_convert scales it into the input dtype.{rot}")
     if p.flashmask:
         fm, fm_bytes, sizes = _flashmask_backward(p, dev, main, last)
         launches += fm

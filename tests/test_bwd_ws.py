@@ -21,8 +21,10 @@ FLASHMASK = [v for v in bwd_ws.variants(90) if v.family == "bwd_ws" and v.flashm
 CONVERTS = [v for v in bwd_ws.variants(90) if v.family != "bwd_ws"]
 # Every way of adding dQ, each field given (planned() sets dq_early at d = 64, dq_writer at 128),
 # and the ordered writer (planned deterministic at d = 128 only)
+# (the atomic ones keep the variant's rotate: rotated as planned, and not rotated from the
+# deterministic variants)
 FLAGS = [dict(dq_early=e, dq_writer=w, dq_ordered=False) for w in (False, True) for e in (False, True)] + [
-    dict(dq_early=False, dq_writer=True, dq_ordered=True)]
+    dict(dq_early=False, dq_writer=True, dq_ordered=True, rotate=False)]
 BULK = list(dict.fromkeys(x for v in VARIANTS if v.dq and not v.split_d for f in FLAGS
                           if (x := replace(v, **f)) not in VARIANTS))  # the unplanned ones (d = 256 has atomics only)
 plan_mod = importlib.import_module("cuflash.plan")  # the module (cuflash.plan is the function)
@@ -47,6 +49,15 @@ def test_variants():
             assert not v.split_d and v.block_n == 128 and v.block_m * v.head_dim == 128 * 64
 
 
+def test_planned_walks_rotate_with_atomic_dq_only():
+    """Atomic dQ without FlashMask is planned with rotated walks (walk_step in the producer, the
+    dQ writer and the consumers' loop); deterministic and FlashMask variants walk from step 0."""
+    from cuflash import codegen
+    for v in VARIANTS + FLASHMASK:
+        assert v.rotate == (not v.dq_ordered and not v.flashmask) and ("_rot_" in v.name) == v.rotate, v.name
+        assert (codegen.render(v).count("walk_step(") == 3) == v.rotate, v.name
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(arch=80), "arch must be 90"), (dict(head_dim=96), "head_dim must be one of"),
     (dict(kind="bwd_dq"), "kind must be"), (dict(causal=True, local=True), "not both"),
@@ -57,6 +68,8 @@ def test_variants():
     (dict(dq_ordered=True), "needs dq_writer=True"), (dict(flashmask=1), "flashmask must be"),
     (dict(flashmask=4, causal=True), "flashmask must be"), (dict(flashmask=2, kind="bwd_ws_dkdv"), "flashmask must be"),
     (dict(flashmask=2, dq_writer=True, dq_ordered=True), "flashmask must be"), (dict(kind="bwd_ws_dkdv", dq_ordered=True), "dq_ordered"),
+    (dict(rotate=True, dq_writer=True, dq_ordered=True), "rotate must be"), (dict(rotate=True, flashmask=2), "rotate must be"),
+    (dict(kind="bwd_ws_dkdv", rotate=True), "rotate must be"), (dict(rotate=1), "rotate must be a bool"),
 ])
 def test_bad_variant(bad, match):
     kw = dict(kind="bwd_ws_dkdv_dq", head_dim=128, dtype="bf16", arch=90) | bad
@@ -269,13 +282,42 @@ def test_gpu_ordered_dq_many_blocks(rng, d, mask):
     q, k, v, dout = _inputs(rng, 1, 2048, 16384, 8, 2, d, "bfloat16")
     mods = dict(causal=mask == "causal", window_size=(3000, 100) if mask == "local" else (-1, -1))
     first = _backward(q, k, v, dout, deterministic=True, **mods)
-    atomic = _backward(q, k, v, dout, **mods)
+    atomic = _backward(q, k, v, dout, flags=dict(rotate=False), **mods)  # the same walk
     assert torch.equal(first[1], atomic[1]) and torch.equal(first[2], atomic[2])
     err = (first[0].float() - atomic[0].float()).abs().max().item()
     assert err <= 1e-2 * atomic[0].float().abs().max().item() + 1e-6, err
     for _ in range(5):
         again = _backward(q, k, v, dout, deterministic=True, **mods)
         assert all(torch.equal(x, y) for x, y in zip(first, again))
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("mask", ["full", "causal", "local"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("case", [(2, 300, 700, 8, 2), (1, 1500, 1500, 4, 4), (3, 1, 520, 4, 1)], ids=str)
+def test_gpu_rotated_walks(rng, case, d, mask):
+    """Atomic dQ as planned walks each key block's steps from a different one (rotate): the same
+    gradients as the walk from the first step, within the fp32 reordering of the sums, and the
+    reference check."""
+    import torch
+    b, sq, sk, h, hk = case
+    q, k, v, dout = _inputs(rng, b, sq, sk, h, hk, d, "bfloat16")
+    mods = dict(causal=mask == "causal", window_size=(250, 30) if mask == "local" else (-1, -1))
+    assert cuflash_plan(q, k, v, **mods).launches[1].variant.rotate
+    rot = _backward(q, k, v, dout, **mods)
+    plain = _backward(q, k, v, dout, flags=dict(rotate=False), **mods)
+    for name, x, y in zip(("dq", "dk", "dv"), rot, plain):
+        assert torch.isfinite(x).all(), name
+        err = (x.float() - y.float()).abs().max().item()
+        assert err <= 1e-2 * y.float().abs().max().item() + 1e-6, (name, err)
+    if sq * sk <= 300 * 700:
+        _check(rot, q, k, v, dout, **mods)
+
+
+def cuflash_plan(q, k, v, **mods):
+    import cuflash
+    return cuflash.plan(q, k, v, backward=True, **mods)
 
 
 @requires_sm90
@@ -308,7 +350,7 @@ def test_gpu_dq_variants(rng, dtype, flags, case, d, mask):
     q, k, v, dout = _inputs(rng, b, sq, sk, h, hk, d, dtype)
     mods = dict(causal=mask == "causal", window_size=(300, 7) if mask == "local" else (-1, -1))
     grads = _backward(q, k, v, dout, flags=flags, **mods)
-    plain = _backward(q, k, v, dout, **mods)
+    plain = _backward(q, k, v, dout, flags=dict(rotate=flags.get("rotate", True)), **mods)  # the same walk
     assert torch.equal(grads[1], plain[1]) and torch.equal(grads[2], plain[2])
     if sq * sk <= 640 * 640:
         _check(grads, q, k, v, dout, **mods)
