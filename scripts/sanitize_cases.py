@@ -104,8 +104,9 @@ def main():
         import importlib
         plan = importlib.import_module("cuflash.plan")
         planned = plan.bwd_ws.planned
-        for e, w, o in ((False, False, False), (True, False, False), (False, True, True)):  # planned: writer
-            flags = dict(dq_early=e, dq_writer=w, dq_ordered=o)
+        # planned: writer + early, rotated walks (atomic)
+        for e, w, o, r in ((False, False, False, True), (True, False, False, False), (False, True, True, False)):
+            flags = dict(dq_early=e, dq_writer=w, dq_ordered=o, rotate=r)
             plan.bwd_ws.planned = lambda *a, f=flags: dataclasses.replace(planned(*a), **f)
             plan.forget_plans()
             o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
