@@ -15,3 +15,24 @@ def test_rotated_rounds_order_and_medians():
     got = bench.rotated_rounds({n: timer(n) for n in ("a", "b", "c")}, 3)
     assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert got == {"a": 2.0, "b": 6.0, "c": None}
+
+
+def test_cli_rounds(capsys, monkeypatch):
+    """--rounds passes through to bench prefill and backward, and is refused elsewhere."""
+    from test_hardening import run_cli
+    seen = {}
+    monkeypatch.setattr(bench, "_torch", lambda: None)
+    for kind in ("prefill", "backward"):
+        monkeypatch.setattr(bench, f"bench_{kind}", lambda **kw: seen.update(kw) or [])
+    monkeypatch.setattr(bench, "format_table", lambda rows, kind: "")
+    for kind in ("prefill", "backward"):
+        seen.clear()
+        code, _, _ = run_cli(capsys, "bench", kind, "--rounds", "5")
+        assert code == 0 and seen["rounds"] == 5, kind
+    seen.clear()
+    code, _, _ = run_cli(capsys, "bench", "prefill")
+    assert code == 0 and "rounds" not in seen  # the sweep's default
+    code, _, err = run_cli(capsys, "bench", "overhead", "--rounds", "2")
+    assert code != 0 and "--rounds applies to bench prefill and backward, not overhead" in err
+    code, _, err = run_cli(capsys, "bench", "prefill", "--rounds", "0")
+    assert code != 0 and "--rounds" in err
