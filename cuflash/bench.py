@@ -157,6 +157,18 @@ def rotated_rounds(timers: dict, rounds: int) -> dict:
     return {n: statistics.median(v) if v else None for n, v in got.items()}
 
 
+def _noting_error(row: dict, timer):
+    """``timer`` as a rotated_rounds timer that, where it raises, notes the error in ``row`` and
+    gives None."""
+    def run():
+        try:
+            return timer()
+        except Exception as e:
+            row.update(error=f"{type(e).__name__}: {e}")
+            return None
+    return run
+
+
 def _make_sets(torch, shapes, dtype, extra_bytes=0, min_sets=4):
     """Enough random input sets that their total exceeds max(2*L2, 120 MB)."""
     elem = torch.empty((), dtype=dtype).element_size()
@@ -266,17 +278,11 @@ def bench_prefill(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), caus
         flops = _flops(b, s, h, d, c)
         tf = lambda ms: flops / ms / 1e9 if ms else None  # noqa: E731
         sets_t = [tuple(t.transpose(1, 2) for t in x) for x in sets]
-
-        def cuflash_ms():
-            try:
-                return time_cuda(lambda q, k, v: cuflash.attention(q, k, v, causal=c), sets, warmup, reps)
-            except Exception as e:
-                row.update(error=f"{type(e).__name__}: {e}")
-                return None
         try:
             row["max_diff_vs_sdpa"] = _max_diff(torch, cuflash.attention(q, k, v, causal=c),
                                                 q, k, v, c, False)
-            timers = {"cuflash": cuflash_ms}
+            timers = {"cuflash": _noting_error(row, lambda: time_cuda(
+                lambda q, k, v: cuflash.attention(q, k, v, causal=c), sets, warmup, reps))}
         except Exception as e:
             row.update(error=f"{type(e).__name__}: {e}")
             timers = {}
@@ -367,16 +373,11 @@ def bench_backward(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), cau
         tf = lambda ms: flops / ms / 1e9 if ms else None  # noqa: E731
 
         def cuflash_ms():
-            try:
-                saved = [(do, q, k, v, *cuflash.attention(q, k, v, causal=c, return_lse=True))
-                         for q, k, v, do in sets]
-                fn = lambda do, q, k, v, o, lse: attention_backward(  # noqa: E731
-                    do, q, k, v, o, lse, causal=c, deterministic=deterministic)
-                return time_cuda(fn, saved, warmup, reps)
-            except Exception as e:
-                row.update(error=f"{type(e).__name__}: {e}")
-                return None
-        ms = rotated_rounds({"cuflash": cuflash_ms, **{
+            saved = [(do, q, k, v, *cuflash.attention(q, k, v, causal=c, return_lse=True)) for q, k, v, do in sets]
+            fn = lambda do, q, k, v, o, lse: attention_backward(  # noqa: E731
+                do, q, k, v, o, lse, causal=c, deterministic=deterministic)
+            return time_cuda(fn, saved, warmup, reps)
+        ms = rotated_rounds({"cuflash": _noting_error(row, cuflash_ms), **{
             name: functools.partial(_time_sdpa_backward, torch, backend, sets, c, warmup, reps)
             for name, backend in (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION"))}}, rounds)
         row["cuflash_ms"] = ms["cuflash"]

@@ -349,7 +349,8 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                        + (", taking turns at the tensor cores (ping-pong)" if v.pingpong else "") + "."
                        + (f" Persistent blocks (at most one per SM) take the query tiles from an atomic counter in "
                           f"the one-tile order and load a tile's Q and first K/V while finishing the last: with "
-                          f"{p.seqlen_k} keys (at most {fwd_ws.PERSISTENT_MAX_KEYS_D64_CAUSAL if v.head_dim == 64 and v.causal else fwd_ws.PERSISTENT_MAX_KEYS}) each tile walks few K/V blocks, "
+                          f"{p.seqlen_k} keys (at most {fwd_ws.persistent_max_keys(v.head_dim, v.causal)}) each tile walks "
+                          f"few K/V blocks, "
                           f"and a one-tile block's start and end would cost a large share of its time."
                           if v.persistent else ""))
             launches.append(Launch(v, v.grid(p.batch, sq, nh, dev.num_sms), v.threads, v.smem_bytes))

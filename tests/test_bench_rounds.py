@@ -36,3 +36,9 @@ def test_cli_rounds(capsys, monkeypatch):
     assert code != 0 and "--rounds applies to bench prefill and backward, not overhead" in err
     code, _, err = run_cli(capsys, "bench", "prefill", "--rounds", "0")
     assert code != 0 and "--rounds" in err
+
+
+def test_noting_error_records_and_gives_none():
+    row = {}
+    assert bench._noting_error(row, lambda: 2.5)() == 2.5 and row == {}
+    assert bench._noting_error(row, lambda: 1 / 0)() is None and row["error"].startswith("ZeroDivisionError")

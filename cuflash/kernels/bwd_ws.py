@@ -137,7 +137,8 @@ class BwdWsVariant(KernelVariant):
     def name(self) -> str:
         mask = "local" if self.local else ("causal" if self.causal else "full")
         bulk = (("_dqwriter" if self.dq_writer else "") + ("_dqearly" if self.dq_early else "")
-                + ("_ordered" if self.dq_ordered else "") + (f"_fm{self.flashmask}" if self.flashmask else "") + ("_rot" if self.rotate else ""))
+                + ("_ordered" if self.dq_ordered else "") + (f"_fm{self.flashmask}" if self.flashmask else "")
+                + ("_rot" if self.rotate else ""))
         return f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{bulk}_m{self.block_m}n{self.block_n}_sm{self.arch}"
 
     @property
@@ -170,8 +171,8 @@ class BwdWsVariant(KernelVariant):
         return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, split_d=self.split_d,
                     causal=self.causal, local=self.local, bf16=self.dtype == "bf16", dq=self.dq,
                     dq_early=self.dq_early, dq_writer=self.dq_writer,
-                    dq_ordered=self.dq_ordered, flashmask=self.flashmask, rotate=self.rotate, overlap=self.overlap, producer_regs=PRODUCER_REGS,
-                    consumer_regs=MAX_CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES,
+                    dq_ordered=self.dq_ordered, flashmask=self.flashmask, rotate=self.rotate, overlap=self.overlap,
+                    producer_regs=PRODUCER_REGS, consumer_regs=MAX_CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES,
                     info_bytes=INFO_BYTES, barrier_bytes=BARRIER_BYTES, varlen_row_gap=VARLEN_ROW_GAP)
 
 

@@ -195,6 +195,11 @@ PERSISTENT_MAX_KEYS = 1024
 PERSISTENT_MAX_KEYS_D64_CAUSAL = 2048
 
 
+def persistent_max_keys(head_dim: int, causal: bool) -> int:
+    """The most keys for which the plan takes persistent blocks at this head dim and mask."""
+    return PERSISTENT_MAX_KEYS_D64_CAUSAL if head_dim == 64 and causal else PERSISTENT_MAX_KEYS
+
+
 def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 90,
             flashmask: int = 0, seqlen_k: int | None = None) -> FwdWsVariant:
     """The variant the planner runs for a problem with these head dim, dtype, mask, queries and
@@ -204,8 +209,7 @@ def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 
     short = head_dim == 64 and causal and (flashmask or seqlen_q <= 2048)
     tile = SHORT_CAUSAL_D64 if short else TILES[head_dim]
     keys = seqlen_q if seqlen_k is None else seqlen_k
-    persistent = not flashmask and head_dim <= 128 and keys <= (
-        PERSISTENT_MAX_KEYS_D64_CAUSAL if head_dim == 64 and causal else PERSISTENT_MAX_KEYS)
+    persistent = not flashmask and head_dim <= 128 and keys <= persistent_max_keys(head_dim, causal)
     return FwdWsVariant(head_dim=head_dim, dtype=dtype, causal=causal, arch=arch, flashmask=flashmask,
                         persistent=persistent, **tile)
 
