@@ -3,8 +3,9 @@
 Each pass is one ``buffer_callback``: XLA calls a Python function with its CUDA stream and the
 device buffers of the inputs and outputs, and that function launches cuflash's kernels on the
 stream, into the output buffers. Nothing waits for the GPU, nothing is copied, and nothing is
-allocated in the callback: split-KV partials and the backward's fp32 rows are an extra output
-that XLA allocates. Arguments are checked (cuflash's messages, naming the argument) and the
+allocated in the callback: split-KV partials, the backward's fp32 rows and the persistent
+forward's tile counter (zeroed on the stream before its launch) are extra outputs that XLA
+allocates. Arguments are checked (cuflash's messages, naming the argument) and the
 plans made at trace time, from the static shapes, for the first of JAX's GPUs; the kernels are
 compiled and loaded then too, so the callback can be traced into XLA's command buffers (CUDA
 graphs; ``CUFLASH_JAX_COMMAND_BUFFER=0`` keeps it out of them). A ``jax.custom_vjp`` saves
@@ -209,8 +210,15 @@ def _forward(call: _Call, q, k, v, extra):
     types = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)]
     if plan.workspace_bytes:  # split-KV partial outputs and LSEs
         types.append(jax.ShapeDtypeStruct((plan.workspace_bytes // 4,), jnp.float32))
+    if _persistent(plan):  # the persistent blocks' tile counter
+        types.append(jax.ShapeDtypeStruct((1,), jnp.int32))
     res = _callback(lambda ctx, outs, *ins: _run_forward(call, plan, ctx, outs, ins), types)(q, k, v, *extra)
     return res[0], res[1]
+
+
+def _persistent(plan) -> bool:
+    """Whether the forward plan runs persistent blocks, which take tiles from a counter."""
+    return getattr(plan.launches[0].variant, "persistent", False)
 
 
 def _backward(call: _Call, dout, q, k, v, out, lse, extra):
@@ -273,8 +281,13 @@ def _run_forward(call: _Call, plan, ctx, outs, ins):
             w = _view(outs[2], dev)
             assert w.shape[0] >= r.ws_floats, (w.shape, r.ws_floats)
             ws = (w.ptr, w.ptr + 4 * r.ws_lse)
+        counter = 0
+        if r.tiles is not None:  # persistent blocks: their tile counter (XLA's last output), zeroed
+            counter = _view(outs[-1], dev).ptr
+            launch.zero_async(counter, 4, stream)
         # fused=False: the combine kernel merges the splits, so no per-stream counter buffer is made
-        launch.fire(r, dev, stream, q.ptr, k.ptr, v.ptr, o.ptr, _view(outs[1], dev).ptr, ws, fused=False)
+        launch.fire(r, dev, stream, q.ptr, k.ptr, v.ptr, o.ptr, _view(outs[1], dev).ptr, ws, fused=False,
+                    counter=counter)
 
 
 def _run_backward(call: _Call, plan, ctx, outs, ins):

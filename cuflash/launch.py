@@ -113,6 +113,12 @@ def _new_counters(n: int):
     return cupy.zeros(max(n, 1 << 14), dtype=cupy.int32)
 
 
+def zero_async(ptr: int, nbytes: int, stream: int):
+    """Zero ``nbytes`` of device memory at ``ptr``, in order on ``stream`` (a raw pointer)."""
+    import cupy
+    cupy.cuda.runtime.memsetAsync(ptr, 0, nbytes, stream)
+
+
 def _new_workspace(n: int):
     import cupy
     return cupy.empty(max(n, 1 << 16), dtype=cupy.float32)
@@ -312,11 +318,12 @@ def _early_smem(plan: Plan, main) -> tuple[bool, int]:
 
 
 def fire(r: Recipe, device: int, stream: int, q: int, k: int, v: int, o: int, lse: int, workspace=None,
-         fused: bool = True):
+         fused: bool = True, counter: int = 0):
     """Launch a prepared plan on ``stream`` (a raw pointer) for these data pointers;
     ``workspace`` is the (partial O, partial LSE) pointer pair when the plan splits. ``fused=False``
     merges the splits with the combine kernel and runs persistent blocks as one block per tile (no
-    per-stream counter buffer is made)."""
+    per-stream counter buffer is made) unless ``counter`` points at a zeroed int32 tile counter that
+    the caller provides."""
     if r.prep is not None and r.prep[1][0] > 0:  # no key block: nothing to reduce
         kernel, grid, block, fields = r.prep
         kernel(grid, block, stream, **fields)
@@ -324,7 +331,7 @@ def fire(r: Recipe, device: int, stream: int, q: int, k: int, v: int, o: int, ls
         dtype, mq, mk, mv = r.maps
         grid, mid = r.grid, r.mid
         if r.tiles is not None:  # persistent: tiles from the stream's counter, or one block per tile
-            counter = _counter_ptr(device, stream, 1) if fused else 0
+            counter = counter or (_counter_ptr(device, stream, 1) if fused else 0)
             grid, mid = (grid, (*mid[:-1], counter)) if counter else (r.tiles, mid)
         r.kernel.launch(grid, r.block, r.smem, stream,
                         (fwd_ws.tensor_map(q, *mq, dtype), fwd_ws.tensor_map(k, *mk, dtype),

@@ -285,6 +285,31 @@ def test_forward_callback_launches_on_xla_stream(recorded):
     assert (f1["q_sb"], f1["q_ss"], f1["q_sh"]) == (sq * h * d, h * d, d)
 
 
+def test_persistent_forward_takes_tiles_from_a_zeroed_xla_counter(recorded, monkeypatch):
+    """Persistent blocks count tiles in an int32 output of the callback, zeroed on XLA's stream
+    right before the launch."""
+    zeroed = []
+    monkeypatch.setattr(cj.launch, "zero_async", lambda ptr, n, stream: zeroed.append((ptr, n, stream, len(recorded))))
+    call = cj._Call(16, 1024, 1024, 16, 16, 128, "bf16", True, 0.1, (-1, -1), 0.0, None, None, False)
+    plan = make_plan(cj._problem(call), H100)
+    assert cj._persistent(plan) and not plan.workspace_bytes
+    ins = _buffers([(16, 1024, 16, 128)] * 3, ["bfloat16"] * 3, 1 << 32)
+    outs = _buffers([(16, 1024, 16, 128), (16, 16, 1024), (1,)], ["bfloat16", "float32", "int32"], 1 << 36)
+    cj._run_forward(call, plan, types.SimpleNamespace(stream=31), outs, ins)
+    (name, stream, f), = recorded
+    assert "persistent" in name and stream == 31
+    assert f["tile_counter"] == outs[2].ptr and zeroed == [(outs[2].ptr, 4, 31, 0)]  # zeroed before the launch
+
+
+def test_persistent_plans_get_a_counter_output(numpy_kernels, rng):
+    q = arr(rng, 2, 128, 4, 64)
+    assert cj._persistent(make_plan(cj._problem(_call(q, q)), H100))
+    assert "tensor<1xi32>" in jax.jit(lambda q: cj.attention(q, q, q)).lower(q).as_text()
+    q = arr(rng, 1, 16, 2, 64)
+    assert not cj._persistent(make_plan(cj._problem(_call(q, q)), H100))
+    assert "tensor<1xi32>" not in jax.jit(lambda q: cj.attention(q, q, q)).lower(q).as_text()
+
+
 def test_varlen_callbacks_read_cu_seqlens_and_write_xla_buffers(recorded):
     batch, total_q, total_k, h, hk, d = 3, 40, 50, 4, 2, 32
     call = cj._Call(batch, 20, 30, h, hk, d, "fp16", True, 0.2, (-1, 0), 0.0, 0, total_q, True)
