@@ -247,8 +247,8 @@ def cmd_bench(a):
     if a.deterministic and a.kind != "backward":
         _fail(f"cuflash: error: --deterministic applies to bench backward, not {a.kind}")
     if a.rounds is not None:
-        if a.kind not in ("prefill", "backward"):
-            _fail(f"cuflash: error: --rounds applies to bench prefill and backward, not {a.kind}")
+        if a.kind not in ("prefill", "backward", "jax"):
+            _fail(f"cuflash: error: --rounds applies to bench prefill, backward and jax, not {a.kind}")
         grid["rounds"] = a.rounds
     if a.kind == "prefill":
         rows = bench.bench_prefill(**grid)
@@ -346,7 +346,7 @@ def main(argv=None):
     b.add_argument("--head-dim", type=HEAD_DIM, nargs="+")
     b.add_argument("--deterministic", action="store_true", help="bench backward: cuflash's deterministic mode")
     b.add_argument("--rounds", type=_int_in(1, 99),
-                   help="bench prefill / backward: rounds of timing, the order rotated each round (default 3)")
+                   help="bench prefill / backward / jax: rounds of timing, the order rotated each round (default 3)")
     b.add_argument("--json")
     b.add_argument("--csv")
     b.add_argument("--plot")

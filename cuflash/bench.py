@@ -409,14 +409,15 @@ def _time_sdpa_backward(torch, backend, sets, causal, warmup, reps):
 
 def bench_jax(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), causal=(False, True),
               shapes=((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)),
-              model_dim=2048, reps=20, warmup=3, quick=False, verbose=True):
+              model_dim=2048, reps=20, warmup=3, quick=False, verbose=True, rounds=3):
     """cuflash.jax.attention under jax.jit against jax.nn.dot_product_attention with
     implementation="cudnn" and "xla", on the prefill grid, and cuflash.torch.attention at the
     same shapes in the same process. Two rows per shape: "fwd" (the forward) and "fwd+bwd"
     (jax.jit of jax.vjp applied to a fixed random output cotangent do: the gradients w.r.t. q, k
     and v; for PyTorch, torch.autograd.grad(out, (q, k, v), do): the same work), counted as
     (1 + 2.5) x the forward's FLOPs.
-    Every implementation is timed by `time_sync`; max |diff| is against cuDNN's output (XLA's
+    Every implementation is timed by `time_sync`, the four in ``rounds`` rotated rounds
+    (rotated_rounds); max |diff| is against cuDNN's output (XLA's
     where cuDNN is unavailable). An implementation that fails (a shape or dtype it refuses, out
     of memory) gets no timing and its error in row["errors"]."""
     torch, jax = _torch(), _jax()
@@ -430,11 +431,11 @@ def bench_jax(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), causal=(
         for backward in (False, True):
             row = {"dtype": dt, "d": d, "causal": c, "batch": b, "seqlen": s, "nheads": h,
                    "pass": "fwd+bwd" if backward else "fwd", "errors": {}}
-            outs = _jax_row(row, sets_j, c, d ** -0.5, backward, warmup, reps)
             # leaves that need gradients, on the same memory
             tsets = [(*(t.detach().requires_grad_() for t in x[:3]), x[3]) for x in sets_t] if backward else sets_t
-            _measure(row, outs, "cuflash_torch", functools.partial(_torch_fn, torch, c, d ** -0.5, backward),
-                     tsets, lambda _: torch.cuda.synchronize(), warmup, reps)
+            torch_impl = ("cuflash_torch", functools.partial(_torch_fn, torch, c, d ** -0.5, backward), tsets,
+                          lambda _: torch.cuda.synchronize())
+            outs = _jax_row(row, sets_j, c, d ** -0.5, backward, warmup, reps, rounds, extra=(torch_impl,))
             _jax_summary(row, outs, (1 + BACKWARD_FLOPS if backward else 1) * _flops(b, s, h, d, c))
             _emit(rows, row, "jax", verbose)
             del outs, tsets
@@ -472,30 +473,46 @@ def _torch_fn(torch, causal, scale, backward):
     return lambda q, k, v, do: torch.autograd.grad(attn(q, k, v), (q, k, v), do)
 
 
-def _jax_row(row, sets, causal, scale, backward, warmup=3, reps=20):
-    """Times the JAX implementations (JAX_IMPLS) on sets of JAX arrays (q, k, v, do) into row;
-    returns their outputs on sets[0], by name."""
+def _jax_row(row, sets, causal, scale, backward, warmup=3, reps=20, rounds=1, extra=()):
+    """Times the JAX implementations (JAX_IMPLS) on sets of JAX arrays (q, k, v, do), and the
+    ``extra`` ones given as (name, make, sets, sync), in ``rounds`` rotated rounds into
+    row[name + "_ms"]; returns their outputs on sets[0], by name."""
     import jax
+    impls = [(name, functools.partial(_jax_fn, name, causal, scale, backward), sets, jax.block_until_ready)
+             for name in JAX_IMPLS] + list(extra)
     outs = {}
-    for name in JAX_IMPLS:
-        _measure(row, outs, name, functools.partial(_jax_fn, name, causal, scale, backward), sets,
-                 jax.block_until_ready, warmup, reps)
+    timers = {name: _sync_timer(row, outs, name, make, s, sync, warmup, reps) for name, make, s, sync in impls}
+    row.update({f"{name}_ms": ms for name, ms in rotated_rounds(timers, rounds).items()})
     return outs
 
 
-def _measure(row, outs, name, make, sets, sync, warmup, reps):
-    """row[name + "_ms"] = time_sync of make() over sets, and outs[name] = its output on sets[0];
-    if it fails, row[name + "_ms"] = None and row["errors"][name] = the error's first line."""
-    row[f"{name}_ms"] = None
+def _sync_timer(row, outs, name, make, sets, sync, warmup, reps):
+    """A rotated_rounds timer of make()'s fn over sets (time_sync), after one call whose output
+    on sets[0] goes to outs[name]. Where making, calling or timing it fails (a refused shape or
+    dtype, no GPU backend, out of memory), row["errors"][name] gets the error's first line and
+    the timer gives None."""
+    def note(e):
+        lines = str(e).strip().splitlines()
+        row["errors"][name] = f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+
     try:
         fn = make()
         out = fn(*sets[0])
         sync(out)
         outs[name] = out
-        row[f"{name}_ms"] = time_sync(fn, sets, sync, warmup, reps)
-    except Exception as e:  # refused shape or dtype, no GPU backend, out of memory: report, go on
-        lines = str(e).strip().splitlines()
-        row["errors"][name] = f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+    except Exception as e:
+        note(e)
+        return lambda: None
+
+    def timer():
+        if name in row["errors"]:
+            return None
+        try:
+            return time_sync(fn, sets, sync, warmup, reps)
+        except Exception as e:
+            note(e)
+            return None
+    return timer
 
 
 def _as_jax(x):

@@ -18,14 +18,15 @@ def test_rotated_rounds_order_and_medians():
 
 
 def test_cli_rounds(capsys, monkeypatch):
-    """--rounds passes through to bench prefill and backward, and is refused elsewhere."""
+    """--rounds passes through to bench prefill, backward and jax, and is refused elsewhere."""
     from test_hardening import run_cli
     seen = {}
     monkeypatch.setattr(bench, "_torch", lambda: None)
-    for kind in ("prefill", "backward"):
+    monkeypatch.setattr(bench, "_jax", lambda: None)
+    for kind in ("prefill", "backward", "jax"):
         monkeypatch.setattr(bench, f"bench_{kind}", lambda **kw: seen.update(kw) or [])
     monkeypatch.setattr(bench, "format_table", lambda rows, kind: "")
-    for kind in ("prefill", "backward"):
+    for kind in ("prefill", "backward", "jax"):
         seen.clear()
         code, _, _ = run_cli(capsys, "bench", kind, "--rounds", "5")
         assert code == 0 and seen["rounds"] == 5, kind
@@ -33,7 +34,7 @@ def test_cli_rounds(capsys, monkeypatch):
     code, _, _ = run_cli(capsys, "bench", "prefill")
     assert code == 0 and "rounds" not in seen  # the sweep's default
     code, _, err = run_cli(capsys, "bench", "overhead", "--rounds", "2")
-    assert code != 0 and "--rounds applies to bench prefill and backward, not overhead" in err
+    assert code != 0 and "--rounds applies to bench prefill, backward and jax, not overhead" in err
     code, _, err = run_cli(capsys, "bench", "prefill", "--rounds", "0")
     assert code != 0 and "--rounds" in err
 
