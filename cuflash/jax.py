@@ -212,7 +212,8 @@ def _forward(call: _Call, q, k, v, extra):
         types.append(jax.ShapeDtypeStruct((plan.workspace_bytes // 4,), jnp.float32))
     if _persistent(plan):  # the persistent blocks' tile counter
         types.append(jax.ShapeDtypeStruct((1,), jnp.int32))
-    res = _callback(lambda ctx, outs, *ins: _run_forward(call, plan, ctx, outs, ins), types)(q, k, v, *extra)
+    early = EARLY_LAUNCH  # read at trace time, as COMMAND_BUFFER is
+    res = _callback(lambda ctx, outs, *ins: _run_forward(call, plan, ctx, outs, ins, early), types)(q, k, v, *extra)
     return res[0], res[1]
 
 
@@ -260,7 +261,7 @@ def _extras(call: _Call, extra, device: int):
     return alibi, (tuple(views) if call.total_q is not None else None)
 
 
-def _run_forward(call: _Call, plan, ctx, outs, ins):
+def _run_forward(call: _Call, plan, ctx, outs, ins, early: bool = False):
     dev = _device(ins[0])
     q, k, v, o = (_view(x, dev) for x in (*ins[:3], outs[0]))
     alibi, cu = _extras(call, ins[3:], dev)
@@ -274,7 +275,7 @@ def _run_forward(call: _Call, plan, ctx, outs, ins):
         # Plain launches (no programmatic stream serialisation) unless EARLY_LAUNCH: XLA may nest
         # the capture of this callback in its own CUDA graph.
         r = launch.prepare(plan, q, k, v, o, call.scale, dev, **kw)
-        if not EARLY_LAUNCH:
+        if not early:
             r = r._replace(early=False)
         ws = None
         if r.split:

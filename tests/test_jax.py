@@ -57,7 +57,7 @@ def numpy_kernels(monkeypatch):
     counts the callbacks run."""
     calls = {"fwd": 0, "bwd": 0}
 
-    def fwd(call, plan, ctx, outs, ins):
+    def fwd(call, plan, ctx, outs, ins, early=False):
         calls["fwd"] += 1
         q, k, v, *extra = [np.asarray(x) for x in ins]
         if call.total_q is None:
