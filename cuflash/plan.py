@@ -490,8 +490,6 @@ def _bwd_ws_blocker(p: Problem, bucket: int, arch: int) -> str:
         return "it reads dense batches only (no varlen)"
     if p.softcap or p.alibi:
         return "it has no softcap or ALiBi"
-    if p.flashmask and p.deterministic:
-        return "its deterministic dQ has no FlashMask"
     if p.dropout:
         return "it has no dropout (its P^T and dS^T have no Philox mask)"
     if not p.tma:
@@ -548,8 +546,8 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     if main.family == "bwd_ws":
         kind = ("the warp-specialised kernel (bwd_ws, sm_90a): a producer warpgroup loads K and V once and each "
                 "step's Q and dO tiles by TMA, LSE and D by bulk copies, into 2 stages on mbarriers; two consumer "
-                + ("warpgroups run wgmma, each on half the head dim of dK, dV and dQ (the block's P^T and dS^T "
-                   "through shared memory)" if main.split_d else "warpgroups of 64 keys run wgmma"))
+                + ("warpgroups run wgmma, each on half the head dim of dK, dV" + (" and dQ" if main.dq else "")
+                   + " (the block's P^T and dS^T through shared memory)" if main.split_d else "warpgroups of 64 keys run wgmma"))
     elif main.mma == "wgmma":
         kind = (f"Hopper's warpgroup MMA (wgmma, sm_90a), two warpgroups of 64 keys; not the warp-specialised "
                 f"kernel: {ws}")
@@ -580,7 +578,9 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
                    "and bwd_convert scales dQ into the input dtype.")
     elif p.deterministic:
         why.append(f"deterministic=True: dQ has its own kernel, a block per {last.block_m} query rows walking the "
-                   "K/V blocks it sees and writing dQ once: no atomics, every gradient is bitwise repeatable.")
+                   "K/V blocks it sees and writing dQ once: no atomics, every gradient is bitwise repeatable"
+                   + (" (with FlashMask the dK/dV kernel adds no dQ: its ordered adds need every step, and it "
+                      "skips the masked ones)." if p.flashmask and main.family == "bwd_ws" else "."))
     else:
         how = ("bulk reduce-adds of a warp of the producer warpgroup, from a tile the consumers stage in shared "
                "memory (the dQ writer)" if getattr(main, "dq_writer", False) else

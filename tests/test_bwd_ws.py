@@ -36,9 +36,11 @@ def test_variants():
     d = 256 64 x 64 steps with the head dim split between the groups."""
     assert len({v.name for v in VARIANTS}) == len(VARIANTS) == 36
     assert bwd_ws.variants(80) == [] and len(bwd_ws.variants(90, mods=False)) == 24 + 6
-    assert set(VARIANTS + CONVERTS + FLASHMASK) <= set(all_variants(90)) and len(FLASHMASK) == 24
-    assert all(v.dq and not v.dq_ordered and v == bwd_ws.planned(v.head_dim, v.dtype, v.causal, False, False, 90,
-                                                                  v.flashmask) for v in FLASHMASK)
+    assert set(VARIANTS + CONVERTS + FLASHMASK) <= set(all_variants(90)) and len(FLASHMASK) == 48
+    # FlashMask: atomic dQ, or deterministic with no dQ (the deterministic dQ kernel follows)
+    assert all(not v.dq_ordered and v == bwd_ws.planned(v.head_dim, v.dtype, v.causal, False, not v.dq, 90,
+                                                         v.flashmask) for v in FLASHMASK)
+    assert sum(v.dq for v in FLASHMASK) == 24
     assert [(v.kind, v.tiled, v.head_dim) for v in CONVERTS] == [("bwd_convert", True, d) for d in (64, 128, 256)
                                                                  for _ in range(2)]
     for v in VARIANTS:
@@ -66,7 +68,7 @@ def test_planned_walks_rotate_with_atomic_dq_only():
     (dict(dq_writer=1), "dq_writer must be a bool"),
     (dict(head_dim=256, dq_early=True), "at head_dim 256"), (dict(head_dim=256, dq_writer=True), "at head_dim 256"),
     (dict(dq_ordered=True), "needs dq_writer=True"), (dict(flashmask=1), "flashmask must be"),
-    (dict(flashmask=4, causal=True), "flashmask must be"), (dict(flashmask=2, kind="bwd_ws_dkdv"), "flashmask must be"),
+    (dict(flashmask=4, causal=True), "flashmask must be"), (dict(flashmask=2, kind="bwd_ws_dkdv", local=True), "flashmask must be"),
     (dict(flashmask=2, dq_writer=True, dq_ordered=True), "flashmask must be"), (dict(kind="bwd_ws_dkdv", dq_ordered=True), "dq_ordered"),
     (dict(rotate=True, dq_writer=True, dq_ordered=True), "rotate must be"), (dict(rotate=True, flashmask=2), "rotate must be"),
     (dict(kind="bwd_ws_dkdv", rotate=True), "rotate must be"), (dict(rotate=1), "rotate must be a bool"),

@@ -105,12 +105,14 @@ def test_plan_adds_the_prep_launches(arch, deterministic, d):
     p = _bwd_plan(arch, deterministic, n=2, causal=False, heads=2, d=d)
     prep, main, last, *fm = (l.variant for l in p.launches)
     assert prep.kind == "bwd_prep" and main.flashmask == 2 and not main.causal
-    ws = arch == 90 and not deterministic  # the warp-specialised kernel: atomic dQ only
+    ws = arch == 90  # the warp-specialised kernel: with atomic dQ, or deterministic without dQ
     assert main.family == ("bwd_ws" if ws else "bwd")
-    assert main.mma == ("wgmma" if arch == 90 and (d in (64, 128) or ws) else "sync")
+    assert main.mma == ("wgmma" if ws else "sync")
+    if ws:
+        assert main.kind == ("bwd_ws_dkdv" if deterministic else "bwd_ws_dkdv_dq") and not main.dq_ordered
     assert (last.kind, getattr(last, "flashmask", 0)) == (("bwd_dq", 2) if deterministic else ("bwd_convert", 0))
-    assert getattr(last, "tiled", False) == ws
-    assert ("its deterministic dQ has no FlashMask" in p.reason) == (arch == 90 and deterministic and d != 256)
+    assert getattr(last, "tiled", False) == (ws and not deterministic)
+    assert ("with FlashMask the dK/dV kernel adds no dQ" in p.reason) == (ws and deterministic)
     sizes = [main.block_n] + ([last.block_n] if deterministic and last.block_n != main.block_n else [])
     assert [v.family for v in fm] == ["flashmask"] * len(sizes) and all(v.columns == 2 for v in fm)
     assert [l.grid for l in p.launches[3:]] == [(-(-333 // bn), 2, 2) for bn in sizes]
@@ -149,7 +151,7 @@ def test_cuflash_plan_backward_counts_the_dkdv_tiles():
     x = masks.causal_document([100, 300, 112], batch=2)
     p = cuflash.plan(q, k, k, causal=True, backward=True, deterministic=True, startend_row_indices=x, arch=90, **H100)
     main = p.launches[1].variant
-    assert main.kind == "bwd_dkdv" and main.flashmask == 1 and p.launches[2].variant.flashmask == 1
+    assert main.kind == "bwd_ws_dkdv" and main.flashmask == 1 and p.launches[2].variant.flashmask == 1
     from cuflash.plan import mask_tiles
     t = mask_tiles(x, 512, 512, main.block_m, main.block_n, True)
     assert f"{t.skipped * 8} skipped, {t.masked * 8} masked, {t.unmasked * 8} unmasked" in p.reason

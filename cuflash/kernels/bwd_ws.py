@@ -69,7 +69,8 @@ class BwdWsVariant(KernelVariant):
     dq_ordered: bool = False
     # FlashMask bound columns per key (cuflash.masks; 1 or 2 with causal, 2 or 4 without), 0 =
     # none: every role leaves out the fully masked steps, the consumers mask the partly masked
-    # ones. Atomic dQ only (a left-out step has no turn to pass on).
+    # ones. Atomic dQ or none (kind "bwd_ws_dkdv"), not ordered: a left-out step has no turn to
+    # pass on.
     flashmask: int = 0
     # Each key block walks its query steps from a different one (step j of the walk is step
     # (j + rot) mod the step count, rot spreading a head's key blocks over its query blocks), so
@@ -96,10 +97,10 @@ class BwdWsVariant(KernelVariant):
         if self.dq_ordered and not (self.dq_writer or (self.split_d and self.dq)):
             raise ValueError("dq_ordered orders the dQ writer's adds (at head_dim 256 the atomic ones): "
                              "it needs dq_writer=True")
-        if self.flashmask and not (self.dq and not self.dq_ordered and not self.local
+        if self.flashmask and not (not self.dq_ordered and not self.local
                                    and self.flashmask in (FLASHMASK_NS[:2] if self.causal else FLASHMASK_NS[1:])):
-            raise ValueError(f"flashmask must be 0, or 1 or 2 with causal, 2 or 4 without, with atomic dQ (kind "
-                             f"'bwd_ws_dkdv_dq', not dq_ordered) and no window; got {self.flashmask!r}")
+            raise ValueError(f"flashmask must be 0, or 1 or 2 with causal, 2 or 4 without, with atomic dQ or none "
+                             f"(not dq_ordered) and no window; got {self.flashmask!r}")
         if not isinstance(self.rotate, bool) or self.rotate and (self.dq_ordered or self.flashmask or not self.dq):
             raise ValueError(f"rotate must be a bool, True only with atomic dQ and no FlashMask, got {self.rotate!r}")
         if not isinstance(self.causal, bool) or not isinstance(self.local, bool) or (self.causal and self.local):
@@ -183,11 +184,14 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
     tile) atomics; deterministic, the same adds in a fixed order (the fastest of the dQ variants
     on an H200 at each, and the ordered adds faster than the deterministic dQ kernel:
     BENCHMARKS.md, scripts/bench_bwd_ws.py); atomic dQ without FlashMask with rotated step walks
-    (+2 to +7% at d = 128 and 256 on an H200). ``flashmask``: FlashMask's bound columns per key
-    (atomic dQ only)."""
-    return BwdWsVariant(kind="bwd_ws_dkdv_dq", head_dim=head_dim, dtype=dtype, causal=causal, local=local,
-                        arch=arch, dq_early=head_dim != 256, dq_writer=head_dim != 256, dq_ordered=deterministic,
-                        flashmask=flashmask, rotate=not deterministic and not flashmask)
+    (+2 to +7% at d = 128 and 256 on an H200). ``flashmask``: FlashMask's bound columns per key;
+    deterministic with FlashMask, dK and dV only (kind "bwd_ws_dkdv"; the deterministic dQ kernel
+    follows), since the ordered adds need every step of the walk."""
+    dq = not (deterministic and flashmask)
+    return BwdWsVariant(kind="bwd_ws_dkdv_dq" if dq else "bwd_ws_dkdv", head_dim=head_dim, dtype=dtype,
+                        causal=causal, local=local, arch=arch, dq_early=dq and head_dim != 256,
+                        dq_writer=dq and head_dim != 256, dq_ordered=dq and deterministic, flashmask=flashmask,
+                        rotate=not deterministic and not flashmask)
 
 
 def convert(head_dim: int, dtype: str, arch: int = 90) -> BwdRowVariant:
@@ -205,5 +209,5 @@ def variants(arch: int, mods: bool = True) -> list[KernelVariant]:
     return [planned(d, dt, c, loc, det, arch) for d in HEAD_DIMS for dt in DTYPES
             for c, loc in (MASKS if mods else MASKS[:2]) for det in (False, True)] + [
         convert(d, dt, arch) for d in HEAD_DIMS for dt in DTYPES] + [
-        planned(d, dt, c, False, False, arch, n) for d in HEAD_DIMS for dt in DTYPES for c in (False, True)
-        for n in (FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:]) if mods]
+        planned(d, dt, c, False, det, arch, n) for d in HEAD_DIMS for dt in DTYPES for c in (False, True)
+        for n in (FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:]) for det in (False, True) if mods]
