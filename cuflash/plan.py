@@ -572,15 +572,17 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
         who = ("the dK/dV kernel's consumer warpgroups add dQ = dS K into an fp32 accumulator with atomics, each "
                "its own columns," if main.split_d else
                "the dK/dV kernel's dQ writer adds dQ = dS K into an fp32 accumulator with bulk reduce-adds")
+        fm_turns = (" (with FlashMask a key block whose tile is fully masked takes no turn)" if p.flashmask else "")
         why.append(f"deterministic=True: {who} in a fixed order: per query block a semaphore lets the key blocks add "
                    "in turn, "
-                   f"{order}, each once the previous one's adds are complete; every gradient is bitwise repeatable, "
-                   "and bwd_convert scales dQ into the input dtype.")
+                   f"{order}, each once the previous one's adds are complete{fm_turns}; every gradient is bitwise "
+                   "repeatable, and bwd_convert scales dQ into the input dtype.")
     elif p.deterministic:
         why.append(f"deterministic=True: dQ has its own kernel, a block per {last.block_m} query rows walking the "
                    "K/V blocks it sees and writing dQ once: no atomics, every gradient is bitwise repeatable"
-                   + (" (with FlashMask the dK/dV kernel adds no dQ: its ordered adds need every step, and it "
-                      "skips the masked ones)." if p.flashmask and main.family == "bwd_ws" else "."))
+                   + (" (with FlashMask at this head dim the dK/dV kernel adds no dQ: its ordered atomics take a "
+                      "turn on every step, and it skips the masked ones)." if p.flashmask and main.family == "bwd_ws"
+                      else "."))
     else:
         how = ("bulk reduce-adds of a warp of the producer warpgroup, from a tile the consumers stage in shared "
                "memory (the dQ writer)" if getattr(main, "dq_writer", False) else

@@ -28,8 +28,8 @@ def main():
                                    (256, False, False)):
             fwd_ws.run(rnd(5, 129, 40, d), rnd(5, 100, 8, d), rnd(5, 100, 8, d), causal=causal, return_lse=True,
                        persistent=True, dynamic=dynamic, **fwd_ws.TILES[d])
-    # FlashMask (on sm_90 the warp-specialised forward and backward, at every head dim): skipped,
-    # masked and plain blocks, rows with no visible key, GQA
+    # FlashMask (on sm_90 the warp-specialised forward and backward, at every head dim, atomic and
+    # deterministic): skipped, masked and plain blocks, rows with no visible key, GQA
     from cuflash import masks
     from cuflash.backward import attention_backward as fm_backward
     for d, causal, x in ((64, True, masks.causal_document([300, 20, 380], batch=2)),
@@ -37,7 +37,9 @@ def main():
                          (256, True, masks.qk_sparse(700, [(100, 50), (500, 30)], batch=2))):
         q, k, v, idx = rnd(2, 700, 4, d), rnd(2, 700, 2, d), rnd(2, 700, 2, d), torch.from_numpy(x).cuda()
         o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, startend_row_indices=idx)
-        fm_backward(torch.randn_like(o), q, k, v, o, lse, causal=causal, startend_row_indices=idx)
+        for det in (False, True):  # atomic dQ; the ordered dQ writer, skipped tiles taking no turn
+            fm_backward(torch.randn_like(o), q, k, v, o, lse, causal=causal, startend_row_indices=idx,
+                        deterministic=det)
     # split-KV (merge fused into the split kernel), with empty splits; decode tile (GQA packing)
     cuflash.attention(rnd(1, 3, 8, 128), rnd(1, 799, 2, 128), rnd(1, 799, 2, 128), causal=True, num_splits=128)
     cuflash.attention(rnd(2, 1, 28, 128), rnd(2, 339, 4, 128), rnd(2, 339, 4, 128), causal=True)

@@ -105,20 +105,24 @@ def test_plan_adds_the_prep_launches(arch, deterministic, d):
     p = _bwd_plan(arch, deterministic, n=2, causal=False, heads=2, d=d)
     prep, main, last, *fm = (l.variant for l in p.launches)
     assert prep.kind == "bwd_prep" and main.flashmask == 2 and not main.causal
-    ws = arch == 90  # the warp-specialised kernel: with atomic dQ, or deterministic without dQ
+    ws = arch == 90  # the warp-specialised kernel: atomic dQ; deterministic, ordered (d = 256: no dQ)
+    dq_kernel = deterministic and not (ws and d != 256)  # the deterministic dQ kernel follows
     assert main.family == ("bwd_ws" if ws else "bwd")
     assert main.mma == ("wgmma" if ws else "sync")
     if ws:
-        assert main.kind == ("bwd_ws_dkdv" if deterministic else "bwd_ws_dkdv_dq") and not main.dq_ordered
-    assert (last.kind, getattr(last, "flashmask", 0)) == (("bwd_dq", 2) if deterministic else ("bwd_convert", 0))
-    assert getattr(last, "tiled", False) == (ws and not deterministic)
-    assert ("with FlashMask the dK/dV kernel adds no dQ" in p.reason) == (ws and deterministic)
-    sizes = [main.block_n] + ([last.block_n] if deterministic and last.block_n != main.block_n else [])
+        assert main.kind == ("bwd_ws_dkdv" if dq_kernel else "bwd_ws_dkdv_dq")
+        assert main.dq_ordered == (deterministic and not dq_kernel)
+    assert (last.kind, getattr(last, "flashmask", 0)) == (("bwd_dq", 2) if dq_kernel else ("bwd_convert", 0))
+    assert getattr(last, "tiled", False) == (ws and not dq_kernel)
+    assert ("with FlashMask at this head dim the dK/dV kernel adds no dQ" in p.reason) == (ws and dq_kernel)
+    assert ("fully masked takes no turn" in p.reason) == (ws and deterministic and not dq_kernel)
+    sizes = [main.block_n] + ([last.block_n] if dq_kernel and last.block_n != main.block_n else [])
     assert [v.family for v in fm] == ["flashmask"] * len(sizes) and all(v.columns == 2 for v in fm)
     assert [l.grid for l in p.launches[3:]] == [(-(-333 // bn), 2, 2) for bn in sizes]
     fm_bytes = sum(4 * 2 * 2 * -(-333 // bn) * 2 * 2 for bn in sizes)
     rows = 2 * 8 * 384  # LSE and D, and without the deterministic dQ kernel the dQ accumulator
-    assert p.workspace_bytes == 4 * rows * (2 + (0 if deterministic else d)) + fm_bytes
+    sems = 4 * (rows // 64) if ws and deterministic and not dq_kernel else 0  # the ordered adds' semaphores
+    assert p.workspace_bytes == 4 * rows * (2 + (0 if dq_kernel else d)) + fm_bytes + sems
     assert backward.workspace_floats(p) == p.workspace_bytes // 4
     assert f"startend_row_indices (FlashMask, n=2, causal=False): {fm[0].name} runs first" in p.reason
     assert f"({fm_bytes} B;" in p.reason and "skip" in p.reason
@@ -151,7 +155,7 @@ def test_cuflash_plan_backward_counts_the_dkdv_tiles():
     x = masks.causal_document([100, 300, 112], batch=2)
     p = cuflash.plan(q, k, k, causal=True, backward=True, deterministic=True, startend_row_indices=x, arch=90, **H100)
     main = p.launches[1].variant
-    assert main.kind == "bwd_ws_dkdv" and main.flashmask == 1 and p.launches[2].variant.flashmask == 1
+    assert main.kind == "bwd_ws_dkdv_dq" and main.dq_ordered and main.flashmask == 1
     from cuflash.plan import mask_tiles
     t = mask_tiles(x, 512, 512, main.block_m, main.block_n, True)
     assert f"{t.skipped * 8} skipped, {t.masked * 8} masked, {t.unmasked * 8} unmasked" in p.reason
@@ -179,7 +183,7 @@ def test_launch_arguments(monkeypatch, deterministic):
     assert names == [l.name for l in plan.launches[3:]] + [l.name for l in plan.launches[:3]]
     assert all(s == 5 for _, s, _ in launched)
     _, rows = backward.stats_rows(b, sq, h)
-    at = ws + 4 * rows * (2 + (0 if deterministic else d))  # the bounds follow the fp32 rows
+    at = ws + 4 * rows * (2 + d)  # the bounds follow the fp32 rows (and the dQ accumulator: ordered or not)
     outs = []
     for (_, _, f), (launch, bn, ints) in zip(launched[:n_prep], backward._flashmask_preps(plan)):
         assert (f["idx"], f["idx_sb"], f["idx_sh"], f["idx_ss"], f["idx_sc"]) == (8 << 24, *fm.strides)
@@ -187,7 +191,9 @@ def test_launch_arguments(monkeypatch, deterministic):
         assert ints == b * h * -(-sk // bn) * 2 * 4
         outs.append((bn, at))
         at += 4 * ints
-    assert at == ws + 4 * backward.workspace_floats(plan) and plan.workspace_bytes == 4 * backward.workspace_floats(plan)
+    sems = rows // 64 if deterministic else 0  # the ordered adds' semaphores come last
+    assert at + 4 * sems == ws + 4 * backward.workspace_floats(plan) == ws + plan.workspace_bytes
+    assert launched[n_prep + 1][2]["dq_sem"] == (at if deterministic else 0)
     blocks = dict(outs)
     for (name, _, f), launch in zip(launched[n_prep + 1:], plan.launches[1:3]):
         if launch.variant.kind == "bwd_convert":
