@@ -37,12 +37,13 @@ def test_variants():
     assert len({v.name for v in VARIANTS}) == len(VARIANTS) == 36
     assert bwd_ws.variants(80) == [] and len(bwd_ws.variants(90, mods=False)) == 24 + 6
     assert set(VARIANTS + CONVERTS + FLASHMASK) <= set(all_variants(90)) and len(FLASHMASK) == 48
-    # FlashMask: atomic dQ; deterministic, the dQ writer's ordered adds (d = 256: no dQ, the
-    # deterministic dQ kernel follows)
+    # FlashMask: atomic dQ; deterministic, causal at d = 64 and 128 the dQ writer's ordered adds,
+    # elsewhere no dQ (the deterministic dQ kernel follows)
     assert all(v == bwd_ws.planned(v.head_dim, v.dtype, v.causal, False, v.dq_ordered or not v.dq, 90, v.flashmask)
                for v in FLASHMASK)
-    assert sum(v.dq_ordered for v in FLASHMASK) == 16 and sum(not v.dq for v in FLASHMASK) == 8
-    assert all(v.dq_writer for v in FLASHMASK if v.dq_ordered) and all(v.split_d for v in FLASHMASK if not v.dq)
+    assert sum(v.dq_ordered for v in FLASHMASK) == 8 and sum(not v.dq for v in FLASHMASK) == 16
+    assert all(v.dq_writer and v.causal for v in FLASHMASK if v.dq_ordered)
+    assert all(v.split_d or not v.causal for v in FLASHMASK if not v.dq)
     assert [(v.kind, v.tiled, v.head_dim) for v in CONVERTS] == [("bwd_convert", True, d) for d in (64, 128, 256)
                                                                  for _ in range(2)]
     for v in VARIANTS:
@@ -71,7 +72,8 @@ def test_planned_walks_rotate_with_atomic_dq_only():
     (dict(head_dim=256, dq_early=True), "at head_dim 256"), (dict(head_dim=256, dq_writer=True), "at head_dim 256"),
     (dict(dq_ordered=True), "needs dq_writer=True"), (dict(flashmask=1), "flashmask must be"),
     (dict(flashmask=4, causal=True), "flashmask must be"), (dict(flashmask=2, kind="bwd_ws_dkdv", local=True), "flashmask must be"),
-    (dict(head_dim=256, flashmask=2, dq_ordered=True), "flashmask must be"), (dict(kind="bwd_ws_dkdv", dq_ordered=True), "dq_ordered"),
+    (dict(head_dim=256, flashmask=2, dq_ordered=True), "flashmask must be"),
+    (dict(flashmask=2, dq_writer=True, dq_ordered=True), "flashmask must be"), (dict(kind="bwd_ws_dkdv", dq_ordered=True), "dq_ordered"),
     (dict(rotate=True, dq_writer=True, dq_ordered=True), "rotate must be"), (dict(rotate=True, flashmask=2), "rotate must be"),
     (dict(kind="bwd_ws_dkdv", rotate=True), "rotate must be"), (dict(rotate=1), "rotate must be a bool"),
 ])

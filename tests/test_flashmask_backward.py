@@ -105,8 +105,8 @@ def test_plan_adds_the_prep_launches(arch, deterministic, d):
     p = _bwd_plan(arch, deterministic, n=2, causal=False, heads=2, d=d)
     prep, main, last, *fm = (l.variant for l in p.launches)
     assert prep.kind == "bwd_prep" and main.flashmask == 2 and not main.causal
-    ws = arch == 90  # the warp-specialised kernel: atomic dQ; deterministic, ordered (d = 256: no dQ)
-    dq_kernel = deterministic and not (ws and d != 256)  # the deterministic dQ kernel follows
+    ws = arch == 90  # the warp-specialised kernel: atomic dQ; deterministic, no dQ (not causal here)
+    dq_kernel = deterministic  # the deterministic dQ kernel follows
     assert main.family == ("bwd_ws" if ws else "bwd")
     assert main.mma == ("wgmma" if ws else "sync")
     if ws:
@@ -121,11 +121,28 @@ def test_plan_adds_the_prep_launches(arch, deterministic, d):
     assert [l.grid for l in p.launches[3:]] == [(-(-333 // bn), 2, 2) for bn in sizes]
     fm_bytes = sum(4 * 2 * 2 * -(-333 // bn) * 2 * 2 for bn in sizes)
     rows = 2 * 8 * 384  # LSE and D, and without the deterministic dQ kernel the dQ accumulator
-    sems = 4 * (rows // 64) if ws and deterministic and not dq_kernel else 0  # the ordered adds' semaphores
+    sems = 0  # no ordered adds, so no semaphores
     assert p.workspace_bytes == 4 * rows * (2 + (0 if dq_kernel else d)) + fm_bytes + sems
     assert backward.workspace_floats(p) == p.workspace_bytes // 4
     assert f"startend_row_indices (FlashMask, n=2, causal=False): {fm[0].name} runs first" in p.reason
     assert f"({fm_bytes} B;" in p.reason and "skip" in p.reason
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal, n", [(True, 1), (True, 2), (False, 2), (False, 4)])
+def test_deterministic_plans(d, causal, n):
+    """Deterministic FlashMask on sm_90: causal at d = 64 and 128 the dQ writer's ordered adds
+    (semaphores after the bounds, bwd_convert last); otherwise bwd_ws without dQ, then bwd_dq."""
+    p = _bwd_plan(90, True, n=n, causal=causal, d=d)
+    prep, main, last, *fm = (l.variant for l in p.launches)
+    ordered = causal and d != 256
+    assert main.family == "bwd_ws" and main.flashmask == n and main.dq_ordered == ordered
+    assert main.kind == ("bwd_ws_dkdv_dq" if ordered else "bwd_ws_dkdv")
+    assert last.kind == ("bwd_convert" if ordered else "bwd_dq")
+    rows = 2 * 8 * 384
+    fm_bytes = sum(l.grid[0] * l.grid[1] * l.grid[2] * 2 * n * 4 for l in p.launches[3:])
+    assert p.workspace_bytes == 4 * rows * (2 + (d if ordered else 0)) + fm_bytes + (4 * rows // 64 if ordered else 0)
+    assert ("fully masked takes no turn" in p.reason) == ordered
 
 
 def test_plan_causal_follows_the_caller_for_one_query():
@@ -183,7 +200,7 @@ def test_launch_arguments(monkeypatch, deterministic):
     assert names == [l.name for l in plan.launches[3:]] + [l.name for l in plan.launches[:3]]
     assert all(s == 5 for _, s, _ in launched)
     _, rows = backward.stats_rows(b, sq, h)
-    at = ws + 4 * rows * (2 + d)  # the bounds follow the fp32 rows (and the dQ accumulator: ordered or not)
+    at = ws + 4 * rows * (2 + (0 if deterministic else d))  # the bounds follow the fp32 rows
     outs = []
     for (_, _, f), (launch, bn, ints) in zip(launched[:n_prep], backward._flashmask_preps(plan)):
         assert (f["idx"], f["idx_sb"], f["idx_sh"], f["idx_ss"], f["idx_sc"]) == (8 << 24, *fm.strides)
@@ -191,9 +208,7 @@ def test_launch_arguments(monkeypatch, deterministic):
         assert ints == b * h * -(-sk // bn) * 2 * 4
         outs.append((bn, at))
         at += 4 * ints
-    sems = rows // 64 if deterministic else 0  # the ordered adds' semaphores come last
-    assert at + 4 * sems == ws + 4 * backward.workspace_floats(plan) == ws + plan.workspace_bytes
-    assert launched[n_prep + 1][2]["dq_sem"] == (at if deterministic else 0)
+    assert at == ws + 4 * backward.workspace_floats(plan) == ws + plan.workspace_bytes
     blocks = dict(outs)
     for (name, _, f), launch in zip(launched[n_prep + 1:], plan.launches[1:3]):
         if launch.variant.kind == "bwd_convert":

@@ -69,9 +69,8 @@ class BwdWsVariant(KernelVariant):
     dq_ordered: bool = False
     # FlashMask bound columns per key (cuflash.masks; 1 or 2 with causal, 2 or 4 without), 0 =
     # none: every role leaves out the fully masked steps, the consumers mask the partly masked
-    # ones. Atomic dQ, none (kind "bwd_ws_dkdv"), or the dQ writer's ordered adds, whose turns
-    # then count only the key blocks whose tile is not left out (at d = 256 the consumers' ordered
-    # atomics have no such count).
+    # ones. Atomic dQ, none (kind "bwd_ws_dkdv"), or with causal the dQ writer's ordered adds,
+    # whose turns then count only the key blocks whose tile is not left out.
     flashmask: int = 0
     # Each key block walks its query steps from a different one (step j of the walk is step
     # (j + rot) mod the step count, rot spreading a head's key blocks over its query blocks), so
@@ -98,10 +97,10 @@ class BwdWsVariant(KernelVariant):
         if self.dq_ordered and not (self.dq_writer or (self.split_d and self.dq)):
             raise ValueError("dq_ordered orders the dQ writer's adds (at head_dim 256 the atomic ones): "
                              "it needs dq_writer=True")
-        if self.flashmask and not ((not self.dq_ordered or self.dq_writer) and not self.local
+        if self.flashmask and not ((not self.dq_ordered or self.dq_writer and self.causal) and not self.local
                                    and self.flashmask in (FLASHMASK_NS[:2] if self.causal else FLASHMASK_NS[1:])):
             raise ValueError(f"flashmask must be 0, or 1 or 2 with causal, 2 or 4 without, with atomic dQ, none, or "
-                             f"the dQ writer's ordered adds, and no window; got {self.flashmask!r}")
+                             f"(causal) the dQ writer's ordered adds, and no window; got {self.flashmask!r}")
         if not isinstance(self.rotate, bool) or self.rotate and (self.dq_ordered or self.flashmask or not self.dq):
             raise ValueError(f"rotate must be a bool, True only with atomic dQ and no FlashMask, got {self.rotate!r}")
         if not isinstance(self.causal, bool) or not isinstance(self.local, bool) or (self.causal and self.local):
@@ -186,9 +185,12 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
     on an H200 at each, and the ordered adds faster than the deterministic dQ kernel:
     BENCHMARKS.md, scripts/bench_bwd_ws.py); atomic dQ without FlashMask with rotated step walks
     (+2 to +7% at d = 128 and 256 on an H200). ``flashmask``: FlashMask's bound columns per key;
-    deterministic with FlashMask at d = 256, dK and dV only (kind "bwd_ws_dkdv"; the deterministic
-    dQ kernel follows), since the consumers' ordered atomics there take a turn on every step."""
-    dq = not (deterministic and flashmask and head_dim == 256)
+    deterministic with FlashMask, the dQ writer's ordered adds where the mask is causal at d = 64
+    and 128, elsewhere dK and dV only (kind "bwd_ws_dkdv"; the deterministic dQ kernel follows):
+    without causal the ordered adds were slower than the dQ kernel on an H200 (a key block that
+    every query block sees, global tokens or a prefix, holds up the others' turns), and at d = 256
+    the consumers' ordered atomics take a turn on every step."""
+    dq = not (deterministic and flashmask and (head_dim == 256 or not causal))
     return BwdWsVariant(kind="bwd_ws_dkdv_dq" if dq else "bwd_ws_dkdv", head_dim=head_dim, dtype=dtype,
                         causal=causal, local=local, arch=arch, dq_early=dq and head_dim != 256,
                         dq_writer=dq and head_dim != 256, dq_ordered=dq and deterministic, flashmask=flashmask,
