@@ -300,7 +300,8 @@ def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int, flash
         tma_v=bytes(fwd_ws.TENSOR_MAP_BYTES), o=0, lse=0, **stride_values("o", _strides(o, False, 1)),
         lse_sb=p.nheads * p.seqlen_q, lse_sh=p.seqlen_q, lse_sr=1, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
         ngroups=p.nheads // p.nheads_k, nheads=p.nheads, batch=p.batch, scale_log2=softmax_scale * _LOG2E,
-        **_flashmask_fields(plan, flashmask), **({"tile_counter": 0} if w.persistent else {}))
+        **_flashmask_fields(plan, flashmask), **({"tile_counter": 0} if w.persistent else {}),
+        **(dict(zip(("window_left", "window_right"), plan.window_eff)) if w.local else {}))
     maps = tuple((tuple(x.shape), tuple(x.strides), box) for x, box in ((q, w.block_m), (k, w.block_n), (v, w.block_n)))
     early, smem = _early_smem(plan, main)
     tiles = (math.ceil(p.seqlen_q / w.block_m) * p.nheads * p.batch, 1, 1) if w.persistent else None

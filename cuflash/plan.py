@@ -339,14 +339,16 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                                                       local or p.softcap or p.alibi or p.dropout)
             if mods["kv_unaligned"] and p.leftpad:
                 bm, bn_fwd, warps, stages, mma = unaligned_leftpad_tile((bm, bn_fwd, warps, stages, mma))
-        ws = None if decode or mma != "wgmma" else _fwd_ws_blocker(p, even, bucket, local, pack)
+        ws = None if decode or mma != "wgmma" else _fwd_ws_blocker(p, even, bucket, pack)
         if ws == "":
-            v = fwd_ws.planned(bucket, p.dtype, causal, sq, dev.arch, seqlen_k=p.seqlen_k)
+            v = fwd_ws.planned(bucket, p.dtype, causal, sq, dev.arch, seqlen_k=p.seqlen_k, local=local)
             why.append(f"sm_90: the warp-specialised kernel (fwd_ws, sm_90a): a producer warpgroup loads Q and "
                        f"K/V tiles of {v.block_n} keys by TMA into {v.stages} stages on mbarriers; "
                        f"{v.consumers} consumer warpgroups of 64 query rows run wgmma and the softmax"
                        + (", each issuing the next tile's QK^T before this tile's softmax" if v.overlap else "")
                        + (", taking turns at the tensor cores (ping-pong)" if v.pingpong else "") + "."
+                       + (" Sliding window: each tile walks only the K/V blocks inside the band, masking those on "
+                          "its edges." if v.local else "")
                        + (f" Persistent blocks (at most one per SM) take the query tiles from an atomic counter in "
                           f"the one-tile order and load a tile's Q and first K/V while finishing the last: with "
                           f"{p.seqlen_k} keys (at most {fwd_ws.persistent_max_keys(v.head_dim, v.causal)}) each tile walks "
@@ -396,7 +398,7 @@ def _flashmask_plan(p: Problem, dev: DeviceFacts) -> Plan:
     even = p.head_dim == bucket
     bm, bn, warps, stages, mma = flashmask_tile(bucket, even, dev.arch)
     bn_std = bn
-    ws = _fwd_ws_blocker(p, even, bucket, False, False) if mma == "wgmma" else None
+    ws = _fwd_ws_blocker(p, even, bucket, False) if mma == "wgmma" else None
     if ws == "":
         v = fwd_ws.planned(bucket, p.dtype, p.causal, p.seqlen_q, dev.arch, p.flashmask)
         bm, bn = v.block_m, v.block_n
@@ -455,7 +457,7 @@ def _dropout_rejects(p: Problem) -> None:
                              "where flash-attn has no KV cache and no split")
 
 
-def _fwd_ws_blocker(p: Problem, even: bool, bucket: int, local: bool, pack: bool) -> str:
+def _fwd_ws_blocker(p: Problem, even: bool, bucket: int, pack: bool) -> str:
     """Why the warp-specialised forward (kernels/fwd_ws.py) cannot run ``p`` on sm_90, or ""."""
     if not FWD_WS:
         return "CUFLASH_FWD_WS=0 turned it off"
@@ -465,8 +467,8 @@ def _fwd_ws_blocker(p: Problem, even: bool, bucket: int, local: bool, pack: bool
         return f"it has head dims {' and '.join(map(str, fwd_ws.HEAD_DIMS))} only"
     if p.kv != "dense" or p.varlen:
         return "it reads dense K/V only (no KV cache, no varlen)"
-    if local or p.softcap or p.alibi:
-        return "it has no sliding window, softcap or ALiBi"
+    if p.softcap or p.alibi:
+        return "it has no softcap or ALiBi"
     if p.sinks:
         return "it has no attention sinks"
     if p.dropout:

@@ -28,6 +28,9 @@ def main():
                                    (256, False, False)):
             fwd_ws.run(rnd(5, 129, 40, d), rnd(5, 100, 8, d), rnd(5, 100, 8, d), causal=causal, return_lse=True,
                        persistent=True, dynamic=dynamic, **fwd_ws.TILES[d])
+        for d in (64, 128, 256):  # sliding windows: both edges masked, rows that see no key
+            fwd_ws.run(rnd(2, 300, 4, d), rnd(2, 500, 2, d), rnd(2, 500, 2, d), return_lse=True,
+                       window_size=(70, 10), **fwd_ws.TILES[d])
     # FlashMask (on sm_90 the warp-specialised forward and backward, at every head dim, atomic and
     # deterministic): skipped, masked and plain blocks, rows with no visible key, GQA
     from cuflash import masks

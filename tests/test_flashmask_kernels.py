@@ -127,7 +127,7 @@ def test_plan_flashmask_softcap_keeps_the_standard_kernel():
     p = _plan(arch=90, causal=True, softcap=5.0, startend_row_indices=(2, 1, 512, 1))
     v = p.launches[0].variant
     assert v.kind == "fwd" and v.mma == "wgmma" and v.softcap and v.flashmask == 1
-    assert "not the warp-specialised kernel: it has no sliding window, softcap or ALiBi" in p.reason
+    assert "not the warp-specialised kernel: it has no softcap or ALiBi" in p.reason
 
 
 def test_plan_flashmask_never_splits_or_packs():

@@ -22,6 +22,7 @@ from cuflash.kernels.params import ParamTable
 
 VARIANTS = fwd_ws.variants(90, mods=False)
 FLASHMASK = [v for v in fwd_ws.variants(90) if v.flashmask]  # the planned tiles, with FlashMask
+LOCAL = [v for v in fwd_ws.variants(90) if v.local]  # with a sliding window
 REG_FILE = 65536  # 32-bit registers per SM (and so per block with one block per SM)
 
 
@@ -39,7 +40,13 @@ def test_variants_of_each_arch():
     assert {(v.head_dim, v.dtype, v.causal) for v in VARIANTS} == {
         (d, dt, c) for d in (64, 128, 256) for dt in ("fp16", "bf16") for c in (False, True)}
     assert fwd_ws.variants(80) == [] and fwd_ws.variants(89) == []
-    assert sorted(fwd_ws.variants(90), key=str) == sorted(VARIANTS + FLASHMASK, key=str) and len(FLASHMASK) == 24
+    assert sorted(fwd_ws.variants(90), key=str) == sorted(VARIANTS + FLASHMASK + LOCAL, key=str)
+    assert len(FLASHMASK) == 24 and len(LOCAL) == 8
+    # sliding windows: the causal tiles (d=64: 128 rows up to 2048 queries), one block per tile
+    assert {(v.head_dim, v.block_m, v.block_n, v.overlap, v.pingpong) for v in LOCAL} == {
+        (64, 192, 128, True, False), (64, 128, 128, True, True), (128, 128, 128, True, True), (256, 128, 80, True, True)}
+    assert all(not (v.causal or v.persistent or v.flashmask) and "_local_" in v.name for v in LOCAL)
+    assert all(v.params.names[-2:] == ("window_left", "window_right") for v in LOCAL)
     assert {(v.causal, v.flashmask) for v in FLASHMASK} == {(True, 1), (True, 2), (False, 2), (False, 4)}
     # d=64 causal FlashMask: the short causal tile (128 rows, both schedules) at any length
     assert {replace(v, flashmask=0) for v in FLASHMASK} == {
@@ -86,8 +93,8 @@ def test_bad_variants_are_refused(kw):
 
 def test_registered_and_planned_where_it_applies():
     """all_variants (warmup, the CI's covering sample) holds every fwd_ws variant; on sm_90 the
-    planner runs it for dense K/V at d 64, 128 and 256 without window, softcap or ALiBi, and keeps the
-    other kernels elsewhere, saying why."""
+    planner runs it for dense K/V at d 64, 128 and 256 without softcap or ALiBi (with or without
+    a sliding window), and keeps the other kernels elsewhere, saying why."""
     from dataclasses import replace
     from cuflash.plan import DeviceFacts, Problem, make_plan
     assert set(VARIANTS) <= set(all_variants(90)) and not any(v.family == "fwd_ws" for v in all_variants(80))
@@ -110,7 +117,12 @@ def test_registered_and_planned_where_it_applies():
                     assert short.launches[0].grid == (132, 1, 1) and "Persistent blocks" in short.reason
                 assert "fwd_ws" in plan.reason and "TMA" in plan.reason
                 assert make_plan(p, DeviceFacts(108, 80)).launches[0].variant.family == "fwd"
-                for other, why in ((dict(window=(256, 0)), "window"), (dict(softcap=True), "softcap"),
+                win = make_plan(replace(p, window=(256, 0) if causal else (256, 100)), h100)
+                v = win.launches[0].variant
+                assert [l.variant.family for l in win.launches] == ["fwd_ws"] and v.local and not v.causal
+                assert v == fwd_ws.planned(d, "bf16", False, sq, seqlen_k=4096, local=True) and not v.persistent
+                assert "Sliding window" in win.reason
+                for other, why in ((dict(window=(256, 0), softcap=True), "softcap"), (dict(softcap=True), "softcap"),
                                    (dict(alibi=True), "ALiBi"), (dict(kv="cache"), "dense"),
                                    (dict(varlen=True), "varlen"), (dict(tma=False), "stride")):
                     plan = make_plan(replace(p, **other), h100)
@@ -165,7 +177,7 @@ def test_tables_without_tensor_maps_keep_their_layout():
     from cuflash.kernels.params import _format
     tables = {v.params for arch in (80, 90) for v in all_variants(arch)}
     plain = [t for t in tables if all(c != "CUtensorMap" for _, c in t.fields)]
-    assert len(tables) - len(plain) == 5 and len(plain) >= 4  # fwd_ws (plain, FlashMask, persistent), bwd_ws (plain, FlashMask) hold tensor maps
+    assert len(tables) - len(plain) == 6 and len(plain) >= 4  # fwd_ws (plain, FlashMask, persistent, local), bwd_ws (plain, FlashMask) hold tensor maps
     for t in plain:
         assert t.layout.format == "@" + "".join(_format(c) for _, c in t.fields) + "0q"
         assert "offsetof" not in t.cuda()
@@ -250,7 +262,7 @@ def test_renders(v):
     assert f"constexpr int kProducerRegs = {fwd_ws.PRODUCER_REGS};" in src
 
 
-@pytest.mark.parametrize("v", VARIANTS + FLASHMASK, ids=lambda v: v.name)
+@pytest.mark.parametrize("v", VARIANTS + FLASHMASK + LOCAL, ids=lambda v: v.name)
 def test_compiles_as_designed(compiled, v):
     """sm_90a cubin with no spills or stack; __launch_bounds__(384, 1) caps the launch at 168
     registers (65536 / 384, rounded down to 8), which setmaxnreg then splits into 24 per producer
@@ -397,11 +409,11 @@ def to_np(x):
     return a.astype(ml_dtypes.bfloat16 if x.dtype == torch.bfloat16 else np.float16)
 
 
-def _check(out, lse, q, k, v, causal):
+def _check(out, lse, q, k, v, causal, **kw):
     from cuflash.reference import attention as ref, check_close
-    ok, err, bound = check_close(to_np(out), to_np(q), to_np(k), to_np(v), causal=causal)
+    ok, err, bound = check_close(to_np(out), to_np(q), to_np(k), to_np(v), causal=causal, **kw)
     assert ok, f"max error {err:.3g} exceeds bound {bound:.3g}"
-    _, lse_ref = ref(to_np(q), to_np(k), to_np(v), causal=causal, return_lse=True)
+    _, lse_ref = ref(to_np(q), to_np(k), to_np(v), causal=causal, return_lse=True, **kw)
     got = lse.cpu().numpy()
     fin = np.isfinite(lse_ref)
     assert np.array_equal(np.isfinite(got), fin) and np.all(got[~fin] == np.inf)
@@ -434,6 +446,37 @@ def test_gpu_matches_reference(rng, dtype, d, tile, causal, sq, sk):
     q, k, v = _inputs(rng, b, sq, sk, h, h, d, dtype)
     out, lse = _run_poisoned(q, k, v, causal, **tile)
     _check(out, lse, q, k, v, causal)
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("d,tile", PLANNED_TILES, ids=lambda x: x if isinstance(x, int) else
+                         "m{block_m}n{block_n}".format(**{"block_m": 128, **x}))
+@pytest.mark.parametrize("window", [(0, 0), (5, 0), (100, 20), (-1, 37), (300, -1), (1000, 1000)])
+@pytest.mark.parametrize("b,h,hk,sq,sk", [(2, 3, 3, 113, 203), (2, 4, 2, 700, 700), (1, 4, 1, 512, 300),
+                                         (1, 2, 2, 1, 239)])
+def test_gpu_sliding_window(rng, d, tile, window, b, h, hk, sq, sk):
+    """Sliding windows (bottom-right aligned): the blocks outside the band are not walked, the
+    ones on its edges are masked; rows that see no key get O = 0 and LSE = +inf."""
+    q, k, v = _inputs(rng, b, sq, sk, h, hk, d, "bfloat16")
+    import torch
+    out = torch.full_like(q, float("nan"))
+    res, lse = fwd_ws.run(q, k, v, out=out, return_lse=True, window_size=window, **tile)
+    torch.cuda.synchronize()
+    _check(out, lse, q, k, v, False, window_size=window)
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("window", [(64, 0), (200, 50)])
+def test_gpu_planned_sliding_window(rng, window):
+    """cuflash.attention plans fwd_ws for a window on sm_90 and matches the reference."""
+    import cuflash
+    q, k, v = _inputs(rng, 2, 1000, 1000, 8, 2, 128, "bfloat16")
+    p = cuflash.plan(q, k, v, window_size=window)
+    assert p.kernels[0].startswith("fwd_ws_d128_bf16_local_") and "Sliding window" in p.reason
+    out, lse = cuflash.attention(q, k, v, window_size=window, return_lse=True)
+    _check(out, lse, q, k, v, False, window_size=window)
 
 
 @requires_sm90

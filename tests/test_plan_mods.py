@@ -80,8 +80,8 @@ PREFILL = (2, 1024, 16, 128)  # 2*16*ceil(1024/64) = 512 blocks >= 0.8 * 264 slo
 @pytest.mark.parametrize("arch", [90, 80])
 def test_prefill_kernel_names(kw, mask, mods, arch):
     p = plan(PREFILL, PREFILL, **{**kw, "arch": arch})
-    if arch == 90 and not mods and mask != "local":  # the warp-specialised kernel, persistent at 1024 keys
-        kernel = f"fwd_ws_d128_bf16_{mask}_m128n128s2_overlap_pingpong_persistent_sm90"
+    if arch == 90 and not mods:  # the warp-specialised kernel, persistent at 1024 keys (not with a window)
+        kernel = f"fwd_ws_d128_bf16_{mask}_m128n128s2_overlap_pingpong{'' if mask == 'local' else '_persistent'}_sm90"
     elif arch == 90:  # wgmma: two warpgroups of 64 rows, 128 keys, two stages, whatever the mask
         kernel = f"fwd_d128_bf16_{mask}{mods}_wgmma_m128n128w8s2_sm90"
     else:  # mma.sync, one K/V stage: 32 keys at d=128, or 64 rows x 64 keys with a window/softcap/ALiBi

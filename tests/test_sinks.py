@@ -235,7 +235,7 @@ def test_plan_routes_sinks_away_from_fwd_ws():
     assert "not the warp-specialised kernel: it has no attention sinks" in p.reason
     assert "sink logit joins the softmax" in p.reason and "sinks" in str(p).splitlines()[0]
     from cuflash.plan import DeviceFacts, Problem, _fwd_ws_blocker
-    assert _fwd_ws_blocker(Problem(2, 1024, 1024, 16, 4, 128, "bf16", True, sinks=True), True, 128, False,
+    assert _fwd_ws_blocker(Problem(2, 1024, 1024, 16, 4, 128, "bf16", True, sinks=True), True, 128,
                            False) == "it has no attention sinks"
     # with the wgmma kernel asked for directly, the same tile with and without sinks
     from cuflash.plan import make_plan

@@ -45,6 +45,8 @@ FLASHMASK_PARAMS = ParamTable("FwdWsParams", PARAMS.fields + FLASHMASK_FIELDS)
 # Persistent blocks: a zeroed int32 that hands out tiles (each launch leaves it zeroed), or null;
 # the last field (launch.fire puts the stream's counter there).
 PERSISTENT_PARAMS = ParamTable("FwdWsParams", PARAMS.fields + (("tile_counter", "int*"),))
+# A sliding window: its left and right sizes as the plan launches them (plan.window_eff).
+LOCAL_PARAMS = ParamTable("FwdWsParams", PARAMS.fields + (("window_left", "int"), ("window_right", "int")))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,13 +55,15 @@ class FwdWsVariant(KernelVariant):
 
     family = "fwd_ws"
     kind: ClassVar[str] = "fwd_ws"
-    local: ClassVar[bool] = False    # no sliding window, softcap or ALiBi (what plans ask of a forward)
-    softcap: ClassVar[bool] = False
+    softcap: ClassVar[bool] = False  # no softcap or ALiBi (what plans ask of a forward)
     alibi: ClassVar[bool] = False
 
     head_dim: int             # 64, 128 or 256: the real head dim (no column predicates)
     dtype: str                # "fp16" or "bf16"
     causal: bool = False
+    # A sliding window (bottom-right aligned, as the other forward kernels): the walk covers the
+    # K/V blocks inside the band, masking those on its edges.
+    local: bool = False
     block_m: int = BLOCK_M
     block_n: int = BLOCK_N
     stages: int = STAGES
@@ -86,7 +90,7 @@ class FwdWsVariant(KernelVariant):
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for f in ("causal", "overlap", "pingpong", "persistent"):
+        for f in ("causal", "local", "overlap", "pingpong", "persistent"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be a bool, got {getattr(self, f)!r}")
         if self.pingpong and self.block_m != 128:
@@ -104,14 +108,18 @@ class FwdWsVariant(KernelVariant):
                                    self.flashmask in FLASHMASK_NS[1:]) or self.flashmask and self.persistent:
             raise ValueError(f"flashmask must be 0, or 1 or 2 with causal, 2 or 4 without, and not persistent; got "
                              f"{self.flashmask!r} (causal={self.causal}, persistent={self.persistent})")
+        if self.local and (self.causal or self.flashmask or self.persistent):
+            raise ValueError(f"local (a sliding window) excludes causal, flashmask and persistent, got causal="
+                             f"{self.causal}, flashmask={self.flashmask!r}, persistent={self.persistent}")
 
     @property
     def params(self) -> ParamTable:
-        return FLASHMASK_PARAMS if self.flashmask else PERSISTENT_PARAMS if self.persistent else PARAMS
+        return (FLASHMASK_PARAMS if self.flashmask else PERSISTENT_PARAMS if self.persistent else
+                LOCAL_PARAMS if self.local else PARAMS)
 
     @functools.cached_property
     def name(self) -> str:
-        mask = "causal" if self.causal else "full"
+        mask = "local" if self.local else "causal" if self.causal else "full"
         sched = ("_overlap" if self.overlap else "") + ("_pingpong" if self.pingpong else "") + (
             "_persistent" if self.persistent else "") + (f"_fm{self.flashmask}" if self.flashmask else "")
         return (f"fwd_ws_d{self.head_dim}_{self.dtype}_{mask}"
@@ -171,7 +179,8 @@ class FwdWsVariant(KernelVariant):
 
     def constants(self) -> dict:
         return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, stages=self.stages,
-                    causal=self.causal, bf16=self.dtype == "bf16", overlap=self.overlap, pingpong=self.pingpong,
+                    causal=self.causal, local=self.local, bf16=self.dtype == "bf16", overlap=self.overlap,
+                    pingpong=self.pingpong,
                     persistent=self.persistent, own_o=self.own_o, flashmask=self.flashmask,
                     barrier_bytes=BARRIER_BYTES,
                     producer_regs=PRODUCER_REGS,
@@ -201,27 +210,29 @@ def persistent_max_keys(head_dim: int, causal: bool) -> int:
 
 
 def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 90,
-            flashmask: int = 0, seqlen_k: int | None = None) -> FwdWsVariant:
+            flashmask: int = 0, seqlen_k: int | None = None, local: bool = False) -> FwdWsVariant:
     """The variant the planner runs for a problem with these head dim, dtype, mask, queries and
-    keys (default: as many as queries; ``flashmask``: FlashMask's bound columns per key, 0 = none)."""
+    keys (default: as many as queries; ``flashmask``: FlashMask's bound columns per key, 0 = none;
+    ``local``: a sliding window, on the causal tiles, one block per query tile)."""
     # d=64 causal with FlashMask: 128-row tiles at any length (in the 192-row tile's 160 registers
     # per consumer thread, NVRTC 13.0 spills the causal FlashMask walk).
-    short = head_dim == 64 and causal and (flashmask or seqlen_q <= 2048)
+    short = head_dim == 64 and (causal or local) and (flashmask or seqlen_q <= 2048)
     tile = SHORT_CAUSAL_D64 if short else TILES[head_dim]
     keys = seqlen_q if seqlen_k is None else seqlen_k
-    persistent = not flashmask and head_dim <= 128 and keys <= persistent_max_keys(head_dim, causal)
-    return FwdWsVariant(head_dim=head_dim, dtype=dtype, causal=causal, arch=arch, flashmask=flashmask,
+    persistent = not (flashmask or local) and head_dim <= 128 and keys <= persistent_max_keys(head_dim, causal)
+    return FwdWsVariant(head_dim=head_dim, dtype=dtype, causal=causal, local=local, arch=arch, flashmask=flashmask,
                         persistent=persistent, **tile)
 
 
 def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
-    """The fwd_ws variants the planner can pick on ``arch``: sm_90 only, none with window/softcap/
-    ALiBi; ``mods=False`` leaves out the FlashMask ones."""
+    """The fwd_ws variants the planner can pick on ``arch``: sm_90 only, none with softcap or
+    ALiBi; ``mods=False`` leaves out the sliding-window and FlashMask ones."""
     if arch != 90:
         return []
-    return list(dict.fromkeys(planned(d, dt, c, sq, arch, n, sk) for d in HEAD_DIMS for dt in DTYPES
-                              for c in (False, True) for sq in (1, 4096) for sk in (1024, 2048, 4096)
-                              for n in (0, *(FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:]) * mods)))
+    return list(dict.fromkeys(
+        [planned(d, dt, c, sq, arch, n, sk) for d in HEAD_DIMS for dt in DTYPES for c in (False, True)
+         for sq in (1, 4096) for sk in (1024, 2048, 4096) for n in (0, *(FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:]) * mods)]
+        + [planned(d, dt, False, sq, arch, local=True) for d in HEAD_DIMS for dt in DTYPES for sq in (1, 4096) if mods]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,12 +343,13 @@ _LOG2E = 1.4426950408889634
 
 
 def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, out=None, return_lse: bool = False,
-        dynamic: bool = True, **variant):
+        dynamic: bool = True, window_size: tuple[int, int] | None = None, **variant):
     """Attention with the fwd_ws kernel on (batch, seqlen, heads, d) CUDA arrays (PyTorch or
     CuPy) of fp16/bf16, d 64, 128 or 256, nheads a multiple of k's heads. Returns out, or (out, lse)
     with lse (batch, nheads, seqlen_q) fp32. ``variant``: FwdWsVariant fields (block_n, overlap,
-    pingpong, ...); ``dynamic=False`` makes persistent blocks take tiles in a fixed order. Minimal
-    checks: this is a test entry point, not the public API."""
+    pingpong, ...); ``dynamic=False`` makes persistent blocks take tiles in a fixed order;
+    ``window_size`` (left, right): a sliding window as the kernel takes it (-1: unbounded on that
+    side; not causal). Minimal checks: this is a test entry point, not the public API."""
     from .. import arrays, compiler, launch
     qv, kv, vv = arrays.view(q, "q"), arrays.view(k, "k"), arrays.view(v, "v")
     dtype = arrays.DTYPE_NAMES.get(qv.dtype)
@@ -356,7 +368,8 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, ou
         raise ValueError("out must be like q, 16-byte aligned rows")
     lse = arrays.empty_like_framework(qv, (b, h, sq), "float32") if return_lse else None
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    variant = FwdWsVariant(head_dim=d, dtype=dtype, causal=bool(causal), arch=90, **variant)
+    variant = FwdWsVariant(head_dim=d, dtype=dtype, causal=bool(causal), arch=90, local=window_size is not None,
+                           **variant)
     with arrays.on_device(qv.device):
         kernel = compiler.get_kernel(variant, qv.device)
         from ..api import device_facts
@@ -370,5 +383,6 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, ou
                lse_sb=h * sq, lse_sh=sq, lse_sr=1,
                seqlen_q=sq, seqlen_k=sk, ngroups=h // hk, nheads=h, batch=b, scale_log2=scale * _LOG2E,
                **({"tile_counter": launch._counter_ptr(qv.device, arrays.stream_for(qv), 1) if dynamic else 0}
-                  if variant.persistent else {}))
+                  if variant.persistent else {}),
+               **(dict(window_left=window_size[0], window_right=window_size[1]) if variant.local else {}))
     return (out, lse) if return_lse else out
