@@ -582,9 +582,9 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     elif p.deterministic:
         why.append(f"deterministic=True: dQ has its own kernel, a block per {last.block_m} query rows walking the "
                    "K/V blocks it sees and writing dQ once: no atomics, every gradient is bitwise repeatable"
-                   + (" (with FlashMask at this head dim the dK/dV kernel adds no dQ: its ordered atomics take a "
-                      "turn on every step, and it skips the masked ones)." if p.flashmask and main.family == "bwd_ws"
-                      else "."))
+                   + (" (with this FlashMask mask the dK/dV kernel adds no dQ and skips the masked steps: its "
+                      "ordered adds are planned with a causal mask at d = 64 and 128 only)."
+                      if p.flashmask and main.family == "bwd_ws" else "."))
     else:
         how = ("bulk reduce-adds of a warp of the producer warpgroup, from a tile the consumers stage in shared "
                "memory (the dQ writer)" if getattr(main, "dq_writer", False) else

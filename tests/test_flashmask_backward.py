@@ -114,7 +114,7 @@ def test_plan_adds_the_prep_launches(arch, deterministic, d):
         assert main.dq_ordered == (deterministic and not dq_kernel)
     assert (last.kind, getattr(last, "flashmask", 0)) == (("bwd_dq", 2) if dq_kernel else ("bwd_convert", 0))
     assert getattr(last, "tiled", False) == (ws and not dq_kernel)
-    assert ("with FlashMask at this head dim the dK/dV kernel adds no dQ" in p.reason) == (ws and dq_kernel)
+    assert ("with this FlashMask mask the dK/dV kernel adds no dQ" in p.reason) == (ws and dq_kernel)
     assert ("fully masked takes no turn" in p.reason) == (ws and deterministic and not dq_kernel)
     sizes = [main.block_n] + ([last.block_n] if dq_kernel and last.block_n != main.block_n else [])
     assert [v.family for v in fm] == ["flashmask"] * len(sizes) and all(v.columns == 2 for v in fm)
