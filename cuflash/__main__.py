@@ -250,6 +250,10 @@ def cmd_bench(a):
         if a.kind not in ("prefill", "backward", "jax"):
             _fail(f"cuflash: error: --rounds applies to bench prefill, backward and jax, not {a.kind}")
         grid["rounds"] = a.rounds
+    if a.settle is not None:
+        if a.kind not in ("prefill", "backward"):
+            _fail(f"cuflash: error: --settle applies to bench prefill and backward, not {a.kind}")
+        grid["settle"] = a.settle
     if a.kind == "prefill":
         rows = bench.bench_prefill(**grid)
     elif a.kind == "window":
@@ -285,6 +289,17 @@ def _int_in(lo, hi=None):
             raise argparse.ArgumentTypeError(f"expected an int {bounds}, got {n}")
         return n
     return parse
+
+
+def _seconds(text):
+    """An argparse type: seconds, a finite float from 0 to 60."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number), got {text!r}") from None
+    if not 0 <= x <= 60:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"expected seconds between 0 and 60, got {text}")
+    return x
 
 
 SIZE, HEAD_DIM = _int_in(0), _int_in(1, 256)
@@ -347,6 +362,9 @@ def main(argv=None):
     b.add_argument("--deterministic", action="store_true", help="bench backward: cuflash's deterministic mode")
     b.add_argument("--rounds", type=_int_in(1, 99),
                    help="bench prefill / backward / jax: rounds of timing, the order rotated each round (default 3)")
+    b.add_argument("--settle", type=_seconds,
+                   help="bench prefill / backward: seconds of back-to-back calls before each timing, so that it sees "
+                        "the clock the GPU settles at under load (default 0)")
     b.add_argument("--json")
     b.add_argument("--csv")
     b.add_argument("--plot")

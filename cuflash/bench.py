@@ -64,13 +64,16 @@ def _flops(batch, seqlen, nheads, d, causal):
     return 4 * batch * seqlen * seqlen * nheads * d / (2 if causal else 1)
 
 
-def time_cuda(fn, inputs_list, warmup=10, reps=50, batch=1, hide_launch=False, stats=None):
+def time_cuda(fn, inputs_list, warmup=10, reps=50, batch=1, hide_launch=False, stats=None, settle_s=0.0):
     """Median milliseconds per call of fn(*inputs), cycling through inputs_list.
 
     Each timed sample covers `batch` consecutive calls (batch=None picks a batch
     lasting ~1 ms, for tiny kernels). hide_launch=True queues a GPU sleep before
     each sample so the host can run ahead and the events see GPU time only.
     If `stats` is a dict, the host time per call (ms) is stored in stats["host_ms"].
+    `settle_s` > 0: after the warm-up, calls run back to back for that many seconds first, so
+    that the samples see the clock the GPU settles at under this load (its power limit), not
+    the higher one it starts from (BENCHMARKS.md, "Under sustained load").
     """
     torch = _torch()
     n, k = len(inputs_list), 1
@@ -82,6 +85,12 @@ def time_cuda(fn, inputs_list, warmup=10, reps=50, batch=1, hide_launch=False, s
         k += 1
     host_ms = (time.perf_counter() - t0) * 1e3 / max(1, warmup)
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < settle_s:
+        for _ in range(8):  # a few calls between checks; the sync keeps the queue short
+            fn(*inputs_list[k % n])
+            k += 1
+        torch.cuda.synchronize()
     if batch is None:  # estimate GPU time per call, then aim for ~1 ms per sample
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
@@ -261,10 +270,11 @@ def _prefill_grid(dtypes, head_dims, causal, shapes, model_dim, quick):
 
 def bench_prefill(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), causal=(False, True),
                   shapes=((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)),
-                  model_dim=2048, reps=30, warmup=5, quick=False, verbose=True, rounds=3):
+                  model_dim=2048, reps=30, warmup=5, quick=False, verbose=True, rounds=3, settle=0.0):
     """Forward prefill sweep (sq == sk, nheads_k == nheads); returns one dict per config. cuflash
     and SDPA's flash and cuDNN backends are timed in ``rounds`` rotated rounds
-    (rotated_rounds)."""
+    (rotated_rounds); ``settle`` seconds of back-to-back calls before each timing
+    (time_cuda's settle_s)."""
     torch = _torch()
     import cuflash
     gemm = measure_ceilings()["gemm_tflops"]
@@ -282,12 +292,14 @@ def bench_prefill(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), caus
             row["max_diff_vs_sdpa"] = _max_diff(torch, cuflash.attention(q, k, v, causal=c),
                                                 q, k, v, c, False)
             timers = {"cuflash": _noting_error(row, lambda: time_cuda(
-                lambda q, k, v: cuflash.attention(q, k, v, causal=c), sets, warmup, reps))}
+                lambda q, k, v: cuflash.attention(q, k, v, causal=c), sets, warmup, reps, settle_s=settle))}
         except Exception as e:
             row.update(error=f"{type(e).__name__}: {e}")
             timers = {}
-        timers.update(flash=lambda: _time_sdpa(torch, "FLASH_ATTENTION", sets_t, c, False, warmup, reps),
-                      cudnn=lambda: _time_sdpa(torch, "CUDNN_ATTENTION", sets_t, c, False, warmup, reps))
+        timers.update(flash=lambda: _time_sdpa(torch, "FLASH_ATTENTION", sets_t, c, False, warmup, reps,
+                                               settle_s=settle),
+                      cudnn=lambda: _time_sdpa(torch, "CUDNN_ATTENTION", sets_t, c, False, warmup, reps,
+                                               settle_s=settle))
         ms = rotated_rounds(timers, rounds)
         row["cuflash_ms"] = ms.get("cuflash")
         row["cuflash_tflops"] = tf(row["cuflash_ms"])
@@ -356,11 +368,12 @@ def bench_decode(shapes=None, reps=20, warmup=10, d=128, dtype="bfloat16", causa
 def bench_backward(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), causal=(False, True),
                    shapes=((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)),
                    model_dim=2048, reps=20, warmup=3, quick=False, verbose=True, deterministic=False,
-                   rounds=3):
+                   rounds=3, settle=0.0):
     """Backward sweep on the prefill grid: cuflash.backward.attention_backward against the
     backward of SDPA's flash (FA2) and cuDNN backends, each timed alone (gradients of a saved
-    forward), in ``rounds`` rotated rounds (rotated_rounds). FLOPs = 2.5 x the forward's (FA2's
-    convention: 5 matmuls against 2).
+    forward), in ``rounds`` rotated rounds (rotated_rounds), each after ``settle`` seconds of
+    back-to-back calls (time_cuda's settle_s). FLOPs = 2.5 x the forward's (FA2's convention: 5
+    matmuls against 2).
     ``deterministic``: cuflash's deterministic mode (no atomics; SDPA's backends as usual)."""
     torch = _torch()
     import cuflash
@@ -376,9 +389,9 @@ def bench_backward(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), cau
             saved = [(do, q, k, v, *cuflash.attention(q, k, v, causal=c, return_lse=True)) for q, k, v, do in sets]
             fn = lambda do, q, k, v, o, lse: attention_backward(  # noqa: E731
                 do, q, k, v, o, lse, causal=c, deterministic=deterministic)
-            return time_cuda(fn, saved, warmup, reps)
+            return time_cuda(fn, saved, warmup, reps, settle_s=settle)
         ms = rotated_rounds({"cuflash": _noting_error(row, cuflash_ms), **{
-            name: functools.partial(_time_sdpa_backward, torch, backend, sets, c, warmup, reps)
+            name: functools.partial(_time_sdpa_backward, torch, backend, sets, c, warmup, reps, settle)
             for name, backend in (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION"))}}, rounds)
         row["cuflash_ms"] = ms["cuflash"]
         row["flash_tflops"], row["cudnn_tflops"] = tf(ms["flash"]), tf(ms["cudnn"])
@@ -392,7 +405,7 @@ def bench_backward(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), cau
     return rows
 
 
-def _time_sdpa_backward(torch, backend, sets, causal, warmup, reps):
+def _time_sdpa_backward(torch, backend, sets, causal, warmup, reps, settle=0.0):
     """Median ms of one SDPA backend's backward (autograd.grad of a saved forward), or None."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     try:
@@ -402,7 +415,7 @@ def _time_sdpa_backward(torch, backend, sets, causal, warmup, reps):
                 q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
                 saved.append((_sdpa(torch, causal, False)(q, k, v), q, k, v, do.transpose(1, 2)))
             fn = lambda o, q, k, v, do: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)  # noqa: E731
-            return time_cuda(fn, saved, warmup, reps)
+            return time_cuda(fn, saved, warmup, reps, settle_s=settle)
     except Exception:  # unsupported shape/dtype for this backend
         return None
 

@@ -43,3 +43,70 @@ def test_noting_error_records_and_gives_none():
     row = {}
     assert bench._noting_error(row, lambda: 2.5)() == 2.5 and row == {}
     assert bench._noting_error(row, lambda: 1 / 0)() is None and row["error"].startswith("ZeroDivisionError")
+
+
+def test_cli_settle(capsys, monkeypatch):
+    """--settle passes seconds through to bench prefill and backward, is refused elsewhere and
+    outside 0 to 60."""
+    from test_hardening import run_cli
+    seen = {}
+    monkeypatch.setattr(bench, "_torch", lambda: None)
+    for kind in ("prefill", "backward"):
+        monkeypatch.setattr(bench, f"bench_{kind}", lambda **kw: seen.update(kw) or [])
+    monkeypatch.setattr(bench, "format_table", lambda rows, kind: "")
+    for kind in ("prefill", "backward"):
+        seen.clear()
+        code, _, _ = run_cli(capsys, "bench", kind, "--settle", "1.5")
+        assert code == 0 and seen["settle"] == 1.5, kind
+    seen.clear()
+    code, _, _ = run_cli(capsys, "bench", "prefill")
+    assert code == 0 and "settle" not in seen
+    code, _, err = run_cli(capsys, "bench", "overhead", "--settle", "1")
+    assert code != 0 and "--settle applies to bench prefill and backward, not overhead" in err
+    for bad in ("-1", "61", "nan", "soon"):
+        code, _, err = run_cli(capsys, "bench", "prefill", "--settle", bad)
+        assert code != 0 and "--settle" in err, bad
+
+
+class _FakeCuda:
+    """torch.cuda's stand-in for time_cuda: synchronize counts, events give 1 ms per sample."""
+
+    def __init__(self):
+        self.syncs = 0
+
+    def synchronize(self):
+        self.syncs += 1
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 1.0
+
+
+def test_time_cuda_settles_before_its_samples(monkeypatch):
+    """settle_s: calls run back to back for that long after the warm-up and before the timed
+    samples; settle_s=0 adds no call."""
+    import time
+    import types
+    fake = types.SimpleNamespace(cuda=_FakeCuda())
+    monkeypatch.setattr(bench, "_torch", lambda: fake)
+    calls = []
+
+    def fn(x):
+        calls.append(time.perf_counter())
+        time.sleep(0.001)
+
+    assert bench.time_cuda(fn, [(1,), (2,)], warmup=2, reps=3) == 1.0
+    assert len(calls) == 1 + 2 + 3  # first call, warm-up, samples
+    calls.clear()
+    t0 = time.perf_counter()
+    bench.time_cuda(fn, [(1,), (2,)], warmup=2, reps=3, settle_s=0.05)
+    assert time.perf_counter() - t0 >= 0.05
+    settled = len(calls) - (1 + 2 + 3)
+    assert settled >= 8 and settled % 8 == 0  # whole groups of 8 between clock checks
+    assert calls[-1] - calls[2] >= 0.05  # the settling came before the last samples
