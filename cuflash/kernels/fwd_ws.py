@@ -229,10 +229,11 @@ def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
     ALiBi; ``mods=False`` leaves out the sliding-window and FlashMask ones."""
     if arch != 90:
         return []
-    return list(dict.fromkeys(
-        [planned(d, dt, c, sq, arch, n, sk) for d in HEAD_DIMS for dt in DTYPES for c in (False, True)
-         for sq in (1, 4096) for sk in (1024, 2048, 4096) for n in (0, *(FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:]) * mods)]
-        + [planned(d, dt, False, sq, arch, local=True) for d in HEAD_DIMS for dt in DTYPES for sq in (1, 4096) if mods]))
+    dense = [planned(d, dt, c, sq, arch, n, sk) for d in HEAD_DIMS for dt in DTYPES for c in (False, True)
+             for sq in (1, 4096) for sk in (1024, 2048, 4096)
+             for n in (0, *(FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:]) * mods)]
+    local = [planned(d, dt, False, sq, arch, local=True) for d in HEAD_DIMS for dt in DTYPES for sq in (1, 4096)]
+    return list(dict.fromkeys(dense + (local if mods else [])))
 
 
 # ---------------------------------------------------------------------------------------------
