@@ -574,7 +574,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     _launch(problem, qv, q4, k4, v4, kernel_out, lse_arr, scale, kv="paged" if paged else "dense", varlen_kv=True,
             softcap=cap,
             alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0),
-            varlen=(cq.ptr, ck.ptr, total_q), sinks=_sink_arg(sv), dropout=drop, **extra)
+            varlen=(cq.ptr, ck.ptr, total_q, kv.shape[0]), sinks=_sink_arg(sv), dropout=drop, **extra)
     if not direct_out:
         o_view.array[...] = kernel_out.array[..., :d]
     return _result(o_view, ov is not None, lse_arr, qv, return_lse)

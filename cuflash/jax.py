@@ -267,9 +267,9 @@ def _run_forward(call: _Call, plan, ctx, outs, ins, early: bool = False):
     alibi, cu = _extras(call, ins[3:], dev)
     kw = dict(softcap=call.softcap, alibi=(alibi.ptr, call.alibi_sb) if alibi is not None else (0, 0))
     if cu is not None:  # packed views as (batch, max_seqlen, nheads, d) with token batch strides
+        kw["varlen"] = (cu[0].ptr, cu[1].ptr, call.total_q, k.shape[0])
         q, o = (validate.batched(x, call.batch, call.seqlen_q) for x in (q, o))
         k, v = (validate.batched(x, call.batch, call.seqlen_k) for x in (k, v))
-        kw["varlen"] = (cu[0].ptr, cu[1].ptr, call.total_q)
     stream = ctx.stream
     with arrays.on_device(dev):
         # Plain launches (no programmatic stream serialisation) unless EARLY_LAUNCH: XLA may nest

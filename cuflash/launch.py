@@ -180,8 +180,8 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
     to ``fire``). For a KV cache, ``cache`` holds the (seqlens_k, kv_batch_idx, block_table)
     pointers and the block table's row stride, and ``seqlen_k`` is added to each seqlens_k entry
     (or is the key count without one). ``alibi`` is (slopes pointer, batch stride of the slopes);
-    ``varlen`` is (cu_seqlens_q pointer, cu_seqlens_k pointer, total_q) for packed sequences,
-    whose views then have token strides as batch strides. ``flashmask`` is (startend_row_indices
+    ``varlen`` is (cu_seqlens_q pointer, cu_seqlens_k pointer, total_q, total_k) for packed
+    sequences, whose views then have token strides as batch strides. ``flashmask`` is (startend_row_indices
     pointer, its four element strides, its head count, pointer of an int32 workspace of
     plan.workspace_bytes) for a FlashMask plan; the Recipe then holds these pointers. ``sinks`` is
     (pointer, dtype name) of the attention sinks of a plan with sinks (held by the Recipe too).
@@ -190,12 +190,13 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
     (dropout_p, seed, offset) of a plan with dropout."""
     p = plan.problem
     if plan.launches[0].variant.kind == "fwd_ws":
-        if all(fwd_ws.tma_readable(x) for x in (q, k, v)):
-            return _prepare_ws(plan, q, k, v, o, softmax_scale, device, flashmask)
+        # (No tensor map can span packed sequences without a single key: the wgmma kernel runs.)
+        if all(fwd_ws.tma_readable(x) for x in (q, k, v)) and (varlen is None or varlen[3] > 0):
+            return _prepare_ws(plan, q, k, v, o, softmax_scale, device, flashmask, softcap, alibi, varlen)
         plan = make_plan(replace(p, tma=False), plan.device)  # the wgmma kernel reads any strides
     ngroups = p.nheads // p.nheads_k
     seqlens_ptr, batch_idx_ptr, table_ptr, table_stride = cache
-    cu_q, cu_k, total_q = varlen if varlen is not None else (0, 0, -1)
+    cu_q, cu_k, total_q = varlen[:3] if varlen is not None else (0, 0, -1)
     scalars, combine = _scalars(plan, p.seqlen_k if seqlen_k is None else seqlen_k, softmax_scale, table_stride,
                                 page_size, softcap, alibi[1], total_q)
     o_strides = stride_values("o", _strides(o, plan.pack_gqa, ngroups))
@@ -288,21 +289,41 @@ def _sink_fields(plan: Plan, sinks) -> dict:
     return dict(sinks=ptr, sinks_dtype=fwd.SINK_DTYPES[dtype], sinks_sh=g, sinks_sr=1 if plan.pack_gqa else 0)
 
 
-def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int, flashmask=None) -> Recipe:
+def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int, flashmask=None, softcap: float = 0.0,
+                alibi=(0, 0), varlen=None) -> Recipe:
     """The Recipe of a fwd_ws launch: its struct's fields after o and lse, and the shapes,
     strides and boxes of its three tensor maps (encoded in ``fire``: they hold the pointers);
-    ``flashmask`` as ``prepare`` takes it."""
+    the other arguments as ``prepare`` takes them. Varlen: the maps span all the tokens of the
+    packed tensors, as one batch."""
     p, main = plan.problem, plan.launches[0]
     w = main.variant
     kernel = compiler.get_kernel(w, device)
+    post = softcap if softcap > 0 else softmax_scale  # what the softmax multiplies the scores by
+    boxes = ((q, w.block_m), (k, w.block_n), (v, w.block_n))
+    if varlen is None:
+        lse_strides = (p.nheads * p.seqlen_q, p.seqlen_q, 1)
+        maps = tuple((tuple(x.shape), tuple(x.strides), box) for x, box in boxes)
+    else:
+        # LSE (nheads, total_q): sequence b's row i at cu_seqlens_q[b] + i. The maps: every token
+        # as one batch of (total, heads, d), the views' batch strides being token strides.
+        cu_q, cu_k, total_q, total_k = varlen
+        lse_strides = (1, total_q, 1)
+        maps = tuple(((1, n, *x.shape[2:]), (n * x.strides[1], *x.strides[1:]), box)
+                     for (x, box), n in zip(boxes, (total_q, total_k, total_k)))
+    mods = {}
+    if w.softcap:
+        mods["softcap_scale"] = softmax_scale / softcap
+    if w.alibi:
+        mods.update(alibi_slopes=alibi[0], alibi_sb=alibi[1], alibi_scale=1.0 / post)
+    if w.varlen:
+        mods.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     values = kernel.table.values(
         tma_q=bytes(fwd_ws.TENSOR_MAP_BYTES), tma_k=bytes(fwd_ws.TENSOR_MAP_BYTES),
         tma_v=bytes(fwd_ws.TENSOR_MAP_BYTES), o=0, lse=0, **stride_values("o", _strides(o, False, 1)),
-        lse_sb=p.nheads * p.seqlen_q, lse_sh=p.seqlen_q, lse_sr=1, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
-        ngroups=p.nheads // p.nheads_k, nheads=p.nheads, batch=p.batch, scale_log2=softmax_scale * _LOG2E,
+        **dict(zip(("lse_sb", "lse_sh", "lse_sr"), lse_strides)), seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
+        ngroups=p.nheads // p.nheads_k, nheads=p.nheads, batch=p.batch, scale_log2=post * _LOG2E,
         **_flashmask_fields(plan, flashmask), **({"tile_counter": 0} if w.persistent else {}),
-        **(dict(zip(("window_left", "window_right"), plan.window_eff)) if w.local else {}))
-    maps = tuple((tuple(x.shape), tuple(x.strides), box) for x, box in ((q, w.block_m), (k, w.block_n), (v, w.block_n)))
+        **(dict(zip(("window_left", "window_right"), plan.window_eff)) if w.local else {}), **mods)
     early, smem = _early_smem(plan, main)
     tiles = (math.ceil(p.seqlen_q / w.block_m) * p.nheads * p.batch, 1, 1) if w.persistent else None
     return Recipe(plan, kernel, main.grid, (main.threads, 1, 1), smem, values[5:], False, {}, 0, 0, 0, early,

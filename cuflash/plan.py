@@ -341,7 +341,8 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                 bm, bn_fwd, warps, stages, mma = unaligned_leftpad_tile((bm, bn_fwd, warps, stages, mma))
         ws = None if decode or mma != "wgmma" else _fwd_ws_blocker(p, even, bucket, pack)
         if ws == "":
-            v = fwd_ws.planned(bucket, p.dtype, causal, sq, dev.arch, seqlen_k=p.seqlen_k, local=local)
+            v = fwd_ws.planned(bucket, p.dtype, causal, sq, dev.arch, seqlen_k=p.seqlen_k, local=local,
+                               softcap=p.softcap, alibi=p.alibi, varlen=p.varlen)
             why.append(f"sm_90: the warp-specialised kernel (fwd_ws, sm_90a): a producer warpgroup loads Q and "
                        f"K/V tiles of {v.block_n} keys by TMA into {v.stages} stages on mbarriers; "
                        f"{v.consumers} consumer warpgroups of 64 query rows run wgmma and the softmax"
@@ -349,6 +350,10 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                        + (", taking turns at the tensor cores (ping-pong)" if v.pingpong else "") + "."
                        + (" Sliding window: each tile walks only the K/V blocks inside the band, masking those on "
                           "its edges." if v.local else "")
+                       + (" Packed sequences: the tensor maps span every token, and each block reads its "
+                          "sequence's bounds from cu_seqlens and starts its TMA boxes at the sequence's first row "
+                          "(one block per query tile of the longest sequence; those past a shorter one's end "
+                          "leave at once)." if v.varlen else "")
                        + (f" Persistent blocks (at most one per SM) take the query tiles from an atomic counter in "
                           f"the one-tile order and load a tile's Q and first K/V while finishing the last: with "
                           f"{p.seqlen_k} keys (at most {fwd_ws.persistent_max_keys(v.head_dim, v.causal)}) each tile walks "
@@ -400,7 +405,7 @@ def _flashmask_plan(p: Problem, dev: DeviceFacts) -> Plan:
     bn_std = bn
     ws = _fwd_ws_blocker(p, even, bucket, False) if mma == "wgmma" else None
     if ws == "":
-        v = fwd_ws.planned(bucket, p.dtype, p.causal, p.seqlen_q, dev.arch, p.flashmask)
+        v = fwd_ws.planned(bucket, p.dtype, p.causal, p.seqlen_q, dev.arch, p.flashmask, softcap=p.softcap)
         bm, bn = v.block_m, v.block_n
         kernel = (f"the warp-specialised forward (fwd_ws, sm_90a: a producer warpgroup loading Q and K/V tiles by "
                   f"TMA, {v.consumers} consumer warpgroups of 64 query rows) walks only the K/V blocks of {bn} "
@@ -465,10 +470,8 @@ def _fwd_ws_blocker(p: Problem, even: bool, bucket: int, pack: bool) -> str:
         return "query heads packed as rows (seqlen_q=1 with GQA) do not form the TMA's (seqlen, head) boxes"
     if bucket not in fwd_ws.HEAD_DIMS or not even:
         return f"it has head dims {' and '.join(map(str, fwd_ws.HEAD_DIMS))} only"
-    if p.kv != "dense" or p.varlen:
-        return "it reads dense K/V only (no KV cache, no varlen)"
-    if p.softcap or p.alibi:
-        return "it has no softcap or ALiBi"
+    if p.kv != "dense":
+        return "it reads dense K/V only (no KV cache)"
     if p.sinks:
         return "it has no attention sinks"
     if p.dropout:

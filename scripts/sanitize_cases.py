@@ -77,6 +77,12 @@ def main():
                              causal=True, return_lse=True)
     cuflash.attention_varlen(rnd(200, 8, 40), rnd(500, 2, 40), rnd(500, 2, 40), cu_q, cu_k, 113, 290,
                              window_size=(20, 5), alibi_slopes=torch.rand(4, 8, device="cuda"), num_splits=5)
+    # fwd_ws (num_splits=1: no split-KV) on packed sequences with softcap and ALiBi: empty and
+    # length-1 sequences, blocks past a sequence's end, tiles holding the next sequence's keys
+    for d in (64, 128, 256):
+        cuflash.attention_varlen(rnd(200, 8, d), rnd(500, 2, d), rnd(500, 2, d), cu_q, cu_k, 113, 290, causal=True,
+                                 softcap=30.0, alibi_slopes=torch.rand(8, device="cuda"), num_splits=1,
+                                 return_lse=True)
     cu_1 = torch.tensor([0, 1, 1, 2], dtype=torch.int32, device="cuda")
     cu_k1 = torch.tensor([0, 0, 300, 1500], dtype=torch.int32, device="cuda")
     cuflash.attention_varlen(rnd(2, 28, 128), rnd(1500, 4, 128), rnd(1500, 4, 128), cu_1, cu_k1, 1, 1200,

@@ -123,11 +123,11 @@ def test_fwd_ws_flashmask_bounds_are_staged_in_shared_memory():
         assert [x.strip() for x in softmax.splitlines() if x.strip()][1] == "mbar_arrive(bar_k_empty(s));", v.name
 
 
-def test_plan_flashmask_softcap_keeps_the_standard_kernel():
+def test_plan_flashmask_softcap_runs_the_warp_specialised_kernel():
     p = _plan(arch=90, causal=True, softcap=5.0, startend_row_indices=(2, 1, 512, 1))
     v = p.launches[0].variant
-    assert v.kind == "fwd" and v.mma == "wgmma" and v.softcap and v.flashmask == 1
-    assert "not the warp-specialised kernel: it has no softcap or ALiBi" in p.reason
+    assert v.kind == "fwd_ws" and v.softcap and v.flashmask == 1 and v.block_m == 128
+    assert "softcapped" in p.reason and "warp-specialised" in p.reason
 
 
 def test_plan_flashmask_never_splits_or_packs():

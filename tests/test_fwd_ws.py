@@ -21,8 +21,13 @@ from cuflash.kernels.fwd_ws import FwdWsVariant
 from cuflash.kernels.params import ParamTable
 
 VARIANTS = fwd_ws.variants(90, mods=False)
-FLASHMASK = [v for v in fwd_ws.variants(90) if v.flashmask]  # the planned tiles, with FlashMask
-LOCAL = [v for v in fwd_ws.variants(90) if v.local]  # with a sliding window
+_MODDED = lambda v: v.softcap or v.alibi or v.varlen
+FLASHMASK = [v for v in fwd_ws.variants(90) if v.flashmask and not _MODDED(v)]  # the planned tiles, with FlashMask
+LOCAL = [v for v in fwd_ws.variants(90) if v.local and not _MODDED(v)]  # with a sliding window
+# Softcap, ALiBi, varlen: every planned tile with all three modifiers' registers (bf16), and the
+# 192-row d=64 tile with varlen (with softcap or ALiBi d=64 takes 128-row tiles).
+MODS = [v for v in fwd_ws.variants(90) if v.dtype == "bf16" and (
+    v.softcap and v.alibi or v.varlen and v.block_m == 192)]
 REG_FILE = 65536  # 32-bit registers per SM (and so per block with one block per SM)
 
 
@@ -40,8 +45,22 @@ def test_variants_of_each_arch():
     assert {(v.head_dim, v.dtype, v.causal) for v in VARIANTS} == {
         (d, dt, c) for d in (64, 128, 256) for dt in ("fp16", "bf16") for c in (False, True)}
     assert fwd_ws.variants(80) == [] and fwd_ws.variants(89) == []
-    assert sorted(fwd_ws.variants(90), key=str) == sorted(VARIANTS + FLASHMASK + LOCAL, key=str)
+    modded = [v for v in fwd_ws.variants(90) if _MODDED(v)]
+    assert sorted(fwd_ws.variants(90), key=str) == sorted(VARIANTS + FLASHMASK + LOCAL + modded, key=str)
     assert len(FLASHMASK) == 24 and len(LOCAL) == 8
+    # softcap, ALiBi and varlen: every combination on every mask's planned tiles (d=64 with softcap
+    # or ALiBi: 128 rows), varlen never persistent; FlashMask with softcap
+    assert {(v.softcap, v.alibi, v.varlen) for v in modded} == {
+        (c, a, vl) for c in (False, True) for a in (False, True) for vl in (False, True)} - {(False, False, False)}
+    assert all(v.block_m == 128 for v in modded if v.head_dim == 64 and (v.softcap or v.alibi))
+    assert not any(v.varlen and v.persistent for v in modded)
+    assert {v.flashmask for v in modded if v.softcap} == {0, 1, 2, 4} and not any(v.flashmask and v.alibi for v in modded)
+    for v in modded:
+        tags = [t for t, on in (("_softcap", v.softcap), ("_alibi", v.alibi), ("_varlen", v.varlen)) if on]
+        assert "".join(tags) in v.name and all(t in v.name for t in tags)
+        assert ("softcap_scale" in v.params.names) == v.softcap and ("alibi_slopes" in v.params.names) == v.alibi
+        assert ("cu_seqlens_q" in v.params.names) == v.varlen
+        assert v.params.names[-1] == ("tile_counter" if v.persistent else v.params.names[-1])
     # sliding windows: the causal tiles (d=64: 128 rows up to 2048 queries), one block per tile
     assert {(v.head_dim, v.block_m, v.block_n, v.overlap, v.pingpong) for v in LOCAL} == {
         (64, 192, 128, True, False), (64, 128, 128, True, True), (128, 128, 128, True, True), (256, 128, 80, True, True)}
@@ -93,8 +112,8 @@ def test_bad_variants_are_refused(kw):
 
 def test_registered_and_planned_where_it_applies():
     """all_variants (warmup, the CI's covering sample) holds every fwd_ws variant; on sm_90 the
-    planner runs it for dense K/V at d 64, 128 and 256 without softcap or ALiBi (with or without
-    a sliding window), and keeps the other kernels elsewhere, saying why."""
+    planner runs it for dense K/V at d 64, 128 and 256 (with or without a sliding window, softcap,
+    ALiBi, packed sequences), and keeps the other kernels elsewhere, saying why."""
     from dataclasses import replace
     from cuflash.plan import DeviceFacts, Problem, make_plan
     assert set(VARIANTS) <= set(all_variants(90)) and not any(v.family == "fwd_ws" for v in all_variants(80))
@@ -122,9 +141,17 @@ def test_registered_and_planned_where_it_applies():
                 assert [l.variant.family for l in win.launches] == ["fwd_ws"] and v.local and not v.causal
                 assert v == fwd_ws.planned(d, "bf16", False, sq, seqlen_k=4096, local=True) and not v.persistent
                 assert "Sliding window" in win.reason
-                for other, why in ((dict(window=(256, 0), softcap=True), "softcap"), (dict(softcap=True), "softcap"),
-                                   (dict(alibi=True), "ALiBi"), (dict(kv="cache"), "dense"),
-                                   (dict(varlen=True), "varlen"), (dict(tma=False), "stride")):
+                for mods in (dict(softcap=True), dict(alibi=True), dict(varlen=True),
+                             dict(softcap=True, alibi=True, varlen=True, window=(256, 0))):
+                    plan = make_plan(replace(p, **mods), h100)
+                    v = plan.launches[0].variant
+                    assert [l.variant.family for l in plan.launches] == ["fwd_ws"], (mods, plan)
+                    flags = {"softcap": False, "alibi": False, "varlen": False, **{m: True for m in mods if m != "window"}}
+                    assert {f: getattr(v, f) for f in flags} == flags
+                    assert v.block_m == 128 or not (v.softcap or v.alibi)  # d=64: no 192-row tile
+                    assert not (v.varlen and v.persistent)
+                    assert ("Packed sequences" in plan.reason) == v.varlen
+                for other, why in ((dict(kv="cache"), "dense"), (dict(tma=False), "stride")):
                     plan = make_plan(replace(p, **other), h100)
                     assert all(l.variant.family != "fwd_ws" for l in plan.launches), (other, plan)
                     if plan.launches[0].variant.kind == "fwd" and plan.launches[0].variant.mma == "wgmma":
@@ -177,7 +204,8 @@ def test_tables_without_tensor_maps_keep_their_layout():
     from cuflash.kernels.params import _format
     tables = {v.params for arch in (80, 90) for v in all_variants(arch)}
     plain = [t for t in tables if all(c != "CUtensorMap" for _, c in t.fields)]
-    assert len(tables) - len(plain) == 6 and len(plain) >= 4  # fwd_ws (plain, FlashMask, persistent, local), bwd_ws (plain, FlashMask) hold tensor maps
+    # the warp-specialised families' structs (one per feature set) hold tensor maps
+    assert {t.struct_name for t in tables if t not in plain} == {"FwdWsParams", "BwdWsParams"} and len(plain) >= 4
     for t in plain:
         assert t.layout.format == "@" + "".join(_format(c) for _, c in t.fields) + "0q"
         assert "offsetof" not in t.cuda()
@@ -262,7 +290,7 @@ def test_renders(v):
     assert f"constexpr int kProducerRegs = {fwd_ws.PRODUCER_REGS};" in src
 
 
-@pytest.mark.parametrize("v", VARIANTS + FLASHMASK + LOCAL, ids=lambda v: v.name)
+@pytest.mark.parametrize("v", VARIANTS + FLASHMASK + LOCAL + MODS, ids=lambda v: v.name)
 def test_compiles_as_designed(compiled, v):
     """sm_90a cubin with no spills or stack; __launch_bounds__(384, 1) caps the launch at 168
     registers (65536 / 384, rounded down to 8), which setmaxnreg then splits into 24 per producer
@@ -589,3 +617,98 @@ def test_fire_gives_persistent_blocks_the_stream_counter_or_one_block_per_tile(m
                 assert grid == (132, 1, 1) and fields["tile_counter"] == 0x7000 and asked == [(0, 9, 1)]
             else:
                 assert grid == tiles and fields["tile_counter"] == 0 and asked == ([(0, 9, 1)] if fused else [])
+
+
+def test_prepare_fills_score_modifier_and_varlen_fields(monkeypatch):
+    """launch.prepare of planned fwd_ws calls (kernels stubbed): softcap sets softcap_scale and the
+    softmax's scale; ALiBi the slopes' pointer, batch stride and 1 / that scale; varlen the
+    cu_seqlens pointers, LSE strides of (nheads, total_q) and tensor maps spanning every token as
+    one batch. Packed sequences without a single key fall back to the wgmma kernel (no map can
+    span zero rows)."""
+    import math
+    from cuflash import compiler, launch
+    from cuflash.plan import DeviceFacts, Problem, make_plan
+    from cuflash.validate import batched
+
+    class Kernel:
+        def __init__(self, variant):
+            self.table, self.variant = variant.params, variant
+    monkeypatch.setattr(compiler, "get_kernel", lambda variant, device: Kernel(variant))
+    b, mq, mk, h, hk, d, tq, tk = 4, 512, 500, 16, 4, 128, 1700, 1200
+    plan = make_plan(Problem(b, mq, mk, h, hk, d, "bf16", True, softcap=True, alibi=True, varlen=True),
+                     DeviceFacts(132, 90))
+    assert plan.kernels == ("fwd_ws_d128_bf16_causal_softcap_alibi_varlen_m128n128s2_overlap_pingpong_sm90",)
+    q = batched(fake_view(0, (tq, h, d), "bfloat16"), b, mq)
+    k = batched(fake_view(0, (tk, hk, d), "bfloat16", ptr=8 << 20), b, mk)
+    r = launch.prepare(plan, q, k, k, q, 0.125, 0, softcap=30.0, alibi=(0x5000, h), varlen=(0x6000, 0x7000, tq, tk))
+    fields = dict(zip(r.kernel.table.names[5:], r.mid))
+    assert math.isclose(fields["softcap_scale"], 0.125 / 30) and math.isclose(fields["scale_log2"], 30 * math.log2(math.e))
+    assert (fields["alibi_slopes"], fields["alibi_sb"]) == (0x5000, h) and math.isclose(fields["alibi_scale"], 1 / 30)
+    assert (fields["cu_seqlens_q"], fields["cu_seqlens_k"]) == (0x6000, 0x7000)
+    assert (fields["lse_sb"], fields["lse_sh"], fields["lse_sr"]) == (1, tq, 1)
+    assert (fields["o_sb"], fields["o_ss"], fields["o_sh"]) == (h * d, h * d, d)
+    dtype, mq_, mk_, mv_ = r.maps
+    assert mq_ == ((1, tq, h, d), (tq * h * d, h * d, d, 1), 128)
+    assert mk_ == mv_ == ((1, tk, hk, d), (tk * hk * d, hk * d, d, 1), 128) and dtype == "bf16"
+    assert r.grid == (4, 16, 4) and r.tiles is None
+    empty = launch.prepare(plan, q, k, k, q, 0.125, 0, softcap=30.0, alibi=(0x5000, h), varlen=(0x6000, 0x7000, tq, 0))
+    assert empty.maps is None and empty.kernel.variant.family == "fwd"
+
+
+@pytest.fixture
+def fired(monkeypatch):
+    """The names of the main kernels launch.fire launches (as it does them)."""
+    from cuflash import launch
+    names, fire = [], launch.fire
+
+    def record(r, *args, **kw):
+        names.append(r.kernel.name)
+        return fire(r, *args, **kw)
+    monkeypatch.setattr(launch, "fire", record)
+    return names
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (100, 30))])
+@pytest.mark.parametrize("softcap,alibi", [(0.0, None), (30.0, None), (0.0, "bh"), (20.0, "h")])
+def test_gpu_planned_varlen_and_score_modifiers(rng, fired, d, causal, window, softcap, alibi):
+    """attention_varlen plans fwd_ws on sm_90 with packed sequences (an empty one, a length-1 one,
+    lengths crossing tiles), GQA, softcap and ALiBi, and matches the float64 reference with
+    NaN-poisoned outputs; so does attention on the dense batch."""
+    import torch
+    import cuflash
+    from cuflash import reference
+    from test_gpu_varlen import check_against, ref_varlen, run_varlen, slopes, varlen_case
+    q, k, v, cq, ck, mq, mk = varlen_case(rng, 5, 300, 437, 8, 2, d, "bfloat16" if d != 128 else "float16")
+    a = slopes(rng, alibi, 5, 8)
+    kw = dict(causal=causal, window_size=window, softcap=softcap)
+    out, lse = run_varlen(q, k, v, cq, ck, mq, mk, a, **kw)
+    assert fired[-1].startswith(f"fwd_ws_d{d}_") and "_varlen" in fired[-1]
+    check_against(out, lse, *ref_varlen(q, k, v, cq, ck, a, kw))
+    qd, kd, vd = _inputs(rng, 2, 333, 1000, 8, 2, d, "bfloat16")
+    ad = slopes(rng, alibi, 2, 8)
+    plan = cuflash.plan(qd, kd, vd, alibi_slopes=ad, **kw)
+    assert plan.kernels[0].startswith(f"fwd_ws_d{d}_") and ("_softcap" in plan.kernels[0]) == (softcap > 0)
+    out = torch.full_like(qd, float("nan"))
+    res, lse = cuflash.attention(qd, kd, vd, out=out, return_lse=True, alibi_slopes=ad, **kw)
+    args = [to_np(x) for x in (qd, kd, vd)]
+    ra = None if ad is None else ad.cpu().numpy()
+    ref, ref_lse = reference.attention(*args, alibi_slopes=ra, return_lse=True, **kw)
+    same = reference.attention(*args, alibi_slopes=ra, precision="same", **kw)
+    check_against(out, lse, ref, same, ref_lse)
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_varlen_long_sequences_plan_fwd_ws(rng, fired, causal, d):
+    """Packed sequences of up to 2300 queries (d=64: the 192-row tile when causal past 2048) run
+    fwd_ws, per-sequence bottom-right causal, against the reference."""
+    from test_gpu_varlen import check_against, ref_varlen, run_varlen, varlen_case
+    q, k, v, cq, ck, mq, mk = varlen_case(rng, 3, 2300, 2100, 4, 2, d, "bfloat16")
+    out, lse = run_varlen(q, k, v, cq, ck, mq, mk, None, causal=causal)
+    assert fired[-1] == fwd_ws.planned(d, "bf16", causal, mq, seqlen_k=mk, varlen=True).name
+    check_against(out, lse, *ref_varlen(q, k, v, cq, ck, None, dict(causal=causal)))

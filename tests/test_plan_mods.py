@@ -80,10 +80,9 @@ PREFILL = (2, 1024, 16, 128)  # 2*16*ceil(1024/64) = 512 blocks >= 0.8 * 264 slo
 @pytest.mark.parametrize("arch", [90, 80])
 def test_prefill_kernel_names(kw, mask, mods, arch):
     p = plan(PREFILL, PREFILL, **{**kw, "arch": arch})
-    if arch == 90 and not mods:  # the warp-specialised kernel, persistent at 1024 keys (not with a window)
-        kernel = f"fwd_ws_d128_bf16_{mask}_m128n128s2_overlap_pingpong{'' if mask == 'local' else '_persistent'}_sm90"
-    elif arch == 90:  # wgmma: two warpgroups of 64 rows, 128 keys, two stages, whatever the mask
-        kernel = f"fwd_d128_bf16_{mask}{mods}_wgmma_m128n128w8s2_sm90"
+    if arch == 90:  # the warp-specialised kernel, persistent at 1024 keys (not with a window)
+        kernel = (f"fwd_ws_d128_bf16_{mask}{mods}_m128n128s2_overlap_pingpong"
+                  f"{'' if mask == 'local' else '_persistent'}_sm90")
     else:  # mma.sync, one K/V stage: 32 keys at d=128, or 64 rows x 64 keys with a window/softcap/ALiBi
         kernel = f"fwd_d128_bf16_{mask}{mods}_" + ("m64n64" if mods or mask == "local" else "m128n32") + "w4s1_sm80"
     assert p.kernels == (kernel,) and p.num_splits == 1
@@ -110,7 +109,7 @@ def test_str_mentions_window_softcap_alibi():
     text = str(plan(PREFILL, PREFILL, window_size=(256, 0), softcap=30.0, alibi_slopes=True))
     first = text.splitlines()[0]
     assert "window=(256, 0)" in first and " softcap" in first and " alibi" in first
-    assert "fwd_d128_bf16_local_softcap_alibi_wgmma_m128n128w8s2_sm90" in text
+    assert "fwd_ws_d128_bf16_local_softcap_alibi_m128n128s2_overlap_pingpong_sm90" in text
     assert "softcapped (softcap * tanh(s / softcap)) and biased by ALiBi (-slope * distance)" in text
     plain = str(plan(PREFILL, PREFILL))
     assert "window=" not in plain and "softcap" not in plain and "alibi" not in plain
@@ -248,7 +247,8 @@ def test_varlen_problem_reason_mentions_cu_seqlens():
     p = make_plan(Problem(4, 512, 2048, 16, 4, 128, "bf16", causal=True, varlen=True), DeviceFacts(132, 90))
     assert ("varlen: 4 packed sequences of at most 512 queries and 2048 keys; each block reads its "
             "sequence's bounds from cu_seqlens." in p.reason)
-    assert p.kernels == ("fwd_d128_bf16_causal_wgmma_m128n128w8s2_sm90",) and p.launches[0].grid == (4, 16, 4)
+    assert p.kernels == ("fwd_ws_d128_bf16_causal_varlen_m128n128s2_overlap_pingpong_sm90",)
+    assert p.launches[0].grid == (4, 16, 4) and "Packed sequences: the tensor maps span every token" in p.reason
     assert "varlen (max lengths)" in str(p).splitlines()[0]
     dense = make_plan(Problem(4, 512, 2048, 16, 4, 128, "bf16", causal=True), DeviceFacts(132, 90))
     assert "cu_seqlens" not in dense.reason and "varlen" not in str(dense)

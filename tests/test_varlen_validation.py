@@ -347,7 +347,7 @@ def test_valid_varlen_with_out_reaches_launch_with_packed_problem(launches):
     p = plan.problem
     assert (p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.head_dim) == (B, MAX_Q, MAX_K, H, D)
     assert p.varlen and p.kv == "dense" and p.causal and p.window == (3, 0) and p.softcap and p.alibi
-    assert kw["softcap"] == 20.0 and kw["alibi"] == (1 << 20, H) and kw["varlen"] == (1 << 20, 1 << 20, 10)
+    assert kw["softcap"] == 20.0 and kw["alibi"] == (1 << 20, H) and kw["varlen"] == (1 << 20, 1 << 20, Q[0], KV[0])
 
 
 def test_valid_paged_varlen_reaches_launch(launches):

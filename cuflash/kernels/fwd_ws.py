@@ -41,12 +41,18 @@ PARAMS = ParamTable("FwdWsParams", (
     ("scale_log2", "float"),
     ("nheads", "int"), ("batch", "int"),  # the tile count of a persistent grid
 ))
-FLASHMASK_PARAMS = ParamTable("FwdWsParams", PARAMS.fields + FLASHMASK_FIELDS)
 # Persistent blocks: a zeroed int32 that hands out tiles (each launch leaves it zeroed), or null;
 # the last field (launch.fire puts the stream's counter there).
-PERSISTENT_PARAMS = ParamTable("FwdWsParams", PARAMS.fields + (("tile_counter", "int*"),))
+PERSISTENT_FIELDS = (("tile_counter", "int*"),)
 # A sliding window: its left and right sizes as the plan launches them (plan.window_eff).
-LOCAL_PARAMS = ParamTable("FwdWsParams", PARAMS.fields + (("window_left", "int"), ("window_right", "int")))
+LOCAL_FIELDS = (("window_left", "int"), ("window_right", "int"))
+# Softcap: the scores become tanh(s * softcap_scale) (softcap_scale = scale / softcap; scale_log2
+# is then softcap * log2 e). ALiBi: slope alibi_slopes[b * alibi_sb + h] * alibi_scale (in the
+# raw scores' units). Varlen: sequence b owns rows cu_seqlens_q[b] .. of q and o and rows
+# cu_seqlens_k[b] .. of k and v.
+SOFTCAP_FIELDS = (("softcap_scale", "float"),)
+ALIBI_FIELDS = (("alibi_slopes", "const float*"), ("alibi_sb", "long long"), ("alibi_scale", "float"))
+VARLEN_FIELDS = (("cu_seqlens_q", "const int*"), ("cu_seqlens_k", "const int*"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,8 +61,6 @@ class FwdWsVariant(KernelVariant):
 
     family = "fwd_ws"
     kind: ClassVar[str] = "fwd_ws"
-    softcap: ClassVar[bool] = False  # no softcap or ALiBi (what plans ask of a forward)
-    alibi: ClassVar[bool] = False
 
     head_dim: int             # 64, 128 or 256: the real head dim (no column predicates)
     dtype: str                # "fp16" or "bf16"
@@ -81,6 +85,15 @@ class FwdWsVariant(KernelVariant):
     # FlashMask bound columns per key (cuflash.masks; 1 or 2 with causal, 2 or 4 without), 0 =
     # none: the walk leaves out fully masked K/V blocks and masks the partly masked ones.
     flashmask: int = 0
+    # Score modifiers, applied in registers before the mask: softcap (softcap * tanh(s / softcap))
+    # and ALiBi (-slope * |i + seqlen_k - seqlen_q - j|), as the other forward kernels do.
+    softcap: bool = False
+    alibi: bool = False
+    # Packed variable-length sequences (cu_seqlens_q, cu_seqlens_k): the tensor maps span all the
+    # tokens, a block reads its sequence's bounds and starts its TMA boxes at the sequence's first
+    # row; rows past the sequence's end are loaded (another sequence's, or zeros) but masked (keys)
+    # or never stored (queries). One block per query tile of the longest sequence.
+    varlen: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -90,7 +103,7 @@ class FwdWsVariant(KernelVariant):
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for f in ("causal", "local", "overlap", "pingpong", "persistent"):
+        for f in ("causal", "local", "overlap", "pingpong", "persistent", "softcap", "alibi", "varlen"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be a bool, got {getattr(self, f)!r}")
         if self.pingpong and self.block_m != 128:
@@ -111,18 +124,26 @@ class FwdWsVariant(KernelVariant):
         if self.local and (self.causal or self.flashmask or self.persistent):
             raise ValueError(f"local (a sliding window) excludes causal, flashmask and persistent, got causal="
                              f"{self.causal}, flashmask={self.flashmask!r}, persistent={self.persistent}")
+        if self.varlen and (self.flashmask or self.persistent):
+            raise ValueError(f"varlen excludes flashmask and persistent, got flashmask={self.flashmask!r}, "
+                             f"persistent={self.persistent}")
 
-    @property
+    @functools.cached_property
     def params(self) -> ParamTable:
-        return (FLASHMASK_PARAMS if self.flashmask else PERSISTENT_PARAMS if self.persistent else
-                LOCAL_PARAMS if self.local else PARAMS)
+        """The common fields, then each feature's own (the tile counter last: launch.fire sets it)."""
+        return ParamTable("FwdWsParams", PARAMS.fields + LOCAL_FIELDS * self.local
+                          + FLASHMASK_FIELDS * bool(self.flashmask) + SOFTCAP_FIELDS * self.softcap
+                          + ALIBI_FIELDS * self.alibi + VARLEN_FIELDS * self.varlen
+                          + PERSISTENT_FIELDS * self.persistent)
 
     @functools.cached_property
     def name(self) -> str:
         mask = "local" if self.local else "causal" if self.causal else "full"
         sched = ("_overlap" if self.overlap else "") + ("_pingpong" if self.pingpong else "") + (
             "_persistent" if self.persistent else "") + (f"_fm{self.flashmask}" if self.flashmask else "")
-        return (f"fwd_ws_d{self.head_dim}_{self.dtype}_{mask}"
+        mods = ("_softcap" if self.softcap else "") + ("_alibi" if self.alibi else "") + (
+            "_varlen" if self.varlen else "")
+        return (f"fwd_ws_d{self.head_dim}_{self.dtype}_{mask}{mods}"
                 f"_m{self.block_m}n{self.block_n}s{self.stages}{sched}_sm{self.arch}")
 
     @property
@@ -182,6 +203,7 @@ class FwdWsVariant(KernelVariant):
                     causal=self.causal, local=self.local, bf16=self.dtype == "bf16", overlap=self.overlap,
                     pingpong=self.pingpong,
                     persistent=self.persistent, own_o=self.own_o, flashmask=self.flashmask,
+                    softcap=self.softcap, alibi=self.alibi, varlen=self.varlen,
                     barrier_bytes=BARRIER_BYTES,
                     producer_regs=PRODUCER_REGS,
                     consumer_regs=self.consumer_regs, hang_trap_cycles=HANG_TRAP_CYCLES)
@@ -210,30 +232,44 @@ def persistent_max_keys(head_dim: int, causal: bool) -> int:
 
 
 def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 90,
-            flashmask: int = 0, seqlen_k: int | None = None, local: bool = False) -> FwdWsVariant:
+            flashmask: int = 0, seqlen_k: int | None = None, local: bool = False, softcap: bool = False,
+            alibi: bool = False, varlen: bool = False) -> FwdWsVariant:
     """The variant the planner runs for a problem with these head dim, dtype, mask, queries and
     keys (default: as many as queries; ``flashmask``: FlashMask's bound columns per key, 0 = none;
-    ``local``: a sliding window, on the causal tiles, one block per query tile)."""
-    # d=64 causal with FlashMask: 128-row tiles at any length (in the 192-row tile's 160 registers
-    # per consumer thread, NVRTC 13.0 spills the causal FlashMask walk).
-    short = head_dim == 64 and (causal or local) and (flashmask or seqlen_q <= 2048)
+    ``local``: a sliding window, on the causal tiles, one block per query tile; ``softcap``,
+    ``alibi``: score modifiers; ``varlen``: packed sequences, seqlen_q and seqlen_k their maxima,
+    one block per query tile)."""
+    # d=64 causal with FlashMask, or with softcap or ALiBi: 128-row tiles at any length (in the
+    # 192-row tile's 160 registers per consumer thread, NVRTC 13.0 spills the causal FlashMask walk
+    # and some softcap/ALiBi variants).
+    short = head_dim == 64 and ((causal or local) and (flashmask or seqlen_q <= 2048) or softcap or alibi)
     tile = SHORT_CAUSAL_D64 if short else TILES[head_dim]
     keys = seqlen_q if seqlen_k is None else seqlen_k
-    persistent = not (flashmask or local) and head_dim <= 128 and keys <= persistent_max_keys(head_dim, causal)
+    persistent = (not (flashmask or local or varlen) and head_dim <= 128
+                  and keys <= persistent_max_keys(head_dim, causal))
     return FwdWsVariant(head_dim=head_dim, dtype=dtype, causal=causal, local=local, arch=arch, flashmask=flashmask,
-                        persistent=persistent, **tile)
+                        persistent=persistent, softcap=softcap, alibi=alibi, varlen=varlen, **tile)
 
 
 def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
-    """The fwd_ws variants the planner can pick on ``arch``: sm_90 only, none with softcap or
-    ALiBi; ``mods=False`` leaves out the sliding-window and FlashMask ones."""
+    """The fwd_ws variants the planner can pick on ``arch``: sm_90 only; ``mods=False`` leaves out
+    the sliding-window, softcap, ALiBi, varlen and FlashMask ones."""
     if arch != 90:
         return []
+    shapes = [(sq, sk) for sq in (1, 4096) for sk in (1024, 2048, 4096)]
     dense = [planned(d, dt, c, sq, arch, n, sk) for d in HEAD_DIMS for dt in DTYPES for c in (False, True)
-             for sq in (1, 4096) for sk in (1024, 2048, 4096)
-             for n in (0, *(FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:]) * mods)]
-    local = [planned(d, dt, False, sq, arch, local=True) for d in HEAD_DIMS for dt in DTYPES for sq in (1, 4096)]
-    return list(dict.fromkeys(dense + (local if mods else [])))
+             for sq, sk in shapes for n in (0, *(FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:]) * mods)]
+    if not mods:
+        return list(dict.fromkeys(dense))
+    # Every mask (full, causal, local) with every combination of softcap, ALiBi and varlen.
+    combos = [(cap, ali, var) for cap in (False, True) for ali in (False, True) for var in (False, True)]
+    modded = [planned(d, dt, c, sq, arch, seqlen_k=sk, local=loc, softcap=cap, alibi=ali, varlen=var)
+              for d in HEAD_DIMS for dt in DTYPES for c, loc in ((False, False), (True, False), (False, True))
+              for sq, sk in shapes for cap, ali, var in combos]
+    # FlashMask composes with softcap
+    fm_softcap = [planned(d, dt, c, sq, arch, n, sk, softcap=True) for d in HEAD_DIMS for dt in DTYPES
+                  for c in (False, True) for sq, sk in shapes for n in (FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:])]
+    return list(dict.fromkeys(dense + modded + fm_softcap))
 
 
 # ---------------------------------------------------------------------------------------------
