@@ -555,10 +555,12 @@ def _launch_specs(kernels, ops, lse, lse_st, grads, ws, shape, score, fm=None, d
         maps = {f"tma_{n}": _Map(role, tuple(x.shape), tuple(x.strides), rows_, main.dtype)
                 for n, role, x, rows_ in (("q", "q", q, main.block_m), ("k", "k", k, main.block_n),
                                           ("v", "v", v, main.block_n), ("do", "dout", do, main.block_m))}
+        # the score fields it has: softcap's and ALiBi's only in the variants with them
+        fields = (("scale_log2", "scale", "window_left", "window_right") + ("softcap_scale",) * main.softcap
+                  + ("alibi_slopes", "alibi_sb", "alibi_scale") * main.alibi)
         out.append((main, main.grid(b, sq, sk, h, hk), dict(
             **maps, lse2=lse2, dsum=dsum, dq_accum=acc, dq_sem=sem, **grads_kv, seqlen_q_arg=sq, nheads=h,
-            head_rows=head_rows, seqlen_k_arg=sk, ngroups=h // hk, **fm_main,
-            **{f: score[f] for f in ("scale_log2", "scale", "window_left", "window_right")})))
+            head_rows=head_rows, seqlen_k_arg=sk, ngroups=h // hk, **fm_main, **{f: score[f] for f in fields})))
     else:
         out.append((main, main.grid(b, sq, sk, h, hk), dict(dq_accum=acc, **grads_kv, **common, **fm_main,
                                                             **(drop or {}))))

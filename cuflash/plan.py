@@ -493,8 +493,10 @@ def _bwd_ws_blocker(p: Problem, bucket: int, arch: int) -> str:
         return f"it has head dims {', '.join(map(str, bwd_ws.HEAD_DIMS[:-1]))} and {bwd_ws.HEAD_DIMS[-1]} only"
     if p.varlen:
         return "it reads dense batches only (no varlen)"
-    if p.softcap or p.alibi:
-        return "it has no softcap or ALiBi"
+    if p.flashmask and p.softcap:
+        return "it has no softcap with FlashMask"
+    if p.softcap and p.alibi and bucket in bwd_ws.NO_SOFTCAP_ALIBI:
+        return f"at head dim {bucket} it has no registers for softcap and ALiBi together"
     if p.dropout:
         return "it has no dropout (its P^T and dS^T have no Philox mask)"
     if not p.tma:
@@ -529,7 +531,8 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     ws = _bwd_ws_blocker(p, bucket, dev.arch)
     ordered = False  # deterministic dQ added in a fixed order by the dK/dV kernel (bwd_ws)
     if ws == "":
-        main = bwd_ws.planned(bucket, p.dtype, causal, local, p.deterministic, dev.arch, p.flashmask)
+        main = bwd_ws.planned(bucket, p.dtype, causal, local, p.deterministic, dev.arch, p.flashmask, p.softcap,
+                              p.alibi)
         ordered = main.dq_ordered
         if main.dq:  # its accumulator is in fragment order (atomic or ordered)
             last = bwd_ws.convert(bucket, p.dtype, dev.arch)
@@ -558,11 +561,17 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
                 f"kernel: {ws}")
     else:
         kind = "mma.sync" + ((" (the wgmma kernel has no registers for dropout)" if p.dropout else
-                              " (the wgmma kernel has no registers for softcap/ALiBi)") if dev.arch == 90
-                             and bucket in bwd.DKDV_WGMMA_TILES else "")
+                              " (the wgmma kernel has no registers for softcap/ALiBi; not the warp-specialised "
+                              f"kernel: {ws})") if dev.arch == 90 and bucket in bwd.DKDV_WGMMA_TILES else "")
     why.append(f"{main.kind}: a block per {main.block_n} keys of a KV head keeps K and V in shared memory and walks "
                f"its {p.nheads // p.nheads_k} query head(s) in steps of {main.block_m} query rows, with {kind}; "
                "dK and dV are summed in registers and written once.")
+    if p.softcap or p.alibi:
+        who = f"{main.kind} and {last.kind} recompute" if last.kind == "bwd_dq" else f"{main.kind} recomputes"
+        why.append(f"{who} the scores as the forward formed them, "
+                   + " and ".join((["softcapped (softcap * tanh(s / softcap))"] if p.softcap else [])
+                                  + (["biased by ALiBi (-slope * distance)"] if p.alibi else []))
+                   + " in registers" + ("; dS takes the softcap's derivative 1 - tanh^2." if p.softcap else "."))
     if p.dropout:
         why.append("dropout: the forward's mask is regenerated from (seed, offset, batch, head, row, key) in "
                    f"{main.kind}" + (f" and {last.kind}" if last.kind == "bwd_dq" else "") + ": dV = (P Z / (1 - p))^T "

@@ -131,6 +131,12 @@ def main():
     o, lse = cuflash.attention(q, k, v, return_lse=True, **mods)
     for det in (False, True):
         attention_backward(torch.randn_like(o), q, k, v, o, lse, deterministic=det, **mods)
+    # the same on bwd_ws (d = 128: softcap and ALiBi together; d = 256: the split head dim)
+    for d in (128, 256):
+        q, k, v = rnd(2, 113, 4, d), rnd(2, 203, 2, d), rnd(2, 203, 2, d)
+        o, lse = cuflash.attention(q, k, v, return_lse=True, **mods)
+        for det in (False, True):
+            attention_backward(torch.randn_like(o), q, k, v, o, lse, deterministic=det, **mods)
     q, k, v = rnd(200, 8, 64), rnd(500, 2, 64), rnd(500, 2, 64)
     o, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, 113, 290, causal=True, return_lse=True)
     for det in (False, True):

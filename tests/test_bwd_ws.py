@@ -16,7 +16,8 @@ from cuflash.kernels import all_variants, bwd_ws
 from cuflash.kernels.bwd import BwdRowVariant
 from cuflash.kernels.bwd_ws import BwdWsVariant
 
-VARIANTS = [v for v in bwd_ws.variants(90) if v.family == "bwd_ws" and not v.flashmask]
+# (softcap and ALiBi: tests/test_bwd_ws_mods.py)
+VARIANTS = [v for v in bwd_ws.variants(90) if v.family == "bwd_ws" and not (v.flashmask or v.softcap or v.alibi)]
 FLASHMASK = [v for v in bwd_ws.variants(90) if v.family == "bwd_ws" and v.flashmask]
 CONVERTS = [v for v in bwd_ws.variants(90) if v.family != "bwd_ws"]
 # Every way of adding dQ, each field given (planned() sets dq_early at d = 64, dq_writer at 128),
@@ -137,7 +138,8 @@ def test_planned_on_sm90(d, deterministic):
 
 
 @pytest.mark.parametrize("kw, why", [
-    (dict(softcap=30.0), "no softcap or ALiBi"), (dict(d=96), "head dims 64, 128 and 256 only"),
+    (dict(softcap=30.0, startend_row_indices=(2, 1, 1000, 1)), "no softcap with FlashMask"),
+    (dict(d=96), "head dims 64, 128 and 256 only"),
     (dict(d=120), "head dims 64, 128 and 256 only"), (dict(d=192), "head dims 64, 128 and 256 only"),
 ])
 def test_not_planned_says_why(kw, why):

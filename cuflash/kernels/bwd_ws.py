@@ -7,7 +7,7 @@ dim of dK, dV and dQ instead, with P^T and dS^T through shared memory. It replac
 the backward's three kernels (kernels/bwd.py): ``bwd_prep`` before it is the same; after it runs
 ``bwd_convert`` reading dQ's fragment-ordered accumulator (``convert()``), or, deterministic
 without dQ, ``bwd_dq``. Dense batches, head dims 64, 128 and 256 (exactly), fp16/bf16, full, causal or sliding-window
-masks, GQA; the planner says where it does not apply (plan._bwd_ws_blocker).
+masks, GQA, softcap and ALiBi; the planner says where it does not apply (plan._bwd_ws_blocker).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from . import DTYPES, KernelVariant
-from .bwd import INFO_BYTES, MASKS, VARLEN_ROW_GAP, BwdRowVariant
+from .bwd import INFO_BYTES, MASKS, MODS, VARLEN_ROW_GAP, BwdRowVariant
 from .fwd import FLASHMASK_FIELDS, FLASHMASK_NS
 from .fwd_ws import HANG_TRAP_CYCLES, MAX_CONSUMER_REGS, PRODUCER_REGS
 from .params import ParamTable, strides
@@ -26,6 +26,9 @@ BLOCK_N = {64: 128, 128: 128, 256: 64}  # keys per block: two consumer warpgroup
 BLOCK_M = {64: 128, 128: 64, 256: 64}   # query rows per step (the S^T accumulators: 64 keys x block_m)
 BARRIER_BYTES = 64         # K/V full, per Q/dO stage full and empty, dq_writer's full and empty: <= 7 of 8 bytes
 STAGES = 2                 # Q/dO/LSE/D stages
+# Head dims without softcap and ALiBi together: at d = 64 a step's 128 query columns of S^T and
+# dP^T leave no registers for both (NVCC 13.0 spilled 4-16 B in half of those variants).
+NO_SOFTCAP_ALIBI = (64,)
 
 PARAMS = ParamTable("BwdWsParams", (
     ("tma_q", "CUtensorMap"), ("tma_k", "CUtensorMap"), ("tma_v", "CUtensorMap"), ("tma_do", "CUtensorMap"),
@@ -35,6 +38,12 @@ PARAMS = ParamTable("BwdWsParams", (
     ("scale_log2", "float"), ("scale", "float"), ("window_left", "int"), ("window_right", "int"),
 ))
 FLASHMASK_PARAMS = ParamTable("BwdWsParams", PARAMS.fields + FLASHMASK_FIELDS)
+# Score modifiers, as the other backward kernels take them (kernels/bwd.py): softcap_scale =
+# scale / softcap (scale_log2 is then softcap * log2 e); the ALiBi slope of (batch b, head h) is
+# alibi_slopes[b * alibi_sb + h] * alibi_scale (1 / the factor the softmax applies to the raw
+# scores). Appended only to the variants that have them, so the others' structs stay as they are.
+SOFTCAP_FIELDS = (("softcap_scale", "float"),)
+ALIBI_FIELDS = (("alibi_slopes", "const float*"), ("alibi_sb", "int"), ("alibi_scale", "float"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,8 +53,6 @@ class BwdWsVariant(KernelVariant):
 
     family = "bwd_ws"
     mma: ClassVar[str] = "wgmma"
-    softcap: ClassVar[bool] = False
-    alibi: ClassVar[bool] = False
     stages: ClassVar[int] = STAGES
 
     kind: str
@@ -76,6 +83,12 @@ class BwdWsVariant(KernelVariant):
     # (j + rot) mod the step count, rot spreading a head's key blocks over its query blocks), so
     # that the blocks running together add their dQ into different rows. Atomic dQ, no FlashMask.
     rotate: bool = False
+    # The forward's score modifiers, recomputed with S^T: softcap (scores softcap * tanh(s * scale /
+    # softcap); dS^T takes the derivative 1 - tanh^2) and ALiBi (-slope * |i + seqlen_k - seqlen_q - j|).
+    # Not with FlashMask (a FlashMask softcap runs on the other backward kernels), and not both at
+    # d = 64 (NO_SOFTCAP_ALIBI).
+    softcap: bool = False
+    alibi: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -105,10 +118,18 @@ class BwdWsVariant(KernelVariant):
             raise ValueError(f"rotate must be a bool, True only with atomic dQ and no FlashMask, got {self.rotate!r}")
         if not isinstance(self.causal, bool) or not isinstance(self.local, bool) or (self.causal and self.local):
             raise ValueError(f"causal and local must be bools, not both True, got {self.causal!r}, {self.local!r}")
+        for f in ("softcap", "alibi"):
+            if not isinstance(getattr(self, f), bool) or (getattr(self, f) and self.flashmask):
+                raise ValueError(f"{f} must be a bool, and True only without FlashMask, got {getattr(self, f)!r}")
+        if self.softcap and self.alibi and self.head_dim in NO_SOFTCAP_ALIBI:
+            raise ValueError(f"softcap and alibi together need registers that head_dim {self.head_dim} lacks")
 
-    @property
+    @functools.cached_property
     def params(self) -> ParamTable:
-        return FLASHMASK_PARAMS if self.flashmask else PARAMS
+        """The common fields, then FlashMask's, softcap's and ALiBi's where the variant has them."""
+        if not (self.softcap or self.alibi):
+            return FLASHMASK_PARAMS if self.flashmask else PARAMS
+        return ParamTable("BwdWsParams", PARAMS.fields + SOFTCAP_FIELDS * self.softcap + ALIBI_FIELDS * self.alibi)
 
     @property
     def block_m(self) -> int:
@@ -137,6 +158,7 @@ class BwdWsVariant(KernelVariant):
     @functools.cached_property
     def name(self) -> str:
         mask = "local" if self.local else ("causal" if self.causal else "full")
+        mask += ("_softcap" if self.softcap else "") + ("_alibi" if self.alibi else "")  # as tile_name does
         bulk = (("_dqwriter" if self.dq_writer else "") + ("_dqearly" if self.dq_early else "")
                 + ("_ordered" if self.dq_ordered else "") + (f"_fm{self.flashmask}" if self.flashmask else "")
                 + ("_rot" if self.rotate else ""))
@@ -173,12 +195,13 @@ class BwdWsVariant(KernelVariant):
                     causal=self.causal, local=self.local, bf16=self.dtype == "bf16", dq=self.dq,
                     dq_early=self.dq_early, dq_writer=self.dq_writer,
                     dq_ordered=self.dq_ordered, flashmask=self.flashmask, rotate=self.rotate, overlap=self.overlap,
+                    softcap=self.softcap, alibi=self.alibi,
                     producer_regs=PRODUCER_REGS, consumer_regs=MAX_CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES,
                     info_bytes=INFO_BYTES, barrier_bytes=BARRIER_BYTES, varlen_row_gap=VARLEN_ROW_GAP)
 
 
 def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic: bool,
-            arch: int = 90, flashmask: int = 0) -> BwdWsVariant:
+            arch: int = 90, flashmask: int = 0, softcap: bool = False, alibi: bool = False) -> BwdWsVariant:
     """The variant a backward plan launches for these head dim, dtype, mask and dQ mode: at d = 64
     and 128 the dQ writer with dQ's product issued early, at d = 256 (no room for the writer's
     tile) atomics; deterministic, the same adds in a fixed order (the fastest of the dQ variants
@@ -189,12 +212,13 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
     and 128, elsewhere dK and dV only (kind "bwd_ws_dkdv"; the deterministic dQ kernel follows):
     without causal the ordered adds were slower than the dQ kernel on an H200 (a key block that
     every query block sees, global tokens or a prefix, holds up the others' turns), and at d = 256
-    the consumers' ordered atomics take a turn on every step."""
+    the consumers' ordered atomics take a turn on every step. ``softcap``, ``alibi``: the
+    forward's score modifiers (the same dQ modes)."""
     dq = not (deterministic and flashmask and (head_dim == 256 or not causal))
     return BwdWsVariant(kind="bwd_ws_dkdv_dq" if dq else "bwd_ws_dkdv", head_dim=head_dim, dtype=dtype,
                         causal=causal, local=local, arch=arch, dq_early=dq and head_dim != 256,
                         dq_writer=dq and head_dim != 256, dq_ordered=dq and deterministic, flashmask=flashmask,
-                        rotate=not deterministic and not flashmask)
+                        rotate=not deterministic and not flashmask, softcap=softcap, alibi=alibi)
 
 
 def convert(head_dim: int, dtype: str, arch: int = 90) -> BwdRowVariant:
@@ -205,12 +229,16 @@ def convert(head_dim: int, dtype: str, arch: int = 90) -> BwdRowVariant:
 
 def variants(arch: int, mods: bool = True) -> list[KernelVariant]:
     """Every bwd_ws variant a plan can launch on ``arch`` (sm_90 only), and the tiled
-    ``bwd_convert`` kernels after them; ``mods=False`` leaves out the sliding-window and
-    FlashMask ones."""
+    ``bwd_convert`` kernels after them; ``mods=False`` leaves out the sliding-window, FlashMask,
+    softcap and ALiBi ones."""
     if arch != 90:
         return []
     return [planned(d, dt, c, loc, det, arch) for d in HEAD_DIMS for dt in DTYPES
             for c, loc in (MASKS if mods else MASKS[:2]) for det in (False, True)] + [
         convert(d, dt, arch) for d in HEAD_DIMS for dt in DTYPES] + [
         planned(d, dt, c, False, det, arch, n) for d in HEAD_DIMS for dt in DTYPES for c in (False, True)
-        for n in (FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:]) for det in (False, True) if mods]
+        for n in (FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:]) for det in (False, True) if mods] + [
+        # every mask and dQ mode with softcap, ALiBi and both (kernels/bwd.py's MODS after the first)
+        planned(d, dt, c, loc, det, arch, softcap=cap, alibi=ali) for d in HEAD_DIMS for dt in DTYPES
+        for c, loc in MASKS for det in (False, True) for cap, ali in MODS[1:]
+        if mods and not (cap and ali and d in NO_SOFTCAP_ALIBI)]

@@ -13,6 +13,12 @@
       const float* s_lse = reinterpret_cast<const float*>(reinterpret_cast<const char*>(smem) + kOffStats) +
                            st * 2 * kBlockM;
       const float* s_d = s_lse + kBlockM;
+{%- if softcap or alibi %}
+      // Score modifiers (score_mods.cuh): the scores are softcapped before the mask and ALiBi's
+      // bias is subtracted as P^T is formed, and dS^T = P^T (1 - t^2) (dP^T - D). This step's
+      // ALiBi slope is read while the stage fills.
+      const float slope = {{ "alibi_slopes[(long long)b * alibi_sb + h] * alibi_scale" if alibi else "0.f" }};
+{%- endif %}
       mbar_wait<kHangTrap>(bar_full(st), (j / kStages) & 1);
 
       // S^T = K Q^T, then dP^T = V dO^T, for this group's 64 keys x the step's queries.
@@ -36,9 +42,16 @@
       };
       auto issue_dv = [&] { issue_rs(acc_dv[0], pa, do_st); };
       auto issue_dk = [&] { issue_rs(acc_dk[0], dsa, q_st); };
+{%- if softcap %}
+      wgmma_wait<1>();  // S^T (softcapped while dP^T is still in flight)
+{%- else %}
       if constexpr (kOverlap) wgmma_wait<1>();  // S^T
       else wgmma_wait<0>();
+{%- endif %}
       fence_regs(s);
+{%- if softcap %}
+      apply_softcap<kQT>(s, softcap_scale);  // before the mask: a masked score stays -inf
+{%- endif %}
       if constexpr (decltype(masked)::value)
         apply_mask_t<kQT, kIsLocal>(s, n0 + key_w, m0, info_i32(sInfo, kInfoSeqK), info_i32(sInfo, kInfoDiag),
                                     kIsLocal ? info_i32(sInfo, kInfoDiagLo) : 0);
@@ -49,8 +62,13 @@
                                                                    fm_idx + b * fm_sb + (h / fm_hdiv) * fm_sh, fm_ss, fm_sc);
 {% endif %}
       if constexpr (kOverlap) {
+{%- if softcap or alibi %}
+        exp_mods_t<kIsBF16, kQT, kSoftcap, kAlibi>(s, pa, s_lse, scale_log2,  // s: P^T (1 - t^2)
+                                                   AlibiT(n0 + key_w, m0 + seqlen_k_arg - seqlen_q_arg), slope);
+{%- else %}
         exp_t(s, s_lse, scale_log2);
         c_to_a<kIsBF16, kQT>(pa, s);
+{%- endif %}
         issue_dv();
         wgmma_commit();
         wgmma_wait<1>();  // dP^T (dV may still run)
@@ -60,7 +78,14 @@
         if constexpr (!kDqEarly) issue_dk();
       } else {
         // One pass, so each score's registers die as they are used.
+{%- if softcap %}
+        wgmma_wait<0>();  // dP^T
+{%- endif %}
         fence_regs(dp);
+{%- if softcap or alibi %}
+        p_ds_mods_t<kIsBF16, kQT, kSoftcap, kAlibi>(s, dp, pa, dsa, s_lse, s_d, scale_log2,
+                                                    AlibiT(n0 + key_w, m0 + seqlen_k_arg - seqlen_q_arg), slope);
+{%- else %}
 #pragma unroll
         for (int j = 0; j < kQT; ++j) {
           const float2 l = *reinterpret_cast<const float2*>(s_lse + j * 8 + (lane & 3) * 2);
@@ -73,6 +98,7 @@
         }
         c_to_a<kIsBF16, kQT>(pa, s);
         c_to_a<kIsBF16, kQT>(dsa, dp);
+{%- endif %}
         issue_dv();
         if constexpr (!kDqEarly) issue_dk();
       }

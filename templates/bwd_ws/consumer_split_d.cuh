@@ -26,6 +26,13 @@
         return tile_offset<kBlockN, kBlockM, true>(key_w + (lane >> 2) + (e & 1) * 8, q_wg / 8 + 2 * kk + (e >> 1)) +
                (lane & 3) * 4;
       };
+{%- if softcap or alibi %}
+      // Score modifiers (score_mods.cuh): the scores are softcapped before the mask and ALiBi's
+      // bias is subtracted as P^T is formed, and dS^T = P^T (1 - t^2) (dP^T - D). This step's
+      // ALiBi slope is read while the stage fills.
+      const float slope = {{ "alibi_slopes[(long long)b * alibi_sb + h] * alibi_scale" if alibi else "0.f" }};
+      const AlibiT alibi(n0 + key_w, m0 + q_wg + seqlen_k_arg - seqlen_q_arg);
+{%- endif %}
       mbar_wait<kHangTrap>(bar_full(st), (j / kStages) & 1);
 
       // S^T = K Q^T, then dP^T = V dO^T, for the block's 64 keys x the group's 32 queries. The
@@ -39,6 +46,9 @@
       // (scaled at the end; LSE and D are per query: per column).
       wgmma_wait<1>();
       fence_regs(s);
+{%- if softcap %}
+      apply_softcap<kQT>(s, softcap_scale);  // before the mask: a masked score stays -inf
+{%- endif %}
       if constexpr (decltype(masked)::value)
         apply_mask_t<kQT, kIsLocal>(s, n0 + key_w, m0 + q_wg, info_i32(sInfo, kInfoSeqK),
                                     info_i32(sInfo, kInfoDiag), kIsLocal ? info_i32(sInfo, kInfoDiagLo) : 0);
@@ -49,9 +59,14 @@
               s, n0 + key_w, m0 + q_wg, info_i32(sInfo, kInfoSeqK), fm_idx + b * fm_sb + (h / fm_hdiv) * fm_sh,
               fm_ss, fm_sc);
 {% endif %}
+{%- if softcap or alibi %}
+      u32 pa[kQT / 2][4], dsa[kQT / 2][4];
+      exp_mods_t<kIsBF16, kQT, kSoftcap, kAlibi>(s, pa, s_lse, scale_log2, alibi, slope);  // s: P^T (1 - t^2)
+{%- else %}
       exp_t(s, s_lse, scale_log2);
       u32 pa[kQT / 2][4], dsa[kQT / 2][4];
       c_to_a<kIsBF16, kQT>(pa, s);
+{%- endif %}
       wgmma_wait<0>();
       fence_regs(dp);
       ds_t(dp, s, s_d);
