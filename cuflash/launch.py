@@ -192,7 +192,8 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
     if plan.launches[0].variant.kind == "fwd_ws":
         # (No tensor map can span packed sequences without a single key: the wgmma kernel runs.)
         if all(fwd_ws.tma_readable(x) for x in (q, k, v)) and (varlen is None or varlen[3] > 0):
-            return _prepare_ws(plan, q, k, v, o, softmax_scale, device, flashmask, softcap, alibi, varlen)
+            return _prepare_ws(plan, q, k, v, o, softmax_scale, device, flashmask, softcap, alibi, varlen, cache,
+                               seqlen_k, leftpad)
         plan = make_plan(replace(p, tma=False), plan.device)  # the wgmma kernel reads any strides
     ngroups = p.nheads // p.nheads_k
     seqlens_ptr, batch_idx_ptr, table_ptr, table_stride = cache
@@ -290,7 +291,7 @@ def _sink_fields(plan: Plan, sinks) -> dict:
 
 
 def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int, flashmask=None, softcap: float = 0.0,
-                alibi=(0, 0), varlen=None) -> Recipe:
+                alibi=(0, 0), varlen=None, cache=NO_CACHE, seqlen_k: int | None = None, leftpad: int = 0) -> Recipe:
     """The Recipe of a fwd_ws launch: its struct's fields after o and lse, and the shapes,
     strides and boxes of its three tensor maps (encoded in ``fire``: they hold the pointers);
     the other arguments as ``prepare`` takes them. Varlen: the maps span all the tokens of the
@@ -317,10 +318,13 @@ def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int, flash
         mods.update(alibi_slopes=alibi[0], alibi_sb=alibi[1], alibi_scale=1.0 / post)
     if w.varlen:
         mods.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    if w.cache:
+        mods.update(seqlens_k=cache[0], kv_batch_idx=cache[1], **_cache_fields(w, 0, leftpad))
     values = kernel.table.values(
         tma_q=bytes(fwd_ws.TENSOR_MAP_BYTES), tma_k=bytes(fwd_ws.TENSOR_MAP_BYTES),
         tma_v=bytes(fwd_ws.TENSOR_MAP_BYTES), o=0, lse=0, **stride_values("o", _strides(o, False, 1)),
-        **dict(zip(("lse_sb", "lse_sh", "lse_sr"), lse_strides)), seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
+        **dict(zip(("lse_sb", "lse_sh", "lse_sr"), lse_strides)), seqlen_q=p.seqlen_q,
+        seqlen_k=p.seqlen_k if seqlen_k is None else seqlen_k,
         ngroups=p.nheads // p.nheads_k, nheads=p.nheads, batch=p.batch, scale_log2=post * _LOG2E,
         **_flashmask_fields(plan, flashmask), **({"tile_counter": 0} if w.persistent else {}),
         **(dict(zip(("window_left", "window_right"), plan.window_eff)) if w.local else {}), **mods)

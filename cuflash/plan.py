@@ -342,7 +342,8 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         ws = None if decode or mma != "wgmma" else _fwd_ws_blocker(p, even, bucket, pack)
         if ws == "":
             v = fwd_ws.planned(bucket, p.dtype, causal, sq, dev.arch, seqlen_k=p.seqlen_k, local=local,
-                               softcap=p.softcap, alibi=p.alibi, varlen=p.varlen)
+                               softcap=p.softcap, alibi=p.alibi, varlen=p.varlen, cache=p.kv == "cache",
+                               leftpad=p.leftpad)
             why.append(f"sm_90: the warp-specialised kernel (fwd_ws, sm_90a): a producer warpgroup loads Q and "
                        f"K/V tiles of {v.block_n} keys by TMA into {v.stages} stages on mbarriers; "
                        f"{v.consumers} consumer warpgroups of 64 query rows run wgmma and the softmax"
@@ -354,6 +355,10 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                           "sequence's bounds from cu_seqlens and starts its TMA boxes at the sequence's first row "
                           "(one block per query tile of the longest sequence; those past a shorter one's end "
                           "leave at once)." if v.varlen else "")
+                       + (" KV cache: the K/V tensor maps are the cache's, and each block reads its key count "
+                          "(cache_seqlens)" + (", cache row (cache_batch_idx) and first key row (cache_leftpad)"
+                                               if v.leftpad else " and cache row (cache_batch_idx)")
+                          + " on the device (one block per query tile)." if v.cache else "")
                        + (f" Persistent blocks (at most one per SM) take the query tiles from an atomic counter in "
                           f"the one-tile order and load a tile's Q and first K/V while finishing the last: with "
                           f"{p.seqlen_k} keys (at most {fwd_ws.persistent_max_keys(v.head_dim, v.causal)}) each tile walks "
@@ -470,8 +475,8 @@ def _fwd_ws_blocker(p: Problem, even: bool, bucket: int, pack: bool) -> str:
         return "query heads packed as rows (seqlen_q=1 with GQA) do not form the TMA's (seqlen, head) boxes"
     if bucket not in fwd_ws.HEAD_DIMS or not even:
         return f"it has head dims {' and '.join(map(str, fwd_ws.HEAD_DIMS))} only"
-    if p.kv != "dense":
-        return "it reads dense K/V only (no KV cache)"
+    if p.kv == "paged":
+        return "it reads dense K/V or a contiguous KV cache (the TMA cannot gather a paged cache's pages)"
     if p.sinks:
         return "it has no attention sinks"
     if p.dropout:
@@ -491,8 +496,8 @@ def _bwd_ws_blocker(p: Problem, bucket: int, arch: int) -> str:
         return "CUFLASH_BWD_WS=0 turned it off"
     if bucket not in bwd_ws.HEAD_DIMS or p.head_dim != bucket:
         return f"it has head dims {', '.join(map(str, bwd_ws.HEAD_DIMS[:-1]))} and {bwd_ws.HEAD_DIMS[-1]} only"
-    if p.varlen:
-        return "it reads dense batches only (no varlen)"
+    if p.kv != "dense":
+        return "it reads dense K/V only (no KV cache)"
     if p.flashmask and p.softcap:
         return "it has no softcap with FlashMask"
     if p.softcap and p.alibi and bucket in bwd_ws.NO_SOFTCAP_ALIBI:
@@ -532,10 +537,10 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     ordered = False  # deterministic dQ added in a fixed order by the dK/dV kernel (bwd_ws)
     if ws == "":
         main = bwd_ws.planned(bucket, p.dtype, causal, local, p.deterministic, dev.arch, p.flashmask, p.softcap,
-                              p.alibi)
+                              p.alibi, p.varlen)
         ordered = main.dq_ordered
         if main.dq:  # its accumulator is in fragment order (atomic or ordered)
-            last = bwd_ws.convert(bucket, p.dtype, dev.arch)
+            last = bwd_ws.convert(bucket, p.dtype, dev.arch, p.varlen)
     sq, sk, b = p.seqlen_q, p.seqlen_k, p.batch
     launches = (Launch(prep, prep.grid(b, sq, p.nheads, p.head_dim), prep.threads, prep.smem_bytes),
                 Launch(main, main.grid(b, sq, sk, p.nheads, p.nheads_k), main.threads, main.smem_bytes),
@@ -544,7 +549,7 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     # fp32 rows of LSE and D (and of the dQ accumulator), each sequence padded to bwd.ROW_PAD rows;
     # packed sequences are bounded by batch * max length.
     rows = b * p.nheads * (cdiv(sq, bwd.ROW_PAD) * bwd.ROW_PAD + (bwd.VARLEN_ROW_GAP if p.varlen else 0))
-    workspace = 4 * rows * (2 + (0 if last.kind == "bwd_dq" else bucket)) + (4 * (rows // 64) if ordered else 0)
+    workspace = 4 * rows * (2 + (0 if last.kind == "bwd_dq" else bucket)) + (4 * cdiv(rows, 64) if ordered else 0)
     why = []
     if p.window != (-1, -1):
         why.append(f"window {p.window} runs as " + (f"a local band {window}" if local else
@@ -566,6 +571,13 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     why.append(f"{main.kind}: a block per {main.block_n} keys of a KV head keeps K and V in shared memory and walks "
                f"its {p.nheads // p.nheads_k} query head(s) in steps of {main.block_m} query rows, with {kind}; "
                "dK and dV are summed in registers and written once.")
+    if p.varlen and main.family == "bwd_ws":
+        why.append(f"Packed sequences: {main.kind}'s tensor maps span every token as one batch, and each block reads "
+                   "its sequence's bounds from cu_seqlens, leaves at once past its keys and starts its TMA boxes at "
+                   "the sequence's first token (one block per key block of the longest sequence); a box's rows past "
+                   "the sequence's end (the next sequence's) are padding rows of LSE (+inf) and D (0), so they add "
+                   "nothing to dK and dV, keys past it are masked as the tail, and their dQ lands in the sequence's "
+                   "padding rows of the accumulator, which bwd_convert does not store.")
     if p.softcap or p.alibi:
         who = f"{main.kind} and {last.kind} recompute" if last.kind == "bwd_dq" else f"{main.kind} recomputes"
         why.append(f"{who} the scores as the forward formed them, "

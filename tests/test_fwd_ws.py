@@ -21,13 +21,14 @@ from cuflash.kernels.fwd_ws import FwdWsVariant
 from cuflash.kernels.params import ParamTable
 
 VARIANTS = fwd_ws.variants(90, mods=False)
-_MODDED = lambda v: v.softcap or v.alibi or v.varlen
+_MODDED = lambda v: v.softcap or v.alibi or v.varlen or v.cache
 FLASHMASK = [v for v in fwd_ws.variants(90) if v.flashmask and not _MODDED(v)]  # the planned tiles, with FlashMask
 LOCAL = [v for v in fwd_ws.variants(90) if v.local and not _MODDED(v)]  # with a sliding window
-# Softcap, ALiBi, varlen: every planned tile with all three modifiers' registers (bf16), and the
-# 192-row d=64 tile with varlen (with softcap or ALiBi d=64 takes 128-row tiles).
+# Softcap, ALiBi, varlen, KV cache: every planned tile with both modifiers on dense batches, packed
+# sequences and a KV cache with a leftpad (bf16), and the 192-row d=64 tile with varlen or a
+# cache (with softcap or ALiBi d=64 takes 128-row tiles).
 MODS = [v for v in fwd_ws.variants(90) if v.dtype == "bf16" and (
-    v.softcap and v.alibi or v.varlen and v.block_m == 192)]
+    v.softcap and v.alibi and v.cache == v.leftpad or (v.varlen or v.leftpad) and v.block_m == 192)]
 REG_FILE = 65536  # 32-bit registers per SM (and so per block with one block per SM)
 
 
@@ -48,18 +49,23 @@ def test_variants_of_each_arch():
     modded = [v for v in fwd_ws.variants(90) if _MODDED(v)]
     assert sorted(fwd_ws.variants(90), key=str) == sorted(VARIANTS + FLASHMASK + LOCAL + modded, key=str)
     assert len(FLASHMASK) == 24 and len(LOCAL) == 8
-    # softcap, ALiBi and varlen: every combination on every mask's planned tiles (d=64 with softcap
-    # or ALiBi: 128 rows), varlen never persistent; FlashMask with softcap
-    assert {(v.softcap, v.alibi, v.varlen) for v in modded} == {
-        (c, a, vl) for c in (False, True) for a in (False, True) for vl in (False, True)} - {(False, False, False)}
+    # softcap and ALiBi on dense batches, packed sequences and KV caches (with or without a
+    # leftpad): every combination on every mask's planned tiles (d=64 with softcap or ALiBi: 128
+    # rows), varlen and caches never persistent; FlashMask with softcap
+    sources = {(False, False, False), (True, False, False), (False, True, False), (False, True, True)}
+    assert {(v.softcap, v.alibi, v.varlen, v.cache, v.leftpad) for v in modded} == {
+        (c, a, *src) for c in (False, True) for a in (False, True) for src in sources} - {(False,) * 5}
+    assert {v.local for v in modded} == {False, True} and {v.causal for v in modded} == {False, True}
     assert all(v.block_m == 128 for v in modded if v.head_dim == 64 and (v.softcap or v.alibi))
-    assert not any(v.varlen and v.persistent for v in modded)
+    assert not any((v.varlen or v.cache) and v.persistent for v in modded)
     assert {v.flashmask for v in modded if v.softcap} == {0, 1, 2, 4} and not any(v.flashmask and v.alibi for v in modded)
     for v in modded:
-        tags = [t for t, on in (("_softcap", v.softcap), ("_alibi", v.alibi), ("_varlen", v.varlen)) if on]
+        tags = [t for t, on in (("_softcap", v.softcap), ("_alibi", v.alibi), ("_varlen", v.varlen),
+                                ("_cache", v.cache), ("_leftpad", v.leftpad)) if on]
         assert "".join(tags) in v.name and all(t in v.name for t in tags)
         assert ("softcap_scale" in v.params.names) == v.softcap and ("alibi_slopes" in v.params.names) == v.alibi
-        assert ("cu_seqlens_q" in v.params.names) == v.varlen
+        assert ("cu_seqlens_q" in v.params.names) == v.varlen and ("seqlens_k" in v.params.names) == v.cache
+        assert ("kv_leftpad" in v.params.names) == v.leftpad
         assert v.params.names[-1] == ("tile_counter" if v.persistent else v.params.names[-1])
     # sliding windows: the causal tiles (d=64: 128 rows up to 2048 queries), one block per tile
     assert {(v.head_dim, v.block_m, v.block_n, v.overlap, v.pingpong) for v in LOCAL} == {
@@ -142,16 +148,18 @@ def test_registered_and_planned_where_it_applies():
                 assert v == fwd_ws.planned(d, "bf16", False, sq, seqlen_k=4096, local=True) and not v.persistent
                 assert "Sliding window" in win.reason
                 for mods in (dict(softcap=True), dict(alibi=True), dict(varlen=True),
-                             dict(softcap=True, alibi=True, varlen=True, window=(256, 0))):
+                             dict(softcap=True, alibi=True, varlen=True, window=(256, 0)), dict(kv="cache"),
+                             dict(kv="cache", leftpad=True, softcap=True)):
                     plan = make_plan(replace(p, **mods), h100)
                     v = plan.launches[0].variant
                     assert [l.variant.family for l in plan.launches] == ["fwd_ws"], (mods, plan)
-                    flags = {"softcap": False, "alibi": False, "varlen": False, **{m: True for m in mods if m != "window"}}
-                    assert {f: getattr(v, f) for f in flags} == flags
+                    flags = {"softcap": False, "alibi": False, "varlen": False, "leftpad": False,
+                             **{m: True for m in mods if m not in ("window", "kv")}}
+                    assert {f: getattr(v, f) for f in flags} == flags and v.cache == ("kv" in mods)
                     assert v.block_m == 128 or not (v.softcap or v.alibi)  # d=64: no 192-row tile
-                    assert not (v.varlen and v.persistent)
-                    assert ("Packed sequences" in plan.reason) == v.varlen
-                for other, why in ((dict(kv="cache"), "dense"), (dict(tma=False), "stride")):
+                    assert not ((v.varlen or v.cache) and v.persistent)
+                    assert ("Packed sequences" in plan.reason) == v.varlen and ("KV cache:" in plan.reason) == v.cache
+                for other, why in ((dict(kv="paged"), "paged"), (dict(tma=False), "stride")):
                     plan = make_plan(replace(p, **other), h100)
                     assert all(l.variant.family != "fwd_ws" for l in plan.launches), (other, plan)
                     if plan.launches[0].variant.kind == "fwd" and plan.launches[0].variant.mma == "wgmma":
@@ -713,3 +721,65 @@ def test_gpu_varlen_long_sequences_plan_fwd_ws(rng, fired, causal, d):
     out, lse = run_varlen(q, k, v, cq, ck, mq, mk, None, causal=causal)
     assert fired[-1] == fwd_ws.planned(d, "bf16", causal, mq, seqlen_k=mk, varlen=True).name
     check_against(out, lse, *ref_varlen(q, k, v, cq, ck, None, dict(causal=causal)))
+
+
+def test_prepare_fills_kv_cache_fields(monkeypatch):
+    """launch.prepare of a planned fwd_ws call on a contiguous KV cache (kernels stubbed): the
+    cache's pointers, the kernel's seqlen_k (the appended tokens, added to each cache_seqlens),
+    the leftpad pointer, and tensor maps over the caches as they are."""
+    from cuflash import compiler, launch
+    from cuflash.plan import DeviceFacts, Problem, make_plan
+
+    class Kernel:
+        def __init__(self, variant):
+            self.table, self.variant = variant.params, variant
+    monkeypatch.setattr(compiler, "get_kernel", lambda variant, device: Kernel(variant))
+    b, sq, cap, h, hk, d = 4, 512, 3000, 16, 4, 128
+    plan = make_plan(Problem(b, sq, cap, h, hk, d, "bf16", True, kv="cache", leftpad=True), DeviceFacts(132, 90))
+    assert plan.kernels == ("fwd_ws_d128_bf16_causal_cache_leftpad_m128n128s2_overlap_pingpong_sm90",)
+    q = fake_view(0, (b, sq, h, d), "bfloat16")
+    kc = fake_view(0, (b + 2, cap, hk, d), "bfloat16", ptr=8 << 20)
+    r = launch.prepare(plan, q, kc, kc, q, 0.125, 0, cache=(0x100, 0x200, 0, 0), seqlen_k=sq, leftpad=0x300)
+    fields = dict(zip(r.kernel.table.names[5:], r.mid))
+    assert (fields["seqlens_k"], fields["kv_batch_idx"], fields["kv_leftpad"], fields["seqlen_k"]) == (
+        0x100, 0x200, 0x300, sq)
+    assert r.maps[2] == ((b + 2, cap, hk, d), tuple(kc.strides), 128) and r.grid == (4, 16, 4)
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mode", ["plain", "batch_idx", "leftpad"])
+@pytest.mark.parametrize("causal,window,softcap", [(True, (-1, -1), 0.0), (False, (-1, -1), 30.0),
+                                                   (False, (200, 0), 0.0)])
+def test_gpu_kvcache_chunk_runs_fwd_ws(rng, fired, d, mode, causal, window, softcap):
+    """A chunk of 300 new tokens appended to contiguous caches (per-sequence lengths, an empty
+    one; cache_batch_idx; cache_leftpad) runs fwd_ws on sm_90 and matches the float64 reference
+    over each sequence's keys, with NaN-poisoned outputs."""
+    import torch
+    import cuflash
+    from cuflash.reference import check_close
+    b, sq, h, hk, cap = 3, 300, 8, 2, 1100
+    rnd = lambda *s: torch.from_numpy(rng.standard_normal(s, dtype=np.float32)).to("cuda", torch.bfloat16)
+    old = np.array([700, 0, 237], dtype=np.int32)
+    lead = np.array([50, 0, 237], dtype=np.int32) if mode == "leftpad" else np.zeros(b, np.int32)
+    nb = b + 2 if mode == "batch_idx" else b
+    idx = rng.permutation(nb)[:b].astype(np.int32) if mode == "batch_idx" else np.arange(b, dtype=np.int32)
+    q, kc, vc, kn, vn = rnd(b, sq, h, d), rnd(nb, cap, hk, d), rnd(nb, cap, hk, d), rnd(b, sq, hk, d), rnd(b, sq, hk, d)
+    ks = [torch.cat([kc[idx[i], lead[i]:old[i]], kn[i]]) for i in range(b)]
+    vs = [torch.cat([vc[idx[i], lead[i]:old[i]], vn[i]]) for i in range(b)]
+    kw = dict(causal=causal, window_size=window, softcap=softcap)
+    extra = {}
+    if mode == "batch_idx":
+        extra["cache_batch_idx"] = torch.from_numpy(idx).cuda()
+    if mode == "leftpad":
+        extra["cache_leftpad"] = torch.from_numpy(lead).cuda()
+    out = torch.full_like(q, float("nan"))
+    cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=torch.from_numpy(old).cuda(), out=out,
+                                   num_splits=1, **extra, **kw)
+    assert fired[-1].startswith(f"fwd_ws_d{d}_") and "_cache" in fired[-1]
+    assert ("_leftpad" in fired[-1]) == (mode == "leftpad")
+    for i in range(b):
+        ok, err, bound = check_close(to_np(out[i:i + 1]), to_np(q[i:i + 1]), to_np(ks[i][None]), to_np(vs[i][None]),
+                                     **kw)
+        assert ok, f"sequence {i}: max error {err:.3g} exceeds bound {bound:.3g}"

@@ -53,6 +53,10 @@ LOCAL_FIELDS = (("window_left", "int"), ("window_right", "int"))
 SOFTCAP_FIELDS = (("softcap_scale", "float"),)
 ALIBI_FIELDS = (("alibi_slopes", "const float*"), ("alibi_sb", "long long"), ("alibi_scale", "float"))
 VARLEN_FIELDS = (("cu_seqlens_q", "const int*"), ("cu_seqlens_k", "const int*"))
+# A contiguous KV cache: batch b attends to seqlens_k[b] + seqlen_k keys (seqlens_k null: seqlen_k)
+# in the cache's batch row kv_batch_idx[b] (null: b), from row kv_leftpad[b] with a leftpad.
+CACHE_FIELDS = (("seqlens_k", "const int*"), ("kv_batch_idx", "const int*"))
+LEFTPAD_FIELDS = (("kv_leftpad", "const int*"),)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +98,11 @@ class FwdWsVariant(KernelVariant):
     # row; rows past the sequence's end are loaded (another sequence's, or zeros) but masked (keys)
     # or never stored (queries). One block per query tile of the longest sequence.
     varlen: bool = False
+    # A contiguous KV cache (flash_attn_with_kvcache's): the K/V maps are the cache's; a block
+    # reads its key count (seqlens_k), cache row (kv_batch_idx) and, with ``leftpad``, its first
+    # key row (cache_leftpad). One block per query tile.
+    cache: bool = False
+    leftpad: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -103,7 +112,8 @@ class FwdWsVariant(KernelVariant):
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for f in ("causal", "local", "overlap", "pingpong", "persistent", "softcap", "alibi", "varlen"):
+        for f in ("causal", "local", "overlap", "pingpong", "persistent", "softcap", "alibi", "varlen", "cache",
+                  "leftpad"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be a bool, got {getattr(self, f)!r}")
         if self.pingpong and self.block_m != 128:
@@ -124,17 +134,19 @@ class FwdWsVariant(KernelVariant):
         if self.local and (self.causal or self.flashmask or self.persistent):
             raise ValueError(f"local (a sliding window) excludes causal, flashmask and persistent, got causal="
                              f"{self.causal}, flashmask={self.flashmask!r}, persistent={self.persistent}")
-        if self.varlen and (self.flashmask or self.persistent):
-            raise ValueError(f"varlen excludes flashmask and persistent, got flashmask={self.flashmask!r}, "
-                             f"persistent={self.persistent}")
+        if (self.varlen or self.cache) and (self.flashmask or self.persistent) or self.varlen and self.cache:
+            raise ValueError(f"varlen and cache exclude each other, flashmask and persistent, got varlen={self.varlen}, "
+                             f"cache={self.cache}, flashmask={self.flashmask!r}, persistent={self.persistent}")
+        if self.leftpad and not self.cache:
+            raise ValueError("leftpad needs cache (a contiguous KV cache)")
 
     @functools.cached_property
     def params(self) -> ParamTable:
         """The common fields, then each feature's own (the tile counter last: launch.fire sets it)."""
         return ParamTable("FwdWsParams", PARAMS.fields + LOCAL_FIELDS * self.local
                           + FLASHMASK_FIELDS * bool(self.flashmask) + SOFTCAP_FIELDS * self.softcap
-                          + ALIBI_FIELDS * self.alibi + VARLEN_FIELDS * self.varlen
-                          + PERSISTENT_FIELDS * self.persistent)
+                          + ALIBI_FIELDS * self.alibi + VARLEN_FIELDS * self.varlen + CACHE_FIELDS * self.cache
+                          + LEFTPAD_FIELDS * self.leftpad + PERSISTENT_FIELDS * self.persistent)
 
     @functools.cached_property
     def name(self) -> str:
@@ -142,7 +154,7 @@ class FwdWsVariant(KernelVariant):
         sched = ("_overlap" if self.overlap else "") + ("_pingpong" if self.pingpong else "") + (
             "_persistent" if self.persistent else "") + (f"_fm{self.flashmask}" if self.flashmask else "")
         mods = ("_softcap" if self.softcap else "") + ("_alibi" if self.alibi else "") + (
-            "_varlen" if self.varlen else "")
+            "_varlen" if self.varlen else "") + ("_cache" if self.cache else "") + ("_leftpad" if self.leftpad else "")
         return (f"fwd_ws_d{self.head_dim}_{self.dtype}_{mask}{mods}"
                 f"_m{self.block_m}n{self.block_n}s{self.stages}{sched}_sm{self.arch}")
 
@@ -203,7 +215,8 @@ class FwdWsVariant(KernelVariant):
                     causal=self.causal, local=self.local, bf16=self.dtype == "bf16", overlap=self.overlap,
                     pingpong=self.pingpong,
                     persistent=self.persistent, own_o=self.own_o, flashmask=self.flashmask,
-                    softcap=self.softcap, alibi=self.alibi, varlen=self.varlen,
+                    softcap=self.softcap, alibi=self.alibi, varlen=self.varlen, cache=self.cache,
+                    leftpad=self.leftpad,
                     barrier_bytes=BARRIER_BYTES,
                     producer_regs=PRODUCER_REGS,
                     consumer_regs=self.consumer_regs, hang_trap_cycles=HANG_TRAP_CYCLES)
@@ -233,27 +246,29 @@ def persistent_max_keys(head_dim: int, causal: bool) -> int:
 
 def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 90,
             flashmask: int = 0, seqlen_k: int | None = None, local: bool = False, softcap: bool = False,
-            alibi: bool = False, varlen: bool = False) -> FwdWsVariant:
+            alibi: bool = False, varlen: bool = False, cache: bool = False, leftpad: bool = False) -> FwdWsVariant:
     """The variant the planner runs for a problem with these head dim, dtype, mask, queries and
     keys (default: as many as queries; ``flashmask``: FlashMask's bound columns per key, 0 = none;
     ``local``: a sliding window, on the causal tiles, one block per query tile; ``softcap``,
-    ``alibi``: score modifiers; ``varlen``: packed sequences, seqlen_q and seqlen_k their maxima,
-    one block per query tile)."""
+    ``alibi``: score modifiers; ``varlen``: packed sequences, seqlen_q and seqlen_k their maxima;
+    ``cache``, ``leftpad``: a contiguous KV cache, seqlen_k its capacity; varlen and cache take one
+    block per query tile)."""
     # d=64 causal with FlashMask, or with softcap or ALiBi: 128-row tiles at any length (in the
     # 192-row tile's 160 registers per consumer thread, NVRTC 13.0 spills the causal FlashMask walk
     # and some softcap/ALiBi variants).
     short = head_dim == 64 and ((causal or local) and (flashmask or seqlen_q <= 2048) or softcap or alibi)
     tile = SHORT_CAUSAL_D64 if short else TILES[head_dim]
     keys = seqlen_q if seqlen_k is None else seqlen_k
-    persistent = (not (flashmask or local or varlen) and head_dim <= 128
+    persistent = (not (flashmask or local or varlen or cache) and head_dim <= 128
                   and keys <= persistent_max_keys(head_dim, causal))
     return FwdWsVariant(head_dim=head_dim, dtype=dtype, causal=causal, local=local, arch=arch, flashmask=flashmask,
-                        persistent=persistent, softcap=softcap, alibi=alibi, varlen=varlen, **tile)
+                        persistent=persistent, softcap=softcap, alibi=alibi, varlen=varlen, cache=cache,
+                        leftpad=leftpad, **tile)
 
 
 def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
     """The fwd_ws variants the planner can pick on ``arch``: sm_90 only; ``mods=False`` leaves out
-    the sliding-window, softcap, ALiBi, varlen and FlashMask ones."""
+    the sliding-window, softcap, ALiBi, varlen, KV-cache and FlashMask ones."""
     if arch != 90:
         return []
     shapes = [(sq, sk) for sq in (1, 4096) for sk in (1024, 2048, 4096)]
@@ -261,11 +276,12 @@ def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
              for sq, sk in shapes for n in (0, *(FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:]) * mods)]
     if not mods:
         return list(dict.fromkeys(dense))
-    # Every mask (full, causal, local) with every combination of softcap, ALiBi and varlen.
-    combos = [(cap, ali, var) for cap in (False, True) for ali in (False, True) for var in (False, True)]
-    modded = [planned(d, dt, c, sq, arch, seqlen_k=sk, local=loc, softcap=cap, alibi=ali, varlen=var)
+    # Every mask (full, causal, local) with every combination of softcap and ALiBi, on dense
+    # batches, packed sequences and contiguous KV caches (with or without a leftpad).
+    sources = (dict(), dict(varlen=True), dict(cache=True), dict(cache=True, leftpad=True))
+    modded = [planned(d, dt, c, sq, arch, seqlen_k=sk, local=loc, softcap=cap, alibi=ali, **src)
               for d in HEAD_DIMS for dt in DTYPES for c, loc in ((False, False), (True, False), (False, True))
-              for sq, sk in shapes for cap, ali, var in combos]
+              for sq, sk in shapes for cap in (False, True) for ali in (False, True) for src in sources]
     # FlashMask composes with softcap
     fm_softcap = [planned(d, dt, c, sq, arch, n, sk, softcap=True) for d in HEAD_DIMS for dt in DTYPES
                   for c in (False, True) for sq, sk in shapes for n in (FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:])]
