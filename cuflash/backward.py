@@ -39,7 +39,9 @@ kernel, ``bwd_dq`` (bwd/dq.cu.j2): one block per query block walks the K/V block
 recomputing P and dS, and writes dQ once; every gradient is then bitwise repeatable.
 
 Windows, softcap and ALiBi are template flags (Variant.local/softcap/alibi); varlen is a
-runtime property of the same kernels (cu_seqlens pointers non-null, read on the device).
+runtime property of the same kernels (cu_seqlens pointers non-null, read on the device), and a
+template flag of the warp-specialised ones (kernels/bwd_ws.py: BwdWsVariant.varlen and the tiled
+bwd_convert's), whose tensor maps span every token of the packed tensors as one batch.
 
 FlashMask (``startend_row_indices``, cuflash.masks) is a template flag too (Variant.flashmask =
 n): the FlashMask prep kernel (kernels/flashmask.py) runs first and writes, per block of the
@@ -238,6 +240,12 @@ def _aligned(x) -> bool:
     return validate.aligned(x if len(x.shape) == 4 else validate.batched(x, 1, x.shape[0]))
 
 
+def _tma_readable(x) -> bool:
+    """Whether bwd_ws's tensor maps can read a (batch, seqlen, heads, d) view, or a packed (total,
+    heads, d) one as a single batch."""
+    return tma_readable(x if len(x.shape) == 4 else validate.batched(x, 1, x.shape[0]))
+
+
 def _padded(x, d_pad):
     """A zero-padded (..., d_pad) copy of a device view (any rank) that the kernels cannot read
     in place."""
@@ -280,7 +288,7 @@ def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministi
     plan = make_backward_plan(Problem(b, sq, sk, h, hk, d_pad, _DTYPES[qv.dtype], causal=causal, window=window,
                                       softcap=cap > 0, alibi=alibi is not None, varlen=varlen is not None,
                                       deterministic=deterministic, sinks=sv is not None, dropout=drop is not None,
-                                      tma=varlen is None and all(tma_readable(x) for x in ops[:4]),
+                                      tma=all(_tma_readable(x) for x in ops[:4]),
                                       flashmask=0 if fm is None else fm.shape[3],
                                       flashmask_heads=0 if fm is None else fm.shape[1]), api.device_facts(dev))
     total_q = None if varlen is None else qv.shape[0]
@@ -395,7 +403,9 @@ def workspace_floats(plan, total_q: int | None = None) -> int:
     the ordered dQ writer's int32 semaphores (one per 64 rows); ``total_q`` for packed sequences."""
     p = plan.problem
     _, rows = stats_rows(p.batch, p.seqlen_q, p.nheads, total_q)
-    return _sem_word(plan, rows) + (rows // 64 if _ordered(plan) else 0)
+    # (cdiv: packed sequences' rows need not fill the last 64; a query block's semaphore is that of
+    # its first 64-aligned row, bwd.cuh)
+    return _sem_word(plan, rows) + (cdiv(rows, 64) if _ordered(plan) else 0)
 
 
 def _sem_word(plan, rows: int) -> int:
@@ -455,7 +465,9 @@ def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, dev
         if fm is None:
             raise ValueError(f"{plan.launches[1].name} needs startend_row_indices (run's fm=)")
         fm_args = _flashmask_args(plan, fm, ws_ptr + 4 * rows * _row_floats(plan))
+    packed = None
     if cu is not None:  # packed views as (batch, max_seqlen, nheads, d) with token batch strides
+        packed = (ops[0].shape[0], ops[1].shape[0])  # total_q, total_k (bwd_ws's tensor maps span them)
         ops = [validate.batched(x, b, n) for x, n in zip(ops, (sq, sk, sk, sq, sq))]
         grads = [validate.batched(g, b, n) for g, n in zip(grads, (sq, sk, sk))]
         lse_st = (lse.strides[1], lse.strides[0], lse.strides[1])  # row i of (sequence b, head h)
@@ -472,7 +484,7 @@ def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, dev
     kernels = tuple(launch.variant for launch in plan.launches)
     prepared = _prepare(_launch_specs(kernels[:3], ops, lse, lse_st, grads, (lse2, dsum, acc, sem),
                                       (b, sq, sk, h, hk, d, head_rows), score, fm_args,
-                                      dropout_fields(kernels[1], dropout)), device)
+                                      dropout_fields(kernels[1], dropout), packed), device)
     _fire(prepared, _pointers(ops, lse, grads, ws_ptr), stream)
     return prepared
 
@@ -525,13 +537,14 @@ def _pointers(ops, lse, grads, ws_ptr: int) -> dict:
                 ws=ws_ptr)
 
 
-def _launch_specs(kernels, ops, lse, lse_st, grads, ws, shape, score, fm=None, drop=None) -> list:
+def _launch_specs(kernels, ops, lse, lse_st, grads, ws, shape, score, fm=None, drop=None, packed=None) -> list:
     """(variant, grid, fields) of each launch of a backward, in order; pointer fields are _Ptr and
     tensor maps _Map (pointers given as ints, cu_seqlens, ALiBi's slopes and FlashMask's, stay
     fixed: calls with them do not repeat). ``ws`` = (lse2, dsum, dQ accumulator, dQ semaphores)
     fields; ``score``: the kernels' scale, varlen, window, softcap and ALiBi fields by name; ``fm``: FlashMask's (prep launches, dK/dV
     fields, dQ fields) from _flashmask_args, or None; ``drop``: the dropout fields of the dK/dV and
-    dQ kernels (launch.dropout_fields), or None."""
+    dQ kernels (launch.dropout_fields), or None; ``packed``: (total_q, total_k) of packed sequences
+    (ops are then batched views with token batch strides), or None."""
     q, k, v, do, o = ops
     dq, dk, dv = grads
     lse2, dsum, acc, sem = ws
@@ -552,12 +565,20 @@ def _launch_specs(kernels, ops, lse, lse_st, grads, ws, shape, score, fm=None, d
                   **_st("k", k), **_st("v", v), **_st("do", do), **rows, seqlen_k_arg=sk, ngroups=h // hk, **score)
     grads_kv = dict(dk=_Ptr("dk"), dv=_Ptr("dv"), **_st("dk", dk), **_st("dv", dv))
     if main.family == "bwd_ws":  # q, k, v, dout through TMA tensor maps (boxes: a step's rows, a block's keys)
-        maps = {f"tma_{n}": _Map(role, tuple(x.shape), tuple(x.strides), rows_, main.dtype)
-                for n, role, x, rows_ in (("q", "q", q, main.block_m), ("k", "k", k, main.block_n),
-                                          ("v", "v", v, main.block_n), ("do", "dout", do, main.block_m))}
-        # the score fields it has: softcap's and ALiBi's only in the variants with them
+        def tmap(role, x, box, total):
+            if packed is None:
+                return _Map(role, tuple(x.shape), tuple(x.strides), box, main.dtype)
+            # packed sequences: every token as one batch of (total, heads, d) (x's batch stride is
+            # the token stride); the kernel starts a sequence's boxes at its first token
+            return _Map(role, (1, total, *x.shape[2:]), (total * x.strides[1], *x.strides[1:]), box, main.dtype)
+        tq, tk = packed or (0, 0)
+        maps = {f"tma_{n}": tmap(role, x, box, total)
+                for n, role, x, box, total in (("q", "q", q, main.block_m, tq), ("k", "k", k, main.block_n, tk),
+                                               ("v", "v", v, main.block_n, tk), ("do", "dout", do, main.block_m, tq))}
+        # the score and varlen fields it has: softcap's, ALiBi's and cu_seqlens only in the variants with them
         fields = (("scale_log2", "scale", "window_left", "window_right") + ("softcap_scale",) * main.softcap
-                  + ("alibi_slopes", "alibi_sb", "alibi_scale") * main.alibi)
+                  + ("alibi_slopes", "alibi_sb", "alibi_scale") * main.alibi
+                  + ("cu_seqlens_q", "cu_seqlens_k") * main.varlen)
         out.append((main, main.grid(b, sq, sk, h, hk), dict(
             **maps, lse2=lse2, dsum=dsum, dq_accum=acc, dq_sem=sem, **grads_kv, seqlen_q_arg=sq, nheads=h,
             head_rows=head_rows, seqlen_k_arg=sk, ngroups=h // hk, **fm_main, **{f: score[f] for f in fields})))

@@ -16,10 +16,11 @@ from cuflash.kernels import all_variants, bwd_ws
 from cuflash.kernels.bwd import BwdRowVariant
 from cuflash.kernels.bwd_ws import BwdWsVariant
 
-# (softcap and ALiBi: tests/test_bwd_ws_mods.py)
-VARIANTS = [v for v in bwd_ws.variants(90) if v.family == "bwd_ws" and not (v.flashmask or v.softcap or v.alibi)]
-FLASHMASK = [v for v in bwd_ws.variants(90) if v.family == "bwd_ws" and v.flashmask]
-CONVERTS = [v for v in bwd_ws.variants(90) if v.family != "bwd_ws"]
+# (softcap and ALiBi: tests/test_bwd_ws_mods.py; packed sequences: tests/test_bwd_ws_varlen.py)
+DENSE = [v for v in bwd_ws.variants(90) if not v.varlen]
+VARIANTS = [v for v in DENSE if v.family == "bwd_ws" and not (v.flashmask or v.softcap or v.alibi)]
+FLASHMASK = [v for v in DENSE if v.family == "bwd_ws" and v.flashmask]
+CONVERTS = [v for v in DENSE if v.family != "bwd_ws"]
 # Every way of adding dQ, each field given (planned() sets dq_early at d = 64, dq_writer at 128),
 # and the ordered writer (planned deterministic at d = 128 only)
 # (the atomic ones keep the variant's rotate: rotated as planned, and not rotated from the

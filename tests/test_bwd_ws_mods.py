@@ -21,7 +21,7 @@ from cuflash.plan import DeviceFacts, Problem, make_backward_plan
 
 plan_mod = importlib.import_module("cuflash.plan")  # the module (cuflash.plan is the function)
 
-WS = [v for v in bwd_ws.variants(90) if v.family == "bwd_ws"]
+WS = [v for v in bwd_ws.variants(90) if v.family == "bwd_ws" and not v.varlen]  # (varlen: test_bwd_ws_varlen.py)
 MODDED = [v for v in WS if v.softcap or v.alibi]
 PLAIN = [v for v in WS if not (v.softcap or v.alibi)]
 
@@ -130,7 +130,7 @@ def test_planned_on_sm90(d, softcap, alibi, deterministic):
 
 
 @pytest.mark.parametrize("kw, why", [
-    (dict(varlen=True), "dense batches only"), (dict(tma=False), "stride the TMA cannot read"),
+    (dict(tma=False), "stride the TMA cannot read"),
     (dict(dropout=True), "no dropout"), (dict(d=96), "head dims 64, 128 and 256 only"),
     (dict(causal=True, flashmask=1), "no softcap with FlashMask"),
 ])
@@ -149,10 +149,10 @@ def test_still_blocked(kw, why):
 
 def test_fallback_reason_names_the_blocker():
     """On sm_90 at d = 64 and 128 the mma.sync fallback says why neither wgmma kernel runs."""
-    p = make_backward_plan(_problem(softcap=True, alibi=True, varlen=True), DeviceFacts(132, 90))
+    p = make_backward_plan(_problem(softcap=True, alibi=True, tma=False), DeviceFacts(132, 90))
     assert p.launches[1].variant.mma == "sync"
-    assert ("the wgmma kernel has no registers for softcap/ALiBi; not the warp-specialised kernel: it reads dense "
-            "batches only (no varlen)") in p.reason
+    assert ("the wgmma kernel has no registers for softcap/ALiBi; not the warp-specialised kernel: an operand has a "
+            "stride the TMA cannot read") in p.reason
 
 
 def test_launch_fields(monkeypatch):

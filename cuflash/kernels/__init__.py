@@ -135,7 +135,7 @@ def features(v) -> frozenset:
     """The compile-time features of a variant, as names (what a covering sample must cross)."""
     f = {v.family, getattr(v, "kind", v.family), getattr(v, "dtype", "")}
     for flag in ("causal", "local", "softcap", "alibi", "even_head_dim", "swizzled", "decode", "sinks", "leftpad",
-                 "kv_unaligned", "rotary", "dropout"):
+                 "kv_unaligned", "rotary", "dropout", "varlen"):
         if getattr(v, flag, False):
             f.add(flag)
     kind, kv = getattr(v, "kind", ""), getattr(v, "kv", "dense")

@@ -142,8 +142,12 @@ class BwdRowVariant(KernelVariant):
     head_dim: int
     dtype: str
     # bwd_convert reading the warp-specialised backward's fragment-ordered accumulator (64 x 64
-    # pieces in its registers' order, templates/common/bwd.cuh): dense batches, head_dim exact.
+    # pieces in its registers' order, templates/common/bwd.cuh): head_dim exact.
     tiled: bool = False
+    # The tiled bwd_convert for packed sequences: sequence b's pieces start at its padded rows
+    # (stats_base in bwd.cuh), its dQ rows at token cu_seqlens_q[b]. (The untiled convert reads
+    # cu_seqlens_q whenever it is given.)
+    varlen: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -153,6 +157,8 @@ class BwdRowVariant(KernelVariant):
         if not isinstance(self.tiled, bool) or (self.tiled and (self.kind != "bwd_convert" or self.head_dim % 64)):
             raise ValueError(f"tiled must be a bool, and True only for bwd_convert at a head_dim that is a multiple "
                              f"of 64, got {self.tiled!r} ({self.kind}, head_dim {self.head_dim})")
+        if not isinstance(self.varlen, bool) or (self.varlen and not self.tiled):
+            raise ValueError(f"varlen must be a bool, and True only for the tiled bwd_convert, got {self.varlen!r}")
 
     @property
     def params(self) -> ParamTable:
@@ -160,7 +166,8 @@ class BwdRowVariant(KernelVariant):
 
     @functools.cached_property
     def name(self) -> str:
-        return f"{self.kind}_d{self.head_dim}_{self.dtype}{'_tiled' if self.tiled else ''}_sm{self.arch}"
+        return (f"{self.kind}_d{self.head_dim}_{self.dtype}{'_tiled' if self.tiled else ''}"
+                f"{'_varlen' if self.varlen else ''}_sm{self.arch}")
 
     @property
     def template(self) -> str:
@@ -179,7 +186,7 @@ class BwdRowVariant(KernelVariant):
 
     def constants(self) -> dict:
         return dict(head_dim=self.head_dim, bf16=self.dtype == "bf16", warps=PREP_ROWS_PER_BLOCK,
-                    threads=CONVERT_THREADS, varlen_row_gap=VARLEN_ROW_GAP, tiled=self.tiled)
+                    threads=CONVERT_THREADS, varlen_row_gap=VARLEN_ROW_GAP, tiled=self.tiled, varlen=self.varlen)
 
 
 @dataclass(frozen=True, kw_only=True)

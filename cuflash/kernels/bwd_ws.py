@@ -6,8 +6,9 @@ block-wide barrier. At d = 256 (``split_d``) a block has 64 keys and the two gro
 dim of dK, dV and dQ instead, with P^T and dS^T through shared memory. It replaces the second of
 the backward's three kernels (kernels/bwd.py): ``bwd_prep`` before it is the same; after it runs
 ``bwd_convert`` reading dQ's fragment-ordered accumulator (``convert()``), or, deterministic
-without dQ, ``bwd_dq``. Dense batches, head dims 64, 128 and 256 (exactly), fp16/bf16, full, causal or sliding-window
-masks, GQA, softcap and ALiBi; the planner says where it does not apply (plan._bwd_ws_blocker).
+without dQ, ``bwd_dq``. Dense batches or packed sequences (varlen), head dims 64, 128 and 256
+(exactly), fp16/bf16, full, causal or sliding-window masks, GQA, softcap and ALiBi; the planner
+says where it does not apply (plan._bwd_ws_blocker).
 """
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ FLASHMASK_PARAMS = ParamTable("BwdWsParams", PARAMS.fields + FLASHMASK_FIELDS)
 # scores). Appended only to the variants that have them, so the others' structs stay as they are.
 SOFTCAP_FIELDS = (("softcap_scale", "float"),)
 ALIBI_FIELDS = (("alibi_slopes", "const float*"), ("alibi_sb", "int"), ("alibi_scale", "float"))
+# Packed sequences (varlen): sequence b owns tokens cu_seqlens_q[b] .. of q and dout and
+# cu_seqlens_k[b] .. of k, v, dk and dv (appended after the score modifiers' fields).
+VARLEN_FIELDS = (("cu_seqlens_q", "const int*"), ("cu_seqlens_k", "const int*"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +93,11 @@ class BwdWsVariant(KernelVariant):
     # d = 64 (NO_SOFTCAP_ALIBI).
     softcap: bool = False
     alibi: bool = False
+    # Packed variable-length sequences (cu_seqlens_q, cu_seqlens_k; FlashAttention-3's varlen):
+    # the tensor maps span every token as one batch, a block reads its sequence's bounds and
+    # leaves at once past its keys, and its rows of LSE, D and the dQ accumulator are the
+    # sequence's padded ones (bwd.cuh's stats_base). Not with FlashMask.
+    varlen: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -121,15 +130,19 @@ class BwdWsVariant(KernelVariant):
         for f in ("softcap", "alibi"):
             if not isinstance(getattr(self, f), bool) or (getattr(self, f) and self.flashmask):
                 raise ValueError(f"{f} must be a bool, and True only without FlashMask, got {getattr(self, f)!r}")
+        if not isinstance(self.varlen, bool) or (self.varlen and self.flashmask):
+            raise ValueError(f"varlen must be a bool, and True only without FlashMask, got {self.varlen!r}")
         if self.softcap and self.alibi and self.head_dim in NO_SOFTCAP_ALIBI:
             raise ValueError(f"softcap and alibi together need registers that head_dim {self.head_dim} lacks")
 
     @functools.cached_property
     def params(self) -> ParamTable:
-        """The common fields, then FlashMask's, softcap's and ALiBi's where the variant has them."""
-        if not (self.softcap or self.alibi):
+        """The common fields, then FlashMask's, softcap's, ALiBi's and varlen's where the variant
+        has them."""
+        if not (self.softcap or self.alibi or self.varlen):
             return FLASHMASK_PARAMS if self.flashmask else PARAMS
-        return ParamTable("BwdWsParams", PARAMS.fields + SOFTCAP_FIELDS * self.softcap + ALIBI_FIELDS * self.alibi)
+        return ParamTable("BwdWsParams", PARAMS.fields + SOFTCAP_FIELDS * self.softcap + ALIBI_FIELDS * self.alibi
+                          + VARLEN_FIELDS * self.varlen)
 
     @property
     def block_m(self) -> int:
@@ -159,6 +172,7 @@ class BwdWsVariant(KernelVariant):
     def name(self) -> str:
         mask = "local" if self.local else ("causal" if self.causal else "full")
         mask += ("_softcap" if self.softcap else "") + ("_alibi" if self.alibi else "")  # as tile_name does
+        mask += "_varlen" if self.varlen else ""
         bulk = (("_dqwriter" if self.dq_writer else "") + ("_dqearly" if self.dq_early else "")
                 + ("_ordered" if self.dq_ordered else "") + (f"_fm{self.flashmask}" if self.flashmask else "")
                 + ("_rot" if self.rotate else ""))
@@ -195,13 +209,14 @@ class BwdWsVariant(KernelVariant):
                     causal=self.causal, local=self.local, bf16=self.dtype == "bf16", dq=self.dq,
                     dq_early=self.dq_early, dq_writer=self.dq_writer,
                     dq_ordered=self.dq_ordered, flashmask=self.flashmask, rotate=self.rotate, overlap=self.overlap,
-                    softcap=self.softcap, alibi=self.alibi,
+                    softcap=self.softcap, alibi=self.alibi, varlen=self.varlen,
                     producer_regs=PRODUCER_REGS, consumer_regs=MAX_CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES,
                     info_bytes=INFO_BYTES, barrier_bytes=BARRIER_BYTES, varlen_row_gap=VARLEN_ROW_GAP)
 
 
 def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic: bool,
-            arch: int = 90, flashmask: int = 0, softcap: bool = False, alibi: bool = False) -> BwdWsVariant:
+            arch: int = 90, flashmask: int = 0, softcap: bool = False, alibi: bool = False,
+            varlen: bool = False) -> BwdWsVariant:
     """The variant a backward plan launches for these head dim, dtype, mask and dQ mode: at d = 64
     and 128 the dQ writer with dQ's product issued early, at d = 256 (no room for the writer's
     tile) atomics; deterministic, the same adds in a fixed order (the fastest of the dQ variants
@@ -213,24 +228,25 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
     without causal the ordered adds were slower than the dQ kernel on an H200 (a key block that
     every query block sees, global tokens or a prefix, holds up the others' turns), and at d = 256
     the consumers' ordered atomics take a turn on every step. ``softcap``, ``alibi``: the
-    forward's score modifiers (the same dQ modes)."""
+    forward's score modifiers (the same dQ modes); ``varlen``: packed sequences (the same dQ
+    modes)."""
     dq = not (deterministic and flashmask and (head_dim == 256 or not causal))
     return BwdWsVariant(kind="bwd_ws_dkdv_dq" if dq else "bwd_ws_dkdv", head_dim=head_dim, dtype=dtype,
                         causal=causal, local=local, arch=arch, dq_early=dq and head_dim != 256,
                         dq_writer=dq and head_dim != 256, dq_ordered=dq and deterministic, flashmask=flashmask,
-                        rotate=not deterministic and not flashmask, softcap=softcap, alibi=alibi)
+                        rotate=not deterministic and not flashmask, softcap=softcap, alibi=alibi, varlen=varlen)
 
 
-def convert(head_dim: int, dtype: str, arch: int = 90) -> BwdRowVariant:
+def convert(head_dim: int, dtype: str, arch: int = 90, varlen: bool = False) -> BwdRowVariant:
     """The ``bwd_convert`` after a bwd_ws kernel that adds dQ: it reads the fragment-ordered
-    accumulator."""
-    return BwdRowVariant(kind="bwd_convert", head_dim=head_dim, dtype=dtype, arch=arch, tiled=True)
+    accumulator (``varlen``: each packed sequence's padded rows)."""
+    return BwdRowVariant(kind="bwd_convert", head_dim=head_dim, dtype=dtype, arch=arch, tiled=True, varlen=varlen)
 
 
 def variants(arch: int, mods: bool = True) -> list[KernelVariant]:
     """Every bwd_ws variant a plan can launch on ``arch`` (sm_90 only), and the tiled
     ``bwd_convert`` kernels after them; ``mods=False`` leaves out the sliding-window, FlashMask,
-    softcap and ALiBi ones."""
+    softcap, ALiBi and varlen ones."""
     if arch != 90:
         return []
     return [planned(d, dt, c, loc, det, arch) for d in HEAD_DIMS for dt in DTYPES
@@ -241,4 +257,9 @@ def variants(arch: int, mods: bool = True) -> list[KernelVariant]:
         # every mask and dQ mode with softcap, ALiBi and both (kernels/bwd.py's MODS after the first)
         planned(d, dt, c, loc, det, arch, softcap=cap, alibi=ali) for d in HEAD_DIMS for dt in DTYPES
         for c, loc in MASKS for det in (False, True) for cap, ali in MODS[1:]
-        if mods and not (cap and ali and d in NO_SOFTCAP_ALIBI)]
+        if mods and not (cap and ali and d in NO_SOFTCAP_ALIBI)] + [
+        # packed sequences: every mask, dQ mode and score modifier, and their bwd_convert
+        planned(d, dt, c, loc, det, arch, softcap=cap, alibi=ali, varlen=True) for d in HEAD_DIMS for dt in DTYPES
+        for c, loc in MASKS for det in (False, True) for cap, ali in MODS
+        if mods and not (cap and ali and d in NO_SOFTCAP_ALIBI)] + [
+        convert(d, dt, arch, varlen=True) for d in HEAD_DIMS for dt in DTYPES if mods]

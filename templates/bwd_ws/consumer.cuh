@@ -64,7 +64,7 @@
       if constexpr (kOverlap) {
 {%- if softcap or alibi %}
         exp_mods_t<kIsBF16, kQT, kSoftcap, kAlibi>(s, pa, s_lse, scale_log2,  // s: P^T (1 - t^2)
-                                                   AlibiT(n0 + key_w, m0 + seqlen_k_arg - seqlen_q_arg), slope);
+                                                   AlibiT(n0 + key_w, m0 + {{ k_minus_q }}), slope);
 {%- else %}
         exp_t(s, s_lse, scale_log2);
         c_to_a<kIsBF16, kQT>(pa, s);
@@ -84,7 +84,7 @@
         fence_regs(dp);
 {%- if softcap or alibi %}
         p_ds_mods_t<kIsBF16, kQT, kSoftcap, kAlibi>(s, dp, pa, dsa, s_lse, s_d, scale_log2,
-                                                    AlibiT(n0 + key_w, m0 + seqlen_k_arg - seqlen_q_arg), slope);
+                                                    AlibiT(n0 + key_w, m0 + {{ k_minus_q }}), slope);
 {%- else %}
 #pragma unroll
         for (int j = 0; j < kQT; ++j) {

@@ -31,7 +31,7 @@
       // bias is subtracted as P^T is formed, and dS^T = P^T (1 - t^2) (dP^T - D). This step's
       // ALiBi slope is read while the stage fills.
       const float slope = {{ "alibi_slopes[(long long)b * alibi_sb + h] * alibi_scale" if alibi else "0.f" }};
-      const AlibiT alibi(n0 + key_w, m0 + q_wg + seqlen_k_arg - seqlen_q_arg);
+      const AlibiT alibi(n0 + key_w, m0 + q_wg + {{ k_minus_q }});
 {%- endif %}
       mbar_wait<kHangTrap>(bar_full(st), (j / kStages) & 1);
 
@@ -109,14 +109,14 @@
         const long long row = info_i64(sInfo, kInfoStats) + (long long)h * head_rows + m0;
         const bool leader = (ctid & 127) == 0;
         if constexpr (kDqOrdered) {
-          if (leader) sem_wait<kHangTrap>(dq_sem + (row >> 6), 2 * dq_turn(m0));
+          if (leader) sem_wait<kHangTrap>(dq_sem + {{ sem_row }}, 2 * dq_turn(m0));
           named_bar_sync_at<128>(2 + wg);
         }
         red_add_frag(dq_accum + row * kHeadDim + 2 * wg * 4096, dq, ctid & 127);
         if constexpr (kDqOrdered) {
           __threadfence();
           named_bar_sync_at<128>(2 + wg);
-          if (leader) sem_release(dq_sem + (row >> 6));
+          if (leader) sem_release(dq_sem + {{ sem_row }});
         }
       }
       wgmma_wait<0>();
