@@ -236,17 +236,19 @@ _plans: dict = cached_on_plans({})
 
 
 def _plan_for(fields: tuple, device: int, kv: str = "dense", varlen: bool = False, flashmask=(0, 0),
-              leftpad: bool = False, dropout: bool = False):
+              leftpad: bool = False, dropout: bool = False, page_size: int = 0):
     """The plan of a call, cached on the call's fields (so a repeated shape builds no Problem);
     ``flashmask`` is (bound columns, heads) of startend_row_indices, or (0, 0); ``leftpad``: a
-    contiguous cache with cache_leftpad; ``dropout``: attention dropout."""
-    key = (fields, device, kv, varlen, flashmask, leftpad, dropout)
+    contiguous cache with cache_leftpad; ``dropout``: attention dropout; ``page_size``: a paged
+    cache's rows per page."""
+    key = (fields, device, kv, varlen, flashmask, leftpad, dropout, page_size)
     plan = _plans.get(key)
     if plan is None:
         (b, sq, sk, h, hk, d, dtype, causal, return_lse, num_splits, window, softcap, alibi, sinks) = fields
         problem = Problem(b, sq, sk, h, hk, d, dtype, causal, return_lse, num_splits, kv=kv,
                           window=window, softcap=softcap, alibi=alibi, varlen=varlen, flashmask=flashmask[0],
-                          flashmask_heads=flashmask[1], sinks=sinks, leftpad=leftpad, dropout=dropout)
+                          flashmask_heads=flashmask[1], sinks=sinks, leftpad=leftpad, dropout=dropout,
+                          page_size=page_size)
         if len(_plans) > 4096:
             _plans.clear()
         plan = _plans[key] = make_plan(problem, device_facts(device))
@@ -260,7 +262,7 @@ def _launch(problem, like, q, k, v, o, lse_arr, scale, kv="dense", varlen_kv=Fal
     arguments); ``fm`` is the view of FlashMask's startend_row_indices or None. Returns the
     prepared launch (its Recipe)."""
     plan = _plan_for(problem, like.device, kv, varlen_kv, (fm.shape[3], fm.shape[1]) if fm is not None else (0, 0),
-                     leftpad_kv, extra.get("dropout") is not None)
+                     leftpad_kv, extra.get("dropout") is not None, extra.get("page_size", 0) if kv == "paged" else 0)
     dev = like.device
     stream = arrays.stream_for(like)
     lse_ptr = arrays.device_ptr(lse_arr) if lse_arr is not None else 0

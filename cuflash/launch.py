@@ -193,7 +193,7 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
         # (No tensor map can span packed sequences without a single key: the wgmma kernel runs.)
         if all(fwd_ws.tma_readable(x) for x in (q, k, v)) and (varlen is None or varlen[3] > 0):
             return _prepare_ws(plan, q, k, v, o, softmax_scale, device, flashmask, softcap, alibi, varlen, cache,
-                               seqlen_k, leftpad)
+                               seqlen_k, leftpad, page_size, pages_per_seq)
         plan = make_plan(replace(p, tma=False), plan.device)  # the wgmma kernel reads any strides
     ngroups = p.nheads // p.nheads_k
     seqlens_ptr, batch_idx_ptr, table_ptr, table_stride = cache
@@ -291,7 +291,8 @@ def _sink_fields(plan: Plan, sinks) -> dict:
 
 
 def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int, flashmask=None, softcap: float = 0.0,
-                alibi=(0, 0), varlen=None, cache=NO_CACHE, seqlen_k: int | None = None, leftpad: int = 0) -> Recipe:
+                alibi=(0, 0), varlen=None, cache=NO_CACHE, seqlen_k: int | None = None, leftpad: int = 0,
+                page_size: int = 0, pages_per_seq: int = 0) -> Recipe:
     """The Recipe of a fwd_ws launch: its struct's fields after o and lse, and the shapes,
     strides and boxes of its three tensor maps (encoded in ``fire``: they hold the pointers);
     the other arguments as ``prepare`` takes them. Varlen: the maps span all the tokens of the
@@ -320,6 +321,12 @@ def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int, flash
         mods.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     if w.cache:
         mods.update(seqlens_k=cache[0], kv_batch_idx=cache[1], **_cache_fields(w, 0, leftpad))
+    if w.paged:
+        if page_size % w.block_n or pages_per_seq <= 0:
+            raise ValueError(f"{w.name} needs pages of a multiple of {w.block_n} rows and the block table's column "
+                             f"count, got page_size={page_size}, pages_per_seq={pages_per_seq}")
+        mods.update(seqlens_k=cache[0], block_table=cache[2], block_table_stride=cache[3], page_size=page_size,
+                    pages_per_seq=pages_per_seq)
     values = kernel.table.values(
         tma_q=bytes(fwd_ws.TENSOR_MAP_BYTES), tma_k=bytes(fwd_ws.TENSOR_MAP_BYTES),
         tma_v=bytes(fwd_ws.TENSOR_MAP_BYTES), o=0, lse=0, **stride_values("o", _strides(o, False, 1)),

@@ -74,6 +74,7 @@ class Problem:
     sinks: bool = False    # attention sinks: a logit per query head joins each row's softmax
     leftpad: bool = False  # a contiguous KV cache whose sequences start at row cache_leftpad[b]
     dropout: bool = False  # attention dropout on P (the probability, seed and offset are launch arguments)
+    page_size: int = 0     # a paged cache's rows per page (0: not known, or not paged)
 
 
 @dataclass(frozen=True)
@@ -343,7 +344,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         if ws == "":
             v = fwd_ws.planned(bucket, p.dtype, causal, sq, dev.arch, seqlen_k=p.seqlen_k, local=local,
                                softcap=p.softcap, alibi=p.alibi, varlen=p.varlen, cache=p.kv == "cache",
-                               leftpad=p.leftpad)
+                               leftpad=p.leftpad, paged=p.kv == "paged")
             why.append(f"sm_90: the warp-specialised kernel (fwd_ws, sm_90a): a producer warpgroup loads Q and "
                        f"K/V tiles of {v.block_n} keys by TMA into {v.stages} stages on mbarriers; "
                        f"{v.consumers} consumer warpgroups of 64 query rows run wgmma and the softmax"
@@ -359,6 +360,9 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                           "(cache_seqlens)" + (", cache row (cache_batch_idx) and first key row (cache_leftpad)"
                                                if v.leftpad else " and cache row (cache_batch_idx)")
                           + " on the device (one block per query tile)." if v.cache else "")
+                       + (f" Paged KV cache: the K/V tensor maps are the page pool's; the producer looks each "
+                          f"tile's page up in the block table (pages of {p.page_size} rows hold whole tiles; one "
+                          f"block per query tile)." if v.paged else "")
                        + (f" Persistent blocks (at most one per SM) take the query tiles from an atomic counter in "
                           f"the one-tile order and load a tile's Q and first K/V while finishing the last: with "
                           f"{p.seqlen_k} keys (at most {fwd_ws.persistent_max_keys(v.head_dim, v.causal)}) each tile walks "
@@ -476,7 +480,14 @@ def _fwd_ws_blocker(p: Problem, even: bool, bucket: int, pack: bool) -> str:
     if bucket not in fwd_ws.HEAD_DIMS or not even:
         return f"it has head dims {' and '.join(map(str, fwd_ws.HEAD_DIMS))} only"
     if p.kv == "paged":
-        return "it reads dense K/V or a contiguous KV cache (the TMA cannot gather a paged cache's pages)"
+        bn = fwd_ws.planned(bucket, p.dtype, p.causal, p.seqlen_q, paged=True).block_n
+        if p.varlen:
+            return "it reads no packed sequences over a paged cache"
+        if not p.page_size:
+            return "a paged cache whose page size the plan was not given"
+        if p.page_size % bn:
+            return (f"a paged cache's pages of {p.page_size} rows do not hold whole K/V tiles of {bn} keys (its TMA "
+                    f"reads a tile from one page)")
     if p.sinks:
         return "it has no attention sinks"
     if p.dropout:

@@ -62,6 +62,19 @@ def main():
     kp, vp = rnd(60, 16, 2, 128), rnd(60, 16, 2, 128)
     cuflash.attention_with_kvcache(q, kp, vp, kn, vn, cache_seqlens=lens, block_table=pages, causal=True,
                                    num_splits=7)
+    # fwd_ws on caches (a chunk of 130 new tokens, num_splits=1): contiguous with a batch index and
+    # with a leftpad, and paged with 128-row pages (an empty sequence, tails inside a tile)
+    q, kn, vn = rnd(3, 130, 8, 128), rnd(3, 130, 2, 128), rnd(3, 130, 2, 128)
+    kc, vc = rnd(5, 600, 2, 128), rnd(5, 600, 2, 128)
+    lens = torch.tensor([10, 299, 0], dtype=torch.int32, device="cuda")
+    cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, cache_batch_idx=idx, causal=True,
+                                   num_splits=1)
+    cuflash.attention_with_kvcache(q, kc[:3], vc[:3], kn, vn, cache_seqlens=lens, num_splits=1, return_lse=True,
+                                   cache_leftpad=torch.tensor([3, 100, 0], dtype=torch.int32, device="cuda"))
+    pages = torch.from_numpy(np.random.default_rng(1).permutation(20)[:3 * 4].reshape(3, 4).astype(np.int32)).cuda()
+    kp, vp = rnd(20, 128, 2, 128), rnd(20, 128, 2, 128)
+    cuflash.attention_with_kvcache(q, kp, vp, kn, vn, cache_seqlens=lens, block_table=pages, causal=True,
+                                   num_splits=1)
     # sliding window + softcap + ALiBi (standard, split and decode tiles)
     slopes = torch.rand(4, device="cuda")
     cuflash.attention(rnd(2, 113, 4, 64), rnd(2, 203, 2, 64), rnd(2, 203, 2, 64), causal=True,

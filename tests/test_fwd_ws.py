@@ -21,7 +21,7 @@ from cuflash.kernels.fwd_ws import FwdWsVariant
 from cuflash.kernels.params import ParamTable
 
 VARIANTS = fwd_ws.variants(90, mods=False)
-_MODDED = lambda v: v.softcap or v.alibi or v.varlen or v.cache
+_MODDED = lambda v: v.softcap or v.alibi or v.varlen or v.cache or v.paged
 FLASHMASK = [v for v in fwd_ws.variants(90) if v.flashmask and not _MODDED(v)]  # the planned tiles, with FlashMask
 LOCAL = [v for v in fwd_ws.variants(90) if v.local and not _MODDED(v)]  # with a sliding window
 # Softcap, ALiBi, varlen, KV cache: every planned tile with both modifiers on dense batches, packed
@@ -52,20 +52,21 @@ def test_variants_of_each_arch():
     # softcap and ALiBi on dense batches, packed sequences and KV caches (with or without a
     # leftpad): every combination on every mask's planned tiles (d=64 with softcap or ALiBi: 128
     # rows), varlen and caches never persistent; FlashMask with softcap
-    sources = {(False, False, False), (True, False, False), (False, True, False), (False, True, True)}
-    assert {(v.softcap, v.alibi, v.varlen, v.cache, v.leftpad) for v in modded} == {
-        (c, a, *src) for c in (False, True) for a in (False, True) for src in sources} - {(False,) * 5}
+    sources = {(False, False, False, False), (True, False, False, False), (False, True, False, False),
+               (False, True, True, False), (False, False, False, True)}
+    assert {(v.softcap, v.alibi, v.varlen, v.cache, v.leftpad, v.paged) for v in modded} == {
+        (c, a, *src) for c in (False, True) for a in (False, True) for src in sources} - {(False,) * 6}
     assert {v.local for v in modded} == {False, True} and {v.causal for v in modded} == {False, True}
     assert all(v.block_m == 128 for v in modded if v.head_dim == 64 and (v.softcap or v.alibi))
-    assert not any((v.varlen or v.cache) and v.persistent for v in modded)
+    assert not any((v.varlen or v.cache or v.paged) and v.persistent for v in modded)
     assert {v.flashmask for v in modded if v.softcap} == {0, 1, 2, 4} and not any(v.flashmask and v.alibi for v in modded)
     for v in modded:
         tags = [t for t, on in (("_softcap", v.softcap), ("_alibi", v.alibi), ("_varlen", v.varlen),
-                                ("_cache", v.cache), ("_leftpad", v.leftpad)) if on]
+                                ("_cache", v.cache), ("_leftpad", v.leftpad), ("_paged", v.paged)) if on]
         assert "".join(tags) in v.name and all(t in v.name for t in tags)
         assert ("softcap_scale" in v.params.names) == v.softcap and ("alibi_slopes" in v.params.names) == v.alibi
-        assert ("cu_seqlens_q" in v.params.names) == v.varlen and ("seqlens_k" in v.params.names) == v.cache
-        assert ("kv_leftpad" in v.params.names) == v.leftpad
+        assert ("cu_seqlens_q" in v.params.names) == v.varlen and ("seqlens_k" in v.params.names) == (v.cache or v.paged)
+        assert ("kv_leftpad" in v.params.names) == v.leftpad and ("block_table" in v.params.names) == v.paged
         assert v.params.names[-1] == ("tile_counter" if v.persistent else v.params.names[-1])
     # sliding windows: the causal tiles (d=64: 128 rows up to 2048 queries), one block per tile
     assert {(v.head_dim, v.block_m, v.block_n, v.overlap, v.pingpong) for v in LOCAL} == {
@@ -149,17 +150,21 @@ def test_registered_and_planned_where_it_applies():
                 assert "Sliding window" in win.reason
                 for mods in (dict(softcap=True), dict(alibi=True), dict(varlen=True),
                              dict(softcap=True, alibi=True, varlen=True, window=(256, 0)), dict(kv="cache"),
-                             dict(kv="cache", leftpad=True, softcap=True)):
+                             dict(kv="cache", leftpad=True, softcap=True), dict(kv="paged", page_size=640)):  # 640: whole tiles of 128 and 80 keys
                     plan = make_plan(replace(p, **mods), h100)
                     v = plan.launches[0].variant
                     assert [l.variant.family for l in plan.launches] == ["fwd_ws"], (mods, plan)
                     flags = {"softcap": False, "alibi": False, "varlen": False, "leftpad": False,
-                             **{m: True for m in mods if m not in ("window", "kv")}}
-                    assert {f: getattr(v, f) for f in flags} == flags and v.cache == ("kv" in mods)
+                             **{m: True for m in mods if m not in ("window", "kv", "page_size")}}
+                    assert {f: getattr(v, f) for f in flags} == flags
+                    assert (v.cache, v.paged) == (mods.get("kv") == "cache", mods.get("kv") == "paged")
                     assert v.block_m == 128 or not (v.softcap or v.alibi)  # d=64: no 192-row tile
-                    assert not ((v.varlen or v.cache) and v.persistent)
-                    assert ("Packed sequences" in plan.reason) == v.varlen and ("KV cache:" in plan.reason) == v.cache
-                for other, why in ((dict(kv="paged"), "paged"), (dict(tma=False), "stride")):
+                    assert not ((v.varlen or v.cache or v.paged) and v.persistent)
+                    assert ("Packed sequences" in plan.reason) == v.varlen and ("maps are the cache's" in plan.reason) == v.cache
+                    assert ("Paged KV cache" in plan.reason) == v.paged
+                for other, why in ((dict(kv="paged", page_size=16), "pages of 16 rows"),
+                                   (dict(kv="paged", page_size=256, varlen=True), "paged"),
+                                   (dict(tma=False), "stride")):
                     plan = make_plan(replace(p, **other), h100)
                     assert all(l.variant.family != "fwd_ws" for l in plan.launches), (other, plan)
                     if plan.launches[0].variant.kind == "fwd" and plan.launches[0].variant.mma == "wgmma":
@@ -783,3 +788,26 @@ def test_gpu_kvcache_chunk_runs_fwd_ws(rng, fired, d, mode, causal, window, soft
         ok, err, bound = check_close(to_np(out[i:i + 1]), to_np(q[i:i + 1]), to_np(ks[i][None]), to_np(vs[i][None]),
                                      **kw)
         assert ok, f"sequence {i}: max error {err:.3g} exceeds bound {bound:.3g}"
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("page", [128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_paged_kvcache_chunk(rng, fired, d, page, causal):
+    """A chunk of 256 new tokens appended to paged caches (pages in random order): fwd_ws where the
+    pages hold whole K/V tiles (d 64 and 128), the wgmma kernel at d = 256 (80-key tiles);
+    against the float64 reference over each sequence's keys."""
+    import torch
+    import cuflash
+    from test_gpu_kvcache import check_batches, make_case
+    b, sq, sk, h, hk = 3, 256, 900, 8, 2
+    q, kc, vc, kn, vn, seqlens, kw, ks, vs, rows, lens = make_case(rng, b, sq, sk, h, hk, d, f"paged{page}", sq)
+    out = torch.full_like(q, float("nan"))
+    cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, causal=causal, out=out, num_splits=1,
+                                   **kw)
+    assert ("_paged" in fired[-1] and fired[-1].startswith("fwd_ws_")) == (d != 256), fired[-1]
+    check_batches(out, q, ks, vs, causal)
+    for i in range(b):
+        assert torch.equal(rows(kc, i, int(lens[i])), ks[i]) and torch.equal(rows(vc, i, int(lens[i])), vs[i])

@@ -57,6 +57,10 @@ VARLEN_FIELDS = (("cu_seqlens_q", "const int*"), ("cu_seqlens_k", "const int*"))
 # in the cache's batch row kv_batch_idx[b] (null: b), from row kv_leftpad[b] with a leftpad.
 CACHE_FIELDS = (("seqlens_k", "const int*"), ("kv_batch_idx", "const int*"))
 LEFTPAD_FIELDS = (("kv_leftpad", "const int*"),)
+# A paged KV cache: key row j of batch b is row j % page_size of page block_table[b *
+# block_table_stride + j / page_size] (at most pages_per_seq pages); seqlens_k as for a cache.
+PAGED_FIELDS = (("seqlens_k", "const int*"), ("block_table", "const int*"), ("block_table_stride", "int"),
+                ("page_size", "int"), ("pages_per_seq", "int"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +107,9 @@ class FwdWsVariant(KernelVariant):
     # key row (cache_leftpad). One block per query tile.
     cache: bool = False
     leftpad: bool = False
+    # A paged KV cache whose pages hold whole K/V tiles (page_size a multiple of block_n): the
+    # K/V maps are the page pool's, and the producer looks each tile's page up in the block table.
+    paged: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -113,7 +120,7 @@ class FwdWsVariant(KernelVariant):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for f in ("causal", "local", "overlap", "pingpong", "persistent", "softcap", "alibi", "varlen", "cache",
-                  "leftpad"):
+                  "leftpad", "paged"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be a bool, got {getattr(self, f)!r}")
         if self.pingpong and self.block_m != 128:
@@ -134,9 +141,11 @@ class FwdWsVariant(KernelVariant):
         if self.local and (self.causal or self.flashmask or self.persistent):
             raise ValueError(f"local (a sliding window) excludes causal, flashmask and persistent, got causal="
                              f"{self.causal}, flashmask={self.flashmask!r}, persistent={self.persistent}")
-        if (self.varlen or self.cache) and (self.flashmask or self.persistent) or self.varlen and self.cache:
-            raise ValueError(f"varlen and cache exclude each other, flashmask and persistent, got varlen={self.varlen}, "
-                             f"cache={self.cache}, flashmask={self.flashmask!r}, persistent={self.persistent}")
+        if (self.varlen + self.cache + self.paged > 1 or (self.varlen or self.cache or self.paged)
+                and (self.flashmask or self.persistent)):
+            raise ValueError(f"varlen, cache and paged exclude each other, flashmask and persistent, got varlen="
+                             f"{self.varlen}, cache={self.cache}, paged={self.paged}, flashmask={self.flashmask!r}, "
+                             f"persistent={self.persistent}")
         if self.leftpad and not self.cache:
             raise ValueError("leftpad needs cache (a contiguous KV cache)")
 
@@ -146,7 +155,8 @@ class FwdWsVariant(KernelVariant):
         return ParamTable("FwdWsParams", PARAMS.fields + LOCAL_FIELDS * self.local
                           + FLASHMASK_FIELDS * bool(self.flashmask) + SOFTCAP_FIELDS * self.softcap
                           + ALIBI_FIELDS * self.alibi + VARLEN_FIELDS * self.varlen + CACHE_FIELDS * self.cache
-                          + LEFTPAD_FIELDS * self.leftpad + PERSISTENT_FIELDS * self.persistent)
+                          + LEFTPAD_FIELDS * self.leftpad + PAGED_FIELDS * self.paged
+                          + PERSISTENT_FIELDS * self.persistent)
 
     @functools.cached_property
     def name(self) -> str:
@@ -154,7 +164,8 @@ class FwdWsVariant(KernelVariant):
         sched = ("_overlap" if self.overlap else "") + ("_pingpong" if self.pingpong else "") + (
             "_persistent" if self.persistent else "") + (f"_fm{self.flashmask}" if self.flashmask else "")
         mods = ("_softcap" if self.softcap else "") + ("_alibi" if self.alibi else "") + (
-            "_varlen" if self.varlen else "") + ("_cache" if self.cache else "") + ("_leftpad" if self.leftpad else "")
+            "_varlen" if self.varlen else "") + ("_cache" if self.cache else "") + ("_leftpad" if self.leftpad else "") + (
+            "_paged" if self.paged else "")
         return (f"fwd_ws_d{self.head_dim}_{self.dtype}_{mask}{mods}"
                 f"_m{self.block_m}n{self.block_n}s{self.stages}{sched}_sm{self.arch}")
 
@@ -216,7 +227,7 @@ class FwdWsVariant(KernelVariant):
                     pingpong=self.pingpong,
                     persistent=self.persistent, own_o=self.own_o, flashmask=self.flashmask,
                     softcap=self.softcap, alibi=self.alibi, varlen=self.varlen, cache=self.cache,
-                    leftpad=self.leftpad,
+                    leftpad=self.leftpad, paged=self.paged,
                     barrier_bytes=BARRIER_BYTES,
                     producer_regs=PRODUCER_REGS,
                     consumer_regs=self.consumer_regs, hang_trap_cycles=HANG_TRAP_CYCLES)
@@ -246,24 +257,25 @@ def persistent_max_keys(head_dim: int, causal: bool) -> int:
 
 def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 90,
             flashmask: int = 0, seqlen_k: int | None = None, local: bool = False, softcap: bool = False,
-            alibi: bool = False, varlen: bool = False, cache: bool = False, leftpad: bool = False) -> FwdWsVariant:
+            alibi: bool = False, varlen: bool = False, cache: bool = False, leftpad: bool = False,
+            paged: bool = False) -> FwdWsVariant:
     """The variant the planner runs for a problem with these head dim, dtype, mask, queries and
     keys (default: as many as queries; ``flashmask``: FlashMask's bound columns per key, 0 = none;
     ``local``: a sliding window, on the causal tiles, one block per query tile; ``softcap``,
     ``alibi``: score modifiers; ``varlen``: packed sequences, seqlen_q and seqlen_k their maxima;
-    ``cache``, ``leftpad``: a contiguous KV cache, seqlen_k its capacity; varlen and cache take one
-    block per query tile)."""
+    ``cache``, ``leftpad``: a contiguous KV cache, seqlen_k its capacity; ``paged``: a paged one;
+    varlen and caches take one block per query tile)."""
     # d=64 causal with FlashMask, or with softcap or ALiBi: 128-row tiles at any length (in the
     # 192-row tile's 160 registers per consumer thread, NVRTC 13.0 spills the causal FlashMask walk
     # and some softcap/ALiBi variants).
     short = head_dim == 64 and ((causal or local) and (flashmask or seqlen_q <= 2048) or softcap or alibi)
     tile = SHORT_CAUSAL_D64 if short else TILES[head_dim]
     keys = seqlen_q if seqlen_k is None else seqlen_k
-    persistent = (not (flashmask or local or varlen or cache) and head_dim <= 128
+    persistent = (not (flashmask or local or varlen or cache or paged) and head_dim <= 128
                   and keys <= persistent_max_keys(head_dim, causal))
     return FwdWsVariant(head_dim=head_dim, dtype=dtype, causal=causal, local=local, arch=arch, flashmask=flashmask,
                         persistent=persistent, softcap=softcap, alibi=alibi, varlen=varlen, cache=cache,
-                        leftpad=leftpad, **tile)
+                        leftpad=leftpad, paged=paged, **tile)
 
 
 def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
@@ -277,8 +289,8 @@ def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
     if not mods:
         return list(dict.fromkeys(dense))
     # Every mask (full, causal, local) with every combination of softcap and ALiBi, on dense
-    # batches, packed sequences and contiguous KV caches (with or without a leftpad).
-    sources = (dict(), dict(varlen=True), dict(cache=True), dict(cache=True, leftpad=True))
+    # batches, packed sequences, contiguous KV caches (with or without a leftpad) and paged ones.
+    sources = (dict(), dict(varlen=True), dict(cache=True), dict(cache=True, leftpad=True), dict(paged=True))
     modded = [planned(d, dt, c, sq, arch, seqlen_k=sk, local=loc, softcap=cap, alibi=ali, **src)
               for d in HEAD_DIMS for dt in DTYPES for c, loc in ((False, False), (True, False), (False, True))
               for sq, sk in shapes for cap in (False, True) for ali in (False, True) for src in sources]
