@@ -1,8 +1,10 @@
 """Warp-specialised forward for Hopper (templates/fwd_ws/, sm_90a), after FlashAttention-3: a
 producer warpgroup issues TMA tile loads that complete on mbarriers; two or three consumer
-warpgroups of 64 query rows each run wgmma and the online softmax. Dense K/V, head dims 64, 128
-and 256 (exactly), fp16/bf16, causal or not, GQA, LSE. The planner runs it on sm_90 wherever it applies
-(plan._fwd_ws_blocker says where not); ``run`` below launches it directly, for tests.
+warpgroups of 64 query rows each run wgmma and the online softmax. Dense K/V, packed (varlen)
+sequences, contiguous KV caches and paged ones whose pages hold whole K/V tiles; head dims 64,
+128 and 256 (exactly), fp16/bf16, full, causal or a sliding window, softcap, ALiBi, FlashMask,
+GQA, LSE. The planner runs it on sm_90 wherever it applies (plan._fwd_ws_blocker says where
+not); ``run`` below launches it directly (dense batches), for tests.
 
 The host side builds the three tensor maps (CUtensorMap, 128 opaque bytes each) with the CUDA
 driver's ``cuTensorMapEncodeTiled`` through ctypes, and passes them by value inside the kernel's
