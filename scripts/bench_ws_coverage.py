@@ -1,0 +1,97 @@
+"""Time the calls that the warp-specialised kernels took over from the older ones: forwards with
+softcap, ALiBi and packed (varlen) sequences, chunked prefill into contiguous KV caches, and
+backwards with softcap and ALiBi. Prints one JSON line per case (TF/s) for the cuflash that
+Python imports, so that an A/B of two trees is two runs:
+
+    PYTHONPATH=/path/to/old/tree python scripts/bench_ws_coverage.py fwd-mods old >> ab.jsonl
+    PYTHONPATH=. python scripts/bench_ws_coverage.py fwd-mods new >> ab.jsonl
+
+bf16, model dim 2048, `cuflash.bench.time_cuda` medians (one call per sample, so a small call's
+host time is in its samples). FLOPs: FlashAttention's count over the pairs each query sees
+(backward: 2.5x the forward's).
+"""
+import argparse
+import json
+
+import numpy as np
+import torch
+
+import cuflash
+from cuflash.backward import attention_backward
+from cuflash.bench import time_cuda
+
+
+def _mk(*shape):
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+
+def _lengths(rng, total, n):
+    """n sequence lengths of at least 256 summing to total."""
+    cut = np.sort(rng.choice(np.arange(256, total - 256), n - 1, replace=False))
+    return np.diff(np.concatenate([[0], cut, [total]]))
+
+
+def fwd_mods():
+    """Packed sequences (8 of random lengths, 16k tokens) and dense b=4 s=4k calls with softcap or ALiBi."""
+    rng = np.random.default_rng(0)
+    for d, causal in ((128, True), (128, False), (64, True), (256, True)):
+        h, lens = 2048 // d, _lengths(rng, 16384, 8)
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
+        sets = [(_mk(16384, h, d), _mk(16384, h, d), _mk(16384, h, d)) for _ in range(3)]
+        mx = int(lens.max())
+        ms = time_cuda(lambda q, k, v: cuflash.attention_varlen(q, k, v, cu, cu, mx, mx, causal=causal), sets,
+                       warmup=5, reps=30)
+        flops = sum(4 * n * n * h * d / (2 if causal else 1) for n in lens)
+        yield f"varlen d{d} {'causal' if causal else 'full'} 8 seqs 16k", flops / ms / 1e9
+    for d, mod in ((256, dict(softcap=50.0)), (128, dict(softcap=30.0)), (128, "alibi"), (64, dict(softcap=30.0))):
+        h = 2048 // d
+        for causal in (True, False):
+            sets = [(_mk(4, 4096, h, d), _mk(4, 4096, h, d), _mk(4, 4096, h, d)) for _ in range(3)]
+            kw = dict(alibi_slopes=torch.rand(h, device="cuda")) if mod == "alibi" else mod
+            ms = time_cuda(lambda q, k, v: cuflash.attention(q, k, v, causal=causal, **kw), sets, warmup=5, reps=30)
+            flops = 4 * 4 * 4096 * 4096 * h * d / (2 if causal else 1)
+            yield (f"d{d} {'causal' if causal else 'full'} 4x4k {'alibi' if mod == 'alibi' else 'softcap'}",
+                   flops / ms / 1e9)
+
+
+def bwd_mods():
+    """Backward only (forward saved), b=4 s=4k, softcap 30 or ALiBi."""
+    for d, mod in ((128, "softcap"), (128, "alibi"), (256, "softcap"), (64, "softcap"), (64, "alibi")):
+        h = 2048 // d
+        for causal in (True, False):
+            kw = dict(softcap=30.0) if mod == "softcap" else dict(alibi_slopes=torch.rand(h, device="cuda"))
+            sets = []
+            for _ in range(3):
+                q, k, v = _mk(4, 4096, h, d), _mk(4, 4096, h, d), _mk(4, 4096, h, d)
+                o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, **kw)
+                sets.append((torch.randn_like(o), q, k, v, o, lse))
+            ms = time_cuda(lambda do, q, k, v, o, lse: attention_backward(do, q, k, v, o, lse, causal=causal, **kw),
+                           sets, warmup=5, reps=20)
+            flops = 2.5 * 4 * 4 * 4096 * 4096 * h * d / (2 if causal else 1)
+            yield f"bwd d{d} {'causal' if causal else 'full'} 4x4k {mod}", flops / ms / 1e9
+
+
+def kvcache():
+    """A chunk of `new` tokens appended to b=4 contiguous caches of 8192 rows holding `old` each."""
+    for d, causal, old, new in ((128, True, 4096, 2048), (128, True, 1024, 1024), (64, True, 4096, 2048),
+                                (256, True, 4096, 2048), (128, False, 4096, 2048)):
+        h = 2048 // d
+        hk, b = max(h // 4, 1), 4
+        kc, vc = _mk(b, 8192, hk, d), _mk(b, 8192, hk, d)
+        seqlens = torch.full((b,), old, dtype=torch.int32, device="cuda")
+        sets = [(_mk(b, new, h, d), _mk(b, new, hk, d), _mk(b, new, hk, d)) for _ in range(3)]
+        ms = time_cuda(lambda q, kn, vn: cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens,
+                                                                       causal=causal), sets, warmup=5, reps=30)
+        pairs = new * old + (new * (new + 1) // 2 if causal else new * new)
+        yield f"kvcache d{d} {'causal' if causal else 'full'} b4 old{old} new{new}", 4 * b * h * d * pairs / ms / 1e9
+
+
+CASES = {"fwd-mods": fwd_mods, "bwd-mods": bwd_mods, "kvcache": kvcache}
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("cases", choices=sorted(CASES))
+    ap.add_argument("tag", help="a label for the tree being timed (printed with each line)")
+    a = ap.parse_args()
+    for case, tflops in CASES[a.cases]():
+        print(json.dumps(dict(tag=a.tag, case=case, tf=tflops)), flush=True)
