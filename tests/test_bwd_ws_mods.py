@@ -23,6 +23,9 @@ plan_mod = importlib.import_module("cuflash.plan")  # the module (cuflash.plan i
 
 WS = [v for v in bwd_ws.variants(90) if v.family == "bwd_ws" and not v.varlen]  # (varlen: test_bwd_ws_varlen.py)
 MODDED = [v for v in WS if v.softcap or v.alibi]
+# Compiled here: the bf16 ones (fp16 differs only in its conversions; every variant of both was
+# checked for spills with the GPU machine's NVRTC 13.0 ptxas when the modifiers were added).
+COMPILED = [v for v in MODDED if v.dtype == "bf16"]
 PLAIN = [v for v in WS if not (v.softcap or v.alibi)]
 
 
@@ -87,10 +90,10 @@ def test_bad_variant(bad, match):
 
 @pytest.fixture(scope="module")
 def compiled(compile_variants):
-    return compile_variants(MODDED)
+    return compile_variants(COMPILED)
 
 
-@pytest.mark.parametrize("v", MODDED, ids=lambda v: v.name)
+@pytest.mark.parametrize("v", COMPILED, ids=lambda v: v.name)
 def test_compiles_as_designed(compiled, v):
     """As tests/test_bwd_ws.py asks of every bwd_ws variant: no spills or stack, at most the 168
     registers of __launch_bounds__(384, 1), setmaxnreg honoured, no serialized wgmma, no static

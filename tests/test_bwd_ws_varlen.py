@@ -28,6 +28,9 @@ plan_mod = importlib.import_module("cuflash.plan")  # the module (cuflash.plan i
 ALL = bwd_ws.variants(90)
 VARLEN = [v for v in ALL if v.family == "bwd_ws" and v.varlen]
 VARLEN_CONVERTS = [v for v in ALL if v.family != "bwd_ws" and v.varlen]
+# Compiled here: the bf16 kernels (fp16 differs only in its conversions; every variant of both was
+# checked for spills with the GPU machine's NVRTC 13.0 ptxas when varlen was added).
+COMPILED = [v for v in VARLEN + VARLEN_CONVERTS if v.dtype == "bf16"]
 DENSE = [v for v in ALL if not v.varlen]
 
 
@@ -120,7 +123,7 @@ def test_bad_varlen_convert(kw):
         BwdRowVariant(**(dict(kind="bwd_convert", head_dim=128, dtype="bf16", arch=90, tiled=True, varlen=True) | kw))
 
 
-@pytest.mark.parametrize("v", VARLEN + VARLEN_CONVERTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("v", COMPILED, ids=lambda v: v.name)
 def test_compiles_as_designed(compiled, v):
     """As tests/test_bwd_ws.py asks of every bwd_ws variant: no spills or stack, at most the 168
     registers of __launch_bounds__(384, 1), setmaxnreg honoured, no serialized wgmma, no static
