@@ -40,7 +40,8 @@ def cmd_explain(a):
         q, kv = (a.batch, a.seqlen_q, h, d), (a.batch, sk, hk, d)
         p = cuflash.plan(q, kv, kv, causal=not a.no_causal, num_sms=a.num_sms, arch=a.arch,
                          num_splits=a.num_splits, dtype=a.dtype, heuristic=a.heuristic,
-                         backward=a.backward, deterministic=a.deterministic)
+                         backward=a.backward, deterministic=a.deterministic, varlen=a.varlen,
+                         kv_cache=a.kv_cache, page_size=a.page_size, cache_leftpad=a.cache_leftpad)
         label = f"{a.preset}: " if a.preset else ""
         if a.seqlen_k is None:
             label += f"{a.prompt}-token prompt + {sk - a.prompt} new tokens (seqlen_k={sk})"
@@ -335,6 +336,12 @@ def main(argv=None):
     e.add_argument("--arch", default="sm_90")
     e.add_argument("--backward", action="store_true", help="the backward pass's plan")
     e.add_argument("--deterministic", action="store_true", help="with --backward: dQ without atomics")
+    e.add_argument("--varlen", action="store_true",
+                   help="packed sequences (attention_varlen) of at most --seqlen-q/--seqlen-k tokens")
+    e.add_argument("--kv-cache", choices=["contiguous", "paged"],
+                   help="a KV cache (attention_with_kvcache) of seqlen_k rows per sequence")
+    e.add_argument("--page-size", type=SIZE, help="with --kv-cache paged: rows per page")
+    e.add_argument("--cache-leftpad", action="store_true", help="with --kv-cache contiguous: cache_leftpad")
 
     sub.add_parser("info", help="GPU, versions and cache")
 

@@ -599,7 +599,7 @@ def _plan_operands(q, k, v, dtype):
 def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_splits=0,
          heuristic="cuflash", num_sms=None, arch=None, dtype="bfloat16", window_size=(-1, -1),
          softcap=0.0, alibi_slopes=None, backward=False, deterministic=False, startend_row_indices=None,
-         sinks=None, dropout_p=0.0):
+         sinks=None, dropout_p=0.0, varlen=False, kv_cache=None, page_size=None, cache_leftpad=False):
     """The plan ``attention(q, k, v, ...)`` would run: kernels, tiles, grids, splits and why; with
     ``backward=True``, the plan of its backward (``attention_backward(..., deterministic=...)``).
 
@@ -621,10 +621,20 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     the mask) and the reason gains a sentence on the tiles the kernel that walks K/V (the
     backward's: the dK/dV kernel) skips, masks and leaves unmasked (counted from the values when
     they are a NumPy array; a shape or a device array gives the tile count only).
+
+    Packed sequences and KV caches: with ``varlen=True`` the plan is that of
+    :func:`attention_varlen` for sequences of at most q's and k's seqlen (q, k, v then read as
+    (batch, max_seqlen, heads, d)); ``kv_cache="contiguous"`` that of
+    :func:`attention_with_kvcache` over a cache of k's seqlen rows (its batch may differ from
+    q's: cache_batch_idx), with ``cache_leftpad=True`` when it has one; ``kv_cache="paged"`` with a
+    block table of ``page_size``-row pages, k's seqlen then being the keys a sequence can hold
+    (pages_per_seq * page_size; with ``varlen=True``, max_seqlen_k).
     """
     dtype = validate.dtype_name(dtype)
+    varlen, kv_source, page_size, leftpad = validate.plan_source(varlen, kv_cache, page_size, cache_leftpad,
+                                                                 validate.boolean(backward, "backward"))
     qv, kv, vv = _plan_operands(q, k, v, dtype)
-    validate.operands(qv, kv, vv)
+    validate.operands(qv, kv, vv, same_batch=kv_source != "cache")
     scale = validate.scale(softmax_scale, qv.shape[3])
     causal = validate.boolean(causal, "causal")
     return_lse = validate.boolean(return_lse, "return_lse")
@@ -653,12 +663,14 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
         facts = DeviceFacts(dev.num_sms, arch or dev.arch)
     else:
         facts = DeviceFacts(validate.num_sms(num_sms), arch or 90)
-    problem = Problem(b, sq, kv.shape[1], h, kv.shape[2], -(-d // 8) * 8,
+    # (the kernels read a cache's rows at its own head dim; other operands go through copies padded to 8)
+    problem = Problem(b, sq, kv.shape[1], h, kv.shape[2], d if kv_source != "dense" else -(-d // 8) * 8,
                       arrays.DTYPE_NAMES[qv.dtype], causal, return_lse, num_splits,
                       heuristic, window=window, softcap=cap > 0, alibi=alibi is not None,
                       deterministic=deterministic, sinks=sv is not None, dropout=dropout,
                       flashmask=fm.shape[3] if fm is not None else 0,
-                      flashmask_heads=fm.shape[1] if fm is not None else 0)
+                      flashmask_heads=fm.shape[1] if fm is not None else 0, varlen=varlen, kv=kv_source,
+                      page_size=page_size, leftpad=leftpad)
     result = empty_plan(problem, facts) or (make_backward_plan if backward else make_plan)(problem, facts)
     if fm is not None:
         result = with_flashmask(result, fm.shape, fm.array if fm.framework == "numpy" else None)

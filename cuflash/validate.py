@@ -553,6 +553,37 @@ def heuristic(h):
     return h
 
 
+KV_CACHES = {None: "dense", "contiguous": "cache", "paged": "paged"}
+
+
+def plan_source(varlen, kv_cache, page_size, cache_leftpad, backward):
+    """cuflash.plan's K/V source: (varlen, Problem.kv, page_size, leftpad). ``kv_cache`` None,
+    "contiguous" (attention_with_kvcache without a block table) or "paged" (with one; then
+    ``page_size``, rows per page: a positive multiple of 16); ``cache_leftpad`` only with a
+    contiguous cache; ``varlen`` (attention_varlen) with dense K/V or a paged cache; no backward
+    over a cache."""
+    varlen = boolean(varlen, "varlen")
+    leftpad = boolean(cache_leftpad, "cache_leftpad")
+    if not (kv_cache is None or isinstance(kv_cache, str)) or kv_cache not in KV_CACHES:
+        raise ValueError(f"kv_cache must be None, 'contiguous' or 'paged', got {show(kv_cache)}")
+    kv = KV_CACHES[kv_cache]
+    if kv == "paged":
+        if not _is_int(page_size) or page_size < 16 or page_size % 16:
+            raise ValueError(f"page_size must be a positive multiple of 16 with kv_cache='paged', got "
+                             f"{show(page_size)}")
+    elif page_size is not None:
+        raise ValueError(f"page_size goes with kv_cache='paged', got page_size={show(page_size)} and "
+                         f"kv_cache={show(kv_cache)}")
+    if leftpad and kv != "cache":
+        raise ValueError(f"cache_leftpad goes with kv_cache='contiguous', got kv_cache={show(kv_cache)}")
+    if varlen and kv == "cache":
+        raise ValueError("varlen=True cannot be combined with kv_cache='contiguous': packed sequences read dense "
+                         "K/V or a paged cache (attention_varlen's block_table)")
+    if backward and kv != "dense":
+        raise ValueError(f"backward=True has no KV cache (kv_cache={show(kv_cache)}): the backward reads dense K/V")
+    return varlen, kv, int(page_size or 0), leftpad
+
+
 def num_sms(n):
     """A GPU's SM count (cuflash.plan's target): a positive int, at most 2**16."""
     if not _is_int(n) or n < 1:
