@@ -76,6 +76,17 @@ def assert_compiled_clean(c, v):
     return r
 
 
+def assert_warp_specialised_clean(c, v):
+    """assert_compiled_clean for a warp-specialised kernel (fwd_ws, bwd_ws): __launch_bounds__(384
+    or 512, 1) caps the launch at 168 registers (128 with 512 threads), which setmaxnreg then
+    splits between producer and consumers; ptxas neither ignored setmaxnreg (C7508) nor
+    serialized a wgmma nor warned; no static shared memory. Returns the report."""
+    r = assert_compiled_clean(c, v)
+    assert r.registers <= 168 and r.static_smem == 0, r
+    assert "C7508" not in c.log and "serialized" not in c.log and "warning" not in c.log.lower(), c.log
+    return r
+
+
 @pytest.fixture(scope="session")
 def compile_variants():
     """``compile_variants(variants)`` -> {variant: Compiled}: each variant compiled offline (NVRTC,

@@ -12,8 +12,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from conftest import (assert_compiled_clean, fake_view, record_launches, render_without_flag, requires_sm90,
-                      requires_torch)
+from conftest import (assert_warp_specialised_clean, fake_view, record_launches, render_without_flag,
+                      requires_sm90, requires_torch)
 from cuflash import backward, codegen
 from cuflash.kernels import all_variants, bwd_ws, head_dim_bucket
 from cuflash.kernels.bwd_ws import ALIBI_FIELDS, FLASHMASK_PARAMS, PARAMS, SOFTCAP_FIELDS, BwdWsVariant
@@ -98,10 +98,7 @@ def test_compiles_as_designed(compiled, v):
     """As tests/test_bwd_ws.py asks of every bwd_ws variant: no spills or stack, at most the 168
     registers of __launch_bounds__(384, 1), setmaxnreg honoured, no serialized wgmma, no static
     shared memory."""
-    c = compiled[v]
-    r = assert_compiled_clean(c, v)
-    assert r.registers <= 168 and r.static_smem == 0, r
-    assert "C7508" not in c.log and "serialized" not in c.log and "warning" not in c.log.lower(), c.log
+    assert_warp_specialised_clean(compiled[v], v)
 
 
 # ---------------------------------------------------------------------------------------------
