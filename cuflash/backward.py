@@ -235,15 +235,19 @@ def _grad_buffer(given, like, d_pad):
     return scratch, final
 
 
+def _as_batches(x):
+    """A 4-dim view as it is; a packed (total, nheads, d) one as a single batch (token strides)."""
+    return x if len(x.shape) == 4 else validate.batched(x, 1, x.shape[0])
+
+
 def _aligned(x) -> bool:
-    """validate.aligned for 4-dim views and for packed (total, nheads, d) ones (token stride checked)."""
-    return validate.aligned(x if len(x.shape) == 4 else validate.batched(x, 1, x.shape[0]))
+    """validate.aligned for 4-dim views and for packed ones (token stride checked)."""
+    return validate.aligned(_as_batches(x))
 
 
 def _tma_readable(x) -> bool:
-    """Whether bwd_ws's tensor maps can read a (batch, seqlen, heads, d) view, or a packed (total,
-    heads, d) one as a single batch."""
-    return tma_readable(x if len(x.shape) == 4 else validate.batched(x, 1, x.shape[0]))
+    """Whether bwd_ws's tensor maps can read a 4-dim view, or a packed one as a single batch."""
+    return tma_readable(_as_batches(x))
 
 
 def _padded(x, d_pad):

@@ -286,8 +286,10 @@ def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
     if arch != 90:
         return []
     shapes = [(sq, sk) for sq in (1, 4096) for sk in (1024, 2048, 4096)]
-    dense = [planned(d, dt, c, sq, arch, n, sk) for d in HEAD_DIMS for dt in DTYPES for c in (False, True)
-             for sq, sk in shapes for n in (0, *(FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:]) * mods)]
+    # dense and FlashMask (which composes with softcap)
+    dense = [planned(d, dt, c, sq, arch, n, sk, softcap=cap) for d in HEAD_DIMS for dt in DTYPES
+             for c in (False, True) for sq, sk in shapes
+             for n in (0, *(FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:]) * mods) for cap in (False, True)[:1 + bool(n)]]
     if not mods:
         return list(dict.fromkeys(dense))
     # Every mask (full, causal, local) with every combination of softcap and ALiBi, on dense
@@ -296,10 +298,7 @@ def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
     modded = [planned(d, dt, c, sq, arch, seqlen_k=sk, local=loc, softcap=cap, alibi=ali, **src)
               for d in HEAD_DIMS for dt in DTYPES for c, loc in ((False, False), (True, False), (False, True))
               for sq, sk in shapes for cap in (False, True) for ali in (False, True) for src in sources]
-    # FlashMask composes with softcap
-    fm_softcap = [planned(d, dt, c, sq, arch, n, sk, softcap=True) for d in HEAD_DIMS for dt in DTYPES
-                  for c in (False, True) for sq, sk in shapes for n in (FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:])]
-    return list(dict.fromkeys(dense + modded + fm_softcap))
+    return list(dict.fromkeys(dense + modded))
 
 
 # ---------------------------------------------------------------------------------------------
