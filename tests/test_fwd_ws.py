@@ -81,9 +81,11 @@ def test_variants_of_each_arch():
     assert tiles == {(64, 192, 128, True, False), (64, 128, 128, True, True), (128, 128, 128, True, True),
                      (256, 128, 80, True, True)}
     for v in VARIANTS:
-        assert (v.kind, v.family, v.target, v.stages) == ("fwd_ws", "fwd_ws", "90a", 2)
+        # a third K/V stage only on d=64's 192-row tile without a mask, one block per tile
+        assert (v.kind, v.family, v.target) == ("fwd_ws", "fwd_ws", "90a")
+        assert v.stages == (3 if v.block_m == 192 and not (v.causal or v.local or v.persistent) else 2)
         assert v.threads == 128 * (1 + v.block_m // 64)
-        assert v.smem_bytes == (v.block_m * (1 + v.own_o) + 2 * 2 * v.block_n) * v.head_dim * 2 + fwd_ws.BARRIER_BYTES <= 227 << 10
+        assert v.smem_bytes == (v.block_m * (1 + v.own_o) + v.stages * 2 * v.block_n) * v.head_dim * 2 + fwd_ws.BARRIER_BYTES <= 227 << 10
         assert re.fullmatch(r"[A-Za-z0-9_]+", v.name)
     short, long = (fwd_ws.planned(64, "bf16", True, sq) for sq in (2048, 2049))
     assert (short.block_m, long.block_m) == (128, 192)
@@ -470,15 +472,17 @@ def _run_poisoned(q, k, v, causal, **tile):
     return out, lse
 
 
-# Each head dim with each tile the planner can pick for it (fwd_ws.TILES, SHORT_CAUSAL_D64).
-PLANNED_TILES = [(d, t) for d, t in fwd_ws.TILES.items()] + [(64, fwd_ws.SHORT_CAUSAL_D64)]
+# Each head dim with each tile the planner can pick for it (fwd_ws.TILES, SHORT_CAUSAL_D64, and
+# d=64's 192-row tile with three K/V stages).
+PLANNED_TILES = [(d, t) for d, t in fwd_ws.TILES.items()] + [(64, fwd_ws.SHORT_CAUSAL_D64),
+                                                             (64, dict(fwd_ws.TILES[64], stages=3))]
 
 
 @requires_sm90
 @requires_torch
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("d,tile", PLANNED_TILES, ids=lambda x: x if isinstance(x, int) else
-                         "m{block_m}n{block_n}".format(**{"block_m": 128, **x}))
+                         "m{block_m}n{block_n}s{stages}".format(**{"block_m": 128, "stages": 2, **x}))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", [(128, 128), (113, 203), (256, 512), (512, 256), (1, 239), (1023, 1024),
                                    (2048, 2048)])
@@ -492,7 +496,7 @@ def test_gpu_matches_reference(rng, dtype, d, tile, causal, sq, sk):
 @requires_sm90
 @requires_torch
 @pytest.mark.parametrize("d,tile", PLANNED_TILES, ids=lambda x: x if isinstance(x, int) else
-                         "m{block_m}n{block_n}".format(**{"block_m": 128, **x}))
+                         "m{block_m}n{block_n}s{stages}".format(**{"block_m": 128, "stages": 2, **x}))
 @pytest.mark.parametrize("window", [(0, 0), (5, 0), (100, 20), (-1, 37), (300, -1), (1000, 1000)])
 @pytest.mark.parametrize("b,h,hk,sq,sk", [(2, 3, 3, 113, 203), (2, 4, 2, 700, 700), (1, 4, 1, 512, 300),
                                          (1, 2, 2, 1, 239)])
@@ -535,7 +539,7 @@ def test_gpu_gqa(rng, h, hk, causal, sq, sk, d):
 @requires_sm90
 @requires_torch
 @pytest.mark.parametrize("d,tile", PLANNED_TILES, ids=lambda x: x if isinstance(x, int) else
-                         "m{block_m}n{block_n}".format(**{"block_m": 128, **x}))
+                         "m{block_m}n{block_n}s{stages}".format(**{"block_m": 128, "stages": 2, **x}))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("b,h,hk,sq,sk", [(3, 8, 2, 768, 768), (3, 6, 6, 1000, 1300), (2, 4, 1, 555, 300),
                                          (1, 2, 2, 1, 239), (5, 40, 8, 129, 129), (2, 16, 4, 200, 20000)])
