@@ -1,7 +1,8 @@
 """Time the calls that the warp-specialised kernels took over from the older ones: forwards with
 softcap, ALiBi and packed (varlen) sequences, chunked prefill into contiguous KV caches, and
 backwards with softcap and ALiBi. Prints one JSON line per case (TF/s) for the cuflash that
-Python imports, so that an A/B of two trees is two runs:
+Python imports, so that an A/B of two trees is two runs (``kvcache-switch`` compares fwd_ws with
+the wgmma kernel in one process instead):
 
     PYTHONPATH=/path/to/old/tree python scripts/bench_ws_coverage.py fwd-mods old >> ab.jsonl
     PYTHONPATH=. python scripts/bench_ws_coverage.py fwd-mods new >> ab.jsonl
@@ -86,7 +87,39 @@ def kvcache():
         yield f"kvcache d{d} {'causal' if causal else 'full'} b4 old{old} new{new}", 4 * b * h * d * pairs / ms / 1e9
 
 
-CASES = {"fwd-mods": fwd_mods, "bwd-mods": bwd_mods, "kvcache": kvcache}
+def kvcache_switch():
+    """Chunks into b=4 caches of 8192 rows, d=128, in one process: fwd_ws against the wgmma kernel
+    (the planner's fwd_ws switch), three rotated rounds, each timed with one call per sample, with
+    hidden launches (GPU time only) and with 8 calls per sample."""
+    import importlib
+    from cuflash.bench import rotated_rounds
+    plan = importlib.import_module("cuflash.plan")  # the module (cuflash.plan is the function)
+    for causal, old, new in ((True, 1024, 1024), (True, 4096, 2048), (False, 1024, 1024)):
+        d, b = 128, 4
+        h, hk = 2048 // d, 2048 // d // 4
+        kc, vc = _mk(b, 8192, hk, d), _mk(b, 8192, hk, d)
+        seqlens = torch.full((b,), old, dtype=torch.int32, device="cuda")
+        sets = [(_mk(b, new, h, d), _mk(b, new, hk, d), _mk(b, new, hk, d)) for _ in range(3)]
+        flops = 4 * b * h * d * (new * old + (new * (new + 1) // 2 if causal else new * new))
+
+        def timer(ws, hide, batch):
+            def run():
+                plan.FWD_WS = ws
+                plan.forget_plans()
+                return time_cuda(lambda q, kn, vn: cuflash.attention_with_kvcache(
+                    q, kc, vc, kn, vn, cache_seqlens=seqlens, causal=causal), sets, warmup=5, reps=30,
+                    hide_launch=hide, batch=batch)
+            return run
+        got = rotated_rounds({f"{'fwd_ws' if ws else 'wgmma'} {how}": timer(ws, hide, batch) for ws in (True, False)
+                              for how, hide, batch in (("1 call", False, 1), ("hidden", True, 1), ("8 calls", False, 8))},
+                             3)
+        plan.FWD_WS = True
+        plan.forget_plans()
+        for name, ms in got.items():
+            yield f"kvcache d{d} {'causal' if causal else 'full'} b4 old{old} new{new} {name}", flops / ms / 1e9
+
+
+CASES = {"fwd-mods": fwd_mods, "bwd-mods": bwd_mods, "kvcache": kvcache, "kvcache-switch": kvcache_switch}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
