@@ -193,7 +193,7 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
         # (No tensor map can span packed sequences without a single key: the wgmma kernel runs.)
         if all(fwd_ws.tma_readable(x) for x in (q, k, v)) and (varlen is None or varlen[3] > 0):
             return _prepare_ws(plan, q, k, v, o, softmax_scale, device, flashmask, softcap, alibi, varlen, cache,
-                               seqlen_k, leftpad, page_size, pages_per_seq)
+                               seqlen_k, leftpad, page_size, pages_per_seq, sinks)
         plan = make_plan(replace(p, tma=False), plan.device)  # the wgmma kernel reads any strides
     ngroups = p.nheads // p.nheads_k
     seqlens_ptr, batch_idx_ptr, table_ptr, table_stride = cache
@@ -292,7 +292,7 @@ def _sink_fields(plan: Plan, sinks) -> dict:
 
 def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int, flashmask=None, softcap: float = 0.0,
                 alibi=(0, 0), varlen=None, cache=NO_CACHE, seqlen_k: int | None = None, leftpad: int = 0,
-                page_size: int = 0, pages_per_seq: int = 0) -> Recipe:
+                page_size: int = 0, pages_per_seq: int = 0, sinks=None) -> Recipe:
     """The Recipe of a fwd_ws launch: its struct's fields after o and lse, and the shapes,
     strides and boxes of its three tensor maps (encoded in ``fire``: they hold the pointers);
     the other arguments as ``prepare`` takes them. Varlen: the maps span all the tokens of the
@@ -333,7 +333,7 @@ def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int, flash
         **dict(zip(("lse_sb", "lse_sh", "lse_sr"), lse_strides)), seqlen_q=p.seqlen_q,
         seqlen_k=p.seqlen_k if seqlen_k is None else seqlen_k,
         ngroups=p.nheads // p.nheads_k, nheads=p.nheads, batch=p.batch, scale_log2=post * _LOG2E,
-        **_flashmask_fields(plan, flashmask), **({"tile_counter": 0} if w.persistent else {}),
+        **_flashmask_fields(plan, flashmask), **_sink_fields(plan, sinks), **({"tile_counter": 0} if w.persistent else {}),
         **(dict(zip(("window_left", "window_right"), plan.window_eff)) if w.local else {}), **mods)
     early, smem = _early_smem(plan, main)
     tiles = (math.ceil(p.seqlen_q / w.block_m) * p.nheads * p.batch, 1, 1) if w.persistent else None

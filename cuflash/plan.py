@@ -344,7 +344,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         if ws == "":
             v = fwd_ws.planned(bucket, p.dtype, causal, sq, dev.arch, seqlen_k=p.seqlen_k, local=local,
                                softcap=p.softcap, alibi=p.alibi, varlen=p.varlen, cache=p.kv == "cache",
-                               leftpad=p.leftpad, paged=p.kv == "paged")
+                               leftpad=p.leftpad, paged=p.kv == "paged", sinks=p.sinks)
             why.append(f"sm_90: the warp-specialised kernel (fwd_ws, sm_90a): a producer warpgroup loads Q and "
                        f"K/V tiles of {v.block_n} keys by TMA into {v.stages} stages on mbarriers; "
                        f"{v.consumers} consumer warpgroups of 64 query rows run wgmma and the softmax"
@@ -488,8 +488,6 @@ def _fwd_ws_blocker(p: Problem, even: bool, bucket: int, pack: bool) -> str:
         if p.page_size % bn:
             return (f"a paged cache's pages of {p.page_size} rows do not hold whole K/V tiles of {bn} keys (its TMA "
                     f"reads a tile from one page)")
-    if p.sinks:
-        return "it has no attention sinks"
     if p.dropout:
         return "it has no dropout (its consumers' P has no Philox mask)"
     if p.seqlen_k == 0:

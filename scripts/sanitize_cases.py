@@ -33,6 +33,12 @@ def main():
         for d in (64, 128, 256):  # sliding windows: both edges masked, rows that see no key
             fwd_ws.run(rnd(2, 300, 4, d), rnd(2, 500, 2, d), rnd(2, 500, 2, d), return_lse=True,
                        window_size=(70, 10), **fwd_ws.TILES[d])
+        # planned with sinks (num_splits=1): persistent causal with rows that see no key, a window
+        sinks = torch.rand(8, device="cuda") + 3
+        cuflash.attention(rnd(2, 300, 8, 64), rnd(2, 200, 2, 64), rnd(2, 200, 2, 64), causal=True, sinks=sinks,
+                          num_splits=1, return_lse=True)
+        cuflash.attention(rnd(2, 700, 8, 128), rnd(2, 700, 2, 128), rnd(2, 700, 2, 128), causal=True,
+                          window_size=(127, 0), sinks=sinks.bfloat16(), num_splits=1)
     # FlashMask (on sm_90 the warp-specialised forward and backward, at every head dim, atomic and
     # deterministic): skipped, masked and plain blocks, rows with no visible key, GQA
     from cuflash import masks

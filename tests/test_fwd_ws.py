@@ -21,14 +21,16 @@ from cuflash.kernels.fwd_ws import FwdWsVariant
 from cuflash.kernels.params import ParamTable
 
 VARIANTS = fwd_ws.variants(90, mods=False)
-_MODDED = lambda v: v.softcap or v.alibi or v.varlen or v.cache or v.paged
+_MODDED = lambda v: v.softcap or v.alibi or v.varlen or v.cache or v.paged or v.sinks
 FLASHMASK = [v for v in fwd_ws.variants(90) if v.flashmask and not _MODDED(v)]  # the planned tiles, with FlashMask
 LOCAL = [v for v in fwd_ws.variants(90) if v.local and not _MODDED(v)]  # with a sliding window
-# Softcap, ALiBi, varlen, KV cache: every planned tile with both modifiers on dense batches, packed
-# sequences and a KV cache with a leftpad (bf16), and the 192-row d=64 tile with varlen or a
-# cache (with softcap or ALiBi d=64 takes 128-row tiles).
-MODS = [v for v in fwd_ws.variants(90) if v.dtype == "bf16" and (
-    v.softcap and v.alibi and v.cache == v.leftpad or (v.varlen or v.leftpad) and v.block_m == 192)]
+# Softcap, ALiBi, varlen, KV cache, sinks: every planned tile with both modifiers on dense batches,
+# packed sequences and a KV cache with a leftpad (bf16), the 192-row d=64 tile with varlen or a
+# cache (with softcap or ALiBi d=64 takes 128-row tiles), and every dense planned tile with sinks.
+MODS = [v for v in fwd_ws.variants(90) if v.dtype == "bf16" and not v.sinks and (
+    v.softcap and v.alibi and v.cache == v.leftpad or (v.varlen or v.leftpad) and v.block_m == 192)] + [
+    v for v in fwd_ws.variants(90) if v.dtype == "bf16" and v.sinks and not _MODDED(replace(v, sinks=False))
+    and not v.local]
 REG_FILE = 65536  # 32-bit registers per SM (and so per block with one block per SM)
 
 
@@ -54,19 +56,22 @@ def test_variants_of_each_arch():
     # rows), varlen and caches never persistent; FlashMask with softcap
     sources = {(False, False, False, False), (True, False, False, False), (False, True, False, False),
                (False, True, True, False), (False, False, False, True)}
-    assert {(v.softcap, v.alibi, v.varlen, v.cache, v.leftpad, v.paged) for v in modded} == {
-        (c, a, *src) for c in (False, True) for a in (False, True) for src in sources} - {(False,) * 6}
+    assert {(v.softcap, v.alibi, v.varlen, v.cache, v.leftpad, v.paged, v.sinks) for v in modded} == {
+        (c, a, *src, k) for c in (False, True) for a in (False, True) for src in sources
+        for k in (False, True)} - {(False,) * 7}
     assert {v.local for v in modded} == {False, True} and {v.causal for v in modded} == {False, True}
     assert all(v.block_m == 128 for v in modded if v.head_dim == 64 and (v.softcap or v.alibi))
     assert not any((v.varlen or v.cache or v.paged) and v.persistent for v in modded)
     assert {v.flashmask for v in modded if v.softcap} == {0, 1, 2, 4} and not any(v.flashmask and v.alibi for v in modded)
     for v in modded:
         tags = [t for t, on in (("_softcap", v.softcap), ("_alibi", v.alibi), ("_varlen", v.varlen),
-                                ("_cache", v.cache), ("_leftpad", v.leftpad), ("_paged", v.paged)) if on]
+                                ("_cache", v.cache), ("_leftpad", v.leftpad), ("_paged", v.paged),
+                                ("_sinks", v.sinks)) if on]
         assert "".join(tags) in v.name and all(t in v.name for t in tags)
         assert ("softcap_scale" in v.params.names) == v.softcap and ("alibi_slopes" in v.params.names) == v.alibi
         assert ("cu_seqlens_q" in v.params.names) == v.varlen and ("seqlens_k" in v.params.names) == (v.cache or v.paged)
         assert ("kv_leftpad" in v.params.names) == v.leftpad and ("block_table" in v.params.names) == v.paged
+        assert ("sinks" in v.params.names) == v.sinks
         assert v.params.names[-1] == ("tile_counter" if v.persistent else v.params.names[-1])
     # sliding windows: the causal tiles (d=64: 128 rows up to 2048 queries), one block per tile
     assert {(v.head_dim, v.block_m, v.block_n, v.overlap, v.pingpong) for v in LOCAL} == {
@@ -716,6 +721,44 @@ def test_gpu_planned_varlen_and_score_modifiers(rng, fired, d, causal, window, s
     ref, ref_lse = reference.attention(*args, alibi_slopes=ra, return_lse=True, **kw)
     same = reference.attention(*args, alibi_slopes=ra, precision="same", **kw)
     check_against(out, lse, ref, same, ref_lse)
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mask", [dict(causal=False), dict(causal=True), dict(causal=True, window_size=(100, 0))])
+@pytest.mark.parametrize("sq,sk,sinks_dtype", [(333, 1000, "float32"), (1000, 300, "bfloat16"),
+                                               (2048, 2048, "float16")])
+def test_gpu_planned_sinks(rng, fired, d, mask, sq, sk, sinks_dtype):
+    """Attention sinks run on fwd_ws (gpt-oss: d=64, a 128-token window every other layer), one
+    block per tile and persistent (at most 1024 keys; d=64 causal 2048): NaN-poisoned outputs and
+    the LSE (the sink included) match the float64 reference; with sk < sq causal, rows that see no
+    key end with O = 0 and LSE = the sink."""
+    import torch
+    import cuflash
+    from test_sinks import _sinks, check_forward
+    q, k, v = _inputs(rng, 2, sq, sk, 8, 2, d, "bfloat16")
+    sinks = _sinks(rng, 8, sk, sinks_dtype)
+    plan = cuflash.plan(q, k, v, sinks=sinks, num_splits=1, **mask)  # (no split-KV for the small grids)
+    assert plan.kernels[0].startswith(f"fwd_ws_d{d}_") and "_sinks" in plan.kernels[0]
+    out = torch.full_like(q, float("nan"))
+    res, lse = cuflash.attention(q, k, v, sinks=sinks, out=out, return_lse=True, num_splits=1, **mask)
+    assert res is out and fired[-1] == plan.kernels[0]
+    check_forward(out, lse, q, k, v, sinks, **mask)
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_planned_varlen_sinks(rng, fired, d):
+    """Packed sequences with sinks (an empty one, a length-1 one) on fwd_ws against the reference."""
+    from test_gpu_varlen import run_varlen, varlen_case
+    from test_sinks import _sinks, check_forward
+    q, k, v, cq, ck, mq, mk = varlen_case(rng, 5, 300, 437, 8, 2, d, "bfloat16")
+    sinks = _sinks(rng, 8, 437)
+    out, lse = run_varlen(q, k, v, cq, ck, mq, mk, None, causal=True, sinks=sinks, num_splits=1)
+    assert fired[-1].startswith(f"fwd_ws_d{d}_") and "_varlen_sinks" in fired[-1]
+    check_forward(out, lse, q, k, v, sinks, varlen=(cq, ck), causal=True)
 
 
 @requires_sm90

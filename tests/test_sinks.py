@@ -226,21 +226,23 @@ def test_flashmask_cannot_take_sinks(no_launch):
 # ---------------------------------------------------------------------------------------------
 # Plans
 
-def test_plan_routes_sinks_away_from_fwd_ws():
+def test_plan_runs_sinks_on_fwd_ws():
     q, k = (2, 1024, 16, 128), (2, 1024, 4, 128)
     ws = cuflash.plan(q, k, k, causal=True, **H100)
     p = cuflash.plan(q, k, k, causal=True, sinks=True, **H100)
     assert ws.kernels[0].startswith("fwd_ws_") and "_sinks" not in ws.kernels[0]
-    assert p.kernels == ("fwd_d128_bf16_causal_sinks_wgmma_m128n128w8s2_sm90",)
-    assert "not the warp-specialised kernel: it has no attention sinks" in p.reason
+    assert p.kernels == (ws.kernels[0].replace("_causal_", "_causal_sinks_"),)
+    assert replace(ws.launches[0].variant, sinks=True) == p.launches[0].variant
+    assert "the warp-specialised kernel (fwd_ws" in p.reason
     assert "sink logit joins the softmax" in p.reason and "sinks" in str(p).splitlines()[0]
     from cuflash.plan import DeviceFacts, Problem, _fwd_ws_blocker
-    assert _fwd_ws_blocker(Problem(2, 1024, 1024, 16, 4, 128, "bf16", True, sinks=True), True, 128,
-                           False) == "it has no attention sinks"
+    assert _fwd_ws_blocker(Problem(2, 1024, 1024, 16, 4, 128, "bf16", True, sinks=True), True, 128, False) == ""
     # with the wgmma kernel asked for directly, the same tile with and without sinks
     from cuflash.plan import make_plan
     no_ws = make_plan(Problem(2, 1024, 1024, 16, 4, 128, "bf16", True, tma=False), DeviceFacts(132, 90))
-    assert replace(no_ws.launches[0].variant, sinks=True) == p.launches[0].variant
+    sink = make_plan(Problem(2, 1024, 1024, 16, 4, 128, "bf16", True, tma=False, sinks=True), DeviceFacts(132, 90))
+    assert sink.kernels == ("fwd_d128_bf16_causal_sinks_wgmma_m128n128w8s2_sm90",)
+    assert replace(no_ws.launches[0].variant, sinks=True) == sink.launches[0].variant
 
 
 @pytest.mark.parametrize("kw", [
@@ -571,14 +573,13 @@ def _mods_np(kw):
     (128, 217, 8, 2, 128, True, "float16", "bfloat16"),
     (239, 113, 4, 2, 128, True, "bfloat16", "float32"),     # rows 0..125 see no key
     (113, 203, 4, 4, 96, True, "bfloat16", "float16"),      # mma.sync on sm_90
-    (1024, 1024, 8, 1, 64, True, "bfloat16", "bfloat16"),   # MQA, a shape fwd_ws would take without sinks
+    (1024, 1024, 8, 1, 64, True, "bfloat16", "bfloat16"),   # MQA (fwd_ws on sm_90)
     (113, 203, 2, 2, 59, False, "float16", "float32"),      # head dim through a padded copy
     (3, 799, 8, 2, 40, True, "bfloat16", "float32"),        # column predicates
 ])
 def test_gpu_forward(rng, sq, sk, h, hk, d, causal, dtype, sinks_dtype):
     q, k, v = _t(rng, 2, sq, h, d, dtype=dtype), _t(rng, 2, sk, hk, d, dtype=dtype), _t(rng, 2, sk, hk, d, dtype=dtype)
     sinks = _sinks(rng, h, sk, sinks_dtype)
-    assert not cuflash.plan(q, k, v, causal=causal, sinks=sinks).kernels[0].startswith("fwd_ws")
     out = _poisoned(q)
     res, lse = cuflash.attention(q, k, v, causal=causal, sinks=sinks, out=out, return_lse=True)
     assert res is out

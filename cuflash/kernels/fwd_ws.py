@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from . import DTYPES, KernelVariant
-from .fwd import FLASHMASK_FIELDS, FLASHMASK_NS
+from .fwd import FLASHMASK_FIELDS, FLASHMASK_NS, SINK_FIELDS
 from .params import TENSOR_MAP_BYTES, ParamTable, strides
 
 HEAD_DIMS = (64, 128, 256)
@@ -112,6 +112,8 @@ class FwdWsVariant(KernelVariant):
     # A paged KV cache whose pages hold whole K/V tiles (page_size a multiple of block_n): the
     # K/V maps are the page pool's, and the producer looks each tile's page up in the block table.
     paged: bool = False
+    # Attention sinks (fwd.py's SINK_FIELDS): each row's softmax starts from its head's sink logit.
+    sinks: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -122,7 +124,7 @@ class FwdWsVariant(KernelVariant):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for f in ("causal", "local", "overlap", "pingpong", "persistent", "softcap", "alibi", "varlen", "cache",
-                  "leftpad", "paged"):
+                  "leftpad", "paged", "sinks"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be a bool, got {getattr(self, f)!r}")
         if self.pingpong and self.block_m != 128:
@@ -150,6 +152,8 @@ class FwdWsVariant(KernelVariant):
                              f"persistent={self.persistent}")
         if self.leftpad and not self.cache:
             raise ValueError("leftpad needs cache (a contiguous KV cache)")
+        if self.sinks and self.flashmask:
+            raise ValueError(f"sinks exclude flashmask, got flashmask={self.flashmask!r}")
 
     @functools.cached_property
     def params(self) -> ParamTable:
@@ -157,7 +161,7 @@ class FwdWsVariant(KernelVariant):
         return ParamTable("FwdWsParams", PARAMS.fields + LOCAL_FIELDS * self.local
                           + FLASHMASK_FIELDS * bool(self.flashmask) + SOFTCAP_FIELDS * self.softcap
                           + ALIBI_FIELDS * self.alibi + VARLEN_FIELDS * self.varlen + CACHE_FIELDS * self.cache
-                          + LEFTPAD_FIELDS * self.leftpad + PAGED_FIELDS * self.paged
+                          + LEFTPAD_FIELDS * self.leftpad + PAGED_FIELDS * self.paged + SINK_FIELDS * self.sinks
                           + PERSISTENT_FIELDS * self.persistent)
 
     @functools.cached_property
@@ -167,7 +171,7 @@ class FwdWsVariant(KernelVariant):
             "_persistent" if self.persistent else "") + (f"_fm{self.flashmask}" if self.flashmask else "")
         mods = ("_softcap" if self.softcap else "") + ("_alibi" if self.alibi else "") + (
             "_varlen" if self.varlen else "") + ("_cache" if self.cache else "") + ("_leftpad" if self.leftpad else "") + (
-            "_paged" if self.paged else "")
+            "_paged" if self.paged else "") + ("_sinks" if self.sinks else "")
         return (f"fwd_ws_d{self.head_dim}_{self.dtype}_{mask}{mods}"
                 f"_m{self.block_m}n{self.block_n}s{self.stages}{sched}_sm{self.arch}")
 
@@ -229,7 +233,7 @@ class FwdWsVariant(KernelVariant):
                     pingpong=self.pingpong,
                     persistent=self.persistent, own_o=self.own_o, flashmask=self.flashmask,
                     softcap=self.softcap, alibi=self.alibi, varlen=self.varlen, cache=self.cache,
-                    leftpad=self.leftpad, paged=self.paged,
+                    leftpad=self.leftpad, paged=self.paged, sinks=self.sinks,
                     barrier_bytes=BARRIER_BYTES,
                     producer_regs=PRODUCER_REGS,
                     consumer_regs=self.consumer_regs, hang_trap_cycles=HANG_TRAP_CYCLES)
@@ -260,13 +264,13 @@ def persistent_max_keys(head_dim: int, causal: bool) -> int:
 def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 90,
             flashmask: int = 0, seqlen_k: int | None = None, local: bool = False, softcap: bool = False,
             alibi: bool = False, varlen: bool = False, cache: bool = False, leftpad: bool = False,
-            paged: bool = False) -> FwdWsVariant:
+            paged: bool = False, sinks: bool = False) -> FwdWsVariant:
     """The variant the planner runs for a problem with these head dim, dtype, mask, queries and
     keys (default: as many as queries; ``flashmask``: FlashMask's bound columns per key, 0 = none;
     ``local``: a sliding window, on the causal tiles, one block per query tile; ``softcap``,
     ``alibi``: score modifiers; ``varlen``: packed sequences, seqlen_q and seqlen_k their maxima;
     ``cache``, ``leftpad``: a contiguous KV cache, seqlen_k its capacity; ``paged``: a paged one;
-    varlen and caches take one block per query tile)."""
+    varlen and caches take one block per query tile; ``sinks``: attention sinks)."""
     # d=64 causal with FlashMask, or with softcap or ALiBi: 128-row tiles at any length (in the
     # 192-row tile's 160 registers per consumer thread, NVRTC 13.0 spills the causal FlashMask walk
     # and some softcap/ALiBi variants).
@@ -281,12 +285,12 @@ def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 
         tile = dict(tile, stages=3)
     return FwdWsVariant(head_dim=head_dim, dtype=dtype, causal=causal, local=local, arch=arch, flashmask=flashmask,
                         persistent=persistent, softcap=softcap, alibi=alibi, varlen=varlen, cache=cache,
-                        leftpad=leftpad, paged=paged, **tile)
+                        leftpad=leftpad, paged=paged, sinks=sinks, **tile)
 
 
 def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
     """The fwd_ws variants the planner can pick on ``arch``: sm_90 only; ``mods=False`` leaves out
-    the sliding-window, softcap, ALiBi, varlen, KV-cache and FlashMask ones."""
+    the sliding-window, softcap, ALiBi, varlen, KV-cache, sink and FlashMask ones."""
     if arch != 90:
         return []
     shapes = [(sq, sk) for sq in (1, 4096) for sk in (1024, 2048, 4096)]
@@ -296,12 +300,13 @@ def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
              for n in (0, *(FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:]) * mods) for cap in (False, True)[:1 + bool(n)]]
     if not mods:
         return list(dict.fromkeys(dense))
-    # Every mask (full, causal, local) with every combination of softcap and ALiBi, on dense
+    # Every mask (full, causal, local) with every combination of softcap, ALiBi and sinks, on dense
     # batches, packed sequences, contiguous KV caches (with or without a leftpad) and paged ones.
     sources = (dict(), dict(varlen=True), dict(cache=True), dict(cache=True, leftpad=True), dict(paged=True))
-    modded = [planned(d, dt, c, sq, arch, seqlen_k=sk, local=loc, softcap=cap, alibi=ali, **src)
+    modded = [planned(d, dt, c, sq, arch, seqlen_k=sk, local=loc, softcap=cap, alibi=ali, sinks=snk, **src)
               for d in HEAD_DIMS for dt in DTYPES for c, loc in ((False, False), (True, False), (False, True))
-              for sq, sk in shapes for cap in (False, True) for ali in (False, True) for src in sources]
+              for sq, sk in shapes for cap in (False, True) for ali in (False, True) for snk in (False, True)
+              for src in sources]
     return list(dict.fromkeys(dense + modded))
 
 

@@ -1,6 +1,6 @@
 // Attention sinks (gpt-oss, flash-attn's s_aux): one logit per query head that joins each row's
 // softmax as an extra column with no value. The logits are read in the caller's dtype.
-constexpr int kSinkF32 = 0, kSinkF16 = 1, kSinkBF16 = 2;  // cuflash.launch.SINK_DTYPES
+enum SinkDtype { kSinkF32 = 0, kSinkF16 = 1, kSinkBF16 = 2 };  // cuflash.launch.SINK_DTYPES
 
 // The sink logit at index i of `sinks` (fp32, fp16 or bf16 by `dtype`), as fp32.
 __device__ __forceinline__ float sink_logit(const void* sinks, int dtype, int i) {
