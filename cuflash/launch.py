@@ -301,7 +301,8 @@ def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int, flash
     w = main.variant
     kernel = compiler.get_kernel(w, device)
     post = softcap if softcap > 0 else softmax_scale  # what the softmax multiplies the scores by
-    boxes = ((q, w.block_m), (k, w.block_n), (v, w.block_n))
+    kv_box = min(page_size, w.block_n) if w.paged else w.block_n  # small pages: one box per page
+    boxes = ((q, w.block_m), (k, kv_box), (v, kv_box))
     if varlen is None:
         lse_strides = (p.nheads * p.seqlen_q, p.seqlen_q, 1)
         maps = tuple((tuple(x.shape), tuple(x.strides), box) for x, box in boxes)
@@ -322,9 +323,10 @@ def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int, flash
     if w.cache:
         mods.update(seqlens_k=cache[0], kv_batch_idx=cache[1], **_cache_fields(w, 0, leftpad))
     if w.paged:
-        if page_size % w.block_n or pages_per_seq <= 0:
-            raise ValueError(f"{w.name} needs pages of a multiple of {w.block_n} rows and the block table's column "
-                             f"count, got page_size={page_size}, pages_per_seq={pages_per_seq}")
+        if not fwd_ws.pages_fit(page_size, w.block_n) or pages_per_seq <= 0:
+            raise ValueError(f"{w.name} needs pages of a multiple or a divisor of {w.block_n} rows (a multiple of 8) "
+                             f"and the block table's column count, got page_size={page_size}, "
+                             f"pages_per_seq={pages_per_seq}")
         mods.update(seqlens_k=cache[0], block_table=cache[2], block_table_stride=cache[3], page_size=page_size,
                     pages_per_seq=pages_per_seq)
     values = kernel.table.values(

@@ -362,7 +362,11 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                           + " on the device (one block per query tile)." if v.cache else "")
                        + (f" Paged KV cache: the K/V tensor maps are the page pool's; the producer looks each "
                           f"tile's page up in the block table (pages of {p.page_size} rows hold whole tiles; one "
-                          f"block per query tile)." if v.paged else "")
+                          f"block per query tile)." if v.paged and p.page_size >= v.block_n else "")
+                       + (f" Paged KV cache: the K/V tensor maps are the page pool's; each K/V tile spans "
+                          f"{v.block_n // max(p.page_size, 1)} pages of {p.page_size} rows, which the producer looks "
+                          f"up in the block table and loads as one TMA box each (one block per query tile)."
+                          if v.paged and p.page_size < v.block_n else "")
                        + (f" Persistent blocks (at most one per SM) take the query tiles from an atomic counter in "
                           f"the one-tile order and load a tile's Q and first K/V while finishing the last: with "
                           f"{p.seqlen_k} keys (at most {fwd_ws.persistent_max_keys(v.head_dim, v.causal)}) each tile walks "
@@ -485,9 +489,12 @@ def _fwd_ws_blocker(p: Problem, even: bool, bucket: int, pack: bool) -> str:
             return "it reads no packed sequences over a paged cache"
         if not p.page_size:
             return "a paged cache whose page size the plan was not given"
-        if p.page_size % bn:
-            return (f"a paged cache's pages of {p.page_size} rows do not hold whole K/V tiles of {bn} keys (its TMA "
-                    f"reads a tile from one page)")
+        if not fwd_ws.pages_fit(p.page_size, bn):
+            return (f"a paged cache's pages of {p.page_size} rows neither hold whole K/V tiles of {bn} keys nor "
+                    f"divide them (its TMA reads a tile from one page, or a page per box)")
+        if p.page_size < bn and bucket == 64:
+            return (f"at d=64 a paged cache's pages of {p.page_size} rows cost its producer a block-table read and a "
+                    f"TMA box each, more than the products of a {bn}-key tile hide")
     if p.dropout:
         return "it has no dropout (its consumers' P has no Philox mask)"
     if p.seqlen_k == 0:

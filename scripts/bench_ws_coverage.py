@@ -1,8 +1,8 @@
 """Time the calls that the warp-specialised kernels took over from the older ones: forwards with
 softcap, ALiBi and packed (varlen) sequences, chunked prefill into contiguous KV caches, and
 backwards with softcap and ALiBi. Prints one JSON line per case (TF/s) for the cuflash that
-Python imports, so that an A/B of two trees is two runs (``kvcache-switch`` compares fwd_ws with
-the wgmma kernel in one process instead):
+Python imports, so that an A/B of two trees is two runs (``kvcache-switch`` and ``paged-switch``
+compare fwd_ws with the wgmma kernel in one process instead):
 
     PYTHONPATH=/path/to/old/tree python scripts/bench_ws_coverage.py fwd-mods old >> ab.jsonl
     PYTHONPATH=. python scripts/bench_ws_coverage.py fwd-mods new >> ab.jsonl
@@ -87,13 +87,30 @@ def kvcache():
         yield f"kvcache d{d} {'causal' if causal else 'full'} b4 old{old} new{new}", 4 * b * h * d * pairs / ms / 1e9
 
 
-def kvcache_switch():
-    """Chunks into b=4 caches of 8192 rows, d=128, in one process: fwd_ws against the wgmma kernel
-    (the planner's fwd_ws switch), three rotated rounds, each timed with one call per sample, with
-    hidden launches (GPU time only) and with 8 calls per sample."""
+def _switch(call, sets, flops, ways):
+    """TF/s of call(*inputs) with the planner's fwd_ws switch on and off, three rotated rounds, each
+    way timed as ``ways`` says (name -> (hide_launch, calls per sample))."""
     import importlib
     from cuflash.bench import rotated_rounds
     plan = importlib.import_module("cuflash.plan")  # the module (cuflash.plan is the function)
+
+    def timer(ws, hide, batch):
+        def run():
+            plan.FWD_WS = ws
+            plan.forget_plans()
+            return time_cuda(call, sets, warmup=5, reps=30, hide_launch=hide, batch=batch)
+        return run
+    got = rotated_rounds({f"{'fwd_ws' if ws else 'wgmma'} {how}": timer(ws, *way) for ws in (True, False)
+                          for how, way in ways.items()}, 3)
+    plan.FWD_WS = True
+    plan.forget_plans()
+    return {name: flops / ms / 1e9 for name, ms in got.items()}
+
+
+def kvcache_switch():
+    """Chunks into b=4 caches of 8192 rows, d=128, in one process: fwd_ws against the wgmma kernel
+    (the planner's fwd_ws switch), each timed with one call per sample, with hidden launches (GPU
+    time only) and with 8 calls per sample."""
     for causal, old, new in ((True, 1024, 1024), (True, 4096, 2048), (False, 1024, 1024)):
         d, b = 128, 4
         h, hk = 2048 // d, 2048 // d // 4
@@ -101,25 +118,35 @@ def kvcache_switch():
         seqlens = torch.full((b,), old, dtype=torch.int32, device="cuda")
         sets = [(_mk(b, new, h, d), _mk(b, new, hk, d), _mk(b, new, hk, d)) for _ in range(3)]
         flops = 4 * b * h * d * (new * old + (new * (new + 1) // 2 if causal else new * new))
-
-        def timer(ws, hide, batch):
-            def run():
-                plan.FWD_WS = ws
-                plan.forget_plans()
-                return time_cuda(lambda q, kn, vn: cuflash.attention_with_kvcache(
-                    q, kc, vc, kn, vn, cache_seqlens=seqlens, causal=causal), sets, warmup=5, reps=30,
-                    hide_launch=hide, batch=batch)
-            return run
-        got = rotated_rounds({f"{'fwd_ws' if ws else 'wgmma'} {how}": timer(ws, hide, batch) for ws in (True, False)
-                              for how, hide, batch in (("1 call", False, 1), ("hidden", True, 1), ("8 calls", False, 8))},
-                             3)
-        plan.FWD_WS = True
-        plan.forget_plans()
-        for name, ms in got.items():
-            yield f"kvcache d{d} {'causal' if causal else 'full'} b4 old{old} new{new} {name}", flops / ms / 1e9
+        got = _switch(lambda q, kn, vn: cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens,
+                                                                       causal=causal), sets, flops,
+                      {"1 call": (False, 1), "hidden": (True, 1), "8 calls": (False, 8)})
+        for name, tf in got.items():
+            yield f"kvcache d{d} {'causal' if causal else 'full'} b4 old{old} new{new} {name}", tf
 
 
-CASES = {"fwd-mods": fwd_mods, "bwd-mods": bwd_mods, "kvcache": kvcache, "kvcache-switch": kvcache_switch}
+def paged_switch():
+    """Chunks into b=4 paged caches (pages of 16 or 64 rows in random order, 8192 rows per
+    sequence), fwd_ws against the wgmma kernel as kvcache-switch, hidden launches."""
+    for d, page, causal, old, new in ((128, 16, True, 4096, 2048), (128, 64, True, 4096, 2048),
+                                      (64, 16, True, 4096, 2048), (256, 16, True, 4096, 2048),
+                                      (128, 16, False, 1024, 1024)):
+        h, b = 2048 // d, 4
+        hk, per = h // 4, 8192 // page
+        table = torch.from_numpy(np.random.default_rng(0).permutation(b * per).reshape(b, per).astype(np.int32)).cuda()
+        kp, vp = _mk(b * per, page, hk, d), _mk(b * per, page, hk, d)
+        seqlens = torch.full((b,), old, dtype=torch.int32, device="cuda")
+        sets = [(_mk(b, new, h, d), _mk(b, new, hk, d), _mk(b, new, hk, d)) for _ in range(3)]
+        flops = 4 * b * h * d * (new * old + (new * (new + 1) // 2 if causal else new * new))
+        got = _switch(lambda q, kn, vn: cuflash.attention_with_kvcache(
+            q, kp, vp, kn, vn, cache_seqlens=seqlens, block_table=table, causal=causal), sets, flops,
+            {"hidden": (True, 1)})
+        for name, tf in got.items():
+            yield f"paged{page} d{d} {'causal' if causal else 'full'} b4 old{old} new{new} {name}", tf
+
+
+CASES = {"fwd-mods": fwd_mods, "bwd-mods": bwd_mods, "kvcache": kvcache, "kvcache-switch": kvcache_switch,
+         "paged-switch": paged_switch}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

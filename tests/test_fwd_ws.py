@@ -157,7 +157,8 @@ def test_registered_and_planned_where_it_applies():
                 assert "Sliding window" in win.reason
                 for mods in (dict(softcap=True), dict(alibi=True), dict(varlen=True),
                              dict(softcap=True, alibi=True, varlen=True, window=(256, 0)), dict(kv="cache"),
-                             dict(kv="cache", leftpad=True, softcap=True), dict(kv="paged", page_size=640)):  # 640: whole tiles of 128 and 80 keys
+                             dict(kv="cache", leftpad=True, softcap=True), dict(kv="paged", page_size=640),
+                             *[dict(kv="paged", page_size=16)] * (d > 64)):  # 640: whole tiles; 16: divides 128 and 80
                     plan = make_plan(replace(p, **mods), h100)
                     v = plan.launches[0].variant
                     assert [l.variant.family for l in plan.launches] == ["fwd_ws"], (mods, plan)
@@ -169,7 +170,8 @@ def test_registered_and_planned_where_it_applies():
                     assert not ((v.varlen or v.cache or v.paged) and v.persistent)
                     assert ("Packed sequences" in plan.reason) == v.varlen and ("maps are the cache's" in plan.reason) == v.cache
                     assert ("Paged KV cache" in plan.reason) == v.paged
-                for other, why in ((dict(kv="paged", page_size=16), "pages of 16 rows"),
+                for other, why in ((dict(kv="paged", page_size=48), "pages of 48 rows"),
+                                   (dict(kv="paged", page_size=16 if d == 64 else 48), "pages of"),
                                    (dict(kv="paged", page_size=256, varlen=True), "paged"),
                                    (dict(tma=False), "stride")):
                     plan = make_plan(replace(p, **other), h100)
@@ -840,12 +842,12 @@ def test_gpu_kvcache_chunk_runs_fwd_ws(rng, fired, d, mode, causal, window, soft
 @requires_sm90
 @requires_torch
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("page", [128, 256])
+@pytest.mark.parametrize("page", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_paged_kvcache_chunk(rng, fired, d, page, causal):
     """A chunk of 256 new tokens appended to paged caches (pages in random order): fwd_ws where the
-    pages hold whole K/V tiles (d 64 and 128), the wgmma kernel at d = 256 (80-key tiles);
-    against the float64 reference over each sequence's keys."""
+    pages hold whole K/V tiles (d 64 and 128) or divide them (d = 128: 16, 32, 64; d = 256: 16),
+    the wgmma kernel elsewhere; against the float64 reference over each sequence's keys."""
     import torch
     import cuflash
     from test_gpu_kvcache import check_batches, make_case
@@ -854,7 +856,8 @@ def test_gpu_paged_kvcache_chunk(rng, fired, d, page, causal):
     out = torch.full_like(q, float("nan"))
     cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, causal=causal, out=out, num_splits=1,
                                    **kw)
-    assert ("_paged" in fired[-1] and fired[-1].startswith("fwd_ws_")) == (d != 256), fired[-1]
+    ws = d == 128 or d == 64 and page >= 128 or d == 256 and page == 16  # (d=64: whole tiles only)
+    assert ("_paged" in fired[-1] and fired[-1].startswith("fwd_ws_")) == ws, fired[-1]
     check_batches(out, q, ks, vs, causal)
     for i in range(b):
         assert torch.equal(rows(kc, i, int(lens[i])), ks[i]) and torch.equal(rows(vc, i, int(lens[i])), vs[i])

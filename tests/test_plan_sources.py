@@ -47,8 +47,8 @@ def test_kvcache_plan_is_the_launched_one(launches, leftpad):
 
 def test_reasons_on_hopper():
     """A 2k-token chunk over caches and packed sequences runs the warp-specialised forward on
-    sm_90, saying how it finds the keys; a paged cache of small pages keeps the wgmma kernel and
-    says why."""
+    sm_90, saying how it finds the keys; a paged cache whose pages neither hold nor divide its
+    tiles keeps the wgmma kernel and says why."""
     q, k = (4, 2048, 16, 128), (4, 6144, 4, 128)
     for kw, kernel, why in (
             (dict(varlen=True), "fwd_ws_d128_bf16_causal_varlen_", "Packed sequences"),
@@ -56,8 +56,10 @@ def test_reasons_on_hopper():
             (dict(kv_cache="contiguous", cache_leftpad=True), "fwd_ws_d128_bf16_causal_cache_leftpad_",
              "first key row (cache_leftpad)"),
             (dict(kv_cache="paged", page_size=256), "fwd_ws_d128_bf16_causal_paged_", "pages of 256 rows"),
-            (dict(kv_cache="paged", page_size=16), "fwd_d128_bf16_causal_wgmma_paged_",
-             "pages of 16 rows do not hold whole K/V tiles of 128 keys"),
+            (dict(kv_cache="paged", page_size=16), "fwd_ws_d128_bf16_causal_paged_",
+             "each K/V tile spans 8 pages of 16 rows"),
+            (dict(kv_cache="paged", page_size=48), "fwd_d128_bf16_causal_wgmma_paged_",
+             "pages of 48 rows neither hold whole K/V tiles of 128 keys nor divide them"),
             (dict(varlen=True, kv_cache="paged", page_size=256), "fwd_d128_bf16_causal_wgmma_paged_",
              "no packed sequences over a paged cache")):
         p = cuflash.plan(q, k, k, causal=True, **GPU, **kw)

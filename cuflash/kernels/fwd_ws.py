@@ -1,7 +1,7 @@
 """Warp-specialised forward for Hopper (templates/fwd_ws/, sm_90a), after FlashAttention-3: a
 producer warpgroup issues TMA tile loads that complete on mbarriers; two or three consumer
 warpgroups of 64 query rows each run wgmma and the online softmax. Dense K/V, packed (varlen)
-sequences, contiguous KV caches and paged ones whose pages hold whole K/V tiles; head dims 64,
+sequences, contiguous KV caches and paged ones whose pages hold whole K/V tiles or divide them; head dims 64,
 128 and 256 (exactly), fp16/bf16, full, causal or a sliding window, softcap, ALiBi, FlashMask,
 GQA, LSE. The planner runs it on sm_90 wherever it applies (plan._fwd_ws_blocker says where
 not); ``run`` below launches it directly (dense batches), for tests.
@@ -109,8 +109,8 @@ class FwdWsVariant(KernelVariant):
     # key row (cache_leftpad). One block per query tile.
     cache: bool = False
     leftpad: bool = False
-    # A paged KV cache whose pages hold whole K/V tiles (page_size a multiple of block_n): the
-    # K/V maps are the page pool's, and the producer looks each tile's page up in the block table.
+    # A paged KV cache whose pages hold whole K/V tiles or whose tiles hold whole pages (pages_fit):
+    # the K/V maps are the page pool's, and the producer looks each tile's pages up in the block table.
     paged: bool = False
     # Attention sinks (fwd.py's SINK_FIELDS): each row's softmax starts from its head's sink logit.
     sinks: bool = False
@@ -254,6 +254,13 @@ SHORT_CAUSAL_D64 = dict(block_m=128, block_n=128, overlap=True, pingpong=True)
 # slower everywhere); d=64 causal up to 2k keys, where its 128-row tiles gain 8% at 2k.
 PERSISTENT_MAX_KEYS = 1024
 PERSISTENT_MAX_KEYS_D64_CAUSAL = 2048
+
+
+def pages_fit(page_size: int, block_n: int) -> bool:
+    """Whether a paged cache's pages suit a K/V tile of block_n keys: whole tiles per page (one TMA
+    box each), or whole pages per tile (a box per page, each a multiple of the 128-byte swizzle's
+    8 rows)."""
+    return page_size > 0 and (page_size % block_n == 0 or block_n % page_size == 0 and page_size % 8 == 0)
 
 
 def persistent_max_keys(head_dim: int, causal: bool) -> int:
