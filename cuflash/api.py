@@ -611,8 +611,8 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     "cuflash" (default; decode splits tuned for cuflash's kernels) or "fa2" (FlashAttention-2's
     ``num_splits_heuristic``, to see what FA2 would do). ``window_size``, ``softcap``,
     ``alibi_slopes`` and ``sinks`` (each of the last two an array, a shape tuple, or True) are
-    those of :func:`attention`; a plan with sinks never runs the warp-specialised kernel (its
-    reason says why) and says how the sink joins the softmax. ``dropout_p`` > 0: the plan of a
+    those of :func:`attention`; a plan with sinks takes the kernels and tiles of the call
+    without them and says how the sink joins the softmax. ``dropout_p`` > 0: the plan of a
     call with dropout (the standard kernel, never split; no fwd_ws or bwd_ws, the reason says why).
 
     ``startend_row_indices`` (FlashMask, cuflash.masks: an int32 array or a shape tuple) is

@@ -129,8 +129,7 @@ def paged_switch():
     """Chunks into b=4 paged caches (pages of 16 or 64 rows in random order, 8192 rows per
     sequence), fwd_ws against the wgmma kernel as kvcache-switch, hidden launches."""
     for d, page, causal, old, new in ((128, 16, True, 4096, 2048), (128, 64, True, 4096, 2048),
-                                      (64, 16, True, 4096, 2048), (256, 16, True, 4096, 2048),
-                                      (128, 16, False, 1024, 1024)):
+                                      (256, 16, True, 4096, 2048), (128, 16, False, 1024, 1024)):
         h, b = 2048 // d, 4
         hk, per = h // 4, 8192 // page
         table = torch.from_numpy(np.random.default_rng(0).permutation(b * per).reshape(b, per).astype(np.int32)).cuda()

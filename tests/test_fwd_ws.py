@@ -88,7 +88,7 @@ def test_variants_of_each_arch():
     for v in VARIANTS:
         # a third K/V stage only on d=64's 192-row tile without a mask, one block per tile
         assert (v.kind, v.family, v.target) == ("fwd_ws", "fwd_ws", "90a")
-        assert v.stages == (3 if v.block_m == 192 and not (v.causal or v.local or v.persistent) else 2)
+        assert v.stages == (3 if v.block_m == 192 and not (v.causal or v.local or v.persistent or v.flashmask) else 2)
         assert v.threads == 128 * (1 + v.block_m // 64)
         assert v.smem_bytes == (v.block_m * (1 + v.own_o) + v.stages * 2 * v.block_n) * v.head_dim * 2 + fwd_ws.BARRIER_BYTES <= 227 << 10
         assert re.fullmatch(r"[A-Za-z0-9_]+", v.name)
@@ -171,7 +171,7 @@ def test_registered_and_planned_where_it_applies():
                     assert ("Packed sequences" in plan.reason) == v.varlen and ("maps are the cache's" in plan.reason) == v.cache
                     assert ("Paged KV cache" in plan.reason) == v.paged
                 for other, why in ((dict(kv="paged", page_size=48), "pages of 48 rows"),
-                                   (dict(kv="paged", page_size=16 if d == 64 else 48), "pages of"),
+                                   (dict(kv="paged", page_size=16 if d == 64 else 96), "pages of"),
                                    (dict(kv="paged", page_size=256, varlen=True), "paged"),
                                    (dict(tma=False), "stride")):
                     plan = make_plan(replace(p, **other), h100)

@@ -2,8 +2,8 @@
 that joins each row's softmax as one more column with no value.
 
 CPU: the float64 reference against gpt-oss's formulation (the sink concatenated as a score
-column) and against finite differences (dq, dk, dv and dsinks); argument checks; plans (never the
-warp-specialised kernel, the reason, tiles and splits as without sinks); variants without sinks
+column) and against finite differences (dq, dk, dv and dsinks); argument checks; plans (the
+kernels, tiles and splits of the call without sinks, and the reason); variants without sinks
 render exactly as with no sink flag at all, and sink variants compile with NVRTC for sm_80 and
 sm_90 with no spills; the PyTorch autograd plumbing, the flash-attn drop-in and the transformers
 backend with the reference standing in for the kernels.

@@ -286,9 +286,10 @@ def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 
     keys = seqlen_q if seqlen_k is None else seqlen_k
     persistent = (not (flashmask or local or varlen or cache or paged) and head_dim <= 128
                   and keys <= persistent_max_keys(head_dim, causal))
-    if tile.get("block_m") == 192 and not (causal or local or persistent):
+    if tile.get("block_m") == 192 and not (causal or local or persistent or flashmask):
         # Without a mask the 192-row d=64 tile leaves room for a third K/V stage (123 KB of shared
-        # memory): +1.4 to +2.9% from 2k keys up (BENCHMARKS.md); causal and persistent, no gain.
+        # memory): +1.4 to +2.9% from 2k keys up (BENCHMARKS.md; dense, and so packed sequences,
+        # caches and sinks); causal and persistent, no gain; FlashMask not measured.
         tile = dict(tile, stages=3)
     return FwdWsVariant(head_dim=head_dim, dtype=dtype, causal=causal, local=local, arch=arch, flashmask=flashmask,
                         persistent=persistent, softcap=softcap, alibi=alibi, varlen=varlen, cache=cache,
