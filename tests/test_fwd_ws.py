@@ -80,8 +80,9 @@ def test_variants_of_each_arch():
     assert all(v.params.names[-2:] == ("window_left", "window_right") for v in LOCAL)
     assert {(v.causal, v.flashmask) for v in FLASHMASK} == {(True, 1), (True, 2), (False, 2), (False, 4)}
     # d=64 causal FlashMask: the short causal tile (128 rows, both schedules) at any length
+    # (two K/V stages: the third of d=64's dense tile was not measured with FlashMask)
     assert {replace(v, flashmask=0) for v in FLASHMASK} == {
-        v for v in VARIANTS if not v.persistent and not (v.head_dim == 64 and v.causal and v.block_m == 192)}
+        replace(v, stages=2) for v in VARIANTS if not v.persistent and not (v.head_dim == 64 and v.causal and v.block_m == 192)}
     tiles = {(v.head_dim, v.block_m, v.block_n, v.overlap, v.pingpong) for v in VARIANTS}
     assert tiles == {(64, 192, 128, True, False), (64, 128, 128, True, True), (128, 128, 128, True, True),
                      (256, 128, 80, True, True)}
