@@ -2,7 +2,7 @@
 producer warpgroup issues TMA tile loads that complete on mbarriers; two or three consumer
 warpgroups of 64 query rows each run wgmma and the online softmax. Dense K/V, packed (varlen)
 sequences, contiguous KV caches and paged ones whose pages hold whole K/V tiles or divide them; head dims 64,
-128 and 256 (exactly), fp16/bf16, full, causal or a sliding window, softcap, ALiBi, FlashMask,
+128 and 256 (exactly), fp16/bf16, full, causal or a sliding window, softcap, ALiBi, sinks, FlashMask,
 GQA, LSE. The planner runs it on sm_90 wherever it applies (plan._fwd_ws_blocker says where
 not); ``run`` below launches it directly (dense batches), for tests.
 
