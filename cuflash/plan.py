@@ -360,13 +360,12 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                           "(cache_seqlens)" + (", cache row (cache_batch_idx) and first key row (cache_leftpad)"
                                                if v.leftpad else " and cache row (cache_batch_idx)")
                           + " on the device (one block per query tile)." if v.cache else "")
-                       + (f" Paged KV cache: the K/V tensor maps are the page pool's; the producer looks each "
-                          f"tile's page up in the block table (pages of {p.page_size} rows hold whole tiles; one "
-                          f"block per query tile)." if v.paged and p.page_size >= v.block_n else "")
-                       + (f" Paged KV cache: the K/V tensor maps are the page pool's; each K/V tile spans "
-                          f"{v.block_n // max(p.page_size, 1)} pages of {p.page_size} rows, which the producer looks "
-                          f"up in the block table and loads as one TMA box each (one block per query tile)."
-                          if v.paged and p.page_size < v.block_n else "")
+                       + (" Paged KV cache: the K/V tensor maps are the page pool's; "
+                          + (f"the producer looks each tile's page up in the block table (pages of {p.page_size} "
+                             f"rows hold whole tiles; " if p.page_size >= v.block_n else
+                             f"each K/V tile spans {v.block_n // p.page_size} pages of {p.page_size} rows, which the "
+                             f"producer looks up in the block table and loads as one TMA box each (")
+                          + "one block per query tile)." if v.paged else "")
                        + (f" Persistent blocks (at most one per SM) take the query tiles from an atomic counter in "
                           f"the one-tile order and load a tile's Q and first K/V while finishing the last: with "
                           f"{p.seqlen_k} keys (at most {fwd_ws.persistent_max_keys(v.head_dim, v.causal)}) each tile walks "

@@ -1,8 +1,8 @@
 """Time the calls that the warp-specialised kernels took over from the older ones: forwards with
 softcap, ALiBi and packed (varlen) sequences, chunked prefill into contiguous KV caches, and
 backwards with softcap and ALiBi. Prints one JSON line per case (TF/s) for the cuflash that
-Python imports, so that an A/B of two trees is two runs (``kvcache-switch`` and ``paged-switch``
-compare fwd_ws with the wgmma kernel in one process instead):
+Python imports, so that an A/B of two trees is two runs (``kvcache-switch``, ``paged-switch`` and
+``sinks-switch`` compare fwd_ws with the wgmma kernel in one process instead):
 
     PYTHONPATH=/path/to/old/tree python scripts/bench_ws_coverage.py fwd-mods old >> ab.jsonl
     PYTHONPATH=. python scripts/bench_ws_coverage.py fwd-mods new >> ab.jsonl
@@ -144,8 +144,25 @@ def paged_switch():
             yield f"paged{page} d{d} {'causal' if causal else 'full'} b4 old{old} new{new} {name}", tf
 
 
+def sinks_switch():
+    """gpt-oss-shaped prefill with attention sinks (64 query and 8 KV heads, d=64; causal, a
+    128-token window, no mask), fwd_ws against the wgmma kernel as kvcache-switch, one call per
+    sample; TF/s over the pairs each query sees."""
+    torch.manual_seed(0)
+    for b, s, win, causal in ((1, 8192, None, True), (1, 8192, (127, 0), True), (8, 2048, None, True),
+                              (4, 4096, None, False)):
+        h, hk, d = 64, 8, 64
+        sets = [(_mk(b, s, h, d), _mk(b, s, hk, d), _mk(b, s, hk, d)) for _ in range(3)]
+        kw = dict(causal=causal, sinks=torch.randn(h, device="cuda") + 2, **({"window_size": win} if win else {}))
+        pairs = min(win[0] + 1, s) * s if win else s * (s + 1) // 2 if causal else s * s
+        got = _switch(lambda q, k, v: cuflash.attention(q, k, v, **kw), sets, 4 * b * h * d * pairs,
+                      {"1 call": (False, 1)})
+        for name, tf in got.items():
+            yield f"sinks 64/8 d64 b{b} s{s} {'window' + str(win[0]) if win else 'causal' if causal else 'full'} {name}", tf
+
+
 CASES = {"fwd-mods": fwd_mods, "bwd-mods": bwd_mods, "kvcache": kvcache, "kvcache-switch": kvcache_switch,
-         "paged-switch": paged_switch}
+         "paged-switch": paged_switch, "sinks-switch": sinks_switch}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
