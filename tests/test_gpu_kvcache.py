@@ -95,26 +95,28 @@ def test_kvcache_chunked_prefill(rng, mode, causal, d):
         assert torch.equal(rows(kc, i, int(lens[i])), ks[i]) and torch.equal(rows(vc, i, int(lens[i])), vs[i])
 
 
-@pytest.mark.parametrize("sq,num_splits", [(1, 0), (256, 3), (256, 1)])
-def test_kvcache_nan_past_the_keys(rng, request, sq, num_splits):
-    """Cache rows past each sequence's keys hold NaN (a cache made with torch.empty). Decode, the
-    split kernels and the standard kernels zero-fill them, as FlashAttention-2 does, so the output
-    is finite and right. The warp-specialised forward (sm_90, chunked prefill without a split)
-    reads them with its tile loads, as FlashAttention-3 does, and 0 * NaN in P V reaches the
-    output (README, attention_with_kvcache): a strict xfail there until it zeroes them."""
+@pytest.mark.parametrize("mode,d", [("dense", 128), ("batch_idx", 64), ("paged16", 128), ("paged64", 256)])
+@pytest.mark.parametrize("sq,num_splits", [(1, 0), (256, 3), (256, 1), (200, 1)])
+def test_kvcache_nan_past_the_keys(rng, mode, d, sq, num_splits):
+    """Cache rows past each sequence's keys hold NaN (a cache made with torch.empty): decode, the
+    split kernels and the standard kernels zero-fill them, as FlashAttention-2 does; the
+    warp-specialised forward (sm_90, chunked prefill without a split) zeroes the V rows of its
+    tail tile once loaded, so 0 * NaN never reaches P V. The output is finite and right."""
     import torch
     import cuflash
-    b, sk, h, hk, d = 3, 700, 8, 2, 128
-    q, kc, vc, kn, vn, seqlens, kw, ks, vs, rows, lens = make_case(rng, b, sq, sk, h, hk, d, "dense", sq)
+    b, sk, h, hk = 3, 700, 8, 2
+    q, kc, vc, kn, vn, seqlens, kw, ks, vs, rows, lens = make_case(rng, b, sq, sk, h, hk, d, mode, sq)
     for i in range(b):  # from the first appended row: the append overwrites [old, old + sq)
-        kc[i, int(lens[i]) - sq:] = float("nan")
-        vc[i, int(lens[i]) - sq:] = float("nan")
-    cache = (b, kc.shape[1], hk, d)
-    plan = cuflash.plan(tuple(q.shape), cache, cache, causal=True, kv_cache="contiguous", num_splits=num_splits)
-    if plan.kernels[0].startswith("fwd_ws_"):
-        request.applymarker(pytest.mark.xfail(strict=True, reason="fwd_ws reads cache rows past the keys"))
+        if mode.startswith("paged"):
+            page = kc.shape[1]
+            j = torch.arange(int(lens[i]) - sq, kw["block_table"].shape[1] * page, device="cuda")
+            at = (kw["block_table"][i][j // page].long(), j % page)
+        else:
+            at = (int(kw["cache_batch_idx"][i]) if "cache_batch_idx" in kw else i, slice(int(lens[i]) - sq, None))
+        kc[at] = float("nan")
+        vc[at] = float("nan")
     out = cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, causal=True,
-                                         num_splits=num_splits)
+                                         num_splits=num_splits, **kw)
     assert bool(torch.isfinite(out).all())
     check_batches(out, q, ks, vs, True)
 

@@ -118,6 +118,30 @@ def ref_varlen(q, k, v, cq, ck, a, kw, block_kv=None):
     return ref, same, ref_lse
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_nan_in_the_next_sequence(rng, d, causal):
+    """A sequence's tail K/V tile also loads the next sequence's first tokens (masked). NaN there
+    (that sequence's own data) must not reach this sequence's output: 0 * NaN in P V would."""
+    import torch
+    from cuflash import reference
+    lk = np.array([300, 77, 500], np.int32)
+    cq = np.array([0, 256, 512, 768], np.int32)
+    ck = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    mk = lambda *s: torch.from_numpy(rng.standard_normal(s, dtype=np.float32)).to("cuda", torch.bfloat16)
+    q, k, v = mk(768, 8, d), mk(int(ck[-1]), 2, d), mk(int(ck[-1]), 2, d)
+    k[ck[1]:ck[2]] = float("nan")  # sequence 1: its own output is NaN, the others' must not be
+    v[ck[1]:ck[2]] = float("nan")
+    out, lse = run_varlen(q, k, v, cq, ck, 256, 500, None, causal=causal)
+    for i in (0, 2):
+        rows = slice(cq[i], cq[i + 1])
+        assert bool(torch.isfinite(out[rows]).all()), f"sequence {i}"
+        args = [to_np(x[s]) for x, s in ((q, rows), (k, slice(ck[i], ck[i + 1])), (v, slice(ck[i], ck[i + 1])))]
+        ref = reference.attention(*[a[None] for a in args], causal=causal)[0]
+        same = reference.attention(*[a[None] for a in args], causal=causal, precision="same")[0]
+        check_against(out[rows], None, ref, same, None)
+
+
 @pytest.mark.parametrize("max_q,max_k", [(113, 203), (128, 217), (1, 239), (3, 799), (127, 513),
                                          (1024, 1023), (1, 147)])
 @pytest.mark.parametrize("causal", [False, True])

@@ -198,6 +198,13 @@ class FwdWsVariant(KernelVariant):
         return min(MAX_CONSUMER_REGS, (65536 - 128 * PRODUCER_REGS) // (128 * self.consumers) // 8 * 8)
 
     @property
+    def zero_tail(self) -> bool:
+        """Packed sequences and KV caches: a tail K/V tile's rows past the keys are other tokens
+        (NaN in an unwritten cache row, say), whose V rows the kernel zeroes before P V (0 * NaN is
+        NaN); dense batches read zeros there (the tensor map's bounds)."""
+        return self.varlen or self.cache or self.paged
+
+    @property
     def own_o(self) -> bool:
         """Persistent blocks stage O in a buffer of their own where shared memory has room for one
         (so Q's tile is released before the epilogue), else in Q's tile."""
@@ -233,7 +240,7 @@ class FwdWsVariant(KernelVariant):
                     pingpong=self.pingpong,
                     persistent=self.persistent, own_o=self.own_o, flashmask=self.flashmask,
                     softcap=self.softcap, alibi=self.alibi, varlen=self.varlen, cache=self.cache,
-                    leftpad=self.leftpad, paged=self.paged, sinks=self.sinks,
+                    leftpad=self.leftpad, paged=self.paged, sinks=self.sinks, zero_tail=self.zero_tail,
                     barrier_bytes=BARRIER_BYTES,
                     producer_regs=PRODUCER_REGS,
                     consumer_regs=self.consumer_regs, hang_trap_cycles=HANG_TRAP_CYCLES)
