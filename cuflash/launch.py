@@ -306,6 +306,8 @@ def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int, flash
     if varlen is None:
         lse_strides = (p.nheads * p.seqlen_q, p.seqlen_q, 1)
         maps = tuple((tuple(x.shape), tuple(x.strides), box) for x, box in boxes)
+        if w.gather:  # K/V through pointers (fire puts them in the last two fields), not maps
+            maps = (maps[0], None, None)
     else:
         # LSE (nheads, total_q): sequence b's row i at cu_seqlens_q[b] + i. The maps: every token
         # as one batch of (total, heads, d), the views' batch strides being token strides.
@@ -323,12 +325,15 @@ def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int, flash
     if w.cache:
         mods.update(seqlens_k=cache[0], kv_batch_idx=cache[1], **_cache_fields(w, 0, leftpad))
     if w.paged:
-        if not fwd_ws.pages_fit(page_size, w.block_n) or pages_per_seq <= 0:
+        if not (w.gather or fwd_ws.pages_fit(page_size, w.block_n)) or pages_per_seq <= 0:
             raise ValueError(f"{w.name} needs pages of a multiple or a divisor of {w.block_n} rows (a multiple of 8) "
                              f"and the block table's column count, got page_size={page_size}, "
                              f"pages_per_seq={pages_per_seq}")
         mods.update(seqlens_k=cache[0], block_table=cache[2], block_table_stride=cache[3], page_size=page_size,
                     pages_per_seq=pages_per_seq)
+    if w.gather:
+        mods.update({f"{x}_{d}": st for x, view in (("k", k), ("v", v))
+                     for d, st in zip(("sp", "ss", "sh"), view.strides[:3])}, k_pages=0, v_pages=0)
     values = kernel.table.values(
         tma_q=bytes(fwd_ws.TENSOR_MAP_BYTES), tma_k=bytes(fwd_ws.TENSOR_MAP_BYTES),
         tma_v=bytes(fwd_ws.TENSOR_MAP_BYTES), o=0, lse=0, **stride_values("o", _strides(o, False, 1)),
@@ -341,6 +346,9 @@ def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int, flash
     tiles = (math.ceil(p.seqlen_q / w.block_m) * p.nheads * p.batch, 1, 1) if w.persistent else None
     return Recipe(plan, kernel, main.grid, (main.threads, 1, 1), smem, values[5:], False, {}, 0, 0, 0, early,
                   (p.dtype, *maps), _flashmask_prep(plan, flashmask, device), tiles)
+
+
+NO_MAP = bytes(fwd_ws.TENSOR_MAP_BYTES)  # the K/V map fields of a kernel that gathers pages (unread)
 
 
 def _early_smem(plan: Plan, main) -> tuple[bool, int]:
@@ -368,6 +376,10 @@ def fire(r: Recipe, device: int, stream: int, q: int, k: int, v: int, o: int, ls
         if r.tiles is not None:  # persistent: tiles from the stream's counter, or one block per tile
             counter = counter or (_counter_ptr(device, stream, 1) if fused else 0)
             grid, mid = (grid, (*mid[:-1], counter)) if counter else (r.tiles, mid)
+        if mk is None:  # gathered pages: K/V pointers in the last two fields, no maps
+            r.kernel.launch(grid, r.block, r.smem, stream,
+                            (fwd_ws.tensor_map(q, *mq, dtype), NO_MAP, NO_MAP, o, lse, *mid[:-2], k, v), r.early)
+            return
         r.kernel.launch(grid, r.block, r.smem, stream,
                         (fwd_ws.tensor_map(q, *mq, dtype), fwd_ws.tensor_map(k, *mk, dtype),
                          fwd_ws.tensor_map(v, *mv, dtype), o, lse, *mid), r.early)

@@ -344,9 +344,10 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         if ws == "":
             v = fwd_ws.planned(bucket, p.dtype, causal, sq, dev.arch, seqlen_k=p.seqlen_k, local=local,
                                softcap=p.softcap, alibi=p.alibi, varlen=p.varlen, cache=p.kv == "cache",
-                               leftpad=p.leftpad, paged=p.kv == "paged", sinks=p.sinks)
+                               leftpad=p.leftpad, paged=p.kv == "paged", sinks=p.sinks, page_size=p.page_size)
             why.append(f"sm_90: the warp-specialised kernel (fwd_ws, sm_90a): a producer warpgroup loads Q and "
-                       f"K/V tiles of {v.block_n} keys by TMA into {v.stages} stages on mbarriers; "
+                       f"K/V tiles of {v.block_n} keys {'(Q by TMA)' if v.gather else 'by TMA'} into {v.stages} "
+                       f"stages on mbarriers; "
                        f"{v.consumers} consumer warpgroups of 64 query rows run wgmma and the softmax"
                        + (", each issuing the next tile's QK^T before this tile's softmax" if v.overlap else "")
                        + (", taking turns at the tensor cores (ping-pong)" if v.pingpong else "") + "."
@@ -360,11 +361,15 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                           "(cache_seqlens)" + (", cache row (cache_batch_idx) and first key row (cache_leftpad)"
                                                if v.leftpad else " and cache row (cache_batch_idx)")
                           + " on the device (one block per query tile)." if v.cache else "")
-                       + (" Paged KV cache: the K/V tensor maps are the page pool's; "
-                          + (f"the producer looks each tile's page up in the block table (pages of {p.page_size} "
-                             f"rows hold whole tiles; " if p.page_size >= v.block_n else
-                             f"each K/V tile spans {v.block_n // p.page_size} pages of {p.page_size} rows, which the "
-                             f"producer looks up in the block table and loads as one TMA box each (")
+                       + (" Paged KV cache: " + (
+                           f"the producer warpgroup's 128 threads gather each K/V tile's rows from pages of "
+                           f"{p.page_size} rows (looked up in the block table) with 16-byte cp.async copies, as "
+                           f"FlashAttention-3 does for pages the TMA cannot read whole tiles of (" if v.gather else
+                           "the K/V tensor maps are the page pool's; "
+                           + (f"the producer looks each tile's page up in the block table (pages of {p.page_size} "
+                              f"rows hold whole tiles; " if p.page_size >= v.block_n else
+                              f"each K/V tile spans {v.block_n // p.page_size} pages of {p.page_size} rows, which the "
+                              f"producer looks up in the block table and loads as one TMA box each ("))
                           + "one block per query tile)." if v.paged else "")
                        + (f" Persistent blocks (at most one per SM) take the query tiles from an atomic counter in "
                           f"the one-tile order and load a tile's Q and first K/V while finishing the last: with "
@@ -483,17 +488,14 @@ def _fwd_ws_blocker(p: Problem, even: bool, bucket: int, pack: bool) -> str:
     if bucket not in fwd_ws.HEAD_DIMS or not even:
         return f"it has head dims {' and '.join(map(str, fwd_ws.HEAD_DIMS))} only"
     if p.kv == "paged":
-        bn = fwd_ws.planned(bucket, p.dtype, p.causal, p.seqlen_q, paged=True).block_n
         if p.varlen:
             return "it reads no packed sequences over a paged cache"
         if not p.page_size:
             return "a paged cache whose page size the plan was not given"
-        if not fwd_ws.pages_fit(p.page_size, bn):
-            return (f"a paged cache's pages of {p.page_size} rows neither hold whole K/V tiles of {bn} keys nor "
-                    f"divide them (its TMA reads a tile from one page, or a page per box)")
-        if p.page_size < bn and bucket == 64:
-            return (f"at d=64 a paged cache's pages of {p.page_size} rows cost its producer a block-table read and a "
-                    f"TMA box each, more than the products of a {bn}-key tile hide")
+        if bucket == 64 and fwd_ws.gathers(p.page_size, bucket):
+            return (f"at d=64 it does not gather pages of {p.page_size} rows yet (measured faster than the wgmma "
+                    f"kernel, not yet checked against the reference on a GPU), and its TMA boxes per page of fewer "
+                    f"than 64 rows cost more than the products of a 128-key tile hide")
     if p.dropout:
         return "it has no dropout (its consumers' P has no Philox mask)"
     if p.seqlen_k == 0:

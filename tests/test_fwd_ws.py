@@ -66,7 +66,7 @@ def test_variants_of_each_arch():
     for v in modded:
         tags = [t for t, on in (("_softcap", v.softcap), ("_alibi", v.alibi), ("_varlen", v.varlen),
                                 ("_cache", v.cache), ("_leftpad", v.leftpad), ("_paged", v.paged),
-                                ("_sinks", v.sinks)) if on]
+                                ("_gather", v.gather), ("_sinks", v.sinks)) if on]
         assert "".join(tags) in v.name and all(t in v.name for t in tags)
         assert ("softcap_scale" in v.params.names) == v.softcap and ("alibi_slopes" in v.params.names) == v.alibi
         assert ("cu_seqlens_q" in v.params.names) == v.varlen and ("seqlens_k" in v.params.names) == (v.cache or v.paged)
@@ -111,8 +111,12 @@ def test_consumer_registers_fill_the_register_file():
     v2, v3 = FwdWsVariant(head_dim=128, dtype="bf16", arch=90), FwdWsVariant(head_dim=64, dtype="bf16", arch=90,
                                                                               block_m=192)
     assert (v2.consumer_regs, v3.consumer_regs) == (240, 160)
-    for v in (v2, v3):
-        assert fwd_ws.PRODUCER_REGS * 128 + v.consumer_regs * 128 * v.consumers <= REG_FILE
+    g = FwdWsVariant(head_dim=128, dtype="bf16", arch=90, paged=True, gather=True)
+    assert (g.producer_regs, g.consumer_regs) == (fwd_ws.GATHER_PRODUCER_REGS, 232)
+    for v in (v2, v3, g):
+        # setmaxnreg redistributes the registers the block launched with (168 per thread at 384
+        # threads): an increase beyond them would wait forever
+        assert v.producer_regs * 128 + v.consumer_regs * 128 * v.consumers <= REG_FILE // v.threads // 8 * 8 * v.threads
 
 
 @pytest.mark.parametrize("kw", [dict(arch=80), dict(head_dim=96), dict(head_dim=192), dict(dtype="fp32"),
@@ -159,7 +163,9 @@ def test_registered_and_planned_where_it_applies():
                 for mods in (dict(softcap=True), dict(alibi=True), dict(varlen=True),
                              dict(softcap=True, alibi=True, varlen=True, window=(256, 0)), dict(kv="cache"),
                              dict(kv="cache", leftpad=True, softcap=True), dict(kv="paged", page_size=640),
-                             *[dict(kv="paged", page_size=16)] * (d > 64)):  # 640: whole tiles; 16: divides 128 and 80
+                             *[dict(kv="paged", page_size=16), dict(kv="paged", page_size=48)] * (d > 64)):
+                    # 640: whole tiles (TMA boxes); 16, 48: gathered (fewer than 64 rows, or neither
+                    # holding nor dividing tiles; not at d=64)
                     plan = make_plan(replace(p, **mods), h100)
                     v = plan.launches[0].variant
                     assert [l.variant.family for l in plan.launches] == ["fwd_ws"], (mods, plan)
@@ -171,9 +177,9 @@ def test_registered_and_planned_where_it_applies():
                     assert not ((v.varlen or v.cache or v.paged) and v.persistent)
                     assert ("Packed sequences" in plan.reason) == v.varlen and ("maps are the cache's" in plan.reason) == v.cache
                     assert ("Paged KV cache" in plan.reason) == v.paged
-                for other, why in ((dict(kv="paged", page_size=48), "pages of 48 rows"),
-                                   (dict(kv="paged", page_size=16 if d == 64 else 96), "pages of"),
-                                   (dict(kv="paged", page_size=256, varlen=True), "paged"),
+                    assert v.gather == (mods.get("page_size") in (16, 48)) == ("cp.async" in plan.reason)
+                for other, why in ((dict(kv="paged", page_size=256, varlen=True), "paged"),
+                                   *[(dict(kv="paged", page_size=48), "d=64")] * (d == 64),
                                    (dict(tma=False), "stride")):
                     plan = make_plan(replace(p, **other), h100)
                     assert all(l.variant.family != "fwd_ws" for l in plan.launches), (other, plan)
@@ -310,7 +316,7 @@ def test_encode_tensor_map_reports_driver_errors():
 def test_renders(v):
     src = codegen.render(v)
     assert "struct alignas(128) CUtensorMap" in src and "setmaxnreg.dec.sync.aligned.u32" in src
-    assert f"constexpr int kProducerRegs = {fwd_ws.PRODUCER_REGS};" in src
+    assert f"constexpr int kProducerRegs = {v.producer_regs};" in src
 
 
 @pytest.mark.parametrize("v", VARIANTS + FLASHMASK + LOCAL + MODS, ids=lambda v: v.name)
@@ -323,7 +329,7 @@ def test_compiles_as_designed(compiled, v):
     c = compiled[v]
     r = assert_compiled_clean(c, v)
     assert r.registers <= 168 and r.registers * v.threads <= REG_FILE, r
-    assert fwd_ws.PRODUCER_REGS * 128 + v.consumer_regs * (v.threads - 128) <= REG_FILE
+    assert v.producer_regs * 128 + v.consumer_regs * (v.threads - 128) <= REG_FILE // v.threads // 8 * 8 * v.threads
     assert r.static_smem == 0, r
     assert "C7508" not in c.log and "setmaxnreg" not in c.log.lower(), c.log
     assert "serialized" not in c.log, c.log
@@ -429,7 +435,7 @@ def test_sass_roles(compiled, v, tmp_path):
     alloc = [i for i, l in enumerate(lines) if "USETMAXREG.TRY_ALLOC" in l]
     dealloc = [i for i, l in enumerate(lines) if "USETMAXREG.DEALLOC" in l]
     assert len(alloc) == 1 and len(dealloc) == 1, "one setmaxnreg per role"
-    assert f"{v.consumer_regs:#x}" in lines[alloc[0]] and f"{fwd_ws.PRODUCER_REGS:#x}" in lines[dealloc[0]]
+    assert f"{v.consumer_regs:#x}" in lines[alloc[0]] and f"{v.producer_regs:#x}" in lines[dealloc[0]]
 
     # The code from the consumers' allocation up to the producer's deallocation (or the end)
     # uses fewer registers than allocated. After the deallocation ptxas may lay out consumer
@@ -847,8 +853,10 @@ def test_gpu_kvcache_chunk_runs_fwd_ws(rng, fired, d, mode, causal, window, soft
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_paged_kvcache_chunk(rng, fired, d, page, causal):
     """A chunk of 256 new tokens appended to paged caches (pages in random order): fwd_ws where the
-    pages hold whole K/V tiles (d 64 and 128) or divide them (d = 128: 16, 32, 64; d = 256: 16),
-    the wgmma kernel elsewhere; against the float64 reference over each sequence's keys."""
+    pages hold whole K/V tiles or divide them (TMA boxes, pages of at least 64 rows) or gathered
+    with cp.async (smaller pages, or pages that neither hold nor divide tiles; not at d=64, where
+    pages under 64 rows run the wgmma kernel); against the float64 reference over each sequence's
+    keys."""
     import torch
     import cuflash
     from test_gpu_kvcache import check_batches, make_case
@@ -857,8 +865,9 @@ def test_gpu_paged_kvcache_chunk(rng, fired, d, page, causal):
     out = torch.full_like(q, float("nan"))
     cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, causal=causal, out=out, num_splits=1,
                                    **kw)
-    ws = d == 128 or d == 64 and page >= 128 or d == 256 and page == 16  # (d=64: whole tiles only)
+    ws = not (d == 64 and fwd_ws.gathers(page, d))
     assert ("_paged" in fired[-1] and fired[-1].startswith("fwd_ws_")) == ws, fired[-1]
+    assert ("_gather" in fired[-1]) == (ws and fwd_ws.gathers(page, d)), fired[-1]
     check_batches(out, q, ks, vs, causal)
     for i in range(b):
         assert torch.equal(rows(kc, i, int(lens[i])), ks[i]) and torch.equal(rows(vc, i, int(lens[i])), vs[i])

@@ -56,10 +56,12 @@ def test_reasons_on_hopper():
             (dict(kv_cache="contiguous", cache_leftpad=True), "fwd_ws_d128_bf16_causal_cache_leftpad_",
              "first key row (cache_leftpad)"),
             (dict(kv_cache="paged", page_size=256), "fwd_ws_d128_bf16_causal_paged_", "pages of 256 rows"),
-            (dict(kv_cache="paged", page_size=16), "fwd_ws_d128_bf16_causal_paged_",
-             "each K/V tile spans 8 pages of 16 rows"),
-            (dict(kv_cache="paged", page_size=48), "fwd_d128_bf16_causal_wgmma_paged_",
-             "pages of 48 rows neither hold whole K/V tiles of 128 keys nor divide them"),
+            (dict(kv_cache="paged", page_size=64), "fwd_ws_d128_bf16_causal_paged_m",
+             "each K/V tile spans 2 pages of 64 rows"),
+            (dict(kv_cache="paged", page_size=16), "fwd_ws_d128_bf16_causal_paged_gather_",
+             "gather each K/V tile's rows from pages of 16 rows"),
+            (dict(kv_cache="paged", page_size=48), "fwd_ws_d128_bf16_causal_paged_gather_",
+             "gather each K/V tile's rows from pages of 48 rows"),
             (dict(varlen=True, kv_cache="paged", page_size=256), "fwd_d128_bf16_causal_wgmma_paged_",
              "no packed sequences over a paged cache")):
         p = cuflash.plan(q, k, k, causal=True, **GPU, **kw)

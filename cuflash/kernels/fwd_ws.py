@@ -25,6 +25,10 @@ from .params import TENSOR_MAP_BYTES, ParamTable, strides
 HEAD_DIMS = (64, 128, 256)
 BLOCK_M, BLOCK_N, STAGES = 128, 128, 2  # two consumer warpgroups of 64 rows; two K/V stages
 PRODUCER_REGS = 24    # setmaxnreg of the producer warpgroup
+GATHER_PRODUCER_REGS = 40  # of one whose 128 threads gather paged K/V rows (cp.async addresses)
+# Pages of fewer rows are gathered: at d=128 (H100) the gather runs at 436 TF/s whatever the page
+# size, TMA boxes per page at 267 / 404 / 538 with pages of 16 / 32 / 64 rows.
+GATHER_BELOW_ROWS = 64
 MAX_CONSUMER_REGS = 240  # of a consumer's, with two (128 * 24 + 256 * 240 = 64512 <= 65536)
 BOX_COLS = 64                           # one TMA box is 64 columns (128 bytes: the swizzle's width)
 BARRIER_BYTES = 128                     # 2 + 4 * stages mbarriers of 8 bytes, rounded up
@@ -63,6 +67,10 @@ LEFTPAD_FIELDS = (("kv_leftpad", "const int*"),)
 # block_table_stride + j / page_size] (at most pages_per_seq pages); seqlens_k as for a cache.
 PAGED_FIELDS = (("seqlens_k", "const int*"), ("block_table", "const int*"), ("block_table_stride", "int"),
                 ("page_size", "int"), ("pages_per_seq", "int"))
+# Gathered pages: the page pools' element strides (page, row, head) and, last (launch.fire sets
+# them per call, as it encodes the other variants' K/V maps), their addresses.
+GATHER_FIELDS = (*strides("k", "sp", "ss", "sh"), *strides("v", "sp", "ss", "sh"),
+                 ("k_pages", "const void*"), ("v_pages", "const void*"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +120,10 @@ class FwdWsVariant(KernelVariant):
     # A paged KV cache whose pages hold whole K/V tiles or whose tiles hold whole pages (pages_fit):
     # the K/V maps are the page pool's, and the producer looks each tile's pages up in the block table.
     paged: bool = False
+    # Paged: the producer warpgroup's 128 threads gather each K/V tile's rows with cp.async instead
+    # of TMA boxes per page (FlashAttention-3's path for pages the TMA cannot read whole tiles of):
+    # any page size, one copy instruction per 16 bytes rather than per page and 64 columns.
+    gather: bool = False
     # Attention sinks (fwd.py's SINK_FIELDS): each row's softmax starts from its head's sink logit.
     sinks: bool = False
 
@@ -124,7 +136,7 @@ class FwdWsVariant(KernelVariant):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for f in ("causal", "local", "overlap", "pingpong", "persistent", "softcap", "alibi", "varlen", "cache",
-                  "leftpad", "paged", "sinks"):
+                  "leftpad", "paged", "gather", "sinks"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be a bool, got {getattr(self, f)!r}")
         if self.pingpong and self.block_m != 128:
@@ -150,6 +162,8 @@ class FwdWsVariant(KernelVariant):
             raise ValueError(f"varlen, cache and paged exclude each other, flashmask and persistent, got varlen="
                              f"{self.varlen}, cache={self.cache}, paged={self.paged}, flashmask={self.flashmask!r}, "
                              f"persistent={self.persistent}")
+        if self.gather and not self.paged:
+            raise ValueError("gather needs paged (a paged KV cache)")
         if self.leftpad and not self.cache:
             raise ValueError("leftpad needs cache (a contiguous KV cache)")
         if self.sinks and self.flashmask:
@@ -162,7 +176,7 @@ class FwdWsVariant(KernelVariant):
                           + FLASHMASK_FIELDS * bool(self.flashmask) + SOFTCAP_FIELDS * self.softcap
                           + ALIBI_FIELDS * self.alibi + VARLEN_FIELDS * self.varlen + CACHE_FIELDS * self.cache
                           + LEFTPAD_FIELDS * self.leftpad + PAGED_FIELDS * self.paged + SINK_FIELDS * self.sinks
-                          + PERSISTENT_FIELDS * self.persistent)
+                          + PERSISTENT_FIELDS * self.persistent + GATHER_FIELDS * self.gather)
 
     @functools.cached_property
     def name(self) -> str:
@@ -171,7 +185,7 @@ class FwdWsVariant(KernelVariant):
             "_persistent" if self.persistent else "") + (f"_fm{self.flashmask}" if self.flashmask else "")
         mods = ("_softcap" if self.softcap else "") + ("_alibi" if self.alibi else "") + (
             "_varlen" if self.varlen else "") + ("_cache" if self.cache else "") + ("_leftpad" if self.leftpad else "") + (
-            "_paged" if self.paged else "") + ("_sinks" if self.sinks else "")
+            "_paged" if self.paged else "") + ("_gather" if self.gather else "") + ("_sinks" if self.sinks else "")
         return (f"fwd_ws_d{self.head_dim}_{self.dtype}_{mask}{mods}"
                 f"_m{self.block_m}n{self.block_n}s{self.stages}{sched}_sm{self.arch}")
 
@@ -192,17 +206,26 @@ class FwdWsVariant(KernelVariant):
         return 128 * (1 + self.consumers)  # the producer warpgroup, then the consumers
 
     @property
+    def producer_regs(self) -> int:
+        """setmaxnreg of the producer warpgroup."""
+        return GATHER_PRODUCER_REGS if self.gather else PRODUCER_REGS
+
+    @property
     def consumer_regs(self) -> int:
         """setmaxnreg of each consumer warpgroup: what the register file leaves them after the
-        producer's, a multiple of 8, at most MAX_CONSUMER_REGS (240 for two, 160 for three)."""
-        return min(MAX_CONSUMER_REGS, (65536 - 128 * PRODUCER_REGS) // (128 * self.consumers) // 8 * 8)
+        producer's, a multiple of 8, at most MAX_CONSUMER_REGS (240 for two, 160 for three; a
+        gathering producer leaves two 232). The block launches with the registers __launch_bounds__ gives each
+        thread (65536 / threads, a multiple of 8: 168 at 384 threads); setmaxnreg moves them between
+        warpgroups, and an increase that the released ones do not cover waits forever."""
+        pool = 65536 // self.threads // 8 * 8 * self.threads
+        return min(MAX_CONSUMER_REGS, (pool - 128 * self.producer_regs) // (128 * self.consumers) // 8 * 8)
 
     @property
     def zero_tail(self) -> bool:
         """Packed sequences and KV caches: a tail K/V tile's rows past the keys are other tokens
         (NaN in an unwritten cache row, say), whose V rows the kernel zeroes before P V (0 * NaN is
         NaN); dense batches read zeros there (the tensor map's bounds)."""
-        return self.varlen or self.cache or self.paged
+        return self.varlen or self.cache or self.paged and not self.gather  # (gather zero-fills them)
 
     @property
     def own_o(self) -> bool:
@@ -221,9 +244,10 @@ class FwdWsVariant(KernelVariant):
     @property
     def smem_bytes(self) -> int:
         """Q, kStages K and V tiles (2-byte elements), O's staging (own_o), the mbarriers, then
-        (FlashMask) a partly masked K/V block's bounds per stage (int32)."""
+        (FlashMask) a partly masked K/V block's bounds per stage (int32), or (gather) the (page, row)
+        of each row of a K/V tile (int32 pairs)."""
         return (self._tiles_bytes + (self._o_bytes if self.own_o else 0) + BARRIER_BYTES
-                + self.stages * self.block_n * self.flashmask * 4)
+                + self.stages * self.block_n * self.flashmask * 4 + self.block_n * 8 * self.gather)
 
     def grid(self, batch: int, seqlen_q: int, nheads: int, num_sms: int = 0) -> tuple[int, int, int]:
         """One block per query tile; persistent: one per SM (``num_sms``), or per tile if fewer."""
@@ -240,9 +264,9 @@ class FwdWsVariant(KernelVariant):
                     pingpong=self.pingpong,
                     persistent=self.persistent, own_o=self.own_o, flashmask=self.flashmask,
                     softcap=self.softcap, alibi=self.alibi, varlen=self.varlen, cache=self.cache,
-                    leftpad=self.leftpad, paged=self.paged, sinks=self.sinks, zero_tail=self.zero_tail,
+                    leftpad=self.leftpad, paged=self.paged, gather=self.gather, sinks=self.sinks, zero_tail=self.zero_tail,
                     barrier_bytes=BARRIER_BYTES,
-                    producer_regs=PRODUCER_REGS,
+                    producer_regs=self.producer_regs,
                     consumer_regs=self.consumer_regs, hang_trap_cycles=HANG_TRAP_CYCLES)
 
 
@@ -270,6 +294,13 @@ def pages_fit(page_size: int, block_n: int) -> bool:
     return page_size > 0 and (page_size % block_n == 0 or block_n % page_size == 0 and page_size % 8 == 0)
 
 
+def gathers(page_size: int, head_dim: int) -> bool:
+    """Whether the plan gathers a paged cache's K/V tiles with cp.async (FwdWsVariant.gather) rather
+    than loading them as TMA boxes: pages of fewer than 64 rows (one 2-KB box per page and 64
+    columns costs more than the gather: BENCHMARKS.md), or pages that neither hold nor divide tiles."""
+    return page_size > 0 and (page_size < GATHER_BELOW_ROWS or not pages_fit(page_size, TILES[head_dim]["block_n"]))
+
+
 def persistent_max_keys(head_dim: int, causal: bool) -> int:
     """The most keys for which the plan takes persistent blocks at this head dim and mask."""
     return PERSISTENT_MAX_KEYS_D64_CAUSAL if head_dim == 64 and causal else PERSISTENT_MAX_KEYS
@@ -278,7 +309,7 @@ def persistent_max_keys(head_dim: int, causal: bool) -> int:
 def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 90,
             flashmask: int = 0, seqlen_k: int | None = None, local: bool = False, softcap: bool = False,
             alibi: bool = False, varlen: bool = False, cache: bool = False, leftpad: bool = False,
-            paged: bool = False, sinks: bool = False) -> FwdWsVariant:
+            paged: bool = False, sinks: bool = False, page_size: int = 0) -> FwdWsVariant:
     """The variant the planner runs for a problem with these head dim, dtype, mask, queries and
     keys (default: as many as queries; ``flashmask``: FlashMask's bound columns per key, 0 = none;
     ``local``: a sliding window, on the causal tiles, one block per query tile; ``softcap``,
@@ -288,7 +319,9 @@ def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 
     # d=64 causal with FlashMask, or with softcap or ALiBi: 128-row tiles at any length (in the
     # 192-row tile's 160 registers per consumer thread, NVRTC 13.0 spills the causal FlashMask walk
     # and some softcap/ALiBi variants).
-    short = head_dim == 64 and ((causal or local) and (flashmask or seqlen_q <= 2048) or softcap or alibi)
+    gather = paged and gathers(page_size, head_dim)
+    # (Gathered pages: the producer's 64 registers leave three consumer warpgroups too few.)
+    short = head_dim == 64 and ((causal or local) and (flashmask or seqlen_q <= 2048) or softcap or alibi or gather)
     tile = SHORT_CAUSAL_D64 if short else TILES[head_dim]
     keys = seqlen_q if seqlen_k is None else seqlen_k
     persistent = (not (flashmask or local or varlen or cache or paged) and head_dim <= 128
@@ -300,7 +333,7 @@ def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 
         tile = dict(tile, stages=3)
     return FwdWsVariant(head_dim=head_dim, dtype=dtype, causal=causal, local=local, arch=arch, flashmask=flashmask,
                         persistent=persistent, softcap=softcap, alibi=alibi, varlen=varlen, cache=cache,
-                        leftpad=leftpad, paged=paged, sinks=sinks, **tile)
+                        leftpad=leftpad, paged=paged, gather=gather, sinks=sinks, **tile)
 
 
 def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
@@ -317,11 +350,12 @@ def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
         return list(dict.fromkeys(dense))
     # Every mask (full, causal, local) with every combination of softcap, ALiBi and sinks, on dense
     # batches, packed sequences, contiguous KV caches (with or without a leftpad) and paged ones.
-    sources = (dict(), dict(varlen=True), dict(cache=True), dict(cache=True, leftpad=True), dict(paged=True))
+    sources = (dict(), dict(varlen=True), dict(cache=True), dict(cache=True, leftpad=True), dict(paged=True),
+               dict(paged=True, page_size=16))  # (pages of 16: gathered; not planned at d=64)
     modded = [planned(d, dt, c, sq, arch, seqlen_k=sk, local=loc, softcap=cap, alibi=ali, sinks=snk, **src)
               for d in HEAD_DIMS for dt in DTYPES for c, loc in ((False, False), (True, False), (False, True))
               for sq, sk in shapes for cap in (False, True) for ali in (False, True) for snk in (False, True)
-              for src in sources]
+              for src in sources if not (d == 64 and src.get("page_size"))]
     return list(dict.fromkeys(dense + modded))
 
 

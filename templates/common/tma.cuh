@@ -50,6 +50,12 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
 }
 
+// An arrival on `bar` once every cp.async this thread has issued so far has landed (.noinc: the
+// arrival is one of those the barrier was initialised to expect).
+__device__ __forceinline__ void mbar_arrive_cp_async(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
+}
+
 // True once the phase of parity `parity` has completed (try_wait may suspend the thread for a
 // while before it answers false, so the caller's loop does not spin hard). Acquire semantics
 // at CTA scope by default: the TMA's writes of the completed phase are visible afterwards.
