@@ -95,13 +95,15 @@ def test_kvcache_chunked_prefill(rng, mode, causal, d):
         assert torch.equal(rows(kc, i, int(lens[i])), ks[i]) and torch.equal(rows(vc, i, int(lens[i])), vs[i])
 
 
-@pytest.mark.parametrize("mode,d", [("dense", 128), ("batch_idx", 64), ("paged16", 128), ("paged64", 256)])
+@pytest.mark.parametrize("mode,d", [("dense", 128), ("batch_idx", 64), ("paged16", 128), ("paged64", 256),
+                                    ("paged256", 128)])
 @pytest.mark.parametrize("sq,num_splits", [(1, 0), (256, 3), (256, 1), (200, 1)])
 def test_kvcache_nan_past_the_keys(rng, mode, d, sq, num_splits):
     """Cache rows past each sequence's keys hold NaN (a cache made with torch.empty): decode, the
     split kernels and the standard kernels zero-fill them, as FlashAttention-2 does; the
     warp-specialised forward (sm_90, chunked prefill without a split) zeroes the V rows of its
-    tail tile once loaded, so 0 * NaN never reaches P V. The output is finite and right."""
+    tail tile once loaded (TMA boxes), or zero-fills them (gathered pages), so 0 * NaN never
+    reaches P V. The output is finite and right."""
     import torch
     import cuflash
     b, sk, h, hk = 3, 700, 8, 2
@@ -117,6 +119,12 @@ def test_kvcache_nan_past_the_keys(rng, mode, d, sq, num_splits):
         vc[at] = float("nan")
     out = cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, causal=True,
                                          num_splits=num_splits, **kw)
+    if torch.cuda.get_device_capability() == (9, 0) and sq >= 200 and num_splits == 1:
+        paged = mode.startswith("paged")
+        shape = (kc.shape[0], kc.shape[1], hk, d) if not paged else (b, kw["block_table"].shape[1] * kc.shape[1], hk, d)
+        plan = cuflash.plan(tuple(q.shape), shape, shape, causal=True, num_splits=1,
+                            kv_cache="paged" if paged else "contiguous", page_size=kc.shape[1] if paged else None)
+        assert plan.kernels[0].startswith("fwd_ws_"), plan.kernels  # the kernel that loads past the keys
     assert bool(torch.isfinite(out).all())
     check_batches(out, q, ks, vs, True)
 

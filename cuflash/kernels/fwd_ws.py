@@ -162,8 +162,9 @@ class FwdWsVariant(KernelVariant):
             raise ValueError(f"varlen, cache and paged exclude each other, flashmask and persistent, got varlen="
                              f"{self.varlen}, cache={self.cache}, paged={self.paged}, flashmask={self.flashmask!r}, "
                              f"persistent={self.persistent}")
-        if self.gather and not self.paged:
-            raise ValueError("gather needs paged (a paged KV cache)")
+        if self.gather and not (self.paged and self.block_n <= 128):
+            raise ValueError(f"gather needs paged (a paged KV cache) and block_n <= 128 (a row per producer "
+                             f"thread), got paged={self.paged}, block_n={self.block_n}")
         if self.leftpad and not self.cache:
             raise ValueError("leftpad needs cache (a contiguous KV cache)")
         if self.sinks and self.flashmask:
@@ -320,7 +321,7 @@ def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 
     # 192-row tile's 160 registers per consumer thread, NVRTC 13.0 spills the causal FlashMask walk
     # and some softcap/ALiBi variants).
     gather = paged and gathers(page_size, head_dim)
-    # (Gathered pages: the producer's 64 registers leave three consumer warpgroups too few.)
+    # (Gathered pages: the producer's 40 registers leave three consumer warpgroups too few.)
     short = head_dim == 64 and ((causal or local) and (flashmask or seqlen_q <= 2048) or softcap or alibi or gather)
     tile = SHORT_CAUSAL_D64 if short else TILES[head_dim]
     keys = seqlen_q if seqlen_k is None else seqlen_k
