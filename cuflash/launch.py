@@ -377,12 +377,11 @@ def fire(r: Recipe, device: int, stream: int, q: int, k: int, v: int, o: int, ls
             counter = counter or (_counter_ptr(device, stream, 1) if fused else 0)
             grid, mid = (grid, (*mid[:-1], counter)) if counter else (r.tiles, mid)
         if mk is None:  # gathered pages: K/V pointers in the last two fields, no maps
-            r.kernel.launch(grid, r.block, r.smem, stream,
-                            (fwd_ws.tensor_map(q, *mq, dtype), NO_MAP, NO_MAP, o, lse, *mid[:-2], k, v), r.early)
-            return
-        r.kernel.launch(grid, r.block, r.smem, stream,
-                        (fwd_ws.tensor_map(q, *mq, dtype), fwd_ws.tensor_map(k, *mk, dtype),
-                         fwd_ws.tensor_map(v, *mv, dtype), o, lse, *mid), r.early)
+            kv_maps, mid = (NO_MAP, NO_MAP), (*mid[:-2], k, v)
+        else:
+            kv_maps = (fwd_ws.tensor_map(k, *mk, dtype), fwd_ws.tensor_map(v, *mv, dtype))
+        r.kernel.launch(grid, r.block, r.smem, stream, (fwd_ws.tensor_map(q, *mq, dtype), *kv_maps, o, lse, *mid),
+                        r.early)
         return
     if not r.split:
         r.kernel.launch(r.grid, r.block, r.smem, stream, (q, k, v, o, lse, *r.mid, 0, 0, 0), r.early)

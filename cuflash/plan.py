@@ -361,16 +361,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                           "(cache_seqlens)" + (", cache row (cache_batch_idx) and first key row (cache_leftpad)"
                                                if v.leftpad else " and cache row (cache_batch_idx)")
                           + " on the device (one block per query tile)." if v.cache else "")
-                       + (" Paged KV cache: " + (
-                           f"the producer warpgroup's 128 threads gather each K/V tile's rows from pages of "
-                           f"{p.page_size} rows (looked up in the block table) with 16-byte cp.async copies, as "
-                           f"FlashAttention-3 does for pages the TMA cannot read whole tiles of (" if v.gather else
-                           "the K/V tensor maps are the page pool's; "
-                           + (f"the producer looks each tile's page up in the block table (pages of {p.page_size} "
-                              f"rows hold whole tiles; " if p.page_size >= v.block_n else
-                              f"each K/V tile spans {v.block_n // p.page_size} pages of {p.page_size} rows, which the "
-                              f"producer looks up in the block table and loads as one TMA box each ("))
-                          + "one block per query tile)." if v.paged else "")
+                       + (" Paged KV cache: " + _fwd_ws_pages(v, p.page_size) if v.paged else "")
                        + (f" Persistent blocks (at most one per SM) take the query tiles from an atomic counter in "
                           f"the one-tile order and load a tile's Q and first K/V while finishing the last: with "
                           f"{p.seqlen_k} keys (at most {fwd_ws.persistent_max_keys(v.head_dim, v.causal)}) each tile walks "
@@ -477,6 +468,22 @@ def _dropout_rejects(p: Problem) -> None:
         if bad:
             raise ValueError(f"dropout_p > 0 cannot be combined with {what}: dropout is for training, "
                              "where flash-attn has no KV cache and no split")
+
+
+def _fwd_ws_pages(v, page_size: int) -> str:
+    """How fwd_ws variant ``v`` reads a paged cache's pages of ``page_size`` rows (the plan's reason)."""
+    if v.gather:
+        how = (f"the producer warpgroup's 128 threads gather each K/V tile's rows from pages of {page_size} rows "
+               f"(looked up in the block table) with 16-byte cp.async copies, as FlashAttention-3 does for pages "
+               f"the TMA cannot read whole tiles of")
+    elif page_size >= v.block_n:
+        how = (f"the K/V tensor maps are the page pool's; the producer looks each tile's page up in the block "
+               f"table (pages of {page_size} rows hold whole tiles")
+    else:
+        how = (f"the K/V tensor maps are the page pool's; each K/V tile spans {v.block_n // page_size} pages of "
+               f"{page_size} rows, which the producer looks up in the block table and loads as one TMA box each")
+    return how + ("; one block per query tile)." if not v.gather and page_size >= v.block_n else
+                  " (one block per query tile).")
 
 
 def _fwd_ws_blocker(p: Problem, even: bool, bucket: int, pack: bool) -> str:

@@ -83,7 +83,7 @@ def main():
     kp, vp = rnd(20, 128, 2, 128), rnd(20, 128, 2, 128)
     cuflash.attention_with_kvcache(q, kp, vp, kn, vn, cache_seqlens=lens, block_table=pages, causal=True,
                                    num_splits=1)
-    # and with pages of 32 rows (four per K/V tile, a box each; tails inside a page)
+    # and with pages of 32 rows (gathered with cp.async on sm_90; tails inside a page)
     pages = torch.from_numpy(np.random.default_rng(2).permutation(60)[:3 * 14].reshape(3, 14).astype(np.int32)).cuda()
     kp, vp = rnd(60, 32, 2, 128), rnd(60, 32, 2, 128)
     cuflash.attention_with_kvcache(q, kp, vp, kn, vn, cache_seqlens=lens, block_table=pages, causal=True,
