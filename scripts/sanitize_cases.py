@@ -83,11 +83,13 @@ def main():
     kp, vp = rnd(20, 128, 2, 128), rnd(20, 128, 2, 128)
     cuflash.attention_with_kvcache(q, kp, vp, kn, vn, cache_seqlens=lens, block_table=pages, causal=True,
                                    num_splits=1)
-    # and with pages of 32 rows (gathered with cp.async on sm_90; tails inside a page)
-    pages = torch.from_numpy(np.random.default_rng(2).permutation(60)[:3 * 14].reshape(3, 14).astype(np.int32)).cuda()
-    kp, vp = rnd(60, 32, 2, 128), rnd(60, 32, 2, 128)
-    cuflash.attention_with_kvcache(q, kp, vp, kn, vn, cache_seqlens=lens, block_table=pages, causal=True,
-                                   num_splits=1)
+    # and with pages of 32 rows (gathered with cp.async on sm_90) and of 64 (two TMA boxes per K/V
+    # tile); tails inside a page
+    for page, per in ((32, 14), (64, 7)):
+        pages = torch.from_numpy(np.random.default_rng(2).permutation(60)[:3 * per].reshape(3, per).astype(np.int32)).cuda()
+        kp, vp = rnd(60, page, 2, 128), rnd(60, page, 2, 128)
+        cuflash.attention_with_kvcache(q, kp, vp, kn, vn, cache_seqlens=lens, block_table=pages, causal=True,
+                                       num_splits=1)
     # sliding window + softcap + ALiBi (standard, split and decode tiles)
     slopes = torch.rand(4, device="cuda")
     cuflash.attention(rnd(2, 113, 4, 64), rnd(2, 203, 2, 64), rnd(2, 203, 2, 64), causal=True,
