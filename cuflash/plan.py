@@ -499,10 +499,6 @@ def _fwd_ws_blocker(p: Problem, even: bool, bucket: int, pack: bool) -> str:
             return "it reads no packed sequences over a paged cache"
         if not p.page_size:
             return "a paged cache whose page size the plan was not given"
-        if bucket == 64 and fwd_ws.gathers(p.page_size, bucket):
-            return (f"at d=64 it does not gather pages of {p.page_size} rows yet (measured faster than the wgmma "
-                    f"kernel, not yet checked against the reference on a GPU), and TMA boxes need pages of at "
-                    f"least 64 rows that hold or divide its 128-key tiles")
     if p.dropout:
         return "it has no dropout (its consumers' P has no Philox mask)"
     if p.seqlen_k == 0:

@@ -163,9 +163,9 @@ def test_registered_and_planned_where_it_applies():
                 for mods in (dict(softcap=True), dict(alibi=True), dict(varlen=True),
                              dict(softcap=True, alibi=True, varlen=True, window=(256, 0)), dict(kv="cache"),
                              dict(kv="cache", leftpad=True, softcap=True), dict(kv="paged", page_size=640),
-                             *[dict(kv="paged", page_size=16), dict(kv="paged", page_size=48)] * (d > 64)):
+                             dict(kv="paged", page_size=16), dict(kv="paged", page_size=48)):
                     # 640: whole tiles (TMA boxes); 16, 48: gathered (fewer than 64 rows, or neither
-                    # holding nor dividing tiles; not at d=64)
+                    # holding nor dividing tiles)
                     plan = make_plan(replace(p, **mods), h100)
                     v = plan.launches[0].variant
                     assert [l.variant.family for l in plan.launches] == ["fwd_ws"], (mods, plan)
@@ -179,7 +179,6 @@ def test_registered_and_planned_where_it_applies():
                     assert ("Paged KV cache" in plan.reason) == v.paged
                     assert v.gather == (mods.get("page_size") in (16, 48)) == ("cp.async" in plan.reason)
                 for other, why in ((dict(kv="paged", page_size=256, varlen=True), "paged"),
-                                   *[(dict(kv="paged", page_size=48), "d=64")] * (d == 64),
                                    (dict(tma=False), "stride")):
                     plan = make_plan(replace(p, **other), h100)
                     assert all(l.variant.family != "fwd_ws" for l in plan.launches), (other, plan)
@@ -854,8 +853,7 @@ def test_gpu_kvcache_chunk_runs_fwd_ws(rng, fired, d, mode, causal, window, soft
 def test_gpu_paged_kvcache_chunk(rng, fired, d, page, causal):
     """A chunk of 256 new tokens appended to paged caches (pages in random order): fwd_ws where the
     pages hold whole K/V tiles or divide them (TMA boxes, pages of at least 64 rows) or gathered
-    with cp.async (smaller pages, or pages that neither hold nor divide tiles; not at d=64, where
-    pages under 64 rows run the wgmma kernel); against the float64 reference over each sequence's
+    with cp.async (smaller pages, or pages that neither hold nor divide tiles); against the float64 reference over each sequence's
     keys."""
     import torch
     import cuflash
@@ -865,9 +863,8 @@ def test_gpu_paged_kvcache_chunk(rng, fired, d, page, causal):
     out = torch.full_like(q, float("nan"))
     cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, causal=causal, out=out, num_splits=1,
                                    **kw)
-    ws = not (d == 64 and fwd_ws.gathers(page, d))
-    assert ("_paged" in fired[-1] and fired[-1].startswith("fwd_ws_")) == ws, fired[-1]
-    assert ("_gather" in fired[-1]) == (ws and fwd_ws.gathers(page, d)), fired[-1]
+    assert "_paged" in fired[-1] and fired[-1].startswith("fwd_ws_"), fired[-1]
+    assert ("_gather" in fired[-1]) == fwd_ws.gathers(page, d), fired[-1]
     check_batches(out, q, ks, vs, causal)
     for i in range(b):
         assert torch.equal(rows(kc, i, int(lens[i])), ks[i]) and torch.equal(rows(vc, i, int(lens[i])), vs[i])

@@ -352,11 +352,11 @@ def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
     # Every mask (full, causal, local) with every combination of softcap, ALiBi and sinks, on dense
     # batches, packed sequences, contiguous KV caches (with or without a leftpad) and paged ones.
     sources = (dict(), dict(varlen=True), dict(cache=True), dict(cache=True, leftpad=True), dict(paged=True),
-               dict(paged=True, page_size=16))  # (pages of 16: gathered; not planned at d=64)
+               dict(paged=True, page_size=16))  # (pages of 16: gathered)
     modded = [planned(d, dt, c, sq, arch, seqlen_k=sk, local=loc, softcap=cap, alibi=ali, sinks=snk, **src)
               for d in HEAD_DIMS for dt in DTYPES for c, loc in ((False, False), (True, False), (False, True))
               for sq, sk in shapes for cap in (False, True) for ali in (False, True) for snk in (False, True)
-              for src in sources if not (d == 64 and src.get("page_size"))]
+              for src in sources]
     return list(dict.fromkeys(dense + modded))
 
 
