@@ -23,6 +23,15 @@ def _gpu_problem():
         return f"no usable CUDA GPU ({type(e).__name__}: {e})"
 
 
+def warm(variants) -> None:
+    """Compile ``variants`` into the disk cache in parallel before a module's tests, in a single
+    pytest process. Under pytest-xdist every worker would compile all of them at once (each with
+    a thread per core), so there the tests compile what they use when they first use it."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        from cuflash.compiler import warmup
+        warmup(variants)
+
+
 GPU_PROBLEM = _gpu_problem()
 requires_gpu = pytest.mark.skipif(GPU_PROBLEM is not None, reason=f"needs a CUDA GPU: {GPU_PROBLEM}")
 

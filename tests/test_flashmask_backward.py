@@ -20,7 +20,8 @@ from cuflash.kernels import bwd
 from cuflash.kernels.bwd import BwdTileVariant
 from cuflash.kernels.flashmask import FlashMaskPrepVariant
 from cuflash.plan import DeviceFacts, Problem, make_backward_plan
-from conftest import assert_compiled_clean, fake_view, record_launches, requires_gpu, requires_sm90, requires_torch
+from conftest import (assert_compiled_clean, fake_view, record_launches, requires_gpu, requires_sm90, requires_torch,
+                      warm)
 from test_flashmask_kernels import _builders, _kernel_mask
 
 H100 = dict(num_sms=132)
@@ -405,12 +406,12 @@ def test_torch_op_schema_takes_the_indices():
 
 @pytest.fixture(scope="module")
 def _fm_kernels():
-    """Every FlashMask backward variant (and the forward's) of this GPU, compiled in parallel once."""
+    """Every FlashMask backward variant (and the forward's) of this GPU, compiled in parallel once
+    (conftest.warm)."""
     import cupy
-    from cuflash.compiler import warmup
     from cuflash.kernels import fwd
     arch = int(cupy.cuda.Device().compute_capability)
-    warmup(bwd.flashmask_variants(arch) + fwd.flashmask_variants(arch)
+    warm(bwd.flashmask_variants(arch) + fwd.flashmask_variants(arch)
            + [FlashMaskPrepVariant(columns=n, arch=arch) for n in (1, 2, 4)])
 
 

@@ -8,7 +8,7 @@ on random packed lengths (empty and length-1 sequences included)."""
 import numpy as np
 import pytest
 
-from conftest import requires_gpu, requires_torch
+from conftest import requires_gpu, requires_torch, warm
 
 pytestmark = [requires_gpu]
 
@@ -20,11 +20,10 @@ LONG_SHAPES = [(1024, 1024), (1023, 1024), (1024, 1023), (256, 512), (512, 256),
 
 @pytest.fixture(scope="session", autouse=True)
 def _compile_everything():
-    """Build every backward variant once, in parallel, before the tests."""
+    """Build every backward variant once, in parallel, before the tests (conftest.warm)."""
     import cupy
-    from cuflash.compiler import warmup
     from cuflash.kernels import bwd
-    warmup(bwd.variants(int(cupy.cuda.Device().compute_capability)))
+    warm(bwd.variants(int(cupy.cuda.Device().compute_capability)))
 
 
 def to_np(x):
@@ -456,6 +455,38 @@ def test_varlen_strided_and_sequences_without_queries_or_keys(rng):
     check_varlen((dq, dk[:ck[-1]], dv[:ck[-1]]), dout, q, k[:ck[-1]], v[:ck[-1]], cq, ck, True)
     assert torch.all(dk[70:90] == 0) and torch.all(dv[70:90] == 0)
     assert torch.isnan(dk[ck[-1]:]).all() and torch.isnan(dv[ck[-1]:]).all()
+
+
+@requires_torch
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_varlen_nan_in_the_next_sequence(rng, monkeypatch, d, causal, deterministic):
+    """A sequence's tail query and key blocks also load the next sequence's first tokens (masked
+    out; on sm_90 the warp-specialised kernel's TMA tiles at d = 64, 128, 256). NaN there (that
+    sequence's own q, k, v and dout) must not reach this sequence's gradients: 0 * NaN in
+    dV += P^T dO, dK += dS^T Q or dQ += dS K would."""
+    import torch
+    from cuflash import backward
+    fired, fire = [], backward._fire
+    monkeypatch.setattr(backward, "_fire", lambda ls, *a: (fired.extend(la.kernel.name for la in ls), fire(ls, *a))[1])
+    lq, lk = [200, 77, 300], [300, 77, 500]
+    cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    mk = lambda n, h: torch.from_numpy(rng.standard_normal((n, h, d), dtype=np.float32)).to("cuda", torch.bfloat16)
+    q, dout, k, v = mk(int(cq[-1]), 8), mk(int(cq[-1]), 8), mk(int(ck[-1]), 2), mk(int(ck[-1]), 2)
+    for x, c in ((q, cq), (dout, cq), (k, ck), (v, ck)):
+        x[c[1]:c[2]] = float("nan")  # sequence 1: its own gradients are NaN, the others' must not be
+    dq, dk, dv = run_varlen(dout, q, k, v, cq, ck, causal=causal, deterministic=deterministic)
+    if torch.cuda.get_device_capability() == (9, 0) and d != 96:
+        assert any(n.startswith("bwd_ws_") for n in fired), fired
+    for i in (0, 2):
+        rq, rk = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        for name, g in (("dq", dq[rq]), ("dk", dk[rk]), ("dv", dv[rk])):
+            assert bool(torch.isfinite(g).all()), f"{name} of sequence {i}"
+        one = lambda x, r: x[r].contiguous()
+        check_varlen((dq[rq], dk[rk], dv[rk]), one(dout, rq), one(q, rq), one(k, rk), one(v, rk),
+                     np.array([0, lq[i]], np.int32), np.array([0, lk[i]], np.int32), causal)
 
 
 @requires_torch

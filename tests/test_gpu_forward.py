@@ -3,7 +3,7 @@ max|out - ref64| <= 2 * max|ref_lowp - ref64| + 1e-5, fresh random inputs, NaN-p
 import numpy as np
 import pytest
 
-from conftest import requires_gpu, requires_torch
+from conftest import requires_gpu, requires_torch, warm
 
 pytestmark = [requires_gpu]
 
@@ -16,11 +16,10 @@ DTYPES = ["float16", "bfloat16"]
 @pytest.fixture(scope="session", autouse=True)
 def _compile_everything():
     """Build every variant without window/softcap/ALiBi once, in parallel, before the tests
-    (later calls hit the cache; the others compile when first used)."""
+    (later calls hit the cache; the others compile when first used; conftest.warm)."""
     import cupy
-    from cuflash.compiler import warmup
     from cuflash.kernels import all_variants
-    warmup(all_variants(int(cupy.cuda.Device().compute_capability), mods=False, families=("fwd", "combine", "append")))
+    warm(all_variants(int(cupy.cuda.Device().compute_capability), mods=False, families=("fwd", "combine", "append")))
 
 
 def torch_inputs(rng, b, sq, sk, h, hk, d, dtype):

@@ -25,7 +25,8 @@ from .params import ParamTable, strides
 HEAD_DIMS = (64, 128, 256)
 BLOCK_N = {64: 128, 128: 128, 256: 64}  # keys per block: two consumer warpgroups of 64 (d = 256: shared)
 BLOCK_M = {64: 128, 128: 64, 256: 64}   # query rows per step (the S^T accumulators: 64 keys x block_m)
-BARRIER_BYTES = 64         # K/V full, per Q/dO stage full and empty, dq_writer's full and empty: <= 7 of 8 bytes
+BARRIER_BYTES = 96         # K/V full, per Q/dO stage full and empty, dq_writer's full and empty, zero_tail's
+                           # K/V and per-stage tail barriers: at most 10 mbarriers of 8 bytes
 STAGES = 2                 # Q/dO/LSE/D stages
 # Head dims without softcap and ALiBi together: at d = 64 a step's 128 query columns of S^T and
 # dP^T leave no registers for both (NVCC 13.0 spilled 4-16 B in half of those variants).
@@ -201,6 +202,13 @@ class BwdWsVariant(KernelVariant):
         return (2 * self.block_n * self.head_dim * 2 + 2 * STAGES * tile_q + (4 if self.split_d else 2) * ds
                 + 2 * STAGES * self.block_m * 4 + dq_stage + INFO_BYTES + BARRIER_BYTES)
 
+    @property
+    def zero_tail(self) -> bool:
+        """Packed sequences: a tail tile's rows past its sequence (the next sequence's tokens) are
+        zeroed in shared memory before the consumers read them (0 * NaN there would reach this
+        sequence's dQ, dK and dV), by the producer warpgroup's third warp."""
+        return self.varlen
+
     def grid(self, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int) -> tuple[int, int, int]:
         return (-(-seqlen_k // self.block_n), nheads_k, batch)
 
@@ -209,7 +217,7 @@ class BwdWsVariant(KernelVariant):
                     causal=self.causal, local=self.local, bf16=self.dtype == "bf16", dq=self.dq,
                     dq_early=self.dq_early, dq_writer=self.dq_writer,
                     dq_ordered=self.dq_ordered, flashmask=self.flashmask, rotate=self.rotate, overlap=self.overlap,
-                    softcap=self.softcap, alibi=self.alibi, varlen=self.varlen,
+                    softcap=self.softcap, alibi=self.alibi, varlen=self.varlen, zero_tail=self.zero_tail,
                     producer_regs=PRODUCER_REGS, consumer_regs=MAX_CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES,
                     info_bytes=INFO_BYTES, barrier_bytes=BARRIER_BYTES, varlen_row_gap=VARLEN_ROW_GAP)
 
