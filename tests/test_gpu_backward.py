@@ -463,9 +463,10 @@ def test_varlen_strided_and_sequences_without_queries_or_keys(rng):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_varlen_nan_in_the_next_sequence(rng, monkeypatch, d, causal, deterministic):
     """A sequence's tail query and key blocks also load the next sequence's first tokens (masked
-    out; on sm_90 the warp-specialised kernel's TMA tiles at d = 64, 128, 256). NaN there (that
-    sequence's own q, k, v and dout) must not reach this sequence's gradients: 0 * NaN in
-    dV += P^T dO, dK += dS^T Q or dQ += dS K would."""
+    out; on sm_90 the warp-specialised kernel's TMA tiles at d = 64, 128, 256), the last one the
+    tokens after it. NaN there (the middle sequence's own q, k, v and dout; 7 tokens after the
+    last sequence) must not reach the other sequences' gradients: 0 * NaN in dV += P^T dO,
+    dK += dS^T Q or dQ += dS K would."""
     import torch
     from cuflash import backward
     fired, fire = [], backward._fire
@@ -474,9 +475,10 @@ def test_varlen_nan_in_the_next_sequence(rng, monkeypatch, d, causal, determinis
     cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
     ck = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
     mk = lambda n, h: torch.from_numpy(rng.standard_normal((n, h, d), dtype=np.float32)).to("cuda", torch.bfloat16)
-    q, dout, k, v = mk(int(cq[-1]), 8), mk(int(cq[-1]), 8), mk(int(ck[-1]), 2), mk(int(ck[-1]), 2)
+    q, dout, k, v = mk(int(cq[-1]) + 7, 8), mk(int(cq[-1]) + 7, 8), mk(int(ck[-1]) + 7, 2), mk(int(ck[-1]) + 7, 2)
     for x, c in ((q, cq), (dout, cq), (k, ck), (v, ck)):
         x[c[1]:c[2]] = float("nan")  # sequence 1: its own gradients are NaN, the others' must not be
+        x[c[-1]:] = float("nan")
     dq, dk, dv = run_varlen(dout, q, k, v, cq, ck, causal=causal, deterministic=deterministic)
     if torch.cuda.get_device_capability() == (9, 0) and d != 96:
         assert any(n.startswith("bwd_ws_") for n in fired), fired

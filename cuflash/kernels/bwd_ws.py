@@ -25,8 +25,7 @@ from .params import ParamTable, strides
 HEAD_DIMS = (64, 128, 256)
 BLOCK_N = {64: 128, 128: 128, 256: 64}  # keys per block: two consumer warpgroups of 64 (d = 256: shared)
 BLOCK_M = {64: 128, 128: 64, 256: 64}   # query rows per step (the S^T accumulators: 64 keys x block_m)
-BARRIER_BYTES = 96         # K/V full, per Q/dO stage full and empty, dq_writer's full and empty, zero_tail's
-                           # K/V and per-stage tail barriers: at most 10 mbarriers of 8 bytes
+BARRIER_BYTES = 64         # K/V full, per Q/dO stage full and empty, dq_writer's full and empty: <= 7 of 8 bytes
 STAGES = 2                 # Q/dO/LSE/D stages
 # Head dims without softcap and ALiBi together: at d = 64 a step's 128 query columns of S^T and
 # dP^T leave no registers for both (NVCC 13.0 spilled 4-16 B in half of those variants).
@@ -204,9 +203,9 @@ class BwdWsVariant(KernelVariant):
 
     @property
     def zero_tail(self) -> bool:
-        """Packed sequences: a tail tile's rows past its sequence (the next sequence's tokens) are
-        zeroed in shared memory before the consumers read them (0 * NaN there would reach this
-        sequence's dQ, dK and dV), by the producer warpgroup's third warp."""
+        """Packed sequences: the consumers zero a tail tile's rows past its sequence (the next
+        sequence's tokens) in shared memory before reading them (0 * NaN there would reach this
+        sequence's dQ, dK and dV)."""
         return self.varlen
 
     def grid(self, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int) -> tuple[int, int, int]:

@@ -20,6 +20,9 @@
       const float slope = {{ "alibi_slopes[(long long)b * alibi_sb + h] * alibi_scale" if alibi else "0.f" }};
 {%- endif %}
       mbar_wait<kHangTrap>(bar_full(st), (j / kStages) & 1);
+{%- if zero_tail %}
+      zero_q_tail(st, m0);  // (the sequence's last query block: rows past it zeroed)
+{%- endif %}
 
       // S^T = K Q^T, then dP^T = V dO^T, for this group's 64 keys x the step's queries.
       // The empty asm keeps the compiler from hoisting the loop-invariant descriptors (64-bit

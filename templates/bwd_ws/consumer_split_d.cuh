@@ -34,6 +34,9 @@
       const AlibiT alibi(n0 + key_w, m0 + q_wg + {{ k_minus_q }});
 {%- endif %}
       mbar_wait<kHangTrap>(bar_full(st), (j / kStages) & 1);
+{%- if zero_tail %}
+      zero_q_tail(st, m0);  // (the sequence's last query block: rows past it zeroed)
+{%- endif %}
 
       // S^T = K Q^T, then dP^T = V dO^T, for the block's 64 keys x the group's 32 queries. The
       // empty asm keeps the compiler from hoisting the loop-invariant descriptors out of the loop.
