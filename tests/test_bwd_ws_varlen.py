@@ -80,6 +80,7 @@ def test_sources_of_other_variants_unchanged():
         if v.family == "bwd_ws":
             body = src.split('extern "C"')[1]
             assert "cu_seqlens" not in body and "k_rows" not in body and "kInfoKb" not in body, v.name
+            assert "zero_rows" not in body, v.name  # (dense maps read zeros past each sequence)
 
 
 def test_varlen_sources():
@@ -102,6 +103,17 @@ def test_varlen_sources():
         uses = src.count(" - info_i32(sInfo, kInfoSeqQ)")
         assert uses == v.alibi * (1 if v.split_d else 2), v.name
         assert "seqlen_k_arg - seqlen_q_arg" not in src
+        # The next sequence's rows of a tail tile zeroed before any product reads them: Q and dO
+        # once a step's stage has landed, K and V once they have, each then fenced for wgmma and
+        # published to both consumer groups.
+        full = src.index("mbar_wait<kHangTrap>(bar_full(st)")
+        assert full < src.index("zero_q_tail(st, m0);", full) < src.index("issue_sdp(", full), v.name
+        kv = src.index("mbar_wait<kHangTrap>(bar_kv, 0);")
+        zero_kv = src.index("zero_rows(sK, kBlockN,", kv)
+        assert zero_kv < src.index("fence_proxy_async();", zero_kv) < src.index("named_bar_sync<1, kConsumerThreads>();",
+                                                                            zero_kv) < src.index("step(it,", kv)
+        tail = src[src.index("auto zero_q_tail"):]
+        assert tail.index("zero_rows(sdO(st)") < tail.index("fence_proxy_async();") < tail.index("named_bar_sync<1")
     for v in VARLEN_CONVERTS:
         src = codegen.render(v).split('extern "C"')[1]
         assert "if (mb * 64 >= seqlen_q_arg) return;" in src and "(qb & ~3) + (long long)kVarlenRowGap * b" in src

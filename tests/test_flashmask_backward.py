@@ -412,7 +412,7 @@ def _fm_kernels():
     from cuflash.kernels import fwd
     arch = int(cupy.cuda.Device().compute_capability)
     warm(bwd.flashmask_variants(arch) + fwd.flashmask_variants(arch)
-           + [FlashMaskPrepVariant(columns=n, arch=arch) for n in (1, 2, 4)])
+         + [FlashMaskPrepVariant(columns=n, arch=arch) for n in (1, 2, 4)])
 
 
 def _check(rng, b, sq, sk, h, hk, d, dtype, causal, x, deterministic=False, **kw):

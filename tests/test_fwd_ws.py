@@ -853,8 +853,8 @@ def test_gpu_kvcache_chunk_runs_fwd_ws(rng, fired, d, mode, causal, window, soft
 def test_gpu_paged_kvcache_chunk(rng, fired, d, page, causal):
     """A chunk of 256 new tokens appended to paged caches (pages in random order): fwd_ws where the
     pages hold whole K/V tiles or divide them (TMA boxes, pages of at least 64 rows) or gathered
-    with cp.async (smaller pages, or pages that neither hold nor divide tiles); against the float64 reference over each sequence's
-    keys."""
+    with cp.async (smaller pages, or pages that neither hold nor divide tiles); against the
+    float64 reference over each sequence's keys."""
     import torch
     import cuflash
     from test_gpu_kvcache import check_batches, make_case
