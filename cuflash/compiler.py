@@ -36,10 +36,27 @@ class _NVRTC:
 
     def __init__(self):
         import ctypes
-        path = None
+        # CUFLASH_NVRTC: a chosen NVRTC library (e.g. another toolkit's, to see what its ptxas
+        # makes of a kernel); else cuda-pathfinder's, else the system's.
+        path = os.environ.get("CUFLASH_NVRTC") or None
+        if path:
+            self._load_builtins(ctypes, path)
+        else:
+            path = self._find(ctypes)
+        self.ct = ctypes
+        self.lib = ctypes.CDLL(path)
+        self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        self._first, self._warm = threading.Lock(), False
+
+    def _check(self, status, what):
+        if status != 0:
+            raise RuntimeError(f"NVRTC {what} failed: {self.lib.nvrtcGetErrorString(status).decode()}")
+
+    @staticmethod
+    def _find(ctypes) -> str:
         try:
             from cuda import pathfinder
-            path = pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path
+            return pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path
         except Exception:  # pathfinder missing or library not found there: try the system
             import ctypes.util
             import glob
@@ -49,14 +66,18 @@ class _NVRTC:
                 path = path or (found[0] if found else None)
         if not path:
             raise RuntimeError("cuflash: NVRTC not found; install the nvidia-cuda-nvrtc wheel")
-        self.ct = ctypes
-        self.lib = ctypes.CDLL(path)
-        self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-        self._first, self._warm = threading.Lock(), False
+        return path
 
-    def _check(self, status, what):
-        if status != 0:
-            raise RuntimeError(f"NVRTC {what} failed: {self.lib.nvrtcGetErrorString(status).decode()}")
+    @staticmethod
+    def _load_builtins(ctypes, path: str) -> None:
+        """Check CUFLASH_NVRTC's file and load the builtins library beside it, which NVRTC opens
+        by name at its first compile (so no library path needs setting)."""
+        import glob
+        if not os.path.isfile(path):
+            raise RuntimeError(f"cuflash: CUFLASH_NVRTC must name an NVRTC library file (libnvrtc.so.*), got {path!r}")
+        found = sorted(glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so.*")))
+        if found:
+            ctypes.CDLL(found[0], mode=ctypes.RTLD_GLOBAL)
 
     def version(self) -> tuple[int, int]:
         major, minor = self.ct.c_int(), self.ct.c_int()

@@ -68,6 +68,22 @@ def test_wgmma_variant_as_designed(compiled, v):
     assert "serialized" not in log, log
 
 
+def test_nvrtc_library_chosen_by_environment(monkeypatch, tmp_path):
+    """CUFLASH_NVRTC names the NVRTC library to load (its builtins found beside it); a path that
+    is not a file is refused, naming the variable."""
+    import ctypes
+    default = compiler._NVRTC._find(ctypes)
+    version = compiler.nvrtc_version()
+    monkeypatch.setattr(compiler, "_nvrtc_instance", None)
+    monkeypatch.setenv("CUFLASH_NVRTC", default)
+    assert compiler.nvrtc_version() == version
+    assert compiler.compile_source('extern "C" __global__ void k(int* x) { *x = 1; }', "k", 90).cubin
+    monkeypatch.setattr(compiler, "_nvrtc_instance", None)
+    monkeypatch.setenv("CUFLASH_NVRTC", str(tmp_path / "libnvrtc.so.13"))
+    with pytest.raises(RuntimeError, match="CUFLASH_NVRTC must name an NVRTC library file"):
+        compiler.nvrtc_version()
+
+
 def test_compile_error_is_reported():
     with pytest.raises(RuntimeError, match=r"NVRTC failed to compile broken for sm_90:\n.*error"):
         compiler.compile_source('extern "C" __global__ void broken() { int x = ; }', "broken", 90)
