@@ -23,6 +23,29 @@ def _gpu_problem():
         return f"no usable CUDA GPU ({type(e).__name__}: {e})"
 
 
+def shard_index(nodeid: str, shards: int) -> int:
+    """The shard (0 .. shards - 1) of a test: a CRC of its node id, the same in every process."""
+    import zlib
+    return zlib.crc32(nodeid.encode()) % shards
+
+
+def pytest_collection_modifyitems(config, items):
+    """CUFLASH_TEST_SHARD=i/n keeps the i-th of n shards (1 <= i <= n) of the collected tests, so
+    that a long GPU suite can run in parts (each `pytest -n 16 tests` call with one shard)."""
+    spec = os.environ.get("CUFLASH_TEST_SHARD")
+    if not spec:
+        return
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+        if not 1 <= i <= n:
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(f"CUFLASH_TEST_SHARD must be i/n with 1 <= i <= n, got {spec!r}") from None
+    kept = [t for t in items if shard_index(t.nodeid, n) == i - 1]
+    config.hook.pytest_deselected(items=[t for t in items if shard_index(t.nodeid, n) != i - 1])
+    items[:] = kept
+
+
 def warm(variants) -> None:
     """Compile ``variants`` into the disk cache in parallel before a module's tests, in a single
     pytest process. Under pytest-xdist every worker would compile all of them at once (each with
