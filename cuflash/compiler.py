@@ -38,7 +38,7 @@ class _NVRTC:
         import ctypes
         # CUFLASH_NVRTC: a chosen NVRTC library (e.g. another toolkit's, to see what its ptxas
         # makes of a kernel); else cuda-pathfinder's, else the system's.
-        path = os.environ.get("CUFLASH_NVRTC") or None
+        path = os.environ.get("CUFLASH_NVRTC")
         if path:
             self._load_builtins(ctypes, path)
         else:

@@ -473,17 +473,15 @@ def _dropout_rejects(p: Problem) -> None:
 def _fwd_ws_pages(v, page_size: int) -> str:
     """How fwd_ws variant ``v`` reads a paged cache's pages of ``page_size`` rows (the plan's reason)."""
     if v.gather:
-        how = (f"the producer warpgroup's 128 threads gather each K/V tile's rows from pages of {page_size} rows "
-               f"(looked up in the block table) with 16-byte cp.async copies, as FlashAttention-3 does for pages "
-               f"the TMA cannot read whole tiles of")
-    elif page_size >= v.block_n:
-        how = (f"the K/V tensor maps are the page pool's; the producer looks each tile's page up in the block "
-               f"table (pages of {page_size} rows hold whole tiles")
-    else:
-        how = (f"the K/V tensor maps are the page pool's; each K/V tile spans {v.block_n // page_size} pages of "
-               f"{page_size} rows, which the producer looks up in the block table and loads as one TMA box each")
-    return how + ("; one block per query tile)." if not v.gather and page_size >= v.block_n else
-                  " (one block per query tile).")
+        return (f"the producer warpgroup's 128 threads gather each K/V tile's rows from pages of {page_size} rows "
+                f"(looked up in the block table) with 16-byte cp.async copies, as FlashAttention-3 does for pages "
+                f"the TMA cannot read whole tiles of (one block per query tile).")
+    if page_size >= v.block_n:
+        return (f"the K/V tensor maps are the page pool's; the producer looks each tile's page up in the block "
+                f"table (pages of {page_size} rows hold whole tiles; one block per query tile).")
+    return (f"the K/V tensor maps are the page pool's; each K/V tile spans {v.block_n // page_size} pages of "
+            f"{page_size} rows, which the producer looks up in the block table and loads as one TMA box each "
+            f"(one block per query tile).")
 
 
 def _fwd_ws_blocker(p: Problem, even: bool, bucket: int, pack: bool) -> str:

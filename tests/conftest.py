@@ -41,8 +41,10 @@ def pytest_collection_modifyitems(config, items):
             raise ValueError
     except ValueError:
         raise pytest.UsageError(f"CUFLASH_TEST_SHARD must be i/n with 1 <= i <= n, got {spec!r}") from None
-    kept = [t for t in items if shard_index(t.nodeid, n) == i - 1]
-    config.hook.pytest_deselected(items=[t for t in items if shard_index(t.nodeid, n) != i - 1])
+    kept, dropped = [], []
+    for t in items:
+        (kept if shard_index(t.nodeid, n) == i - 1 else dropped).append(t)
+    config.hook.pytest_deselected(items=dropped)
     items[:] = kept
 
 
