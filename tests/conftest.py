@@ -139,10 +139,13 @@ def compile_variants():
 
 
 class _Compiled(dict):
-    """Variant -> Compiled; a variant not compiled yet is compiled on first use."""
+    """Variant -> Compiled; a variant not compiled yet is compiled on first use. In a single
+    pytest process ``variants`` are compiled together up front, in parallel; under pytest-xdist
+    each test compiles its own when it first asks for it, since every worker would otherwise
+    compile all of them (16 workers: 16 times the module's sample, each with a thread per core)."""
 
     def __init__(self, compile_variants, variants):
-        super().__init__(compile_variants(variants))
+        super().__init__({} if "PYTEST_XDIST_WORKER" in os.environ else compile_variants(variants))
         self._compile = compile_variants
 
     def __missing__(self, v):
@@ -158,6 +161,12 @@ def compiled(compile_variants, request):
     params = [getattr(getattr(item, "callspec", None), "params", {}) for item in request.session.items
               if item.module is request.module]
     return _Compiled(compile_variants, [p["v"] for p in params if "v" in p])
+
+
+def module_compiled(compile_variants, variants):
+    """{variant: Compiled} for a module fixture that names its variants itself (as ``compiled``
+    does for a module's parametrized ``v``): up front in one process, on use under xdist."""
+    return _Compiled(compile_variants, variants)
 
 
 @pytest.fixture

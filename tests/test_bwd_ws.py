@@ -11,7 +11,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from conftest import assert_compiled_clean, assert_warp_specialised_clean, requires_sm90, requires_torch
+from conftest import assert_compiled_clean, assert_warp_specialised_clean, module_compiled, requires_sm90, requires_torch
 from cuflash.kernels import all_variants, bwd_ws
 from cuflash.kernels.bwd import BwdRowVariant
 from cuflash.kernels.bwd_ws import BwdWsVariant
@@ -94,7 +94,7 @@ def test_bad_tiled_convert(kw):
 
 @pytest.fixture(scope="module")
 def compiled(compile_variants):
-    return compile_variants(VARIANTS + BULK + CONVERTS + FLASHMASK)
+    return module_compiled(compile_variants, VARIANTS + BULK + CONVERTS + FLASHMASK)
 
 
 @pytest.mark.parametrize("v", CONVERTS, ids=lambda v: v.name)

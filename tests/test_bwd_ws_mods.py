@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from conftest import (assert_warp_specialised_clean, fake_view, record_launches, render_without_flag,
+from conftest import (assert_warp_specialised_clean, fake_view, module_compiled, record_launches, render_without_flag,
                       requires_sm90, requires_torch)
 from cuflash import backward, codegen
 from cuflash.kernels import all_variants, bwd_ws, head_dim_bucket
@@ -90,7 +90,7 @@ def test_bad_variant(bad, match):
 
 @pytest.fixture(scope="module")
 def compiled(compile_variants):
-    return compile_variants(COMPILED)
+    return module_compiled(compile_variants, COMPILED)
 
 
 @pytest.mark.parametrize("v", COMPILED, ids=lambda v: v.name)
