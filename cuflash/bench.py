@@ -668,6 +668,9 @@ MASK_FAMILIES = ("document", "causal_document", "share_question", "prefix_lm_doc
                  "global_sliding_window", "causal_blockwise", "qk_sparse", "random_eviction")
 QUICK_MASK_FAMILIES = ("causal_document", "global_sliding_window", "random_eviction")
 MASK_IMPLS = ("cuflash", "flex", "sdpa")
+# cuflash.torch.attention_varlen on the same documents, for the families that are one block (or
+# causal triangle) per document: what plain attention costs on those lengths, FlashMask's bound.
+VARLEN_FAMILIES = ("document", "causal_document")
 
 
 def _split(rng, total, parts, minimum):
@@ -685,6 +688,12 @@ def mask_family(name, seqlen, nheads=16, seed=0):
     lengths averaging 2048 tokens, windows of min(1024, seqlen // 8) keys, and so on; seeded by
     (seed, family, seqlen), so a run is repeatable. random_eviction differs per head (nheads);
     the others are shared by all heads (heads dim 1)."""
+    return _mask_family(name, seqlen, nheads, seed)[:3]
+
+
+def _mask_family(name, seqlen, nheads=16, seed=0):
+    """mask_family's (indices, causal, description) and the document lengths of the
+    VARLEN_FAMILIES (None for the others)."""
     from . import masks
     s = int(seqlen)
     key = MASK_FAMILIES.index(name) if name in MASK_FAMILIES else -1
@@ -692,34 +701,34 @@ def mask_family(name, seqlen, nheads=16, seed=0):
     docs = lambda mean: _split(rng, s, max(2, s // mean), 16)  # noqa: E731
     w = min(1024, s // 8)
     if name == "causal":  # the causal mask alone: the reference row of each sequence length
-        return masks.causal(s), True, "causal"
+        return masks.causal(s), True, "causal", None
     if name == "document":
         lens = docs(2048)
-        return masks.document(lens), False, f"{len(lens)} documents, mean {s // len(lens)}"
+        return masks.document(lens), False, f"{len(lens)} documents, mean {s // len(lens)}", lens
     if name == "causal_document":
         lens = docs(2048)
-        return masks.causal_document(lens), True, f"{len(lens)} documents, mean {s // len(lens)}"
+        return masks.causal_document(lens), True, f"{len(lens)} documents, mean {s // len(lens)}", lens
     if name == "share_question":  # each document: a question, then 3 answers that each see it
         lens = docs(4096)
         return (masks.share_question([_split(rng, n, 4, 4) for n in lens]), True,
-                f"{len(lens)} documents of a question + 3 answers")
+                f"{len(lens)} documents of a question + 3 answers", None)
     if name == "prefix_lm_document":  # each document's prefix: 10% to 50% of it
         lens = docs(2048)
         return (masks.prefix_lm_document([(n, int(rng.integers(n // 10, n // 2 + 1))) for n in lens]), False,
-                f"{len(lens)} documents, prefixes 10-50%")
+                f"{len(lens)} documents, prefixes 10-50%", None)
     if name == "global_sliding_window":
         g = min(128, s // 16)
-        return masks.global_sliding_window(s, g, w), False, f"{g} global tokens, window {w}"
+        return masks.global_sliding_window(s, g, w), False, f"{g} global tokens, window {w}", None
     if name == "causal_blockwise":  # in-context examples of about 1024 tokens, the last one the query
         lens = docs(1024)
-        return masks.causal_blockwise(lens), True, f"{len(lens)} blocks, mean {s // len(lens)}"
+        return masks.causal_blockwise(lens), True, f"{len(lens)} blocks, mean {s // len(lens)}", None
     if name == "qk_sparse":  # 4 spans of seqlen/16 queries, one at a random place in each quarter
         n, quarter = s // 16, s // 4
         spans = [(q * quarter + int(rng.integers(1, quarter - n + 1)), n) for q in range(4)]
-        return masks.qk_sparse(s, spans), True, f"4 spans of {n}"
+        return masks.qk_sparse(s, spans), True, f"4 spans of {n}", None
     if name == "random_eviction":
         return (masks.random_eviction(s, s // 2, seed=int(rng.integers(2 ** 31)), nheads=nheads), True,
-                f"evictions from row {s // 2}, per head")
+                f"evictions from row {s // 2}, per head", None)
     raise ValueError(f"unknown mask family {name!r}; expected one of {', '.join(MASK_FAMILIES)}")
 
 
@@ -823,6 +832,23 @@ def _cuflash_mask_attn(causal, idx, backward):
     return (lambda q, k, v: fn(q, k, v, causal=causal, **kw)), name
 
 
+def _varlen_attn(torch, docs, batch, causal, device):
+    """cuflash.torch.attention_varlen over the documents ``docs`` (lengths, the same in every
+    batch entry) as attn(q, k, v) on (batch, seqlen, heads, d) tensors: the batch's tokens as one
+    packed sequence of batch * len(docs) documents, the output (batch, seqlen, heads, d)."""
+    import cuflash.torch as ct
+    lens = np.tile(np.asarray(docs, dtype=np.int64), batch)
+    cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)).to(device)
+    longest = int(max(docs))
+
+    def attn(q, k, v):
+        b, s, h, d = q.shape
+        out = ct.attention_varlen(q.reshape(b * s, h, d), k.reshape(b * s, k.shape[2], d),
+                                  v.reshape(b * s, v.shape[2], d), cu, cu, longest, longest, causal=causal)
+        return out.reshape(b, s, h, d)
+    return attn
+
+
 def _bhsd(attn):
     """attn on (batch, heads, seqlen, d) views of (batch, seqlen, heads, d) tensors, its output
     seen in (batch, seqlen, heads, d) again."""
@@ -857,16 +883,18 @@ def _mask_measure(torch, row, outs, name, make, sets, warmup, reps):
 
 
 def _mask_summary(row, outs, flops, causal_tflops):
-    """TF/s of each implementation on the visible pairs' FLOPs, cuflash's ratios to Flex and SDPA
-    and to cuflash's plain causal TF/s at the same length and pass (``causal_tflops``), and
-    max |diff| of cuflash's and SDPA's results (output, or dq, dk, dv) against Flex's."""
-    for name in MASK_IMPLS:
+    """TF/s of each implementation on the visible pairs' FLOPs (and of cuflash's varlen call where
+    the row has one), cuflash's ratios to Flex, SDPA, its varlen call and its plain causal TF/s at
+    the same length and pass (``causal_tflops``), and max |diff| of cuflash's, SDPA's and the
+    varlen call's results (output, or dq, dk, dv) against Flex's."""
+    for name in (*MASK_IMPLS, "varlen"):
         ms = row.get(f"{name}_ms")
         row[f"{name}_tflops"] = flops / ms / 1e9 if ms else None
     row["ratio_flex"] = _div(row["cuflash_tflops"], row["flex_tflops"])
     row["ratio_sdpa"] = _div(row["cuflash_tflops"], row["sdpa_tflops"])
     row["frac_causal"] = _div(row["cuflash_tflops"], causal_tflops)
-    for name in ("cuflash", "sdpa"):
+    row["frac_varlen"] = _div(row["cuflash_tflops"], row["varlen_tflops"])
+    for name in ("cuflash", "sdpa", "varlen"):
         a, b = outs.get(name), outs.get("flex")
         if a is None or b is None:
             row[f"max_diff_{name}"] = None
@@ -901,7 +929,10 @@ def bench_mask(seqlens=(8192, 32768), families=MASK_FAMILIES, batch=1, nheads=16
     torch.compile and SDPA with the dense boolean mask, forward ("fwd") and forward + backward
     ("fwd+bwd", torch.autograd.grad of sum(out * do) w.r.t. q, k, v), at each sequence length;
     a plain causal row first at each length (cuflash without indices, Flex with the causal
-    mask_mod, SDPA with is_causal=True) is the reference of frac_causal.
+    mask_mod, SDPA with is_causal=True) is the reference of frac_causal. For the document families
+    (VARLEN_FAMILIES) cuflash.torch.attention_varlen on the same documents runs too ("varlen";
+    frac_varlen: the FlashMask call's TF/s over it), the rate of plain attention on sequences
+    of those lengths.
 
     FLOPs count the visible (query, key) pairs only: 4 * pairs * d forward, 2.5 times more for the
     backward (bench backward's convention). Flex's BlockMask comes from create_block_mask on a
@@ -935,7 +966,7 @@ def bench_mask(seqlens=(8192, 32768), families=MASK_FAMILIES, batch=1, nheads=16
             mods = _mask_mods(cols)
             causal_tflops = {}
             for fam in ("causal", *families):
-                a, c, desc = mask_family(fam, s, nheads, seed)
+                a, c, desc, docs = _mask_family(fam, s, nheads, seed)
                 a = np.broadcast_to(a, (batch,) + a.shape[1:]).copy()
                 idx = torch.from_numpy(a).to(dev)
                 for dst, src in zip(cols, _mask_columns(torch, idx, s, c, nheads)):
@@ -979,6 +1010,11 @@ def bench_mask(seqlens=(8192, 32768), families=MASK_FAMILIES, batch=1, nheads=16
                                           run, warmup, reps)
                     else:
                         row["sdpa_ms"] = None
+                    row["varlen_ms"] = None
+                    if docs is not None:
+                        varlen = _varlen_attn(torch, docs, batch, c, dev)
+                        _mask_measure(torch, row, outs, "varlen", lambda: _grad_fn(torch, varlen, backward),
+                                      run, warmup, reps)
                     flops = mask_flops(pairs, d, backward)
                     if plain:
                         causal_tflops[pas] = flops / row["cuflash_ms"] / 1e9 if row["cuflash_ms"] else None
@@ -1027,7 +1063,8 @@ _COLUMNS = {
              ("kept", "pairs_frac", lambda x: "-" if x is None else f"{100 * x:.1f}%"),
              ("cuflash TF/s", "cuflash_tflops", _f(".1f")), ("Flex TF/s", "flex_tflops", _f(".1f")),
              ("SDPA TF/s", "sdpa_tflops", _f(".1f")), ("xFlex", "ratio_flex", _f(".2f")),
-             ("%causal", "frac_causal", _pct), ("diff vs Flex", "max_diff_cuflash", _f(".1e")),
+             ("%causal", "frac_causal", _pct), ("varlen TF/s", "varlen_tflops", _f(".1f")),
+             ("%varlen", "frac_varlen", _pct), ("diff vs Flex", "max_diff_cuflash", _f(".1e")),
              ("failed", "errors", lambda e: ",".join(e) if e else "-")],
 }
 
@@ -1123,7 +1160,8 @@ def plot(rows, kind, path):
 def _plot_mask(plt, rows, path):
     """bench mask's rows as grouped bars: TF/s of cuflash, Flex and SDPA per mask family, one
     panel per (sequence length, pass), with 85% of cuflash's plain causal TF/s (the target of the
-    masked rows) as a dashed line. A missing bar is an implementation that failed."""
+    masked rows) as a dashed line and cuflash's varlen call on the same documents as a black
+    tick over its family. A missing bar is an implementation that failed."""
     seqlens = sorted({r["seqlen"] for r in rows})
     passes = [p for p in ("fwd", "fwd+bwd") if any(r["pass"] == p for r in rows)]
     fig, axes = plt.subplots(max(1, len(seqlens)), max(1, len(passes)), squeeze=False,
@@ -1136,6 +1174,10 @@ def _plot_mask(plt, rows, path):
             for k, impl in enumerate(MASK_IMPLS):
                 xs = [i + (k - (len(MASK_IMPLS) - 1) / 2) * width for i in range(len(rs))]
                 ax.bar(xs, [r.get(f"{impl}_tflops") or 0 for r in rs], width, label=labels[impl])
+            varlen = [(i, r["varlen_tflops"]) for i, r in enumerate(rs) if r.get("varlen_tflops")]
+            if varlen:
+                ax.scatter(*zip(*varlen), marker="_", s=900, linewidths=2, color="black", zorder=3,
+                           label="cuflash varlen, same documents")
             ref = next((r["cuflash_tflops"] for r in rs if r["family"] == "causal" and r.get("cuflash_tflops")), None)
             if ref:
                 ax.axhline(0.85 * ref, color="gray", linestyle="--", linewidth=1,

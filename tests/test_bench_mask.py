@@ -87,7 +87,8 @@ def _fake_rows():
         for fam, frac in (("causal", 0.5), ("document", 0.25), ("random_eviction", 0.37)):
             for p in ("fwd", "fwd+bwd"):
                 row = {"family": fam, "seqlen": s, "pass": p, "pairs_frac": frac, "errors": {}}
-                for name, ms in (("cuflash", 2.0), ("flex", 3.0), ("sdpa", None if s == 32768 else 9.0)):
+                for name, ms in (("cuflash", 2.0), ("flex", 3.0), ("sdpa", None if s == 32768 else 9.0),
+                                 ("varlen", 1.6 if fam == "document" else None)):
                     row[f"{name}_ms"] = ms
                 if fam == "random_eviction" and p == "fwd+bwd":
                     row["cuflash_ms"], row["errors"]["cuflash"] = None, "TypeError: no FlashMask backward"
@@ -108,16 +109,18 @@ def test_summary_table_and_plot(tmp_path):
     assert doc["ratio_flex"] == pytest.approx(1.5) and doc["ratio_sdpa"] == pytest.approx(4.5)
     assert doc["frac_causal"] == pytest.approx(0.5) and doc["max_diff_cuflash"] == 0.25
     assert doc["max_diff_sdpa"] is None and "error" not in doc
+    assert doc["varlen_tflops"] == pytest.approx(1250.0) and doc["frac_varlen"] == pytest.approx(0.8)
+    assert rows[4]["varlen_tflops"] is None and rows[4]["frac_varlen"] is None  # random_eviction: no documents
     broken = [r for r in rows if r["family"] == "random_eviction" and r["pass"] == "fwd+bwd" and r["seqlen"] == 32768][0]
     assert broken["cuflash_tflops"] is None and broken["ratio_flex"] is None and broken["frac_causal"] is None
     assert broken["error"] == "cuflash: TypeError: no FlashMask backward; sdpa: OutOfMemoryError: CUDA out of memory"
     table = bench.format_table(rows, "mask").splitlines()
     cells = lambda line: [c.strip() for c in line.split("|")[1:-1]]  # noqa: E731
     assert cells(table[0]) == ["family", "s", "pass", "kept", "cuflash TF/s", "Flex TF/s", "SDPA TF/s", "xFlex",
-                               "%causal", "diff vs Flex", "failed"]
+                               "%causal", "varlen TF/s", "%varlen", "diff vs Flex", "failed"]
     assert len(table) == 2 + len(rows) and len({len(line) for line in table}) == 1
     assert cells(table[2 + 2]) == ["document", "8192", "fwd", "25.0%", "1000.0", "666.7", "222.2", "1.50", "50%",
-                                   "2.5e-01", "-"]
+                                   "1250.0", "80%", "2.5e-01", "-"]
     assert cells(table[-1])[:5] == ["random_eviction", "32768", "fwd+bwd", "37.0%", "-"]
     assert cells(table[-1])[-1] == "cuflash,sdpa"
     # fwd+bwd results are (dq, dk, dv): the largest difference of the three
@@ -140,6 +143,15 @@ def _wall_clock(fn, inputs_list, warmup=1, reps=2, **kw):
         fn(*inputs_list[i % len(inputs_list)])
         times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def _reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, **kw):
+    """cuflash.torch.attention_varlen's stand-in: float32 attention per sequence, differentiable."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    assert max_seqlen_q == max(np.diff(cq)) and max_seqlen_k == max(np.diff(ck))
+    outs = [_reference_attention(q[None, a:b], k[None, c:e], v[None, c:e], causal=causal)[0]
+            for a, b, c, e in zip(cq, cq[1:], ck, ck[1:])]
+    return torch.cat(outs)
 
 
 def _reference_attention(q, k, v, causal=False, startend_row_indices=None, **kw):
@@ -176,6 +188,7 @@ def cpu_bench(monkeypatch):
     monkeypatch.setattr(bench, "_make_sets", lambda torch_, shapes, dtype, min_sets=4, extra_bytes=0: [
         tuple(torch.randn(s, generator=gen, dtype=torch.float32).to(dtype) for s in shapes) for _ in range(2)])
     monkeypatch.setattr(ct, "attention", _reference_attention)
+    monkeypatch.setattr(ct, "attention_varlen", _reference_varlen)
     return ct, asked
 
 
@@ -192,6 +205,10 @@ def test_small_run_on_the_cpu(cpu_bench):
     for r in rows:
         assert r["cuflash_api"] == "cuflash.torch.attention"
         assert r["cuflash_ms"] > 0 and r["sdpa_ms"] > 0
+        if r["family"] in bench.VARLEN_FAMILIES:  # the same documents through the varlen call
+            assert r["varlen_ms"] > 0 and r["frac_varlen"] == pytest.approx(r["cuflash_tflops"] / r["varlen_tflops"])
+        else:
+            assert r["varlen_ms"] is None and r["frac_varlen"] is None and r["max_diff_varlen"] is None
         if r["pass"] == "fwd+bwd":  # Flex has no backward on the CPU: the row says so and the run goes on
             assert list(r["errors"]) == ["flex"] and "does not support backward on CPU" in r["errors"]["flex"]
             assert r["flex_ms"] is None and r["ratio_flex"] is None and r["max_diff_cuflash"] is None
@@ -200,6 +217,8 @@ def test_small_run_on_the_cpu(cpu_bench):
         assert all(r[f"{n}_ms"] > 0 and r[f"{n}_tflops"] > 0 for n in bench.MASK_IMPLS)
         # bf16 results of the same attention (Flex's and SDPA's on bf16 inputs, the stand-in's in float32)
         assert r["max_diff_cuflash"] < 0.05 and r["max_diff_sdpa"] < 0.05
+        if r["family"] in bench.VARLEN_FAMILIES:
+            assert r["max_diff_varlen"] < 0.05
         assert r["ratio_flex"] == pytest.approx(r["cuflash_tflops"] / r["flex_tflops"])
         want = bench.mask_flops(bench.mask_pairs(bench.mask_family(r["family"], 256, 2)[0], 256, r["causal"], 2),
                                 16, r["pass"] == "fwd+bwd")
