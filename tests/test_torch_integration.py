@@ -634,11 +634,30 @@ def test_hf_training_step_plumbing(ref_kernels, padded):
 
 @requires_torch
 @requires_transformers
-def test_hf_rejects_dropout(ref_kernels):
+@pytest.mark.parametrize("padded", [False, True])
+def test_hf_dropout_goes_to_cuflash(monkeypatch, padded):
+    """A model's attention_dropout reaches cuflash as dropout_p in training (dense and, with
+    padding, varlen calls), and no dropout in eval."""
     import torch
-    a = _tiny_qwen2("cuFlash", attention_dropout=0.1).train()
-    with pytest.raises(NotImplementedError, match="dropout"):
-        a(torch.zeros(1, 4, dtype=torch.long))
+    from cuflash.torch import hf
+    calls = []
+
+    def record(name):
+        def fn(q, *args, **kw):
+            calls.append((name, kw.get("dropout_p")))
+            return torch.zeros_like(q)
+        return fn
+    monkeypatch.setattr(hf, "attention", record("attention"))
+    monkeypatch.setattr(hf, "attention_varlen", record("varlen"))
+    model = _tiny_qwen2("cuFlash", attention_dropout=0.25)
+    ids = torch.arange(1, 7)[None].repeat(2, 1)
+    mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]]) if padded else None
+    kind = "varlen" if padded else "attention"
+    model.train()(ids, attention_mask=mask)
+    assert calls == [(kind, 0.25)] * 2  # one call per layer
+    calls.clear()
+    model.eval()(ids, attention_mask=mask)
+    assert calls == [(kind, None)] * 2
 
 
 def _load_example():
@@ -965,3 +984,40 @@ def test_gpu_hf_gpt_oss_generate_matches_eager(padded):
     ran = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
     assert any(n.startswith("fwd_") and "_sinks_" in n for n in ran), sorted(ran)
     _check_generation(a, b, _tiny_gpt_oss("eager", dtype="float32", device="cuda", **over), ids, mask, 32)
+
+
+@requires_gpu
+@requires_torch
+@requires_transformers
+@pytest.mark.parametrize("padded", [False, True])
+def test_gpu_hf_training_step_with_dropout(padded):
+    """A tiny bf16 Qwen2 with attention_dropout=0.1 in training runs cuflash's dropout kernels
+    (forward and backward, dense or through the padded varlen path); loss and gradients are
+    finite, the same torch seed repeats the loss bitwise and another seed changes it (the mask
+    follows torch's CUDA generator, as flash-attn's does; the gradients' atomic adds, here and in
+    PyTorch's embedding backward, are not bitwise repeatable)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    over = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64, intermediate_size=512,
+                vocab_size=4096, attention_dropout=0.1)
+    model = _tiny_qwen2("cuFlash", dtype="bfloat16", device="cuda", **over).train()
+    ids = torch.randint(1, 4096, (2, 150), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :37] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+
+    def step(seed):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        loss = model(ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        loss, grads = step(0)
+        torch.cuda.synchronize()
+    ran = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    assert any(n.startswith("fwd_") and "_dropout_" in n for n in ran), sorted(ran)
+    assert any(n.startswith("bwd_") and "_dropout_" in n for n in ran), sorted(ran)
+    assert torch.isfinite(loss) and grads and all(torch.isfinite(g).all() for g in grads)
+    assert torch.equal(step(0)[0], loss) and not torch.equal(step(1)[0], loss)

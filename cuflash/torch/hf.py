@@ -115,9 +115,6 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     if kwargs.get("output_attentions", False):
         _warn_once("output_attentions", "cuflash backend does not return attention weights "
                    "(output_attentions=True); they are None")
-    if dropout:
-        raise NotImplementedError(f"cuflash backend has no attention dropout (got {dropout}); "
-                                  "use model.eval() or attention_dropout=0.0")
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError("cuflash backend does not support position_bias")
 
@@ -144,6 +141,9 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
                  deterministic=det)
     if kwargs.get("s_aux") is not None:  # attention sinks (gpt-oss), one logit per query head
         feats["sinks"] = kwargs["s_aux"]
+    if dropout:  # transformers passes the module's attention_dropout in training, 0.0 in eval
+        # flash-attn's attention dropout, its seed and offset from torch's CUDA generator
+        feats["dropout_p"] = float(dropout)
 
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # views
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
