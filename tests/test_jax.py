@@ -285,9 +285,15 @@ def test_forward_callback_launches_on_xla_stream(recorded):
     assert (f1["q_sb"], f1["q_ss"], f1["q_sh"]) == (sq * h * d, h * d, d)
 
 
-def test_persistent_forward_takes_tiles_from_a_zeroed_xla_counter(recorded, monkeypatch):
+def test_persistent_forward_takes_tiles_from_a_zeroed_xla_counter(recorded, monkeypatch, request):
     """Persistent blocks count tiles in an int32 output of the callback, zeroed on XLA's stream
     right before the launch."""
+    from test_fwd_ws import FakeEncode
+    from cuflash.kernels import fwd_ws
+    # the Q/K/V tensor maps without a driver; the made-up maps leave tensor_map's memo with the test
+    monkeypatch.setattr(fwd_ws, "_driver_encode", lambda: FakeEncode().fn)
+    fwd_ws.tensor_map.cache_clear()
+    request.addfinalizer(fwd_ws.tensor_map.cache_clear)
     zeroed = []
     monkeypatch.setattr(cj.launch, "zero_async", lambda ptr, n, stream: zeroed.append((ptr, n, stream, len(recorded))))
     call = cj._Call(16, 1024, 1024, 16, 16, 128, "bf16", True, 0.1, (-1, -1), 0.0, None, None, False)
