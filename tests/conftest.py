@@ -155,9 +155,10 @@ class _Compiled(dict):
 
 @pytest.fixture(scope="module")
 def compiled(compile_variants, request):
-    """{variant: Compiled} for a module's tests parametrized by a variant ``v``: the variants of
-    its selected tests (all of them, or the few that ``-k`` picks) compiled together, in parallel,
-    before the first of those tests runs (through the session's compile_variants)."""
+    """{variant: Compiled} for a module's tests parametrized by a variant ``v``: in one process the
+    variants of its selected tests (all of them, or the few that ``-k`` picks) compiled together,
+    in parallel, before the first of those tests runs (through the session's compile_variants);
+    under pytest-xdist each test's own variant, when it asks for it (_Compiled)."""
     params = [getattr(getattr(item, "callspec", None), "params", {}) for item in request.session.items
               if item.module is request.module]
     return _Compiled(compile_variants, [p["v"] for p in params if "v" in p])

@@ -81,6 +81,22 @@ def test_pair_and_flop_counts():
     assert bench.mask_flops(pairs, d, backward=True) == 3.5 * 4 * pairs * d
 
 
+def test_varlen_attn_packs_the_batch_documents(monkeypatch):
+    """bench mask's varlen call: the batch's tokens as one packed sequence, each batch entry's
+    documents in turn (cu_seqlens over batch * documents), K/V heads kept, output reshaped back."""
+    import cuflash.torch as ct
+    seen = []
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=False):
+        seen.append((q.shape, k.shape, cu_q.tolist(), cu_k.tolist(), max_q, max_k, causal))
+        return q * 2
+    monkeypatch.setattr(ct, "attention_varlen", varlen)
+    q, kv = torch.randn(2, 8, 4, 16), torch.randn(2, 8, 2, 16)
+    out = bench._varlen_attn(torch, [3, 5], 2, True, "cpu")(q, kv, kv)
+    assert seen == [((16, 4, 16), (16, 2, 16), [0, 3, 8, 11, 16], [0, 3, 8, 11, 16], 5, 5, True)]
+    assert out.shape == q.shape and torch.equal(out, q * 2)
+
+
 def _fake_rows():
     rows = []
     for s in (8192, 32768):

@@ -660,6 +660,19 @@ def test_hf_dropout_goes_to_cuflash(monkeypatch, padded):
     assert calls == [(kind, None)] * 2
 
 
+@requires_torch
+@requires_transformers
+def test_hf_dropout_with_sinks_is_refused(monkeypatch):
+    """gpt-oss (attention sinks) with attention dropout in training: a clear error before any
+    kernel (cuflash has no dropout with sinks)."""
+    import torch
+    from cuflash.torch import hf
+    monkeypatch.setattr(hf, "attention", lambda *a, **k: pytest.fail("reached cuflash"))
+    model = _tiny_gpt_oss("cuFlash", attention_dropout=0.1).train()
+    with pytest.raises(NotImplementedError, match="sinks"):
+        model(torch.arange(1, 7)[None])
+
+
 def _load_example():
     import importlib.util
     import os

@@ -142,6 +142,9 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     if kwargs.get("s_aux") is not None:  # attention sinks (gpt-oss), one logit per query head
         feats["sinks"] = kwargs["s_aux"]
     if dropout:  # transformers passes the module's attention_dropout in training, 0.0 in eval
+        if "sinks" in feats:
+            raise NotImplementedError(f"cuflash backend: attention dropout ({dropout}) with attention sinks (s_aux) "
+                                      "is not supported; use attention_dropout=0.0")
         # flash-attn's attention dropout, its seed and offset from torch's CUDA generator
         feats["dropout_p"] = float(dropout)
 
