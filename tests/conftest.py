@@ -1,9 +1,11 @@
 import os
 import sys
 
+XDIST = "PYTEST_XDIST_WORKER" in os.environ  # this process is a pytest-xdist worker
+
 # Each pytest-xdist worker computes float64 references with NumPy: one BLAS/OpenMP thread per
 # worker, or 16 workers on 16 cores start 256 threads (a GPU suite ran ~10x slower that way).
-if "PYTEST_XDIST_WORKER" in os.environ:
+if XDIST:
     for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(_var, "1")
 
@@ -52,7 +54,7 @@ def warm(variants) -> None:
     """Compile ``variants`` into the disk cache in parallel before a module's tests, in a single
     pytest process. Under pytest-xdist every worker would compile all of them at once (each with
     a thread per core), so there the tests compile what they use when they first use it."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
+    if not XDIST:
         from cuflash.compiler import warmup
         warmup(variants)
 
@@ -145,7 +147,7 @@ class _Compiled(dict):
     compile all of them (16 workers: 16 times the module's sample, each with a thread per core)."""
 
     def __init__(self, compile_variants, variants):
-        super().__init__({} if "PYTEST_XDIST_WORKER" in os.environ else compile_variants(variants))
+        super().__init__({} if XDIST else compile_variants(variants))
         self._compile = compile_variants
 
     def __missing__(self, v):
