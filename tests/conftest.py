@@ -3,11 +3,21 @@ import sys
 
 XDIST = "PYTEST_XDIST_WORKER" in os.environ  # this process is a pytest-xdist worker
 
-# Each pytest-xdist worker computes float64 references with NumPy: one BLAS/OpenMP thread per
-# worker, or 16 workers on 16 cores start 256 threads (a GPU suite ran ~10x slower that way).
+# Each pytest-xdist worker computes float64 references with NumPy (and runs PyTorch on the CPU):
+# one BLAS/OpenMP thread per worker, or 16 workers on 16 cores start 256 threads (a GPU suite ran
+# ~10x slower that way). A plugin may import NumPy in a worker before this file, when the
+# variables are read already, so the controller also sets them before it starts the workers
+# (pytest_configure below) and they inherit them.
+_ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _one_thread_per_process():
+    for var in _ONE_THREAD:
+        os.environ.setdefault(var, "1")
+
+
 if XDIST:
-    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(_var, "1")
+    _one_thread_per_process()
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -23,6 +33,11 @@ def _gpu_problem():
         return "no CUDA device is visible"
     except Exception as e:  # no driver / no CuPy
         return f"no usable CUDA GPU ({type(e).__name__}: {e})"
+
+
+def pytest_configure(config):
+    if getattr(config.option, "numprocesses", None) and not XDIST:  # the controller of `-n N`
+        _one_thread_per_process()
 
 
 def shard_index(nodeid: str, shards: int) -> int:
