@@ -68,15 +68,16 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     new seed). Not with a KV cache, num_splits > 1, sinks or startend_row_indices.
     """
     plain = type(dropout_p) in (int, float) and dropout_p == 0 and seed is None and type(offset) is int and offset == 0
-    sig = None if startend_row_indices is not None or sinks is not None or not plain else _signature(
-        q, k, v, out, causal, softmax_scale, return_lse, num_splits, window_size, softcap, alibi_slopes)
+    sig = None if sinks is not None or not plain else _signature(
+        q, k, v, out, causal, softmax_scale, return_lse, num_splits, window_size, softcap, alibi_slopes,
+        startend_row_indices)
     if sig is not None:
         try:
             repeat = _repeats.get(sig)
         except Exception:  # an option that cannot be hashed or compared: the checks below name it
             repeat = None
         if repeat is not None:
-            res = repeat(q, k, v, out)
+            res = repeat(q, k, v, out, fm=startend_row_indices)
             if res is not None:
                 return res
     qv, kv, vv = validate.view(q, "q"), validate.view(k, "k"), validate.view(v, "v")
@@ -175,10 +176,8 @@ def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mod
     if not direct_out:
         o_view.array[...] = kernel_out.array[..., :d]
     elif sig is not None and all(in_place) and drop is None:  # read in place: the next such call can skip to here
-        if len(_repeats) >= 1024:
-            _repeats.clear()
-        contiguous = qv.strides == (sq * h * d, h * d, d, 1)
-        _repeats[sig] = _Repeat(recipe, qv.device, (b, h, sq) if return_lse else None, contiguous)
+        _keep(sig, _Repeat(recipe, qv.device, (b, h, sq) if return_lse else None, _contiguous(qv),
+                           fm_ints=0 if fm is None else max(recipe.plan.workspace_bytes // 4, 1)))
     return _result(o_view, ov is not None, lse_arr, qv, return_lse)
 
 
@@ -191,24 +190,43 @@ _repeats: dict = cached_on_plans({})  # signature (see _signature) -> _Repeat
 
 
 def _signature(q, k, v, out, causal, softmax_scale, return_lse, num_splits, window_size, softcap,
-               alibi_slopes):
+               alibi_slopes, startend_row_indices=None):
     """Everything the checks, the plan and the launch arguments of an ``attention`` call on
     PyTorch CUDA tensors depend on, except the data pointers (arrays.repeat_signature); None for
     other calls (ALiBi included). Calls with one signature pass the same checks and launch the
     same kernels with the same arguments."""
     if alibi_slopes is not None:
         return None
-    return arrays.repeat_signature((q, k, v, out), window_size, (causal, softmax_scale, return_lse, num_splits,
-                                                                 softcap))
+    return arrays.repeat_signature((q, k, v, out, startend_row_indices), window_size,
+                                   (causal, softmax_scale, return_lse, num_splits, softcap))
+
+
+def _keep(sig, repeat):
+    if len(_repeats) >= 1024:
+        _repeats.clear()
+    _repeats[sig] = repeat
+
+
+def _contiguous(x) -> bool:
+    """Whether view x is C-contiguous (torch.empty_like of it is then the contiguous output)."""
+    want, st = 1, []
+    for n in reversed(x.shape):
+        st.append(want)
+        want *= n
+    return tuple(reversed(st)) == tuple(x.strides)
 
 
 class _Repeat(NamedTuple):
     recipe: launch.Recipe
     device: int
-    lse_shape: tuple | None  # (batch, nheads, seqlen_q) when the LSE is returned
+    lse_shape: tuple | None  # (batch, nheads, seqlen_q), or (nheads, total_q) packed, when the LSE is returned
     q_contiguous: bool       # torch.empty_like(q) is then the contiguous output
+    # Packed sequences: [cu_seqlens_q pointer, cu_seqlens_k pointer, the recipe holding them]; a
+    # call with other cu_seqlens arrays gets the recipe with theirs (kept for the calls after it).
+    packed: list | None = None
+    fm_ints: int = 0  # FlashMask: the int32 words of its per-key-block bounds (allocated per call)
 
-    def __call__(self, q, k, v, out):
+    def __call__(self, q, k, v, out, cu_q=None, cu_k=None, fm=None):
         """The call's result, or None when its pointers need the general path (alignment)."""
         qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
         op = 0 if out is None else out.data_ptr()
@@ -220,6 +238,15 @@ class _Repeat(NamedTuple):
             op = out.data_ptr()
         lse = None if self.lse_shape is None else q.new_empty(self.lse_shape, dtype=torch.float32)
         dev, recipe = self.device, self.recipe
+        if self.packed is not None:
+            packed, cq, ck = self.packed, cu_q.data_ptr(), cu_k.data_ptr()
+            if packed[0] != cq or packed[1] != ck:
+                packed[:] = cq, ck, launch.with_pointers(recipe, cu_seqlens_q=cq, cu_seqlens_k=ck)
+            recipe = packed[2]
+        fm_ws = None  # FlashMask's bounds, held until the launches are queued
+        if self.fm_ints:
+            fm_ws = q.new_empty((self.fm_ints,), dtype=torch.int32)
+            recipe = launch.with_flashmask(recipe, fm.data_ptr(), fm_ws.data_ptr())
         stream = arrays.torch_stream(dev)
         workspace, held = launch.workspace(  # a per-call workspace is held until its kernels are queued
             recipe, dev, stream, lambda n: q.new_empty((n,), dtype=torch.float32))
@@ -524,6 +551,21 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     :func:`attention`; ALiBi slopes may be (nheads,) or (batch, nheads). Dropout: sequence b is
     batch b of the mask, rows and keys counted from the sequence's first (not with block_table).
     """
+    sig = None
+    if (block_table is None and alibi_slopes is None and sinks is None and seed is None
+            and dropout_p.__class__ in (int, float) and dropout_p == 0 and offset.__class__ is int and offset == 0
+            and max_seqlen_q.__class__ is int and max_seqlen_k.__class__ is int):
+        sig = arrays.repeat_signature((q, k, v, out, cu_seqlens_q, cu_seqlens_k), window_size,
+                                      ("varlen", max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse,
+                                       num_splits, softcap))
+        try:
+            repeat = _repeats.get(sig) if sig is not None else None
+        except Exception:  # an option that cannot be hashed or compared: the checks below name it
+            repeat = None
+        if repeat is not None:
+            res = repeat(q, k, v, out, cu_seqlens_q, cu_seqlens_k)
+            if res is not None:
+                return res
     qv, kv, vv, cq, ck, bt, batch, max_sq, max_sk = validate.varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     paged = bt is not None
@@ -573,12 +615,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     problem = (batch, max_sq, max_sk, h, kv.shape[-2], d if paged else d_pad, arrays.DTYPE_NAMES[qv.dtype],
                causal, return_lse, num_splits, window, cap > 0, alibi is not None, sv is not None)
     extra = dict(cache=(0, 0, bt.ptr, bt.strides[0]), page_size=kv.shape[1], pages_per_seq=bt.shape[1]) if paged else {}
-    _launch(problem, qv, q4, k4, v4, kernel_out, lse_arr, scale, kv="paged" if paged else "dense", varlen_kv=True,
-            softcap=cap,
-            alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0),
-            varlen=(cq.ptr, ck.ptr, total_q, kv.shape[0]), sinks=_sink_arg(sv), dropout=drop, **extra)
+    in_place = all(x.ptr == y.ptr for x, y in ((q4, qv), (k4, kv), (v4, vv)))
+    recipe = _launch(problem, qv, q4, k4, v4, kernel_out, lse_arr, scale, kv="paged" if paged else "dense",
+                     varlen_kv=True, softcap=cap, alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0),
+                     varlen=(cq.ptr, ck.ptr, total_q, kv.shape[0]), sinks=_sink_arg(sv), dropout=drop, **extra)
     if not direct_out:
         o_view.array[...] = kernel_out.array[..., :d]
+    elif sig is not None and in_place:  # read in place: the next such call can skip to here
+        _keep(sig, _Repeat(recipe, qv.device, (h, total_q) if return_lse else None, _contiguous(qv),
+                           [cq.ptr, ck.ptr, recipe]))
     return _result(o_view, ov is not None, lse_arr, qv, return_lse)
 
 

@@ -154,13 +154,13 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     as NumPy).
     """
     sig = None
-    if (alibi_slopes is None and sinks is None and startend_row_indices is None and seed is None
+    if (alibi_slopes is None and sinks is None and seed is None
             and dropout_p.__class__ in (int, float) and dropout_p == 0):
         sig = _signature(dout, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, deterministic, window_size,
-                         softcap, offset)
+                         softcap, offset, startend_row_indices)
         r = _repeats.get(sig) if sig is not None else None
         if r is not None:
-            res = r(dout, q, k, v, out, lse, dq, dk, dv)
+            res = r(dout, q, k, v, out, lse, dq, dk, dv, fm=startend_row_indices)
             if res is not None:
                 return res
     qv, kv, vv, dov, ov, lv, grads, scale, causal, deterministic, mods, sv = _validate(
@@ -197,6 +197,17 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     (with ``sinks``: (dq, dk, dv, dsinks)); ALiBi slopes may be (nheads,) or (batch, nheads).
     Dropout: sequence b is batch b of the mask, as in the forward.
     """
+    sig = None
+    if (alibi_slopes is None and sinks is None and seed is None and dropout_p.__class__ in (int, float)
+            and dropout_p == 0 and max_seqlen_q.__class__ is int and max_seqlen_k.__class__ is int):
+        sig = arrays.repeat_signature((q, k, v, dout, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k), window_size,
+                                      ("varlen", max_seqlen_q, max_seqlen_k, causal, softmax_scale, deterministic,
+                                       softcap, offset))
+        r = _repeats.get(sig) if sig is not None else None
+        if r is not None:
+            res = r(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k)
+            if res is not None:
+                return res
     qv, kv, vv, dov, ov, lv, cq, ck, max_sq, max_sk, grads, scale, causal, deterministic, mods, sv = \
         _validate_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                          softmax_scale, deterministic, dq, dk, dv, window_size, softcap, alibi_slopes, sinks)
@@ -210,7 +221,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                                         deterministic=deterministic, sinks=on(sv), **validate.dropout_kwargs(drop))
         return _host_results(res, (dq, dk, dv, None), (qv, kv, vv, qv))
     return _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministic, mods,
-                            varlen=(cq, ck, max_sq, max_sk), sv=sv, drop=drop)
+                            varlen=(cq, ck, max_sq, max_sk), sv=sv, drop=drop, sig=sig)
 
 
 def _host_results(res, given, likes):
@@ -318,7 +329,7 @@ def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministi
             kern is final for kern, final in bufs):
         if len(_repeats) >= 1024:
             _repeats.clear()
-        _repeats[sig] = _Repeat(prepared, dev, workspace_floats(plan), tuple(g is None for g in grads))
+        _repeats[sig] = _Repeat(prepared, dev, workspace_floats(plan, total_q), tuple(g is None for g in grads))
     return tuple(arrays.hand_back(r, like) for r, like in zip(out, (qv, kv, vv, qv)))
 
 
@@ -331,11 +342,11 @@ _repeats: dict = cached_on_plans({})  # signature (see _signature) -> _Repeat
 
 
 def _signature(dout, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, deterministic, window_size, softcap,
-               offset):
+               offset, startend_row_indices=None):
     """Everything the checks, the plan and the launch arguments of an attention_backward call
-    on PyTorch CUDA tensors (no ALiBi, sinks, FlashMask or dropout) depend on, except the data
-    pointers (arrays.repeat_signature); None for other calls."""
-    return arrays.repeat_signature((q, k, v, dout, out, lse, dq, dk, dv), window_size,
+    on PyTorch CUDA tensors (no ALiBi, sinks or dropout) depend on, except the data pointers
+    (arrays.repeat_signature); None for other calls."""
+    return arrays.repeat_signature((q, k, v, dout, out, lse, dq, dk, dv, startend_row_indices), window_size,
                                    (causal, softmax_scale, deterministic, softcap, offset))
 
 
@@ -345,8 +356,9 @@ class _Repeat(NamedTuple):
     ws_floats: int
     allocate: tuple          # (dq, dk, dv): made here (contiguous, like the first call's) where True
 
-    def __call__(self, dout, q, k, v, out, lse, dq, dk, dv):
-        """The call's (dq, dk, dv), or None when its pointers need the general path (alignment)."""
+    def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, cu_q=None, cu_k=None, fm=None):
+        """The call's (dq, dk, dv), or None when its pointers need the general path (alignment);
+        ``cu_q``, ``cu_k``: packed sequences' cu_seqlens; ``fm``: FlashMask's indices."""
         torch = sys.modules["torch"]
         grads = [torch.empty_like(x, memory_format=torch.contiguous_format) if new else g
                  for new, g, x in zip(self.allocate, (dq, dk, dv), (q, k, v))]
@@ -354,6 +366,10 @@ class _Repeat(NamedTuple):
                     lse=lse.data_ptr(), dq=grads[0].data_ptr(), dk=grads[1].data_ptr(), dv=grads[2].data_ptr())
         if sum(p & 15 for p in ptrs.values()):
             return None
+        if cu_q is not None:
+            ptrs["cu_q"], ptrs["cu_k"] = cu_q.data_ptr(), cu_k.data_ptr()
+        if fm is not None:
+            ptrs["fm"] = fm.data_ptr()
         ws = q.new_empty((self.ws_floats,), dtype=torch.float32)
         ptrs["ws"] = ws.data_ptr()
         dev = self.device
@@ -468,15 +484,16 @@ def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, dev
     if p.flashmask:
         if fm is None:
             raise ValueError(f"{plan.launches[1].name} needs startend_row_indices (run's fm=)")
-        fm_args = _flashmask_args(plan, fm, ws_ptr + 4 * rows * _row_floats(plan))
+        fm_args = _flashmask_args(plan, fm, 4 * rows * _row_floats(plan))
     packed = None
     if cu is not None:  # packed views as (batch, max_seqlen, nheads, d) with token batch strides
         packed = (ops[0].shape[0], ops[1].shape[0])  # total_q, total_k (bwd_ws's tensor maps span them)
         ops = [validate.batched(x, b, n) for x, n in zip(ops, (sq, sk, sk, sq, sq))]
         grads = [validate.batched(g, b, n) for g, n in zip(grads, (sq, sk, sk))]
         lse_st = (lse.strides[1], lse.strides[0], lse.strides[1])  # row i of (sequence b, head h)
-        cu = (cu[0].ptr, cu[1].ptr)
+        cu_ptrs, cu = (cu[0].ptr, cu[1].ptr), (_Ptr("cu_q"), _Ptr("cu_k"))
     else:
+        cu_ptrs = None
         lse_st = tuple(lse.strides)
         cu = (0, 0)
     _, cap, alibi, alibi_sb = mods
@@ -489,23 +506,26 @@ def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, dev
     prepared = _prepare(_launch_specs(kernels[:3], ops, lse, lse_st, grads, (lse2, dsum, acc, sem),
                                       (b, sq, sk, h, hk, d, head_rows), score, fm_args,
                                       dropout_fields(kernels[1], dropout), packed), device)
-    _fire(prepared, _pointers(ops, lse, grads, ws_ptr), stream)
+    _fire(prepared, _pointers(ops, lse, grads, ws_ptr, cu_ptrs, None if fm is None else fm.ptr), stream)
     return prepared
 
 
-def _flashmask_args(plan, fm, ptr: int):
+def _flashmask_args(plan, fm, at: int):
     """(prep launches with their fields, the dK/dV kernel's FlashMask fields, the dQ kernel's) of a
-    FlashMask plan, for the indices' view ``fm`` and the int32 bounds at ``ptr``."""
+    FlashMask plan, for the indices' view ``fm`` (role "fm") and the int32 bounds ``at`` bytes into
+    the workspace."""
     p = plan.problem
     heads = fm.shape[1]
-    fields = dict(fm_idx=fm.ptr, fm_sb=fm.strides[0], fm_sh=fm.strides[1], fm_ss=fm.strides[2], fm_sc=fm.strides[3],
+    idx = _Ptr("fm")
+    fields = dict(fm_idx=idx, fm_sb=fm.strides[0], fm_sh=fm.strides[1], fm_ss=fm.strides[2], fm_sc=fm.strides[3],
                   fm_hdiv=p.nheads // heads, fm_heads=heads)
     preps, blocks = [], {}
     for launch, bn, n in _flashmask_preps(plan):
-        preps.append((launch, dict(idx=fm.ptr, idx_sb=fm.strides[0], idx_sh=fm.strides[1], idx_ss=fm.strides[2],
-                                   idx_sc=fm.strides[3], out=ptr, seqlen_k=p.seqlen_k, block_n=bn, heads=heads)))
-        blocks[bn] = ptr
-        ptr += 4 * n
+        preps.append((launch, dict(idx=idx, idx_sb=fm.strides[0], idx_sh=fm.strides[1], idx_ss=fm.strides[2],
+                                   idx_sc=fm.strides[3], out=_Ptr("ws", at), seqlen_k=p.seqlen_k, block_n=bn,
+                                   heads=heads)))
+        blocks[bn] = _Ptr("ws", at)
+        at += 4 * n
     main, last = plan.launches[1].variant, plan.launches[2].variant
     return (preps, dict(fields, fm_blocks=blocks[main.block_n]),
             dict(fields, fm_blocks=blocks[last.block_n]) if last.kind == "bwd_dq" else {})
@@ -518,7 +538,8 @@ def _st(prefix: str, x) -> dict:
 
 class _Ptr(NamedTuple):
     """A pointer field of a launch, resolved when it fires: operand ``role``'s data pointer (q, k,
-    v, dout, out, lse, dq, dk, dv, or ws: the fp32 workspace) plus ``offset`` bytes."""
+    v, dout, out, lse, dq, dk, dv, ws: the fp32 workspace, cu_q, cu_k: packed sequences'
+    cu_seqlens, or fm: FlashMask's startend_row_indices) plus ``offset`` bytes."""
     role: str
     offset: int = 0
 
@@ -533,18 +554,22 @@ class _Map(NamedTuple):
     dtype: str
 
 
-def _pointers(ops, lse, grads, ws_ptr: int) -> dict:
-    """The data pointers of a backward call by role (see _Ptr)."""
+def _pointers(ops, lse, grads, ws_ptr: int, cu=None, fm=None) -> dict:
+    """The data pointers of a backward call by role (see _Ptr); ``cu``: the (cu_seqlens_q,
+    cu_seqlens_k) pointers of packed sequences; ``fm``: FlashMask's startend_row_indices pointer."""
     q, k, v, do, o = ops
     dq, dk, dv = grads
-    return dict(q=q.ptr, k=k.ptr, v=v.ptr, dout=do.ptr, out=o.ptr, lse=lse.ptr, dq=dq.ptr, dk=dk.ptr, dv=dv.ptr,
-                ws=ws_ptr)
+    ptrs = dict(q=q.ptr, k=k.ptr, v=v.ptr, dout=do.ptr, out=o.ptr, lse=lse.ptr, dq=dq.ptr, dk=dk.ptr, dv=dv.ptr,
+                ws=ws_ptr, fm=fm)
+    if cu is not None:
+        ptrs["cu_q"], ptrs["cu_k"] = cu
+    return ptrs
 
 
 def _launch_specs(kernels, ops, lse, lse_st, grads, ws, shape, score, fm=None, drop=None, packed=None) -> list:
     """(variant, grid, fields) of each launch of a backward, in order; pointer fields are _Ptr and
-    tensor maps _Map (pointers given as ints, cu_seqlens, ALiBi's slopes and FlashMask's, stay
-    fixed: calls with them do not repeat). ``ws`` = (lse2, dsum, dQ accumulator, dQ semaphores)
+    tensor maps _Map (pointers given as ints, ALiBi's slopes, stay fixed: calls with them do not
+    repeat). ``ws`` = (lse2, dsum, dQ accumulator, dQ semaphores)
     fields; ``score``: the kernels' scale, varlen, window, softcap and ALiBi fields by name; ``fm``: FlashMask's (prep launches, dK/dV
     fields, dQ fields) from _flashmask_args, or None; ``drop``: the dropout fields of the dK/dV and
     dQ kernels (launch.dropout_fields), or None; ``packed``: (total_q, total_k) of packed sequences

@@ -172,6 +172,26 @@ class Recipe(NamedTuple):
     tiles: tuple | None = None  # persistent fwd_ws: the one-block-per-tile grid, run without a tile counter
 
 
+def with_pointers(r: Recipe, **pointers) -> Recipe:
+    """``r`` with the named pointer fields of its main launch (cu_seqlens_q, ...) set to other
+    pointers, in its combine kernel's fields too where it has them: the launch of a repeated call
+    whose shapes and strides are those of ``r``'s but whose such arrays are others. (Both kinds of
+    forward struct hold five fields before ``mid``: q, k, v, o, lse or three maps, o, lse.)"""
+    names = r.kernel.table.names
+    mid = list(r.mid)
+    for name, ptr in pointers.items():
+        mid[names.index(name) - fwd.DATA_HEAD] = ptr
+    combine = {n: pointers.get(n, x) for n, x in r.combine.items()}
+    return r._replace(mid=tuple(mid), combine=combine)
+
+
+def with_flashmask(r: Recipe, idx: int, ws: int) -> Recipe:
+    """``r`` (a FlashMask plan's) reading startend_row_indices at ``idx`` and keeping its prep
+    kernel's per-key-block bounds at ``ws`` (int32, plan.workspace_bytes)."""
+    kernel, grid, block, fields = r.prep
+    return with_pointers(r, fm_idx=idx, fm_blocks=ws)._replace(prep=(kernel, grid, block, dict(fields, idx=idx, out=ws)))
+
+
 def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_CACHE,
             seqlen_k: int | None = None, page_size: int = 0, softcap: float = 0.0, alibi=(0, 0),
             varlen=None, flashmask=None, sinks=None, pages_per_seq: int = 0, leftpad: int = 0,

@@ -504,3 +504,84 @@ def test_prepared_launches_fired_anew_match_a_fresh_run(monkeypatch, arch, d, de
     else:
         assert (main["q"], main["k"], main["v"], main["dout"]) == (q.ptr, k.ptr, v.ptr, do.ptr)
     assert last["dq"] == dq.ptr
+
+
+@pytest.mark.parametrize("arch,d,deterministic,causal", [(90, 128, False, True), (90, 64, True, False),
+                                                         (80, 96, False, True)])
+def test_prepared_varlen_launches_take_the_new_cu_seqlens(monkeypatch, arch, d, deterministic, causal):
+    """Packed sequences: the prepared launches fired with another call's pointers launch what a
+    fresh run with them launches, cu_seqlens_q and cu_seqlens_k included (a repeated
+    attention_varlen_backward may get other cu_seqlens arrays of the same shape)."""
+    import struct
+    from conftest import record_launches
+    launched = record_launches(monkeypatch)
+    monkeypatch.setattr(backward, "tensor_map", lambda ptr, shape, strides, rows, dtype: struct.pack(
+        "<Q8qq", ptr, *shape, *strides, rows).ljust(128, b"\0"))
+    b, max_sq, max_sk, h, hk, total_q, total_k = 3, 200, 260, 8, 2, 410, 500
+    plan = make_backward_plan(Problem(b, max_sq, max_sk, h, hk, d, "bf16", causal=causal, deterministic=deterministic,
+                                      varlen=True), DeviceFacts(132, arch))
+
+    def views(base):
+        q, do, o = (fake_view(0, (total_q, h, d), "bfloat16", ptr=base + (i << 24)) for i in range(3))
+        k, v = (fake_view(0, (total_k, hk, d), "bfloat16", ptr=base + ((i + 3) << 24)) for i in range(2))
+        lse = fake_view(0, (h, total_q), "float32", ptr=base + (5 << 24))
+        grads = [fake_view(0, x.shape, "bfloat16", ptr=base + ((6 + i) << 24)) for i, x in enumerate((q, k, v))]
+        cu = tuple(fake_view(0, (b + 1,), "int32", ptr=base + ((10 + i) << 24)) for i in range(2))
+        return (q, k, v, do, o), lse, grads, base + (9 << 24), cu
+
+    def run(vs):
+        ops, lse, grads, ws, cu = vs
+        return backward.run(plan, ops, lse, grads, ws, 0.1, ((-1, -1), 0.0, None, 0), 5, 0, cu)
+
+    first, second = views(1 << 40), views(2 << 40)
+    prepared = run(first)
+    run(second)
+    fresh = launched[len(prepared):]
+    ops, lse, grads, ws, cu = second
+    backward._fire(prepared, backward._pointers(ops, lse, grads, ws, (cu[0].ptr, cu[1].ptr)), 5)
+    again = launched[2 * len(prepared):]
+    assert again == fresh
+    cu_fields = [(f.get("cu_seqlens_q"), f.get("cu_seqlens_k")) for _, _, f in again]
+    assert all(x in (None, cu[0].ptr) for x, _ in cu_fields) and all(y in (None, cu[1].ptr) for _, y in cu_fields)
+    assert sum(x == cu[0].ptr for x, _ in cu_fields) == len(again)  # every launch reads cu_seqlens_q
+
+
+@pytest.mark.parametrize("arch,d,deterministic,causal,n", [(90, 128, False, True, 1), (90, 64, True, False, 2),
+                                                           (80, 96, True, True, 2)])
+def test_prepared_flashmask_launches_take_the_new_indices(monkeypatch, arch, d, deterministic, causal, n):
+    """FlashMask: the prepared launches fired with another call's pointers launch what a fresh
+    run with them launches: startend_row_indices read from the new array, the per-key-block
+    bounds kept in the new workspace (a repeated attention_backward with FlashMask)."""
+    import struct
+    from conftest import record_launches
+    launched = record_launches(monkeypatch)
+    monkeypatch.setattr(backward, "tensor_map", lambda ptr, shape, strides, rows, dtype: struct.pack(
+        "<Q8qq", ptr, *shape, *strides, rows).ljust(128, b"\0"))
+    b, sq, sk, h, hk = 2, 300, 333, 8, 2
+    plan = make_backward_plan(Problem(b, sq, sk, h, hk, d, "bf16", causal=causal, deterministic=deterministic,
+                                      flashmask=n, flashmask_heads=hk), DeviceFacts(132, arch))
+
+    def views(base):
+        q, do, o = (fake_view(0, (b, sq, h, d), "bfloat16", ptr=base + (i << 24)) for i in range(3))
+        k, v = (fake_view(0, (b, sk, hk, d), "bfloat16", ptr=base + ((i + 3) << 24)) for i in range(2))
+        lse = fake_view(0, (b, h, sq), "float32", ptr=base + (5 << 24))
+        grads = [fake_view(0, x.shape, "bfloat16", ptr=base + ((6 + i) << 24)) for i, x in enumerate((q, k, v))]
+        fm = fake_view(0, (b, hk, sk, n), "int32", ptr=base + (10 << 24))
+        return (q, k, v, do, o), lse, grads, base + (9 << 24), fm
+
+    def run(vs):
+        ops, lse, grads, ws, fm = vs
+        return backward.run(plan, ops, lse, grads, ws, 0.1, ((-1, -1), 0.0, None, 0), 5, 0, None, fm)
+
+    first, second = views(1 << 40), views(2 << 40)
+    prepared = run(first)
+    run(second)
+    fresh = launched[len(prepared):]
+    ops, lse, grads, ws, fm = second
+    backward._fire(prepared, backward._pointers(ops, lse, grads, ws, None, fm.ptr), 5)
+    again = launched[2 * len(prepared):]
+    assert again == fresh
+    preps = [f for name, _, f in again if "flashmask" in name]
+    assert preps and all(f["idx"] == fm.ptr and ws <= f["out"] < ws + plan.workspace_bytes for f in preps)
+    readers = [f["fm_idx"] for _, _, f in again if "fm_idx" in f]  # the dK/dV kernel (and the dQ kernel's)
+    assert readers and set(readers) == {fm.ptr}

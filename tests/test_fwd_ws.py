@@ -685,6 +685,56 @@ def test_prepare_fills_score_modifier_and_varlen_fields(monkeypatch):
     assert empty.maps is None and empty.kernel.variant.family == "fwd"
 
 
+@pytest.mark.parametrize("arch,sq,splits", [(90, 512, 0), (80, 512, 0), (90, 1, 4)])
+def test_recipe_with_other_cu_seqlens_is_the_recipe_prepared_with_them(monkeypatch, arch, sq, splits):
+    """launch.with_pointers (a repeated attention_varlen with other cu_seqlens arrays) gives the
+    Recipe that prepare makes with those pointers: fwd_ws, the standard kernel, and a split plan
+    whose combine kernel reads cu_seqlens_q too."""
+    from cuflash import compiler, launch
+    from cuflash.plan import DeviceFacts, Problem, make_plan
+    from cuflash.validate import batched
+
+    class Kernel:
+        def __init__(self, variant):
+            self.table, self.variant = variant.params, variant
+    monkeypatch.setattr(compiler, "get_kernel", lambda variant, device: Kernel(variant))
+    b, mk, h, hk, d, tk = 4, 900, 16, 4, 128, 2000
+    tq = b * sq
+    plan = make_plan(Problem(b, sq, mk, h, hk, d, "bf16", sq > 1, splits, varlen=True), DeviceFacts(132, arch))
+    q = batched(fake_view(0, (tq, h, d), "bfloat16"), b, sq)
+    k = batched(fake_view(0, (tk, hk, d), "bfloat16", ptr=8 << 20), b, mk)
+    first, second = ((launch.prepare(plan, q, k, k, q, 0.125, 0, varlen=(cu_q, cu_k, tq, tk)))
+                     for cu_q, cu_k in ((0x6000, 0x7000), (0x9100, 0xA200)))
+    moved = launch.with_pointers(first, cu_seqlens_q=0x9100, cu_seqlens_k=0xA200)
+    assert moved.mid == second.mid != first.mid and moved.combine == second.combine
+    assert moved.split == (splits > 1) and (not moved.split or moved.combine["cu_seqlens_q"] == 0x9100)
+    assert moved._replace(mid=first.mid, combine=first.combine, kernel=None) == first._replace(kernel=None)
+
+
+@pytest.mark.parametrize("arch,n", [(90, 1), (90, 4), (80, 2)])
+def test_recipe_with_other_flashmask_arrays_is_the_recipe_prepared_with_them(monkeypatch, arch, n):
+    """launch.with_flashmask (a repeated FlashMask call: other indices, a new bounds workspace)
+    gives the Recipe that prepare makes with those pointers, prep kernel included."""
+    from cuflash import compiler, launch
+    from cuflash.plan import DeviceFacts, Problem, make_plan
+
+    class Kernel:
+        def __init__(self, variant):
+            self.table, self.variant = variant.params, variant
+    monkeypatch.setattr(compiler, "get_kernel", lambda variant, device: Kernel(variant))
+    b, s, h, hk, d = 2, 1000, 8, 2, 128
+    plan = make_plan(Problem(b, s, s, h, hk, d, "bf16", n == 1, flashmask=n, flashmask_heads=hk),
+                     DeviceFacts(132, arch))
+    q = fake_view(0, (b, s, h, d), "bfloat16")
+    k = fake_view(0, (b, s, hk, d), "bfloat16", ptr=8 << 20)
+    st = (hk * s * n, s * n, n, 1)
+    first, second = (launch.prepare(plan, q, k, k, q, 0.125, 0, flashmask=(idx, st, hk, ws))
+                     for idx, ws in ((0x6000, 0x7000), (0x9100, 0xA200)))
+    moved = launch.with_flashmask(first, 0x9100, 0xA200)
+    assert moved.prep[3] == second.prep[3] != first.prep[3] and moved.mid == second.mid != first.mid
+    assert (moved.prep[3]["idx"], moved.prep[3]["out"]) == (0x9100, 0xA200)
+
+
 @pytest.fixture
 def fired(monkeypatch):
     """The names of the main kernels launch.fire launches (as it does them)."""

@@ -296,3 +296,101 @@ def test_prepared_autograd_returns_the_lse():
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
     out.float().sum().backward()
     assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+def _lengths(rng, b, total, longest):
+    """b sequence lengths in [0, longest] summing to ``total``, ``longest`` among them (so calls
+    with other lengths keep the totals and maxima: the same repeat signature)."""
+    rest = total - longest
+    while True:
+        parts = rng.integers(0, longest + 1, size=b - 2)
+        last = rest - int(parts.sum())
+        if 0 <= last <= longest:
+            return rng.permutation(np.concatenate([[longest], parts, [last]])).astype(np.int64)
+
+
+@pytest.mark.parametrize("d,causal,window,splits", [(64, False, (-1, -1), 0), (128, True, (-1, -1), 0),
+                                                    (128, False, (32, 16), 0), (64, True, (-1, -1), 3)])
+def test_varlen_repeats_read_the_new_cu_seqlens(rng, monkeypatch, d, causal, window, splits):
+    """attention_varlen and attention_varlen_backward repeated with new cu_seqlens arrays (other
+    lengths, the same totals and maxima) compute the new sequences' results, without the general
+    path; the poisoned output and gradient buffers are all written."""
+    import torch
+
+    import cuflash
+    from cuflash import api, backward, validate
+    from test_gpu_backward import check_varlen
+    from test_gpu_varlen import check_against, ref_varlen
+    b, h, hk, total_q, total_k, mq, mk = 5, 4, 2, 700, 820, 250, 300
+    tdt = torch.bfloat16 if d == 128 else torch.float16
+    kw = dict(causal=causal, window_size=window)
+
+    def call(poison):
+        lq, lk = _lengths(rng, b, total_q, mq), _lengths(rng, b, total_k, mk)
+        cq, ck = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lq, lk))
+        q, dout = (torch.randn(total_q, h, d, device="cuda", dtype=tdt) for _ in range(2))
+        k, v = (torch.randn(total_k, hk, d, device="cuda", dtype=tdt) for _ in range(2))
+        cqd, ckd = torch.from_numpy(cq).cuda(), torch.from_numpy(ck).cuda()
+        out = torch.full_like(q, float("nan")) if poison else None
+        o, lse = cuflash.attention_varlen(q, k, v, cqd, ckd, mq, mk, return_lse=True, out=out, num_splits=splits,
+                                          **kw)
+        grads = [torch.full_like(x, float("nan")) for x in (q, k, v)] if poison else [None] * 3
+        res = backward.attention_varlen_backward(dout, q, k, v, o, lse, cqd, ckd, mq, mk, dq=grads[0], dk=grads[1],
+                                                 dv=grads[2], **kw)
+        return (q, k, v, dout, cq, ck), o, lse, res
+
+    call(False), call(True)  # checked, planned, kept (without and with the caller's buffers)
+    n_fwd, n_bwd = len(api._repeats), len(backward._repeats)
+    assert n_fwd >= 2 and n_bwd >= 2
+
+    def boom(*a, **k):
+        raise AssertionError("the general path ran for a repeated call")
+    monkeypatch.setattr(validate, "varlen", boom)
+    monkeypatch.setattr(backward, "_validate_varlen", boom)
+    for poison in (True, False, True):
+        (q, k, v, dout, cq, ck), o, lse, grads = call(poison)
+        ref, same, ref_lse = ref_varlen(q, k, v, cq, ck, None, kw)
+        check_against(o, lse, ref, same, ref_lse)
+        check_varlen(grads, dout, q, k, v, cq, ck, causal, window_size=window)
+    assert (len(api._repeats), len(backward._repeats)) == (n_fwd, n_bwd)
+
+
+@pytest.mark.parametrize("d,causal,n,heads", [(128, True, 1, 1), (64, False, 2, 2), (128, False, 4, 2)])
+def test_flashmask_repeats_read_the_new_indices(rng, monkeypatch, d, causal, n, heads):
+    """cuflash.attention and attention_backward with FlashMask repeated with new index arrays of
+    the same shape (other masks) compute the new masks' results without the general path, into
+    poisoned buffers."""
+    import torch
+
+    import cuflash
+    from cuflash import backward, reference, validate
+    from cuflash.reference import max_abs_err
+    from test_flashmask_backward import _random_intervals
+    b, s, h, hk = 2, 333, 4, 2
+
+    def call(poison):
+        x = _random_intervals(rng, b, heads, s, s, n, causal)
+        q, k, v, dout = torch_inputs(rng, b, s, s, h, hk, d, "bfloat16") + (
+            torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16),)
+        xt = torch.from_numpy(x).cuda()
+        out = torch.full_like(q, float("nan")) if poison else None
+        o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, out=out, startend_row_indices=xt)
+        bufs = [torch.full_like(t, float("nan")) for t in (q, k, v)] if poison else [None] * 3
+        grads = backward.attention_backward(dout, q, k, v, o, lse, causal=causal, startend_row_indices=xt,
+                                            dq=bufs[0], dk=bufs[1], dv=bufs[2])
+        return (q, k, v, dout, x), o, grads
+
+    call(False), call(True)  # checked, planned, kept (without and with the caller's buffers)
+
+    def boom(*a, **k):
+        raise AssertionError("the general path ran for a repeated call")
+    monkeypatch.setattr(validate, "flashmask", boom)
+    for poison in (True, False):
+        (q, k, v, dout, x), o, grads = call(poison)
+        check(o, q, k, v, causal=causal, startend_row_indices=x)
+        args = [to_np(t) for t in (dout, q, k, v)]
+        ref64 = reference.attention_backward(*args, causal=causal, startend_row_indices=x)
+        same = reference.attention_backward(*args, causal=causal, startend_row_indices=x, precision="same")
+        for name, g, r, sm in zip(("dq", "dk", "dv"), grads, ref64, same):
+            err, bound = max_abs_err(to_np(g), r), 2 * max_abs_err(sm, r) + 2e-4
+            assert err <= bound, f"{name}: max error {err:.3g} exceeds bound {bound:.3g}"
