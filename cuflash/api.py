@@ -72,10 +72,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
         q, k, v, out, causal, softmax_scale, return_lse, num_splits, window_size, softcap, alibi_slopes,
         startend_row_indices)
     if sig is not None:
-        try:
-            repeat = _repeats.get(sig)
-        except Exception:  # an option that cannot be hashed or compared: the checks below name it
-            repeat = None
+        repeat = arrays.repeat_lookup(_repeats, sig)
         if repeat is not None:
             res = repeat(q, k, v, out, fm=startend_row_indices)
             if res is not None:
@@ -221,8 +218,10 @@ class _Repeat(NamedTuple):
     device: int
     lse_shape: tuple | None  # (batch, nheads, seqlen_q), or (nheads, total_q) packed, when the LSE is returned
     q_contiguous: bool       # torch.empty_like(q) is then the contiguous output
-    # Packed sequences: [cu_seqlens_q pointer, cu_seqlens_k pointer, the recipe holding them]; a
-    # call with other cu_seqlens arrays gets the recipe with theirs (kept for the calls after it).
+    # Packed sequences: a one-item list holding (cu_seqlens_q pointer, cu_seqlens_k pointer, the
+    # recipe with them); a call with other cu_seqlens arrays makes the recipe with theirs and keeps
+    # it for the calls after it (the tuple is replaced whole: threads sharing the entry each read
+    # a consistent one).
     packed: list | None = None
     fm_ints: int = 0  # FlashMask: the int32 words of its per-key-block bounds (allocated per call)
 
@@ -239,10 +238,11 @@ class _Repeat(NamedTuple):
         lse = None if self.lse_shape is None else q.new_empty(self.lse_shape, dtype=torch.float32)
         dev, recipe = self.device, self.recipe
         if self.packed is not None:
-            packed, cq, ck = self.packed, cu_q.data_ptr(), cu_k.data_ptr()
-            if packed[0] != cq or packed[1] != ck:
-                packed[:] = cq, ck, launch.with_pointers(recipe, cu_seqlens_q=cq, cu_seqlens_k=ck)
-            recipe = packed[2]
+            cq, ck = cu_q.data_ptr(), cu_k.data_ptr()
+            held = self.packed[0]
+            if held[0] != cq or held[1] != ck:
+                held = self.packed[0] = (cq, ck, launch.with_pointers(recipe, cu_seqlens_q=cq, cu_seqlens_k=ck))
+            recipe = held[2]
         fm_ws = None  # FlashMask's bounds, held until the launches are queued
         if self.fm_ints:
             fm_ws = q.new_empty((self.fm_ints,), dtype=torch.int32)
@@ -558,10 +558,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         sig = arrays.repeat_signature((q, k, v, out, cu_seqlens_q, cu_seqlens_k), window_size,
                                       ("varlen", max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse,
                                        num_splits, softcap))
-        try:
-            repeat = _repeats.get(sig) if sig is not None else None
-        except Exception:  # an option that cannot be hashed or compared: the checks below name it
-            repeat = None
+        repeat = arrays.repeat_lookup(_repeats, sig)
         if repeat is not None:
             res = repeat(q, k, v, out, cu_seqlens_q, cu_seqlens_k)
             if res is not None:
@@ -623,7 +620,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         o_view.array[...] = kernel_out.array[..., :d]
     elif sig is not None and in_place:  # read in place: the next such call can skip to here
         _keep(sig, _Repeat(recipe, qv.device, (h, total_q) if return_lse else None, _contiguous(qv),
-                           [cq.ptr, ck.ptr, recipe]))
+                           [(cq.ptr, ck.ptr, recipe)]))
     return _result(o_view, ov is not None, lse_arr, qv, return_lse)
 
 

@@ -166,6 +166,17 @@ def current_device_id() -> int:
     return current_device_id()
 
 
+def repeat_lookup(table: dict, sig):
+    """What ``table`` keeps under the repeat signature ``sig``, or None: for no signature, and for
+    an option that cannot be hashed or compared (the general path's checks then name it)."""
+    if sig is None:
+        return None
+    try:
+        return table.get(sig)
+    except Exception:
+        return None
+
+
 def repeat_signature(tensors, window_size, options):
     """The key under which a call from PyTorch reuses an earlier call's checks, plan and launch
     arguments: each tensor's shape, strides, dtype and device (None stays None), the window as

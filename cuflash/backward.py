@@ -158,7 +158,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
             and dropout_p.__class__ in (int, float) and dropout_p == 0):
         sig = _signature(dout, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, deterministic, window_size,
                          softcap, offset, startend_row_indices)
-        r = _repeats.get(sig) if sig is not None else None
+        r = arrays.repeat_lookup(_repeats, sig)
         if r is not None:
             res = r(dout, q, k, v, out, lse, dq, dk, dv, fm=startend_row_indices)
             if res is not None:
@@ -203,7 +203,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         sig = arrays.repeat_signature((q, k, v, dout, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k), window_size,
                                       ("varlen", max_seqlen_q, max_seqlen_k, causal, softmax_scale, deterministic,
                                        softcap, offset))
-        r = _repeats.get(sig) if sig is not None else None
+        r = arrays.repeat_lookup(_repeats, sig)
         if r is not None:
             res = r(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k)
             if res is not None:

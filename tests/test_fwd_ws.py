@@ -735,6 +735,55 @@ def test_recipe_with_other_flashmask_arrays_is_the_recipe_prepared_with_them(mon
     assert (moved.prep[3]["idx"], moved.prep[3]["out"]) == (0x9100, 0xA200)
 
 
+@requires_torch
+def test_repeat_fires_each_calls_cu_seqlens_and_indices(monkeypatch):
+    """api._Repeat (a repeated call on PyTorch tensors) fires its Recipe with each call's own
+    cu_seqlens, or FlashMask indices and a bounds buffer of its own: the Recipe prepare makes
+    with those pointers, never the first call's."""
+    import torch
+    from cuflash import api, arrays, compiler, launch
+    from cuflash.plan import DeviceFacts, Problem, make_plan
+    from cuflash.validate import batched
+
+    class Kernel:
+        def __init__(self, variant):
+            self.table, self.variant = variant.params, variant
+    monkeypatch.setattr(compiler, "get_kernel", lambda variant, device: Kernel(variant))
+    fired = []
+    monkeypatch.setattr(launch, "fire", lambda r, dev, stream, *ptrs: fired.append(r))
+    monkeypatch.setattr(launch, "workspace", lambda r, dev, stream, new: (None, None))
+    monkeypatch.setattr(arrays, "torch_stream", lambda dev: 7)
+    monkeypatch.setattr(arrays, "current_device_id", lambda: 0)
+    b, s, h, hk, d = 3, 256, 8, 2, 128
+    tq = tk = 600
+    q, k = torch.zeros(tq, h, d, dtype=torch.bfloat16), torch.zeros(tk, hk, d, dtype=torch.bfloat16)
+    qv, kv = (batched(fake_view(0, tuple(x.shape), "bfloat16"), b, s) for x in (q, k))
+
+    plan = make_plan(Problem(b, s, s, h, hk, d, "bf16", True, varlen=True), DeviceFacts(132, 90))
+    first = launch.prepare(plan, qv, kv, kv, qv, 0.125, 0, varlen=(0x6000, 0x7000, tq, tk))
+    rep = api._Repeat(first, 0, None, True, [(0x6000, 0x7000, first)])
+    cus = [tuple(torch.zeros(b + 1, dtype=torch.int32) for _ in range(2)) for _ in range(2)]
+    for cu_q, cu_k in (*cus, cus[0]):
+        rep(q, k, k, None, cu_q, cu_k)
+        want = launch.prepare(plan, qv, kv, kv, qv, 0.125, 0, varlen=(cu_q.data_ptr(), cu_k.data_ptr(), tq, tk))
+        assert fired[-1].mid == want.mid
+
+    x = torch.zeros(1, hk, s, 1, dtype=torch.int32)
+    qd, kd = fake_view(0, (1, s, h, d), "bfloat16"), fake_view(0, (1, s, hk, d), "bfloat16")
+    plan = make_plan(Problem(1, s, s, h, hk, d, "bf16", True, flashmask=1, flashmask_heads=hk), DeviceFacts(132, 90))
+    st = tuple(x.stride())
+    first = launch.prepare(plan, qd, kd, kd, qd, 0.125, 0, flashmask=(0x6000, st, hk, 0x7000))
+    n = max(plan.workspace_bytes // 4, 1)
+    rep = api._Repeat(first, 0, None, True, fm_ints=n)
+    indices = [torch.zeros_like(x) for _ in range(2)]
+    for idx in indices:
+        rep(q[:s].view(1, s, h, d), k[:s].view(1, s, hk, d), k[:s].view(1, s, hk, d), None, fm=idx)
+        fields = fired[-1].prep[3]
+        assert fields["idx"] == idx.data_ptr() and fields["out"] not in (0, 0x7000)
+        want = launch.with_flashmask(first, idx.data_ptr(), fields["out"])
+        assert fired[-1].mid == want.mid != first.mid
+
+
 @pytest.fixture
 def fired(monkeypatch):
     """The names of the main kernels launch.fire launches (as it does them)."""

@@ -324,6 +324,7 @@ def test_varlen_repeats_read_the_new_cu_seqlens(rng, monkeypatch, d, causal, win
     b, h, hk, total_q, total_k, mq, mk = 5, 4, 2, 700, 820, 250, 300
     tdt = torch.bfloat16 if d == 128 else torch.float16
     kw = dict(causal=causal, window_size=window)
+    kept = []
 
     def call(poison):
         lq, lk = _lengths(rng, b, total_q, mq), _lengths(rng, b, total_k, mk)
@@ -331,6 +332,7 @@ def test_varlen_repeats_read_the_new_cu_seqlens(rng, monkeypatch, d, causal, win
         q, dout = (torch.randn(total_q, h, d, device="cuda", dtype=tdt) for _ in range(2))
         k, v = (torch.randn(total_k, hk, d, device="cuda", dtype=tdt) for _ in range(2))
         cqd, ckd = torch.from_numpy(cq).cuda(), torch.from_numpy(ck).cuda()
+        kept.append((cqd, ckd))  # alive: each call's arrays at pointers no earlier call had
         out = torch.full_like(q, float("nan")) if poison else None
         o, lse = cuflash.attention_varlen(q, k, v, cqd, ckd, mq, mk, return_lse=True, out=out, num_splits=splits,
                                           **kw)
@@ -353,6 +355,7 @@ def test_varlen_repeats_read_the_new_cu_seqlens(rng, monkeypatch, d, causal, win
         check_against(o, lse, ref, same, ref_lse)
         check_varlen(grads, dout, q, k, v, cq, ck, causal, window_size=window)
     assert (len(api._repeats), len(backward._repeats)) == (n_fwd, n_bwd)
+    assert len({t.data_ptr() for pair in kept for t in pair}) == 2 * len(kept)
 
 
 @pytest.mark.parametrize("d,causal,n,heads", [(128, True, 1, 1), (64, False, 2, 2), (128, False, 4, 2)])
@@ -367,12 +370,14 @@ def test_flashmask_repeats_read_the_new_indices(rng, monkeypatch, d, causal, n, 
     from cuflash.reference import max_abs_err
     from test_flashmask_backward import _random_intervals
     b, s, h, hk = 2, 333, 4, 2
+    kept = []
 
     def call(poison):
         x = _random_intervals(rng, b, heads, s, s, n, causal)
         q, k, v, dout = torch_inputs(rng, b, s, s, h, hk, d, "bfloat16") + (
             torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16),)
         xt = torch.from_numpy(x).cuda()
+        kept.append(xt)  # alive: each call's indices at a pointer no earlier call had
         out = torch.full_like(q, float("nan")) if poison else None
         o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, out=out, startend_row_indices=xt)
         bufs = [torch.full_like(t, float("nan")) for t in (q, k, v)] if poison else [None] * 3
@@ -394,3 +399,4 @@ def test_flashmask_repeats_read_the_new_indices(rng, monkeypatch, d, causal, n, 
         for name, g, r, sm in zip(("dq", "dk", "dv"), grads, ref64, same):
             err, bound = max_abs_err(to_np(g), r), 2 * max_abs_err(sm, r) + 2e-4
             assert err <= bound, f"{name}: max error {err:.3g} exceeds bound {bound:.3g}"
+    assert len({t.data_ptr() for t in kept}) == len(kept)
