@@ -1,5 +1,6 @@
 """CUFLASH_TEST_SHARD=i/n (tests/conftest.py): the n shards of a collection are disjoint and cover
-it, the same in every process; a malformed value is a usage error naming the variable."""
+it, the same in every process; a malformed value is a usage error naming the variable. And
+under pytest-xdist every worker starts with one BLAS/OpenMP thread."""
 import os
 import subprocess
 import sys
@@ -35,3 +36,27 @@ def test_shards_are_disjoint_and_cover_the_collection():
 def test_bad_shard_is_a_usage_error(spec):
     rc, _, out = _collect(spec)
     assert rc == 4 and "CUFLASH_TEST_SHARD must be i/n with 1 <= i <= n" in out and repr(spec) in out
+
+
+ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def test_xdist_workers_start_with_one_blas_thread():
+    """Under ``pytest -n N`` each worker process starts with one BLAS/OpenMP thread in its
+    environment: inherited from the controller (read here from /proc/self/environ, the
+    environment the process began with), so that a plugin importing NumPy in a worker before
+    tests/conftest.py runs still gets one thread, not one per core in each of N workers. Outside
+    a worker this runs itself in one under ``-n 2``."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        pytest.importorskip("xdist", reason="needs pytest-xdist (pip install pytest-xdist)")
+        env = {k: v for k, v in os.environ.items() if k not in ONE_THREAD and k != "CUFLASH_TEST_SHARD"}
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider",
+                            f"{__file__}::test_xdist_workers_start_with_one_blas_thread"],
+                           capture_output=True, text=True, env=env, cwd=HERE)
+        assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout + r.stderr
+        return
+    if not os.path.exists("/proc/self/environ"):
+        pytest.skip("needs /proc/self/environ (Linux) to read the environment the worker started with")
+    with open("/proc/self/environ", "rb") as f:
+        started = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
+    assert all(started.get(v.encode()) == b"1" for v in ONE_THREAD), {v: started.get(v.encode()) for v in ONE_THREAD}
