@@ -67,10 +67,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     independent call should pass offset + reference.dropout_offset_increment(batch, nheads) (or a
     new seed). Not with a KV cache, num_splits > 1, sinks or startend_row_indices.
     """
-    plain = type(dropout_p) in (int, float) and dropout_p == 0 and seed is None and type(offset) is int and offset == 0
-    sig = None if sinks is not None or not plain else _signature(
+    sig = None if sinks is not None or not arrays.no_dropout(dropout_p, seed) else _signature(
         q, k, v, out, causal, softmax_scale, return_lse, num_splits, window_size, softcap, alibi_slopes,
-        startend_row_indices)
+        startend_row_indices, offset)
     if sig is not None:
         repeat = arrays.repeat_lookup(_repeats, sig)
         if repeat is not None:
@@ -173,8 +172,9 @@ def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mod
     if not direct_out:
         o_view.array[...] = kernel_out.array[..., :d]
     elif sig is not None and all(in_place) and drop is None:  # read in place: the next such call can skip to here
-        _keep(sig, _Repeat(recipe, qv.device, (b, h, sq) if return_lse else None, _contiguous(qv),
-                           fm_ints=0 if fm is None else max(recipe.plan.workspace_bytes // 4, 1)))
+        arrays.repeat_keep(_repeats, sig, _Repeat(
+            recipe, qv.device, (b, h, sq) if return_lse else None, qv.strides == arrays.contiguous_strides(qv.shape),
+            fm_ints=0 if fm is None else max(recipe.plan.workspace_bytes // 4, 1)))
     return _result(o_view, ov is not None, lse_arr, qv, return_lse)
 
 
@@ -187,37 +187,23 @@ _repeats: dict = cached_on_plans({})  # signature (see _signature) -> _Repeat
 
 
 def _signature(q, k, v, out, causal, softmax_scale, return_lse, num_splits, window_size, softcap,
-               alibi_slopes, startend_row_indices=None):
+               alibi_slopes, startend_row_indices=None, offset=0):
     """Everything the checks, the plan and the launch arguments of an ``attention`` call on
     PyTorch CUDA tensors depend on, except the data pointers (arrays.repeat_signature); None for
     other calls (ALiBi included). Calls with one signature pass the same checks and launch the
-    same kernels with the same arguments."""
+    same kernels with the same arguments. (``offset``, the dropout's, is checked and unused
+    without dropout.)"""
     if alibi_slopes is not None:
         return None
     return arrays.repeat_signature((q, k, v, out, startend_row_indices), window_size,
-                                   (causal, softmax_scale, return_lse, num_splits, softcap))
-
-
-def _keep(sig, repeat):
-    if len(_repeats) >= 1024:
-        _repeats.clear()
-    _repeats[sig] = repeat
-
-
-def _contiguous(x) -> bool:
-    """Whether view x is C-contiguous (torch.empty_like of it is then the contiguous output)."""
-    want, st = 1, []
-    for n in reversed(x.shape):
-        st.append(want)
-        want *= n
-    return tuple(reversed(st)) == tuple(x.strides)
+                                   (causal, softmax_scale, return_lse, num_splits, softcap, offset))
 
 
 class _Repeat(NamedTuple):
     recipe: launch.Recipe
     device: int
     lse_shape: tuple | None  # (batch, nheads, seqlen_q), or (nheads, total_q) packed, when the LSE is returned
-    q_contiguous: bool       # torch.empty_like(q) is then the contiguous output
+    q_contiguous: bool       # q is C-contiguous: torch.empty_like(q) is then the contiguous output
     # Packed sequences: a one-item list holding (cu_seqlens_q pointer, cu_seqlens_k pointer, the
     # recipe with them); a call with other cu_seqlens arrays makes the recipe with theirs and keeps
     # it for the calls after it (the tuple is replaced whole: threads sharing the entry each read
@@ -552,12 +538,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     batch b of the mask, rows and keys counted from the sequence's first (not with block_table).
     """
     sig = None
-    if (block_table is None and alibi_slopes is None and sinks is None and seed is None
-            and dropout_p.__class__ in (int, float) and dropout_p == 0 and offset.__class__ is int and offset == 0
+    if (block_table is None and alibi_slopes is None and sinks is None and arrays.no_dropout(dropout_p, seed)
             and max_seqlen_q.__class__ is int and max_seqlen_k.__class__ is int):
         sig = arrays.repeat_signature((q, k, v, out, cu_seqlens_q, cu_seqlens_k), window_size,
                                       ("varlen", max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse,
-                                       num_splits, softcap))
+                                       num_splits, softcap, offset))
         repeat = arrays.repeat_lookup(_repeats, sig)
         if repeat is not None:
             res = repeat(q, k, v, out, cu_seqlens_q, cu_seqlens_k)
@@ -619,8 +604,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if not direct_out:
         o_view.array[...] = kernel_out.array[..., :d]
     elif sig is not None and in_place:  # read in place: the next such call can skip to here
-        _keep(sig, _Repeat(recipe, qv.device, (h, total_q) if return_lse else None, _contiguous(qv),
-                           [(cq.ptr, ck.ptr, recipe)]))
+        arrays.repeat_keep(_repeats, sig, _Repeat(
+            recipe, qv.device, (h, total_q) if return_lse else None, qv.strides == arrays.contiguous_strides(qv.shape),
+            [(cq.ptr, ck.ptr, recipe)]))
     return _result(o_view, ov is not None, lse_arr, qv, return_lse)
 
 

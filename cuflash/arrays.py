@@ -7,6 +7,7 @@ copied to the current GPU and a NumPy array comes back.
 """
 from __future__ import annotations
 
+import math
 import sys
 from typing import NamedTuple
 
@@ -164,6 +165,23 @@ def current_device_id() -> int:
     import cupy
     current_device_id = cupy.cuda.runtime.getDevice
     return current_device_id()
+
+
+def contiguous_strides(shape) -> tuple:
+    """The element strides of a C-contiguous array of ``shape``."""
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+
+
+def no_dropout(dropout_p, seed) -> bool:
+    """A call without dropout as the repeated-call paths take it: dropout_p a plain 0, no seed."""
+    return dropout_p.__class__ in (int, float) and dropout_p == 0 and seed is None
+
+
+def repeat_keep(table: dict, sig, value) -> None:
+    """Keep ``value`` under ``sig`` in a repeat table, which is emptied when it holds 1024."""
+    if len(table) >= 1024:
+        table.clear()
+    table[sig] = value
 
 
 def repeat_lookup(table: dict, sig):

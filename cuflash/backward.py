@@ -154,8 +154,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     as NumPy).
     """
     sig = None
-    if (alibi_slopes is None and sinks is None and seed is None
-            and dropout_p.__class__ in (int, float) and dropout_p == 0):
+    if alibi_slopes is None and sinks is None and arrays.no_dropout(dropout_p, seed):
         sig = _signature(dout, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, deterministic, window_size,
                          softcap, offset, startend_row_indices)
         r = arrays.repeat_lookup(_repeats, sig)
@@ -198,8 +197,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     Dropout: sequence b is batch b of the mask, as in the forward.
     """
     sig = None
-    if (alibi_slopes is None and sinks is None and seed is None and dropout_p.__class__ in (int, float)
-            and dropout_p == 0 and max_seqlen_q.__class__ is int and max_seqlen_k.__class__ is int):
+    if (alibi_slopes is None and sinks is None and arrays.no_dropout(dropout_p, seed)
+            and max_seqlen_q.__class__ is int and max_seqlen_k.__class__ is int):
         sig = arrays.repeat_signature((q, k, v, dout, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k), window_size,
                                       ("varlen", max_seqlen_q, max_seqlen_k, causal, softmax_scale, deterministic,
                                        softcap, offset))
@@ -327,9 +326,8 @@ def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministi
     del ws  # the framework's allocator orders the free after the launches on this stream
     if sig is not None and all(x is y for x, y in zip(ops, (qv, kv, vv, dov, ov))) and all(
             kern is final for kern, final in bufs):
-        if len(_repeats) >= 1024:
-            _repeats.clear()
-        _repeats[sig] = _Repeat(prepared, dev, workspace_floats(plan, total_q), tuple(g is None for g in grads))
+        arrays.repeat_keep(_repeats, sig, _Repeat(prepared, dev, workspace_floats(plan, total_q),
+                                                  tuple(g is None for g in grads)))
     return tuple(arrays.hand_back(r, like) for r, like in zip(out, (qv, kv, vv, qv)))
 
 

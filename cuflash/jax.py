@@ -17,7 +17,6 @@ graphs; ``CUFLASH_JAX_COMMAND_BUFFER=0`` keeps it out of them). A ``jax.custom_v
 from __future__ import annotations
 
 import functools
-import math
 import os
 from typing import NamedTuple
 
@@ -247,7 +246,7 @@ def _device(buf) -> int:
 def _view(buf, device: int) -> arrays.View:
     """A view of an XLA buffer: dense and row-major, so its strides follow from its shape."""
     shape = tuple(buf.shape)
-    strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    strides = arrays.contiguous_strides(shape)
     ptr = buf.__cuda_array_interface__["data"][0]
     if ptr % 16:
         raise RuntimeError(f"cuflash.jax: XLA gave a buffer at {ptr:#x}, not 16-byte aligned")

@@ -177,10 +177,10 @@ def with_pointers(r: Recipe, **pointers) -> Recipe:
     pointers, in its combine kernel's fields too where it has them: the launch of a repeated call
     whose shapes and strides are those of ``r``'s but whose such arrays are others. (Both kinds of
     forward struct hold five fields before ``mid``: q, k, v, o, lse or three maps, o, lse.)"""
-    names = r.kernel.table.names
+    table = r.kernel.table
     mid = list(r.mid)
     for name, ptr in pointers.items():
-        mid[names.index(name) - fwd.DATA_HEAD] = ptr
+        mid[table.index(name) - fwd.DATA_HEAD] = ptr
     combine = {n: pointers.get(n, x) for n, x in r.combine.items()}
     return r._replace(mid=tuple(mid), combine=combine)
 

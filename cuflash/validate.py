@@ -465,7 +465,7 @@ class Shape:
             raise ValueError(f"{name} must have sizes >= 0, got {show(tuple(shape))}")
         self.shape = tuple(int(s) for s in shape)
         self.dtype = dtype
-        self.strides = tuple(math.prod(self.shape[i + 1:]) for i in range(len(self.shape)))
+        self.strides = arrays.contiguous_strides(self.shape)
         self.ptr = 0
         self.device = SHAPE_ONLY
         self.framework = "shape"

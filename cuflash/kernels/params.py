@@ -84,8 +84,12 @@ class ParamTable:
                 raise TypeError(f"{self.struct_name}.{name}: a CUtensorMap is {TENSOR_MAP_BYTES} bytes")
         return tuple(kw[n] for n in self.names)
 
+    @functools.cached_property
+    def _positions(self) -> dict:
+        return {n: i for i, n in enumerate(self.names)}
+
     def index(self, name: str) -> int:
-        return self.names.index(name)
+        return self._positions[name]
 
     def cuda(self) -> str:
         """The CUDA struct and its size check (both sides lay the fields out by C's rules, in the
