@@ -8,11 +8,11 @@ XDIST = "PYTEST_XDIST_WORKER" in os.environ  # this process is a pytest-xdist wo
 # ~10x slower that way). A plugin may import NumPy in a worker before this file, when the
 # variables are read already, so the controller also sets them before it starts the workers
 # (pytest_configure below) and they inherit them.
-_ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def _one_thread_per_process():
-    for var in _ONE_THREAD:
+    for var in ONE_THREAD:
         os.environ.setdefault(var, "1")
 
 

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from conftest import ONE_THREAD
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -37,8 +39,6 @@ def test_bad_shard_is_a_usage_error(spec):
     rc, _, out = _collect(spec)
     assert rc == 4 and "CUFLASH_TEST_SHARD must be i/n with 1 <= i <= n" in out and repr(spec) in out
 
-
-ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def test_xdist_workers_start_with_one_blas_thread():
