@@ -1187,7 +1187,13 @@ def _plot_mask(plt, rows, path):
             ax.set_title(f"s={s}, {p}")
             ax.set_ylabel("TFLOP/s (visible pairs)")
             ax.grid(True, axis="y", alpha=0.3)
-            ax.legend(fontsize=7)
-    fig.tight_layout()
+    # One legend under the panels (inside a panel it covers bars and the varlen ticks).
+    handles = {}
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles), fontsize=8,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
