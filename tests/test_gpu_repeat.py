@@ -298,6 +298,35 @@ def test_prepared_autograd_returns_the_lse():
     assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k, v))
 
 
+def test_prepared_autograd_saved_tensors_with_other_strides():
+    """A saved-tensor hook may give the backward contiguous copies of strided inputs
+    (torch.autograd.graph.save_on_cpu): the prepared backward of the strided layout must not run
+    on them. Gradients bitwise those of contiguous inputs (deterministic)."""
+    import torch
+    import cuflash.torch as ct
+    from cuflash.torch import ops
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kw = dict(causal=True, deterministic=True)
+    do = torch.randn(2, 150, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def packed():  # q, k, v split from one (batch, seqlen, 3, heads, d) tensor: strided views
+        x = torch.randn(2, 150, 3, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        return x, x.unbind(2)
+
+    ops._prepared.clear()
+    x, (q, k, v) = packed()
+    torch.autograd.grad(ct.attention(q, k, v, **kw), x, do)  # makes the prepared launches
+    (p,) = ops._prepared.values()
+    assert p.bwd is not None
+    x, (q, k, v) = packed()
+    with torch.autograd.graph.save_on_cpu(pin_memory=True):
+        out = ct.attention(q, k, v, **kw)
+    (got,) = torch.autograd.grad(out, x, do)
+    qc, kc, vc = (t.detach().contiguous().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(ct.attention(qc, kc, vc, **kw), (qc, kc, vc), do)
+    assert torch.equal(got, torch.stack(want, 2))
+
+
 def _lengths(rng, b, total, longest):
     """b sequence lengths in [0, longest] summing to ``total``, ``longest`` among them (so calls
     with other lengths keep the totals and maxima: the same repeat signature)."""

@@ -6,6 +6,7 @@ with the kernels replaced by a float64 PyTorch reference (``ref_kernels``), the 
 them (autograd, ``torch.compile(fullgraph=True)``, ``opcheck``, masks and windows in the
 transformers backend against transformers' SDPA backend). GPU tests run the real kernels.
 """
+import contextlib
 import math
 import subprocess
 import sys
@@ -327,6 +328,45 @@ def test_eager_autograd_function_plumbing(ref_kernels):
         torch.testing.assert_close(got, w)
     assert [c[0] for c in ref_kernels] == ["attention", "backward"]
     assert ref_kernels[0][3]["window_size"] == (5, 0) and ref_kernels[1][3]["window_size"] == (5, 0)
+
+
+@requires_torch
+def test_prepared_backward_only_for_the_strides_it_was_made_for(ref_kernels, monkeypatch):
+    """The eager Function of plain calls fires its prepared backward only for saved tensors with
+    the strides it was made for. A saved-tensor hook (torch.autograd.graph.save_on_cpu) gives
+    back contiguous copies of strided inputs (here q, k, v split from one packed tensor): those
+    take the general backward."""
+    import torch
+    import cuflash
+    from cuflash.torch import ops
+    fired = []
+
+    def grads(name):
+        def run(dout, q, k, v, *args, **kwargs):
+            fired.append(name)
+            return tuple(torch.zeros_like(x) for x in (q, k, v))
+        return run
+
+    monkeypatch.setattr(cuflash.backward, "attention_backward", grads("general"))
+    monkeypatch.setattr(cuflash.backward, "_repeats", {}, raising=False)  # no prepared launch on the CPU
+    monkeypatch.setattr(cuflash.backward, "_signature", lambda *a: None, raising=False)
+    base = _cpu(2, 7, 3, 4, 16, grad=True)
+    p = ops._Prepared(True, 0.3, (-1, -1), 0.0, False)
+
+    def step(hooks):
+        q, k, v = base.unbind(2)
+        with hooks:
+            out, lse = ops._PreparedAttention.apply(q, k, v, p)
+        torch.autograd.grad(out, base, torch.ones_like(out))
+        return q, k, v, out, lse
+
+    q, k, v, out, lse = step(contextlib.nullcontext())
+    assert fired == ["general"] and q.stride() != q.contiguous().stride()
+    p.bwd, p.bwd_strides = grads("prepared"), tuple(x.stride() for x in (q, k, v, out, lse))
+    step(contextlib.nullcontext())
+    assert fired == ["general", "prepared"]
+    step(torch.autograd.graph.save_on_cpu(pin_memory=True))
+    assert fired == ["general", "prepared", "general"]
 
 
 @requires_torch

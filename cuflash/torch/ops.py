@@ -417,12 +417,13 @@ _FuncVarlenAttention = _eager_function("_FuncVarlenAttention", _varlen_fwd_body,
 class _Prepared:
     """The options of one plain call layout and its prepared forward and backward: ``fwd`` and
     ``bwd`` are the repeat objects of cuflash.api and cuflash.backward, None until a general call
-    has made them."""
-    __slots__ = ("causal", "scale", "window", "softcap", "deterministic", "fwd", "bwd")
+    has made them; ``bwd_strides``, the strides of the saved (q, k, v, out, lse) that ``bwd`` was
+    made for."""
+    __slots__ = ("causal", "scale", "window", "softcap", "deterministic", "fwd", "bwd", "bwd_strides")
 
     def __init__(self, causal, scale, window, softcap, deterministic):
         self.causal, self.scale, self.window, self.softcap = causal, scale, window, softcap
-        self.deterministic, self.fwd, self.bwd = deterministic, None, None
+        self.deterministic, self.fwd, self.bwd, self.bwd_strides = deterministic, None, None, None
 
 
 _prepared: dict = cached_on_plans({})  # arrays.repeat_signature of (q, k, v) and the options -> _Prepared
@@ -467,9 +468,13 @@ class _PreparedAttention(torch.autograd.Function):
             return None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         p = ctx.prepared
-        # The backward's prepared launches hold for an output gradient laid out as the output.
+        # The backward's prepared launches hold for an output gradient laid out as the output, and
+        # for saved tensors with the strides they were made for: a saved-tensor hook (e.g.
+        # torch.autograd.graph.save_on_cpu) may give back contiguous copies of strided inputs.
         usual = dout.dtype == out.dtype and dout.stride() == out.stride()
-        res = p.bwd(dout, q, k, v, out, lse, None, None, None) if usual and p.bwd is not None else None
+        strides = (q.stride(), k.stride(), v.stride(), out.stride(), lse.stride())
+        res = (p.bwd(dout, q, k, v, out, lse, None, None, None)
+               if usual and p.bwd is not None and strides == p.bwd_strides else None)
         if res is None:
             res = cuflash.backward.attention_backward(
                 _last_dim_contiguous(dout), q, k, v, out, lse, causal=p.causal, softmax_scale=p.scale,
@@ -478,6 +483,7 @@ class _PreparedAttention(torch.autograd.Function):
                 p.bwd = cuflash.backward._repeats.get(cuflash.backward._signature(
                     dout, q, k, v, out, lse, None, None, None, p.causal, p.scale, p.deterministic, p.window,
                     p.softcap, 0))
+                p.bwd_strides = strides
         dq, dk, dv = res
         return dq, dk, dv, None
 
