@@ -713,6 +713,56 @@ def test_hf_dropout_with_sinks_is_refused(monkeypatch):
         model(torch.arange(1, 7)[None])
 
 
+@requires_torch
+def test_hf_chunked_attention_beyond_a_chunk_is_refused(ref_kernels):
+    """Llama 4's chunked attention (config.attention_chunk_size): up to a chunk of keys it is
+    causal attention and runs; beyond it, a clear error before any kernel, not attention across
+    chunks."""
+    import types
+    import torch
+    from cuflash.torch.hf import hf_attention_forward
+    module = types.SimpleNamespace(config=types.SimpleNamespace(attention_chunk_size=4), is_causal=True)
+    q, k, v = (_cpu(1, 2, 4, 8, seed=s) for s in range(3))  # (batch, heads, seqlen, d)
+    out, _ = hf_attention_forward(module, q, k, v, None, scaling=0.3)
+    want, _ = ref_attention(*(x.transpose(1, 2) for x in (q, k, v)), True, 0.3)
+    torch.testing.assert_close(out, want)
+    calls = len(ref_kernels)
+    q, k, v = (_cpu(1, 2, 6, 8, seed=s) for s in range(3))
+    with pytest.raises(NotImplementedError, match="attention_chunk_size=4"):
+        hf_attention_forward(module, q, k, v, None, scaling=0.3)
+    with pytest.raises(NotImplementedError, match="over 6 keys"):  # a padding mask counts its keys
+        hf_attention_forward(module, q[:, :, :1], k, v, torch.ones(1, 6, dtype=torch.bool), scaling=0.3)
+    assert len(ref_kernels) == calls
+
+
+@requires_torch
+@requires_transformers
+def test_hf_llama4_chunked_attention(ref_kernels):
+    """A tiny Llama 4 text model (every layer chunked, chunks of 8 tokens): within a chunk its
+    logits match SDPA's; a longer input is refused (it would attend across chunks)."""
+    import torch
+    import transformers
+    if not hasattr(transformers, "Llama4TextConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Llama 4")
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+    import cuflash.torch as ct
+    ct.register_transformers()
+    models = []
+    for attn in ("cuFlash", "sdpa"):  # a config each: the model keeps its implementation there
+        cfg = Llama4TextConfig(vocab_size=128, hidden_size=64, intermediate_size=64, intermediate_size_mlp=64,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
+                               attention_chunk_size=8, initializer_range=0.1)
+        torch.manual_seed(0)
+        models.append(Llama4ForCausalLM._from_config(cfg, attn_implementation=attn, dtype=torch.float64).eval())
+    assert models[0].config._attn_implementation == "cuFlash"
+    ids = torch.randint(1, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(models[0](ids).logits, models[1](ids).logits)
+        assert ref_kernels  # cuflash ran
+        with pytest.raises(NotImplementedError, match="attention_chunk_size=8"):
+            models[0](torch.randint(1, 128, (1, 12)))
+
+
 def _load_example():
     import importlib.util
     import os
