@@ -736,6 +736,52 @@ def test_hf_chunked_attention_beyond_a_chunk_is_refused(ref_kernels):
 
 
 @requires_torch
+@pytest.mark.parametrize("sq", [1, 3, 5, 7])
+def test_hf_padded_keys_without_causal_mask(ref_kernels, sq):
+    """Cross-attention over a padded encoder (queries of another length than the keys) and an
+    encoder's own attention (sq == kv_len): the 2D mask is the keys'; every query row matches
+    SDPA with that key mask, padded rows included."""
+    import types
+    import torch
+    from cuflash.torch.hf import hf_attention_forward
+    module = types.SimpleNamespace(is_causal=False)
+    q = _cpu(2, 4, sq, 8)
+    k, v = _cpu(2, 2, 5, 8, seed=1), _cpu(2, 2, 5, 8, seed=2)
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 0, 0]])  # encoder rows padded on the left, on the right
+    out, _ = hf_attention_forward(module, q, k, v, mask, scaling=0.3)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask[:, None, None, :].bool(), scale=0.3)
+    torch.testing.assert_close(out, want.transpose(1, 2))
+    assert ref_kernels[-1][0] == "varlen"
+
+
+@requires_torch
+@requires_transformers
+@pytest.mark.parametrize("dec_len", [4, 12])
+def test_hf_bart_padded_encoder_matches_sdpa(ref_kernels, dec_len):
+    """An encoder-decoder (BART) with a padded encoder batch: the encoder's attention and the
+    decoder's cross-attention (decoder length unlike the encoder's) match SDPA's logits."""
+    import torch
+    from transformers import BartConfig, BartForConditionalGeneration
+    import cuflash.torch as ct
+    ct.register_transformers()
+    models = []
+    for attn in ("cuFlash", "sdpa"):
+        cfg = BartConfig(vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                         decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64)
+        torch.manual_seed(0)
+        models.append(BartForConditionalGeneration._from_config(cfg, attn_implementation=attn, dtype=torch.float64).eval())
+    g = torch.Generator().manual_seed(0)
+    ids, dec = torch.randint(3, 100, (2, 9), generator=g), torch.randint(3, 100, (2, dec_len), generator=g)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    with torch.no_grad():
+        a, b = (m(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits for m in models)
+    torch.testing.assert_close(a, b)
+    assert any(c[0] == "varlen" for c in ref_kernels)
+
+
+@requires_torch
 @requires_transformers
 def test_hf_llama4_chunked_attention(ref_kernels):
     """A tiny Llama 4 text model (every layer chunked, chunks of 8 tokens): within a chunk its

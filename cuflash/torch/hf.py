@@ -174,19 +174,22 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
         kv_len = k.shape[1]
         idx_k, cu_k, max_k = _mask_memo.get(mask, None, _unpad_data)
         k_u, v_u = _gather_rows(k, idx_k, kv_len), _gather_rows(v, idx_k, kv_len)
-        if sq == kv_len:
+        if sq == 1 or (not causal and window == (-1, -1)):
+            # A decode step, or attention without a causal mask or window (an encoder's, or
+            # cross-attention, whose queries are not the keys' positions): the mask is the keys';
+            # every query row is computed, as SDPA does.
+            idx_q = None
+            cu_q, max_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device), sq
+            q_u = q.reshape(b * sq, h, d)
+        elif sq == kv_len:
             idx_q, cu_q, max_q = idx_k, cu_k, max_k
             q_u = _gather_rows(q, idx_q, sq)
-        elif sq == 1:
-            idx_q = None
-            cu_q, max_q = torch.arange(b + 1, dtype=torch.int32, device=q.device), 1
-            q_u = q[:, 0]
         else:  # queries are the last sq positions (left padding)
             idx_q, cu_q, max_q = _mask_q_memo.get(mask, sq, lambda m: _unpad_data(m[:, -sq:]))
             q_u = _gather_rows(q, idx_q, sq)
         o_u = attention_varlen(q_u, k_u, v_u, cu_q, cu_k, max_q, max_k, **feats)
         if idx_q is None:
-            out = o_u.view(b, 1, h, d)
+            out = o_u.view(b, sq, h, d)
         else:
             out = o_u.new_zeros((b * sq, h, d)).index_copy(0, idx_q, o_u).view(b, sq, h, d)
         return _crop((out, None), v_head_dim)
