@@ -715,21 +715,22 @@ def test_hf_dropout_with_sinks_is_refused(monkeypatch):
 
 @requires_torch
 def test_hf_chunked_attention_beyond_a_chunk_is_refused(ref_kernels):
-    """Llama 4's chunked attention (config.attention_chunk_size): up to a chunk of keys it is
-    causal attention and runs; beyond it, a clear error before any kernel, not attention across
-    chunks."""
+    """Llama 4's chunked attention (config.attention_chunk_size): below a chunk of keys it is
+    causal attention and runs; from a chunk on, a clear error before any kernel, not attention
+    across chunks."""
     import types
     import torch
     from cuflash.torch.hf import hf_attention_forward
     module = types.SimpleNamespace(config=types.SimpleNamespace(attention_chunk_size=4), is_causal=True)
-    q, k, v = (_cpu(1, 2, 4, 8, seed=s) for s in range(3))  # (batch, heads, seqlen, d)
+    q, k, v = (_cpu(1, 2, 3, 8, seed=s) for s in range(3))  # (batch, heads, seqlen, d)
     out, _ = hf_attention_forward(module, q, k, v, None, scaling=0.3)
     want, _ = ref_attention(*(x.transpose(1, 2) for x in (q, k, v)), True, 0.3)
     torch.testing.assert_close(out, want)
     calls = len(ref_kernels)
-    q, k, v = (_cpu(1, 2, 6, 8, seed=s) for s in range(3))
-    with pytest.raises(NotImplementedError, match="attention_chunk_size=4"):
-        hf_attention_forward(module, q, k, v, None, scaling=0.3)
+    for n in (4, 6):
+        q, k, v = (_cpu(1, 2, n, 8, seed=s) for s in range(3))
+        with pytest.raises(NotImplementedError, match="attention_chunk_size=4"):
+            hf_attention_forward(module, q, k, v, None, scaling=0.3)
     with pytest.raises(NotImplementedError, match="over 6 keys"):  # a padding mask counts its keys
         hf_attention_forward(module, q[:, :, :1], k, v, torch.ones(1, 6, dtype=torch.bool), scaling=0.3)
     assert len(ref_kernels) == calls
@@ -784,8 +785,9 @@ def test_hf_bart_padded_encoder_matches_sdpa(ref_kernels, dec_len):
 @requires_torch
 @requires_transformers
 def test_hf_llama4_chunked_attention(ref_kernels):
-    """A tiny Llama 4 text model (every layer chunked, chunks of 8 tokens): within a chunk its
-    logits match SDPA's; a longer input is refused (it would attend across chunks)."""
+    """A tiny Llama 4 text model (every layer chunked, chunks of 8 tokens): below a chunk its
+    logits match SDPA's; a longer input, or a decode step that reaches a chunk's worth of keys
+    (its layers' caches keep 7 tokens), is refused rather than attending across chunks."""
     import torch
     import transformers
     if not hasattr(transformers, "Llama4TextConfig"):
@@ -801,12 +803,15 @@ def test_hf_llama4_chunked_attention(ref_kernels):
         torch.manual_seed(0)
         models.append(Llama4ForCausalLM._from_config(cfg, attn_implementation=attn, dtype=torch.float64).eval())
     assert models[0].config._attn_implementation == "cuFlash"
-    ids = torch.randint(1, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(models[0](ids).logits, models[1](ids).logits)
+        first = models[0](ids, use_cache=True)
+        torch.testing.assert_close(first.logits, models[1](ids).logits)
         assert ref_kernels  # cuflash ran
         with pytest.raises(NotImplementedError, match="attention_chunk_size=8"):
             models[0](torch.randint(1, 128, (1, 12)))
+        with pytest.raises(NotImplementedError, match="over 8 keys"):  # the 8th token: 7 cached + 1
+            models[0](ids[:, :1], past_key_values=first.past_key_values)
 
 
 def _load_example():

@@ -122,12 +122,14 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     sk = key.shape[2]
     # Llama 4's chunked layers see only the keys of their own chunk of attention_chunk_size
     # tokens: a mask that the flash-style mask function (register_transformers) does not pass on.
-    # Up to that many keys it is causal attention; beyond it, refuse rather than attend across chunks.
+    # Below that many keys it is causal attention; from it on, refuse rather than attend across
+    # chunks. (A chunked layer's cache keeps chunk - 1 tokens, so a decode step past a chunk
+    # boundary sees exactly `chunk` keys: the positions themselves do not reach this function.)
     chunk = getattr(getattr(module, "config", None), "attention_chunk_size", None)
     seen = attention_mask.shape[-1] if attention_mask is not None else sk  # (not a static cache's length)
-    if chunk and seen > chunk:
+    if chunk and seen >= chunk:
         raise NotImplementedError(f"cuflash backend: chunked attention (config.attention_chunk_size={chunk}) "
-                                  f"over {seen} keys is not supported; sequences of at most {chunk} tokens "
+                                  f"over {seen} keys is not supported; sequences of fewer than {chunk} tokens "
                                   "run as plain causal attention, which is the same")
     if query.dtype == torch.float32:  # as transformers' flash backend: run in the autocast dtype
         dev = query.device.type
