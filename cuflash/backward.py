@@ -372,10 +372,10 @@ class _Repeat(NamedTuple):
         ptrs["ws"] = ws.data_ptr()
         dev = self.device
         if arrays.current_device_id() == dev:
-            _fire(self.launches, ptrs, arrays.torch_stream(dev))
+            fire(self.launches, ptrs, arrays.torch_stream(dev))
         else:
             with arrays.on_device(dev):
-                _fire(self.launches, ptrs, arrays.torch_stream(dev))
+                fire(self.launches, ptrs, arrays.torch_stream(dev))
         return tuple(grads)
 
 
@@ -471,7 +471,7 @@ def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, dev
     sequences: 3-dim views and ``cu`` = (cu_seqlens_q, cu_seqlens_k) views. ``fm``: the view of
     FlashMask's startend_row_indices for a FlashMask plan. ``dropout``: (dropout_p, seed, offset) of
     a plan with dropout. Allocates nothing. Returns the prepared launches (_prepare), which
-    ``_fire`` launches again for other data pointers of the same shapes and strides."""
+    ``fire`` launches again for other data pointers of the same shapes and strides."""
     p = plan.problem
     b, sq, sk, h, hk, d = p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_k, p.head_dim
     head_rows, rows = stats_rows(b, sq, h, None if cu is None else ops[0].shape[0])
@@ -504,7 +504,7 @@ def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, dev
     prepared = _prepare(_launch_specs(kernels[:3], ops, lse, lse_st, grads, (lse2, dsum, acc, sem),
                                       (b, sq, sk, h, hk, d, head_rows), score, fm_args,
                                       dropout_fields(kernels[1], dropout), packed), device)
-    _fire(prepared, _pointers(ops, lse, grads, ws_ptr, cu_ptrs, None if fm is None else fm.ptr), stream)
+    fire(prepared, _pointers(ops, lse, grads, ws_ptr, cu_ptrs, None if fm is None else fm.ptr), stream)
     return prepared
 
 
@@ -647,7 +647,7 @@ def _prepare(specs, device: int) -> tuple:
     return tuple(out)
 
 
-def _fire(launches, ptrs: dict, stream: int):
+def fire(launches, ptrs: dict, stream: int):
     """Launch prepared launches on ``stream`` for the data pointers ``ptrs`` (by role)."""
     for la in launches:
         values = list(la.values)

@@ -5,7 +5,7 @@ jax.nn.dot_product_attention, and FlashMask masks against PyTorch's FlexAttentio
 Timing uses CUDA events after warm-up, takes the median of many repeats and
 rotates among several input sets whose total size exceeds 2x L2, so that
 inputs are (mostly) read from HBM as they would be in a real model. The JAX
-benchmark times with the wall clock instead (`time_sync`): CUDA events on
+benchmark times with the wall clock instead (`time_steady`): CUDA events on
 PyTorch's stream cannot bracket work on XLA's streams.
 """
 from __future__ import annotations
@@ -148,6 +148,37 @@ def time_sync(fn, inputs_list, sync, warmup=3, reps=20, sample_ms=10.0):
         sync(out)
         samples.append((time.perf_counter() - t0) * 1e3 / batch)
     return statistics.median(samples)
+
+
+def time_steady(fn, inputs_list, sync, warmup=3, reps=20, sample_ms=10.0):
+    """(ms per call in steady state, ms fixed per batch) of fn(*inputs), cycling through
+    inputs_list, for asynchronous frameworks (see time_sync). Each sample times a batch of n calls
+    and one of 4n, each closed by one ``sync``; n is sized from the warm-up so that the short batch
+    lasts about sample_ms / 4. The per-call time is the difference of the two batches' medians
+    over the 3n calls between them: the cost of one more call in a stream of calls, as the layers
+    of a model run. What the short batch takes beyond n such calls is paid once per batch (the
+    first launch's latency, the final wait) whatever the batch holds."""
+    n, k = len(inputs_list), 1
+    sync(fn(*inputs_list[0]))
+    t0 = time.perf_counter()
+    for _ in range(max(1, warmup)):
+        out = fn(*inputs_list[k % n])
+        k += 1
+    sync(out)
+    per_ms = (time.perf_counter() - t0) * 1e3 / max(1, warmup)
+    short = max(1, min(50, int(sample_ms / 4 / max(per_ms, 1e-3))))
+    samples = {short: [], 4 * short: []}
+    for _ in range(reps):
+        for calls, got in samples.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                out = fn(*inputs_list[k % n])
+                k += 1
+            sync(out)
+            got.append((time.perf_counter() - t0) * 1e3)
+    t_short, t_long = (statistics.median(v) for v in samples.values())
+    per_call = (t_long - t_short) / (3 * short)
+    return per_call, t_short - short * per_call
 
 
 def rotated_rounds(timers: dict, rounds: int) -> dict:
@@ -429,7 +460,8 @@ def bench_jax(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), causal=(
     (jax.jit of jax.vjp applied to a fixed random output cotangent do: the gradients w.r.t. q, k
     and v; for PyTorch, torch.autograd.grad(out, (q, k, v), do): the same work), counted as
     (1 + 2.5) x the forward's FLOPs.
-    Every implementation is timed by `time_sync`, the four in ``rounds`` rotated rounds
+    Every implementation is timed by `time_steady` (ms per call in a stream of calls; the fixed
+    ms per synchronised batch into ``<name>_fixed_ms``), the four in ``rounds`` rotated rounds
     (rotated_rounds); max |diff| is against cuDNN's output (XLA's
     where cuDNN is unavailable). An implementation that fails (a shape or dtype it refuses, out
     of memory) gets no timing and its error in row["errors"]."""
@@ -500,7 +532,8 @@ def _jax_row(row, sets, causal, scale, backward, warmup=3, reps=20, rounds=1, ex
 
 
 def _sync_timer(row, outs, name, make, sets, sync, warmup, reps):
-    """A rotated_rounds timer of make()'s fn over sets (time_sync), after one call whose output
+    """A rotated_rounds timer of make()'s fn over sets (time_steady's ms per call; its fixed ms per
+    batch, the median over rounds, into row[name + "_fixed_ms"]), after one call whose output
     on sets[0] goes to outs[name]. Where making, calling or timing it fails (a refused shape or
     dtype, no GPU backend, out of memory), row["errors"][name] gets the error's first line and
     the timer gives None."""
@@ -517,14 +550,19 @@ def _sync_timer(row, outs, name, make, sets, sync, warmup, reps):
         note(e)
         return lambda: None
 
+    fixed = []
+
     def timer():
         if name in row["errors"]:
             return None
         try:
-            return time_sync(fn, sets, sync, warmup, reps)
+            ms, fixed_ms = time_steady(fn, sets, sync, warmup, reps)
         except Exception as e:
             note(e)
             return None
+        fixed.append(fixed_ms)
+        row[f"{name}_fixed_ms"] = statistics.median(fixed)
+        return ms
     return timer
 
 

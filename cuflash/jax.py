@@ -212,7 +212,9 @@ def _forward(call: _Call, q, k, v, extra):
     if _persistent(plan):  # the persistent blocks' tile counter
         types.append(jax.ShapeDtypeStruct((1,), jnp.int32))
     early = EARLY_LAUNCH  # read at trace time, as COMMAND_BUFFER is
-    res = _callback(lambda ctx, outs, *ins: _run_forward(call, plan, ctx, outs, ins, early), types)(q, k, v, *extra)
+    recipes = {}  # this callback's launch recipes (see _run_forward)
+    res = _callback(lambda ctx, outs, *ins: _run_forward(call, plan, ctx, outs, ins, early, recipes), types)(
+        q, k, v, *extra)
     return res[0], res[1]
 
 
@@ -227,7 +229,8 @@ def _backward(call: _Call, dout, q, k, v, out, lse, extra):
     _load(plan, ordinals)
     types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
     types.append(jax.ShapeDtypeStruct((backward.workspace_floats(plan, call.total_q),), jnp.float32))
-    run = lambda ctx, outs, *ins: _run_backward(call, plan, ctx, outs, ins)  # noqa: E731
+    prepared = {}  # this callback's prepared launches (see _run_backward)
+    run = lambda ctx, outs, *ins: _run_backward(call, plan, ctx, outs, ins, prepared)  # noqa: E731
     dq, dk, dv, _ = _callback(run, types)(dout, q, k, v, out, lse, *extra)
     return dq, dk, dv
 
@@ -243,14 +246,19 @@ def _device(buf) -> int:
     return int(ordinal)
 
 
-def _view(buf, device: int) -> arrays.View:
-    """A view of an XLA buffer: dense and row-major, so its strides follow from its shape."""
-    shape = tuple(buf.shape)
-    strides = arrays.contiguous_strides(shape)
+def _ptr(buf) -> int:
+    """An XLA buffer's device address, checked for the 16-byte alignment the kernels read at."""
     ptr = buf.__cuda_array_interface__["data"][0]
     if ptr % 16:
         raise RuntimeError(f"cuflash.jax: XLA gave a buffer at {ptr:#x}, not 16-byte aligned")
-    return arrays.View(ptr, shape, strides, np.dtype(buf.dtype).name, device, "xla", buf)
+    return ptr
+
+
+def _view(buf, device: int) -> arrays.View:
+    """A view of an XLA buffer: dense and row-major, so its strides follow from its shape."""
+    shape = tuple(buf.shape)
+    return arrays.View(_ptr(buf), shape, arrays.contiguous_strides(shape), np.dtype(buf.dtype).name, device,
+                       "xla", buf)
 
 
 def _extras(call: _Call, extra, device: int):
@@ -260,8 +268,32 @@ def _extras(call: _Call, extra, device: int):
     return alibi, (tuple(views) if call.total_q is not None else None)
 
 
-def _run_forward(call: _Call, plan, ctx, outs, ins, early: bool = False):
+def _run_forward(call: _Call, plan, ctx, outs, ins, early: bool, recipes: dict):
+    """Launch the forward on XLA's stream. The launch's recipe (launch.prepare: kernel, grid,
+    parameters but the data pointers) is made once per device and extra inputs' pointers (ALiBi
+    slopes, cu_seqlens, which it holds) and kept in ``recipes``, the callback's own: its shapes
+    are static, so later calls only encode the tensor maps of their pointers and launch."""
     dev = _device(ins[0])
+    key = (dev, *(_ptr(x) for x in ins[3:]))
+    r = recipes.get(key)
+    if r is None:
+        r = recipes[key] = _forward_recipe(call, plan, outs, ins, dev, early)
+    q, k, v, o, lse = (_ptr(x) for x in (*ins[:3], *outs[:2]))
+    stream = ctx.stream
+    with arrays.on_device(dev):
+        ws = None
+        if r.split:
+            w = _ptr(outs[2])
+            ws = (w, w + 4 * r.ws_lse)
+        counter = 0
+        if r.tiles is not None:  # persistent blocks: their tile counter (XLA's last output), zeroed
+            counter = _ptr(outs[-1])
+            launch.zero_async(counter, 4, stream)
+        # fused=False: the combine kernel merges the splits, so no per-stream counter buffer is made
+        launch.fire(r, dev, stream, q, k, v, o, lse, ws, fused=False, counter=counter)
+
+
+def _forward_recipe(call: _Call, plan, outs, ins, dev: int, early: bool):
     q, k, v, o = (_view(x, dev) for x in (*ins[:3], outs[0]))
     alibi, cu = _extras(call, ins[3:], dev)
     kw = dict(softcap=call.softcap, alibi=(alibi.ptr, call.alibi_sb) if alibi is not None else (0, 0))
@@ -269,33 +301,38 @@ def _run_forward(call: _Call, plan, ctx, outs, ins, early: bool = False):
         kw["varlen"] = (cu[0].ptr, cu[1].ptr, call.total_q, k.shape[0])
         q, o = (validate.batched(x, call.batch, call.seqlen_q) for x in (q, o))
         k, v = (validate.batched(x, call.batch, call.seqlen_k) for x in (k, v))
-    stream = ctx.stream
     with arrays.on_device(dev):
-        # Plain launches (no programmatic stream serialisation) unless EARLY_LAUNCH: XLA may nest
-        # the capture of this callback in its own CUDA graph.
         r = launch.prepare(plan, q, k, v, o, call.scale, dev, **kw)
-        if not early:
-            r = r._replace(early=False)
-        ws = None
-        if r.split:
-            w = _view(outs[2], dev)
-            assert w.shape[0] >= r.ws_floats, (w.shape, r.ws_floats)
-            ws = (w.ptr, w.ptr + 4 * r.ws_lse)
-        counter = 0
-        if r.tiles is not None:  # persistent blocks: their tile counter (XLA's last output), zeroed
-            counter = _view(outs[-1], dev).ptr
-            launch.zero_async(counter, 4, stream)
-        # fused=False: the combine kernel merges the splits, so no per-stream counter buffer is made
-        launch.fire(r, dev, stream, q.ptr, k.ptr, v.ptr, o.ptr, _view(outs[1], dev).ptr, ws, fused=False,
-                    counter=counter)
+    # Plain launches (no programmatic stream serialisation) unless early: XLA may nest the
+    # capture of this callback in its own CUDA graph.
+    r = r if early else r._replace(early=False)
+    if r.split:
+        w = _view(outs[2], dev)
+        assert w.shape[0] >= r.ws_floats, (w.shape, r.ws_floats)
+    return r
 
 
-def _run_backward(call: _Call, plan, ctx, outs, ins):
+def _run_backward(call: _Call, plan, ctx, outs, ins, prepared: dict):
+    """Launch the backward on XLA's stream. backward.run's prepared launches hold every pointer
+    but the ALiBi slopes' as a role, so they are made once per device and slopes pointer and kept
+    in ``prepared``, the callback's own; later calls fire them for their pointers."""
     dev = _device(ins[0])
-    dout, q, k, v, o, lse = (_view(x, dev) for x in ins[:6])
-    alibi, cu = _extras(call, ins[6:], dev)
-    grads = [_view(x, dev) for x in outs[:3]]
-    mods = (call.window, call.softcap, alibi, call.alibi_sb or 0)
+    alibi = call.alibi_sb is not None
+    key = (dev, _ptr(ins[6]) if alibi else 0)
+    launches = prepared.get(key)
+    if launches is None:
+        dout, q, k, v, o, lse = (_view(x, dev) for x in ins[:6])
+        slopes, cu = _extras(call, ins[6:], dev)
+        grads = [_view(x, dev) for x in outs[:3]]
+        mods = (call.window, call.softcap, slopes, call.alibi_sb or 0)
+        with arrays.on_device(dev):
+            prepared[key] = backward.run(plan, (q, k, v, dout, o), lse, grads, _ptr(outs[3]), call.scale, mods,
+                                         ctx.stream, dev, cu)
+        return
+    dout, q, k, v, o, lse = (_ptr(x) for x in ins[:6])
+    dq, dk, dv, ws = (_ptr(x) for x in outs[:4])
+    ptrs = dict(q=q, k=k, v=v, dout=dout, out=o, lse=lse, dq=dq, dk=dk, dv=dv, ws=ws, fm=None)
+    if call.total_q is not None:
+        ptrs["cu_q"], ptrs["cu_k"] = (_ptr(x) for x in ins[6 + alibi:8 + alibi])
     with arrays.on_device(dev):
-        backward.run(plan, (q, k, v, dout, o), lse, grads, _view(outs[3], dev).ptr, call.scale, mods, ctx.stream,
-                     dev, cu)
+        backward.fire(launches, ptrs, ctx.stream)

@@ -7,7 +7,7 @@ with batches of about 10 ms and of about 100 ms (a gap that shrinks with the lon
 fixed cost per batch: dispatch and the final wait, not per call), and a kernel timeline of 30
 back-to-back calls recorded by the PyTorch profiler (CUPTI records every kernel and memset in the
 process, XLA's too): the mean GPU time per call of each kernel or memset name, and the idle time
-between consecutive GPU activities. Not yet run on a GPU.
+between consecutive GPU activities.
 """
 import argparse
 import os

@@ -1,5 +1,7 @@
 """bench.rotated_rounds: every timer runs once per round, the order rotates, and the result is
 each timer's median (None where it never ran)."""
+import pytest
+
 from cuflash import bench
 
 
@@ -110,3 +112,25 @@ def test_time_cuda_settles_before_its_samples(monkeypatch):
     settled = len(calls) - (1 + 2 + 3)
     assert settled >= 8 and settled % 8 == 0  # whole groups of 8 between clock checks
     assert calls[-1] - calls[2] >= 0.05  # the settling came before the last samples
+
+
+@pytest.mark.parametrize("host_ms, per_call_ms, fixed_ms", [
+    (0.1, 0.4, 3.1),   # GPU-bound: a call adds its 0.4 ms of GPU work; a batch waits for its first issue and 3 ms
+    (0.5, 0.5, 3.4),   # host-bound: a call adds its 0.5 ms of host time; the GPU lags the last issue by 0.4 ms
+])
+def test_time_steady_separates_per_call_and_per_batch_costs(monkeypatch, host_ms, per_call_ms, fixed_ms):
+    """On a virtual clock where a call takes host_ms of host time and 0.4 ms of GPU work queued
+    behind the previous call's, and each sync waits for the queue and then a fixed 3 ms."""
+    import types
+    clock = types.SimpleNamespace(now=0.0, queued=0.0)
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock.now)
+
+    def fn(x):
+        clock.now += host_ms * 1e-3
+        clock.queued = max(clock.queued, clock.now) + 0.4e-3
+        return x
+
+    def sync(out):
+        clock.now = max(clock.now, clock.queued) + 3e-3
+    per_call, fixed = bench.time_steady(fn, [(1,), (2,)], sync, warmup=3, reps=5, sample_ms=20.0)
+    assert per_call == pytest.approx(per_call_ms) and fixed == pytest.approx(fixed_ms)

@@ -57,7 +57,7 @@ def numpy_kernels(monkeypatch):
     counts the callbacks run."""
     calls = {"fwd": 0, "bwd": 0}
 
-    def fwd(call, plan, ctx, outs, ins, early=False):
+    def fwd(call, plan, ctx, outs, ins, early, recipes):
         calls["fwd"] += 1
         q, k, v, *extra = [np.asarray(x) for x in ins]
         if call.total_q is None:
@@ -67,7 +67,7 @@ def numpy_kernels(monkeypatch):
         np.asarray(outs[0])[...] = o.astype(q.dtype)
         np.asarray(outs[1])[...] = lse
 
-    def bwd(call, plan, ctx, outs, ins):
+    def bwd(call, plan, ctx, outs, ins, prepared):
         calls["bwd"] += 1
         dout, q, k, v, o, lse, *extra = [np.asarray(x) for x in ins]
         if call.total_q is None:
@@ -276,13 +276,20 @@ def test_forward_callback_launches_on_xla_stream(recorded):
     ins = _buffers([(b, sq, h, d), (b, sk, h, d), (b, sk, h, d)], ["float16"] * 3, 1 << 32)
     outs = _buffers([(b, sq, h, d), (b, h, sq), (plan.workspace_bytes // 4,)], ["float16", "float32", "float32"],
                     1 << 36)
-    cj._run_forward(call, plan, types.SimpleNamespace(stream=777), outs, ins)
-    (split, s1, f1), (combine, s2, f2) = recorded
-    assert (s1, s2) == (777, 777) and "split" in split and "combine" in combine
-    assert (f1["q"], f1["k"], f1["v"]) == tuple(x.ptr for x in ins)
-    assert f1["o"] == outs[2].ptr and f1["counters"] == 0  # partials into XLA's scratch; no counter buffer
-    assert (f2["o_acc"], f2["o"], f2["lse"]) == (outs[2].ptr, outs[0].ptr, outs[1].ptr)
-    assert (f1["q_sb"], f1["q_ss"], f1["q_sh"]) == (sq * h * d, h * d, d)
+    recipes = {}
+    for base in (1 << 32, 1 << 40):  # the second call, on other buffers, fires the kept recipe
+        ins = _buffers([(b, sq, h, d), (b, sk, h, d), (b, sk, h, d)], ["float16"] * 3, base)
+        outs = _buffers([(b, sq, h, d), (b, h, sq), (plan.workspace_bytes // 4,)], ["float16", "float32", "float32"],
+                        base + (1 << 36))
+        recorded.clear()
+        cj._run_forward(call, plan, types.SimpleNamespace(stream=777), outs, ins, False, recipes)
+        (split, s1, f1), (combine, s2, f2) = recorded
+        assert (s1, s2) == (777, 777) and "split" in split and "combine" in combine
+        assert (f1["q"], f1["k"], f1["v"]) == tuple(x.ptr for x in ins)
+        assert f1["o"] == outs[2].ptr and f1["counters"] == 0  # partials into XLA's scratch; no counter buffer
+        assert (f2["o_acc"], f2["o"], f2["lse"]) == (outs[2].ptr, outs[0].ptr, outs[1].ptr)
+        assert (f1["q_sb"], f1["q_ss"], f1["q_sh"]) == (sq * h * d, h * d, d)
+    assert len(recipes) == 1
 
 
 def test_persistent_forward_takes_tiles_from_a_zeroed_xla_counter(recorded, monkeypatch, request):
@@ -301,10 +308,14 @@ def test_persistent_forward_takes_tiles_from_a_zeroed_xla_counter(recorded, monk
     assert cj._persistent(plan) and not plan.workspace_bytes
     ins = _buffers([(16, 1024, 16, 128)] * 3, ["bfloat16"] * 3, 1 << 32)
     outs = _buffers([(16, 1024, 16, 128), (16, 16, 1024), (1,)], ["bfloat16", "float32", "int32"], 1 << 36)
-    cj._run_forward(call, plan, types.SimpleNamespace(stream=31), outs, ins)
+    recipes = {}
+    cj._run_forward(call, plan, types.SimpleNamespace(stream=31), outs, ins, False, recipes)
     (name, stream, f), = recorded
     assert "persistent" in name and stream == 31
     assert f["tile_counter"] == outs[2].ptr and zeroed == [(outs[2].ptr, 4, 31, 0)]  # zeroed before the launch
+    outs = _buffers([(16, 1024, 16, 128), (16, 16, 1024), (1,)], ["bfloat16", "float32", "int32"], 1 << 40)
+    cj._run_forward(call, plan, types.SimpleNamespace(stream=32), outs, ins, False, recipes)
+    assert recorded[1][2]["tile_counter"] == outs[2].ptr and zeroed[1] == (outs[2].ptr, 4, 32, 1)
 
 
 def test_persistent_plans_get_a_counter_output(numpy_kernels, rng):
@@ -323,28 +334,41 @@ def test_varlen_callbacks_read_cu_seqlens_and_write_xla_buffers(recorded):
     ins = _buffers([(total_q, h, d), (total_k, hk, d), (total_k, hk, d), (h,), *cu],
                    ["float16"] * 3 + ["float32", "int32", "int32"], 1 << 32)
     outs = _buffers([(total_q, h, d), (h, total_q)], ["float16", "float32"], 1 << 36)
-    cj._run_forward(call, make_plan(cj._problem(call), H100), types.SimpleNamespace(stream=5), outs, ins)
-    (_, stream, f), = recorded
-    assert stream == 5 and f["o"] == outs[0].ptr and f["lse"] == outs[1].ptr
-    assert (f["cu_seqlens_q"], f["cu_seqlens_k"], f["alibi_slopes"]) == (ins[4].ptr, ins[5].ptr, ins[3].ptr)
-    assert (f["q_sb"], f["k_sb"]) == (h * d, hk * d)  # token strides as batch strides
+    recipes, plan = {}, make_plan(cj._problem(call), H100)
+    for base in (1 << 32, 1 << 40):  # other slopes and cu_seqlens: another recipe, holding them
+        ins = _buffers([(total_q, h, d), (total_k, hk, d), (total_k, hk, d), (h,), *cu],
+                       ["float16"] * 3 + ["float32", "int32", "int32"], base)
+        recorded.clear()
+        cj._run_forward(call, plan, types.SimpleNamespace(stream=5), outs, ins, False, recipes)
+        (_, stream, f), = recorded
+        assert stream == 5 and f["o"] == outs[0].ptr and f["lse"] == outs[1].ptr
+        assert (f["cu_seqlens_q"], f["cu_seqlens_k"], f["alibi_slopes"]) == (ins[4].ptr, ins[5].ptr, ins[3].ptr)
+        assert (f["q_sb"], f["k_sb"]) == (h * d, hk * d)  # token strides as batch strides
+    assert len(recipes) == 2
 
     recorded.clear()
     plan = make_backward_plan(cj._problem(call), H100)
     ws = backward.workspace_floats(plan, total_q)
     bins = _buffers([(total_q, h, d), (total_q, h, d), (total_k, hk, d), (total_k, hk, d), (total_q, h, d),
                      (h, total_q), (h,), *cu], ["float16"] * 5 + ["float32"] * 2 + ["int32"] * 2, 1 << 32)
-    bouts = _buffers([(total_q, h, d), (total_k, hk, d), (total_k, hk, d), (ws,)], ["float16"] * 3 + ["float32"],
-                     1 << 36)
-    cj._run_backward(call, plan, types.SimpleNamespace(stream=9), bouts, bins)
-    assert [s for _, s, _ in recorded] == [9, 9, 9]
-    prep, main, last = (f for _, _, f in recorded)
-    assert (prep["dout"], prep["out"], prep["lse"]) == (bins[0].ptr, bins[4].ptr, bins[5].ptr)
-    assert prep["lse2"] == bouts[3].ptr and prep["dq_accum"] == 0  # deterministic: no accumulator
-    assert (main["q"], main["k"], main["v"], main["dk"], main["dv"]) == (bins[1].ptr, bins[2].ptr, bins[3].ptr,
-                                                                          bouts[1].ptr, bouts[2].ptr)
-    assert (main["cu_seqlens_q"], main["alibi_slopes"]) == (bins[7].ptr, bins[6].ptr)
-    assert last["dq"] == bouts[0].ptr
+    prepared, first = {}, bins
+    for base in (1 << 32, 1 << 40):  # the second call, on other buffers but the same slopes, fires the kept launches
+        bins = _buffers([(total_q, h, d), (total_q, h, d), (total_k, hk, d), (total_k, hk, d), (total_q, h, d),
+                         (h, total_q), (h,), *cu], ["float16"] * 5 + ["float32"] * 2 + ["int32"] * 2, base)
+        bins[6] = first[6]
+        bouts = _buffers([(total_q, h, d), (total_k, hk, d), (total_k, hk, d), (ws,)], ["float16"] * 3 + ["float32"],
+                         base + (1 << 36))
+        recorded.clear()
+        cj._run_backward(call, plan, types.SimpleNamespace(stream=9), bouts, bins, prepared)
+        assert [s for _, s, _ in recorded] == [9, 9, 9]
+        prep, main, last = (f for _, _, f in recorded)
+        assert (prep["dout"], prep["out"], prep["lse"]) == (bins[0].ptr, bins[4].ptr, bins[5].ptr)
+        assert prep["lse2"] == bouts[3].ptr and prep["dq_accum"] == 0  # deterministic: no accumulator
+        assert (main["q"], main["k"], main["v"], main["dk"], main["dv"]) == (bins[1].ptr, bins[2].ptr, bins[3].ptr,
+                                                                              bouts[1].ptr, bouts[2].ptr)
+        assert (main["cu_seqlens_q"], main["alibi_slopes"]) == (bins[7].ptr, bins[6].ptr)
+        assert last["dq"] == bouts[0].ptr
+    assert len(prepared) == 1
 
 
 def test_callback_refuses_host_buffers():
