@@ -788,6 +788,19 @@ def mask_pairs(startend_row_indices, seqlen, causal, nheads):
     return int((seqlen - masked).sum()) * (nheads // a.shape[1])
 
 
+def mask_tile_fill(startend_row_indices, seqlen, causal, nheads, block_m, block_n):
+    """The share of the (query, key) pairs in the tiles a FlashMask forward of block_m x block_n
+    tiles computes (those it does not skip: cuflash.plan.mask_tiles) that the mask keeps visible:
+    1 when every computed tile is whole, lower as partly masked tiles carry masked pairs. A
+    family's TF/s over the visible pairs can reach at most this share of the kernel's rate on
+    whole tiles."""
+    from .plan import mask_tiles
+    a = np.asarray(startend_row_indices)
+    t = mask_tiles(a, seqlen, seqlen, block_m, block_n, causal)
+    computed = (t.masked + t.unmasked) * block_m * block_n * (nheads // a.shape[1])
+    return _div(mask_pairs(a, seqlen, causal, nheads), computed)
+
+
 def mask_flops(pairs, d, backward=False):
     """FLOPs of attention over ``pairs`` visible (query, key) pairs (all heads and batches): two
     matmuls of d multiply-adds per pair forward, 4 * pairs * d (bench._flops' count, restricted to
@@ -920,6 +933,17 @@ def _mask_measure(torch, row, outs, name, make, sets, warmup, reps):
         _free_cached(torch)  # what an out-of-memory failure left cached goes back
 
 
+def _fwd_tile_fill(a, s, causal, nheads, q, idx, plain):
+    """mask_tile_fill of indices ``a`` with the tiles of the forward cuflash plans for q's shape
+    (the plain causal kernel's for the reference row), or None where planning fails."""
+    import cuflash
+    try:
+        v = cuflash.plan(q, q, q, causal=causal, startend_row_indices=None if plain else idx).launches[0].variant
+        return mask_tile_fill(a, s, causal, nheads, v.block_m, v.block_n)
+    except Exception:  # a shape cuflash refuses: the row's cuflash timing reports it
+        return None
+
+
 def _mask_summary(row, outs, flops, causal_tflops):
     """TF/s of each implementation on the visible pairs' FLOPs (and of cuflash's varlen call where
     the row has one), cuflash's ratios to Flex, SDPA, its varlen call and its plain causal TF/s at
@@ -1032,6 +1056,7 @@ def bench_mask(seqlens=(8192, 32768), families=MASK_FAMILIES, batch=1, nheads=16
                     run = grad_sets if backward else sets
                     outs = {}
                     attn, row["cuflash_api"] = _cuflash_mask_attn(c, None if plain else idx, backward)
+                    row["fwd_tile_fill"] = _fwd_tile_fill(a, s, c, nheads, run[0][0], idx, plain)
                     _mask_measure(torch, row, outs, "cuflash", lambda: _grad_fn(torch, attn, backward),
                                   run, warmup, reps)
                     if block_mask is None:
@@ -1102,7 +1127,8 @@ _COLUMNS = {
              ("cuflash TF/s", "cuflash_tflops", _f(".1f")), ("Flex TF/s", "flex_tflops", _f(".1f")),
              ("SDPA TF/s", "sdpa_tflops", _f(".1f")), ("xFlex", "ratio_flex", _f(".2f")),
              ("%causal", "frac_causal", _pct), ("varlen TF/s", "varlen_tflops", _f(".1f")),
-             ("%varlen", "frac_varlen", _pct), ("diff vs Flex", "max_diff_cuflash", _f(".1e")),
+             ("%varlen", "frac_varlen", _pct), ("tile fill", "fwd_tile_fill", _pct),
+             ("diff vs Flex", "max_diff_cuflash", _f(".1e")),
              ("failed", "errors", lambda e: ",".join(e) if e else "-")],
 }
 

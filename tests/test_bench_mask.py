@@ -102,7 +102,8 @@ def _fake_rows():
     for s in (8192, 32768):
         for fam, frac in (("causal", 0.5), ("document", 0.25), ("random_eviction", 0.37)):
             for p in ("fwd", "fwd+bwd"):
-                row = {"family": fam, "seqlen": s, "pass": p, "pairs_frac": frac, "errors": {}}
+                row = {"family": fam, "seqlen": s, "pass": p, "pairs_frac": frac, "errors": {},
+                       "fwd_tile_fill": 0.9 if fam == "document" else None}
                 for name, ms in (("cuflash", 2.0), ("flex", 3.0), ("sdpa", None if s == 32768 else 9.0),
                                  ("varlen", 1.6 if fam == "document" else None)):
                     row[f"{name}_ms"] = ms
@@ -133,10 +134,10 @@ def test_summary_table_and_plot(tmp_path):
     table = bench.format_table(rows, "mask").splitlines()
     cells = lambda line: [c.strip() for c in line.split("|")[1:-1]]  # noqa: E731
     assert cells(table[0]) == ["family", "s", "pass", "kept", "cuflash TF/s", "Flex TF/s", "SDPA TF/s", "xFlex",
-                               "%causal", "varlen TF/s", "%varlen", "diff vs Flex", "failed"]
+                               "%causal", "varlen TF/s", "%varlen", "tile fill", "diff vs Flex", "failed"]
     assert len(table) == 2 + len(rows) and len({len(line) for line in table}) == 1
     assert cells(table[2 + 2]) == ["document", "8192", "fwd", "25.0%", "1000.0", "666.7", "222.2", "1.50", "50%",
-                                   "1250.0", "80%", "2.5e-01", "-"]
+                                   "1250.0", "80%", "90%", "2.5e-01", "-"]
     assert cells(table[-1])[:5] == ["random_eviction", "32768", "fwd+bwd", "37.0%", "-"]
     assert cells(table[-1])[-1] == "cuflash,sdpa"
     # fwd+bwd results are (dq, dk, dv): the largest difference of the three
@@ -220,6 +221,7 @@ def test_small_run_on_the_cpu(cpu_bench):
         for p in ("fwd", "fwd+bwd")]
     for r in rows:
         assert r["cuflash_api"] == "cuflash.torch.attention"
+        assert r["fwd_tile_fill"] is None  # no GPU to plan for
         assert r["cuflash_ms"] > 0 and r["sdpa_ms"] > 0
         if r["family"] in bench.VARLEN_FAMILIES:  # the same documents through the varlen call
             assert r["varlen_ms"] > 0 and r["frac_varlen"] == pytest.approx(r["cuflash_tflops"] / r["varlen_tflops"])
@@ -319,3 +321,13 @@ def test_cli_bench_mask_writes_table_json_and_plot(capsys, monkeypatch, tmp_path
     saved = json.loads((tmp_path / "m.json").read_text())
     assert saved["rows"][2]["family"] == "document" and saved["rows"][2]["ratio_flex"] == pytest.approx(1.5)
     assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("mask, causal, fill", [
+    (masks.causal(256), True, (256 * 257 / 2) / (3 * 128 * 128)),    # two diagonal tiles half full, one whole
+    (masks.document([128, 128]), False, 1.0),                          # documents on tile edges: whole tiles only
+    (masks.document([100, 156]), False, (100 ** 2 + 156 ** 2) / (4 * 128 * 128)),  # every tile computed, 3 partly
+])
+def test_mask_tile_fill(mask, causal, fill):
+    assert bench.mask_tile_fill(mask, 256, causal, 4, 128, 128) == pytest.approx(fill)
+    assert bench.mask_tile_fill(mask, 256, causal, 4, 64, 64) >= fill  # smaller tiles waste no more
