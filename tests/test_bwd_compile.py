@@ -453,7 +453,7 @@ def test_varlen_host_arrays_are_validated(no_launch):
                                                          (90, 128, True, False), (80, 96, False, False),
                                                          (80, 128, True, True)])
 def test_prepared_launches_fired_anew_match_a_fresh_run(monkeypatch, arch, d, deterministic, causal):
-    """backward.run's prepared launches, fired with another call's pointers (_fire), launch
+    """backward.run's prepared launches, fired with another call's pointers (fire), launch
     exactly what a fresh run with those pointers launches: every field, tensor maps included
     (encoded here by a stand-in that writes its arguments into the 128 bytes)."""
     import struct
@@ -479,7 +479,7 @@ def test_prepared_launches_fired_anew_match_a_fresh_run(monkeypatch, arch, d, de
     assert not fresh
     backward.run(plan, *second, 0.1, ((-1, -1), 0.0, None, 0), 5, 0)
     fresh = launched[len(prepared):]
-    backward._fire(prepared, backward._pointers(*second), 5)
+    backward.fire(prepared, backward._pointers(*second), 5)
     again = launched[2 * len(prepared):]
     assert [n for n, _, _ in again] == [n for n, _, _ in fresh] == [la.name for la in plan.launches[:3]]
     assert again == fresh
@@ -538,7 +538,7 @@ def test_prepared_varlen_launches_take_the_new_cu_seqlens(monkeypatch, arch, d, 
     run(second)
     fresh = launched[len(prepared):]
     ops, lse, grads, ws, cu = second
-    backward._fire(prepared, backward._pointers(ops, lse, grads, ws, (cu[0].ptr, cu[1].ptr)), 5)
+    backward.fire(prepared, backward._pointers(ops, lse, grads, ws, (cu[0].ptr, cu[1].ptr)), 5)
     again = launched[2 * len(prepared):]
     assert again == fresh
     cu_fields = [(f.get("cu_seqlens_q"), f.get("cu_seqlens_k")) for _, _, f in again]
@@ -578,7 +578,7 @@ def test_prepared_flashmask_launches_take_the_new_indices(monkeypatch, arch, d, 
     run(second)
     fresh = launched[len(prepared):]
     ops, lse, grads, ws, fm = second
-    backward._fire(prepared, backward._pointers(ops, lse, grads, ws, None, fm.ptr), 5)
+    backward.fire(prepared, backward._pointers(ops, lse, grads, ws, None, fm.ptr), 5)
     again = launched[2 * len(prepared):]
     assert again == fresh
     preps = [f for name, _, f in again if "flashmask" in name]
