@@ -121,6 +121,27 @@ def time_cuda(fn, inputs_list, warmup=10, reps=50, batch=1, hide_launch=False, s
     return statistics.median(s.elapsed_time(e) / batch for s, e in events)
 
 
+class _Batches:
+    """Timed batches of calls fn(*inputs), cycling through inputs_list, each closed by one
+    ``sync(out)`` on its last output; made after one untimed call (it may compile) and ``warmup``
+    calls in one batch, whose ms per call is ``per_ms``."""
+
+    def __init__(self, fn, inputs_list, sync, warmup):
+        self.fn, self.inputs, self.sync, self.k = fn, inputs_list, sync, 1
+        sync(fn(*inputs_list[0]))
+        self.per_ms = self(max(1, warmup)) / max(1, warmup)
+
+    def __call__(self, calls: int) -> float:
+        """Wall-clock ms of ``calls`` calls and the wait for the last one."""
+        fn, inputs, n, k = self.fn, self.inputs, len(self.inputs), self.k
+        t0 = time.perf_counter()
+        for i in range(k, k + calls):
+            out = fn(*inputs[i % n])
+        self.sync(out)
+        self.k = k + calls
+        return (time.perf_counter() - t0) * 1e3
+
+
 def time_sync(fn, inputs_list, sync, warmup=3, reps=20, sample_ms=10.0):
     """Median wall-clock milliseconds per call of fn(*inputs), cycling through inputs_list.
 
@@ -130,24 +151,9 @@ def time_sync(fn, inputs_list, sync, warmup=3, reps=20, sample_ms=10.0):
     compile) is not timed; the batch is sized from the warm-up so that a sample lasts about
     `sample_ms`, which makes the wait and the first launch a small part of it.
     """
-    n, k = len(inputs_list), 1
-    sync(fn(*inputs_list[0]))
-    t0 = time.perf_counter()
-    for _ in range(max(1, warmup)):
-        out = fn(*inputs_list[k % n])
-        k += 1
-    sync(out)
-    per_ms = (time.perf_counter() - t0) * 1e3 / max(1, warmup)
-    batch = max(1, min(200, int(sample_ms / max(per_ms, 1e-3))))
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(batch):
-            out = fn(*inputs_list[k % n])
-            k += 1
-        sync(out)
-        samples.append((time.perf_counter() - t0) * 1e3 / batch)
-    return statistics.median(samples)
+    run = _Batches(fn, inputs_list, sync, warmup)
+    batch = max(1, min(200, int(sample_ms / max(run.per_ms, 1e-3))))
+    return statistics.median(run(batch) / batch for _ in range(reps))
 
 
 def time_steady(fn, inputs_list, sync, warmup=3, reps=20, sample_ms=10.0):
@@ -158,25 +164,10 @@ def time_steady(fn, inputs_list, sync, warmup=3, reps=20, sample_ms=10.0):
     over the 3n calls between them: the cost of one more call in a stream of calls, as the layers
     of a model run. What the short batch takes beyond n such calls is paid once per batch (the
     first launch's latency, the final wait) whatever the batch holds."""
-    n, k = len(inputs_list), 1
-    sync(fn(*inputs_list[0]))
-    t0 = time.perf_counter()
-    for _ in range(max(1, warmup)):
-        out = fn(*inputs_list[k % n])
-        k += 1
-    sync(out)
-    per_ms = (time.perf_counter() - t0) * 1e3 / max(1, warmup)
-    short = max(1, min(50, int(sample_ms / 4 / max(per_ms, 1e-3))))
-    samples = {short: [], 4 * short: []}
-    for _ in range(reps):
-        for calls, got in samples.items():
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                out = fn(*inputs_list[k % n])
-                k += 1
-            sync(out)
-            got.append((time.perf_counter() - t0) * 1e3)
-    t_short, t_long = (statistics.median(v) for v in samples.values())
+    run = _Batches(fn, inputs_list, sync, warmup)
+    short = max(1, min(50, int(sample_ms / 4 / max(run.per_ms, 1e-3))))
+    samples = [(run(short), run(4 * short)) for _ in range(reps)]
+    t_short, t_long = (statistics.median(v) for v in zip(*samples))
     per_call = (t_long - t_short) / (3 * short)
     return per_call, t_short - short * per_call
 
