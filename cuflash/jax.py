@@ -3,9 +3,9 @@
 Each pass is one ``buffer_callback``: XLA calls a Python function with its CUDA stream and the
 device buffers of the inputs and outputs, and that function launches cuflash's kernels on the
 stream, into the output buffers. Nothing waits for the GPU, nothing is copied, and nothing is
-allocated in the callback: split-KV partials, the backward's fp32 rows and the persistent
-forward's tile counter (zeroed on the stream before its launch) are extra outputs that XLA
-allocates. Arguments are checked (cuflash's messages, naming the argument) and the
+allocated in the callback: split-KV partials, the backward's fp32 rows and the forward's
+counters (the persistent blocks' tile counter, the split-KV merge's; zeroed on the stream before
+the launch) are extra outputs that XLA allocates. Arguments are checked (cuflash's messages, naming the argument) and the
 plans made at trace time, from the static shapes, for the first of JAX's GPUs; the kernels are
 compiled and loaded then too, so the callback can be traced into XLA's command buffers (CUDA
 graphs; ``CUFLASH_JAX_COMMAND_BUFFER=0`` keeps it out of them). A ``jax.custom_vjp`` saves
@@ -209,13 +209,26 @@ def _forward(call: _Call, q, k, v, extra):
     types = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)]
     if plan.workspace_bytes:  # split-KV partial outputs and LSEs
         types.append(jax.ShapeDtypeStruct((plan.workspace_bytes // 4,), jnp.float32))
-    if _persistent(plan):  # the persistent blocks' tile counter
-        types.append(jax.ShapeDtypeStruct((1,), jnp.int32))
+    if _counters(plan):  # the persistent blocks' tile counter, or the split kernel's merge counters
+        types.append(jax.ShapeDtypeStruct((_counters(plan),), jnp.int32))
     early = EARLY_LAUNCH  # read at trace time, as COMMAND_BUFFER is
     recipes = {}  # this callback's launch recipes (see _run_forward)
     res = _callback(lambda ctx, outs, *ins: _run_forward(call, plan, ctx, outs, ins, early, recipes), types)(
         q, k, v, *extra)
     return res[0], res[1]
+
+
+def _counters(plan) -> int:
+    """The int32 counters the forward plan's main launch takes, zeroed, from its last output: one
+    for persistent blocks (their tile counter), one per (batch, head, query block) for a split-KV
+    launch that merges its splits itself (launch.FUSED_COMBINE: the last split of a query block
+    merges them, counted in its counter; no combine kernel), else none."""
+    main = plan.launches[0]
+    kind = main.variant.kind
+    if _persistent(plan):
+        return 1
+    split = kind != "fwd_ws" and not (plan.num_splits == 1 and kind == "fwd")  # as launch.prepare
+    return main.grid[0] * main.grid[1] * plan.problem.batch if split and launch.FUSED_COMBINE else 0
 
 
 def _persistent(plan) -> bool:
@@ -286,10 +299,11 @@ def _run_forward(call: _Call, plan, ctx, outs, ins, early: bool, recipes: dict):
             w = _ptr(outs[2])
             ws = (w, w + 4 * r.ws_lse)
         counter = 0
-        if r.tiles is not None:  # persistent blocks: their tile counter (XLA's last output), zeroed
+        if len(outs) > 2 + r.split:  # the tile or merge counters (XLA's last output), zeroed
             counter = _ptr(outs[-1])
-            launch.zero_async(counter, 4, stream)
-        # fused=False: the combine kernel merges the splits, so no per-stream counter buffer is made
+            launch.zero_async(counter, 4 * outs[-1].shape[0], stream)
+        # fused=False: no per-stream counter buffer is made; without counters here the combine
+        # kernel merges the splits and persistent blocks run as one block per tile
         launch.fire(r, dev, stream, q, k, v, o, lse, ws, fused=False, counter=counter)
 
 
@@ -309,6 +323,7 @@ def _forward_recipe(call: _Call, plan, outs, ins, dev: int, early: bool):
     if r.split:
         w = _view(outs[2], dev)
         assert w.shape[0] >= r.ws_floats, (w.shape, r.ws_floats)
+        assert len(outs) == 3 or outs[3].shape[0] >= r.n_counters, (outs[3].shape, r.n_counters)
     return r
 
 

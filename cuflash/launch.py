@@ -385,8 +385,9 @@ def fire(r: Recipe, device: int, stream: int, q: int, k: int, v: int, o: int, ls
     """Launch a prepared plan on ``stream`` (a raw pointer) for these data pointers;
     ``workspace`` is the (partial O, partial LSE) pointer pair when the plan splits. ``fused=False``
     merges the splits with the combine kernel and runs persistent blocks as one block per tile (no
-    per-stream counter buffer is made) unless ``counter`` points at a zeroed int32 tile counter that
-    the caller provides."""
+    per-stream counter buffer is made) unless ``counter`` points at zeroed int32 counters that the
+    caller provides: the persistent blocks' tile counter, or a split launch's merge counters
+    (``r.n_counters``; the last split of each query block then merges them)."""
     if r.prep is not None and r.prep[1][0] > 0:  # no key block: nothing to reduce
         kernel, grid, block, fields = r.prep
         kernel(grid, block, stream, **fields)
@@ -407,7 +408,7 @@ def fire(r: Recipe, device: int, stream: int, q: int, k: int, v: int, o: int, ls
         r.kernel.launch(r.grid, r.block, r.smem, stream, (q, k, v, o, lse, *r.mid, 0, 0, 0), r.early)
         return
     o_acc, lse_acc = workspace
-    counters = _counter_ptr(device, stream, r.n_counters) if fused and FUSED_COMBINE else 0
+    counters = counter or (_counter_ptr(device, stream, r.n_counters) if fused and FUSED_COMBINE else 0)
     r.kernel.launch(r.grid, r.block, r.smem, stream, (q, k, v, o_acc, lse_acc, *r.mid, o, lse, counters), r.early)
     if counters:
         return

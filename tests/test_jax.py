@@ -268,27 +268,38 @@ def _buffers(shapes, dtypes, base):
     return [FakeBuffer(s, t, base + (i << 24)) for i, (s, t) in enumerate(zip(shapes, dtypes))]
 
 
-def test_forward_callback_launches_on_xla_stream(recorded):
+@pytest.mark.parametrize("merge_counters", [False, True])
+def test_forward_callback_launches_on_xla_stream(recorded, monkeypatch, merge_counters):
+    """A split-KV forward: partials into XLA's scratch output; with a counters output (what
+    _counters asks for when the split kernel merges its splits itself), zeroed on the stream, one
+    launch merges them, else the combine kernel runs."""
+    zeroed = []
+    monkeypatch.setattr(cj.launch, "zero_async", lambda ptr, n, stream: zeroed.append((ptr, n, stream, len(recorded))))
     b, sq, sk, h, d = 1, 16, 4096, 2, 64
     call = cj._Call(b, sq, sk, h, h, d, "bf16", False, 0.125, (-1, -1), 0.0, None, None, False)
     plan = make_plan(cj._problem(call), H100)
-    assert plan.num_splits > 1
-    ins = _buffers([(b, sq, h, d), (b, sk, h, d), (b, sk, h, d)], ["float16"] * 3, 1 << 32)
-    outs = _buffers([(b, sq, h, d), (b, h, sq), (plan.workspace_bytes // 4,)], ["float16", "float32", "float32"],
-                    1 << 36)
+    assert plan.num_splits > 1 and cj._counters(plan) == plan.launches[0].grid[0] * plan.launches[0].grid[1]
     recipes = {}
     for base in (1 << 32, 1 << 40):  # the second call, on other buffers, fires the kept recipe
         ins = _buffers([(b, sq, h, d), (b, sk, h, d), (b, sk, h, d)], ["float16"] * 3, base)
-        outs = _buffers([(b, sq, h, d), (b, h, sq), (plan.workspace_bytes // 4,)], ["float16", "float32", "float32"],
-                        base + (1 << 36))
+        shapes = [(b, sq, h, d), (b, h, sq), (plan.workspace_bytes // 4,)] + [(cj._counters(plan),)] * merge_counters
+        outs = _buffers(shapes, ["float16", "float32", "float32", "int32"], base + (1 << 36))
         recorded.clear()
+        zeroed.clear()
         cj._run_forward(call, plan, types.SimpleNamespace(stream=777), outs, ins, False, recipes)
-        (split, s1, f1), (combine, s2, f2) = recorded
-        assert (s1, s2) == (777, 777) and "split" in split and "combine" in combine
+        split, s1, f1 = recorded[0]
+        assert s1 == 777 and "split" in split
         assert (f1["q"], f1["k"], f1["v"]) == tuple(x.ptr for x in ins)
-        assert f1["o"] == outs[2].ptr and f1["counters"] == 0  # partials into XLA's scratch; no counter buffer
-        assert (f2["o_acc"], f2["o"], f2["lse"]) == (outs[2].ptr, outs[0].ptr, outs[1].ptr)
+        assert f1["o"] == outs[2].ptr  # partials into XLA's scratch
         assert (f1["q_sb"], f1["q_ss"], f1["q_sh"]) == (sq * h * d, h * d, d)
+        if merge_counters:  # zeroed before the one launch, which merges into out and lse
+            assert len(recorded) == 1 and f1["counters"] == outs[3].ptr
+            assert zeroed == [(outs[3].ptr, 4 * cj._counters(plan), 777, 0)]
+            assert (f1["o_final"], f1["lse_final"]) == (outs[0].ptr, outs[1].ptr)
+        else:  # no counter buffer: the combine kernel merges
+            (combine, s2, f2), = recorded[1:]
+            assert s2 == 777 and "combine" in combine and f1["counters"] == 0 and zeroed == []
+            assert (f2["o_acc"], f2["o"], f2["lse"]) == (outs[2].ptr, outs[0].ptr, outs[1].ptr)
     assert len(recipes) == 1
 
 
@@ -466,6 +477,23 @@ def test_gpu_repeated_steps_see_fresh_data(rng):
         args = [np.asarray(x) for x in (dout, q, k, v)]
         _check_grads(grads, reference.attention_backward(*args, causal=True),
                      reference.attention_backward(*args, causal=True, precision="same"), "repeat")
+
+
+@requires_jax_gpu
+def test_gpu_split_forward_repeats_with_fresh_counters(rng):
+    """Split-KV forwards merge through counters that XLA allocates afresh for every call (zeroed
+    on the stream first): repeated calls of one jitted function, in one XLA program and apart,
+    each give their own data's attention."""
+    f = jax.jit(lambda q, k, v: cj.attention(q, k, v))
+    twice = jax.jit(lambda q, k, v, k2, v2: (cj.attention(q, k, v), cj.attention(q, k2, v2)))
+    for _ in range(3):
+        q, k, v, _, _, _ = _gpu_case(rng, {}, 2, 3, 4096, 8, 2, 128, "bfloat16")
+        assert "xi32>" in f.lower(q, k, v).as_text()  # the merge counters, an output of the callback
+        _check_forward(f(q, k, v), q, k, v)
+        k2, v2 = arr(rng, 2, 4096, 2, 128, dtype="bfloat16"), arr(rng, 2, 4096, 2, 128, dtype="bfloat16")
+        a, b = twice(q, k, v, k2, v2)
+        _check_forward(a, q, k, v)
+        _check_forward(b, q, k2, v2)
 
 
 HOST_TRANSFER_MARKS = ("is_host_transfer", "send(", "recv(", "infeed", "outfeed", "xla_python_gpu_callback",
