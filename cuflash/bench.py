@@ -166,9 +166,12 @@ def time_steady(fn, inputs_list, sync, warmup=3, reps=20, sample_ms=10.0):
     first launch's latency, the final wait) whatever the batch holds."""
     run = _Batches(fn, inputs_list, sync, warmup)
     short = max(1, min(50, int(sample_ms / 4 / max(run.per_ms, 1e-3))))
-    samples = [(run(short), run(4 * short)) for _ in range(reps)]
+    samples = [(run(short), run(4 * short)) for _ in range(max(1, reps))]
     t_short, t_long = (statistics.median(v) for v in zip(*samples))
     per_call = (t_long - t_short) / (3 * short)
+    if per_call <= 0:
+        raise RuntimeError(f"time_steady: {4 * short} calls took no longer than {short} ({t_long:.3f} against "
+                           f"{t_short:.3f} ms, medians of {max(1, reps)}): too noisy to time; raise reps or sample_ms")
     return per_call, t_short - short * per_call
 
 

@@ -283,14 +283,20 @@ def _extras(call: _Call, extra, device: int):
 
 def _run_forward(call: _Call, plan, ctx, outs, ins, early: bool, recipes: dict):
     """Launch the forward on XLA's stream. The launch's recipe (launch.prepare: kernel, grid,
-    parameters but the data pointers) is made once per device and extra inputs' pointers (ALiBi
-    slopes, cu_seqlens, which it holds) and kept in ``recipes``, the callback's own: its shapes
-    are static, so later calls only encode the tensor maps of their pointers and launch."""
+    parameters but the data pointers) is made once per device and kept in ``recipes``, the
+    callback's own, with the extra inputs' pointers it holds (ALiBi slopes, cu_seqlens; re-pointed
+    when those differ): the shapes are static, so later calls only encode the tensor maps of their
+    pointers and launch."""
     dev = _device(ins[0])
-    key = (dev, *(_ptr(x) for x in ins[3:]))
-    r = recipes.get(key)
-    if r is None:
-        r = recipes[key] = _forward_recipe(call, plan, outs, ins, dev, early)
+    extra = tuple(_ptr(x) for x in ins[3:])
+    held = recipes.get(dev)
+    if held is None:
+        held = recipes[dev] = (extra, _forward_recipe(call, plan, outs, ins, dev, early))
+    elif held[0] != extra:  # other slopes or cu_seqlens arrays: the recipe re-pointed at them
+        names = ("alibi_slopes",) * (call.alibi_sb is not None) + ("cu_seqlens_q", "cu_seqlens_k") * (
+            call.total_q is not None)
+        held = recipes[dev] = (extra, launch.with_pointers(held[1], **dict(zip(names, extra))))
+    r = held[1]
     q, k, v, o, lse = (_ptr(x) for x in (*ins[:3], *outs[:2]))
     stream = ctx.stream
     with arrays.on_device(dev):
@@ -329,21 +335,23 @@ def _forward_recipe(call: _Call, plan, outs, ins, dev: int, early: bool):
 
 def _run_backward(call: _Call, plan, ctx, outs, ins, prepared: dict):
     """Launch the backward on XLA's stream. backward.run's prepared launches hold every pointer
-    but the ALiBi slopes' as a role, so they are made once per device and slopes pointer and kept
-    in ``prepared``, the callback's own; later calls fire them for their pointers."""
+    but the ALiBi slopes' as a role, so they are made once per device (again when the slopes are
+    another array) and kept in ``prepared``, the callback's own; later calls fire them for their
+    pointers."""
     dev = _device(ins[0])
     alibi = call.alibi_sb is not None
-    key = (dev, _ptr(ins[6]) if alibi else 0)
-    launches = prepared.get(key)
-    if launches is None:
+    slopes_ptr = _ptr(ins[6]) if alibi else 0
+    held = prepared.get(dev)
+    if held is None or held[0] != slopes_ptr:
         dout, q, k, v, o, lse = (_view(x, dev) for x in ins[:6])
         slopes, cu = _extras(call, ins[6:], dev)
         grads = [_view(x, dev) for x in outs[:3]]
         mods = (call.window, call.softcap, slopes, call.alibi_sb or 0)
         with arrays.on_device(dev):
-            prepared[key] = backward.run(plan, (q, k, v, dout, o), lse, grads, _ptr(outs[3]), call.scale, mods,
-                                         ctx.stream, dev, cu)
+            prepared[dev] = (slopes_ptr, backward.run(plan, (q, k, v, dout, o), lse, grads, _ptr(outs[3]),
+                                                      call.scale, mods, ctx.stream, dev, cu))
         return
+    launches = held[1]
     dout, q, k, v, o, lse = (_ptr(x) for x in ins[:6])
     dq, dk, dv, ws = (_ptr(x) for x in outs[:4])
     ptrs = dict(q=q, k=k, v=v, dout=dout, out=o, lse=lse, dq=dq, dk=dk, dv=dv, ws=ws, fm=None)

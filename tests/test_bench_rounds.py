@@ -134,3 +134,16 @@ def test_time_steady_separates_per_call_and_per_batch_costs(monkeypatch, host_ms
         clock.now = max(clock.now, clock.queued) + 3e-3
     per_call, fixed = bench.time_steady(fn, [(1,), (2,)], sync, warmup=3, reps=5, sample_ms=20.0)
     assert per_call == pytest.approx(per_call_ms) and fixed == pytest.approx(fixed_ms)
+
+
+def test_time_steady_refuses_a_noisy_difference(monkeypatch):
+    """Long batches that take no longer than short ones (noise on a loaded machine) give an
+    error, which bench notes on the row, not a zero or negative time per call."""
+    import types
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock.now)
+
+    def sync(out):  # every wait takes 5 ms, every call nothing
+        clock.now += 5e-3
+    with pytest.raises(RuntimeError, match="too noisy to time"):
+        bench.time_steady(lambda x: x, [(1,)], sync, warmup=2, reps=3)

@@ -264,6 +264,13 @@ def recorded(monkeypatch):
     return launched
 
 
+def _counting(monkeypatch, module, name):
+    """Calls of module.name (still run), counted in the returned list's length."""
+    calls, fn = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(1) or fn(*a, **kw))
+    return calls
+
+
 def _buffers(shapes, dtypes, base):
     return [FakeBuffer(s, t, base + (i << 24)) for i, (s, t) in enumerate(zip(shapes, dtypes))]
 
@@ -279,7 +286,7 @@ def test_forward_callback_launches_on_xla_stream(recorded, monkeypatch, merge_co
     call = cj._Call(b, sq, sk, h, h, d, "bf16", False, 0.125, (-1, -1), 0.0, None, None, False)
     plan = make_plan(cj._problem(call), H100)
     assert plan.num_splits > 1 and cj._counters(plan) == plan.launches[0].grid[0] * plan.launches[0].grid[1]
-    recipes = {}
+    recipes, prepares = {}, _counting(monkeypatch, cj.launch, "prepare")
     for base in (1 << 32, 1 << 40):  # the second call, on other buffers, fires the kept recipe
         ins = _buffers([(b, sq, h, d), (b, sk, h, d), (b, sk, h, d)], ["float16"] * 3, base)
         shapes = [(b, sq, h, d), (b, h, sq), (plan.workspace_bytes // 4,)] + [(cj._counters(plan),)] * merge_counters
@@ -300,7 +307,7 @@ def test_forward_callback_launches_on_xla_stream(recorded, monkeypatch, merge_co
             (combine, s2, f2), = recorded[1:]
             assert s2 == 777 and "combine" in combine and f1["counters"] == 0 and zeroed == []
             assert (f2["o_acc"], f2["o"], f2["lse"]) == (outs[2].ptr, outs[0].ptr, outs[1].ptr)
-    assert len(recipes) == 1
+    assert len(recipes) == 1 and len(prepares) == 1
 
 
 def test_persistent_forward_takes_tiles_from_a_zeroed_xla_counter(recorded, monkeypatch, request):
@@ -338,7 +345,7 @@ def test_persistent_plans_get_a_counter_output(numpy_kernels, rng):
     assert "tensor<1xi32>" not in jax.jit(lambda q: cj.attention(q, q, q)).lower(q).as_text()
 
 
-def test_varlen_callbacks_read_cu_seqlens_and_write_xla_buffers(recorded):
+def test_varlen_callbacks_read_cu_seqlens_and_write_xla_buffers(recorded, monkeypatch):
     batch, total_q, total_k, h, hk, d = 3, 40, 50, 4, 2, 32
     call = cj._Call(batch, 20, 30, h, hk, d, "fp16", True, 0.2, (-1, 0), 0.0, 0, total_q, True)
     cu = [(batch + 1,), (batch + 1,)]
@@ -346,7 +353,8 @@ def test_varlen_callbacks_read_cu_seqlens_and_write_xla_buffers(recorded):
                    ["float16"] * 3 + ["float32", "int32", "int32"], 1 << 32)
     outs = _buffers([(total_q, h, d), (h, total_q)], ["float16", "float32"], 1 << 36)
     recipes, plan = {}, make_plan(cj._problem(call), H100)
-    for base in (1 << 32, 1 << 40):  # other slopes and cu_seqlens: another recipe, holding them
+    prepares = _counting(monkeypatch, cj.launch, "prepare")
+    for base in (1 << 32, 1 << 40):  # other slopes and cu_seqlens: the recipe re-pointed at them
         ins = _buffers([(total_q, h, d), (total_k, hk, d), (total_k, hk, d), (h,), *cu],
                        ["float16"] * 3 + ["float32", "int32", "int32"], base)
         recorded.clear()
@@ -355,18 +363,20 @@ def test_varlen_callbacks_read_cu_seqlens_and_write_xla_buffers(recorded):
         assert stream == 5 and f["o"] == outs[0].ptr and f["lse"] == outs[1].ptr
         assert (f["cu_seqlens_q"], f["cu_seqlens_k"], f["alibi_slopes"]) == (ins[4].ptr, ins[5].ptr, ins[3].ptr)
         assert (f["q_sb"], f["k_sb"]) == (h * d, hk * d)  # token strides as batch strides
-    assert len(recipes) == 2
+    assert len(recipes) == 1 and len(prepares) == 1
 
     recorded.clear()
     plan = make_backward_plan(cj._problem(call), H100)
     ws = backward.workspace_floats(plan, total_q)
     bins = _buffers([(total_q, h, d), (total_q, h, d), (total_k, hk, d), (total_k, hk, d), (total_q, h, d),
                      (h, total_q), (h,), *cu], ["float16"] * 5 + ["float32"] * 2 + ["int32"] * 2, 1 << 32)
-    prepared, first = {}, bins
-    for base in (1 << 32, 1 << 40):  # the second call, on other buffers but the same slopes, fires the kept launches
+    prepared, first, runs = {}, bins, _counting(monkeypatch, backward, "run")
+    # the second call, on other buffers but the same slopes, fires the kept launches; the third, with
+    # other slopes, prepares them anew
+    for base in (1 << 32, 1 << 40, 1 << 44):
         bins = _buffers([(total_q, h, d), (total_q, h, d), (total_k, hk, d), (total_k, hk, d), (total_q, h, d),
                          (h, total_q), (h,), *cu], ["float16"] * 5 + ["float32"] * 2 + ["int32"] * 2, base)
-        bins[6] = first[6]
+        bins[6] = first[6] if base < 1 << 44 else bins[6]
         bouts = _buffers([(total_q, h, d), (total_k, hk, d), (total_k, hk, d), (ws,)], ["float16"] * 3 + ["float32"],
                          base + (1 << 36))
         recorded.clear()
@@ -379,7 +389,7 @@ def test_varlen_callbacks_read_cu_seqlens_and_write_xla_buffers(recorded):
                                                                               bouts[1].ptr, bouts[2].ptr)
         assert (main["cu_seqlens_q"], main["alibi_slopes"]) == (bins[7].ptr, bins[6].ptr)
         assert last["dq"] == bouts[0].ptr
-    assert len(prepared) == 1
+    assert len(prepared) == 1 and len(runs) == 2
 
 
 def test_callback_refuses_host_buffers():
