@@ -1042,6 +1042,7 @@ def bench_mask(seqlens=(8192, 32768), families=MASK_FAMILIES, batch=1, nheads=16
                     except Exception as e:  # out of memory
                         errors["sdpa"] = f"dense mask: {_first_line(e)}"
                         _free_cached(torch)
+                fill = _fwd_tile_fill(a, s, c, nheads, sets[0][0], idx, plain)
                 for backward in (False, True):
                     pas = "fwd+bwd" if backward else "fwd"
                     row = {"family": fam, "mask": desc, "seqlen": s, "batch": batch, "nheads": nheads, "d": d,
@@ -1050,7 +1051,7 @@ def bench_mask(seqlens=(8192, 32768), families=MASK_FAMILIES, batch=1, nheads=16
                     run = grad_sets if backward else sets
                     outs = {}
                     attn, row["cuflash_api"] = _cuflash_mask_attn(c, None if plain else idx, backward)
-                    row["fwd_tile_fill"] = _fwd_tile_fill(a, s, c, nheads, run[0][0], idx, plain)
+                    row["fwd_tile_fill"] = fill
                     _mask_measure(torch, row, outs, "cuflash", lambda: _grad_fn(torch, attn, backward),
                                   run, warmup, reps)
                     if block_mask is None:
