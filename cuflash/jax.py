@@ -209,8 +209,9 @@ def _forward(call: _Call, q, k, v, extra):
     types = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)]
     if plan.workspace_bytes:  # split-KV partial outputs and LSEs
         types.append(jax.ShapeDtypeStruct((plan.workspace_bytes // 4,), jnp.float32))
-    if _counters(plan):  # the persistent blocks' tile counter, or the split kernel's merge counters
-        types.append(jax.ShapeDtypeStruct((_counters(plan),), jnp.int32))
+    counters = _counters(plan)
+    if counters:  # the persistent blocks' tile counter, or the split kernel's merge counters
+        types.append(jax.ShapeDtypeStruct((counters,), jnp.int32))
     early = EARLY_LAUNCH  # read at trace time, as COMMAND_BUFFER is
     recipes = {}  # this callback's launch recipes (see _run_forward)
     res = _callback(lambda ctx, outs, *ins: _run_forward(call, plan, ctx, outs, ins, early, recipes), types)(
@@ -223,12 +224,9 @@ def _counters(plan) -> int:
     for persistent blocks (their tile counter), one per (batch, head, query block) for a split-KV
     launch that merges its splits itself (launch.FUSED_COMBINE: the last split of a query block
     merges them, counted in its counter; no combine kernel), else none."""
-    main = plan.launches[0]
-    kind = main.variant.kind
     if _persistent(plan):
         return 1
-    split = kind != "fwd_ws" and not (plan.num_splits == 1 and kind == "fwd")  # as launch.prepare
-    return main.grid[0] * main.grid[1] * plan.problem.batch if split and launch.FUSED_COMBINE else 0
+    return launch.merge_counters(plan) if launch.FUSED_COMBINE else 0
 
 
 def _persistent(plan) -> bool:

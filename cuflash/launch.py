@@ -231,14 +231,28 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
         cu_seqlens_k=cu_k, alibi_slopes=alibi[0], **_flashmask_fields(plan, flashmask),
         **_sink_fields(plan, sinks), **_cache_fields(main.variant, pages_per_seq, leftpad),
         **dropout_fields(main.variant, dropout))
-    split = not (plan.num_splits == 1 and main.variant.kind == "fwd")
+    split = splits(plan)
     rows = p.batch * plan.nheads_eff * plan.seqlen_q_eff
     n_o = plan.num_splits * rows * main.variant.head_dim if split else 0
     early, smem = _early_smem(plan, main)
     return Recipe(plan, kernel, (*main.grid, 1, 1)[:3], (main.threads, 1, 1), smem,
                   values[fwd.DATA_HEAD:-fwd.DATA_TAIL], split, dict(combine, **o_strides, cu_seqlens_q=cu_q),
-                  main.grid[0] * main.grid[1] * p.batch, n_o + plan.num_splits * rows if split else 0, n_o, early,
+                  merge_counters(plan), n_o + plan.num_splits * rows if split else 0, n_o, early,
                   prep=_flashmask_prep(plan, flashmask, device))
+
+
+def splits(plan: Plan) -> bool:
+    """Whether ``plan``'s main launch writes split-KV partials to a workspace (to be merged by its
+    last split, or by the combine kernel): a split plan, or a decode tile's launch."""
+    kind = plan.launches[0].variant.kind
+    return kind != "fwd_ws" and not (plan.num_splits == 1 and kind == "fwd")
+
+
+def merge_counters(plan: Plan) -> int:
+    """The int32 counters through which a split launch of ``plan`` merges its own splits (one per
+    batch, head and query block; the Recipe's n_counters), 0 where the plan does not split."""
+    main = plan.launches[0]
+    return main.grid[0] * main.grid[1] * plan.problem.batch if splits(plan) else 0
 
 
 def _flashmask_prep(plan: Plan, flashmask, device: int):
