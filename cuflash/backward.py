@@ -307,7 +307,7 @@ def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministi
                                       flashmask_heads=0 if fm is None else fm.shape[1]), api.device_facts(dev))
     total_q = None if varlen is None else qv.shape[0]
     ws = arrays.empty_like_framework(qv, (workspace_floats(plan, total_q),), "float32")
-    head_rows, rows = stats_rows(b, sq, h, total_q)
+    head_rows, rows = stats_rows(b, sq, h, total_q, row_pad(plan))
     if sv is not None and varlen is not None:
         # Packed sequences leave rows between their padded rows unwritten: give them the padding
         # rows' LSE +inf and D 0, so that the dsinks reduction over every row adds 0 there.
@@ -403,16 +403,23 @@ def _dsinks(ws, rows, shape, sv):
 # ---------------------------------------------------------------------------------------------
 # Launch
 
-def stats_rows(batch: int, seqlen_q: int, nheads: int, total_q: int | None = None) -> tuple[int, int]:
+def stats_rows(batch: int, seqlen_q: int, nheads: int, total_q: int | None = None,
+               pad: int = ROW_PAD) -> tuple[int, int]:
     """(rows per head, rows) of the fp32 LSE/D/dQ-accumulator workspace (the layout of stats_base in
-    templates/common/bwd.cuh): dense (batch, nheads, seqlen_q padded to ROW_PAD); packed sequences
-    (``total_q`` given) (nheads, head_rows), sequence b at (cu_seqlens_q[b] rounded down to 4) +
-    VARLEN_ROW_GAP * b."""
+    templates/common/bwd.cuh): dense (batch, nheads, seqlen_q padded to ``pad``, the plan's
+    row_pad); packed sequences (``total_q`` given) (nheads, head_rows), sequence b at
+    (cu_seqlens_q[b] rounded down to 4) + VARLEN_ROW_GAP * b."""
     if total_q is None:
-        head_rows = cdiv(seqlen_q, ROW_PAD) * ROW_PAD
+        head_rows = cdiv(seqlen_q, pad) * pad
         return head_rows, batch * nheads * head_rows
     head_rows = cdiv(total_q + VARLEN_ROW_GAP * batch, 4) * 4
     return head_rows, nheads * head_rows
+
+
+def row_pad(plan) -> int:
+    """What a dense backward ``plan`` pads each head's workspace rows to: ROW_PAD, or a multiple
+    of its dK/dV kernel's steps where they do not divide it (bwd_ws's dq_t)."""
+    return getattr(plan.launches[1].variant, "row_pad", ROW_PAD)
 
 
 def workspace_floats(plan, total_q: int | None = None) -> int:
@@ -420,7 +427,7 @@ def workspace_floats(plan, total_q: int | None = None) -> int:
     accumulator (none when the deterministic dQ kernel writes dQ), FlashMask's int32 bounds, then
     the ordered dQ writer's int32 semaphores (one per 64 rows); ``total_q`` for packed sequences."""
     p = plan.problem
-    _, rows = stats_rows(p.batch, p.seqlen_q, p.nheads, total_q)
+    _, rows = stats_rows(p.batch, p.seqlen_q, p.nheads, total_q, row_pad(plan))
     # (cdiv: packed sequences' rows need not fill the last 64; a query block's semaphore is that of
     # its first 64-aligned row, bwd.cuh)
     return _sem_word(plan, rows) + (cdiv(rows, 64) if _ordered(plan) else 0)
@@ -474,7 +481,7 @@ def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, dev
     ``fire`` launches again for other data pointers of the same shapes and strides."""
     p = plan.problem
     b, sq, sk, h, hk, d = p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_k, p.head_dim
-    head_rows, rows = stats_rows(b, sq, h, None if cu is None else ops[0].shape[0])
+    head_rows, rows = stats_rows(b, sq, h, None if cu is None else ops[0].shape[0], row_pad(plan))
     lse2, dsum = _Ptr("ws"), _Ptr("ws", 4 * rows)
     acc = _Ptr("ws", 8 * rows) if _accumulates(plan) else 0
     sem = _Ptr("ws", 4 * _sem_word(plan, rows)) if _ordered(plan) else 0
@@ -585,7 +592,8 @@ def _launch_specs(kernels, ops, lse, lse_st, grads, ws, shape, score, fm=None, d
         preps, fm_main, fm_last = fm
         out += [(launch.variant, launch.grid, fields) for launch, fields in preps
                 if launch.grid[0] > 0]  # no key block: nothing to reduce
-    out.append((prep, prep.grid(b, sq, h, d), dict(
+    # (dense: every padded row, which may be more than seqlen_q's multiple of 128)
+    out.append((prep, prep.grid(b, sq if cu_q else head_rows, h, d), dict(
         dout=_Ptr("dout"), out=_Ptr("out"), lse=_Ptr("lse"), lse2=lse2, dsum=dsum, dq_accum=acc, dq_sem=sem,
         **_st("do", do), **_st("o", o), lse_sb=lse_st[0], lse_sh=lse_st[1], lse_ss=lse_st[2], **rows, cu_seqlens_q=cu_q)))
     common = dict(q=_Ptr("q"), k=_Ptr("k"), v=_Ptr("v"), dout=_Ptr("dout"), lse2=lse2, dsum=dsum, **_st("q", q),

@@ -557,23 +557,25 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
         main = bwd_ws.planned(bucket, p.dtype, causal, local, p.deterministic, dev.arch, p.flashmask, p.softcap,
                               p.alibi, p.varlen)
         ordered = main.dq_ordered
-        if main.dq:  # its accumulator is in fragment order (atomic or ordered)
-            last = bwd_ws.convert(bucket, p.dtype, dev.arch, p.varlen)
+        if main.dq:  # its accumulator is in fragment order (atomic or ordered), or dq_t's swizzled rows
+            last = bwd_ws.convert(bucket, p.dtype, dev.arch, p.varlen, main.dq_t)
     sq, sk, b = p.seqlen_q, p.seqlen_k, p.batch
-    launches = (Launch(prep, prep.grid(b, sq, p.nheads, p.head_dim), prep.threads, prep.smem_bytes),
+    pad = getattr(main, "row_pad", bwd.ROW_PAD)
+    rows_q = sq if p.varlen else cdiv(sq, pad) * pad  # bwd_prep's rows per head (dense: every padded row)
+    launches = (Launch(prep, prep.grid(b, rows_q, p.nheads, p.head_dim), prep.threads, prep.smem_bytes),
                 Launch(main, main.grid(b, sq, sk, p.nheads, p.nheads_k), main.threads, main.smem_bytes),
                 Launch(last, last.grid(b, sq, sk, p.nheads, p.nheads_k) if last.kind == "bwd_dq"
                        else last.grid(b, sq, p.nheads, p.head_dim), last.threads, last.smem_bytes))
-    # fp32 rows of LSE and D (and of the dQ accumulator), each sequence padded to bwd.ROW_PAD rows;
+    # fp32 rows of LSE and D (and of the dQ accumulator), each sequence padded to `pad` rows;
     # packed sequences are bounded by batch * max length.
-    rows = b * p.nheads * (cdiv(sq, bwd.ROW_PAD) * bwd.ROW_PAD + (bwd.VARLEN_ROW_GAP if p.varlen else 0))
+    rows = b * p.nheads * (cdiv(sq, pad) * pad + (bwd.VARLEN_ROW_GAP if p.varlen else 0))
     workspace = 4 * rows * (2 + (0 if last.kind == "bwd_dq" else bucket)) + (4 * cdiv(rows, 64) if ordered else 0)
     why = []
     if p.window != (-1, -1):
         why.append(f"window {p.window} runs as " + (f"a local band {window}" if local else
                                                      "causal" if causal else "no mask") + ", as in the forward.")
     why.append(f"bwd_prep: D = rowsum(dO * O) and the LSE in the log2 domain for each of {p.nheads} heads' query "
-               f"rows, padded to multiples of {bwd.ROW_PAD}.")
+               f"rows, padded to multiples of {pad}.")
     if main.family == "bwd_ws":
         kind = ("the warp-specialised kernel (bwd_ws, sm_90a): a producer warpgroup loads K and V once and each "
                 "step's Q and dO tiles by TMA, LSE and D by bulk copies, into 2 stages on mbarriers; two consumer "
@@ -634,6 +636,11 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
                else "atomics")
         rot = (" Each key block walks its query steps from a different one, so that the blocks running together "
                "add into different rows." if getattr(main, "rotate", False) else "")
+        if getattr(main, "dq_t", False):
+            rot += (f" Steps of {main.block_m} query rows (FlashAttention-3's tile at d = 128): each consumer "
+                    "warpgroup computes dQ^T = K^T dS^T for its 64 columns of the head dim (wgmma's M is 64), with "
+                    "dS in shared memory as rows of queries; the accumulator's rows keep the staged tile's swizzled "
+                    "16-byte chunks, which bwd_convert reads back.")
         why.append(f"deterministic=False: the dK/dV kernel also adds dQ = dS K into an fp32 accumulator with {how} "
                    f"(the order of additions varies), and bwd_convert scales it into the input dtype.{rot}")
     if p.flashmask:

@@ -7,7 +7,8 @@ H100/H200, after checking each one's gradients against the wgmma kernel's.
 Configurations: dQ added with atomics after dK's product (``ws``), with dQ's product issued
 before dK's so that its adds overlap dK's product (``dq_early``, planned at d = 64), and staged
 in shared memory for a producer warp to add (``dq_writer``, planned at d = 128; alone and with
-``dq_early``); at d = 256 the planned kernel against the mma.sync one it replaced.
+``dq_early``), and the planned one (at d = 128 80-query steps with dQ^T, ``dq_t``); at d = 256 the
+planned kernel against the mma.sync one it replaced.
 ``--deterministic``: the planned deterministic backward (the ordered dQ writer at d = 64 and 128)
 against the same without ``dq_early``. Prints
 one line per shape: TFLOP/s (2.5 x the forward's FLOPs) of each, of the replaced kernel and of
@@ -22,9 +23,9 @@ import importlib
 from cuflash import bench
 from cuflash.kernels import bwd_ws
 
-_NONE = dict(dq_early=False, dq_writer=False)
+_NONE = dict(dq_early=False, dq_writer=False, dq_t=False)
 CONFIGS = {"ws": _NONE, "ws dqearly": {**_NONE, "dq_early": True}, "ws writer": {**_NONE, "dq_writer": True},
-           "writer+early": {**_NONE, "dq_writer": True, "dq_early": True}}
+           "writer+early": {**_NONE, "dq_writer": True, "dq_early": True}, "planned": {}}
 CONFIGS_256 = {"ws": {}}
 CONFIGS_DET = {"planned": {}, "not early": dict(dq_early=False)}
 

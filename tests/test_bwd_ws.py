@@ -13,22 +13,29 @@ import pytest
 
 from conftest import assert_compiled_clean, assert_warp_specialised_clean, module_compiled, requires_sm90, requires_torch
 from cuflash.kernels import all_variants, bwd_ws
-from cuflash.kernels.bwd import BwdRowVariant
+from cuflash.kernels.bwd import MASKS, BwdRowVariant
 from cuflash.kernels.bwd_ws import BwdWsVariant
 
 # (softcap and ALiBi: tests/test_bwd_ws_mods.py; packed sequences: tests/test_bwd_ws_varlen.py)
 DENSE = [v for v in bwd_ws.variants(90) if not v.varlen]
 VARIANTS = [v for v in DENSE if v.family == "bwd_ws" and not (v.flashmask or v.softcap or v.alibi)]
 FLASHMASK = [v for v in DENSE if v.family == "bwd_ws" and v.flashmask]
-CONVERTS = [v for v in DENSE if v.family != "bwd_ws"]
+CONVERTS = [v for v in DENSE if v.family != "bwd_ws" and not v.swizzled]  # (dq_t's: DQ_T_CONVERTS)
 # Every way of adding dQ, each field given (planned() sets dq_early at d = 64, dq_writer at 128),
 # and the ordered writer (planned deterministic at d = 128 only)
 # (the atomic ones keep the variant's rotate: rotated as planned, and not rotated from the
 # deterministic variants)
-FLAGS = [dict(dq_early=e, dq_writer=w, dq_ordered=False) for w in (False, True) for e in (False, True)] + [
-    dict(dq_early=False, dq_writer=True, dq_ordered=True, rotate=False)]
+FLAGS = [dict(dq_early=e, dq_writer=w, dq_ordered=False, dq_t=False) for w in (False, True) for e in (False, True)] + [
+    dict(dq_early=False, dq_writer=True, dq_ordered=True, rotate=False, dq_t=False)]
 BULK = list(dict.fromkeys(x for v in VARIANTS if v.dq and not v.split_d for f in FLAGS
                           if (x := replace(v, **f)) not in VARIANTS))  # the unplanned ones (d = 256 has atomics only)
+# 80-query steps with dQ^T (planned at d = 128 unless deterministic), with and without dq_early and
+# rotated walks (not dq_early without rotation: NVRTC 13.0 spills 4 B there)
+DQ_T_FLAGS = [dict(dq_t=True, dq_early=True, rotate=True)] + [dict(dq_t=True, dq_early=False, rotate=r)
+                                                               for r in (True, False)]
+DQ_T = [replace(bwd_ws.planned(128, dt, c, loc, False), **f) for dt in ("bf16", "fp16") for c, loc in MASKS
+        for f in DQ_T_FLAGS]
+DQ_T_CONVERTS = [bwd_ws.convert(128, dt, dq_t=True) for dt in ("bf16", "fp16")]
 plan_mod = importlib.import_module("cuflash.plan")  # the module (cuflash.plan is the function)
 
 
@@ -37,7 +44,8 @@ def test_variants():
     sm_90 only, all in all_variants (warmup and the CI's sample draw from it), within 227 KB; at
     d = 256 64 x 64 steps with the head dim split between the groups."""
     assert len({v.name for v in VARIANTS}) == len(VARIANTS) == 36
-    assert bwd_ws.variants(80) == [] and len(bwd_ws.variants(90, mods=False)) == 24 + 6
+    assert bwd_ws.variants(80) == [] and len(bwd_ws.variants(90, mods=False)) == 24 + 6 + 2
+    assert set(DQ_T_CONVERTS) <= set(bwd_ws.variants(90, mods=False))
     assert set(VARIANTS + CONVERTS + FLASHMASK) <= set(all_variants(90)) and len(FLASHMASK) == 48
     # FlashMask: atomic dQ; deterministic, causal at d = 64 and 128 the dQ writer's ordered adds,
     # elsewhere no dQ (the deterministic dQ kernel follows)
@@ -52,8 +60,9 @@ def test_variants():
         assert v.smem_bytes <= 227 * 1024 and v.threads == 384
         if v.head_dim == 256:
             assert v.split_d and (v.block_m, v.block_n) == (64, 64) and not (v.dq_early or v.dq_writer)
-        else:
-            assert not v.split_d and v.block_n == 128 and v.block_m * v.head_dim == 128 * 64
+        else:  # (d = 128 without deterministic mode: 80-query steps, dq_t)
+            assert not v.split_d and v.block_n == 128 and v.block_m * v.head_dim == (80 * 128 if v.dq_t else 128 * 64)
+            assert v.dq_t == (v.head_dim == 128 and not v.dq_ordered)
 
 
 def test_planned_walks_rotate_with_atomic_dq_only():
@@ -78,6 +87,11 @@ def test_planned_walks_rotate_with_atomic_dq_only():
     (dict(flashmask=2, dq_writer=True, dq_ordered=True), "flashmask must be"), (dict(kind="bwd_ws_dkdv", dq_ordered=True), "dq_ordered"),
     (dict(rotate=True, dq_writer=True, dq_ordered=True), "rotate must be"), (dict(rotate=True, flashmask=2), "rotate must be"),
     (dict(kind="bwd_ws_dkdv", rotate=True), "rotate must be"), (dict(rotate=1), "rotate must be a bool"),
+    (dict(dq_t=True), "dq_t must be"), (dict(dq_t=True, dq_writer=True, flashmask=2), "dq_t must be"),
+    (dict(dq_t=True, dq_writer=True, softcap=True), "dq_t must be"),
+    (dict(dq_t=True, dq_writer=True, head_dim=64), "dq_t must be"), (dict(dq_t=1, dq_writer=True), "dq_t must be"),
+    (dict(dq_t=True, dq_writer=True, dq_ordered=True), "dq_t must be"),
+    (dict(dq_t=True, dq_writer=True, varlen=True), "dq_t must be"),
 ])
 def test_bad_variant(bad, match):
     kw = dict(kind="bwd_ws_dkdv_dq", head_dim=128, dtype="bf16", arch=90) | bad
@@ -92,17 +106,36 @@ def test_bad_tiled_convert(kw):
         BwdRowVariant(**(dict(kind="bwd_convert", head_dim=128, dtype="bf16", arch=90, tiled=True) | kw))
 
 
+@pytest.mark.parametrize("kw", [dict(tiled=True), dict(kind="bwd_prep"), dict(swizzled=1)])
+def test_bad_swizzled_convert(kw):
+    with pytest.raises(ValueError, match="swizzled must be a bool"):
+        BwdRowVariant(**(dict(kind="bwd_convert", head_dim=128, dtype="bf16", arch=90, swizzled=True) | kw))
+
+
+def test_dq_t_variant():
+    """80-query steps and rows padded to whole steps and to 128; the shared memory fits sm_90's
+    227 KB; its convert reads swizzled rows; planned at d = 128 unless deterministic."""
+    from cuflash import backward
+    for v in DQ_T:
+        assert (v.block_m, v.block_n, v.row_pad) == (80, 128, 640) and not v.overlap and "_dqT_m80n128" in v.name, v
+        assert v.smem_bytes <= 227 * 1024
+    assert all(v.row_pad == 128 for v in VARIANTS if not v.dq_t) and all(v.swizzled for v in DQ_T_CONVERTS)
+    assert backward.stats_rows(2, 1000, 8, pad=640) == (1280, 2 * 8 * 1280)
+    assert _plan(128, causal=False).launches[1].variant.dq_t and not _plan(128, deterministic=True).launches[1].variant.dq_t
+    assert "Steps of 80 query rows" in _plan(128).reason and "Steps of 80" not in _plan(64).reason
+
+
 @pytest.fixture(scope="module")
 def compiled(compile_variants):
-    return module_compiled(compile_variants, VARIANTS + BULK + CONVERTS + FLASHMASK)
+    return module_compiled(compile_variants, VARIANTS + BULK + CONVERTS + FLASHMASK + DQ_T + DQ_T_CONVERTS)
 
 
-@pytest.mark.parametrize("v", CONVERTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("v", CONVERTS + DQ_T_CONVERTS, ids=lambda v: v.name)
 def test_tiled_convert_compiles(compiled, v):
     assert_compiled_clean(compiled[v], v)
 
 
-@pytest.mark.parametrize("v", VARIANTS + BULK + FLASHMASK, ids=lambda v: v.name)
+@pytest.mark.parametrize("v", VARIANTS + BULK + FLASHMASK + DQ_T, ids=lambda v: v.name)
 def test_compiles_as_designed(compiled, v):
     """No spills or stack; __launch_bounds__(384, 1) caps the launch at 168 registers, which
     setmaxnreg splits into 24 per producer thread and 240 per consumer thread; ptxas neither
@@ -126,12 +159,14 @@ def test_planned_on_sm90(d, deterministic):
     assert main.dq_ordered == ordered and main.dq_writer == main.dq_early == (d != 256)
     assert [la.variant.kind for la in p.launches[::2]] == ["bwd_prep", "bwd_dq" if deterministic and not ordered
                                                           else "bwd_convert"]
-    assert getattr(p.launches[2].variant, "tiled", False) == main.dq  # reads the fragment-ordered accumulator
+    # reads the fragment-ordered accumulator, or dq_t's swizzled rows
+    assert getattr(p.launches[2].variant, "tiled", False) == (main.dq and not main.dq_t)
+    assert p.launches[2].variant.swizzled == main.dq_t == (d == 128 and not deterministic)
     assert p.launches[1].grid == ((16 if d == 256 else 8), 2, 2) and p.launches[1].threads == 384
     assert "warp-specialised kernel (bwd_ws" in p.reason
     assert ("each on half the head dim" in p.reason) == (d == 256)
     assert ("a semaphore lets the key blocks add in turn, from the last key block" in p.reason) == ordered
-    rows = 2 * 8 * 1024  # LSE, D and (except with bwd_dq) the dQ accumulator, then the semaphores
+    rows = 2 * 8 * (1280 if main.dq_t else 1024)  # LSE, D and (except with bwd_dq) the dQ accumulator, semaphores
     assert p.workspace_bytes == 4 * rows * (2 + (0 if deterministic and not ordered else d)) + (4 * rows // 64) * ordered
 
 
@@ -288,7 +323,7 @@ def test_gpu_ordered_dq_many_blocks(rng, d, mask):
     q, k, v, dout = _inputs(rng, 1, 2048, 16384, 8, 2, d, "bfloat16")
     mods = dict(causal=mask == "causal", window_size=(3000, 100) if mask == "local" else (-1, -1))
     first = _backward(q, k, v, dout, deterministic=True, **mods)
-    atomic = _backward(q, k, v, dout, flags=dict(rotate=False), **mods)  # the same walk
+    atomic = _backward(q, k, v, dout, flags=dict(rotate=False, dq_t=False), **mods)  # the same walk
     assert torch.equal(first[1], atomic[1]) and torch.equal(first[2], atomic[2])
     err = (first[0].float() - atomic[0].float()).abs().max().item()
     assert err <= 1e-2 * atomic[0].float().abs().max().item() + 1e-6, err
@@ -356,10 +391,43 @@ def test_gpu_dq_variants(rng, dtype, flags, case, d, mask):
     q, k, v, dout = _inputs(rng, b, sq, sk, h, hk, d, dtype)
     mods = dict(causal=mask == "causal", window_size=(300, 7) if mask == "local" else (-1, -1))
     grads = _backward(q, k, v, dout, flags=flags, **mods)
-    plain = _backward(q, k, v, dout, flags=dict(rotate=flags.get("rotate", True)), **mods)  # the same walk
+    plain = _backward(q, k, v, dout, flags=dict(rotate=flags.get("rotate", True), dq_t=False), **mods)  # the same walk
     assert torch.equal(grads[1], plain[1]) and torch.equal(grads[2], plain[2])
     if sq * sk <= 640 * 640:
         _check(grads, q, k, v, dout, **mods)
     else:
         err = (grads[0].float() - plain[0].float()).abs().max().item()
         assert err <= 1e-2 * plain[0].float().abs().max().item(), err
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("flags", DQ_T_FLAGS, ids=lambda f: "+".join(k for k, x in f.items() if x))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", [(2, 113, 203, 4, 4), (2, 203, 113, 4, 2), (1, 1, 239, 2, 2), (1, 239, 1, 2, 1),
+                                  (1, 640, 640, 8, 1), (2, 80, 128, 2, 2), (1, 161, 300, 6, 3)], ids=str)
+@pytest.mark.parametrize("mask", ["full", "causal", "local"])
+def test_gpu_dq_t(rng, case, dtype, flags, mask):
+    """80-query steps with dQ^T = K^T dS^T (dq_t): gradients against the float64 reference,
+    including rows past the last whole step and keys past the last block, with every mask."""
+    b, sq, sk, h, hk = case
+    q, k, v, dout = _inputs(rng, b, sq, sk, h, hk, 128, dtype)
+    mods = dict(causal=mask == "causal", window_size=(97, 13) if mask == "local" else (-1, -1))
+    grads = _backward(q, k, v, dout, flags=flags, **mods)
+    _check(grads, q, k, v, dout, **mods)
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_dq_t_long(rng, causal):
+    """dq_t at 4096 queries (52 steps of 80, padded to 4480 rows) and GQA: dK and dV within
+    rounding of the 64-query kernel's (the products are summed in another order), dQ too."""
+    import torch
+    q, k, v, dout = _inputs(rng, 2, 4096, 4096, 16, 4, 128, "bfloat16")
+    got = _backward(q, k, v, dout, flags=dict(dq_t=True), causal=causal)
+    ref = _backward(q, k, v, dout, flags=dict(dq_t=False), causal=causal)
+    for x, y in zip(got, ref):
+        assert torch.isfinite(x).all()
+        err = (x.float() - y.float()).abs().max().item()
+        assert err <= 1e-2 * y.float().abs().max().item(), err

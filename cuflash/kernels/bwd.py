@@ -66,7 +66,7 @@ DQ_DROPOUT_TILES = {32: (64, 64, 4, 2)}
 # for the per-column bounds next to the softcap's factors (NVRTC 13.0 spills the causal two-bound
 # variant); one stage does.
 DKDV_FLASHMASK_SOFTCAP_TILES = {128: (32, 128, 8, 1, "sync")}
-ROW_PAD = 128          # LSE/D/dQ-accumulator rows are padded to a multiple of every block_m
+ROW_PAD = 128          # LSE/D/dQ-accumulator rows are padded to a multiple of every block_m (bwd_ws dq_t: row_pad)
 VARLEN_ROW_GAP = ROW_PAD + 4  # packed sequences: rows between sequence starts (stats_base, bwd.cuh)
 PREP_ROWS_PER_BLOCK = 8  # one warp per row
 CONVERT_THREADS = 256    # one thread per 8 output elements
@@ -148,6 +148,9 @@ class BwdRowVariant(KernelVariant):
     # (stats_base in bwd.cuh), its dQ rows at token cu_seqlens_q[b]. (The untiled convert reads
     # cu_seqlens_q whenever it is given.)
     varlen: bool = False
+    # The untiled bwd_convert reading rows whose 16-byte chunk c of row r sits at chunk c ^ (r & 7)
+    # (the dQ accumulator of bwd_ws's dq_t variants): head_dim exact, a multiple of 32.
+    swizzled: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -159,6 +162,10 @@ class BwdRowVariant(KernelVariant):
                              f"of 64, got {self.tiled!r} ({self.kind}, head_dim {self.head_dim})")
         if not isinstance(self.varlen, bool) or (self.varlen and not self.tiled):
             raise ValueError(f"varlen must be a bool, and True only for the tiled bwd_convert, got {self.varlen!r}")
+        if not isinstance(self.swizzled, bool) or (self.swizzled and (self.kind != "bwd_convert" or self.tiled
+                                                                       or self.head_dim % 32)):
+            raise ValueError(f"swizzled must be a bool, and True only for the untiled bwd_convert at a head_dim that "
+                             f"is a multiple of 32, got {self.swizzled!r}")
 
     @property
     def params(self) -> ParamTable:
@@ -167,7 +174,7 @@ class BwdRowVariant(KernelVariant):
     @functools.cached_property
     def name(self) -> str:
         return (f"{self.kind}_d{self.head_dim}_{self.dtype}{'_tiled' if self.tiled else ''}"
-                f"{'_varlen' if self.varlen else ''}_sm{self.arch}")
+                f"{'_varlen' if self.varlen else ''}{'_swz' if self.swizzled else ''}_sm{self.arch}")
 
     @property
     def template(self) -> str:
@@ -186,7 +193,8 @@ class BwdRowVariant(KernelVariant):
 
     def constants(self) -> dict:
         return dict(head_dim=self.head_dim, bf16=self.dtype == "bf16", warps=PREP_ROWS_PER_BLOCK,
-                    threads=CONVERT_THREADS, varlen_row_gap=VARLEN_ROW_GAP, tiled=self.tiled, varlen=self.varlen)
+                    threads=CONVERT_THREADS, varlen_row_gap=VARLEN_ROW_GAP, tiled=self.tiled, varlen=self.varlen,
+                    swizzled=self.swizzled)
 
 
 @dataclass(frozen=True, kw_only=True)

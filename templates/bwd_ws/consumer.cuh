@@ -110,8 +110,23 @@
       if constexpr (kDqAtomic) {
         // dS^T to this step's shared tile, swizzled (row = key, 16-byte chunk c of queries at
         // c ^ (key & 7)), published to both groups by a named barrier; then dQ = dS K with dS^T
-        // and K read MN-major, added into the fp32 buffer.
+        // and K read MN-major, added into the fp32 buffer. kDqT: dS instead (row = query, chunk c
+        // of keys at c ^ (query & 7)), each 8 x 8 piece of dsa stored transposed by stmatrix;
+        // then dQ^T = K^T dS^T.
         const u32 ds_st = sK + kOffDs + (j & 1) * kTileDs;
+{%- if dq_t %}
+        // Lanes 8 m .. 8 m + 7 address the rows of piece m of dsa[kk] (m & 1: keys + 8, m >> 1:
+        // queries + 8): query 16 kk + 8 (m >> 1) + (lane & 7), chunk of keys key_w / 8 + (m & 1).
+        {
+          const int m = lane >> 3, qr = 8 * (m >> 1) + (lane & 7), ch = (key_w & 63) / 8 + (m & 1);
+          const u32 base = ds_st + (key_w >> 6) * kBlockM * 128;
+#pragma unroll
+          for (int kk = 0; kk < kQT / 2; ++kk) {
+            const int q = 16 * kk + qr;
+            stsm_x4_trans(base + q * 128 + ((ch ^ (q & 7)) << 4), dsa[kk]);
+          }
+        }
+{%- else %}
         char* tile = reinterpret_cast<char*>(smem) + kOffDs + (j & 1) * kTileDs;
 #pragma unroll
         for (int kk = 0; kk < kQT / 2; ++kk)
@@ -120,12 +135,20 @@
             const int row = key_w + (lane >> 2) + (e & 1) * 8, c = 2 * kk + (e >> 1);  // 16-byte chunk
             *reinterpret_cast<u32*>(tile + tile_offset<kBlockN, kBlockM, true>(row, c) + (lane & 3) * 4) = dsa[kk][e];
           }
+{%- endif %}
         fence_proxy_async();
         named_bar_sync<1, kConsumerThreads>();
+{%- if dq_t %}
+        float dq[kQT][4];
+        u32 a_ds = ds_st, b_k = sK + wg * kBlockN * 128;
+        asm volatile("" : "+r"(a_ds), "+r"(b_k));
+        issue_dq(dq, a_ds, b_k);
+{%- else %}
         float dq[8][4];
         u32 a_ds = ds_st + kDqQ * wg * kBlockN * 128, b_k = sK + kDqD * wg * kBlockN * 128;
         asm volatile("" : "+r"(a_ds), "+r"(b_k));
         issue_dq(dq, a_ds, b_k);
+{%- endif %}
         if constexpr (kDqEarly) {  // dK += dS^T Q runs while dQ is added
           issue_dk();
           wgmma_commit();
@@ -142,10 +165,29 @@
           // To the staged tile once the writer has read the previous step's, made visible to the
           // bulk copy (async proxy), then handed to the writer.
           if (j > 0) mbar_wait<kHangTrap>(bar_dq_empty, (j - 1) & 1);
+{%- if dq_t %}
+          // dQ^T's value e of n8 tile jj: column 64 wg + 16 (t / 32) + (t % 32) / 4 + 8 (e / 2) of
+          // query row 8 jj + 2 (t % 4) + e % 2, to its swizzled place in the rows (conflict-free:
+          // a warp's 32 values of one (jj, e) fill 8 chunks of 4 rows that the swizzle spreads
+          // over all 32 banks).
+          {
+            char* tile = reinterpret_cast<char*>(smem) + kOffDqW;
+            const int c0 = 64 * wg + 16 * (t >> 5) + ((t >> 2) & 7);
+#pragma unroll
+            for (int jj = 0; jj < kQT; ++jj)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int q = 8 * jj + 2 * (t & 3) + (e & 1), c = c0 + 8 * (e >> 1);
+                *reinterpret_cast<float*>(tile + q * (kHeadDim * 4) + (((c >> 2) ^ (q & 7)) << 4) + (c & 3) * 4) =
+                    dq[jj][e];
+              }
+          }
+{%- else %}
           float* tile = reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + kOffDqW) + wg * 4096;
 #pragma unroll
           for (int j = 0; j < 8; ++j)
             *reinterpret_cast<float4*>(frag_word(tile, j, t)) = make_float4(dq[j][0], dq[j][1], dq[j][2], dq[j][3]);
+{%- endif %}
           fence_proxy_async();
           mbar_arrive(bar_dq_full);
         } else {

@@ -30,3 +30,12 @@ __device__ __forceinline__ void ldsm_x4_trans(u32 (&r)[4], u32 addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 { %0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
+
+#if __CUDA_ARCH__ >= 900
+// Four 8x8 b16 matrices from their fragments (as ldsm_x4 gives them) to shared memory,
+// transposed; lanes 8i..8i+7 give the addresses of the stored rows of matrix i (sm_90).
+__device__ __forceinline__ void stsm_x4_trans(u32 addr, const u32 (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], { %1,%2,%3,%4};"
+               :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+#endif
