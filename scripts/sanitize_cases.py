@@ -143,9 +143,11 @@ def main():
         import importlib
         plan = importlib.import_module("cuflash.plan")
         planned = plan.bwd_ws.planned
-        # planned: writer + early, rotated walks (atomic)
-        for e, w, o, r in ((False, False, False, True), (True, False, False, False), (False, True, True, False)):
-            flags = dict(dq_early=e, dq_writer=w, dq_ordered=o, rotate=r)
+        # planned: 80-query steps (dq_t) with writer + early, rotated walks (atomic); these take
+        # 64-query steps
+        for e, w, o, r in ((False, False, False, True), (True, False, False, False), (False, True, True, False),
+                           (True, True, False, True)):
+            flags = dict(dq_early=e, dq_writer=w, dq_ordered=o, rotate=r, dq_t=False)
             plan.bwd_ws.planned = lambda *a, f=flags: dataclasses.replace(planned(*a), **f)
             plan.forget_plans()
             o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)

@@ -29,12 +29,13 @@ FLAGS = [dict(dq_early=e, dq_writer=w, dq_ordered=False, dq_t=False) for w in (F
     dict(dq_early=False, dq_writer=True, dq_ordered=True, rotate=False, dq_t=False)]
 BULK = list(dict.fromkeys(x for v in VARIANTS if v.dq and not v.split_d for f in FLAGS
                           if (x := replace(v, **f)) not in VARIANTS))  # the unplanned ones (d = 256 has atomics only)
-# 80-query steps with dQ^T (planned at d = 128 unless deterministic), with and without dq_early and
-# rotated walks (not dq_early without rotation: NVRTC 13.0 spills 4 B there)
-DQ_T_FLAGS = [dict(dq_t=True, dq_early=True, rotate=True)] + [dict(dq_t=True, dq_early=False, rotate=r)
-                                                               for r in (True, False)]
-DQ_T = [replace(bwd_ws.planned(128, dt, c, loc, False), **f) for dt in ("bf16", "fp16") for c, loc in MASKS
-        for f in DQ_T_FLAGS]
+# 80-query steps with dQ^T (planned at d = 128), with and without dq_early and rotated walks, and
+# deterministic (the ordered writer: a semaphore per 80-row step); not dq_early without rotation
+# with a window (NVRTC 13.5 spills 4 B there; deterministic with a window keeps 64-query steps)
+DQ_T_FLAGS = [dict(dq_t=True, dq_early=e, rotate=r) for e in (True, False) for r in (True, False)]
+DQ_T = [v for v in [replace(bwd_ws.planned(128, dt, c, loc, det), **f) for dt in ("bf16", "fp16")
+                    for c, loc in MASKS for det in (False, True) for f in DQ_T_FLAGS if not (det and f["rotate"])]
+        if not (v.local and v.dq_early and not v.rotate)]
 DQ_T_CONVERTS = [bwd_ws.convert(128, dt, dq_t=True) for dt in ("bf16", "fp16")]
 plan_mod = importlib.import_module("cuflash.plan")  # the module (cuflash.plan is the function)
 
@@ -62,7 +63,7 @@ def test_variants():
             assert v.split_d and (v.block_m, v.block_n) == (64, 64) and not (v.dq_early or v.dq_writer)
         else:  # (d = 128 without deterministic mode: 80-query steps, dq_t)
             assert not v.split_d and v.block_n == 128 and v.block_m * v.head_dim == (80 * 128 if v.dq_t else 128 * 64)
-            assert v.dq_t == (v.head_dim == 128 and not v.dq_ordered)
+            assert v.dq_t == (v.head_dim == 128 and not (v.dq_ordered and v.local))
 
 
 def test_planned_walks_rotate_with_atomic_dq_only():
@@ -90,7 +91,6 @@ def test_planned_walks_rotate_with_atomic_dq_only():
     (dict(dq_t=True), "dq_t must be"), (dict(dq_t=True, dq_writer=True, flashmask=2), "dq_t must be"),
     (dict(dq_t=True, dq_writer=True, softcap=True), "dq_t must be"),
     (dict(dq_t=True, dq_writer=True, head_dim=64), "dq_t must be"), (dict(dq_t=1, dq_writer=True), "dq_t must be"),
-    (dict(dq_t=True, dq_writer=True, dq_ordered=True), "dq_t must be"),
     (dict(dq_t=True, dq_writer=True, varlen=True), "dq_t must be"),
 ])
 def test_bad_variant(bad, match):
@@ -121,7 +121,8 @@ def test_dq_t_variant():
         assert v.smem_bytes <= 227 * 1024
     assert all(v.row_pad == 128 for v in VARIANTS if not v.dq_t) and all(v.swizzled for v in DQ_T_CONVERTS)
     assert backward.stats_rows(2, 1000, 8, pad=640) == (1280, 2 * 8 * 1280)
-    assert _plan(128, causal=False).launches[1].variant.dq_t and not _plan(128, deterministic=True).launches[1].variant.dq_t
+    assert _plan(128, causal=False).launches[1].variant.dq_t and _plan(128, deterministic=True).launches[1].variant.dq_t
+    assert not _plan(128, causal=False, deterministic=True, window_size=(100, 0)).launches[1].variant.dq_t
     assert "Steps of 80 query rows" in _plan(128).reason and "Steps of 80" not in _plan(64).reason
 
 
@@ -161,7 +162,7 @@ def test_planned_on_sm90(d, deterministic):
                                                           else "bwd_convert"]
     # reads the fragment-ordered accumulator, or dq_t's swizzled rows
     assert getattr(p.launches[2].variant, "tiled", False) == (main.dq and not main.dq_t)
-    assert p.launches[2].variant.swizzled == main.dq_t == (d == 128 and not deterministic)
+    assert p.launches[2].variant.swizzled == main.dq_t == (d == 128)
     assert p.launches[1].grid == ((16 if d == 256 else 8), 2, 2) and p.launches[1].threads == 384
     assert "warp-specialised kernel (bwd_ws" in p.reason
     assert ("each on half the head dim" in p.reason) == (d == 256)
@@ -270,7 +271,7 @@ def test_gpu_deterministic_bitwise_equals_wgmma_kernel(rng, d, mask):
     import torch
     q, k, v, dout = _inputs(rng, 2, 1000, 1100, 8, 2, d, "bfloat16")
     mods = dict(causal=mask == "causal", window_size=(300, 0) if mask == "local" else (-1, -1))
-    a = _backward(q, k, v, dout, deterministic=True, **mods)
+    a = _backward(q, k, v, dout, deterministic=True, flags=dict(dq_t=False), **mods)  # (the wgmma kernel's steps)
     w = _backward(q, k, v, dout, ws=False, deterministic=True, **mods)
     assert torch.equal(a[1], w[1]) and torch.equal(a[2], w[2])
     assert torch.isfinite(a[0]).all()
@@ -322,8 +323,9 @@ def test_gpu_ordered_dq_many_blocks(rng, d, mask):
     import torch
     q, k, v, dout = _inputs(rng, 1, 2048, 16384, 8, 2, d, "bfloat16")
     mods = dict(causal=mask == "causal", window_size=(3000, 100) if mask == "local" else (-1, -1))
-    first = _backward(q, k, v, dout, deterministic=True, **mods)
-    atomic = _backward(q, k, v, dout, flags=dict(rotate=False, dq_t=False), **mods)  # the same walk
+    steps = dict(dq_t=mask != "local")  # (as planned deterministic: 80-query steps but with a window)
+    first = _backward(q, k, v, dout, deterministic=True, flags=steps, **mods)
+    atomic = _backward(q, k, v, dout, flags=dict(rotate=False, **steps), **mods)  # the same walk and steps
     assert torch.equal(first[1], atomic[1]) and torch.equal(first[2], atomic[2])
     err = (first[0].float() - atomic[0].float()).abs().max().item()
     assert err <= 1e-2 * atomic[0].float().abs().max().item() + 1e-6, err
@@ -431,3 +433,24 @@ def test_gpu_dq_t_long(rng, causal):
         assert torch.isfinite(x).all()
         err = (x.float() - y.float()).abs().max().item()
         assert err <= 1e-2 * y.float().abs().max().item(), err
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("mask", ["full", "causal", "local"])
+def test_gpu_dq_t_deterministic(rng, mask, early):
+    """dq_t with the ordered dQ writer (deterministic; a semaphore per 80-row step): against the
+    reference, and bitwise repeatable over more key blocks than SMs."""
+    import torch
+    mods = dict(causal=mask == "causal", window_size=(97, 13) if mask == "local" else (-1, -1))
+    flags = dict(dq_t=True, dq_early=early)
+    for case in ((2, 203, 113, 4, 2), (1, 161, 300, 6, 3)):
+        q, k, v, dout = _inputs(rng, *case, 128, "bfloat16")
+        _check(_backward(q, k, v, dout, deterministic=True, flags=flags, **mods), q, k, v, dout, **mods)
+    q, k, v, dout = _inputs(rng, 1, 2000, 16384, 8, 2, 128, "bfloat16")
+    mods["window_size"] = (3000, 100) if mask == "local" else (-1, -1)
+    first = _backward(q, k, v, dout, deterministic=True, flags=flags, **mods)
+    for _ in range(10):
+        again = _backward(q, k, v, dout, deterministic=True, flags=flags, **mods)
+        assert all(torch.equal(x, y) for x, y in zip(first, again))

@@ -102,9 +102,9 @@ class BwdWsVariant(KernelVariant):
     varlen: bool = False
     # d = 128: steps of 80 query rows (FlashAttention-3's tile without a mask), with dQ^T = K^T
     # dS^T (the head dim as wgmma's M, FlashAttention-3's dQ_swapAB) and dS kept as rows of
-    # queries; the dQ writer's unordered adds into an accumulator of rows with swizzled chunks
-    # (``convert(swizzled=True)``), padded to ``row_pad`` rows per head. Dense, no mask, no score
-    # modifier.
+    # queries; the dQ writer's adds (ordered: a semaphore per step) into an accumulator of rows
+    # with swizzled chunks (``convert(swizzled=True)``), padded to ``row_pad`` rows per head. Dense,
+    # no FlashMask, no score modifier.
     dq_t: bool = False
 
     def __post_init__(self):
@@ -143,10 +143,10 @@ class BwdWsVariant(KernelVariant):
         if self.softcap and self.alibi and self.head_dim in NO_SOFTCAP_ALIBI:
             raise ValueError(f"softcap and alibi together need registers that head_dim {self.head_dim} lacks")
         if not isinstance(self.dq_t, bool) or self.dq_t and not (
-                self.head_dim == 128 and self.dq_writer and not self.dq_ordered and not (
+                self.head_dim == 128 and self.dq_writer and not (
                     self.flashmask or self.softcap or self.alibi or self.varlen)):
-            raise ValueError(f"dq_t must be a bool, True only at head_dim 128 with the dQ writer's unordered adds, "
-                             f"dense, without FlashMask or a score modifier; got {self.dq_t!r}")
+            raise ValueError(f"dq_t must be a bool, True only at head_dim 128 with the dQ writer, dense, without "
+                             f"FlashMask or a score modifier; got {self.dq_t!r}")
 
     @functools.cached_property
     def params(self) -> ParamTable:
@@ -255,11 +255,12 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
     every query block sees, global tokens or a prefix, holds up the others' turns), and at d = 256
     the consumers' ordered atomics take a turn on every step. ``softcap``, ``alibi``: the
     forward's score modifiers (the same dQ modes); ``varlen``: packed sequences (the same dQ
-    modes). At d = 128 without FlashMask, a score modifier, packed sequences or deterministic mode:
-    80-query steps with dQ^T (``dq_t``; H200, bf16: +3 to +11% without a mask, +4 to +5% causal
-    from 4k queries, -1 to +1% causal at 1k-2k, BENCHMARKS.md)."""
+    modes). At d = 128 without FlashMask, a score modifier or packed sequences: 80-query steps with
+    dQ^T (``dq_t``; H200, bf16: +3 to +11% without a mask, +4 to +5% causal from 4k queries, -1 to
+    +1% causal at 1k-2k; deterministic -1 to +9%, BENCHMARKS.md), except deterministic with a
+    window (NVRTC 13.5 spills 4 B in that variant)."""
     dq = not (deterministic and flashmask and (head_dim == 256 or not causal))
-    dq_t = head_dim == 128 and not (deterministic or flashmask or softcap or alibi or varlen)
+    dq_t = head_dim == 128 and not (flashmask or softcap or alibi or varlen or deterministic and local)
     return BwdWsVariant(kind="bwd_ws_dkdv_dq" if dq else "bwd_ws_dkdv", head_dim=head_dim, dtype=dtype,
                         causal=causal, local=local, arch=arch, dq_early=dq and head_dim != 256,
                         dq_writer=dq and head_dim != 256, dq_ordered=dq and deterministic, flashmask=flashmask,

@@ -170,17 +170,20 @@
           // query row 8 jj + 2 (t % 4) + e % 2, to its swizzled place in the rows (conflict-free:
           // a warp's 32 values of one (jj, e) fill 8 chunks of 4 rows that the swizzle spreads
           // over all 32 banks).
+          // Value e's row is q0 + (e & 1) and its chunk (c0 >> 2) + 2 (e >> 1) (q0 even; bit 1 of
+          // c0 >> 2 is 0), so its swizzled chunk is x0 ^ e with x0 = (c0 >> 2) ^ q0, whatever the
+          // tile jj (rows 8 jj: 4 KB apart). The staging tile is 256-byte aligned, so the XOR can
+          // act on the address itself.
           {
-            char* tile = reinterpret_cast<char*>(smem) + kOffDqW;
-            const int c0 = 64 * wg + 16 * (t >> 5) + ((t >> 2) & 7);
+            const u32 c0 = 64 * wg + 16 * (t >> 5) + ((t >> 2) & 7), q0 = 2 * (t & 3);
+            const u32 at0 = sDqW + q0 * (kHeadDim * 4) + (((c0 >> 2) ^ q0) << 4) + (c0 & 3) * 4;
 #pragma unroll
             for (int jj = 0; jj < kQT; ++jj)
 #pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                const int q = 8 * jj + 2 * (t & 3) + (e & 1), c = c0 + 8 * (e >> 1);
-                *reinterpret_cast<float*>(tile + q * (kHeadDim * 4) + (((c >> 2) ^ (q & 7)) << 4) + (c & 3) * 4) =
-                    dq[jj][e];
-              }
+              for (int e = 0; e < 4; ++e)
+                asm volatile("st.shared.f32 [%0], %1;"
+                             :: "r"(((at0 ^ (e << 4)) + (e & 1) * kHeadDim * 4) + jj * 8 * kHeadDim * 4), "f"(dq[jj][e])
+                             : "memory");
           }
 {%- else %}
           float* tile = reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + kOffDqW) + wg * 4096;
