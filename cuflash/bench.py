@@ -654,7 +654,8 @@ def bench_overhead(verbose=True):
     """Host time per call of repeated calls (kernels compiled, plans cached) from PyTorch:
     ``cuflash.attention`` on the standard and split-KV paths, with ``out=`` and the LSE, the
     differentiable ``cuflash.torch.attention`` (without and with gradients, its forward alone and
-    forward + backward), and SDPA on the same tensors for scale."""
+    forward + backward), SDPA with cuflash behind its flash path (``activate_sdpa``), and SDPA with
+    PyTorch's kernels on the same tensors for scale."""
     torch = _torch()
     import cuflash
     import cuflash.torch as ct
@@ -685,9 +686,25 @@ def bench_overhead(verbose=True):
          lambda: torch.autograd.grad(ct.attention(g2, g2, g2, causal=True), g2, do2),
          lambda: torch.autograd.grad(sdpa(tg2, tg2, tg2, is_causal=True), g2, do2.transpose(1, 2)), (q2, q2)),
     ]
+    # SDPA itself with cuflash behind its flash path (activate_sdpa): SDPA's C++ autograd node,
+    # cuflash's kernels through the overridden aten ops
+    sdpa_fwd = lambda: sdpa(tg2, tg2, tg2, is_causal=True)  # noqa: E731
+    sdpa_bwd = lambda: torch.autograd.grad(sdpa(tg2, tg2, tg2, is_causal=True), g2, do2.transpose(1, 2))  # noqa: E731
+    active = [("SDPA with cuflash active (activate_sdpa), requires_grad (forward)", "b=2, s=256, 8 heads, d=64",
+               sdpa_fwd, sdpa_fwd, (q2, q2)),
+              ("SDPA with cuflash active, forward + backward (autograd.grad)", "b=2, s=256, 8 heads, d=64",
+               sdpa_bwd, sdpa_bwd, (q2, q2))]
     rows = []
-    for name, shape, fn, ref, (q, k) in cases:
-        row = dict(call=name, shape=shape, cuflash_us=host_us(fn), sdpa_us=host_us(ref) if ref else None,
+    for (name, shape, fn, ref, (q, k)), on in [(c, False) for c in cases] + [(c, True) for c in active]:
+        if on:
+            ct.activate_sdpa()  # timed with cuflash behind SDPA; "sdpa_us" with PyTorch's kernels
+            try:
+                us = host_us(fn)
+            finally:
+                ct.restore_sdpa()
+        else:
+            us = host_us(fn)
+        row = dict(call=name, shape=shape, cuflash_us=us, sdpa_us=host_us(ref) if ref else None,
                    kernels="+".join(cuflash.plan(q, k, k, causal=True).kernels))
         _emit(rows, row, "overhead", verbose)
     return rows
