@@ -113,14 +113,14 @@ def test_bad_swizzled_convert(kw):
 
 
 def test_dq_t_variant():
-    """80-query steps and rows padded to whole steps and to 128; the shared memory fits sm_90's
+    """80-query steps and rows padded to whole steps; the shared memory fits sm_90's
     227 KB; its convert reads swizzled rows; planned at d = 128 unless deterministic."""
     from cuflash import backward
     for v in DQ_T:
-        assert (v.block_m, v.block_n, v.row_pad) == (80, 128, 640) and not v.overlap and "_dqT_m80n128" in v.name, v
+        assert (v.block_m, v.block_n, v.row_pad) == (80, 128, 80) and not v.overlap and "_dqT_m80n128" in v.name, v
         assert v.smem_bytes <= 227 * 1024
     assert all(v.row_pad == 128 for v in VARIANTS if not v.dq_t) and all(v.swizzled for v in DQ_T_CONVERTS)
-    assert backward.stats_rows(2, 1000, 8, pad=640) == (1280, 2 * 8 * 1280)
+    assert backward.stats_rows(2, 1000, 8, pad=80) == (1040, 2 * 8 * 1040)
     assert _plan(128, causal=False).launches[1].variant.dq_t and _plan(128, deterministic=True).launches[1].variant.dq_t
     assert not _plan(128, causal=False, deterministic=True, window_size=(100, 0)).launches[1].variant.dq_t
     assert "Steps of 80 query rows" in _plan(128).reason and "Steps of 80" not in _plan(64).reason
@@ -167,7 +167,7 @@ def test_planned_on_sm90(d, deterministic):
     assert "warp-specialised kernel (bwd_ws" in p.reason
     assert ("each on half the head dim" in p.reason) == (d == 256)
     assert ("a semaphore lets the key blocks add in turn, from the last key block" in p.reason) == ordered
-    rows = 2 * 8 * (1280 if main.dq_t else 1024)  # LSE, D and (except with bwd_dq) the dQ accumulator, semaphores
+    rows = 2 * 8 * (1040 if main.dq_t else 1024)  # LSE, D and (except with bwd_dq) the dQ accumulator, semaphores
     assert p.workspace_bytes == 4 * rows * (2 + (0 if deterministic and not ordered else d)) + (4 * rows // 64) * ordered
 
 
@@ -423,7 +423,7 @@ def test_gpu_dq_t(rng, case, dtype, flags, mask):
 @requires_torch
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_dq_t_long(rng, causal):
-    """dq_t at 4096 queries (52 steps of 80, padded to 4480 rows) and GQA: dK and dV within
+    """dq_t at 4096 queries (52 steps of 80, 4160 rows per head) and GQA: dK and dV within
     rounding of the 64-query kernel's (the products are summed in another order), dQ too."""
     import torch
     q, k, v, dout = _inputs(rng, 2, 4096, 4096, 16, 4, 128, "bfloat16")

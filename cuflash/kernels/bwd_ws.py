@@ -5,7 +5,7 @@ warpgroups of 64 keys each run the wgmma kernel's products (bwd/dkdv_wgmma.cu.j2
 block-wide barrier. At d = 256 (``split_d``) a block has 64 keys and the two groups split the head
 dim of dK, dV and dQ instead, with P^T and dS^T through shared memory. It replaces the second of
 the backward's three kernels (kernels/bwd.py): ``bwd_prep`` before it is the same; after it runs
-``bwd_convert`` reading dQ's fragment-ordered accumulator (``convert()``), or, deterministic
+``bwd_convert`` reading dQ's fragment-ordered accumulator (``dq_t``: swizzled rows; ``convert()``), or, deterministic
 without dQ, ``bwd_dq``. Dense batches or packed sequences (varlen), head dims 64, 128 and 256
 (exactly), fp16/bf16, full, causal or sliding-window masks, GQA, softcap and ALiBi; the planner
 says where it does not apply (plan._bwd_ws_blocker).
@@ -13,7 +13,6 @@ says where it does not apply (plan._bwd_ws_blocker).
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -72,7 +71,7 @@ class BwdWsVariant(KernelVariant):
     dq_early: bool = False
     # dQ staged by the consumers in shared memory and added into the fp32 buffer by a warp of the
     # producer warpgroup with one bulk reduce-add per step, so that no consumer waits on the adds
-    # (FlashAttention-3's dQ writer). Every variant's dQ accumulator is fragment-ordered
+    # (FlashAttention-3's dQ writer). Every variant's dQ accumulator but dq_t's is fragment-ordered
     # (templates/common/bwd.cuh), so the tiled ``bwd_convert`` (convert()) follows it.
     dq_writer: bool = False
     # Deterministic dQ through the writer (at d = 256 the consumers' atomics): a semaphore per
@@ -103,8 +102,8 @@ class BwdWsVariant(KernelVariant):
     # d = 128: steps of 80 query rows (FlashAttention-3's tile without a mask), with dQ^T = K^T
     # dS^T (the head dim as wgmma's M, FlashAttention-3's dQ_swapAB) and dS kept as rows of
     # queries; the dQ writer's adds (ordered: a semaphore per step) into an accumulator of rows
-    # with swizzled chunks (``convert(swizzled=True)``), padded to ``row_pad`` rows per head. Dense,
-    # no FlashMask, no score modifier.
+    # with swizzled chunks (``convert(swizzled=True)``), padded to ``row_pad`` rows per head (whole
+    # steps). Dense, no FlashMask, no score modifier.
     dq_t: bool = False
 
     def __post_init__(self):
@@ -163,9 +162,10 @@ class BwdWsVariant(KernelVariant):
 
     @property
     def row_pad(self) -> int:
-        """Rows of LSE, D and the dQ accumulator per head are padded to a multiple of this: whole
-        steps (bwd_prep gives padding rows LSE +inf and D 0)."""
-        return math.lcm(ROW_PAD, self.block_m)
+        """Rows of LSE, D and the dQ accumulator per head are padded to a multiple of this (whole
+        steps; bwd_prep gives padding rows LSE +inf and D 0): ROW_PAD, or dq_t's 80-row step (a
+        multiple of 8, as its swizzled rows need; its semaphores are one per step)."""
+        return self.block_m if self.dq_t else ROW_PAD
 
     @property
     def block_n(self) -> int:

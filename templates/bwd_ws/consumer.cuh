@@ -159,7 +159,7 @@
         fence_regs(dq);
         if constexpr (!kDqEarly) mbar_arrive(bar_empty(st));  // this thread's products have read the stage (Q, dO, LSE, D)
         // This group's 64 x 64 piece of the step's dQ (piece wg: queries 64 wg with kDqQ, columns
-        // 64 wg with kDqD) in fragment order (bwd.cuh).
+        // 64 wg with kDqD) in fragment order (bwd.cuh); kDqT: its 64 columns of every row.
         const int t = ctid & 127;
         if constexpr (kDqWriter) {
           // To the staged tile once the writer has read the previous step's, made visible to the
@@ -172,8 +172,8 @@
           // over all 32 banks).
           // Value e's row is q0 + (e & 1) and its chunk (c0 >> 2) + 2 (e >> 1) (q0 even; bit 1 of
           // c0 >> 2 is 0), so its swizzled chunk is x0 ^ e with x0 = (c0 >> 2) ^ q0, whatever the
-          // tile jj (rows 8 jj: 4 KB apart). The staging tile is 256-byte aligned, so the XOR can
-          // act on the address itself.
+          // tile jj (rows 8 jj: 4 KB apart). The staging tile is 64-byte aligned, so the XOR can
+          // act on the address itself (bits 4-5).
           {
             const u32 c0 = 64 * wg + 16 * (t >> 5) + ((t >> 2) & 7), q0 = 2 * (t & 3);
             const u32 at0 = sDqW + q0 * (kHeadDim * 4) + (((c0 >> 2) ^ q0) << 4) + (c0 & 3) * 4;
