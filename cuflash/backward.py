@@ -417,9 +417,9 @@ def stats_rows(batch: int, seqlen_q: int, nheads: int, total_q: int | None = Non
 
 
 def row_pad(plan) -> int:
-    """What a dense backward ``plan`` pads each head's workspace rows to: ROW_PAD, or a multiple
-    of its dK/dV kernel's steps where they do not divide it (bwd_ws's dq_t)."""
-    return getattr(plan.launches[1].variant, "row_pad", ROW_PAD)
+    """What a dense backward ``plan`` pads each head's workspace rows to: its dK/dV kernel's
+    row_pad (ROW_PAD, or bwd_ws dq_t's 80-row steps)."""
+    return plan.launches[1].variant.row_pad
 
 
 def workspace_floats(plan, total_q: int | None = None) -> int:

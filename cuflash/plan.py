@@ -560,7 +560,7 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
         if main.dq:  # its accumulator is in fragment order (atomic or ordered), or dq_t's swizzled rows
             last = bwd_ws.convert(bucket, p.dtype, dev.arch, p.varlen, main.dq_t)
     sq, sk, b = p.seqlen_q, p.seqlen_k, p.batch
-    pad = getattr(main, "row_pad", bwd.ROW_PAD)
+    pad = main.row_pad
     rows_q = sq if p.varlen else cdiv(sq, pad) * pad  # bwd_prep's rows per head (dense: every padded row)
     launches = (Launch(prep, prep.grid(b, rows_q, p.nheads, p.head_dim), prep.threads, prep.smem_bytes),
                 Launch(main, main.grid(b, sq, sk, p.nheads, p.nheads_k), main.threads, main.smem_bytes),

@@ -281,6 +281,12 @@ class BwdTileVariant(KernelVariant):
         return (2 * self.block_n * row + 2 * self.stages * self.block_m * row + ds
                 + 2 * self.stages * self.block_m * 4 + INFO_BYTES)
 
+    @property
+    def row_pad(self) -> int:
+        """Rows of LSE, D and the dQ accumulator per head are padded to a multiple of this (as
+        BwdWsVariant.row_pad): ROW_PAD, a multiple of every block_m here."""
+        return ROW_PAD
+
     def grid(self, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int) -> tuple[int, int, int]:
         if self.kind == "bwd_dq":
             return (cdiv(seqlen_q, self.block_m), nheads, batch)
