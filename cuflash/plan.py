@@ -559,6 +559,7 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
         ordered = main.dq_ordered
         if main.dq:  # its accumulator is in fragment order (atomic or ordered), or dq_t's swizzled rows
             last = bwd_ws.convert(bucket, p.dtype, dev.arch, p.varlen, main.dq_t)
+        prep = bwd_ws.prep(main, prep)
     sq, sk, b = p.seqlen_q, p.seqlen_k, p.batch
     pad = main.row_pad
     rows_q = sq if p.varlen else cdiv(sq, pad) * pad  # bwd_prep's rows per head (dense: every padded row)

@@ -168,7 +168,7 @@ def main():
         for det in (False, True):
             attention_backward(torch.randn_like(o), q, k, v, o, lse, deterministic=det, **mods)
     # (bwd_ws zeroes the tail tiles' rows of the next sequence; d = 256: the split head dim)
-    for d in (64, 256):
+    for d in (64, 128, 256):
         q, k, v = rnd(200, 8, d), rnd(500, 2, d), rnd(500, 2, d)
         o, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, 113, 290, causal=True, return_lse=True)
         for det in (False, True):

@@ -20,7 +20,7 @@ from cuflash.kernels.bwd_ws import BwdWsVariant
 DENSE = [v for v in bwd_ws.variants(90) if not v.varlen]
 VARIANTS = [v for v in DENSE if v.family == "bwd_ws" and not (v.flashmask or v.softcap or v.alibi)]
 FLASHMASK = [v for v in DENSE if v.family == "bwd_ws" and v.flashmask]
-CONVERTS = [v for v in DENSE if v.family != "bwd_ws" and not v.swizzled]  # (dq_t's: DQ_T_CONVERTS)
+CONVERTS = [v for v in DENSE if v.family != "bwd_ws" and not v.swizzled and v.kind == "bwd_convert"]  # (dq_t's: DQ_T_CONVERTS)
 # Every way of adding dQ, each field given (planned() sets dq_early at d = 64, dq_writer at 128),
 # and the ordered writer (planned deterministic at d = 128 only)
 # (the atomic ones keep the variant's rotate: rotated as planned, and not rotated from the
@@ -45,7 +45,7 @@ def test_variants():
     sm_90 only, all in all_variants (warmup and the CI's sample draw from it), within 227 KB; at
     d = 256 64 x 64 steps with the head dim split between the groups."""
     assert len({v.name for v in VARIANTS}) == len(VARIANTS) == 36
-    assert bwd_ws.variants(80) == [] and len(bwd_ws.variants(90, mods=False)) == 24 + 6 + 2
+    assert bwd_ws.variants(80) == [] and len(bwd_ws.variants(90, mods=False)) == 24 + 6 + 2 + 2
     assert set(DQ_T_CONVERTS) <= set(bwd_ws.variants(90, mods=False))
     assert set(VARIANTS + CONVERTS + FLASHMASK) <= set(all_variants(90)) and len(FLASHMASK) == 48
     # FlashMask: atomic dQ; deterministic, causal at d = 64 and 128 the dQ writer's ordered adds,
@@ -91,7 +91,7 @@ def test_planned_walks_rotate_with_atomic_dq_only():
     (dict(dq_t=True), "dq_t must be"), (dict(dq_t=True, dq_writer=True, flashmask=2), "dq_t must be"),
     (dict(dq_t=True, dq_writer=True, softcap=True), "dq_t must be"),
     (dict(dq_t=True, dq_writer=True, head_dim=64), "dq_t must be"), (dict(dq_t=1, dq_writer=True), "dq_t must be"),
-    (dict(dq_t=True, dq_writer=True, varlen=True), "dq_t must be"),
+    (dict(dq_t=True, dq_writer=True, dq_ordered=True, varlen=True), "dq_t must be"),
 ])
 def test_bad_variant(bad, match):
     kw = dict(kind="bwd_ws_dkdv_dq", head_dim=128, dtype="bf16", arch=90) | bad

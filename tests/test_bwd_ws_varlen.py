@@ -18,7 +18,7 @@ from conftest import (assert_compiled_clean, assert_warp_specialised_clean, fake
                       render_without_flag, requires_sm90, requires_torch)
 from cuflash import backward, codegen
 from cuflash.kernels import all_variants, bwd_ws
-from cuflash.kernels.bwd import CONVERT_PARAMS, BwdRowVariant
+from cuflash.kernels.bwd import CONVERT_PARAMS, PREP_PARAMS, BwdRowVariant
 from cuflash.kernels.bwd_ws import (ALIBI_FIELDS, FLASHMASK_PARAMS, PARAMS, SOFTCAP_FIELDS, VARLEN_FIELDS,
                                     BwdWsVariant)
 from cuflash.plan import DeviceFacts, Problem, forget_plans, make_backward_plan
@@ -60,8 +60,8 @@ def test_params_appended_only_to_varlen_variants():
     append cu_seqlens_q and cu_seqlens_k after every other field. The tiled converts keep the
     convert's struct (it has cu_seqlens_q)."""
     for v in DENSE:
-        if v.family != "bwd_ws":
-            assert v.params == CONVERT_PARAMS
+        if v.family != "bwd_ws":  # converts, and dq_t's bwd_prep
+            assert v.params == (PREP_PARAMS if v.kind == "bwd_prep" else CONVERT_PARAMS)
         elif v.flashmask:
             assert v.params == FLASHMASK_PARAMS, v.name
         else:
@@ -167,7 +167,10 @@ def test_planned_on_sm90(d, softcap, alibi, mask, deterministic):
     assert plan_mod._bwd_ws_blocker(prob, d, 90) == ""
     assert main.family == "bwd_ws" and main.varlen and (main.softcap, main.alibi) == (softcap, alibi)
     assert main == bwd_ws.planned(d, "bf16", main.causal, main.local, deterministic, 90, 0, softcap, alibi, True)
-    assert main.dq_ordered == deterministic and last == bwd_ws.convert(d, "bf16", 90, varlen=True)
+    # (d = 128 with a causal or window mask, not deterministic: 80-query steps and their convert)
+    assert main.dq_t == (d == 128 and not (deterministic or softcap or alibi) and (main.causal or main.local))
+    assert main.dq_ordered == deterministic and last == bwd_ws.convert(d, "bf16", 90, varlen=True, dq_t=main.dq_t)
+    assert p.launches[0].variant.row_pad == (80 if main.dq_t else 128)
     assert p.launches[1].grid == (-(-500 // main.block_n), 4, 4)
     assert "Packed sequences: " in p.reason and "leaves at once past its keys" in p.reason
     assert "padding rows of LSE (+inf) and D (0)" in p.reason
@@ -283,7 +286,11 @@ def _run(ran, q, k, v, dout, cq, ck, *, deterministic=False, poison=True, **mods
     ws = [n for n in ran if n.startswith("bwd_ws_")]
     assert len(ws) == 1 and "_varlen_" in ws[0], ran
     assert ("_ordered_" in ws[0]) == deterministic, ws
-    assert any(n.startswith("bwd_convert_") and n.endswith("_tiled_varlen_sm90") for n in ran), ran
+    # (80-query dq_t steps: rows padded to 80 by bwd_prep, the swizzled rows' convert)
+    dq_t = "_dqT" in ws[0]
+    assert any(n.startswith("bwd_convert_") and n.endswith("_swz_sm90" if dq_t else "_tiled_varlen_sm90")
+               for n in ran), ran
+    assert any(n.startswith("bwd_prep_") and ("_r80_" in n) == dq_t for n in ran), ran
     return grads
 
 

@@ -151,6 +151,9 @@ class BwdRowVariant(KernelVariant):
     # The untiled bwd_convert reading rows whose 16-byte chunk c of row r sits at chunk c ^ (r & 7)
     # (the dQ accumulator of bwd_ws's dq_t variants): head_dim exact, a multiple of 32.
     swizzled: bool = False
+    # bwd_prep: a packed sequence's rows are padded to a multiple of this (ROW_PAD, or bwd_ws
+    # dq_t's 80-row steps; VARLEN_ROW_GAP leaves room for either); a dense batch's to head_rows.
+    row_pad: int = ROW_PAD
 
     def __post_init__(self):
         super().__post_init__()
@@ -166,6 +169,10 @@ class BwdRowVariant(KernelVariant):
                                                                        or self.head_dim % 32)):
             raise ValueError(f"swizzled must be a bool, and True only for the untiled bwd_convert at a head_dim that "
                              f"is a multiple of 32, got {self.swizzled!r}")
+        if (not isinstance(self.row_pad, int) or not 16 <= self.row_pad <= ROW_PAD or self.row_pad % 16
+                or (self.row_pad != ROW_PAD and self.kind != "bwd_prep")):
+            raise ValueError(f"row_pad must be a multiple of 16 up to {ROW_PAD}, other than {ROW_PAD} only for "
+                             f"bwd_prep, got {self.row_pad!r}")
 
     @property
     def params(self) -> ParamTable:
@@ -174,7 +181,8 @@ class BwdRowVariant(KernelVariant):
     @functools.cached_property
     def name(self) -> str:
         return (f"{self.kind}_d{self.head_dim}_{self.dtype}{'_tiled' if self.tiled else ''}"
-                f"{'_varlen' if self.varlen else ''}{'_swz' if self.swizzled else ''}_sm{self.arch}")
+                f"{'_varlen' if self.varlen else ''}{'_swz' if self.swizzled else ''}"
+                f"{f'_r{self.row_pad}' if self.row_pad != ROW_PAD else ''}_sm{self.arch}")
 
     @property
     def template(self) -> str:
@@ -186,7 +194,7 @@ class BwdRowVariant(KernelVariant):
 
     def grid(self, batch: int, seqlen_q: int, nheads: int, head_dim: int) -> tuple[int, int, int]:
         if self.kind == "bwd_prep":  # a warp per row of the padded rows
-            return (cdiv(cdiv(seqlen_q, ROW_PAD) * ROW_PAD, PREP_ROWS_PER_BLOCK), nheads, batch)
+            return (cdiv(cdiv(seqlen_q, self.row_pad) * self.row_pad, PREP_ROWS_PER_BLOCK), nheads, batch)
         if self.tiled:  # a block per 64 x 64 piece
             return (cdiv(seqlen_q, 64) * (head_dim // 64), nheads, batch)
         return (cdiv(seqlen_q * nheads * (head_dim // 8), CONVERT_THREADS), 1, batch)
@@ -194,7 +202,7 @@ class BwdRowVariant(KernelVariant):
     def constants(self) -> dict:
         return dict(head_dim=self.head_dim, bf16=self.dtype == "bf16", warps=PREP_ROWS_PER_BLOCK,
                     threads=CONVERT_THREADS, varlen_row_gap=VARLEN_ROW_GAP, tiled=self.tiled, varlen=self.varlen,
-                    swizzled=self.swizzled)
+                    swizzled=self.swizzled, row_pad=self.row_pad)
 
 
 @dataclass(frozen=True, kw_only=True)

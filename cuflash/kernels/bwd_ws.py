@@ -13,7 +13,7 @@ says where it does not apply (plan._bwd_ws_blocker).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from . import DTYPES, KernelVariant
@@ -102,8 +102,9 @@ class BwdWsVariant(KernelVariant):
     # d = 128: steps of 80 query rows (FlashAttention-3's tile without a mask), with dQ^T = K^T
     # dS^T (the head dim as wgmma's M, FlashAttention-3's dQ_swapAB) and dS kept as rows of
     # queries; the dQ writer's adds (ordered: a semaphore per step) into an accumulator of rows
-    # with swizzled chunks (``convert(swizzled=True)``), padded to ``row_pad`` rows per head (whole
-    # steps). Dense, no FlashMask, no score modifier.
+    # with swizzled chunks (``convert(swizzled=True)``), padded to ``row_pad`` rows per head or
+    # packed sequence (whole steps; ``prep(row_pad=...)``). No FlashMask, no score modifier;
+    # packed sequences without the ordered adds.
     dq_t: bool = False
 
     def __post_init__(self):
@@ -143,9 +144,9 @@ class BwdWsVariant(KernelVariant):
             raise ValueError(f"softcap and alibi together need registers that head_dim {self.head_dim} lacks")
         if not isinstance(self.dq_t, bool) or self.dq_t and not (
                 self.head_dim == 128 and self.dq_writer and not (
-                    self.flashmask or self.softcap or self.alibi or self.varlen)):
-            raise ValueError(f"dq_t must be a bool, True only at head_dim 128 with the dQ writer, dense, without "
-                             f"FlashMask or a score modifier; got {self.dq_t!r}")
+                    self.flashmask or self.softcap or self.alibi or self.varlen and self.dq_ordered)):
+            raise ValueError(f"dq_t must be a bool, True only at head_dim 128 with the dQ writer (packed sequences: "
+                             f"unordered), without FlashMask or a score modifier; got {self.dq_t!r}")
 
     @functools.cached_property
     def params(self) -> ParamTable:
@@ -258,14 +259,22 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
     modes). At d = 128 without FlashMask, a score modifier or packed sequences: 80-query steps with
     dQ^T (``dq_t``; H200, bf16: +3 to +11% without a mask, +4 to +5% causal from 4k queries, -1 to
     +1% causal at 1k-2k; deterministic -1 to +9%, BENCHMARKS.md), except deterministic with a
-    window (NVRTC 13.5 spills 4 B in that variant)."""
+    window (NVRTC 13.5 spills 4 B in that variant) and packed sequences but causal or windowed
+    ones without deterministic mode (without a mask the packed variant spills 8 B)."""
     dq = not (deterministic and flashmask and (head_dim == 256 or not causal))
-    dq_t = head_dim == 128 and not (flashmask or softcap or alibi or varlen or deterministic and local)
+    dq_t = head_dim == 128 and not (flashmask or softcap or alibi or deterministic and (local or varlen)
+                                    or varlen and not (causal or local))
     return BwdWsVariant(kind="bwd_ws_dkdv_dq" if dq else "bwd_ws_dkdv", head_dim=head_dim, dtype=dtype,
                         causal=causal, local=local, arch=arch, dq_early=dq and head_dim != 256,
                         dq_writer=dq and head_dim != 256, dq_ordered=dq and deterministic, flashmask=flashmask,
                         rotate=not deterministic and not flashmask, softcap=softcap, alibi=alibi, varlen=varlen,
                         dq_t=dq_t)
+
+
+def prep(variant: BwdWsVariant, base: BwdRowVariant) -> BwdRowVariant:
+    """The ``bwd_prep`` before ``variant``: ``base`` with its packed sequences' rows padded to
+    the variant's steps."""
+    return replace(base, row_pad=variant.row_pad)
 
 
 def convert(head_dim: int, dtype: str, arch: int = 90, varlen: bool = False, dq_t: bool = False) -> BwdRowVariant:
@@ -287,6 +296,7 @@ def variants(arch: int, mods: bool = True) -> list[KernelVariant]:
             for c, loc in (MASKS if mods else MASKS[:2]) for det in (False, True)] + [
         convert(d, dt, arch) for d in HEAD_DIMS for dt in DTYPES] + [
         convert(128, dt, arch, dq_t=True) for dt in DTYPES] + [
+        BwdRowVariant(kind="bwd_prep", head_dim=128, dtype=dt, arch=arch, row_pad=DQ_T_BLOCK_M) for dt in DTYPES] + [
         planned(d, dt, c, False, det, arch, n) for d in HEAD_DIMS for dt in DTYPES for c in (False, True)
         for n in (FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:]) for det in (False, True) if mods] + [
         # every mask and dQ mode with softcap, ALiBi and both (kernels/bwd.py's MODS after the first)
