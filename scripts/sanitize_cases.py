@@ -167,6 +167,12 @@ def main():
         o, lse = cuflash.attention(q, k, v, return_lse=True, **mods)
         for det in (False, True):
             attention_backward(torch.randn_like(o), q, k, v, o, lse, deterministic=det, **mods)
+    # ALiBi alone at d = 128: 80-query steps (dq_t)
+    alibi = dict(causal=True, alibi_slopes=mods["alibi_slopes"])
+    q, k, v = rnd(2, 113, 4, 128), rnd(2, 203, 2, 128), rnd(2, 203, 2, 128)
+    o, lse = cuflash.attention(q, k, v, return_lse=True, **alibi)
+    for det in (False, True):
+        attention_backward(torch.randn_like(o), q, k, v, o, lse, deterministic=det, **alibi)
     # (bwd_ws zeroes the tail tiles' rows of the next sequence; d = 256: the split head dim)
     for d in (64, 128, 256):
         q, k, v = rnd(200, 8, d), rnd(500, 2, d), rnd(500, 2, d)

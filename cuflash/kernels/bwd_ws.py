@@ -144,9 +144,9 @@ class BwdWsVariant(KernelVariant):
             raise ValueError(f"softcap and alibi together need registers that head_dim {self.head_dim} lacks")
         if not isinstance(self.dq_t, bool) or self.dq_t and not (
                 self.head_dim == 128 and self.dq_writer and not (
-                    self.flashmask or self.softcap or self.alibi or self.varlen and self.dq_ordered)):
+                    self.flashmask or self.softcap or self.varlen and self.dq_ordered)):
             raise ValueError(f"dq_t must be a bool, True only at head_dim 128 with the dQ writer (packed sequences: "
-                             f"unordered), without FlashMask or a score modifier; got {self.dq_t!r}")
+                             f"unordered), without FlashMask or softcap; got {self.dq_t!r}")
 
     @functools.cached_property
     def params(self) -> ParamTable:
@@ -256,14 +256,15 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
     every query block sees, global tokens or a prefix, holds up the others' turns), and at d = 256
     the consumers' ordered atomics take a turn on every step. ``softcap``, ``alibi``: the
     forward's score modifiers (the same dQ modes); ``varlen``: packed sequences (the same dQ
-    modes). At d = 128 without FlashMask, a score modifier or packed sequences: 80-query steps with
-    dQ^T (``dq_t``; H200, bf16: +3 to +11% without a mask, +4 to +5% causal from 4k queries, -1 to
-    +1% causal at 1k-2k; deterministic -1 to +9%, BENCHMARKS.md), except deterministic with a
-    window (NVRTC 13.5 spills 4 B in that variant) and packed sequences but causal or windowed
-    ones without deterministic mode (without a mask the packed variant spills 8 B)."""
+    modes). At d = 128 without FlashMask or softcap: 80-query steps with dQ^T (``dq_t``; H200,
+    bf16: +3 to +11% without a mask, +4 to +5% causal from 4k queries, -1 to +1% causal at 1k-2k;
+    deterministic -1 to +9%, BENCHMARKS.md), except deterministic with a window (NVRTC 13.5 spills
+    4 B in that variant), packed sequences but causal or windowed ones without deterministic mode
+    (without a mask the packed variant spills 8 B), and ALiBi but on dense batches without a window
+    (softcap, and ALiBi with a window or packed sequences, spill 4 to 72 B)."""
     dq = not (deterministic and flashmask and (head_dim == 256 or not causal))
-    dq_t = head_dim == 128 and not (flashmask or softcap or alibi or deterministic and (local or varlen)
-                                    or varlen and not (causal or local))
+    dq_t = head_dim == 128 and not (flashmask or softcap or deterministic and (local or varlen)
+                                    or varlen and not (causal or local) or alibi and (local or varlen))
     return BwdWsVariant(kind="bwd_ws_dkdv_dq" if dq else "bwd_ws_dkdv", head_dim=head_dim, dtype=dtype,
                         causal=causal, local=local, arch=arch, dq_early=dq and head_dim != 256,
                         dq_writer=dq and head_dim != 256, dq_ordered=dq and deterministic, flashmask=flashmask,
