@@ -686,8 +686,8 @@ def bench_overhead(verbose=True):
          lambda: torch.autograd.grad(ct.attention(g2, g2, g2, causal=True), g2, do2),
          lambda: torch.autograd.grad(sdpa(tg2, tg2, tg2, is_causal=True), g2, do2.transpose(1, 2)), (q2, q2)),
     ]
-    # SDPA itself with cuflash behind its flash path (activate_sdpa): SDPA's C++ autograd node,
-    # cuflash's kernels through the overridden aten ops
+    # SDPA itself with cuflash behind its flash path (activate_sdpa): SDPA's dispatch to the
+    # flash op, whose overridden autograd kernel runs cuflash's eager autograd Function
     sdpa_fwd = lambda: sdpa(tg2, tg2, tg2, is_causal=True)  # noqa: E731
     sdpa_bwd = lambda: torch.autograd.grad(sdpa(tg2, tg2, tg2, is_causal=True), g2, do2.transpose(1, 2))  # noqa: E731
     active = [("SDPA with cuflash active (activate_sdpa), requires_grad (forward)", "b=2, s=256, 8 heads, d=64",

@@ -138,7 +138,7 @@ def test_activate_restore_bookkeeping(sdpa):
         x = torch.empty(1, 1, 1, 8, dtype=torch.float16, device="cuda")
         torch._fused_sdp_choice(x, x, x)
     before = torch._C._get_sdp_priority_order()
-    keys = {f"aten/{op}/CUDA" for op in (FWD, BWD)}
+    keys = {f"aten/{op}/CUDA" for op in (FWD, BWD)} | {f"aten/{FWD}/AutogradCUDA"}
     sdpa.activate_sdpa()
     sdpa.activate_sdpa()  # again: still one override
     assert sdpa.sdpa_active() and keys <= _impls
@@ -287,12 +287,104 @@ def cpu_overrides(any_device):
     lib._destroy()
 
 
+@pytest.fixture
+def cpu_autograd(cpu_overrides, monkeypatch):
+    """The forward's autograd override also registered for the CPU key, with PyTorch's CPU
+    autograd kernel as its fallback, and CPU tensors taken for real CUDA ones (ops._route)."""
+    import types
+    import torch
+    from cuflash.torch import ops
+    s = cpu_overrides
+    monkeypatch.setattr(s, "_active", types.SimpleNamespace(
+        autograd=torch.library.get_kernel(f"aten::{FWD}", "AutogradCPU"), kernels={}, remove=lambda: None))
+
+    def route(q, k, v):
+        if type(q) is not torch.Tensor or torch.compiler.is_compiling():
+            return "op"
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        return "autograd" if grad else "direct"
+
+    monkeypatch.setattr(ops, "_route", route)
+    s._served.clear()
+    lib = torch.library.Library("aten", "IMPL", "AutogradCPU")
+    lib.impl(FWD, s._autograd_impl, "AutogradCPU", with_keyset=True)
+    yield s
+    lib._destroy()
+    s._served.clear()
+
+
+def _grad_nodes(t):
+    """The names of the autograd nodes behind t."""
+    seen, todo = [], [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and type(node).__name__ not in seen:
+            seen.append(type(node).__name__)
+            todo += [n for n, _ in node.next_functions]
+    return seen
+
+
+def test_eager_autograd_runs_cuflash_function(cpu_autograd, ref_kernels, monkeypatch):
+    """An eager forward that needs gradients runs cuflash's eager Function (its backward node,
+    not the aten op's), checked once per layout; gradients agree with float64 autograd."""
+    import torch
+    checks = []
+    unsupported = cpu_autograd._unsupported
+    monkeypatch.setattr(cpu_autograd, "_unsupported", lambda *a: checks.append(1) or unsupported(*a))
+    b, h, hk, sq, sk, d = 2, 4, 2, 5, 7, 16
+    q = _bhsd(b, h, sq, d, grad=True)
+    k, v = _bhsd(b, hk, sk, d, seed=1, grad=True), _bhsd(b, hk, sk, d, seed=2, grad=True)
+    for _ in range(2):
+        for x in (q, k, v):
+            x.grad = None
+        res = getattr(torch.ops.aten, FWD)(q, k, v, is_causal=True, scale=0.4)
+        nodes = _grad_nodes(res[0])
+        assert "_PreparedAttentionBackward" in nodes and not any("FlashAttention" in n for n in nodes), nodes
+        assert res[0].shape == q.shape and res[1].shape == (b, h, sq) and res[4:6] == (sq, sk)
+        res[0].float().sin().sum().backward()
+    assert [c[0] for c in ref_kernels] == ["attention", "backward"] * 2 and len(checks) == 1
+    want, leaves = _reference(q, k, v, True, 0.4)
+    want.sin().sum().backward()
+    for x, leaf in zip((q, k, v), leaves):
+        torch.testing.assert_close(x.grad.double(), leaf.grad, atol=5e-2, rtol=0)
+
+
+def test_autograd_falls_back_to_pytorch(cpu_autograd, ref_kernels, monkeypatch):
+    """Calls without gradients, with dropout, the debug mask or operands cuflash does not serve
+    take PyTorch's autograd kernel, with the same arguments and dispatch keys."""
+    import torch
+    seen = []
+
+    class Kernel:
+        def call_boxed(self, keyset, *args, **kwargs):
+            seen.append((args, kwargs))
+            return "pytorch"
+
+    monkeypatch.setattr(cpu_autograd._active, "autograd", Kernel())
+    q = _bhsd(1, 2, 4, 8, grad=True)
+    ks = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradCPU)
+    impl = cpu_autograd._autograd_impl
+    with torch.no_grad():
+        assert impl(ks, q, q, q, 0.0, True) == "pytorch"
+    assert impl(ks, q, q, q, 0.25, True, scale=0.5) == "pytorch"
+    assert impl(ks, q, q, q, 0.0, False, True) == "pytorch"
+    assert impl(ks, q.float(), q.float(), q.float()) == "pytorch"
+    assert impl(ks, q, q, q, 0.0, False, scale=-1.0) == "pytorch"
+    assert seen[1] == ((q, q, q, 0.25, True, False), dict(scale=0.5)) and len(seen) == 5 and not ref_kernels
+
+
+@pytest.mark.parametrize("autograd_override", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_autograd_formula_plumbing(cpu_overrides, ref_kernels, compiled):
+def test_autograd_formula_plumbing(cpu_overrides, ref_kernels, request, compiled, autograd_override):
     """The aten op's derivative (the one SDPA's flash path uses) feeds cuflash's backward with
     cuflash's forward results; eager and compiled (aot_eager: fake tensors from the op's meta
-    function, then the real kernels) agree with float64 autograd."""
+    function, then the real kernels) agree with float64 autograd; under torch.compile the
+    autograd override hands the call to PyTorch's autograd kernel (eager: test above)."""
     import torch
+    if autograd_override:
+        if not compiled:
+            pytest.skip("eager calls with the autograd override: test_eager_autograd_runs_cuflash_function")
+        request.getfixturevalue("cpu_autograd")
     b, h, hk, sq, sk, d = 2, 4, 2, 6, 6, 16
     q = _bhsd(b, h, sq, d, grad=True)
     k, v = _bhsd(b, hk, sk, d, seed=1, grad=True), _bhsd(b, hk, sk, d, seed=2, grad=True)

@@ -157,7 +157,7 @@ def ref_kernels(monkeypatch):
         _storage(dout, q, k, v, out, lse)
         assert dout.stride(-1) == 1
         g = ref_attention_backward(dout, q, k, v, causal, softmax_scale, **feat)
-        return tuple(buf.copy_(x) for buf, x in zip((dq, dk, dv), g))
+        return tuple(x.to(y.dtype) if buf is None else buf.copy_(x) for buf, x, y in zip((dq, dk, dv), g, (q, k, v)))
 
     def attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, causal=False,
                                   softmax_scale=None, deterministic=False, dq=None, dk=None, dv=None,
@@ -174,6 +174,7 @@ def ref_kernels(monkeypatch):
     bwd = types.ModuleType("cuflash.backward")
     bwd.attention_backward = attention_backward
     bwd.attention_varlen_backward = attention_varlen_backward
+    bwd._repeats, bwd._signature = {}, lambda *args: None  # (no prepared backward to repeat)
     monkeypatch.setattr(cuflash, "attention", attention)
     monkeypatch.setattr(cuflash, "attention_varlen", attention_varlen, raising=False)
     import cuflash.backward  # noqa: F401  the real module first: undoing the patch restores it

@@ -6,7 +6,11 @@ Activation overrides the CUDA kernels of SDPA's flash-attention ops,
 (as PyTorch's own FA3 and FA4 adapters in ``torch/nn/attention/_fa3.py`` / ``_fa4.py`` do), so
 SDPA's flash path runs cuflash's kernels under autograd, ``torch.compile`` and CUDA graphs alike.
 Calls cuflash cannot serve (dropout, the debug mask, other dtypes, ...) go to PyTorch's own kernel,
-fetched with ``torch.library.get_kernel`` before the override. On PyTorch >= 2.11 cuflash is also
+fetched with ``torch.library.get_kernel`` before the override. The forward's autograd kernel is
+overridden too: an eager call that needs gradients runs cuflash's own autograd Function, whose
+backward is a Python node of one gradient rather than the flash backward op reached through
+autograd's boxing of its 15 arguments (host time); every other call takes PyTorch's autograd
+kernel, and so the CUDA kernels above. On PyTorch >= 2.11 cuflash is also
 in SDPA's registry: ``torch.nn.attention.activate_flash_attention_impl("cuflash")`` and
 ``restore_flash_attention_impl()`` do the same as these two functions.
 
@@ -29,7 +33,8 @@ import warnings
 import torch
 import torch.nn.attention
 
-from cuflash import validate
+from cuflash import arrays, validate
+from cuflash.plan import cached_on_plans
 
 from . import ops
 
@@ -104,15 +109,20 @@ def _bshd(*xs):
     return tuple(x.transpose(1, 2) for x in xs)
 
 
-def _forward(query, key, value, is_causal, scale):
-    """cuflash's forward, returned as the flash op's tuple (output, logsumexp, cum_seq_q,
-    cum_seq_k, max_q, max_k, rng_state, unused, debug_attn_mask); output has query's layout."""
-    out = torch.empty_like(query)
-    _, lse = ops._forward_kernel(*_bshd(query, key, value, out), is_causal, scale, -1, -1, 0.0,
-                                 None, True)
+def _result(query, key, out, lse):
+    """The flash op's tuple (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng_state,
+    unused, debug_attn_mask) around cuflash's output and LSE."""
     rng = torch.empty(2, dtype=torch.uint64, device=query.device)  # no dropout: never read
     unused = torch.empty((), dtype=torch.uint64, device=query.device)
     return out, lse, None, None, query.shape[2], key.shape[2], rng, unused, query.new_empty(0)
+
+
+def _forward(query, key, value, is_causal, scale):
+    """cuflash's forward as the flash op's tuple; output has query's layout."""
+    out = torch.empty_like(query)
+    _, lse = ops._forward_kernel(*_bshd(query, key, value, out), is_causal, scale, -1, -1, 0.0,
+                                 None, True)
+    return _result(query, key, out, lse)
 
 
 def _backward(grad_out, query, key, value, out, logsumexp, is_causal, scale):
@@ -147,6 +157,46 @@ def _backward_impl(keyset, grad_out, query, key, value, out, logsumexp, cum_seq_
     return _backward(grad_out, query, key, value, out, logsumexp, is_causal, scale)
 
 
+# ---------------------------------------------------------------------------------------------
+# The forward's autograd kernel (the key above CUDA)
+
+_served: dict = cached_on_plans({})  # repeat signature of a forward's operands and options -> ops._Prepared or None
+
+
+def _autograd_impl(keyset, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False,
+                   *, scale=None):
+    """SDPA's flash forward above autograd. A call that needs gradients and that cuflash serves
+    runs cuflash's eager Function (ops._PreparedAttention): its backward node takes the output's
+    gradient alone, where the aten op's own node would call the flash backward op with 15 boxed
+    arguments (about half of a step's host time: BENCHMARKS.md). Every other call (no gradient,
+    torch.compile's fake tensors, torch.func) takes PyTorch's autograd kernel, which records that
+    node and calls the CUDA kernels above."""
+    p = None if return_debug_mask or dropout_p != 0 else _eager(query, key, value, is_causal, scale)
+    if p is None:
+        return _active.autograd.call_boxed(keyset, query, key, value, dropout_p, is_causal, return_debug_mask,
+                                           scale=scale)
+    out, lse = ops._PreparedAttention.apply(*_bshd(query, key, value), p)
+    return _result(query, key, out.transpose(1, 2), lse)  # (out: cuflash's layout, as PyTorch's own)
+
+
+def _eager(query, key, value, is_causal, scale):
+    """The prepared eager call (ops._Prepared) of a forward without dropout that needs gradients,
+    or None where cuflash does not serve it or it is not an eager call on real CUDA tensors. The
+    checks run once per layout and options (the repeat signature)."""
+    if ops._route(query, key, value) != "autograd":
+        return None
+    det = torch.are_deterministic_algorithms_enabled()
+    sig = arrays.repeat_signature((query, key, value), (-1, -1), (is_causal, scale, det))
+    if sig is None:
+        return None
+    p = _served.get(sig, _served)
+    if p is _served:  # (a layout not seen yet)
+        p = None if _unsupported(query, key, value, 0.0, scale) else ops._prepared_for(
+            *_bshd(query, key, value), is_causal, scale, (-1, -1), 0.0, det)
+        arrays.repeat_keep(_served, sig, p)
+    return p
+
+
 def _pytorch(op, why, keyset, *args, **kwargs):
     """PyTorch's own kernel for a call cuflash cannot serve."""
     kernel = _active.kernels.get(op) if _active is not None else None
@@ -167,13 +217,16 @@ class _Activation:
         if not hasattr(torch.library, "get_kernel"):
             raise NotImplementedError("cuflash behind scaled_dot_product_attention needs PyTorch "
                                       f">= 2.9 (torch.library.get_kernel); this is {torch.__version__}")
-        self.kernels = {op: _kernel(op) for op in (_FWD, _BWD)}
+        self.kernels = {op: _kernel(op, "CUDA") for op in (_FWD, _BWD)}
+        self.autograd = _kernel(_FWD, "AutogradCUDA")
         self.order = _flash_first()
-        self.library = torch.library.Library("aten", "IMPL", "CUDA")
+        self.library = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", ".*Overriding a previously registered kernel")
             for op, fn in ((_FWD, _forward_impl), (_BWD, _backward_impl)):
                 self.library.impl(op.split("::")[1], fn, "CUDA", with_keyset=True)
+            if self.autograd is not None:
+                self.library.impl(_FWD.split("::")[1], _autograd_impl, "AutogradCUDA", with_keyset=True)
 
     def remove(self):
         global _active
@@ -185,10 +238,11 @@ class _Activation:
             _active = None
 
 
-def _kernel(op):
-    """PyTorch's CUDA kernel of ``op`` as it is now, or None where this build has none."""
+def _kernel(op, key):
+    """PyTorch's kernel of ``op`` for dispatch key ``key`` as it is now, or None where this build
+    has none."""
     try:
-        return torch.library.get_kernel(op, "CUDA")
+        return torch.library.get_kernel(op, key)
     except RuntimeError:
         return None
 
