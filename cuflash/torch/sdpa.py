@@ -222,7 +222,7 @@ class _Activation:
         self.order = _flash_first()
         self.library = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", ".*Overriding a previously registered kernel")
+            warnings.filterwarnings("ignore", "(?s).*Overriding a previously registered kernel")
             for op, fn in ((_FWD, _forward_impl), (_BWD, _backward_impl)):
                 self.library.impl(op.split("::")[1], fn, "CUDA", with_keyset=True)
             if self.autograd is not None:
