@@ -349,6 +349,19 @@ def test_eager_autograd_runs_cuflash_function(cpu_autograd, ref_kernels, monkeyp
         torch.testing.assert_close(x.grad.double(), leaf.grad, atol=5e-2, rtol=0)
 
 
+def test_double_backward_raises(cpu_autograd, ref_kernels):
+    """Gradients taken with create_graph=True work; differentiating them again raises, as through
+    PyTorch's own flash backward (cuflash's backward has no derivative), not silently zero."""
+    import torch
+    q = _bhsd(1, 2, 5, 8, grad=True)
+    k, v = _bhsd(1, 2, 5, 8, seed=1, grad=True), _bhsd(1, 2, 5, 8, seed=2, grad=True)
+    out = getattr(torch.ops.aten, FWD)(q, k, v, is_causal=True)[0]
+    dq, = torch.autograd.grad(out.float().square().sum(), q, create_graph=True)
+    assert dq.requires_grad and torch.isfinite(dq).all()
+    with pytest.raises(RuntimeError, match="has no derivative"):
+        torch.autograd.grad(dq.float().square().sum() + q.float().sum(), q)
+
+
 def test_autograd_falls_back_to_pytorch(cpu_autograd, ref_kernels, monkeypatch):
     """Calls without gradients, with dropout, the debug mask or operands cuflash does not serve
     take PyTorch's autograd kernel, with the same arguments and dispatch keys."""

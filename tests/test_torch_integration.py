@@ -932,6 +932,28 @@ def test_gpu_gradients_vs_reference(dtype, sq, sk, h, hk, d, causal):
 
 @requires_gpu
 @requires_torch
+@pytest.mark.parametrize("mods", [dict(), dict(alibi_slopes=True)], ids=["prepared", "alibi"])
+def test_gpu_double_backward_raises(mods):
+    """Gradients taken with create_graph=True match the plain ones; differentiating them again
+    raises (cuflash's backward has no derivative) rather than leaving out their share. Both eager
+    Functions: the prepared one (plain calls) and the custom op's bodies (ALiBi)."""
+    import torch
+    import cuflash.torch as ct
+    g = _gen(3)
+    q, k, v = (_cuda(g, 2, 64, 4, 64, dtype="bfloat16", grad=True) for _ in range(3))
+    if mods:
+        mods = dict(alibi_slopes=torch.rand(4, device="cuda"))
+    loss = lambda: ct.attention(q, k, v, causal=True, deterministic=True, **mods).float().square().sum()  # noqa: E731
+    want = torch.autograd.grad(loss(), (q, k, v))
+    got = torch.autograd.grad(loss(), (q, k, v), create_graph=True)
+    for a, b in zip(got, want):
+        assert a.requires_grad and torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="has no derivative"):
+        torch.autograd.grad(sum(x.float().square().sum() for x in got) + q.float().sum(), q)
+
+
+@requires_gpu
+@requires_torch
 @pytest.mark.parametrize("varlen", [False, True])
 def test_gpu_torch_func_grad(varlen):
     """torch.func.grad of a loss through cuflash.torch.attention / attention_varlen on CUDA

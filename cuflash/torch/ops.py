@@ -271,6 +271,26 @@ def _fwd_backward(ctx, dout, dlse, bwd=None):
 _attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
+class _Underivable(torch.autograd.Function):
+    """The identity on a backward's gradients, with the tensors that backward read as inputs too;
+    differentiating through it raises (see _first_order)."""
+    @staticmethod
+    def forward(ctx, n, *tensors):
+        return tensors[:n]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("cuflash's attention backward has no derivative: differentiating its gradients "
+                           "(a double backward after create_graph=True) is not supported")
+
+
+def _first_order(grads, *read):
+    """A backward's gradients, for a backward run in grad mode (create_graph=True), tied to the
+    tensors ``read`` that it computed them from: a double backward through them raises, as through
+    PyTorch's own flash-attention backward, instead of silently leaving out their share."""
+    return _Underivable.apply(len(grads), *grads, *read)
+
+
 def _eager_function(name, body, setup_context, backward, bwd_body, functorch=False):
     """A custom op's forward, autograd context and backward as a plain autograd.Function, for
     eager calls on real CUDA tensors: the same kernels without the custom-op dispatch (compiled
@@ -286,7 +306,8 @@ def _eager_function(name, body, setup_context, backward, bwd_body, functorch=Fal
         return output
 
     def backward_(ctx, dout, dlse):
-        return backward(ctx, dout, dlse, bwd_body)
+        grads = backward(ctx, dout, dlse, bwd_body)
+        return _first_order(grads, dout, *ctx.saved_tensors) if torch.is_grad_enabled() else grads
     attrs = {"forward": staticmethod(forward), "backward": staticmethod(backward_)}
     if functorch:
         def func_backward(ctx, dout, dlse):  # the op: the dispatcher unwraps functorch's tensors
@@ -484,6 +505,8 @@ class _PreparedAttention(torch.autograd.Function):
                     dout, q, k, v, out, lse, None, None, None, p.causal, p.scale, p.deterministic, p.window,
                     p.softcap, 0))
                 p.bwd_strides = strides
+        if torch.is_grad_enabled():  # (create_graph=True)
+            res = _first_order(res[:3], dout, q, k, v, out)
         dq, dk, dv = res
         return dq, dk, dv, None
 
