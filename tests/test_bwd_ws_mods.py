@@ -38,7 +38,7 @@ def test_variants():
     assert not any(v.flashmask for v in MODDED)
     assert not any(v.softcap and v.alibi and v.head_dim == 64 for v in MODDED)
     for v in MODDED:
-        assert v == bwd_ws.planned(v.head_dim, v.dtype, v.causal, v.local, not v.rotate, 90, 0, v.softcap, v.alibi)
+        assert v == bwd_ws.planned(v.head_dim, v.dtype, v.causal, v.local, v.dq_ordered, 90, 0, v.softcap, v.alibi)
         mask = "local" if v.local else "causal" if v.causal else "full"
         mods = ("_softcap" if v.softcap else "") + ("_alibi" if v.alibi else "")
         assert f"_d{v.head_dim}_{v.dtype}_{mask}{mods}_" in v.name, v.name

@@ -43,7 +43,7 @@ def test_variants():
     assert not any(v.varlen for v in bwd_ws.variants(90, mods=False))
     assert not any(v.flashmask for v in VARLEN)
     for v in VARLEN:
-        assert v == bwd_ws.planned(v.head_dim, v.dtype, v.causal, v.local, not v.rotate, 90, 0, v.softcap, v.alibi,
+        assert v == bwd_ws.planned(v.head_dim, v.dtype, v.causal, v.local, v.dq_ordered, 90, 0, v.softcap, v.alibi,
                                    varlen=True)
         dense = replace(v, varlen=False).name
         mask = "local" if v.local else "causal" if v.causal else "full"

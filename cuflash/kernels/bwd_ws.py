@@ -249,7 +249,8 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
     tile) atomics; deterministic, the same adds in a fixed order (the fastest of the dQ variants
     on an H200 at each, and the ordered adds faster than the deterministic dQ kernel:
     BENCHMARKS.md, scripts/bench_bwd_ws.py); atomic dQ without FlashMask with rotated step walks
-    (+2 to +7% at d = 128 and 256 on an H200). ``flashmask``: FlashMask's bound columns per key;
+    (+2 to +7% at d = 128 and 256 on an H200), except the 80-query steps without a mask (rotated
+    walks 0 to 10% slower there). ``flashmask``: FlashMask's bound columns per key;
     deterministic with FlashMask, the dQ writer's ordered adds where the mask is causal at d = 64
     and 128, elsewhere dK and dV only (kind "bwd_ws_dkdv"; the deterministic dQ kernel follows):
     without causal the ordered adds were slower than the dQ kernel on an H200 (a key block that
@@ -268,7 +269,8 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
     return BwdWsVariant(kind="bwd_ws_dkdv_dq" if dq else "bwd_ws_dkdv", head_dim=head_dim, dtype=dtype,
                         causal=causal, local=local, arch=arch, dq_early=dq and head_dim != 256,
                         dq_writer=dq and head_dim != 256, dq_ordered=dq and deterministic, flashmask=flashmask,
-                        rotate=not deterministic and not flashmask, softcap=softcap, alibi=alibi, varlen=varlen,
+                        rotate=not (deterministic or flashmask or dq_t and not (causal or local)), softcap=softcap,
+                        alibi=alibi, varlen=varlen,
                         dq_t=dq_t)
 
 
