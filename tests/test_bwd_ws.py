@@ -38,6 +38,7 @@ DQ_T = [v for v in [replace(bwd_ws.planned(128, dt, c, loc, det), **f) for dt in
         if not (v.local and v.dq_early and not v.rotate)]
 DQ_T_CONVERTS = [bwd_ws.convert(128, dt, dq_t=True) for dt in ("bf16", "fp16")]
 plan_mod = importlib.import_module("cuflash.plan")  # the module (cuflash.plan is the function)
+DT = {"bfloat16": "bf16", "float16": "fp16"}
 
 
 def test_variants():
@@ -343,15 +344,16 @@ def test_gpu_ordered_dq_many_blocks(rng, d, mask):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("case", [(2, 300, 700, 8, 2), (1, 1500, 1500, 4, 4), (3, 1, 520, 4, 1)], ids=str)
 def test_gpu_rotated_walks(rng, case, d, mask):
-    """Atomic dQ as planned walks each key block's steps from a different one (rotate): the same
-    gradients as the walk from the first step, within the fp32 reordering of the sums, and the
-    reference check."""
+    """Atomic dQ walks each key block's steps from a different one (rotate; planned but for d = 128
+    without a mask): the same gradients as the walk from the first step, within the fp32
+    reordering of the sums, and the reference check."""
     import torch
     b, sq, sk, h, hk = case
     q, k, v, dout = _inputs(rng, b, sq, sk, h, hk, d, "bfloat16")
     mods = dict(causal=mask == "causal", window_size=(250, 30) if mask == "local" else (-1, -1))
-    assert cuflash_plan(q, k, v, **mods).launches[1].variant.rotate
-    rot = _backward(q, k, v, dout, **mods)
+    main = cuflash_plan(q, k, v, **mods).launches[1].variant  # (one query row: planned without a mask)
+    assert main.rotate == (not main.dq_t or main.causal or main.local)
+    rot = _backward(q, k, v, dout, flags=dict(rotate=True), **mods)
     plain = _backward(q, k, v, dout, flags=dict(rotate=False), **mods)
     for name, x, y in zip(("dq", "dk", "dv"), rot, plain):
         assert torch.isfinite(x).all(), name
@@ -396,7 +398,10 @@ def test_gpu_dq_variants(rng, dtype, flags, case, d, mask):
     q, k, v, dout = _inputs(rng, b, sq, sk, h, hk, d, dtype)
     mods = dict(causal=mask == "causal", window_size=(300, 7) if mask == "local" else (-1, -1))
     grads = _backward(q, k, v, dout, flags=flags, **mods)
-    plain = _backward(q, k, v, dout, flags=dict(rotate=flags.get("rotate", True), dq_t=False), **mods)  # the same walk
+    # the same walk: the flags' rotate, or the planned variant's (not rotated with 80-query steps
+    # without a mask)
+    rotate = flags.get("rotate", bwd_ws.planned(d, DT[dtype], mods["causal"], mask == "local", False).rotate)
+    plain = _backward(q, k, v, dout, flags=dict(rotate=rotate, dq_t=False), **mods)
     assert torch.equal(grads[1], plain[1]) and torch.equal(grads[2], plain[2])
     if sq * sk <= 640 * 640:
         _check(grads, q, k, v, dout, **mods)
