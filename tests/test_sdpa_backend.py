@@ -341,6 +341,7 @@ def test_eager_autograd_runs_cuflash_function(cpu_autograd, ref_kernels, monkeyp
         nodes = _grad_nodes(res[0])
         assert "_PreparedAttentionBackward" in nodes and not any("FlashAttention" in n for n in nodes), nodes
         assert res[0].shape == q.shape and res[1].shape == (b, h, sq) and res[4:6] == (sq, sk)
+        assert res[0].stride() == torch.empty_like(q).stride()  # (laid out as query, as PyTorch's kernel does)
         res[0].float().sin().sum().backward()
     assert [c[0] for c in ref_kernels] == ["attention", "backward"] * 2 and len(checks) == 1
     want, leaves = _reference(q, k, v, True, 0.4)
@@ -383,7 +384,17 @@ def test_autograd_falls_back_to_pytorch(cpu_autograd, ref_kernels, monkeypatch):
     assert impl(ks, q, q, q, 0.0, False, True) == "pytorch"
     assert impl(ks, q.float(), q.float(), q.float()) == "pytorch"
     assert impl(ks, q, q, q, 0.0, False, scale=-1.0) == "pytorch"
-    assert seen[1] == ((q, q, q, 0.25, True, False), dict(scale=0.5)) and len(seen) == 5 and not ref_kernels
+    c = _bhsd(1, 2, 4, 8, grad=True, contiguous=True)  # (its output would not be laid out as PyTorch's)
+    assert impl(ks, c, c, c, 0.0, True) == "pytorch"
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Mode(TorchDispatchMode):  # (a FLOP counter, selective checkpointing: they see the aten ops)
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        assert impl(ks, q, q, q, 0.0, True) == "pytorch"
+    assert seen[1] == ((q, q, q, 0.25, True, False), dict(scale=0.5)) and len(seen) == 7 and not ref_kernels
 
 
 @pytest.mark.parametrize("autograd_override", [False, True])

@@ -137,7 +137,7 @@ def ref_kernels(monkeypatch):
         calls.append(("attention", tuple(q.shape), tuple(k.shape), dict(causal=causal, **feat)))
         _storage(q, k, v)
         o, lse = ref_attention(q, k, v, causal, softmax_scale, **feat)
-        o = out.copy_(o) if out is not None else o
+        o = out.copy_(o) if out is not None else o.contiguous()  # (a new contiguous tensor, as the kernels give)
         return (o, lse) if return_lse else o
 
     def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal=False, softmax_scale=None,
@@ -928,6 +928,32 @@ def test_gpu_gradients_vs_reference(dtype, sq, sk, h, hk, d, causal):
     for name, got, r64, rlp in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), ref64, ref_lp):
         err, bound = max_abs_err(_np(got), r64), 3 * max_abs_err(rlp, r64) + 1e-4
         assert err <= bound, f"{name}: max error {err:.3g} exceeds {bound:.3g}"
+
+
+@requires_torch
+def test_create_graph_through_checkpoint(ref_kernels, monkeypatch):
+    """The eager Function of the custom op's bodies (ALiBi) with create_graph=True inside a
+    non-reentrant checkpoint, whose hooks allow one unpack of each saved tensor: gradients as
+    without either, and differentiating them again raises."""
+    import torch
+    import torch.utils.checkpoint as checkpoint
+    import cuflash.torch as ct
+    from cuflash.torch import ops
+    monkeypatch.setattr(ops, "_route", lambda *a, **kw: "autograd" if torch.is_grad_enabled() else "direct")
+    q, k, v = (_cpu(1, 6, 2, 8, seed=i, grad=True) for i in range(3))
+    slopes = torch.tensor([0.1, 0.2], dtype=torch.float64)
+
+    def loss(q, k, v):
+        return ct.attention(q, k, v, causal=True, alibi_slopes=slopes).square().sum()
+
+    got = torch.autograd.grad(checkpoint.checkpoint(loss, q, k, v, use_reentrant=False), (q, k, v),
+                              create_graph=True)
+    want = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    for a, b in zip(got, want):
+        assert a.requires_grad
+        torch.testing.assert_close(a, b)
+    with pytest.raises(RuntimeError, match="has no derivative"):
+        torch.autograd.grad(got[0].square().sum() + q.sum(), q)
 
 
 @requires_gpu

@@ -103,8 +103,8 @@ class BwdWsVariant(KernelVariant):
     # dS^T (the head dim as wgmma's M, FlashAttention-3's dQ_swapAB) and dS kept as rows of
     # queries; the dQ writer's adds (ordered: a semaphore per step) into an accumulator of rows
     # with swizzled chunks (``convert(swizzled=True)``), padded to ``row_pad`` rows per head or
-    # packed sequence (whole steps; ``prep(row_pad=...)``). No FlashMask, no score modifier;
-    # packed sequences without the ordered adds.
+    # packed sequence (whole steps; ``prep()``). No FlashMask, no softcap; packed sequences
+    # without the ordered adds.
     dq_t: bool = False
 
     def __post_init__(self):

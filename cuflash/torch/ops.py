@@ -255,10 +255,11 @@ def _fwd_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # the LSE's gradient stays None (no zeros made per backward)
 
 
-def _fwd_backward(ctx, dout, dlse, bwd=None):
+def _fwd_backward(ctx, dout, dlse, bwd=None, saved=None):
+    """The gradients per input; ``saved``: ctx.saved_tensors, where the caller has unpacked them."""
     if dout is None:  # the output got no gradient (the LSE has none)
         return (None,) * ctx.n_inputs
-    q, k, v, out, lse, alibi_slopes, sinks, startend_row_indices = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, sinks, startend_row_indices = saved or ctx.saved_tensors
     causal, softmax_scale, window_left, window_right, softcap = ctx.args
     dq, dk, dv, dsinks = (bwd or torch.ops.cuflash.attention_bwd)(
         dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap,
@@ -306,8 +307,12 @@ def _eager_function(name, body, setup_context, backward, bwd_body, functorch=Fal
         return output
 
     def backward_(ctx, dout, dlse):
-        grads = backward(ctx, dout, dlse, bwd_body)
-        return _first_order(grads, dout, *ctx.saved_tensors) if torch.is_grad_enabled() else grads
+        if dout is None or not torch.is_grad_enabled():
+            return backward(ctx, dout, dlse, bwd_body)
+        # create_graph=True: the saved tensors unpacked once (a non-reentrant checkpoint's hooks
+        # allow one unpack) for the backward and for tying its gradients to them
+        saved = ctx.saved_tensors
+        return _first_order(backward(ctx, dout, dlse, bwd_body, saved), dout, *saved)
     attrs = {"forward": staticmethod(forward), "backward": staticmethod(backward_)}
     if functorch:
         def func_backward(ctx, dout, dlse):  # the op: the dispatcher unwraps functorch's tensors
@@ -406,13 +411,13 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _varlen_backward(ctx, dout, dlse, bwd=None):
+def _varlen_backward(ctx, dout, dlse, bwd=None, saved=None):
     if dout is None:
         return (None,) * ctx.n_inputs
     if ctx.paged:
         raise NotImplementedError("attention_varlen with a block_table (a paged KV cache) has no "
                                   "backward pass; run it under torch.no_grad()")
-    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks = saved or ctx.saved_tensors
     max_q, max_k, causal, softmax_scale, window_left, window_right, softcap = ctx.args
     dq, dk, dv, dsinks = (bwd or torch.ops.cuflash.attention_varlen_bwd)(
         dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_left,

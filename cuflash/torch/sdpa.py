@@ -176,14 +176,17 @@ def _autograd_impl(keyset, query, key, value, dropout_p=0.0, is_causal=False, re
         return _active.autograd.call_boxed(keyset, query, key, value, dropout_p, is_causal, return_debug_mask,
                                            scale=scale)
     out, lse = ops._PreparedAttention.apply(*_bshd(query, key, value), p)
-    return _result(query, key, out.transpose(1, 2), lse)  # (out: cuflash's layout, as PyTorch's own)
+    return _result(query, key, out.transpose(1, 2), lse)  # (out laid out as query, as PyTorch's own)
 
 
 def _eager(query, key, value, is_causal, scale):
     """The prepared eager call (ops._Prepared) of a forward without dropout that needs gradients,
-    or None where cuflash does not serve it or it is not an eager call on real CUDA tensors. The
-    checks run once per layout and options (the repeat signature)."""
-    if ops._route(query, key, value) != "autograd":
+    or None where cuflash does not serve it, it is not an eager call on real CUDA tensors, a
+    __torch_dispatch__ mode is active (FLOP counters, selective checkpointing: they must see the
+    aten ops), or an operand is not a transposed (batch, seqlen, nheads, d) tensor, the layout in
+    which the Function's output and gradients are laid out as PyTorch's kernels lay them out (as
+    their inputs). The checks run once per layout and options (the repeat signature)."""
+    if ops._route(query, key, value) != "autograd" or torch._C._len_torch_dispatch_stack():
         return None
     det = torch.are_deterministic_algorithms_enabled()
     sig = arrays.repeat_signature((query, key, value), (-1, -1), (is_causal, scale, det))
@@ -191,8 +194,9 @@ def _eager(query, key, value, is_causal, scale):
         return None
     p = _served.get(sig, _served)
     if p is _served:  # (a layout not seen yet)
-        p = None if _unsupported(query, key, value, 0.0, scale) else ops._prepared_for(
-            *_bshd(query, key, value), is_causal, scale, (-1, -1), 0.0, det)
+        views = _bshd(query, key, value)
+        p = None if _unsupported(query, key, value, 0.0, scale) or not all(x.is_contiguous() for x in views) \
+            else ops._prepared_for(*views, is_causal, scale, (-1, -1), 0.0, det)
         arrays.repeat_keep(_served, sig, p)
     return p
 
