@@ -38,6 +38,21 @@ def _gpu_problem():
 def pytest_configure(config):
     if getattr(config.option, "numprocesses", None) and not XDIST:  # the controller of `-n N`
         _one_thread_per_process()
+    # The run's seed of the rng fixture: fresh per run, shown in the header, the same in every
+    # xdist worker (they inherit the variable); CUFLASH_TEST_SEED=N draws a failed run's inputs again.
+    os.environ.setdefault(SEED_VAR, str(int.from_bytes(os.urandom(4), "little")))
+
+
+SEED_VAR = "CUFLASH_TEST_SEED"
+
+
+def pytest_report_header(config):
+    return f"random inputs: {SEED_VAR}={os.environ.get(SEED_VAR)}"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus):
+    if exitstatus:  # (the header is not printed under -q)
+        terminalreporter.write_line(f"random inputs of this run: {SEED_VAR}={os.environ.get(SEED_VAR)}")
 
 
 def shard_index(nodeid: str, shards: int) -> int:
@@ -189,8 +204,10 @@ def module_compiled(compile_variants, variants):
 
 @pytest.fixture
 def rng(request):
-    # a fresh, test-specific stream of random numbers
-    return np.random.default_rng(abs(hash(request.node.nodeid)) % (2**32))
+    """A test-specific stream of random numbers: the run's seed (see pytest_configure) and a CRC of
+    the test's id, so that a failure's inputs come back with the seed the header printed."""
+    import zlib
+    return np.random.default_rng([int(os.environ[SEED_VAR]), zlib.crc32(request.node.nodeid.encode())])
 
 
 def record_launches(monkeypatch, early_ok=True):
