@@ -397,8 +397,8 @@ def test_autograd_falls_back_to_pytorch(cpu_autograd, ref_kernels, monkeypatch):
     assert seen[1] == ((q, q, q, 0.25, True, False), dict(scale=0.5)) and len(seen) == 7 and not ref_kernels
 
 
-@pytest.mark.parametrize("autograd_override", [False, True])
-@pytest.mark.parametrize("compiled", [False, True])
+# (eager calls with the autograd override: test_eager_autograd_runs_cuflash_function)
+@pytest.mark.parametrize("compiled, autograd_override", [(False, False), (True, False), (True, True)])
 def test_autograd_formula_plumbing(cpu_overrides, ref_kernels, request, compiled, autograd_override):
     """The aten op's derivative (the one SDPA's flash path uses) feeds cuflash's backward with
     cuflash's forward results; eager and compiled (aot_eager: fake tensors from the op's meta
@@ -406,8 +406,6 @@ def test_autograd_formula_plumbing(cpu_overrides, ref_kernels, request, compiled
     autograd override hands the call to PyTorch's autograd kernel (eager: test above)."""
     import torch
     if autograd_override:
-        if not compiled:
-            pytest.skip("eager calls with the autograd override: test_eager_autograd_runs_cuflash_function")
         request.getfixturevalue("cpu_autograd")
     b, h, hk, sq, sk, d = 2, 4, 2, 6, 6, 16
     q = _bhsd(b, h, sq, d, grad=True)
