@@ -555,7 +555,7 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     ordered = False  # deterministic dQ added in a fixed order by the dK/dV kernel (bwd_ws)
     if ws == "":
         main = bwd_ws.planned(bucket, p.dtype, causal, local, p.deterministic, dev.arch, p.flashmask, p.softcap,
-                              p.alibi, p.varlen)
+                              p.alibi, p.varlen, p.seqlen_k)
         ordered = main.dq_ordered
         if main.dq:  # its accumulator is in fragment order (atomic or ordered), or dq_t's swizzled rows
             last = bwd_ws.convert(bucket, p.dtype, dev.arch, p.varlen, main.dq_t)
@@ -642,6 +642,11 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
                     "warpgroup computes dQ^T = K^T dS^T for its 64 columns of the head dim (wgmma's M is 64), with "
                     "dS in shared memory as rows of queries; the accumulator's rows keep the staged tile's swizzled "
                     "16-byte chunks, which bwd_convert reads back.")
+        if getattr(main, "lpt", False):
+            rot += (" Key blocks are launched longest first (FlashAttention-3's LPT order: every (batch, KV head) "
+                    "pair's first key block, which the most query blocks see, then every pair's second, in sections "
+                    f"of pairs whose Q, dO and dQ rows fit in {bwd_ws.LPT_BYTES >> 20} MB of L2), so that the short "
+                    "blocks fill the end of the grid.")
         why.append(f"deterministic=False: the dK/dV kernel also adds dQ = dS K into an fp32 accumulator with {how} "
                    f"(the order of additions varies), and bwd_convert scales it into the input dtype.{rot}")
     if p.flashmask:

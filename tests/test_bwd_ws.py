@@ -18,7 +18,8 @@ from cuflash.kernels.bwd_ws import BwdWsVariant
 
 # (softcap and ALiBi: tests/test_bwd_ws_mods.py; packed sequences: tests/test_bwd_ws_varlen.py)
 DENSE = [v for v in bwd_ws.variants(90) if not v.varlen]
-VARIANTS = [v for v in DENSE if v.family == "bwd_ws" and not (v.flashmask or v.softcap or v.alibi)]
+VARIANTS = [v for v in DENSE if v.family == "bwd_ws" and not (v.flashmask or v.softcap or v.alibi or v.lpt)]
+LPT = [v for v in DENSE if v.family == "bwd_ws" and v.lpt]  # causal d = 128 blocks longest first
 FLASHMASK = [v for v in DENSE if v.family == "bwd_ws" and v.flashmask]
 CONVERTS = [v for v in DENSE if v.family != "bwd_ws" and not v.swizzled and v.kind == "bwd_convert"]  # (dq_t's: DQ_T_CONVERTS)
 # Every way of adding dQ, each field given (planned() sets dq_early at d = 64, dq_writer at 128),
@@ -26,7 +27,7 @@ CONVERTS = [v for v in DENSE if v.family != "bwd_ws" and not v.swizzled and v.ki
 # (the atomic ones keep the variant's rotate: rotated as planned, and not rotated from the
 # deterministic variants)
 FLAGS = [dict(dq_early=e, dq_writer=w, dq_ordered=False, dq_t=False) for w in (False, True) for e in (False, True)] + [
-    dict(dq_early=False, dq_writer=True, dq_ordered=True, rotate=False, dq_t=False)]
+    dict(dq_early=False, dq_writer=True, dq_ordered=True, rotate=False, dq_t=False, lpt=False)]
 BULK = list(dict.fromkeys(x for v in VARIANTS if v.dq and not v.split_d for f in FLAGS
                           if (x := replace(v, **f)) not in VARIANTS))  # the unplanned ones (d = 256 has atomics only)
 # 80-query steps with dQ^T (planned at d = 128), with and without dq_early and rotated walks, and
@@ -46,7 +47,7 @@ def test_variants():
     sm_90 only, all in all_variants (warmup and the CI's sample draw from it), within 227 KB; at
     d = 256 64 x 64 steps with the head dim split between the groups."""
     assert len({v.name for v in VARIANTS}) == len(VARIANTS) == 36
-    assert bwd_ws.variants(80) == [] and len(bwd_ws.variants(90, mods=False)) == 24 + 6 + 2 + 2
+    assert bwd_ws.variants(80) == [] and len(bwd_ws.variants(90, mods=False)) == 24 + 6 + 2 + 2 + 2
     assert set(DQ_T_CONVERTS) <= set(bwd_ws.variants(90, mods=False))
     assert set(VARIANTS + CONVERTS + FLASHMASK) <= set(all_variants(90)) and len(FLASHMASK) == 48
     # FlashMask: atomic dQ; deterministic, causal at d = 64 and 128 the dQ writer's ordered adds,
@@ -65,6 +66,32 @@ def test_variants():
         else:  # (d = 128 without deterministic mode: 80-query steps, dq_t)
             assert not v.split_d and v.block_n == 128 and v.block_m * v.head_dim == (80 * 128 if v.dq_t else 128 * 64)
             assert v.dq_t == (v.head_dim == 128 and not (v.dq_ordered and v.local))
+
+
+def test_lpt_planned_at_d128_causal_from_2k_keys():
+    """Key blocks longest first: planned causal at d = 128 from LPT_MIN_SEQLEN_K keys, dense, atomic dQ,
+    no softcap (with ALiBi too), listed for warmup and CI in both dtypes; the variant otherwise
+    the plain-order one, and refused with ordered dQ, FlashMask or packed sequences."""
+    from cuflash import codegen
+    lo = bwd_ws.LPT_MIN_SEQLEN_K
+    assert sorted((v.dtype, v.alibi) for v in LPT) == [(dt, a) for dt in ("bf16", "fp16") for a in (False, True)]
+    for v in LPT:
+        assert v.head_dim == 128 and v.causal and v.rotate and v.dq_t and "_lpt_" in v.name
+        assert v == bwd_ws.planned(128, v.dtype, True, False, False, 90, alibi=v.alibi, seqlen_k=lo)
+        assert replace(v, lpt=False) == bwd_ws.planned(128, v.dtype, True, False, False, 90, alibi=v.alibi)
+        assert "kLptBytes" in codegen.render(v) and "kLptBytes" not in codegen.render(replace(v, lpt=False))
+    for sk, want in ((0, False), (lo - 1, False), (lo, True), (1 << 20, True)):
+        assert bwd_ws.planned(128, "bf16", True, False, False, seqlen_k=sk).lpt == want, sk
+    for args, kw in (((128, "bf16", True, False, True), {}), ((128, "bf16", False, False, False), {}),
+                     ((128, "bf16", False, True, False), {}), ((64, "bf16", True, False, False), {}),
+                     ((256, "bf16", True, False, False), {}), ((128, "bf16", True, False, False), dict(softcap=True)),
+                     ((128, "bf16", True, False, False), dict(varlen=True)),
+                     ((128, "bf16", True, False, False), dict(flashmask=1))):
+        assert not bwd_ws.planned(*args, seqlen_k=lo, **kw).lpt, (args, kw)
+    v = LPT[0]
+    for bad in (dict(dq_ordered=True, rotate=False), dict(causal=False), dict(varlen=True)):
+        with pytest.raises(ValueError, match="lpt must be a bool"):
+            replace(v, **bad)
 
 
 def test_planned_walks_rotate_with_atomic_dq_only():
@@ -425,6 +452,34 @@ def test_gpu_dq_t(rng, case, dtype, flags, mask):
     mods = dict(causal=mask == "causal", window_size=(97, 13) if mask == "local" else (-1, -1))
     grads = _backward(q, k, v, dout, flags=flags, **mods)
     _check(grads, q, k, v, dout, **mods)
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("alibi", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] > 1] + [(1, 8192, 8192, 5, 5), (3, 2048, 2100, 6, 2)],
+                         ids=str)
+def test_gpu_lpt(rng, case, dtype, alibi):
+    """Causal key blocks launched longest first (lpt) against the plain launch order: dK and dV
+    bitwise (each key block sums its own), dQ within rounding (its adds come in another order);
+    the small cases against the float64 reference too. 8192 keys of 5 heads: sections of 3
+    (batch, head) pairs and a last of 2; 3 x 2 pairs of 3 query heads each. (One query row is not
+    causal: it sees every key.)"""
+    import torch
+    b, sq, sk, h, hk = case
+    q, k, v, dout = _inputs(rng, b, sq, sk, h, hk, 128, dtype)
+    mods = dict(causal=True)
+    if alibi:
+        mods["alibi_slopes"] = torch.from_numpy(rng.uniform(0.01, 0.5, (b, h)).astype(np.float32)).cuda()
+    got = _backward(q, k, v, dout, flags=dict(lpt=True), **mods)
+    ref = _backward(q, k, v, dout, flags=dict(lpt=False), **mods)
+    assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2])
+    assert torch.isfinite(got[0]).all()
+    err = (got[0].float() - ref[0].float()).abs().max().item()
+    assert err <= 1e-2 * ref[0].float().abs().max().item(), err
+    if sq * sk <= 640 * 640:
+        _check(got, q, k, v, dout, **mods)
 
 
 @requires_sm90
