@@ -10,10 +10,11 @@ in shared memory for a producer warp to add (``dq_writer``, planned at d = 128; 
 ``dq_early``), and the planned one (at d = 128 80-query steps with dQ^T, ``dq_t``); at d = 256 the
 planned kernel against the mma.sync one it replaced.
 ``--deterministic``: the planned deterministic backward (the ordered dQ writer at d = 64 and 128)
-against the same without ``dq_early``. Prints
+against the same without ``dq_early``. ``--lpt``: causal only, key blocks in the plain launch
+order against longest first (``lpt``, at every head dim). ``--dtype float16``: fp16 inputs. Prints
 one line per shape: TFLOP/s (2.5 x the forward's FLOPs) of each, of the replaced kernel and of
 cuDNN, the best one's ratio to both, and the largest |difference| from the wgmma kernel's
-gradients (dq, dk, dv) relative to their largest magnitude. Model dim 2048, bf16.
+gradients (dq, dk, dv) relative to their largest magnitude. Model dim 2048.
 """
 import argparse
 import contextlib
@@ -28,6 +29,7 @@ CONFIGS = {"ws": _NONE, "ws dqearly": {**_NONE, "dq_early": True}, "ws writer": 
            "writer+early": {**_NONE, "dq_writer": True, "dq_early": True}, "planned": {}}
 CONFIGS_256 = {"ws": {}}
 CONFIGS_DET = {"planned": {}, "not early": dict(dq_early=False)}
+CONFIGS_LPT = {"plain order": dict(lpt=False), "lpt": dict(lpt=True)}
 
 
 def main():
@@ -35,6 +37,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="one shape per head dim and mask")
     ap.add_argument("--head-dim", type=int, nargs="+", default=list(bwd_ws.HEAD_DIMS))
     ap.add_argument("--deterministic", action="store_true", help="deterministic backward configurations")
+    ap.add_argument("--lpt", action="store_true", help="causal: plain launch order against longest first")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     a = ap.parse_args()
     torch = bench._torch()
     import cuflash
@@ -56,14 +60,15 @@ def main():
             set_(True, {})
     shapes = ((8, 2048),) if a.quick else ((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384))
     for d in a.head_dim:
-        configs = CONFIGS_256 if d == 256 else CONFIGS_DET if a.deterministic else CONFIGS
+        configs = (CONFIGS_LPT if a.lpt else CONFIGS_256 if d == 256 else CONFIGS_DET if a.deterministic
+                   else CONFIGS)
         print(f"\n{'d':>4} {'causal':>6} {'b':>3} {'s':>6} | " + " ".join(f"{n:>10}" for n in configs)
               + f" {'before':>7} {'cuDNN':>7} TF/s | {'best/before':>11} {'best/cuDNN':>10} | max rel diff")
-        for causal in (False, True):
+        for causal in (True,) if a.lpt else (False, True):
             for b, s in shapes:
                 h = 2048 // d
                 shp = (b, s, h, d)
-                sets = bench._make_sets(torch, (shp, shp, shp, shp), torch.bfloat16, min_sets=2)
+                sets = bench._make_sets(torch, (shp, shp, shp, shp), getattr(torch, a.dtype), min_sets=2)
                 saved = [(do, q, k, v, *cuflash.attention(q, k, v, causal=causal, return_lse=True))
                          for q, k, v, do in sets]
                 fn = lambda do, q, k, v, o, lse: attention_backward(  # noqa: E731
