@@ -152,6 +152,11 @@ def main():
             plan.forget_plans()
             o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
             attention_backward(torch.randn_like(o), q, k, v, o, lse, causal=True)
+        # the planned variant with its causal key blocks launched longest first (planned from 2048 keys)
+        plan.bwd_ws.planned = lambda *a: dataclasses.replace(planned(*a), lpt=True)
+        plan.forget_plans()
+        o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+        attention_backward(torch.randn_like(o), q, k, v, o, lse, causal=True)
         plan.bwd_ws.planned = planned
         plan.forget_plans()
     # backward with a window, softcap and ALiBi; varlen backward with empty and length-1 sequences
