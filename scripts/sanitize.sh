@@ -7,6 +7,7 @@ export PYTHONPATH=${PYTHONPATH:-.}
 CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 python3 scripts/sanitize_cases.py >/dev/null  # compile outside the sanitizer
 LOG_DIR=${LOG_DIR:-$(mktemp -d)}
+mkdir -p "$LOG_DIR"
 status=0
 for tool in memcheck racecheck synccheck; do
   echo "== $tool (full log: $LOG_DIR/sanitize-$tool.log)"
