@@ -40,6 +40,8 @@ def main():
     ap.add_argument("--lpt", action="store_true", help="causal: plain launch order against longest first")
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     a = ap.parse_args()
+    if a.lpt and a.deterministic:
+        ap.error("--lpt compares launch orders of the atomic dQ kernels: not with --deterministic")
     torch = bench._torch()
     import cuflash
     from cuflash.backward import attention_backward

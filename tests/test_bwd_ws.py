@@ -70,7 +70,7 @@ def test_variants():
 
 def test_lpt_planned_at_d128_causal_from_2k_keys():
     """Key blocks longest first: planned causal at d = 128 from LPT_MIN_SEQLEN_K keys, dense, atomic dQ,
-    no softcap (with ALiBi too), listed for warmup and CI in both dtypes; the variant otherwise
+    no softcap (with ALiBi too), listed for warmup and CI in both dtypes, and in plans; the variant otherwise
     the plain-order one, and refused with ordered dQ, FlashMask or packed sequences."""
     from cuflash import codegen
     lo = bwd_ws.LPT_MIN_SEQLEN_K
@@ -82,6 +82,11 @@ def test_lpt_planned_at_d128_causal_from_2k_keys():
         assert "kLptBytes" in codegen.render(v) and "kLptBytes" not in codegen.render(replace(v, lpt=False))
     for sk, want in ((0, False), (lo - 1, False), (lo, True), (1 << 20, True)):
         assert bwd_ws.planned(128, "bf16", True, False, False, seqlen_k=sk).lpt == want, sk
+    import cuflash  # the plan passes its key count
+    for sk, want in ((lo - 1, False), (lo, True)):
+        p = cuflash.plan((1, sk, 8, 128), (1, sk, 2, 128), (1, sk, 2, 128), causal=True, num_sms=132, arch=90,
+                         backward=True)
+        assert p.launches[1].variant.lpt == want and ("longest first" in p.reason) == want, (sk, p)
     for args, kw in (((128, "bf16", True, False, True), {}), ((128, "bf16", False, False, False), {}),
                      ((128, "bf16", False, True, False), {}), ((64, "bf16", True, False, False), {}),
                      ((256, "bf16", True, False, False), {}), ((128, "bf16", True, False, False), dict(softcap=True)),
@@ -159,7 +164,7 @@ def test_dq_t_variant():
 
 @pytest.fixture(scope="module")
 def compiled(compile_variants):
-    return module_compiled(compile_variants, VARIANTS + BULK + CONVERTS + FLASHMASK + DQ_T + DQ_T_CONVERTS)
+    return module_compiled(compile_variants, VARIANTS + BULK + CONVERTS + FLASHMASK + DQ_T + DQ_T_CONVERTS + LPT)
 
 
 @pytest.mark.parametrize("v", CONVERTS + DQ_T_CONVERTS, ids=lambda v: v.name)
@@ -167,7 +172,7 @@ def test_tiled_convert_compiles(compiled, v):
     assert_compiled_clean(compiled[v], v)
 
 
-@pytest.mark.parametrize("v", VARIANTS + BULK + FLASHMASK + DQ_T, ids=lambda v: v.name)
+@pytest.mark.parametrize("v", VARIANTS + BULK + FLASHMASK + DQ_T + LPT, ids=lambda v: v.name)
 def test_compiles_as_designed(compiled, v):
     """No spills or stack; __launch_bounds__(384, 1) caps the launch at 168 registers, which
     setmaxnreg splits into 24 per producer thread and 240 per consumer thread; ptxas neither
@@ -463,9 +468,9 @@ def test_gpu_dq_t(rng, case, dtype, flags, mask):
 def test_gpu_lpt(rng, case, dtype, alibi):
     """Causal key blocks launched longest first (lpt) against the plain launch order: dK and dV
     bitwise (each key block sums its own), dQ within rounding (its adds come in another order);
-    the small cases against the float64 reference too. 8192 keys of 5 heads: sections of 3
-    (batch, head) pairs and a last of 2; 3 x 2 pairs of 3 query heads each. (One query row is not
-    causal: it sees every key.)"""
+    the small cases against the float64 reference too. 8192 queries of 5 heads (8 MB of Q, dO and
+    dQ rows per pair): a section of 4 (batch, head) pairs and a last of 1; 3 x 2 pairs of 3 query
+    heads each: 5 and 1. (One query row is not causal: it sees every key.)"""
     import torch
     b, sq, sk, h, hk = case
     q, k, v, dout = _inputs(rng, b, sq, sk, h, hk, 128, dtype)
