@@ -1,8 +1,9 @@
-"""Where cuflash.jax's forward under jax.jit loses time against cuflash.torch's, on an H100/H200.
+"""Where cuflash.jax under jax.jit loses time against cuflash.torch's, on an H100/H200.
 
-    python scripts/jax_timeline.py [--head-dim D] [--causal] [--batch B] [--seqlen S]
+    python scripts/jax_timeline.py [--head-dim D] [--causal] [--batch B] [--seqlen S] [--backward] [--dtype T]
 
-Prints, for each path on the same inputs (bf16, model dim 2048): `bench.time_sync`'s ms per call
+Prints, for each path on the same inputs (model dim 2048; ``--backward``: forward + backward, jax.jit
+of jax.vjp against torch.autograd.grad, as `bench jax` times them): `bench.time_sync`'s ms per call
 with batches of about 10 ms and of about 100 ms (a gap that shrinks with the longer batches is a
 fixed cost per batch: dispatch and the final wait, not per call), and a kernel timeline of 30
 back-to-back calls recorded by the PyTorch profiler (CUPTI records every kernel and memset in the
@@ -50,18 +51,31 @@ def main():
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seqlen", type=int, default=2048)
+    ap.add_argument("--backward", action="store_true", help="forward + backward")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     a = ap.parse_args()
     b, s, d = a.batch, a.seqlen, a.head_dim
     h = 2048 // d
-    key = jax.random.split(jax.random.PRNGKey(0), 3)
-    qj, kj, vj = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in key)
-    qt, kt, vt = (torch.from_dlpack(x).clone() for x in (qj, kj, vj))
-    fj = jax.jit(lambda q, k, v: cuflash.jax.attention(q, k, v, causal=a.causal))
-    paths = {
-        "jax": (lambda: fj(qj, kj, vj), jax.block_until_ready),
-        "torch": (lambda: cuflash.torch.attention(qt, kt, vt, causal=a.causal), lambda _: torch.cuda.synchronize()),
-    }
-    print(f"b={b} s={s} h={h} d={d} causal={a.causal} bf16")
+    key = jax.random.split(jax.random.PRNGKey(0), 4)
+    qj, kj, vj, doj = (jax.random.normal(kk, (b, s, h, d), getattr(jnp, a.dtype)) for kk in key)
+    qt, kt, vt, dot = (torch.from_dlpack(x).clone() for x in (qj, kj, vj, doj))
+    attn = lambda q, k, v: cuflash.jax.attention(q, k, v, causal=a.causal)  # noqa: E731
+    if a.backward:
+        fj = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
+        for x in (qt, kt, vt):
+            x.requires_grad_()
+        paths = {
+            "jax": (lambda: fj(qj, kj, vj, doj), jax.block_until_ready),
+            "torch": (lambda: torch.autograd.grad(cuflash.torch.attention(qt, kt, vt, causal=a.causal), (qt, kt, vt),
+                                                  dot), lambda _: torch.cuda.synchronize()),
+        }
+    else:
+        fj = jax.jit(attn)
+        paths = {
+            "jax": (lambda: fj(qj, kj, vj), jax.block_until_ready),
+            "torch": (lambda: cuflash.torch.attention(qt, kt, vt, causal=a.causal), lambda _: torch.cuda.synchronize()),
+        }
+    print(f"b={b} s={s} h={h} d={d} causal={a.causal} {a.dtype} {'forward + backward' if a.backward else 'forward'}")
     for name, (fn, sync) in paths.items():
         times = [bench.time_sync(lambda _: fn(), [(None,)], sync, sample_ms=ms) for ms in (10.0, 100.0)]
         per_name, (gap_med, gap_max) = timeline(fn, sync)
