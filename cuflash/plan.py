@@ -555,7 +555,7 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     ordered = False  # deterministic dQ added in a fixed order by the dK/dV kernel (bwd_ws)
     if ws == "":
         main = bwd_ws.planned(bucket, p.dtype, causal, local, p.deterministic, dev.arch, p.flashmask, p.softcap,
-                              p.alibi, p.varlen, p.seqlen_k)
+                              p.alibi, p.varlen, p.seqlen_k, p.nheads // p.nheads_k)
         ordered = main.dq_ordered
         if main.dq:  # its accumulator is in fragment order (atomic or ordered), or dq_t's swizzled rows
             last = bwd_ws.convert(bucket, p.dtype, dev.arch, p.varlen, main.dq_t)

@@ -26,7 +26,8 @@ HEAD_DIMS = (64, 128, 256)
 BLOCK_N = {64: 128, 128: 128, 256: 64}  # keys per block: two consumer warpgroups of 64 (d = 256: shared)
 BLOCK_M = {64: 128, 128: 64, 256: 64}   # query rows per step (the S^T accumulators: 64 keys x block_m)
 LPT_BYTES = 32 << 20                    # L2 bytes of Q, dO and dQ rows per section of the lpt launch order
-LPT_MIN_SEQLEN_K = 2048                 # keys from which planned() launches causal d = 128 blocks longest first
+LPT_MIN_SEQLEN_K = 2048                 # keys from which planned() launches causal key blocks longest first
+LPT_MIN_GROUPS_D64 = 4                  # at d = 64, only with this many query heads per KV head (GQA)
 DQ_T_BLOCK_M = 80                       # query rows per step of the dq_t variants (d = 128)
 BARRIER_BYTES = 64         # K/V full, per Q/dO stage full and empty, dq_writer's full and empty: <= 7 of 8 bytes
 STAGES = 2                 # Q/dO/LSE/D stages
@@ -255,7 +256,7 @@ class BwdWsVariant(KernelVariant):
 
 def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic: bool,
             arch: int = 90, flashmask: int = 0, softcap: bool = False, alibi: bool = False,
-            varlen: bool = False, seqlen_k: int = 0) -> BwdWsVariant:
+            varlen: bool = False, seqlen_k: int = 0, ngroups: int = 1) -> BwdWsVariant:
     """The variant a backward plan launches for these head dim, dtype, mask and dQ mode: at d = 64
     and 128 the dQ writer with dQ's product issued early, at d = 256 (no room for the writer's
     tile) atomics; deterministic, the same adds in a fixed order (the fastest of the dQ variants
@@ -274,16 +275,17 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
     deterministic -1 to +9%, BENCHMARKS.md), except deterministic with a window (NVRTC 13.5 spills
     4 B in that variant), packed sequences but causal or windowed ones without deterministic mode
     (without a mask the packed variant spills 8 B), and ALiBi but on dense batches without a window
-    (softcap, and ALiBi with a window or packed sequences, spill 4 to 72 B). Causal at d = 128
-    from LPT_MIN_SEQLEN_K keys (dense, atomic dQ, no softcap: 4 B spill): key blocks launched
-    longest first (``lpt``; bf16 and fp16, H200: +2 to +8% from 2k to 16k keys, 0 at 1k; H100: +1
-    to +6% at 4k-8k, -4 to +5% at 2k, -5% at 1k; at d = 64 and 256 on an H100 -1 to -11% on every
-    row)."""
+    (softcap, and ALiBi with a window or packed sequences, spill 4 to 72 B). Causal from
+    LPT_MIN_SEQLEN_K keys on dense batches with atomic dQ, at d = 128 without softcap (4 B spill)
+    and at d = 64 with at least LPT_MIN_GROUPS_D64 query heads per KV head (``ngroups``): key
+    blocks launched longest first (``lpt``; H200: d = 128 +2 to +8% from 2k to 16k keys, 0 at 1k,
+    +1 to +15% with GQA 32/8; d = 64 with GQA 32/8 +3 to +22%, without GQA -1 to -11% on an
+    H100; d = 256 -4 to +8% either way)."""
     dq = not (deterministic and flashmask and (head_dim == 256 or not causal))
     dq_t = head_dim == 128 and not (flashmask or softcap or deterministic and (local or varlen)
                                     or varlen and not (causal or local) or alibi and (local or varlen))
-    lpt = (head_dim == 128 and causal and not (deterministic or flashmask or varlen or softcap)
-           and seqlen_k >= LPT_MIN_SEQLEN_K)
+    lpt = (causal and not (deterministic or flashmask or varlen) and seqlen_k >= LPT_MIN_SEQLEN_K
+           and (head_dim == 128 and not softcap or head_dim == 64 and ngroups >= LPT_MIN_GROUPS_D64))
     return BwdWsVariant(kind="bwd_ws_dkdv_dq" if dq else "bwd_ws_dkdv", head_dim=head_dim, dtype=dtype,
                         causal=causal, local=local, arch=arch, dq_early=dq and head_dim != 256,
                         dq_writer=dq and head_dim != 256, dq_ordered=dq and deterministic, flashmask=flashmask,
@@ -318,9 +320,10 @@ def variants(arch: int, mods: bool = True) -> list[KernelVariant]:
         convert(d, dt, arch) for d in HEAD_DIMS for dt in DTYPES] + [
         convert(128, dt, arch, dq_t=True) for dt in DTYPES] + [
         BwdRowVariant(kind="bwd_prep", head_dim=128, dtype=dt, arch=arch, row_pad=DQ_T_BLOCK_M) for dt in DTYPES] + [
-        # causal d = 128 blocks longest first (from LPT_MIN_SEQLEN_K keys), with ALiBi too
-        planned(128, dt, True, False, False, arch, alibi=ali, seqlen_k=LPT_MIN_SEQLEN_K) for dt in DTYPES
-        for ali in ((False, True) if mods else (False,))] + [
+        # causal blocks longest first (from LPT_MIN_SEQLEN_K keys; d = 64 with GQA), with softcap or ALiBi
+        planned(d, dt, True, False, False, arch, softcap=cap, alibi=ali, seqlen_k=LPT_MIN_SEQLEN_K,
+                ngroups=LPT_MIN_GROUPS_D64) for d in (64, 128) for dt in DTYPES for cap, ali in MODS[:3]
+        if (mods or not (cap or ali)) and not (cap and d == 128)] + [
         planned(d, dt, c, False, det, arch, n) for d in HEAD_DIMS for dt in DTYPES for c in (False, True)
         for n in (FLASHMASK_NS[:2] if c else FLASHMASK_NS[1:]) for det in (False, True) if mods] + [
         # every mask and dQ mode with softcap, ALiBi and both (kernels/bwd.py's MODS after the first)

@@ -204,8 +204,10 @@ __device__ __forceinline__ long long stats_base(const int* cu_seqlens_q, int b, 
 // merged or hoisted, so the compiler never keeps the values live.
 constexpr int kInfoBytes = {{ info_bytes }};  // cuflash.kernels.bwd.INFO_BYTES
 enum {  // int slots (kInfoStats takes two)
-  kInfoQb, kInfoKb, kInfoSeqQ, kInfoSeqK, kInfoDiag, kInfoDiagLo, kInfoStats, kInfoUnmasked = kInfoStats + 2, kInfoLower
+  kInfoQb, kInfoKb, kInfoSeqQ, kInfoSeqK, kInfoDiag, kInfoDiagLo, kInfoStats, kInfoUnmasked = kInfoStats + 2, kInfoLower,
+  kInfoB  // bwd_ws lpt: the block's batch
 };
+static_assert((kInfoB + 1) * 4 <= kInfoBytes, "the per-block scalars fit their shared memory");
 __device__ __forceinline__ int info_i32(u32 s_info, int slot) {
   int v;
   asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(s_info + slot * 4));
