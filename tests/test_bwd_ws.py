@@ -19,7 +19,7 @@ from cuflash.kernels.bwd_ws import BwdWsVariant
 # (softcap and ALiBi: tests/test_bwd_ws_mods.py; packed sequences: tests/test_bwd_ws_varlen.py)
 DENSE = [v for v in bwd_ws.variants(90) if not v.varlen]
 VARIANTS = [v for v in DENSE if v.family == "bwd_ws" and not (v.flashmask or v.softcap or v.alibi or v.lpt)]
-LPT = [v for v in DENSE if v.family == "bwd_ws" and v.lpt]  # causal d = 128 blocks longest first
+LPT = [v for v in DENSE if v.family == "bwd_ws" and v.lpt]  # causal blocks longest first (d = 128; d = 64 GQA)
 FLASHMASK = [v for v in DENSE if v.family == "bwd_ws" and v.flashmask]
 CONVERTS = [v for v in DENSE if v.family != "bwd_ws" and not v.swizzled and v.kind == "bwd_convert"]  # (dq_t's: DQ_T_CONVERTS)
 # Every way of adding dQ, each field given (planned() sets dq_early at d = 64, dq_writer at 128),
