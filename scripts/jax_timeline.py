@@ -57,24 +57,14 @@ def main():
     b, s, d = a.batch, a.seqlen, a.head_dim
     h = 2048 // d
     key = jax.random.split(jax.random.PRNGKey(0), 4)
-    qj, kj, vj, doj = (jax.random.normal(kk, (b, s, h, d), getattr(jnp, a.dtype)) for kk in key)
-    qt, kt, vt, dot = (torch.from_dlpack(x).clone() for x in (qj, kj, vj, doj))
-    attn = lambda q, k, v: cuflash.jax.attention(q, k, v, causal=a.causal)  # noqa: E731
-    if a.backward:
-        fj = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
-        for x in (qt, kt, vt):
-            x.requires_grad_()
-        paths = {
-            "jax": (lambda: fj(qj, kj, vj, doj), jax.block_until_ready),
-            "torch": (lambda: torch.autograd.grad(cuflash.torch.attention(qt, kt, vt, causal=a.causal), (qt, kt, vt),
-                                                  dot), lambda _: torch.cuda.synchronize()),
-        }
-    else:
-        fj = jax.jit(attn)
-        paths = {
-            "jax": (lambda: fj(qj, kj, vj), jax.block_until_ready),
-            "torch": (lambda: cuflash.torch.attention(qt, kt, vt, causal=a.causal), lambda _: torch.cuda.synchronize()),
-        }
+    xj = tuple(jax.random.normal(kk, (b, s, h, d), getattr(jnp, a.dtype)) for kk in key)  # q, k, v, do
+    xt = tuple(torch.from_dlpack(x).clone().requires_grad_(a.backward and i < 3) for i, x in enumerate(xj))
+    fj = bench._jax_fn("cuflash_jax", a.causal, None, a.backward)
+    ft = bench._torch_fn(torch, a.causal, None, a.backward)
+    paths = {
+        "jax": (lambda: fj(*xj), jax.block_until_ready),
+        "torch": (lambda: ft(*xt), lambda _: torch.cuda.synchronize()),
+    }
     print(f"b={b} s={s} h={h} d={d} causal={a.causal} {a.dtype} {'forward + backward' if a.backward else 'forward'}")
     for name, (fn, sync) in paths.items():
         times = [bench.time_sync(lambda _: fn(), [(None,)], sync, sample_ms=ms) for ms in (10.0, 100.0)]
