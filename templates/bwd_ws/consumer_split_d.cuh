@@ -106,21 +106,17 @@
         wgmma_wait<1>();
         fence_regs(dq);
         // The group's pieces 2 wg and 2 wg + 1 (columns 128 wg ...) of the step's dQ, in fragment
-        // order (bwd.cuh). kDqOrdered: once both groups of every key block before this one have
-        // added theirs (the semaphore counts groups), and counted once every thread's adds are
-        // complete (group barrier 2 + wg).
+        // order (bwd.cuh). kDqOrdered: once the turn warp holds this step's turn (barrier
+        // kBarTurn + wg), and then telling it that the adds are issued (kBarAdded + wg), so that
+        // it waits for their completion and passes the turn on while this group goes on.
         const long long row = info_i64(sInfo, kInfoStats) + (long long)h * head_rows + m0;
-        const bool leader = (ctid & 127) == 0;
-        if constexpr (kDqOrdered) {
-          if (leader) sem_wait<kHangTrap>(dq_sem + {{ sem_row }}, 2 * dq_turn(m0));
-          named_bar_sync_at<128>(2 + wg);
-        }
+{%- if dq_ordered %}
+        named_bar_sync_at<kTurnThreads>(kBarTurn + wg);
+{%- endif %}
         red_add_frag(dq_accum + row * kHeadDim + 2 * wg * 4096, dq, ctid & 127);
-        if constexpr (kDqOrdered) {
-          __threadfence();
-          named_bar_sync_at<128>(2 + wg);
-          if (leader) sem_release(dq_sem + {{ sem_row }});
-        }
+{%- if dq_ordered %}
+        named_bar_arrive_at<kTurnThreads>(kBarAdded + wg);
+{%- endif %}
       }
       wgmma_wait<0>();
       mbar_arrive(bar_empty(st));  // this thread's products have read the stage (Q, dO, LSE, D)

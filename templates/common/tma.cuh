@@ -126,7 +126,7 @@ __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_g
 // A semaphore in global memory: an int counting turns. sem_wait spins until it reads `turn` or
 // more (acquire, GPU scope; traps after kTrapAfter cycles as mbar_wait does), then orders this
 // thread's later bulk copies (async proxy) after what it saw. sem_release, once this thread's
-// bulk writes are complete (bulk_wait), orders them before the release that counts one more turn.
+// bulk writes are complete (bulk_wait), orders them before the release that counts kTurns more turns.
 template <long long kTrapAfter = 0>
 __device__ __forceinline__ void sem_wait(const int* sem, int turn) {
   long long t0 = 0;
@@ -143,9 +143,10 @@ __device__ __forceinline__ void sem_wait(const int* sem, int turn) {
   }
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
+template <int kTurns = 1>
 __device__ __forceinline__ void sem_release(int* sem) {
   asm volatile("fence.proxy.async.global;" ::: "memory");
-  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(sem) : "memory");
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(sem), "n"(kTurns) : "memory");
 }
 
 // --- warp specialisation -----------------------------------------------------------------
