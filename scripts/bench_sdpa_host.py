@@ -1,7 +1,8 @@
 """Host time per forward + backward step of SDPA with cuflash active, in one process and
 interleaved rounds: through the forward op's autograd override ("override"), the same with the
 override bypassed (the aten op's autograd node and the CUDA-key kernels: "aten node"),
-cuflash.torch.attention, and SDPA with PyTorch's kernels. Run: python scripts/bench_sdpa_host.py"""
+cuflash.torch.attention (also on transposed views, its output transposed back), and SDPA with
+PyTorch's kernels. Run: python scripts/bench_sdpa_host.py"""
 import statistics, time
 import torch
 import cuflash.torch as ct
@@ -18,13 +19,17 @@ def sdpa_fwd():
     return F(t, t, t, is_causal=True)
 def ct_step():
     return torch.autograd.grad(ct.attention(g, g, g, causal=True), g, do)
+def ct_transposed_step():  # cuflash.torch with the transposes an SDPA-layout graph would hold
+    x = t.transpose(1, 2)
+    return torch.autograd.grad(ct.attention(x, x, x, causal=True).transpose(1, 2), g, dot)
 def mode(name):
     if name in ("override", "aten node", "override fwd", "aten node fwd"):
         ct.activate_sdpa()
         sd._eager = eager if name.startswith("override") else (lambda *a: None)
     else:
         ct.restore_sdpa()
-CASES = {"override": sdpa_step, "aten node": sdpa_step, "cuflash.torch": ct_step, "SDPA": sdpa_step,
+CASES = {"override": sdpa_step, "aten node": sdpa_step, "cuflash.torch": ct_step,
+         "cuflash.torch transposed": ct_transposed_step, "SDPA": sdpa_step,
          "override fwd": sdpa_fwd, "aten node fwd": sdpa_fwd, "SDPA fwd": sdpa_fwd}
 res = {n: [] for n in CASES}
 for r in range(7):
@@ -38,4 +43,4 @@ for r in range(7):
         res[name].append((time.perf_counter() - t0) * 1e3)
 ct.restore_sdpa()
 for n, v in res.items():
-    print(f"{n:16s} median {statistics.median(v):7.1f} us  (min {min(v):.1f}, max {max(v):.1f})")
+    print(f"{n:24s} median {statistics.median(v):7.1f} us  (min {min(v):.1f}, max {max(v):.1f})")

@@ -342,7 +342,10 @@ def test_eager_autograd_runs_cuflash_function(cpu_autograd, ref_kernels, monkeyp
         assert "_PreparedAttentionBackward" in nodes and not any("FlashAttention" in n for n in nodes), nodes
         assert res[0].shape == q.shape and res[1].shape == (b, h, sq) and res[4:6] == (sq, sk)
         assert res[0].stride() == torch.empty_like(q).stride()  # (laid out as query, as PyTorch's kernel does)
-        res[0].float().sin().sum().backward()
+        grads = torch.autograd.grad(res[0].float().sin().sum(), (q, k, v))
+        for x, g in zip((q, k, v), grads):
+            assert g.stride() == torch.empty_like(x).stride()  # (as its input, as PyTorch's kernel does)
+            x.grad = g
     assert [c[0] for c in ref_kernels] == ["attention", "backward"] * 2 and len(checks) == 1
     want, leaves = _reference(q, k, v, True, 0.4)
     want.sin().sum().backward()

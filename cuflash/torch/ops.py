@@ -444,12 +444,22 @@ class _Prepared:
     """The options of one plain call layout and its prepared forward and backward: ``fwd`` and
     ``bwd`` are the repeat objects of cuflash.api and cuflash.backward, None until a general call
     has made them; ``bwd_strides``, the strides of the saved (q, k, v, out, lse) that ``bwd`` was
-    made for."""
-    __slots__ = ("causal", "scale", "window", "softcap", "deterministic", "fwd", "bwd", "bwd_strides")
+    made for. ``sdpa``: the Function's tensors are SDPA's (batch, nheads, seqlen, d), transposed
+    views of contiguous (batch, seqlen, nheads, d) memory; the repeat objects are made on
+    cuflash's views of them and, as they read only data pointers and allocate the output like q
+    (``torch.empty_like``, which keeps a dense tensor's strides), take SDPA's tensors as they are.
+    The gradients are then allocated by the Function, like q, k and v, and given to the backward."""
+    __slots__ = ("causal", "scale", "window", "softcap", "deterministic", "fwd", "bwd", "bwd_strides", "sdpa")
 
-    def __init__(self, causal, scale, window, softcap, deterministic):
+    def __init__(self, causal, scale, window, softcap, deterministic, sdpa=False):
         self.causal, self.scale, self.window, self.softcap = causal, scale, window, softcap
         self.deterministic, self.fwd, self.bwd, self.bwd_strides = deterministic, None, None, None
+        self.sdpa = sdpa
+
+
+def _bshd(*xs):
+    """(batch, nheads, seqlen, d) tensors as cuflash's (batch, seqlen, nheads, d): views."""
+    return tuple(x.transpose(1, 2) for x in xs)
 
 
 _prepared: dict = cached_on_plans({})  # arrays.repeat_signature of (q, k, v) and the options -> _Prepared
@@ -476,11 +486,14 @@ class _PreparedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, p):
         res = p.fwd(q, k, v, None) if p.fwd is not None else None
         if res is None:  # the first call of this layout, or pointers the repeat path does not take
-            res = cuflash.attention(q, k, v, causal=p.causal, softmax_scale=p.scale, window_size=p.window,
+            qa, ka, va = _bshd(q, k, v) if p.sdpa else (q, k, v)
+            res = cuflash.attention(qa, ka, va, causal=p.causal, softmax_scale=p.scale, window_size=p.window,
                                     softcap=p.softcap, return_lse=True)
             if p.fwd is None:
-                p.fwd = api._repeats.get(api._signature(q, k, v, None, p.causal, p.scale, True, 0, p.window,
+                p.fwd = api._repeats.get(api._signature(qa, ka, va, None, p.causal, p.scale, True, 0, p.window,
                                                         p.softcap, None))
+            if p.sdpa:
+                res = (res[0].transpose(1, 2), res[1])
         out, lse = res
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.prepared = p
@@ -499,17 +512,22 @@ class _PreparedAttention(torch.autograd.Function):
         # torch.autograd.graph.save_on_cpu) may give back contiguous copies of strided inputs.
         usual = dout.dtype == out.dtype and dout.stride() == out.stride()
         strides = (q.stride(), k.stride(), v.stride(), out.stride(), lse.stride())
-        res = (p.bwd(dout, q, k, v, out, lse, None, None, None)
+        grads = tuple(torch.empty_like(x) for x in (q, k, v)) if p.sdpa else (None, None, None)
+        res = (p.bwd(dout, q, k, v, out, lse, *grads)
                if usual and p.bwd is not None and strides == p.bwd_strides else None)
         if res is None:
+            args = _bshd(_last_dim_contiguous(dout), q, k, v, out) + (lse,) if p.sdpa else (
+                _last_dim_contiguous(dout), q, k, v, out, lse)
+            given = _bshd(*grads) if p.sdpa else grads
             res = cuflash.backward.attention_backward(
-                _last_dim_contiguous(dout), q, k, v, out, lse, causal=p.causal, softmax_scale=p.scale,
-                window_size=p.window, softcap=p.softcap, deterministic=p.deterministic)
+                *args, causal=p.causal, softmax_scale=p.scale, window_size=p.window, softcap=p.softcap,
+                deterministic=p.deterministic, dq=given[0], dk=given[1], dv=given[2])
             if usual and p.bwd is None:
                 p.bwd = cuflash.backward._repeats.get(cuflash.backward._signature(
-                    dout, q, k, v, out, lse, None, None, None, p.causal, p.scale, p.deterministic, p.window,
-                    p.softcap, 0))
+                    *args, *given, p.causal, p.scale, p.deterministic, p.window, p.softcap, 0))
                 p.bwd_strides = strides
+            if p.sdpa:
+                res = grads
         if torch.is_grad_enabled():  # (create_graph=True)
             res = _first_order(res[:3], dout, q, k, v, out)
         dq, dk, dv = res

@@ -104,17 +104,21 @@ def _capability(index):
 # ---------------------------------------------------------------------------------------------
 # The kernels registered for the CUDA key
 
-def _bshd(*xs):
-    """(batch, nheads, seqlen, d) tensors as cuflash's (batch, seqlen, nheads, d): views."""
-    return tuple(x.transpose(1, 2) for x in xs)
+_bshd = ops._bshd
+_placeholders: dict = {}  # (device, dtype) -> the flash op's (rng_state, unused, debug_attn_mask) without dropout
 
 
 def _result(query, key, out, lse):
     """The flash op's tuple (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng_state,
-    unused, debug_attn_mask) around cuflash's output and LSE."""
-    rng = torch.empty(2, dtype=torch.uint64, device=query.device)  # no dropout: never read
-    unused = torch.empty((), dtype=torch.uint64, device=query.device)
-    return out, lse, None, None, query.shape[2], key.shape[2], rng, unused, query.new_empty(0)
+    unused, debug_attn_mask) around cuflash's output and LSE. Without dropout nothing reads the
+    last three (PyTorch's kernels make them empty or uninitialised), so each device and dtype
+    keeps one set rather than allocating three tensors per call."""
+    held = _placeholders.get((query.device, query.dtype))
+    if held is None:
+        held = _placeholders[(query.device, query.dtype)] = (
+            torch.empty(2, dtype=torch.uint64, device=query.device), torch.empty((), dtype=torch.uint64, device=query.device),
+            query.new_empty(0))
+    return (out, lse, None, None, query.shape[2], key.shape[2]) + held
 
 
 def _forward(query, key, value, is_causal, scale):
@@ -175,17 +179,18 @@ def _autograd_impl(keyset, query, key, value, dropout_p=0.0, is_causal=False, re
     if p is None:
         return _active.autograd.call_boxed(keyset, query, key, value, dropout_p, is_causal, return_debug_mask,
                                            scale=scale)
-    out, lse = ops._PreparedAttention.apply(*_bshd(query, key, value), p)
-    return _result(query, key, out.transpose(1, 2), lse)  # (out laid out as query, as PyTorch's own)
+    out, lse = ops._PreparedAttention.apply(query, key, value, p)  # (SDPA's layout in and out: p.sdpa)
+    return _result(query, key, out, lse)
 
 
 def _eager(query, key, value, is_causal, scale):
     """The prepared eager call (ops._Prepared) of a forward without dropout that needs gradients,
     or None where cuflash does not serve it, it is not an eager call on real CUDA tensors, a
     __torch_dispatch__ mode is active (FLOP counters, selective checkpointing: they must see the
-    aten ops), or an operand is not a transposed (batch, seqlen, nheads, d) tensor, the layout in
-    which the Function's output and gradients are laid out as PyTorch's kernels lay them out (as
-    their inputs). The checks run once per layout and options (the repeat signature)."""
+    aten ops), or an operand is not a transposed (batch, seqlen, nheads, d) tensor: in that layout
+    the Function's prepared launches take SDPA's tensors as they are (ops._Prepared.sdpa), and its
+    output and gradients are laid out as PyTorch's kernels lay them out (as their inputs). The
+    checks run once per layout and options (the repeat signature)."""
     if ops._route(query, key, value) != "autograd" or torch._C._len_torch_dispatch_stack():
         return None
     det = torch.are_deterministic_algorithms_enabled()
@@ -195,8 +200,9 @@ def _eager(query, key, value, is_causal, scale):
     p = _served.get(sig, _served)
     if p is _served:  # (a layout not seen yet)
         views = _bshd(query, key, value)
-        p = None if _unsupported(query, key, value, 0.0, scale) or not all(x.is_contiguous() for x in views) \
-            else ops._prepared_for(*views, is_causal, scale, (-1, -1), 0.0, det)
+        p = None if (_unsupported(query, key, value, 0.0, scale) or not all(x.is_contiguous() for x in views)
+                     or scale is not None and scale.__class__ not in (float, int)) \
+            else ops._Prepared(is_causal, scale, (-1, -1), 0.0, det, sdpa=True)
         arrays.repeat_keep(_served, sig, p)
     return p
 
