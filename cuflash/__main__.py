@@ -255,6 +255,14 @@ def cmd_bench(a):
         if a.kind not in ("prefill", "backward"):
             _fail(f"cuflash: error: --settle applies to bench prefill and backward, not {a.kind}")
         grid["settle"] = a.settle
+    if a.gqa is not None:
+        if a.kind not in ("prefill", "backward"):
+            _fail(f"cuflash: error: --gqa applies to bench prefill and backward, not {a.kind}")
+        bad = [d for d in grid.get("head_dims", (64, 128, 256)) if (2048 // d) % a.gqa]
+        if bad:
+            _fail(f"cuflash: error: --gqa {a.gqa} does not divide the query heads (2048 // head dim) at head dim "
+                  f"{', '.join(map(str, bad))}")
+        grid["gqa"] = a.gqa
     if a.kind == "prefill":
         rows = bench.bench_prefill(**grid)
     elif a.kind == "window":
@@ -372,6 +380,8 @@ def main(argv=None):
     b.add_argument("--settle", type=_seconds,
                    help="bench prefill / backward: seconds of back-to-back calls before each timing, so that it sees "
                         "the clock the GPU settles at under load (default 0)")
+    b.add_argument("--gqa", type=_int_in(1, 64),
+                   help="bench prefill / backward: query heads per KV head (SDPA with enable_gqa; default 1)")
     b.add_argument("--json")
     b.add_argument("--csv")
     b.add_argument("--plot")

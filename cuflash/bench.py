@@ -281,22 +281,26 @@ def _emit(rows, row, kind, verbose):
         print(format_table([row], kind).splitlines()[-1], row.get("error", ""), flush=True)
 
 
-def _prefill_grid(dtypes, head_dims, causal, shapes, model_dim, quick):
-    """(dtype, d, causal, batch, seqlen, nheads, (b, s, h, d)) over FlashAttention's grid."""
+def _prefill_grid(dtypes, head_dims, causal, shapes, model_dim, quick, gqa=1):
+    """(dtype, d, causal, batch, seqlen, nheads, (b, s, h, d), (b, s, h // gqa, d)) over
+    FlashAttention's grid: q's shape and K/V's, with ``gqa`` query heads per KV head."""
     if quick:
         dtypes, shapes = ("bfloat16",), ((8, 2048),)
     for dt in dtypes:
         for d in head_dims:
+            h = model_dim // d
+            if gqa < 1 or h % gqa:
+                raise ValueError(f"gqa: expected a divisor of the {h} query heads at head dim {d}, got {gqa}")
             for c in causal:
                 for b, s in shapes:
-                    h = model_dim // d
-                    yield dt, d, c, b, s, h, (b, s, h, d)
+                    yield dt, d, c, b, s, h, (b, s, h, d), (b, s, h // gqa, d)
 
 
 def bench_prefill(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), causal=(False, True),
                   shapes=((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)),
-                  model_dim=2048, reps=30, warmup=5, quick=False, verbose=True, rounds=3, settle=0.0):
-    """Forward prefill sweep (sq == sk, nheads_k == nheads); returns one dict per config. cuflash
+                  model_dim=2048, reps=30, warmup=5, quick=False, verbose=True, rounds=3, settle=0.0, gqa=1):
+    """Forward prefill sweep (sq == sk; ``gqa`` query heads per KV head, SDPA with enable_gqa
+    then); returns one dict per config. cuflash
     and SDPA's flash and cuDNN backends are timed in ``rounds`` rotated rounds
     (rotated_rounds); ``settle`` seconds of back-to-back calls before each timing
     (time_cuda's settle_s)."""
@@ -304,26 +308,26 @@ def bench_prefill(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), caus
     import cuflash
     gemm = measure_ceilings()["gemm_tflops"]
     rows = []
-    for dt, d, c, b, s, h, shp in _prefill_grid(dtypes, head_dims, causal, shapes, model_dim, quick):
-        sets = _make_sets(torch, (shp, shp, shp), getattr(torch, dt),
+    for dt, d, c, b, s, h, shp, kshp in _prefill_grid(dtypes, head_dims, causal, shapes, model_dim, quick, gqa):
+        sets = _make_sets(torch, (shp, kshp, kshp), getattr(torch, dt),
                           extra_bytes=b * s * h * d * 2)
         q, k, v = sets[0]
-        row = dict(dtype=dt, d=d, causal=c, batch=b, seqlen=s, nheads=h)
+        row = dict(dtype=dt, d=d, causal=c, batch=b, seqlen=s, nheads=h, nheads_k=kshp[2])
         row["kernels"], _ = _plan(cuflash, q, k, v, c)
         flops = _flops(b, s, h, d, c)
         tf = lambda ms: flops / ms / 1e9 if ms else None  # noqa: E731
         sets_t = [tuple(t.transpose(1, 2) for t in x) for x in sets]
         try:
             row["max_diff_vs_sdpa"] = _max_diff(torch, cuflash.attention(q, k, v, causal=c),
-                                                q, k, v, c, False)
+                                                q, k, v, c, gqa > 1)
             timers = {"cuflash": _noting_error(row, lambda: time_cuda(
                 lambda q, k, v: cuflash.attention(q, k, v, causal=c), sets, warmup, reps, settle_s=settle))}
         except Exception as e:
             row.update(error=f"{type(e).__name__}: {e}")
             timers = {}
-        timers.update(flash=lambda: _time_sdpa(torch, "FLASH_ATTENTION", sets_t, c, False, warmup, reps,
+        timers.update(flash=lambda: _time_sdpa(torch, "FLASH_ATTENTION", sets_t, c, gqa > 1, warmup, reps,
                                                settle_s=settle),
-                      cudnn=lambda: _time_sdpa(torch, "CUDNN_ATTENTION", sets_t, c, False, warmup, reps,
+                      cudnn=lambda: _time_sdpa(torch, "CUDNN_ATTENTION", sets_t, c, gqa > 1, warmup, reps,
                                                settle_s=settle))
         ms = rotated_rounds(timers, rounds)
         row["cuflash_ms"] = ms.get("cuflash")
@@ -393,20 +397,21 @@ def bench_decode(shapes=None, reps=20, warmup=10, d=128, dtype="bfloat16", causa
 def bench_backward(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), causal=(False, True),
                    shapes=((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)),
                    model_dim=2048, reps=20, warmup=3, quick=False, verbose=True, deterministic=False,
-                   rounds=3, settle=0.0):
+                   rounds=3, settle=0.0, gqa=1):
     """Backward sweep on the prefill grid: cuflash.backward.attention_backward against the
     backward of SDPA's flash (FA2) and cuDNN backends, each timed alone (gradients of a saved
     forward), in ``rounds`` rotated rounds (rotated_rounds), each after ``settle`` seconds of
     back-to-back calls (time_cuda's settle_s). FLOPs = 2.5 x the forward's (FA2's convention: 5
     matmuls against 2).
-    ``deterministic``: cuflash's deterministic mode (no atomics; SDPA's backends as usual)."""
+    ``deterministic``: cuflash's deterministic mode (no atomics; SDPA's backends as usual).
+    ``gqa``: query heads per KV head (SDPA with enable_gqa)."""
     torch = _torch()
     import cuflash
     from cuflash.backward import attention_backward
     rows = []
-    for dt, d, c, b, s, h, shp in _prefill_grid(dtypes, head_dims, causal, shapes, model_dim, quick):
-        sets = _make_sets(torch, (shp, shp, shp, shp), getattr(torch, dt), min_sets=2)
-        row = dict(dtype=dt, d=d, causal=c, batch=b, seqlen=s, nheads=h)
+    for dt, d, c, b, s, h, shp, kshp in _prefill_grid(dtypes, head_dims, causal, shapes, model_dim, quick, gqa):
+        sets = _make_sets(torch, (shp, kshp, kshp, shp), getattr(torch, dt), min_sets=2)
+        row = dict(dtype=dt, d=d, causal=c, batch=b, seqlen=s, nheads=h, nheads_k=kshp[2])
         flops = BACKWARD_FLOPS * _flops(b, s, h, d, c)
         tf = lambda ms: flops / ms / 1e9 if ms else None  # noqa: E731
 
@@ -416,7 +421,7 @@ def bench_backward(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), cau
                 do, q, k, v, o, lse, causal=c, deterministic=deterministic)
             return time_cuda(fn, saved, warmup, reps, settle_s=settle)
         ms = rotated_rounds({"cuflash": _noting_error(row, cuflash_ms), **{
-            name: functools.partial(_time_sdpa_backward, torch, backend, sets, c, warmup, reps, settle)
+            name: functools.partial(_time_sdpa_backward, torch, backend, sets, c, warmup, reps, settle, gqa > 1)
             for name, backend in (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION"))}}, rounds)
         row["cuflash_ms"] = ms["cuflash"]
         row["flash_tflops"], row["cudnn_tflops"] = tf(ms["flash"]), tf(ms["cudnn"])
@@ -430,7 +435,7 @@ def bench_backward(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), cau
     return rows
 
 
-def _time_sdpa_backward(torch, backend, sets, causal, warmup, reps, settle=0.0):
+def _time_sdpa_backward(torch, backend, sets, causal, warmup, reps, settle=0.0, gqa=False):
     """Median ms of one SDPA backend's backward (autograd.grad of a saved forward), or None."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     try:
@@ -438,7 +443,7 @@ def _time_sdpa_backward(torch, backend, sets, causal, warmup, reps, settle=0.0):
             saved = []
             for q, k, v, do in sets:
                 q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
-                saved.append((_sdpa(torch, causal, False)(q, k, v), q, k, v, do.transpose(1, 2)))
+                saved.append((_sdpa(torch, causal, gqa)(q, k, v), q, k, v, do.transpose(1, 2)))
             fn = lambda o, q, k, v, do: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)  # noqa: E731
             return time_cuda(fn, saved, warmup, reps, settle_s=settle)
     except Exception:  # unsupported shape/dtype for this backend
@@ -462,7 +467,7 @@ def bench_jax(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), causal=(
     torch, jax = _torch(), _jax()
     import jax.dlpack
     rows = []
-    for dt, d, c, b, s, h, shp in _prefill_grid(dtypes, head_dims, causal, shapes, model_dim, quick):
+    for dt, d, c, b, s, h, shp, _ in _prefill_grid(dtypes, head_dims, causal, shapes, model_dim, quick):
         # q, k, v and the cotangent do, made by PyTorch and seen by JAX through DLPack without a
         # copy: every implementation reads the same inputs, so their outputs can be compared.
         sets_t = _make_sets(torch, (shp,) * 4, getattr(torch, dt), min_sets=2)
@@ -1109,7 +1114,9 @@ _pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # noqa: E731
 
 _COLUMNS = {
     "prefill": [("dtype", "dtype", str), ("d", "d", str), ("causal", "causal", lambda x: "Y" if x else "N"),
-                ("b", "batch", str), ("s", "seqlen", str), ("cuflash TF/s", "cuflash_tflops", _f(".1f")),
+                ("b", "batch", str), ("s", "seqlen", str),
+                ("heads", None, lambda r: f"{r['nheads']}/{r.get('nheads_k', r['nheads'])}"),
+                ("cuflash TF/s", "cuflash_tflops", _f(".1f")),
                 ("flash TF/s", "flash_tflops", _f(".1f")), ("cuDNN TF/s", "cudnn_tflops", _f(".1f")),
                 ("xflash", "ratio_flash", _f(".2f")), ("xcuDNN", "ratio_cudnn", _f(".2f")),
                 ("%GEMM", "frac_gemm", _pct), ("kernels", "kernels", lambda x: x or "-")],

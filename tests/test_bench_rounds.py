@@ -70,6 +70,37 @@ def test_cli_settle(capsys, monkeypatch):
         assert code != 0 and "--settle" in err, bad
 
 
+def test_cli_gqa(capsys, monkeypatch):
+    """--gqa passes query heads per KV head through to bench prefill and backward, is refused
+    elsewhere and where it does not divide a head dim's query heads (2048 // d)."""
+    from test_hardening import run_cli
+    seen = {}
+    monkeypatch.setattr(bench, "_torch", lambda: None)
+    for kind in ("prefill", "backward"):
+        monkeypatch.setattr(bench, f"bench_{kind}", lambda **kw: seen.update(kw) or [])
+    monkeypatch.setattr(bench, "format_table", lambda rows, kind: "")
+    for kind in ("prefill", "backward"):
+        seen.clear()
+        code, _, _ = run_cli(capsys, "bench", kind, "--gqa", "4")
+        assert code == 0 and seen["gqa"] == 4, kind
+    code, _, err = run_cli(capsys, "bench", "backward", "--gqa", "16")
+    assert code != 0 and "--gqa 16 does not divide" in err and "head dim 256" in err
+    code, _, _ = run_cli(capsys, "bench", "backward", "--gqa", "16", "--head-dim", "64", "128")
+    assert code == 0 and seen["gqa"] == 16
+    code, _, err = run_cli(capsys, "bench", "overhead", "--gqa", "2")
+    assert code != 0 and "--gqa applies to bench prefill and backward, not overhead" in err
+    code, _, err = run_cli(capsys, "bench", "prefill", "--gqa", "0")
+    assert code != 0 and "--gqa" in err
+
+
+def test_prefill_grid_gqa():
+    """The grid's K/V shapes have nheads // gqa heads; a gqa that does not divide them is refused."""
+    rows = list(bench._prefill_grid(("bfloat16",), (128,), (True,), ((2, 512),), 2048, False, gqa=4))
+    assert rows == [("bfloat16", 128, True, 2, 512, 16, (2, 512, 16, 128), (2, 512, 4, 128))]
+    with pytest.raises(ValueError, match="gqa"):
+        list(bench._prefill_grid(("bfloat16",), (256,), (True,), ((2, 512),), 2048, False, gqa=16))
+
+
 class _FakeCuda:
     """torch.cuda's stand-in for time_cuda: synchronize counts, events give 1 ms per sample."""
 
