@@ -262,8 +262,9 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
     tile) atomics; deterministic, the same adds in a fixed order (the fastest of the dQ variants
     on an H200 at each, and the ordered adds faster than the deterministic dQ kernel:
     BENCHMARKS.md, scripts/bench_bwd_ws.py); atomic dQ without FlashMask with rotated step walks
-    (+2 to +7% at d = 128 and 256 on an H200), except the 80-query steps without a mask (rotated
-    walks 0 to 10% slower there). ``flashmask``: FlashMask's bound columns per key;
+    (+2 to +7% at d = 128 and 256 on an H200; starting within the group's first query head:
+    with GQA 4, +12 to +55% at d = 256, +2 to +14% at d = 128 causal), except the 80-query steps
+    without a mask (rotated walks 0 to 10% slower there). ``flashmask``: FlashMask's bound columns per key;
     deterministic with FlashMask, the dQ writer's ordered adds where the mask is causal at d = 64
     and 128, elsewhere dK and dV only (kind "bwd_ws_dkdv"; the deterministic dQ kernel follows):
     without causal the ordered adds were slower than the dQ kernel on an H200 (a key block that
