@@ -19,19 +19,33 @@ def test_rotated_rounds_order_and_medians():
     assert got == {"a": 2.0, "b": 6.0, "c": None}
 
 
-def test_cli_rounds(capsys, monkeypatch):
-    """--rounds passes through to bench prefill, backward and jax, and is refused elsewhere."""
-    from test_hardening import run_cli
+def _recording_sweeps(monkeypatch, kinds):
+    """bench's sweeps of ``kinds`` replaced by one that records its keyword arguments into the
+    dict returned (no GPU, no table)."""
     seen = {}
     monkeypatch.setattr(bench, "_torch", lambda: None)
     monkeypatch.setattr(bench, "_jax", lambda: None)
-    for kind in ("prefill", "backward", "jax"):
+    for kind in kinds:
         monkeypatch.setattr(bench, f"bench_{kind}", lambda **kw: seen.update(kw) or [])
     monkeypatch.setattr(bench, "format_table", lambda rows, kind: "")
-    for kind in ("prefill", "backward", "jax"):
+    return seen
+
+
+def _passes_through(capsys, seen, kinds, option, value, key, parsed):
+    """``bench KIND option value`` runs and hands the sweep ``key=parsed``, for every kind."""
+    from test_hardening import run_cli
+    for kind in kinds:
         seen.clear()
-        code, _, _ = run_cli(capsys, "bench", kind, "--rounds", "5")
-        assert code == 0 and seen["rounds"] == 5, kind
+        code, _, _ = run_cli(capsys, "bench", kind, option, value)
+        assert code == 0 and seen[key] == parsed, kind
+
+
+def test_cli_rounds(capsys, monkeypatch):
+    """--rounds passes through to bench prefill, backward and jax, and is refused elsewhere."""
+    from test_hardening import run_cli
+    kinds = ("prefill", "backward", "jax")
+    seen = _recording_sweeps(monkeypatch, kinds)
+    _passes_through(capsys, seen, kinds, "--rounds", "5", "rounds", 5)
     seen.clear()
     code, _, _ = run_cli(capsys, "bench", "prefill")
     assert code == 0 and "rounds" not in seen  # the sweep's default
@@ -51,15 +65,9 @@ def test_cli_settle(capsys, monkeypatch):
     """--settle passes seconds through to bench prefill and backward, is refused elsewhere and
     outside 0 to 60."""
     from test_hardening import run_cli
-    seen = {}
-    monkeypatch.setattr(bench, "_torch", lambda: None)
-    for kind in ("prefill", "backward"):
-        monkeypatch.setattr(bench, f"bench_{kind}", lambda **kw: seen.update(kw) or [])
-    monkeypatch.setattr(bench, "format_table", lambda rows, kind: "")
-    for kind in ("prefill", "backward"):
-        seen.clear()
-        code, _, _ = run_cli(capsys, "bench", kind, "--settle", "1.5")
-        assert code == 0 and seen["settle"] == 1.5, kind
+    kinds = ("prefill", "backward")
+    seen = _recording_sweeps(monkeypatch, kinds)
+    _passes_through(capsys, seen, kinds, "--settle", "1.5", "settle", 1.5)
     seen.clear()
     code, _, _ = run_cli(capsys, "bench", "prefill")
     assert code == 0 and "settle" not in seen
@@ -74,15 +82,9 @@ def test_cli_gqa(capsys, monkeypatch):
     """--gqa passes query heads per KV head through to bench prefill and backward, is refused
     elsewhere and where it does not divide a head dim's query heads (2048 // d)."""
     from test_hardening import run_cli
-    seen = {}
-    monkeypatch.setattr(bench, "_torch", lambda: None)
-    for kind in ("prefill", "backward"):
-        monkeypatch.setattr(bench, f"bench_{kind}", lambda **kw: seen.update(kw) or [])
-    monkeypatch.setattr(bench, "format_table", lambda rows, kind: "")
-    for kind in ("prefill", "backward"):
-        seen.clear()
-        code, _, _ = run_cli(capsys, "bench", kind, "--gqa", "4")
-        assert code == 0 and seen["gqa"] == 4, kind
+    kinds = ("prefill", "backward")
+    seen = _recording_sweeps(monkeypatch, kinds)
+    _passes_through(capsys, seen, kinds, "--gqa", "4", "gqa", 4)
     code, _, err = run_cli(capsys, "bench", "backward", "--gqa", "16")
     assert code != 0 and "--gqa 16 does not divide" in err and "head dim 256" in err
     code, _, _ = run_cli(capsys, "bench", "backward", "--gqa", "16", "--head-dim", "64", "128")
