@@ -617,7 +617,8 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
         order = ("from the last key block that sees it (the key blocks are launched from the last)" if causal or local
                  else "from the first key block")
         who = ("the dK/dV kernel's consumer warpgroups add dQ = dS K into an fp32 accumulator with atomics, each "
-               "its own columns," if main.split_d else
+               "its own columns, a warp of the producer warpgroup taking the turns for them (they neither spin nor "
+               "wait for their adds)," if main.split_d else
                "the dK/dV kernel's dQ writer adds dQ = dS K into an fp32 accumulator with bulk reduce-adds")
         fm_turns = (" (with FlashMask a key block whose tile is fully masked takes no turn)" if p.flashmask else "")
         why.append(f"deterministic=True: {who} in a fixed order: per query block a semaphore lets the key blocks add "
