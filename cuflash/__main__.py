@@ -258,10 +258,10 @@ def cmd_bench(a):
     if a.gqa is not None:
         if a.kind not in ("prefill", "backward"):
             _fail(f"cuflash: error: --gqa applies to bench prefill and backward, not {a.kind}")
-        bad = [d for d in grid.get("head_dims", (64, 128, 256)) if (2048 // d) % a.gqa]
-        if bad:
-            _fail(f"cuflash: error: --gqa {a.gqa} does not divide the query heads (2048 // head dim) at head dim "
-                  f"{', '.join(map(str, bad))}")
+        try:
+            bench.check_gqa(grid.get("head_dims", bench.GRID_HEAD_DIMS), a.gqa)
+        except ValueError as e:
+            _fail(f"cuflash: error: --{e}")
         grid["gqa"] = a.gqa
     if a.kind == "prefill":
         rows = bench.bench_prefill(**grid)

@@ -281,22 +281,32 @@ def _emit(rows, row, kind, verbose):
         print(format_table([row], kind).splitlines()[-1], row.get("error", ""), flush=True)
 
 
+GRID_HEAD_DIMS = (64, 128, 256)  # the prefill, backward and jax grids' head dims (model dim 2048)
+
+
+def check_gqa(head_dims, gqa, model_dim=2048):
+    """ValueError unless ``gqa`` (query heads per KV head) divides every head dim's query heads."""
+    bad = [d for d in head_dims if gqa < 1 or (model_dim // d) % gqa]
+    if bad:
+        raise ValueError(f"gqa {gqa} does not divide the query heads ({model_dim} // head dim) at head dim "
+                         + ", ".join(map(str, bad)))
+
+
 def _prefill_grid(dtypes, head_dims, causal, shapes, model_dim, quick, gqa=1):
     """(dtype, d, causal, batch, seqlen, nheads, (b, s, h, d), (b, s, h // gqa, d)) over
     FlashAttention's grid: q's shape and K/V's, with ``gqa`` query heads per KV head."""
+    check_gqa(head_dims, gqa, model_dim)
     if quick:
         dtypes, shapes = ("bfloat16",), ((8, 2048),)
     for dt in dtypes:
         for d in head_dims:
             h = model_dim // d
-            if gqa < 1 or h % gqa:
-                raise ValueError(f"gqa: expected a divisor of the {h} query heads at head dim {d}, got {gqa}")
             for c in causal:
                 for b, s in shapes:
                     yield dt, d, c, b, s, h, (b, s, h, d), (b, s, h // gqa, d)
 
 
-def bench_prefill(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), causal=(False, True),
+def bench_prefill(dtypes=("bfloat16", "float16"), head_dims=GRID_HEAD_DIMS, causal=(False, True),
                   shapes=((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)),
                   model_dim=2048, reps=30, warmup=5, quick=False, verbose=True, rounds=3, settle=0.0, gqa=1):
     """Forward prefill sweep (sq == sk; ``gqa`` query heads per KV head, SDPA with enable_gqa
@@ -394,7 +404,7 @@ def bench_decode(shapes=None, reps=20, warmup=10, d=128, dtype="bfloat16", causa
     return rows
 
 
-def bench_backward(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), causal=(False, True),
+def bench_backward(dtypes=("bfloat16", "float16"), head_dims=GRID_HEAD_DIMS, causal=(False, True),
                    shapes=((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)),
                    model_dim=2048, reps=20, warmup=3, quick=False, verbose=True, deterministic=False,
                    rounds=3, settle=0.0, gqa=1):
@@ -450,7 +460,7 @@ def _time_sdpa_backward(torch, backend, sets, causal, warmup, reps, settle=0.0, 
         return None
 
 
-def bench_jax(dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), causal=(False, True),
+def bench_jax(dtypes=("bfloat16", "float16"), head_dims=GRID_HEAD_DIMS, causal=(False, True),
               shapes=((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)),
               model_dim=2048, reps=20, warmup=3, quick=False, verbose=True, rounds=3):
     """cuflash.jax.attention under jax.jit against jax.nn.dot_product_attention with

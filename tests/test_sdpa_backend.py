@@ -495,6 +495,36 @@ def test_gpu_sdpa_matches_pytorch(sdpa, dtype, b, h, hk, sq, sk, d, causal):
 
 
 @requires_gpu
+def test_gpu_eager_repeats_on_sequence_chunks(sdpa):
+    """Eager calls that need gradients, repeated (the prepared launches after the first call), on
+    batch-1 chunks of a longer sequence (q.chunk along the sequence: a batch stride that is not
+    the contiguous one) and on whole tensors: outputs and gradients equal to PyTorch's flash
+    kernels' within its own rounding on every call, laid out as PyTorch lays them out, and an
+    output that can be changed in place."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    g = torch.Generator(device="cuda").manual_seed(11)
+    full = [torch.randn(1, 512, 8, 64, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3)]
+    chunks = [[x[:, i:i + 256].transpose(1, 2).detach().requires_grad_() for x in full] for i in (0, 256)]
+    whole = [x[:, :256].contiguous().transpose(1, 2).detach().requires_grad_() for x in full]
+    for q, k, v in chunks + [whole] * 3:
+        dout = torch.randn(q.shape, generator=g, device="cuda").to(q.dtype)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            want = _fwd_bwd(q, k, v, dout, is_causal=True)
+            sdpa.activate_sdpa()
+            try:
+                got = _fwd_bwd(q, k, v, dout, is_causal=True)
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                assert out.stride() == torch.empty_like(q).stride()
+                out.mul_(1.0)  # (a new tensor, not a view made inside the Function)
+            finally:
+                sdpa.restore_sdpa()
+        for name, a, w in zip(("out", "dq", "dk", "dv"), got, want):
+            assert _max_err(a, w) <= 2e-2, name
+
+
+@requires_gpu
 def test_gpu_lse_and_lower_right_causal_match_pytorch(sdpa):
     """The op called directly, causal with seqlen_q != seqlen_k (bottom-right on this op, as
     causal_lower_right sends it): LSE and output against PyTorch's own kernel."""

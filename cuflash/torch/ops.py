@@ -446,9 +446,9 @@ class _Prepared:
     has made them; ``bwd_strides``, the strides of the saved (q, k, v, out, lse) that ``bwd`` was
     made for. ``sdpa``: the Function's tensors are SDPA's (batch, nheads, seqlen, d), transposed
     views of contiguous (batch, seqlen, nheads, d) memory; the repeat objects are made on
-    cuflash's views of them and, as they read only data pointers and allocate the output like q
-    (``torch.empty_like``, which keeps a dense tensor's strides), take SDPA's tensors as they are.
-    The gradients are then allocated by the Function, like q, k and v, and given to the backward."""
+    cuflash's views of them and, as they read only data pointers, take SDPA's tensors as they
+    are. The output and the gradients are then allocated by the Function, like q, k and v
+    (``torch.empty_like``, which keeps a dense tensor's strides), and given to the launches."""
     __slots__ = ("causal", "scale", "window", "softcap", "deterministic", "fwd", "bwd", "bwd_strides", "sdpa")
 
     def __init__(self, causal, scale, window, softcap, deterministic, sdpa=False):
@@ -484,16 +484,19 @@ def _prepared_for(q, k, v, causal, softmax_scale, window, softcap, deterministic
 class _PreparedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, p):
-        res = p.fwd(q, k, v, None) if p.fwd is not None else None
+        # p.sdpa: the output is allocated here like q (its strides, whatever those of its size-1
+        # dims), given to the launches as cuflash's view of it, and returned as it is, a new tensor.
+        o = torch.empty_like(q) if p.sdpa else None
+        res = p.fwd(q, k, v, o) if p.fwd is not None else None
         if res is None:  # the first call of this layout, or pointers the repeat path does not take
-            qa, ka, va = _bshd(q, k, v) if p.sdpa else (q, k, v)
+            qa, ka, va, oa = _bshd(q, k, v, o) if p.sdpa else (q, k, v, None)
             res = cuflash.attention(qa, ka, va, causal=p.causal, softmax_scale=p.scale, window_size=p.window,
-                                    softcap=p.softcap, return_lse=True)
+                                    softcap=p.softcap, return_lse=True, out=oa)
             if p.fwd is None:
-                p.fwd = api._repeats.get(api._signature(qa, ka, va, None, p.causal, p.scale, True, 0, p.window,
+                p.fwd = api._repeats.get(api._signature(qa, ka, va, oa, p.causal, p.scale, True, 0, p.window,
                                                         p.softcap, None))
             if p.sdpa:
-                res = (res[0].transpose(1, 2), res[1])
+                res = (o, res[1])
         out, lse = res
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.prepared = p

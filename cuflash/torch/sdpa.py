@@ -105,20 +105,31 @@ def _capability(index):
 # The kernels registered for the CUDA key
 
 _bshd = ops._bshd
-_placeholders: dict = {}  # (device, dtype) -> the flash op's (rng_state, unused, debug_attn_mask) without dropout
+_placeholders: dict = {}  # (device, dtype) -> the eager Function's (rng_state, unused, debug_attn_mask)
 
 
-def _result(query, key, out, lse):
+def _result(query, key, out, lse, held=None):
     """The flash op's tuple (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng_state,
-    unused, debug_attn_mask) around cuflash's output and LSE. Without dropout nothing reads the
-    last three (PyTorch's kernels make them empty or uninitialised), so each device and dtype
-    keeps one set rather than allocating three tensors per call."""
-    held = _placeholders.get((query.device, query.dtype))
+    unused, debug_attn_mask) around cuflash's output and LSE; ``held``: the last three, else new."""
     if held is None:
-        held = _placeholders[(query.device, query.dtype)] = (
-            torch.empty(2, dtype=torch.uint64, device=query.device), torch.empty((), dtype=torch.uint64, device=query.device),
-            query.new_empty(0))
+        held = (torch.empty(2, dtype=torch.uint64, device=query.device),  # no dropout: never read
+                torch.empty((), dtype=torch.uint64, device=query.device), query.new_empty(0))
     return (out, lse, None, None, query.shape[2], key.shape[2]) + held
+
+
+def _held_placeholders(query):
+    """The eager Function's (rng_state, unused, debug_attn_mask): without dropout nothing reads
+    them (its backward is cuflash's, which takes none of them), so each device and dtype keeps
+    one set rather than allocating three tensors per call; not during a CUDA graph capture,
+    whose private pool must not hold tensors kept here."""
+    key = (query.device, query.dtype)
+    held = _placeholders.get(key)
+    if held is None:
+        held = _result(query, query, None, None)[6:]
+        if query.is_cuda and torch.cuda.is_current_stream_capturing():
+            return held
+        _placeholders[key] = held
+    return held
 
 
 def _forward(query, key, value, is_causal, scale):
@@ -180,7 +191,7 @@ def _autograd_impl(keyset, query, key, value, dropout_p=0.0, is_causal=False, re
         return _active.autograd.call_boxed(keyset, query, key, value, dropout_p, is_causal, return_debug_mask,
                                            scale=scale)
     out, lse = ops._PreparedAttention.apply(query, key, value, p)  # (SDPA's layout in and out: p.sdpa)
-    return _result(query, key, out, lse)
+    return _result(query, key, out, lse, _held_placeholders(query))
 
 
 def _eager(query, key, value, is_causal, scale):
