@@ -152,11 +152,14 @@ def main():
             plan.forget_plans()
             o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
             attention_backward(torch.randn_like(o), q, k, v, o, lse, causal=True)
-        # the planned variant with its causal key blocks launched longest first (planned from 2048 keys)
+        # the planned variants with their causal key blocks launched longest first (planned from
+        # 2048 keys): d = 128, and d = 64 with GQA (4 query heads per KV head, where it is planned
+        # at d = 64), whose producer re-reads the batch and its first stats row
         plan.bwd_ws.planned = lambda *a: dataclasses.replace(planned(*a), lpt=True)
         plan.forget_plans()
-        o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
-        attention_backward(torch.randn_like(o), q, k, v, o, lse, causal=True)
+        for q, k, v in ((q, k, v), (rnd(2, 300, 8, 64), rnd(2, 300, 2, 64), rnd(2, 300, 2, 64))):
+            o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+            attention_backward(torch.randn_like(o), q, k, v, o, lse, causal=True)
         plan.bwd_ws.planned = planned
         plan.forget_plans()
     # backward with a window, softcap and ALiBi; varlen backward with empty and length-1 sequences
