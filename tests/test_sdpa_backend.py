@@ -334,6 +334,7 @@ def test_eager_autograd_runs_cuflash_function(cpu_autograd, ref_kernels, monkeyp
     b, h, hk, sq, sk, d = 2, 4, 2, 5, 7, 16
     q = _bhsd(b, h, sq, d, grad=True)
     k, v = _bhsd(b, hk, sk, d, seed=1, grad=True), _bhsd(b, hk, sk, d, seed=2, grad=True)
+    placeholders = []
     for _ in range(2):
         for x in (q, k, v):
             x.grad = None
@@ -341,12 +342,15 @@ def test_eager_autograd_runs_cuflash_function(cpu_autograd, ref_kernels, monkeyp
         nodes = _grad_nodes(res[0])
         assert "_PreparedAttentionBackward" in nodes and not any("FlashAttention" in n for n in nodes), nodes
         assert res[0].shape == q.shape and res[1].shape == (b, h, sq) and res[4:6] == (sq, sk)
+        placeholders.append(res[6:])
         assert res[0].stride() == torch.empty_like(q).stride()  # (laid out as query, as PyTorch's kernel does)
         grads = torch.autograd.grad(res[0].float().sin().sum(), (q, k, v))
         for x, g in zip((q, k, v), grads):
             assert g.stride() == torch.empty_like(x).stride()  # (as its input, as PyTorch's kernel does)
             x.grad = g
     assert [c[0] for c in ref_kernels] == ["attention", "backward"] * 2 and len(checks) == 1
+    # rng_state, unused and the debug mask (never read without dropout): one set, kept
+    assert all(x is y for x, y in zip(*placeholders)) and placeholders[0][0].shape == (2,)
     want, leaves = _reference(q, k, v, True, 0.4)
     want.sin().sum().backward()
     for x, leaf in zip((q, k, v), leaves):
