@@ -357,6 +357,40 @@ def test_eager_autograd_runs_cuflash_function(cpu_autograd, ref_kernels, monkeyp
         torch.testing.assert_close(x.grad.double(), leaf.grad, atol=5e-2, rtol=0)
 
 
+def test_eager_repeat_path_plumbing(cpu_autograd, ref_kernels):
+    """The repeat path of the eager Function on SDPA's tensors: the prepared launches get SDPA's
+    tensors as they are, with an output and gradients the Function allocated like q, k and v
+    (here batch-1 chunks of a longer sequence, whose batch stride is not the contiguous one), and
+    the Function returns those very tensors. The prepared launches are stand-ins recording what
+    they were given."""
+    import torch
+    full = [_cpu(1, 12, 2, 8, dtype="bfloat16", seed=i) for i in range(3)]  # (batch, seqlen, nheads, d)
+    q, k, v = (x[:, 6:].transpose(1, 2).detach().requires_grad_() for x in full)
+    op = getattr(torch.ops.aten, FWD)
+    out = op(q, k, v, is_causal=True)[0]  # the first call (the general path) makes the _Prepared
+    torch.autograd.grad(out, (q, k, v), torch.ones_like(out))  # (an output gradient laid out as out)
+    p, = [x for x in cpu_autograd._served.values() if x is not None]
+    seen = {}
+
+    def fwd(*args):
+        seen["fwd"] = args
+        return args[3].fill_(1.0), torch.zeros(q.shape[:3])
+
+    def bwd(*args):
+        seen["bwd"] = args
+        return tuple(g.fill_(2.0) for g in args[6:9])
+    def same(a, b):  # (saved tensors come back as other Python objects of the same memory)
+        return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+    p.fwd, p.bwd = fwd, bwd
+    out = op(q, k, v, is_causal=True)[0]
+    assert all(map(same, seen["fwd"][:3], (q, k, v))) and out is seen["fwd"][3]
+    assert out.stride() == torch.empty_like(q).stride() and bool((out == 1).all())
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert all(map(same, seen["bwd"][1:5], (q, k, v, out)))
+    for x, g, given in zip((q, k, v), grads, seen["bwd"][6:9]):
+        assert g is given and g.stride() == torch.empty_like(x).stride() and bool((g == 2).all())
+
+
 def test_double_backward_raises(cpu_autograd, ref_kernels):
     """Gradients taken with create_graph=True work; differentiating them again raises, as through
     PyTorch's own flash backward (cuflash's backward has no derivative), not silently zero."""
