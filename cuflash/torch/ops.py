@@ -465,10 +465,16 @@ def _bshd(*xs):
 _prepared: dict = cached_on_plans({})  # arrays.repeat_signature of (q, k, v) and the options -> _Prepared
 
 
+def _plain_scale(softmax_scale) -> bool:
+    """Whether a prepared call can take this scale: None or a Python number (anything else goes
+    through the general path, whose checks name it)."""
+    return softmax_scale is None or softmax_scale.__class__ in (float, int)
+
+
 def _prepared_for(q, k, v, causal, softmax_scale, window, softcap, deterministic):
     """The _Prepared of a plain call's layout and options, or None where the call takes the
     custom op's bodies (a scale that is not a number: their checks name it)."""
-    if softmax_scale is not None and softmax_scale.__class__ not in (float, int):
+    if not _plain_scale(softmax_scale):
         return None
     key = arrays.repeat_signature((q, k, v), window, (causal, softmax_scale, softcap, deterministic))
     if key is None:

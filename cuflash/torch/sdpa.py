@@ -108,13 +108,16 @@ _bshd = ops._bshd
 _placeholders: dict = {}  # (device, dtype) -> the eager Function's (rng_state, unused, debug_attn_mask)
 
 
+def _new_placeholders(query):
+    """The flash op's (rng_state, unused, debug_attn_mask) of a call without dropout: never read."""
+    return (torch.empty(2, dtype=torch.uint64, device=query.device),
+            torch.empty((), dtype=torch.uint64, device=query.device), query.new_empty(0))
+
+
 def _result(query, key, out, lse, held=None):
     """The flash op's tuple (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng_state,
     unused, debug_attn_mask) around cuflash's output and LSE; ``held``: the last three, else new."""
-    if held is None:
-        held = (torch.empty(2, dtype=torch.uint64, device=query.device),  # no dropout: never read
-                torch.empty((), dtype=torch.uint64, device=query.device), query.new_empty(0))
-    return (out, lse, None, None, query.shape[2], key.shape[2]) + held
+    return (out, lse, None, None, query.shape[2], key.shape[2]) + (held or _new_placeholders(query))
 
 
 def _held_placeholders(query):
@@ -125,7 +128,7 @@ def _held_placeholders(query):
     key = (query.device, query.dtype)
     held = _placeholders.get(key)
     if held is None:
-        held = _result(query, query, None, None)[6:]
+        held = _new_placeholders(query)
         if query.is_cuda and torch.cuda.is_current_stream_capturing():
             return held
         _placeholders[key] = held
@@ -212,7 +215,7 @@ def _eager(query, key, value, is_causal, scale):
     if p is _served:  # (a layout not seen yet)
         views = _bshd(query, key, value)
         p = None if (_unsupported(query, key, value, 0.0, scale) or not all(x.is_contiguous() for x in views)
-                     or scale is not None and scale.__class__ not in (float, int)) \
+                     or not ops._plain_scale(scale)) \
             else ops._Prepared(is_causal, scale, (-1, -1), 0.0, det, sdpa=True)
         arrays.repeat_keep(_served, sig, p)
     return p
