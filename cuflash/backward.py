@@ -430,12 +430,18 @@ def workspace_floats(plan, total_q: int | None = None) -> int:
     _, rows = stats_rows(p.batch, p.seqlen_q, p.nheads, total_q, row_pad(plan))
     # (cdiv: packed sequences' rows need not fill the last 64; a query block's semaphore is that of
     # its first 64-aligned row, bwd.cuh)
-    return _sem_word(plan, rows) + (cdiv(rows, 64) if _ordered(plan) else 0)
+    return _sem_word(plan, rows) + (cdiv(rows, 64) * _groups(plan) if _ordered(plan) else 0)
 
 
 def _sem_word(plan, rows: int) -> int:
     """The workspace word where the ordered dQ writer's semaphores start (after every other part)."""
     return rows * _row_floats(plan) + sum(n for *_, n in _flashmask_preps(plan))
+
+
+def _groups(plan) -> int:
+    """The dK/dV kernel's runs of key blocks with ordered dQ (bwd_ws dq_groups): its accumulators
+    and semaphores per row."""
+    return getattr(plan.launches[1].variant, "dq_groups", 1)
 
 
 def _ordered(plan) -> bool:
@@ -451,7 +457,7 @@ def _accumulates(plan) -> bool:
 
 def _row_floats(plan) -> int:
     """fp32 values per workspace row: LSE and D, and the dQ accumulator's head dim."""
-    return 2 + (plan.launches[0].variant.head_dim if _accumulates(plan) else 0)
+    return 2 + (plan.launches[0].variant.head_dim * _groups(plan) if _accumulates(plan) else 0)
 
 
 def _flashmask_preps(plan):
@@ -593,8 +599,10 @@ def _launch_specs(kernels, ops, lse, lse_st, grads, ws, shape, score, fm=None, d
         out += [(launch.variant, launch.grid, fields) for launch, fields in preps
                 if launch.grid[0] > 0]  # no key block: nothing to reduce
     # (dense: every padded row, which may be more than seqlen_q's multiple of 128)
+    # (with runs of key blocks, dq_groups, each run's first block stores: no accumulator to zero)
     out.append((prep, prep.grid(b, sq if cu_q else head_rows, h, d), dict(
-        dout=_Ptr("dout"), out=_Ptr("out"), lse=_Ptr("lse"), lse2=lse2, dsum=dsum, dq_accum=acc, dq_sem=sem,
+        dout=_Ptr("dout"), out=_Ptr("out"), lse=_Ptr("lse"), lse2=lse2, dsum=dsum,
+        dq_accum=acc if getattr(prep, "dq_groups", 1) == 1 else 0, dq_sem=sem,
         **_st("do", do), **_st("o", o), lse_sb=lse_st[0], lse_sh=lse_st[1], lse_ss=lse_st[2], **rows, cu_seqlens_q=cu_q)))
     common = dict(q=_Ptr("q"), k=_Ptr("k"), v=_Ptr("v"), dout=_Ptr("dout"), lse2=lse2, dsum=dsum, **_st("q", q),
                   **_st("k", k), **_st("v", v), **_st("do", do), **rows, seqlen_k_arg=sk, ngroups=h // hk, **score)

@@ -558,7 +558,7 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
                               p.alibi, p.varlen, p.seqlen_k, p.nheads // p.nheads_k)
         ordered = main.dq_ordered
         if main.dq:  # its accumulator is in fragment order (atomic or ordered), or dq_t's swizzled rows
-            last = bwd_ws.convert(bucket, p.dtype, dev.arch, p.varlen, main.dq_t)
+            last = bwd_ws.convert(bucket, p.dtype, dev.arch, p.varlen, main.dq_t, main.dq_groups)
         prep = bwd_ws.prep(main, prep)
     sq, sk, b = p.seqlen_q, p.seqlen_k, p.batch
     pad = main.row_pad
@@ -570,7 +570,9 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     # fp32 rows of LSE and D (and of the dQ accumulator), each sequence padded to `pad` rows;
     # packed sequences are bounded by batch * max length.
     rows = b * p.nheads * (cdiv(sq, pad) * pad + (bwd.VARLEN_ROW_GAP if p.varlen else 0))
-    workspace = 4 * rows * (2 + (0 if last.kind == "bwd_dq" else bucket)) + (4 * cdiv(rows, 64) if ordered else 0)
+    groups = getattr(main, "dq_groups", 1)  # bwd_ws's runs of key blocks: an accumulator and semaphores each
+    workspace = (4 * rows * (2 + (0 if last.kind == "bwd_dq" else bucket * groups))
+                 + (4 * cdiv(rows, 64) * groups if ordered else 0))
     why = []
     if p.window != (-1, -1):
         why.append(f"window {p.window} runs as " + (f"a local band {window}" if local else
@@ -625,6 +627,12 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
                    "in turn, "
                    f"{order}, each once the previous one's adds are complete{fm_turns}; every gradient is bitwise "
                    "repeatable, and bwd_convert scales dQ into the input dtype.")
+        if main.dq_groups > 1:
+            why.append(f"Without a mask over at most {bwd_ws.DQ_GROUPS_PLANNED[bucket][1]} keys, the key blocks add in "
+                       f"{main.dq_groups} runs of consecutive blocks, each into an fp32 accumulator of its own "
+                       "(its first block stores, the others add in turn) and walking from another query block, so "
+                       "that a block waits at most for the ones before it in its run when a wave starts; "
+                       f"bwd_convert sums the {main.dq_groups} accumulators in a fixed order.")
     elif p.deterministic:
         why.append(f"deterministic=True: dQ has its own kernel, a block per {last.block_m} query rows walking the "
                    "K/V blocks it sees and writing dQ once: no atomics, every gradient is bitwise repeatable"

@@ -489,16 +489,20 @@ def test_prepared_launches_fired_anew_match_a_fresh_run(monkeypatch, arch, d, de
     prep, main, last = (f for _, _, f in fresh)
     # deterministic: no dQ accumulator (the dQ kernel writes dQ), except on sm_90 (bwd_ws at d = 64,
     # 128 and 256): the accumulator and, after it, the ordered adds' semaphores (one per 64 rows)
+    # without a mask in runs of key blocks (333 keys: 3 blocks, 2 runs), an accumulator and
+    # semaphores per run, which bwd_prep does not zero (each run's first block stores)
     ordered = deterministic and arch == 90 and d in (64, 128, 256)
     dq_kernel = deterministic and not ordered
+    runs = 2 if ordered and not causal else 1
+    assert getattr(plan.launches[1].variant, "dq_groups", 1) == plan.launches[0].variant.dq_groups == runs
     assert (prep["dout"], prep["out"], prep["lse"], prep["lse2"], prep["dsum"], prep["dq_accum"], prep["dq_sem"]) == (
-        do.ptr, o.ptr, lse.ptr, ws, ws + 4 * rows, 0 if dq_kernel else ws + 8 * rows,
-        ws + 4 * rows * (2 + d) if ordered else 0)
+        do.ptr, o.ptr, lse.ptr, ws, ws + 4 * rows, 0 if dq_kernel or runs > 1 else ws + 8 * rows,
+        ws + 4 * rows * (2 + d * runs) if ordered else 0)
     assert (main["dk"], main["dv"], main["lse2"], main["dsum"]) == (dk.ptr, dv.ptr, ws, ws + 4 * rows)
-    assert plan.workspace_bytes == 4 * backward.workspace_floats(plan) == 4 * rows * (2 + (0 if dq_kernel else d)) + (
-        4 * rows // 64 if ordered else 0)
+    assert plan.workspace_bytes == 4 * backward.workspace_floats(plan) == 4 * rows * (
+        2 + (0 if dq_kernel else d * runs)) + (4 * rows // 64 * runs if ordered else 0)
     if ordered:
-        assert main["dq_sem"] == prep["dq_sem"] and main["dq_accum"] == prep["dq_accum"]
+        assert main["dq_sem"] == prep["dq_sem"] and main["dq_accum"] == ws + 8 * rows == last["dq_accum"]
     if "tma_q" in main:
         assert [struct.unpack_from("<Q", main[f"tma_{n}"])[0] for n in ("q", "k", "v", "do")] == [
             q.ptr, k.ptr, v.ptr, do.ptr]

@@ -18,10 +18,16 @@ from cuflash.kernels.bwd_ws import BwdWsVariant
 
 # (softcap and ALiBi: tests/test_bwd_ws_mods.py; packed sequences: tests/test_bwd_ws_varlen.py)
 DENSE = [v for v in bwd_ws.variants(90) if not v.varlen]
-VARIANTS = [v for v in DENSE if v.family == "bwd_ws" and not (v.flashmask or v.softcap or v.alibi or v.lpt)]
+VARIANTS = [v for v in DENSE if v.family == "bwd_ws" and not (v.flashmask or v.softcap or v.alibi or v.lpt)
+            and v.dq_groups == 1]
+GROUPED = [v for v in DENSE if v.dq_groups > 1]  # deterministic without a mask in runs of key blocks, prep, convert
+# (compiled: the dK/dV kernels in bf16, whose fp16 twins differ only in conversions; every prep and convert)
+GROUPED_MAIN = [v for v in GROUPED if v.family == "bwd_ws" and v.dtype == "bf16"]
+GROUPED_ROWS = [v for v in GROUPED if v.family != "bwd_ws"]
 LPT = [v for v in DENSE if v.family == "bwd_ws" and v.lpt]  # causal blocks longest first (d = 128; d = 64 GQA)
 FLASHMASK = [v for v in DENSE if v.family == "bwd_ws" and v.flashmask]
-CONVERTS = [v for v in DENSE if v.family != "bwd_ws" and not v.swizzled and v.kind == "bwd_convert"]  # (dq_t's: DQ_T_CONVERTS)
+CONVERTS = [v for v in DENSE if v.family != "bwd_ws" and not v.swizzled and v.kind == "bwd_convert"
+            and v.dq_groups == 1]  # (dq_t's: DQ_T_CONVERTS)
 # Every way of adding dQ, each field given (planned() sets dq_early at d = 64, dq_writer at 128),
 # and the ordered writer (planned deterministic at d = 128 only)
 # (the atomic ones keep the variant's rotate: rotated as planned, and not rotated from the
@@ -47,7 +53,7 @@ def test_variants():
     sm_90 only, all in all_variants (warmup and the CI's sample draw from it), within 227 KB; at
     d = 256 64 x 64 steps with the head dim split between the groups."""
     assert len({v.name for v in VARIANTS}) == len(VARIANTS) == 36
-    assert bwd_ws.variants(80) == [] and len(bwd_ws.variants(90, mods=False)) == 24 + 6 + 2 + 2 + 4
+    assert bwd_ws.variants(80) == [] and len(bwd_ws.variants(90, mods=False)) == 24 + 6 + 2 + 2 + 18 + 4
     assert set(DQ_T_CONVERTS) <= set(bwd_ws.variants(90, mods=False))
     assert set(VARIANTS + CONVERTS + FLASHMASK) <= set(all_variants(90)) and len(FLASHMASK) == 48
     # FlashMask: atomic dQ; deterministic, causal at d = 64 and 128 the dQ writer's ordered adds,
@@ -138,6 +144,9 @@ def test_planned_walks_rotate_with_atomic_dq_only():
     (dict(dq_t=True, dq_writer=True, softcap=True), "dq_t must be"),
     (dict(dq_t=True, dq_writer=True, head_dim=64), "dq_t must be"), (dict(dq_t=1, dq_writer=True), "dq_t must be"),
     (dict(dq_t=True, dq_writer=True, dq_ordered=True, varlen=True), "dq_t must be"),
+    (dict(dq_groups=2, dq_writer=True), "dq_groups must be"), (dict(dq_groups=3, dq_writer=True, dq_ordered=True), "dq_groups"),
+    (dict(dq_groups=2, dq_writer=True, dq_ordered=True, causal=True), "dq_groups must be"),
+    (dict(dq_groups=4, dq_writer=True, dq_ordered=True, varlen=True), "dq_groups must be"),
 ])
 def test_bad_variant(bad, match):
     kw = dict(kind="bwd_ws_dkdv_dq", head_dim=128, dtype="bf16", arch=90) | bad
@@ -150,6 +159,14 @@ def test_bad_tiled_convert(kw):
     """The tiled bwd_convert reads 64 x 64 pieces: a convert at a head dim that is a multiple of 64."""
     with pytest.raises(ValueError, match="tiled must be a bool"):
         BwdRowVariant(**(dict(kind="bwd_convert", head_dim=128, dtype="bf16", arch=90, tiled=True) | kw))
+
+
+@pytest.mark.parametrize("kw", [dict(kind="bwd_convert"), dict(kind="bwd_convert", tiled=True, varlen=True),
+                                dict(kind="bwd_prep", dq_groups=3), dict(kind="bwd_prep", dq_groups=8)])
+def test_bad_grouped_row_kernel(kw):
+    """Runs of key blocks (dq_groups) in dense batches only, read by the tiled or swizzled convert."""
+    with pytest.raises(ValueError, match="dq_groups must be"):
+        BwdRowVariant(**(dict(head_dim=128, dtype="bf16", arch=90, dq_groups=2) | kw))
 
 
 @pytest.mark.parametrize("kw", [dict(tiled=True), dict(kind="bwd_prep"), dict(swizzled=1)])
@@ -174,15 +191,17 @@ def test_dq_t_variant():
 
 @pytest.fixture(scope="module")
 def compiled(compile_variants):
-    return module_compiled(compile_variants, VARIANTS + BULK + CONVERTS + FLASHMASK + DQ_T + DQ_T_CONVERTS + LPT)
+    return module_compiled(compile_variants, VARIANTS + BULK + CONVERTS + FLASHMASK + DQ_T + DQ_T_CONVERTS + LPT
+                           + GROUPED_MAIN + GROUPED_ROWS)
 
 
-@pytest.mark.parametrize("v", CONVERTS + DQ_T_CONVERTS, ids=lambda v: v.name)
+
+@pytest.mark.parametrize("v", CONVERTS + DQ_T_CONVERTS + GROUPED_ROWS, ids=lambda v: v.name)
 def test_tiled_convert_compiles(compiled, v):
     assert_compiled_clean(compiled[v], v)
 
 
-@pytest.mark.parametrize("v", VARIANTS + BULK + FLASHMASK + DQ_T + LPT, ids=lambda v: v.name)
+@pytest.mark.parametrize("v", VARIANTS + BULK + FLASHMASK + DQ_T + LPT + GROUPED_MAIN, ids=lambda v: v.name)
 def test_compiles_as_designed(compiled, v):
     """No spills or stack; __launch_bounds__(384, 1) caps the launch at 168 registers, which
     setmaxnreg splits into 24 per producer thread and 240 per consumer thread; ptxas neither
@@ -215,6 +234,49 @@ def test_planned_on_sm90(d, deterministic):
     assert ("a semaphore lets the key blocks add in turn, from the last key block" in p.reason) == ordered
     rows = 2 * 8 * (1040 if main.dq_t else 1024)  # LSE, D and (except with bwd_dq) the dQ accumulator, semaphores
     assert p.workspace_bytes == 4 * rows * (2 + (0 if deterministic and not ordered else d)) + (4 * rows // 64) * ordered
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_dq_groups_planned(d):
+    """Deterministic without a mask on dense batches of at most DQ_GROUPS_MAX_KEYS keys: the
+    ordered adds in runs of key blocks, each with its own accumulator and semaphores (the
+    workspace holds them), bwd_prep zeroing their semaphores and no accumulator, bwd_convert
+    summing them; one run with a mask, packed sequences, atomic dQ or more keys."""
+    import cuflash
+    from cuflash.backward import workspace_floats
+    p = _plan(d, causal=False, deterministic=True)  # 1000 keys: 8 key blocks (d = 256: 16)
+    prep, main, conv = (la.variant for la in p.launches)
+    g = 4 if d == 256 else 2
+    assert main.dq_ordered and main.dq_groups == prep.dq_groups == conv.dq_groups == g
+    assert f"_g{g}_" in main.name and f"_g{g}_" in prep.name and f"_g{g}_" in conv.name
+    assert f"in {g} runs of consecutive blocks" in p.reason
+    rows = 2 * 8 * (1040 if main.dq_t else 1024)
+    assert p.workspace_bytes == 4 * rows * (2 + g * d) + 4 * (rows // 64) * g == 4 * workspace_floats(p)
+    for kw in (dict(causal=True), dict(window_size=(100, 100)), dict(deterministic=False)):
+        q = _plan(d, **(dict(causal=False, deterministic=True) | kw))
+        assert all(la.variant.dq_groups == 1 for la in q.launches), kw
+        assert "runs of consecutive blocks" not in q.reason
+    shape = lambda n: (1, n, 8, d)
+    keys = bwd_ws.DQ_GROUPS_PLANNED[d][1]
+    for n, runs in ((keys, g), (keys + 1, 1)):
+        x = cuflash.plan(shape(1000), (1, n, 2, d), (1, n, 2, d), num_sms=132, arch=90, backward=True,
+                         deterministic=True)
+        assert x.launches[1].variant.dq_ordered and x.launches[1].variant.dq_groups == runs
+    assert [bwd_ws.dq_groups(64, n) for n in (1, 128, 129, 512, 8192, 8193)] == [1, 1, 2, 2, 2, 1]
+    assert [bwd_ws.dq_groups(256, n) for n in (64, 128, 193, 4096, 4097)] == [1, 2, 4, 4, 1]
+
+
+def test_dq_groups_render():
+    """A run's first block stores its dQ (the writer's bulk copy; at d = 256 the consumers'
+    stores), the others add; every role walks from the run's first step; one run renders none of it."""
+    from cuflash import codegen
+    for v in GROUPED_MAIN:
+        src = codegen.render(v)
+        assert src.count("walk_step(") == (4 if v.split_d else 3) and "kInfoRun" in src, v.name  # (d = 256: the turn warp)
+        assert ("store_frag(dq_run_acc" in src) == v.split_d and "bulk_store_f32(dqa" in src, v.name
+    for v in VARIANTS:
+        src = codegen.render(v)
+        assert "dq_run_acc" not in src and "bulk_store_f32(dqa" not in src and "kInfoRun]" not in src, v.name
 
 
 @pytest.mark.parametrize("kw, why", [
@@ -317,7 +379,7 @@ def test_gpu_deterministic_bitwise_equals_wgmma_kernel(rng, d, mask):
     import torch
     q, k, v, dout = _inputs(rng, 2, 1000, 1100, 8, 2, d, "bfloat16")
     mods = dict(causal=mask == "causal", window_size=(300, 0) if mask == "local" else (-1, -1))
-    a = _backward(q, k, v, dout, deterministic=True, flags=dict(dq_t=False), **mods)  # (the wgmma kernel's steps)
+    a = _backward(q, k, v, dout, deterministic=True, flags=dict(dq_t=False, dq_groups=1), **mods)  # (the wgmma kernel's steps)
     w = _backward(q, k, v, dout, ws=False, deterministic=True, **mods)
     assert torch.equal(a[1], w[1]) and torch.equal(a[2], w[2])
     assert torch.isfinite(a[0]).all()
@@ -356,6 +418,27 @@ def test_gpu_deterministic_repeats_bitwise(rng, d, mask):
     for _ in range(50):
         again = _backward(q, k, v, dout, deterministic=True, **mods)
         assert all(torch.equal(x, y) for x, y in zip(first, again))
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("groups", [2, 4])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_dq_groups(rng, d, groups):
+    """Deterministic dQ in runs of key blocks, uneven ones (11 key blocks, d = 256: 22), with GQA
+    and padding rows (700 queries): against the float64 reference, against one run within the
+    rule's scale (the walks differ, so dK and dV sum in another order too), 3 repeats bitwise."""
+    import torch
+    q, k, v, dout = _inputs(rng, 1, 700, 1400, 4, 2, d, "bfloat16")
+    grads = _backward(q, k, v, dout, deterministic=True, flags=dict(dq_groups=groups))
+    _check(grads, q, k, v, dout)
+    one = _backward(q, k, v, dout, deterministic=True, flags=dict(dq_groups=1))
+    for name, x, y in zip(("dq", "dk", "dv"), grads, one):
+        err = (x.float() - y.float()).abs().max().item()
+        assert err <= 1e-2 * y.float().abs().max().item() + 1e-6, (name, err)
+    for _ in range(3):
+        again = _backward(q, k, v, dout, deterministic=True, flags=dict(dq_groups=groups))
+        assert all(torch.equal(x, y) for x, y in zip(grads, again))
 
 
 @requires_sm90

@@ -66,6 +66,7 @@ DQ_DROPOUT_TILES = {32: (64, 64, 4, 2)}
 # for the per-column bounds next to the softcap's factors (NVRTC 13.0 spills the causal two-bound
 # variant); one stage does.
 DKDV_FLASHMASK_SOFTCAP_TILES = {128: (32, 128, 8, 1, "sync")}
+DQ_GROUPS = (1, 2, 4)  # bwd_ws's runs of key blocks with ordered dQ (a divisor of 64: bwd_prep's semaphores)
 ROW_PAD = 128          # LSE/D/dQ-accumulator rows are padded to a multiple of every block_m (bwd_ws dq_t: row_pad)
 VARLEN_ROW_GAP = ROW_PAD + 4  # packed sequences: rows between sequence starts (stats_base, bwd.cuh)
 PREP_ROWS_PER_BLOCK = 8  # one warp per row
@@ -154,6 +155,10 @@ class BwdRowVariant(KernelVariant):
     # bwd_prep: a packed sequence's rows are padded to a multiple of this (ROW_PAD, or bwd_ws
     # dq_t's 80-row steps; VARLEN_ROW_GAP leaves room for either); a dense batch's to head_rows.
     row_pad: int = ROW_PAD
+    # bwd_ws's ordered dQ in runs of key blocks (BwdWsVariant.dq_groups, dense batches): bwd_prep
+    # zeroes this many semaphores per 64 rows and no accumulator (each run's first block stores
+    # into its own); the tiled or swizzled bwd_convert sums this many accumulators.
+    dq_groups: int = 1
 
     def __post_init__(self):
         super().__post_init__()
@@ -173,6 +178,10 @@ class BwdRowVariant(KernelVariant):
                 or (self.row_pad != ROW_PAD and self.kind != "bwd_prep")):
             raise ValueError(f"row_pad must be a multiple of 16 up to {ROW_PAD}, other than {ROW_PAD} only for "
                              f"bwd_prep, got {self.row_pad!r}")
+        if self.dq_groups not in DQ_GROUPS or self.dq_groups > 1 and (
+                self.varlen or self.kind == "bwd_convert" and not (self.tiled or self.swizzled)):
+            raise ValueError(f"dq_groups must be one of {DQ_GROUPS}, other than 1 only for bwd_prep and the tiled or "
+                             f"swizzled bwd_convert of dense batches, got {self.dq_groups!r}")
 
     @property
     def params(self) -> ParamTable:
@@ -182,7 +191,8 @@ class BwdRowVariant(KernelVariant):
     def name(self) -> str:
         return (f"{self.kind}_d{self.head_dim}_{self.dtype}{'_tiled' if self.tiled else ''}"
                 f"{'_varlen' if self.varlen else ''}{'_swz' if self.swizzled else ''}"
-                f"{f'_r{self.row_pad}' if self.row_pad != ROW_PAD else ''}_sm{self.arch}")
+                f"{f'_r{self.row_pad}' if self.row_pad != ROW_PAD else ''}"
+                f"{f'_g{self.dq_groups}' if self.dq_groups > 1 else ''}_sm{self.arch}")
 
     @property
     def template(self) -> str:
@@ -202,7 +212,7 @@ class BwdRowVariant(KernelVariant):
     def constants(self) -> dict:
         return dict(head_dim=self.head_dim, bf16=self.dtype == "bf16", warps=PREP_ROWS_PER_BLOCK,
                     threads=CONVERT_THREADS, varlen_row_gap=VARLEN_ROW_GAP, tiled=self.tiled, varlen=self.varlen,
-                    swizzled=self.swizzled, row_pad=self.row_pad)
+                    swizzled=self.swizzled, row_pad=self.row_pad, sem_groups=self.dq_groups, groups=self.dq_groups)
 
 
 @dataclass(frozen=True, kw_only=True)

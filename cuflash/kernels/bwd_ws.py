@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from . import DTYPES, KernelVariant
-from .bwd import INFO_BYTES, MASKS, MODS, ROW_PAD, VARLEN_ROW_GAP, BwdRowVariant
+from .bwd import DQ_GROUPS, INFO_BYTES, MASKS, MODS, ROW_PAD, VARLEN_ROW_GAP, BwdRowVariant
 from .fwd import FLASHMASK_FIELDS, FLASHMASK_NS
 from .fwd_ws import HANG_TRAP_CYCLES, MAX_CONSUMER_REGS, PRODUCER_REGS
 from .params import ParamTable, strides
@@ -28,6 +28,9 @@ BLOCK_M = {64: 128, 128: 64, 256: 64}   # query rows per step (the S^T accumulat
 LPT_BYTES = 32 << 20                    # L2 bytes of Q, dO and dQ rows per section of the lpt launch order
 LPT_MIN_SEQLEN_K = 2048                 # keys from which planned() launches causal key blocks longest first
 LPT_MIN_GROUPS_D64 = 4                  # at d = 64, only with this many query heads per KV head (GQA)
+# planned(): deterministic dQ without a mask in this many runs of key blocks, up to this many keys,
+# per head dim (H200, bf16: BENCHMARKS.md, "Runs of key blocks")
+DQ_GROUPS_PLANNED = {64: (2, 8192), 128: (2, 8192), 256: (4, 4096)}
 DQ_T_BLOCK_M = 80                       # query rows per step of the dq_t variants (d = 128)
 BARRIER_BYTES = 64         # K/V full, per Q/dO stage full and empty, dq_writer's full and empty: <= 7 of 8 bytes
 STAGES = 2                 # Q/dO/LSE/D stages
@@ -82,6 +85,12 @@ class BwdWsVariant(KernelVariant):
     # adds are complete (FlashAttention-3's deterministic mode); with a causal or local mask the
     # key blocks run from the last.
     dq_ordered: bool = False
+    # Ordered dQ without a mask on dense batches in this many runs of consecutive key blocks, each
+    # with an fp32 accumulator and semaphores of its own and its walk starting at another query
+    # block (1: one run, the whole head). At a wave's start each key block waits for the ones
+    # before it in its run, so runs shorten that staircase; bwd_convert sums the accumulators in
+    # a fixed order, and each run's first block stores where the others add, so nothing is zeroed.
+    dq_groups: int = 1
     # FlashMask bound columns per key (cuflash.masks; 1 or 2 with causal, 2 or 4 without), 0 =
     # none: every role leaves out the fully masked steps, the consumers mask the partly masked
     # ones. Atomic dQ, none (kind "bwd_ws_dkdv"), or with causal the dQ writer's ordered adds,
@@ -140,6 +149,10 @@ class BwdWsVariant(KernelVariant):
                              f"(causal) the dQ writer's ordered adds, and no window; got {self.flashmask!r}")
         if not isinstance(self.rotate, bool) or self.rotate and (self.dq_ordered or self.flashmask or not self.dq):
             raise ValueError(f"rotate must be a bool, True only with atomic dQ and no FlashMask, got {self.rotate!r}")
+        if self.dq_groups not in DQ_GROUPS or self.dq_groups > 1 and not (
+                self.dq_ordered and not (self.causal or self.local or self.varlen or self.flashmask)):
+            raise ValueError(f"dq_groups must be one of {DQ_GROUPS}, other than 1 only with ordered dQ (dq_ordered) "
+                             f"without a mask, FlashMask or packed sequences; got {self.dq_groups!r}")
         if not isinstance(self.causal, bool) or not isinstance(self.local, bool) or (self.causal and self.local):
             raise ValueError(f"causal and local must be bools, not both True, got {self.causal!r}, {self.local!r}")
         for f in ("softcap", "alibi"):
@@ -206,7 +219,8 @@ class BwdWsVariant(KernelVariant):
         mask += ("_softcap" if self.softcap else "") + ("_alibi" if self.alibi else "")  # as tile_name does
         mask += "_varlen" if self.varlen else ""
         bulk = (("_dqwriter" if self.dq_writer else "") + ("_dqearly" if self.dq_early else "")
-                + ("_ordered" if self.dq_ordered else "") + (f"_fm{self.flashmask}" if self.flashmask else "")
+                + ("_ordered" if self.dq_ordered else "") + (f"_g{self.dq_groups}" if self.dq_groups > 1 else "")
+                + (f"_fm{self.flashmask}" if self.flashmask else "")
                 + ("_lpt" if self.lpt else "") + ("_rot" if self.rotate else "") + ("_dqT" if self.dq_t else ""))
         return f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{bulk}_m{self.block_m}n{self.block_n}_sm{self.arch}"
 
@@ -247,7 +261,7 @@ class BwdWsVariant(KernelVariant):
         return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, split_d=self.split_d,
                     causal=self.causal, local=self.local, bf16=self.dtype == "bf16", dq=self.dq,
                     dq_early=self.dq_early, dq_writer=self.dq_writer,
-                    dq_ordered=self.dq_ordered, flashmask=self.flashmask, rotate=self.rotate, overlap=self.overlap,
+                    dq_ordered=self.dq_ordered, dq_groups=self.dq_groups, flashmask=self.flashmask, rotate=self.rotate, overlap=self.overlap,
                     softcap=self.softcap, alibi=self.alibi, varlen=self.varlen, zero_tail=self.zero_tail, dq_t=self.dq_t,
                     lpt=self.lpt, lpt_bytes=LPT_BYTES,
                     producer_regs=PRODUCER_REGS, consumer_regs=MAX_CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES,
@@ -281,33 +295,58 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
     and at d = 64 with at least LPT_MIN_GROUPS_D64 query heads per KV head (``ngroups``): key
     blocks launched longest first (``lpt``; H200: d = 128 +2 to +8% from 2k to 16k keys, 0 at 1k,
     +1 to +15% with GQA 32/8; d = 64 with GQA 32/8 +3 to +22%, without GQA -1 to -11% on an
-    H100; d = 256 -4 to +8% either way)."""
+    H100; d = 256 -4 to +8% either way). Deterministic without a mask on dense batches: the ordered
+    adds in runs of key blocks (``dq_groups``, dq_groups(); H200, bf16, over one run: d = 128 +1 to
+    +11% from 1k to 8k keys, d = 64 +4 to +13%, d = 256 +4 to +17% up to 4k)."""
     dq = not (deterministic and flashmask and (head_dim == 256 or not causal))
     dq_t = head_dim == 128 and not (flashmask or softcap or deterministic and (local or varlen)
                                     or varlen and not (causal or local) or alibi and (local or varlen))
     lpt = (causal and not (deterministic or flashmask or varlen) and seqlen_k >= LPT_MIN_SEQLEN_K
            and (head_dim == 128 and not softcap or head_dim == 64 and ngroups >= LPT_MIN_GROUPS_D64))
+    groups = (dq_groups(head_dim, seqlen_k) if dq and deterministic and not (causal or local or flashmask or varlen)
+              else 1)
     return BwdWsVariant(kind="bwd_ws_dkdv_dq" if dq else "bwd_ws_dkdv", head_dim=head_dim, dtype=dtype,
                         causal=causal, local=local, arch=arch, dq_early=dq and head_dim != 256,
-                        dq_writer=dq and head_dim != 256, dq_ordered=dq and deterministic, flashmask=flashmask,
+                        dq_writer=dq and head_dim != 256, dq_ordered=dq and deterministic, dq_groups=groups,
+                        flashmask=flashmask,
                         rotate=not (deterministic or flashmask or dq_t and not (causal or local)), softcap=softcap,
                         alibi=alibi, varlen=varlen,
                         dq_t=dq_t, lpt=lpt)
 
 
+def dq_groups(head_dim: int, seqlen_k: int) -> int:
+    """Runs of key blocks for deterministic dQ without a mask (BwdWsVariant.dq_groups): as
+    DQ_GROUPS_PLANNED gives them up to its number of keys (past it a head's walk is long against
+    its staircase), else 1; fewer where there are fewer key blocks than runs."""
+    groups, max_keys = DQ_GROUPS_PLANNED[head_dim]
+    if seqlen_k > max_keys:
+        return 1
+    blocks = -(-seqlen_k // BLOCK_N[head_dim])
+    return max(g for g in DQ_GROUPS if g <= min(groups, max(1, blocks)))
+
+
 def prep(variant: BwdWsVariant, base: BwdRowVariant) -> BwdRowVariant:
     """The ``bwd_prep`` before ``variant``: ``base`` with its packed sequences' rows padded to
-    the variant's steps."""
-    return replace(base, row_pad=variant.row_pad)
+    the variant's steps, and with ``dq_groups`` its semaphores per 64 rows."""
+    return replace(base, row_pad=variant.row_pad, dq_groups=variant.dq_groups)
 
 
-def convert(head_dim: int, dtype: str, arch: int = 90, varlen: bool = False, dq_t: bool = False) -> BwdRowVariant:
+def convert(head_dim: int, dtype: str, arch: int = 90, varlen: bool = False, dq_t: bool = False,
+            dq_groups: int = 1) -> BwdRowVariant:
     """The ``bwd_convert`` after a bwd_ws kernel that adds dQ: it reads the fragment-ordered
     accumulator (``varlen``: each packed sequence's padded rows), or after a ``dq_t`` kernel the
-    rows with swizzled chunks."""
+    rows with swizzled chunks; it sums ``dq_groups`` accumulators (BwdWsVariant.dq_groups)."""
     if dq_t:
-        return BwdRowVariant(kind="bwd_convert", head_dim=head_dim, dtype=dtype, arch=arch, swizzled=True)
-    return BwdRowVariant(kind="bwd_convert", head_dim=head_dim, dtype=dtype, arch=arch, tiled=True, varlen=varlen)
+        return BwdRowVariant(kind="bwd_convert", head_dim=head_dim, dtype=dtype, arch=arch, swizzled=True,
+                             dq_groups=dq_groups)
+    return BwdRowVariant(kind="bwd_convert", head_dim=head_dim, dtype=dtype, arch=arch, tiled=True, varlen=varlen,
+                         dq_groups=dq_groups)
+
+
+def _grouped(main: BwdWsVariant, arch: int) -> list[KernelVariant]:
+    """A dq_groups variant with its bwd_prep and bwd_convert (as plan.make_backward_plan picks them)."""
+    base = BwdRowVariant(kind="bwd_prep", head_dim=main.head_dim, dtype=main.dtype, arch=arch)
+    return [main, prep(main, base), convert(main.head_dim, main.dtype, arch, dq_t=main.dq_t, dq_groups=main.dq_groups)]
 
 
 def variants(arch: int, mods: bool = True) -> list[KernelVariant]:
@@ -321,6 +360,12 @@ def variants(arch: int, mods: bool = True) -> list[KernelVariant]:
         convert(d, dt, arch) for d in HEAD_DIMS for dt in DTYPES] + [
         convert(128, dt, arch, dq_t=True) for dt in DTYPES] + [
         BwdRowVariant(kind="bwd_prep", head_dim=128, dtype=dt, arch=arch, row_pad=DQ_T_BLOCK_M) for dt in DTYPES] + [
+        # deterministic without a mask in runs of key blocks (softcap and ALiBi too), with their
+        # bwd_prep and bwd_convert
+        *dict.fromkeys(w for d in HEAD_DIMS for dt in DTYPES for cap, ali in (MODS if mods else MODS[:1])
+                       if not (cap and ali and d in NO_SOFTCAP_ALIBI)
+                       for w in _grouped(planned(d, dt, False, False, True, arch, softcap=cap, alibi=ali,
+                                                 seqlen_k=DQ_GROUPS_PLANNED[d][1]), arch))] + [
         # causal blocks longest first (from LPT_MIN_SEQLEN_K keys; d = 64 with GQA), with softcap or ALiBi
         planned(d, dt, True, False, False, arch, softcap=cap, alibi=ali, seqlen_k=LPT_MIN_SEQLEN_K,
                 ngroups=LPT_MIN_GROUPS_D64) for d in (64, 128) for dt in DTYPES for cap, ali in MODS[:3]

@@ -6,7 +6,7 @@
     const int key_w = cw * 16, col_w = 0;  // this warp's first key inside the block, its first dK/dV column
 
     auto step = [&](int it, auto masked) {
-      const int j = {{ "j_walk++" if flashmask or rotate else "it" }};  // the steps walked before this one: stage and phase
+      const int j = {{ "j_walk++" if flashmask or walked else "it" }};  // the steps walked before this one: stage and phase
       const int st = j % kStages;
       const int h = h0 + it / n_m, m0 = (blocks.lo + it % n_m) * kBlockM;
       const u32 q_st = sQ(st), do_st = sdO(st);

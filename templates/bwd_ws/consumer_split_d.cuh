@@ -10,7 +10,7 @@
     const int q_wg = wg * (kBlockM / 2);    // the group's first query of S^T and dP^T
 
     auto step = [&](int it, auto masked) {
-      const int j = {{ "j_walk++" if flashmask or rotate else "it" }};  // the steps walked before this one: stage and phase
+      const int j = {{ "j_walk++" if flashmask or walked else "it" }};  // the steps walked before this one: stage and phase
       const int st = j % kStages;
       const int h = h0 + it / n_m, m0 = (blocks.lo + it % n_m) * kBlockM;
       const u32 q_st = sQ(st), do_st = sdO(st);
@@ -113,7 +113,11 @@
 {%- if dq_ordered %}
         named_bar_sync_at<kTurnThreads>(kBarTurn + wg);
 {%- endif %}
-        red_add_frag(dq_accum + row * kHeadDim + 2 * wg * 4096, dq, ctid & 127);
+{%- if dq_groups > 1 %}
+        if (dq_store()) store_frag({{ dq_acc_at }} + 2 * wg * 4096, dq, ctid & 127);
+        else
+{%- endif %}
+        red_add_frag({{ dq_acc_at }} + 2 * wg * 4096, dq, ctid & 127);
 {%- if dq_ordered %}
         named_bar_arrive_at<kTurnThreads>(kBarAdded + wg);
 {%- endif %}

@@ -205,9 +205,10 @@ __device__ __forceinline__ long long stats_base(const int* cu_seqlens_q, int b, 
 constexpr int kInfoBytes = {{ info_bytes }};  // cuflash.kernels.bwd.INFO_BYTES
 enum {  // int slots (kInfoStats takes two)
   kInfoQb, kInfoKb, kInfoSeqQ, kInfoSeqK, kInfoDiag, kInfoDiagLo, kInfoStats, kInfoUnmasked = kInfoStats + 2, kInfoLower,
-  kInfoB  // bwd_ws lpt: the block's batch
+  kInfoB,  // bwd_ws lpt: the block's batch
+  kInfoRun  // bwd_ws dq_groups: the block's run of key blocks
 };
-static_assert((kInfoB + 1) * 4 <= kInfoBytes, "the per-block scalars fit their shared memory");
+static_assert((kInfoRun + 1) * 4 <= kInfoBytes, "the per-block scalars fit their shared memory");
 __device__ __forceinline__ int info_i32(u32 s_info, int slot) {
   int v;
   asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(s_info + slot * 4));
@@ -256,6 +257,12 @@ template <int kNT>
 __device__ __forceinline__ void red_add_frag(float* piece, const float (&c)[kNT][4], int t) {
 #pragma unroll
   for (int j = 0; j < kNT; ++j) red_add_f32x4(frag_word(piece, j, t), c[j]);
+}
+// The same words stored (the first of ordered adds into an accumulator nobody zeroed).
+template <int kNT>
+__device__ __forceinline__ void store_frag(float* piece, const float (&c)[kNT][4], int t) {
+#pragma unroll
+  for (int j = 0; j < kNT; ++j) *reinterpret_cast<float4*>(frag_word(piece, j, t)) = make_float4(c[j][0], c[j][1], c[j][2], c[j][3]);
 }
 
 // Write a warp's C fragments (kMT 16-row tiles x kNT n8 tiles, times `mul`) into a padded
