@@ -555,7 +555,9 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     ordered = False  # deterministic dQ added in a fixed order by the dK/dV kernel (bwd_ws)
     if ws == "":
         main = bwd_ws.planned(bucket, p.dtype, causal, local, p.deterministic, dev.arch, p.flashmask, p.softcap,
-                              p.alibi, p.varlen, p.seqlen_k, p.nheads // p.nheads_k)
+                              p.alibi, p.varlen, p.seqlen_k, p.nheads // p.nheads_k, p.seqlen_q)
+        if main.dq_groups > cdiv(p.seqlen_k, main.block_n):  # a run without a block leaves its accumulator unwritten
+            raise AssertionError(f"{main.name}: {main.dq_groups} runs of {cdiv(p.seqlen_k, main.block_n)} key blocks")
         ordered = main.dq_ordered
         if main.dq:  # its accumulator is in fragment order (atomic or ordered), or dq_t's swizzled rows
             last = bwd_ws.convert(bucket, p.dtype, dev.arch, p.varlen, main.dq_t, main.dq_groups)
@@ -628,7 +630,7 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
                    f"{order}, each once the previous one's adds are complete{fm_turns}; every gradient is bitwise "
                    "repeatable, and bwd_convert scales dQ into the input dtype.")
         if main.dq_groups > 1:
-            why.append(f"Without a mask over at most {bwd_ws.DQ_GROUPS_PLANNED[bucket][1]} keys, the key blocks add in "
+            why.append(f"Without a mask over at most {bwd_ws.DQ_GROUPS_PLANNED[bucket][1]} keys and queries, the key blocks add in "
                        f"{main.dq_groups} runs of consecutive blocks, each into an fp32 accumulator of its own "
                        "(its first block stores, the others add in turn) and walking from another query block, so "
                        "that a block waits at most for the ones before it in its run when a wave starts; "

@@ -450,8 +450,8 @@ def test_varlen_host_arrays_are_validated(no_launch):
 # Prepared launches (what a repeated call fires): the same launches as a fresh run's
 
 @pytest.mark.parametrize("arch,d,deterministic,causal", [(90, 128, False, True), (90, 64, True, False),
-                                                         (90, 128, True, False), (80, 96, False, False),
-                                                         (80, 128, True, True)])
+                                                         (90, 128, True, False), (90, 256, True, False),
+                                                         (80, 96, False, False), (80, 128, True, True)])
 def test_prepared_launches_fired_anew_match_a_fresh_run(monkeypatch, arch, d, deterministic, causal):
     """backward.run's prepared launches, fired with another call's pointers (fire), launch
     exactly what a fresh run with those pointers launches: every field, tensor maps included
@@ -489,11 +489,11 @@ def test_prepared_launches_fired_anew_match_a_fresh_run(monkeypatch, arch, d, de
     prep, main, last = (f for _, _, f in fresh)
     # deterministic: no dQ accumulator (the dQ kernel writes dQ), except on sm_90 (bwd_ws at d = 64,
     # 128 and 256): the accumulator and, after it, the ordered adds' semaphores (one per 64 rows)
-    # without a mask in runs of key blocks (333 keys: 3 blocks, 2 runs), an accumulator and
-    # semaphores per run, which bwd_prep does not zero (each run's first block stores)
+    # without a mask in runs of key blocks (333 keys: 3 blocks, 2 runs; d = 256: 6 blocks, 4 runs),
+    # an accumulator and semaphores per run, which bwd_prep does not zero (each run's first block stores)
     ordered = deterministic and arch == 90 and d in (64, 128, 256)
     dq_kernel = deterministic and not ordered
-    runs = 2 if ordered and not causal else 1
+    runs = (4 if d == 256 else 2) if ordered and not causal else 1
     assert getattr(plan.launches[1].variant, "dq_groups", 1) == plan.launches[0].variant.dq_groups == runs
     assert (prep["dout"], prep["out"], prep["lse"], prep["lse2"], prep["dsum"], prep["dq_accum"], prep["dq_sem"]) == (
         do.ptr, o.ptr, lse.ptr, ws, ws + 4 * rows, 0 if dq_kernel or runs > 1 else ws + 8 * rows,

@@ -270,7 +270,7 @@ class BwdWsVariant(KernelVariant):
 
 def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic: bool,
             arch: int = 90, flashmask: int = 0, softcap: bool = False, alibi: bool = False,
-            varlen: bool = False, seqlen_k: int = 0, ngroups: int = 1) -> BwdWsVariant:
+            varlen: bool = False, seqlen_k: int = 0, ngroups: int = 1, seqlen_q: int = 0) -> BwdWsVariant:
     """The variant a backward plan launches for these head dim, dtype, mask and dQ mode: at d = 64
     and 128 the dQ writer with dQ's product issued early, at d = 256 (no room for the writer's
     tile) atomics; deterministic, the same adds in a fixed order (the fastest of the dQ variants
@@ -303,8 +303,8 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
                                     or varlen and not (causal or local) or alibi and (local or varlen))
     lpt = (causal and not (deterministic or flashmask or varlen) and seqlen_k >= LPT_MIN_SEQLEN_K
            and (head_dim == 128 and not softcap or head_dim == 64 and ngroups >= LPT_MIN_GROUPS_D64))
-    groups = (dq_groups(head_dim, seqlen_k) if dq and deterministic and not (causal or local or flashmask or varlen)
-              else 1)
+    groups = (dq_groups(head_dim, seqlen_k, seqlen_q) if dq and deterministic
+              and not (causal or local or flashmask or varlen) else 1)
     return BwdWsVariant(kind="bwd_ws_dkdv_dq" if dq else "bwd_ws_dkdv", head_dim=head_dim, dtype=dtype,
                         causal=causal, local=local, arch=arch, dq_early=dq and head_dim != 256,
                         dq_writer=dq and head_dim != 256, dq_ordered=dq and deterministic, dq_groups=groups,
@@ -314,12 +314,13 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
                         dq_t=dq_t, lpt=lpt)
 
 
-def dq_groups(head_dim: int, seqlen_k: int) -> int:
+def dq_groups(head_dim: int, seqlen_k: int, seqlen_q: int = 0) -> int:
     """Runs of key blocks for deterministic dQ without a mask (BwdWsVariant.dq_groups): as
-    DQ_GROUPS_PLANNED gives them up to its number of keys (past it a head's walk is long against
-    its staircase), else 1; fewer where there are fewer key blocks than runs."""
-    groups, max_keys = DQ_GROUPS_PLANNED[head_dim]
-    if seqlen_k > max_keys:
+    DQ_GROUPS_PLANNED gives them up to its number of keys and queries (past it a head's walk is
+    long against its staircase, and each run's accumulator, as large as dQ in fp32, would cost
+    memory for little), else 1; fewer where there are fewer key blocks than runs."""
+    groups, max_len = DQ_GROUPS_PLANNED[head_dim]
+    if seqlen_k > max_len or seqlen_q > max_len:
         return 1
     blocks = -(-seqlen_k // BLOCK_N[head_dim])
     return max(g for g in DQ_GROUPS if g <= min(groups, max(1, blocks)))
@@ -360,12 +361,14 @@ def variants(arch: int, mods: bool = True) -> list[KernelVariant]:
         convert(d, dt, arch) for d in HEAD_DIMS for dt in DTYPES] + [
         convert(128, dt, arch, dq_t=True) for dt in DTYPES] + [
         BwdRowVariant(kind="bwd_prep", head_dim=128, dtype=dt, arch=arch, row_pad=DQ_T_BLOCK_M) for dt in DTYPES] + [
-        # deterministic without a mask in runs of key blocks (softcap and ALiBi too), with their
-        # bwd_prep and bwd_convert
+        # deterministic without a mask in runs of key blocks (softcap and ALiBi too; every count
+        # of runs planned: fewer than DQ_GROUPS_PLANNED's where a head has fewer key blocks), with
+        # their bwd_prep and bwd_convert
         *dict.fromkeys(w for d in HEAD_DIMS for dt in DTYPES for cap, ali in (MODS if mods else MODS[:1])
                        if not (cap and ali and d in NO_SOFTCAP_ALIBI)
+                       for g in DQ_GROUPS[1:] if g <= DQ_GROUPS_PLANNED[d][0]
                        for w in _grouped(planned(d, dt, False, False, True, arch, softcap=cap, alibi=ali,
-                                                 seqlen_k=DQ_GROUPS_PLANNED[d][1]), arch))] + [
+                                                 seqlen_k=g * BLOCK_N[d]), arch))] + [
         # causal blocks longest first (from LPT_MIN_SEQLEN_K keys; d = 64 with GQA), with softcap or ALiBi
         planned(d, dt, True, False, False, arch, softcap=cap, alibi=ali, seqlen_k=LPT_MIN_SEQLEN_K,
                 ngroups=LPT_MIN_GROUPS_D64) for d in (64, 128) for dt in DTYPES for cap, ali in MODS[:3]
