@@ -212,7 +212,7 @@ class BwdRowVariant(KernelVariant):
     def constants(self) -> dict:
         return dict(head_dim=self.head_dim, bf16=self.dtype == "bf16", warps=PREP_ROWS_PER_BLOCK,
                     threads=CONVERT_THREADS, varlen_row_gap=VARLEN_ROW_GAP, tiled=self.tiled, varlen=self.varlen,
-                    swizzled=self.swizzled, row_pad=self.row_pad, sem_groups=self.dq_groups, groups=self.dq_groups)
+                    swizzled=self.swizzled, row_pad=self.row_pad, dq_groups=self.dq_groups)
 
 
 @dataclass(frozen=True, kw_only=True)
