@@ -556,7 +556,7 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     if ws == "":
         main = bwd_ws.planned(bucket, p.dtype, causal, local, p.deterministic, dev.arch, p.flashmask, p.softcap,
                               p.alibi, p.varlen, p.seqlen_k, p.nheads // p.nheads_k, p.seqlen_q)
-        if main.dq_groups > cdiv(p.seqlen_k, main.block_n):  # a run without a block leaves its accumulator unwritten
+        if main.dq_groups > max(1, cdiv(p.seqlen_k, main.block_n)):  # a run without a block: its accumulator unwritten
             raise AssertionError(f"{main.name}: {main.dq_groups} runs of {cdiv(p.seqlen_k, main.block_n)} key blocks")
         ordered = main.dq_ordered
         if main.dq:  # its accumulator is in fragment order (atomic or ordered), or dq_t's swizzled rows

@@ -268,6 +268,10 @@ def test_dq_groups_planned(d):
     assert [bwd_ws.dq_groups(64, n) for n in (1, 128, 129, 512, 8192, 8193)] == [1, 1, 2, 2, 2, 1]
     assert [bwd_ws.dq_groups(256, n) for n in (64, 128, 193, 4096, 4097)] == [1, 2, 4, 4, 1]
     assert bwd_ws.dq_groups(128, 1000, 8192) == 2 and bwd_ws.dq_groups(128, 1000, 8193) == 1
+    for n in (0, 1):  # no key (planned as before: one run) or one key block
+        x = cuflash.plan((2, 100, 8, d), (2, n, 2, d), (2, n, 2, d), num_sms=132, arch=90, backward=True,
+                         deterministic=True)
+        assert x.launches[1].variant.dq_groups == 1
     # every count of runs a plan can pick is in variants() (warmed up, compiled in CI)
     names = {v.name for v in all_variants(90)}
     for n in range(1, bwd_ws.DQ_GROUPS_PLANNED[d][1] + 1, 37):
