@@ -147,6 +147,8 @@ def test_planned_walks_rotate_with_atomic_dq_only():
     (dict(dq_groups=2, dq_writer=True), "dq_groups must be"), (dict(dq_groups=3, dq_writer=True, dq_ordered=True), "dq_groups"),
     (dict(dq_groups=2, dq_writer=True, dq_ordered=True, causal=True), "dq_groups must be"),
     (dict(dq_groups=4, dq_writer=True, dq_ordered=True, varlen=True), "dq_groups must be"),
+    (dict(dq_groups=2.0, dq_writer=True, dq_ordered=True), "dq_groups must be"),
+    (dict(dq_groups=True, dq_writer=True, dq_ordered=True), "dq_groups must be"),
 ])
 def test_bad_variant(bad, match):
     kw = dict(kind="bwd_ws_dkdv_dq", head_dim=128, dtype="bf16", arch=90) | bad
@@ -162,7 +164,8 @@ def test_bad_tiled_convert(kw):
 
 
 @pytest.mark.parametrize("kw", [dict(kind="bwd_convert"), dict(kind="bwd_convert", tiled=True, varlen=True),
-                                dict(kind="bwd_prep", dq_groups=3), dict(kind="bwd_prep", dq_groups=8)])
+                                dict(kind="bwd_prep", dq_groups=3), dict(kind="bwd_prep", dq_groups=8),
+                                dict(kind="bwd_prep", dq_groups=2.0)])
 def test_bad_grouped_row_kernel(kw):
     """Runs of key blocks (dq_groups) in dense batches only, read by the tiled or swizzled convert."""
     with pytest.raises(ValueError, match="dq_groups must be"):

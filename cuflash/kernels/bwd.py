@@ -178,7 +178,7 @@ class BwdRowVariant(KernelVariant):
                 or (self.row_pad != ROW_PAD and self.kind != "bwd_prep")):
             raise ValueError(f"row_pad must be a multiple of 16 up to {ROW_PAD}, other than {ROW_PAD} only for "
                              f"bwd_prep, got {self.row_pad!r}")
-        if self.dq_groups not in DQ_GROUPS or self.dq_groups > 1 and (
+        if type(self.dq_groups) is not int or self.dq_groups not in DQ_GROUPS or self.dq_groups > 1 and (
                 self.varlen or self.kind == "bwd_convert" and not (self.tiled or self.swizzled)):
             raise ValueError(f"dq_groups must be one of {DQ_GROUPS}, other than 1 only for bwd_prep and the tiled or "
                              f"swizzled bwd_convert of dense batches, got {self.dq_groups!r}")

@@ -149,7 +149,7 @@ class BwdWsVariant(KernelVariant):
                              f"(causal) the dQ writer's ordered adds, and no window; got {self.flashmask!r}")
         if not isinstance(self.rotate, bool) or self.rotate and (self.dq_ordered or self.flashmask or not self.dq):
             raise ValueError(f"rotate must be a bool, True only with atomic dQ and no FlashMask, got {self.rotate!r}")
-        if self.dq_groups not in DQ_GROUPS or self.dq_groups > 1 and not (
+        if type(self.dq_groups) is not int or self.dq_groups not in DQ_GROUPS or self.dq_groups > 1 and not (
                 self.dq_ordered and not (self.causal or self.local or self.varlen or self.flashmask)):
             raise ValueError(f"dq_groups must be one of {DQ_GROUPS}, other than 1 only with ordered dQ (dq_ordered) "
                              f"without a mask, FlashMask or packed sequences; got {self.dq_groups!r}")
