@@ -602,7 +602,7 @@ def _launch_specs(kernels, ops, lse, lse_st, grads, ws, shape, score, fm=None, d
     # (with runs of key blocks, dq_groups, each run's first block stores: no accumulator to zero)
     out.append((prep, prep.grid(b, sq if cu_q else head_rows, h, d), dict(
         dout=_Ptr("dout"), out=_Ptr("out"), lse=_Ptr("lse"), lse2=lse2, dsum=dsum,
-        dq_accum=acc if getattr(prep, "dq_groups", 1) == 1 else 0, dq_sem=sem,
+        dq_accum=acc if prep.dq_groups == 1 else 0, dq_sem=sem,
         **_st("do", do), **_st("o", o), lse_sb=lse_st[0], lse_sh=lse_st[1], lse_ss=lse_st[2], **rows, cu_seqlens_q=cu_q)))
     common = dict(q=_Ptr("q"), k=_Ptr("k"), v=_Ptr("v"), dout=_Ptr("dout"), lse2=lse2, dsum=dsum, **_st("q", q),
                   **_st("k", k), **_st("v", v), **_st("do", do), **rows, seqlen_k_arg=sk, ngroups=h // hk, **score)

@@ -43,8 +43,8 @@ def main():
                     "atomic": lambda: bench.time_cuda(run(False), saved, 3, 20),
                     "det": lambda: bench.time_cuda(run(True), saved, 3, 20),
                     "cudnn": lambda: bench._time_sdpa_backward(torch, "CUDNN_ATTENTION", sets, causal, 3, 20)}, 3)
-                tf = {n: 2.5 * 4 * b * s * s * h * d / (2 if causal else 1) / m / 1e9 if m else float("nan")
-                      for n, m in ms.items()}  # (nan: cuDNN refused the shape)
+                flops = bench.BACKWARD_FLOPS * bench._flops(b, s, h, d, causal)
+                tf = {n: flops / m / 1e9 if m else float("nan") for n, m in ms.items()}  # (nan: cuDNN refused the shape)
                 print(f"{d:>4} {str(causal):>6} {b:>3} {s:>6} | {tf['atomic']:8.1f} {tf['det']:8.1f} {tf['cudnn']:7.1f} | "
                       f"{tf['det'] / tf['atomic']:10.3f} | {tf['det'] / tf['cudnn']:9.3f} | {same}", flush=True)
                 del sets, saved, first
