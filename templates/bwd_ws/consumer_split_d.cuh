@@ -106,9 +106,10 @@
         wgmma_wait<1>();
         fence_regs(dq);
         // The group's pieces 2 wg and 2 wg + 1 (columns 128 wg ...) of the step's dQ, in fragment
-        // order (bwd.cuh). kDqOrdered: once the turn warp holds this step's turn (barrier
-        // kBarTurn + wg), and then telling it that the adds are issued (kBarAdded + wg), so that
-        // it waits for their completion and passes the turn on while this group goes on.
+        // order (bwd.cuh). kDqOrdered: once turn warp 1 holds this step's turn (barrier
+        // kBarTurn + wg), and then telling the turn warps that the adds are issued (kBarAdded +
+        // wg), so that warp 2 waits for their completion and passes the turn on while this group
+        // goes on.
         const long long row = info_i64(sInfo, kInfoStats) + (long long)h * head_rows + m0;
 {%- if dq_ordered %}
         named_bar_sync_at<kTurnThreads>(kBarTurn + wg);
@@ -119,7 +120,7 @@
 {%- endif %}
         red_add_frag({{ dq_acc_at }} + 2 * wg * 4096, dq, ctid & 127);
 {%- if dq_ordered %}
-        named_bar_arrive_at<kTurnThreads>(kBarAdded + wg);
+        named_bar_arrive_at<kAddedThreads>(kBarAdded + wg);
 {%- endif %}
       }
       wgmma_wait<0>();

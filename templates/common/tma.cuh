@@ -147,9 +147,19 @@ __device__ __forceinline__ void sem_wait(const int* sem, int turn) {
   }
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
-template <int kTurns = 1>
+// The semaphore's value now (acquire, GPU scope: what follows is ordered after it, as after a
+// sem_wait that returns at once).
+__device__ __forceinline__ int sem_peek(const int* sem) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(sem) : "memory");
+  return v;
+}
+// kAfterBulk: this thread's bulk copies (async proxy) are among what it orders; otherwise only
+// generic-proxy writes (release is cumulative: with what a barrier ordered before this thread's
+// release, other threads' writes too).
+template <int kTurns = 1, bool kAfterBulk = true>
 __device__ __forceinline__ void sem_release(int* sem) {
-  asm volatile("fence.proxy.async.global;" ::: "memory");
+  if constexpr (kAfterBulk) asm volatile("fence.proxy.async.global;" ::: "memory");
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(sem), "n"(kTurns) : "memory");
 }
 
