@@ -59,7 +59,7 @@
       if constexpr (decltype(masked)::value)
         if (fm_class(it) == kFmMasked)
           apply_flashmask_t<kQT, kFlashMask, kIsCausal, !kIsCausal>(
-              s, n0 + key_w, m0 + q_wg, info_i32(sInfo, kInfoSeqK), fm_idx + b * fm_sb + (h / fm_hdiv) * fm_sh,
+              s, n0 + key_w, m0 + q_wg, info_i32(sInfo, kInfoSeqK), fm_idx + {{ batch }} * fm_sb + (h / fm_hdiv) * fm_sh,
               fm_ss, fm_sc);
 {% endif %}
 {%- if softcap or alibi %}

@@ -1,0 +1,44 @@
+"""cuflash alone on `bench mask`'s FlashMask families, forward and forward + backward, for comparing
+two trees (run it once with each on PYTHONPATH): no FlexAttention or SDPA, so a run takes seconds.
+
+    python scripts/bench_mask_ab.py [--seqlen 8192 32768] [--reps 10]
+
+Prints per family and length the TF/s on the kept pairs (bench mask's count) and the share of
+plain causal attention's TF/s at the same length and pass (#21 asks at least 85%). bf16, d = 128,
+16 heads, batch 1, the masks bench mask builds (seed 0)."""
+import argparse
+
+import numpy as np
+import torch
+
+from cuflash import bench
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqlen", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--reps", type=int, default=10)
+    a = ap.parse_args()
+    for s in a.seqlen:
+        shp = (1, s, 16, 128)
+        sets = bench._make_sets(torch, (shp,) * 4, torch.bfloat16, min_sets=2)  # q, k, v, do
+        grad_sets = [(*(t.detach().requires_grad_() for t in x[:3]), x[3]) for x in sets]
+        causal_tf = {}
+        for fam in ("causal", *bench.MASK_FAMILIES):
+            idx, causal, _, _ = bench._mask_family(fam, s, 16, 0)
+            pairs = bench.mask_pairs(idx, s, causal, 16)
+            idx = None if fam == "causal" else torch.from_numpy(np.ascontiguousarray(idx)).cuda()
+            line = f"{fam:22s} {s:6d}"
+            for backward in (False, True):
+                attn, _ = bench._cuflash_mask_attn(causal, idx, backward)
+                ms = bench.time_cuda(bench._grad_fn(torch, attn, backward), grad_sets if backward else sets, 5, a.reps)
+                tf = bench.mask_flops(pairs, 128, backward) / ms / 1e9
+                causal_tf.setdefault(backward, tf)
+                line += f" | {'fb' if backward else 'f '} {tf:6.1f} {100 * tf / causal_tf[backward]:4.0f}%"
+            print(line, flush=True)
+        del sets, grad_sets
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
