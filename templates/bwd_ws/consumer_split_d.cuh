@@ -108,8 +108,8 @@
         // The group's pieces 2 wg and 2 wg + 1 (columns 128 wg ...) of the step's dQ, in fragment
         // order (bwd.cuh). kDqOrdered: once turn warp 1 holds this step's turn (barrier
         // kBarTurn + wg), and then telling the turn warps that the adds are issued (kBarAdded +
-        // wg), so that warp 2 waits for their completion and passes the turn on while this group
-        // goes on.
+        // wg), so that warp 2 passes the turn on (its release orders them first) while this
+        // group goes on.
         const long long row = info_i64(sInfo, kInfoStats) + (long long)h * head_rows + m0;
 {%- if dq_ordered %}
         named_bar_sync_at<kTurnThreads>(kBarTurn + wg);

@@ -205,7 +205,7 @@ __device__ __forceinline__ long long stats_base(const int* cu_seqlens_q, int b, 
 constexpr int kInfoBytes = {{ info_bytes }};  // cuflash.kernels.bwd.INFO_BYTES
 enum {  // int slots (kInfoStats takes two)
   kInfoQb, kInfoKb, kInfoSeqQ, kInfoSeqK, kInfoDiag, kInfoDiagLo, kInfoStats, kInfoUnmasked = kInfoStats + 2, kInfoLower,
-  kInfoB,  // bwd_ws lpt: the block's batch
+  kInfoB,  // bwd_ws lpt and FlashMask: the block's batch
   kInfoRun  // bwd_ws dq_groups: the block's run of key blocks
 };
 static_assert((kInfoRun + 1) * 4 <= kInfoBytes, "the per-block scalars fit their shared memory");

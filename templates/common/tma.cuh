@@ -147,8 +147,8 @@ __device__ __forceinline__ void sem_wait(const int* sem, int turn) {
   }
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
-// The semaphore's value now (acquire, GPU scope: what follows is ordered after it, as after a
-// sem_wait that returns at once).
+// The semaphore's value now (acquire, GPU scope: this thread's later generic-proxy accesses, and
+// what a barrier orders after them, come after what it saw; unlike sem_wait, no bulk copies).
 __device__ __forceinline__ int sem_peek(const int* sem) {
   int v;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(sem) : "memory");
