@@ -142,9 +142,9 @@ def main():
                 attention_backward(torch.randn_like(o), q, k, v, o, lse, deterministic=det, **mods)
     # d = 256 deterministic with a window that leaves most key blocks with no query (blocks of no
     # step: the turn warps take none)
-    q, k, v = rnd(2, 64, 2, 256), rnd(2, 700, 2, 256), rnd(2, 700, 2, 256)
-    o, lse = cuflash.attention(q, k, v, window_size=(16, 0), return_lse=True)
-    attention_backward(torch.randn_like(o), q, k, v, o, lse, window_size=(16, 0), deterministic=True)
+    wq, wk, wv = rnd(2, 64, 2, 256), rnd(2, 700, 2, 256), rnd(2, 700, 2, 256)
+    o, lse = cuflash.attention(wq, wk, wv, window_size=(16, 0), return_lse=True)
+    attention_backward(torch.randn_like(o), wq, wk, wv, o, lse, window_size=(16, 0), deterministic=True)
     if torch.cuda.get_device_capability() == (9, 0):
         import dataclasses
         import importlib
