@@ -418,7 +418,9 @@ def _flashmask_plan(p: Problem, dev: DeviceFacts) -> Plan:
         kernel = (f"the warp-specialised forward (fwd_ws, sm_90a: a producer warpgroup loading Q and K/V tiles by "
                   f"TMA, {v.consumers} consumer warpgroups of 64 query rows) walks only the K/V blocks of {bn} "
                   f"keys in which some row of its {bm}-row tile is visible (the others are never loaded; a partly "
-                  f"masked block's bounds are copied into shared memory with its K tile), masks")
+                  f"masked block's bounds are copied into shared memory with its K tile; the grid runs every "
+                  f"(head, batch)'s first query tile{' (causal: its last)' if p.causal else ''}, then every one's second, "
+                  f"and so on, so that a mask's long walks start early in every head), masks")
     else:
         v = FwdVariant(kind="fwd", head_dim=bucket, dtype=p.dtype, causal=p.causal, even_head_dim=even, block_m=bm,
                        block_n=bn, warps=warps, arch=dev.arch, stages=stages, softcap=p.softcap, mma=mma,
@@ -674,7 +676,12 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
                       "the rest unmasked." if dq else
                       f"{main.kind} skips each (key block, query block) tile whose rows are all masked (no loads, "
                       "no math, no dQ), masks the partly masked ones element by element and runs the rest "
-                      "unmasked."))
+                      "unmasked.")
+                   + (" bwd_ws launches every (batch, KV head) pair's first key block"
+                      + (" (ordered dQ with a causal mask: from the last)" if getattr(main, "dq_ordered", False)
+                         and p.causal else "")
+                      + ", then every one's second, and so on, so that the key blocks of long walks start early in "
+                      "every head." if main.family == "bwd_ws" else ""))
     check_grids(launches)
     return Plan(p, dev, launches, 1, 0, False, sq, p.nheads, p.nheads // p.nheads_k, causal, window, workspace,
                 (), " ".join(why), backward=True)
