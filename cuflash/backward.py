@@ -66,7 +66,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import api, arrays, compiler, validate
-from .kernels.bwd import ROW_PAD, VARLEN_ROW_GAP
+from .kernels.bwd import ROW_PAD, VARLEN_ROW_GAP, row_floats, sem_words
 from .kernels.fwd_ws import tensor_map, tma_readable
 from .kernels.params import TENSOR_MAP_BYTES, stride_values
 from .launch import dropout_fields
@@ -428,20 +428,12 @@ def workspace_floats(plan, total_q: int | None = None) -> int:
     the ordered dQ writer's int32 semaphores (one per 64 rows); ``total_q`` for packed sequences."""
     p = plan.problem
     _, rows = stats_rows(p.batch, p.seqlen_q, p.nheads, total_q, row_pad(plan))
-    # (cdiv: packed sequences' rows need not fill the last 64; a query block's semaphore is that of
-    # its first 64-aligned row, bwd.cuh)
-    return _sem_word(plan, rows) + (cdiv(rows, 64) * _groups(plan) if _ordered(plan) else 0)
+    return _sem_word(plan, rows) + sem_words(rows, plan.launches[1].variant)
 
 
 def _sem_word(plan, rows: int) -> int:
     """The workspace word where the ordered dQ writer's semaphores start (after every other part)."""
     return rows * _row_floats(plan) + sum(n for *_, n in _flashmask_preps(plan))
-
-
-def _groups(plan) -> int:
-    """The dK/dV kernel's runs of key blocks with ordered dQ (bwd_ws dq_groups): its accumulators
-    and semaphores per row."""
-    return getattr(plan.launches[1].variant, "dq_groups", 1)
 
 
 def _ordered(plan) -> bool:
@@ -457,7 +449,7 @@ def _accumulates(plan) -> bool:
 
 def _row_floats(plan) -> int:
     """fp32 values per workspace row: LSE and D, and the dQ accumulator's head dim."""
-    return 2 + (plan.launches[0].variant.head_dim * _groups(plan) if _accumulates(plan) else 0)
+    return row_floats(plan.launches[0].variant.head_dim, plan.launches[1].variant, plan.launches[2].variant)
 
 
 def _flashmask_preps(plan):

@@ -558,8 +558,6 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     if ws == "":
         main = bwd_ws.planned(bucket, p.dtype, causal, local, p.deterministic, dev.arch, p.flashmask, p.softcap,
                               p.alibi, p.varlen, p.seqlen_k, p.nheads // p.nheads_k, p.seqlen_q)
-        if main.dq_groups > max(1, cdiv(p.seqlen_k, main.block_n)):  # a run without a block: its accumulator unwritten
-            raise AssertionError(f"{main.name}: {main.dq_groups} runs of {cdiv(p.seqlen_k, main.block_n)} key blocks")
         ordered = main.dq_ordered
         if main.dq:  # its accumulator is in fragment order (atomic or ordered), or dq_t's swizzled rows
             last = bwd_ws.convert(bucket, p.dtype, dev.arch, p.varlen, main.dq_t, main.dq_groups)
@@ -574,9 +572,7 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     # fp32 rows of LSE and D (and of the dQ accumulator), each sequence padded to `pad` rows;
     # packed sequences are bounded by batch * max length.
     rows = b * p.nheads * (cdiv(sq, pad) * pad + (bwd.VARLEN_ROW_GAP if p.varlen else 0))
-    groups = getattr(main, "dq_groups", 1)  # bwd_ws's runs of key blocks: an accumulator and semaphores each
-    workspace = (4 * rows * (2 + (0 if last.kind == "bwd_dq" else bucket * groups))
-                 + (4 * cdiv(rows, 64) * groups if ordered else 0))
+    workspace = 4 * rows * bwd.row_floats(bucket, main, last) + 4 * bwd.sem_words(rows, main)
     why = []
     if p.window != (-1, -1):
         why.append(f"window {p.window} runs as " + (f"a local band {window}" if local else

@@ -78,6 +78,20 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def row_floats(head_dim: int, main, last) -> int:
+    """fp32 values per backward workspace row, for the dK/dV kernel ``main`` and the last kernel
+    ``last``: LSE and D, and unless the deterministic dQ kernel writes dQ, the dQ accumulator's
+    head dim once per run of key blocks (bwd_ws dq_groups)."""
+    return 2 + (0 if last.kind == "bwd_dq" else head_dim * getattr(main, "dq_groups", 1))
+
+
+def sem_words(rows: int, main) -> int:
+    """int32 semaphores of ``main``'s ordered dQ adds over ``rows`` workspace rows: one per 64 rows
+    and run of key blocks (cdiv: packed sequences' rows need not fill the last 64; a query block's
+    semaphore is that of its first 64-aligned row, bwd.cuh); 0 without ordered adds."""
+    return cdiv(rows, 64) * getattr(main, "dq_groups", 1) if getattr(main, "dq_ordered", False) else 0
+
+
 def dkdv_tile(bucket: int, softcap: bool = False, alibi: bool = False,
               arch: int = 90) -> tuple[int, int, int, int, str]:
     """The dK/dV kernel's tile: DKDV_WGMMA_TILES on sm_90 where it has the bucket and there is
