@@ -376,7 +376,8 @@ def main(argv=None):
     b.add_argument("--head-dim", type=HEAD_DIM, nargs="+")
     b.add_argument("--deterministic", action="store_true", help="bench backward: cuflash's deterministic mode")
     b.add_argument("--rounds", type=_int_in(1, 99),
-                   help="bench prefill / backward / jax: rounds of timing, the order rotated each round (default 3)")
+                   help="bench prefill / backward: rounds x reps interleaved samples of each implementation; jax: rounds "
+                        "of timing, the order rotated each round (default 3)")
     b.add_argument("--settle", type=_seconds,
                    help="bench prefill / backward: seconds of back-to-back calls before each timing, so that it sees "
                         "the clock the GPU settles at under load (default 0)")

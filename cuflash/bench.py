@@ -175,6 +175,50 @@ def time_steady(fn, inputs_list, sync, warmup=3, reps=20, sample_ms=10.0):
     return per_call, t_short - short * per_call
 
 
+def time_interleaved(calls: dict, warmup=5, reps=90, settle_s=0.0, errors=None) -> dict:
+    """Median milliseconds per call of each ``calls[name] = (fn, inputs_list)``, cycling through
+    its inputs, with the samples of all of them interleaved: each pass times one call of each
+    (CUDA events around it), the order rotated by one every pass. A GPU's clocks follow its
+    power draw and temperature, and drift by 10% within seconds at the power limit (H200,
+    BENCHMARKS.md), so implementations timed one after the other see different clocks;
+    interleaved, every implementation's samples span the same stretch of time and their ratios
+    compare like with like. Each fn is called once untimed first (it may compile) and
+    ``warmup`` times; where that raises, its result is None and ``errors[name]`` (if a dict is
+    given) holds the exception. ``settle_s`` > 0: before the samples, passes of back-to-back
+    calls run that long (time_cuda's settle_s)."""
+    torch = _torch()
+    live, k = {}, 0
+    for name, (fn, inputs) in calls.items():
+        try:
+            for i in range(1 + max(0, warmup)):
+                fn(*inputs[i % len(inputs)])
+            torch.cuda.synchronize()
+            live[name] = (fn, inputs)
+        except Exception as e:  # unsupported shape, dtype or backend
+            if errors is not None:
+                errors[name] = e
+    names = list(live)
+    t0 = time.perf_counter()
+    while names and time.perf_counter() - t0 < settle_s:
+        for name in names:
+            fn, inputs = live[name]
+            fn(*inputs[k % len(inputs)])
+        k += 1
+        torch.cuda.synchronize()
+    events = {name: [] for name in names}
+    for p in range(reps if names else 0):
+        for name in names[p % len(names):] + names[:p % len(names)]:
+            fn, inputs = live[name]
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn(*inputs[(k + p) % len(inputs)])
+            e.record()
+            events[name].append((s, e))
+    torch.cuda.synchronize()
+    return {name: statistics.median(s.elapsed_time(e) for s, e in events[name]) if name in events else None
+            for name in calls}
+
+
 def rotated_rounds(timers: dict, rounds: int) -> dict:
     """Median ms of each timer (name -> a callable returning ms, or None where it cannot run)
     over ``rounds`` rounds, the order rotated by one each round. A GPU's clocks follow its power
@@ -189,18 +233,6 @@ def rotated_rounds(timers: dict, rounds: int) -> dict:
             if ms is not None:
                 got[n].append(ms)
     return {n: statistics.median(v) if v else None for n, v in got.items()}
-
-
-def _noting_error(row: dict, timer):
-    """``timer`` as a rotated_rounds timer that, where it raises, notes the error in ``row`` and
-    gives None."""
-    def run():
-        try:
-            return timer()
-        except Exception as e:
-            row.update(error=f"{type(e).__name__}: {e}")
-            return None
-    return run
 
 
 def _make_sets(torch, shapes, dtype, extra_bytes=0, min_sets=4):
@@ -221,13 +253,22 @@ def _sdpa(torch, causal, gqa):
 
 
 def _time_sdpa(torch, backend, sets_t, causal, gqa, warmup, reps, **kw):
-    """Median ms of SDPA with one backend forced; None if the backend refuses."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    """Median ms of SDPA with one backend forced (time_cuda); None if the backend refuses."""
     try:
-        with sdpa_kernel(getattr(SDPBackend, backend)):
-            return time_cuda(_sdpa(torch, causal, gqa), sets_t, warmup, reps, **kw)
+        return time_cuda(_sdpa_on(torch, backend, causal, gqa), sets_t, warmup, reps, **kw)
     except Exception:  # unsupported shape/dtype/GQA for this backend
         return None
+
+
+def _sdpa_on(torch, backend, causal, gqa):
+    """SDPA (q, k, v) -> out with one backend forced (it raises where the backend refuses)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    attn = _sdpa(torch, causal, gqa)
+
+    def call(q, k, v):
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            return attn(q, k, v)
+    return call
 
 
 def _max_diff(torch, out, q, k, v, causal, gqa):
@@ -310,10 +351,9 @@ def bench_prefill(dtypes=("bfloat16", "float16"), head_dims=GRID_HEAD_DIMS, caus
                   shapes=((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)),
                   model_dim=2048, reps=30, warmup=5, quick=False, verbose=True, rounds=3, settle=0.0, gqa=1):
     """Forward prefill sweep (sq == sk; ``gqa`` query heads per KV head, SDPA with enable_gqa
-    then); returns one dict per config. cuflash
-    and SDPA's flash and cuDNN backends are timed in ``rounds`` rotated rounds
-    (rotated_rounds); ``settle`` seconds of back-to-back calls before each timing
-    (time_cuda's settle_s)."""
+    then); returns one dict per config. cuflash and SDPA's flash and cuDNN backends are timed
+    with their samples interleaved (time_interleaved: ``rounds`` x ``reps`` passes of one call
+    each), after ``settle`` seconds of back-to-back calls."""
     torch = _torch()
     import cuflash
     gemm = measure_ceilings()["gemm_tflops"]
@@ -327,19 +367,19 @@ def bench_prefill(dtypes=("bfloat16", "float16"), head_dims=GRID_HEAD_DIMS, caus
         flops = _flops(b, s, h, d, c)
         tf = lambda ms: flops / ms / 1e9 if ms else None  # noqa: E731
         sets_t = [tuple(t.transpose(1, 2) for t in x) for x in sets]
+        calls, errors = {}, {}
         try:
             row["max_diff_vs_sdpa"] = _max_diff(torch, cuflash.attention(q, k, v, causal=c),
                                                 q, k, v, c, gqa > 1)
-            timers = {"cuflash": _noting_error(row, lambda: time_cuda(
-                lambda q, k, v: cuflash.attention(q, k, v, causal=c), sets, warmup, reps, settle_s=settle))}
+            calls["cuflash"] = (lambda q, k, v: cuflash.attention(q, k, v, causal=c), sets)
         except Exception as e:
+            errors["cuflash"] = e
+        for name, backend in (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION")):
+            calls[name] = (_sdpa_on(torch, backend, c, gqa > 1), sets_t)
+        ms = time_interleaved(calls, warmup, rounds * reps, settle, errors)
+        if "cuflash" in errors:
+            e = errors["cuflash"]
             row.update(error=f"{type(e).__name__}: {e}")
-            timers = {}
-        timers.update(flash=lambda: _time_sdpa(torch, "FLASH_ATTENTION", sets_t, c, gqa > 1, warmup, reps,
-                                               settle_s=settle),
-                      cudnn=lambda: _time_sdpa(torch, "CUDNN_ATTENTION", sets_t, c, gqa > 1, warmup, reps,
-                                               settle_s=settle))
-        ms = rotated_rounds(timers, rounds)
         row["cuflash_ms"] = ms.get("cuflash")
         row["cuflash_tflops"] = tf(row["cuflash_ms"])
         row["flash_tflops"] = tf(ms["flash"])
@@ -410,8 +450,8 @@ def bench_backward(dtypes=("bfloat16", "float16"), head_dims=GRID_HEAD_DIMS, cau
                    rounds=3, settle=0.0, gqa=1):
     """Backward sweep on the prefill grid: cuflash.backward.attention_backward against the
     backward of SDPA's flash (FA2) and cuDNN backends, each timed alone (gradients of a saved
-    forward), in ``rounds`` rotated rounds (rotated_rounds), each after ``settle`` seconds of
-    back-to-back calls (time_cuda's settle_s). FLOPs = 2.5 x the forward's (FA2's convention: 5
+    forward), their samples interleaved (time_interleaved: ``rounds`` x ``reps`` passes of one call
+    each), after ``settle`` seconds of back-to-back calls. FLOPs = 2.5 x the forward's (FA2's convention: 5
     matmuls against 2).
     ``deterministic``: cuflash's deterministic mode (no atomics; SDPA's backends as usual).
     ``gqa``: query heads per KV head (SDPA with enable_gqa)."""
@@ -425,15 +465,22 @@ def bench_backward(dtypes=("bfloat16", "float16"), head_dims=GRID_HEAD_DIMS, cau
         flops = BACKWARD_FLOPS * _flops(b, s, h, d, c)
         tf = lambda ms: flops / ms / 1e9 if ms else None  # noqa: E731
 
-        def cuflash_ms():
+        calls, errors = {}, {}
+        try:
             saved = [(do, q, k, v, *cuflash.attention(q, k, v, causal=c, return_lse=True)) for q, k, v, do in sets]
-            fn = lambda do, q, k, v, o, lse: attention_backward(  # noqa: E731
-                do, q, k, v, o, lse, causal=c, deterministic=deterministic)
-            return time_cuda(fn, saved, warmup, reps, settle_s=settle)
-        ms = rotated_rounds({"cuflash": _noting_error(row, cuflash_ms), **{
-            name: functools.partial(_time_sdpa_backward, torch, backend, sets, c, warmup, reps, settle, gqa > 1)
-            for name, backend in (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION"))}}, rounds)
-        row["cuflash_ms"] = ms["cuflash"]
+            calls["cuflash"] = (lambda do, q, k, v, o, lse: attention_backward(
+                do, q, k, v, o, lse, causal=c, deterministic=deterministic), saved)
+        except Exception as e:
+            errors["cuflash"] = e
+        for name, backend in (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION")):
+            graphs = _sdpa_graphs(torch, backend, sets, c, gqa > 1)
+            if graphs is not None:
+                calls[name] = (lambda o, q, k, v, do: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), graphs)
+        ms = time_interleaved(calls, warmup, rounds * reps, settle, errors)
+        if "cuflash" in errors:
+            e = errors["cuflash"]
+            row.update(error=f"{type(e).__name__}: {e}")
+        row["cuflash_ms"] = ms.get("cuflash")
         row["flash_tflops"], row["cudnn_tflops"] = tf(ms["flash"]), tf(ms["cudnn"])
         row["cuflash_tflops"] = tf(row["cuflash_ms"])
         row["ratio_flash"] = _div(row["cuflash_tflops"], row["flash_tflops"])
@@ -445,8 +492,10 @@ def bench_backward(dtypes=("bfloat16", "float16"), head_dims=GRID_HEAD_DIMS, cau
     return rows
 
 
-def _time_sdpa_backward(torch, backend, sets, causal, warmup, reps, settle=0.0, gqa=False):
-    """Median ms of one SDPA backend's backward (autograd.grad of a saved forward), or None."""
+def _sdpa_graphs(torch, backend, sets, causal, gqa=False):
+    """Per input set (q, k, v, dout) of cuflash's layout, SDPA's saved forward with one backend
+    forced, (out, q, k, v, dout) in SDPA's layout, for timing its backward (autograd.grad of
+    out); None where the backend refuses."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     try:
         with sdpa_kernel(getattr(SDPBackend, backend)):
@@ -454,8 +503,7 @@ def _time_sdpa_backward(torch, backend, sets, causal, warmup, reps, settle=0.0, 
             for q, k, v, do in sets:
                 q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
                 saved.append((_sdpa(torch, causal, gqa)(q, k, v), q, k, v, do.transpose(1, 2)))
-            fn = lambda o, q, k, v, do: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)  # noqa: E731
-            return time_cuda(fn, saved, warmup, reps, settle_s=settle)
+            return saved
     except Exception:  # unsupported shape/dtype for this backend
         return None
 

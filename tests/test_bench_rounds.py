@@ -1,5 +1,5 @@
-"""bench.rotated_rounds: every timer runs once per round, the order rotates, and the result is
-each timer's median (None where it never ran)."""
+"""bench.rotated_rounds and bench.time_interleaved: every timer (implementation) runs once per
+round (pass), the order rotates, and the result is each one's median (None where it never ran)."""
 import pytest
 
 from cuflash import bench
@@ -55,10 +55,52 @@ def test_cli_rounds(capsys, monkeypatch):
     assert code != 0 and "--rounds" in err
 
 
-def test_noting_error_records_and_gives_none():
-    row = {}
-    assert bench._noting_error(row, lambda: 2.5)() == 2.5 and row == {}
-    assert bench._noting_error(row, lambda: 1 / 0)() is None and row["error"].startswith("ZeroDivisionError")
+class _ClockCuda:
+    """torch.cuda for time_interleaved without a GPU: an event records a clock, which
+    each call advances by that implementation's next duration."""
+
+    def __init__(self):
+        self.now = 0.0
+        cuda = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.t = None
+
+            def record(self):
+                self.t = cuda.now
+
+            def elapsed_time(self, end):
+                return end.t - self.t
+        self.Event = Event
+
+    def synchronize(self):
+        pass
+
+
+def test_time_interleaved_rotates_and_takes_medians(monkeypatch):
+    """One timed call of each per pass, the order rotated by one every pass; warm-up calls are
+    not timed; an implementation that raises in its first call gives None and its error."""
+    fake = _ClockCuda()
+    monkeypatch.setattr(bench, "_torch", lambda: type("T", (), {"cuda": fake})())
+    calls, durations = [], {"a": iter([9.0, 9.0, 1.0, 3.0, 2.0]), "b": iter([9.0, 9.0, 5.0, 7.0, 6.0])}
+
+    def impl(name):
+        def fn(x):
+            calls.append((name, x))
+            fake.now += next(durations[name])
+        return fn
+
+    def broken(x):
+        raise RuntimeError("no kernel for this shape")
+    errors = {}
+    got = bench.time_interleaved({"a": (impl("a"), [(0,), (1,)]), "c": (broken, [(0,)]),
+                                  "b": (impl("b"), [(0,), (1,)])}, warmup=1, reps=3, errors=errors)
+    assert got == {"a": 2.0, "c": None, "b": 6.0}
+    assert isinstance(errors["c"], RuntimeError) and set(errors) == {"c"}
+    timed = [n for n, _ in calls[4:]]
+    assert calls[:4] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+    assert timed == ["a", "b", "b", "a", "a", "b"]
 
 
 def test_cli_settle(capsys, monkeypatch):

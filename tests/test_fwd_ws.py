@@ -576,6 +576,23 @@ def test_gpu_persistent_matches_one_tile_blocks(rng, d, tile, causal, b, h, hk, 
 
 @requires_sm90
 @requires_torch
+@pytest.mark.parametrize("d,tile", PLANNED_TILES, ids=lambda x: x if isinstance(x, int) else
+                         "m{block_m}n{block_n}s{stages}".format(**{"block_m": 128, "stages": 2, **x}))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("tail", [1, 64, 65])
+def test_gpu_partial_last_tiles(rng, d, tile, causal, persistent, tail):
+    """Sequences whose last query tile has ``tail`` rows (1 and 64: only the first consumer
+    warpgroup's rows lie in the sequence; 65: the first two): the output (poisoned before the
+    launch) and the LSE pass the reference check; persistent blocks walk several such tiles."""
+    sq = 2 * tile.get("block_m", 128) + tail
+    q, k, v = _inputs(rng, 3, sq, 300, 4, 2, d, "bfloat16")
+    out, lse = _run_poisoned(q, k, v, causal, persistent=persistent, **tile)
+    _check(out, lse, q, k, v, causal)
+
+
+@requires_sm90
+@requires_torch
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_strided_qkv(rng, causal):
     """q, k, v sliced from one packed (b, s, 3, h, d) tensor: the tensor maps carry the strides."""
