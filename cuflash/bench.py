@@ -473,9 +473,9 @@ def bench_backward(dtypes=("bfloat16", "float16"), head_dims=GRID_HEAD_DIMS, cau
         except Exception as e:
             errors["cuflash"] = e
         for name, backend in (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION")):
-            graphs = _sdpa_graphs(torch, backend, sets, c, gqa > 1)
-            if graphs is not None:
-                calls[name] = (lambda o, q, k, v, do: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), graphs)
+            call = _sdpa_backward_call(torch, backend, sets, c, gqa > 1)
+            if call is not None:
+                calls[name] = call
         ms = time_interleaved(calls, warmup, rounds * reps, settle, errors)
         if "cuflash" in errors:
             e = errors["cuflash"]
@@ -492,10 +492,10 @@ def bench_backward(dtypes=("bfloat16", "float16"), head_dims=GRID_HEAD_DIMS, cau
     return rows
 
 
-def _sdpa_graphs(torch, backend, sets, causal, gqa=False):
-    """Per input set (q, k, v, dout) of cuflash's layout, SDPA's saved forward with one backend
-    forced, (out, q, k, v, dout) in SDPA's layout, for timing its backward (autograd.grad of
-    out); None where the backend refuses."""
+def _sdpa_backward_call(torch, backend, sets, causal, gqa=False):
+    """(fn, inputs) for time_interleaved that time SDPA's backward with one backend forced:
+    per input set (q, k, v, dout) of cuflash's layout, the saved forward (out, q, k, v, dout) in
+    SDPA's layout, and autograd.grad of out. None where the backend refuses."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     try:
         with sdpa_kernel(getattr(SDPBackend, backend)):
@@ -503,9 +503,9 @@ def _sdpa_graphs(torch, backend, sets, causal, gqa=False):
             for q, k, v, do in sets:
                 q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
                 saved.append((_sdpa(torch, causal, gqa)(q, k, v), q, k, v, do.transpose(1, 2)))
-            return saved
     except Exception:  # unsupported shape/dtype for this backend
         return None
+    return lambda o, q, k, v, do: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), saved
 
 
 def bench_jax(dtypes=("bfloat16", "float16"), head_dims=GRID_HEAD_DIMS, causal=(False, True),

@@ -1,5 +1,6 @@
 """The planned deterministic backward against the planned atomic one, in one process, with SDPA's
-cuDNN backward beside (three rotated rounds; model dim 2048, the `bench backward` shapes):
+cuDNN backward beside (their samples interleaved, bench.time_interleaved; model dim 2048, the
+`bench backward` shapes):
 
     python scripts/bench_deterministic.py [--head-dim D ...] [--dtype float16]
 
@@ -39,10 +40,12 @@ def main():
                                                                           deterministic=det)
                 first = [x.clone() for x in run(True)(*saved[0])]
                 same = all(torch.equal(x, y) for x, y in zip(first, run(True)(*saved[0])))
-                ms = bench.rotated_rounds({
-                    "atomic": lambda: bench.time_cuda(run(False), saved, 3, 20),
-                    "det": lambda: bench.time_cuda(run(True), saved, 3, 20),
-                    "cudnn": lambda: bench._time_sdpa_backward(torch, "CUDNN_ATTENTION", sets, causal, 3, 20)}, 3)
+                calls = {"atomic": (run(False), saved), "det": (run(True), saved)}
+                cudnn = bench._sdpa_backward_call(torch, "CUDNN_ATTENTION", sets, causal)
+                if cudnn is not None:
+                    calls["cudnn"] = cudnn
+                ms = bench.time_interleaved(calls, 3, 60)
+                ms.setdefault("cudnn", None)
                 flops = bench.BACKWARD_FLOPS * bench._flops(b, s, h, d, causal)
                 tf = {n: flops / m / 1e9 if m else float("nan") for n, m in ms.items()}  # (nan: cuDNN refused the shape)
                 print(f"{d:>4} {str(causal):>6} {b:>3} {s:>6} | {tf['atomic']:8.1f} {tf['det']:8.1f} {tf['cudnn']:7.1f} | "
