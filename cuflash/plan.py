@@ -633,6 +633,11 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
                        "(its first block stores, the others add in turn) and walking from another query block, so "
                        "that a block waits at most for the ones before it in its run when a wave starts; "
                        f"bwd_convert sums the {main.dq_groups} accumulators in a fixed order.")
+            longest = -(-(-(-p.seqlen_k // main.block_n)) // main.dq_groups)
+            if longest <= bwd_ws.SPREAD_RUN[bucket]:
+                why.append(f"Runs of at most {bwd_ws.SPREAD_RUN[bucket]} blocks (here {longest}) take the spread order: "
+                           "a run's blocks start their walks spread over its query blocks and each query block "
+                           "takes their adds in the order they reach it, so none queues behind the run's first.")
     elif p.deterministic:
         why.append(f"deterministic=True: dQ has its own kernel, a block per {last.block_m} query rows walking the "
                    "K/V blocks it sees and writing dQ once: no atomics, every gradient is bitwise repeatable"

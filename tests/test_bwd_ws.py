@@ -253,6 +253,8 @@ def test_dq_groups_planned(d):
     assert main.dq_ordered and main.dq_groups == prep.dq_groups == conv.dq_groups == g
     assert f"_g{g}_" in main.name and f"_g{g}_" in prep.name and f"_g{g}_" in conv.name
     assert f"in {g} runs of consecutive blocks" in p.reason
+    # runs of at most SPREAD_RUN blocks (here 4) take the spread order, where the head dim has it
+    assert ("take the spread order" in p.reason) == (bwd_ws.SPREAD_RUN[d] >= 4)
     rows = 2 * 8 * (1040 if main.dq_t else 1024)
     assert p.workspace_bytes == 4 * rows * (2 + g * d) + 4 * (rows // 64) * g == 4 * workspace_floats(p)
     for kw in (dict(causal=True), dict(window_size=(100, 100)), dict(deterministic=False)):
@@ -284,14 +286,17 @@ def test_dq_groups_planned(d):
 
 
 def test_dq_groups_render():
-    """A run's first block stores its dQ (the writer's bulk copy; at d = 256 the consumers'
-    stores), the others add; every role walks from the run's first step; one run renders none of it."""
+    """The first block to add into a query block in a run's order stores its dQ (the writer's bulk
+    copy; at d = 256 the consumers' stores), the others add; every role walks from the block's
+    start; runs of at most SPREAD_RUN blocks take the spread order where the head dim has it; one
+    run renders none of it."""
     from cuflash import codegen
     for v in GROUPED_MAIN:
         src = codegen.render(v)
         assert src.count("walk_step(") == (4 if v.split_d else 3) and "kInfoRun" in src, v.name  # (d = 256: the turn warp)
         # (d = 256 has no dQ writer: its consumers store; the writer's code is there but never runs)
-        assert ("store_frag(dq_run_acc" in src) == v.split_d and (v.split_d or "if (dq_store()) bulk_store_f32(dqa" in src), v.name
+        assert ("store_frag(dq_run_acc" in src) == v.split_d and (v.split_d or "if (dq_store(it)) bulk_store_f32(dqa" in src), v.name
+        assert ("kSpreadRun = " in src) == (bwd_ws.SPREAD_RUN[v.head_dim] > 0), v.name
     for v in VARIANTS:
         src = codegen.render(v)
         assert "dq_run_acc" not in src and "bulk_store_f32(dqa" not in src and "kInfoRun]" not in src, v.name

@@ -32,6 +32,11 @@ LPT_MIN_GROUPS_D64 = 4                  # at d = 64, only with this many query h
 # per head dim (H200, bf16: BENCHMARKS.md, "Runs of key blocks")
 DQ_GROUPS_PLANNED = {64: (2, 8192), 128: (2, 8192), 256: (4, 4096)}
 DQ_T_BLOCK_M = 80                       # query rows per step of the dq_t variants (d = 128)
+# dq_groups: runs of at most this many key blocks take the spread order (templates/bwd_ws/dkdv_ws.cu.j2,
+# run_pos), whose blocks may wait for blocks of their run launched after them; 0: none, at d = 128,
+# where it lost (H200, bf16, deterministic over atomic: d = 64 1k-2k keys 0.91 -> 0.95-0.97, d = 256
+# 2k 0.85 -> 0.90, d = 128 1k-2k 0.92 -> 0.87-0.89; BENCHMARKS.md)
+SPREAD_RUN = {64: 8, 128: 0, 256: 8}
 BARRIER_BYTES = 64         # K/V full, per Q/dO stage full and empty, dq_writer's full and empty: <= 7 of 8 bytes
 STAGES = 2                 # Q/dO/LSE/D stages
 # Head dims without softcap and ALiBi together: at d = 64 a step's 128 query columns of S^T and
@@ -88,8 +93,10 @@ class BwdWsVariant(KernelVariant):
     # Ordered dQ without a mask on dense batches in this many runs of consecutive key blocks, each
     # with an fp32 accumulator and semaphores of its own and its walk starting at another query
     # block (1: one run, the whole head). At a wave's start each key block waits for the ones
-    # before it in its run, so runs shorten that staircase; bwd_convert sums the accumulators in
-    # a fixed order, and each run's first block stores where the others add, so nothing is zeroed.
+    # before it in its run, so runs shorten that staircase; runs of at most SPREAD_RUN blocks
+    # instead spread their walks' starts and take each query block's adds in the order the blocks
+    # reach it (no staircase). bwd_convert sums the accumulators in a fixed order, and the first
+    # to add into a query block stores where the others add, so nothing is zeroed.
     dq_groups: int = 1
     # FlashMask bound columns per key (cuflash.masks; 1 or 2 with causal, 2 or 4 without), 0 =
     # none: every role leaves out the fully masked steps, the consumers mask the partly masked
@@ -263,7 +270,7 @@ class BwdWsVariant(KernelVariant):
                     dq_early=self.dq_early, dq_writer=self.dq_writer,
                     dq_ordered=self.dq_ordered, dq_groups=self.dq_groups, flashmask=self.flashmask, rotate=self.rotate, overlap=self.overlap,
                     softcap=self.softcap, alibi=self.alibi, varlen=self.varlen, zero_tail=self.zero_tail, dq_t=self.dq_t,
-                    lpt=self.lpt, lpt_bytes=LPT_BYTES,
+                    lpt=self.lpt, lpt_bytes=LPT_BYTES, spread_run=SPREAD_RUN[self.head_dim],
                     producer_regs=PRODUCER_REGS, consumer_regs=MAX_CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES,
                     info_bytes=INFO_BYTES, barrier_bytes=BARRIER_BYTES, varlen_row_gap=VARLEN_ROW_GAP)
 

@@ -115,7 +115,7 @@
         named_bar_sync_at<kTurnThreads>(kBarTurn + wg);
 {%- endif %}
 {%- if dq_groups > 1 %}
-        if (dq_store()) store_frag({{ dq_acc_at }} + 2 * wg * 4096, dq, ctid & 127);
+        if (dq_store(it)) store_frag({{ dq_acc_at }} + 2 * wg * 4096, dq, ctid & 127);
         else
 {%- endif %}
         red_add_frag({{ dq_acc_at }} + 2 * wg * 4096, dq, ctid & 127);
