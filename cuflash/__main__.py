@@ -379,7 +379,7 @@ def main(argv=None):
                    help="bench prefill / backward: rounds x reps interleaved samples of each implementation; jax: rounds "
                         "of timing, the order rotated each round (default 3)")
     b.add_argument("--settle", type=_seconds,
-                   help="bench prefill / backward: seconds of back-to-back calls before each timing, so that it sees "
+                   help="bench prefill / backward: seconds of back-to-back calls before the timed samples, so that they see "
                         "the clock the GPU settles at under load (default 0)")
     b.add_argument("--gqa", type=_int_in(1, 64),
                    help="bench prefill / backward: query heads per KV head (SDPA with enable_gqa; default 1)")

@@ -591,7 +591,7 @@ def _launch_specs(kernels, ops, lse, lse_st, grads, ws, shape, score, fm=None, d
         out += [(launch.variant, launch.grid, fields) for launch, fields in preps
                 if launch.grid[0] > 0]  # no key block: nothing to reduce
     # (dense: every padded row, which may be more than seqlen_q's multiple of 128)
-    # (with runs of key blocks, dq_groups, each run's first block stores: no accumulator to zero)
+    # (with runs of key blocks, dq_groups, a run's first adds store: no accumulator to zero)
     out.append((prep, prep.grid(b, sq if cu_q else head_rows, h, d), dict(
         dout=_Ptr("dout"), out=_Ptr("out"), lse=_Ptr("lse"), lse2=lse2, dsum=dsum,
         dq_accum=acc if prep.dq_groups == 1 else 0, dq_sem=sem,

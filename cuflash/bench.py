@@ -183,8 +183,8 @@ def time_interleaved(calls: dict, warmup=5, reps=90, settle_s=0.0, errors=None) 
     BENCHMARKS.md), so implementations timed one after the other see different clocks;
     interleaved, every implementation's samples span the same stretch of time and their ratios
     compare like with like. Each fn is called once untimed first (it may compile) and
-    ``warmup`` times; where that raises, its result is None and ``errors[name]`` (if a dict is
-    given) holds the exception. ``settle_s`` > 0: before the samples, passes of back-to-back
+    ``warmup`` times; where a call raises, then or later, its result is None and
+    ``errors[name]`` (if a dict is given) holds the exception. ``settle_s`` > 0: before the samples, passes of back-to-back
     calls run that long (time_cuda's settle_s)."""
     torch = _torch()
     live, k = {}, 0
@@ -208,10 +208,18 @@ def time_interleaved(calls: dict, warmup=5, reps=90, settle_s=0.0, errors=None) 
     events = {name: [] for name in names}
     for p in range(reps if names else 0):
         for name in names[p % len(names):] + names[:p % len(names)]:
+            if name not in events:
+                continue
             fn, inputs = live[name]
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            fn(*inputs[(k + p) % len(inputs)])
+            try:
+                fn(*inputs[(k + p) % len(inputs)])
+            except Exception as exc:
+                del events[name]
+                if errors is not None:
+                    errors[name] = exc
+                continue
             e.record()
             events[name].append((s, e))
     torch.cuda.synchronize()
@@ -382,8 +390,8 @@ def bench_prefill(dtypes=("bfloat16", "float16"), head_dims=GRID_HEAD_DIMS, caus
             row.update(error=f"{type(e).__name__}: {e}")
         row["cuflash_ms"] = ms.get("cuflash")
         row["cuflash_tflops"] = tf(row["cuflash_ms"])
-        row["flash_tflops"] = tf(ms["flash"])
-        row["cudnn_tflops"] = tf(ms["cudnn"])
+        row["flash_tflops"] = tf(ms.get("flash"))
+        row["cudnn_tflops"] = tf(ms.get("cudnn"))
         row["ratio_flash"] = _div(row["cuflash_tflops"], row["flash_tflops"])
         row["ratio_cudnn"] = _div(row["cuflash_tflops"], row["cudnn_tflops"])
         row["frac_gemm"] = _div(row["cuflash_tflops"], gemm)
@@ -449,8 +457,8 @@ def bench_backward(dtypes=("bfloat16", "float16"), head_dims=GRID_HEAD_DIMS, cau
                    model_dim=2048, reps=20, warmup=3, quick=False, verbose=True, deterministic=False,
                    rounds=3, settle=0.0, gqa=1):
     """Backward sweep on the prefill grid: cuflash.backward.attention_backward against the
-    backward of SDPA's flash (FA2) and cuDNN backends, each timed alone (gradients of a saved
-    forward), their samples interleaved (time_interleaved: ``rounds`` x ``reps`` passes of one call
+    backward of SDPA's flash (FA2) and cuDNN backends (gradients of a saved forward), their
+    samples interleaved (time_interleaved: ``rounds`` x ``reps`` passes of one call
     each), after ``settle`` seconds of back-to-back calls. FLOPs = 2.5 x the forward's (FA2's convention: 5
     matmuls against 2).
     ``deterministic``: cuflash's deterministic mode (no atomics; SDPA's backends as usual).
@@ -481,7 +489,7 @@ def bench_backward(dtypes=("bfloat16", "float16"), head_dims=GRID_HEAD_DIMS, cau
             e = errors["cuflash"]
             row.update(error=f"{type(e).__name__}: {e}")
         row["cuflash_ms"] = ms.get("cuflash")
-        row["flash_tflops"], row["cudnn_tflops"] = tf(ms["flash"]), tf(ms["cudnn"])
+        row["flash_tflops"], row["cudnn_tflops"] = tf(ms.get("flash")), tf(ms.get("cudnn"))
         row["cuflash_tflops"] = tf(row["cuflash_ms"])
         row["ratio_flash"] = _div(row["cuflash_tflops"], row["flash_tflops"])
         row["ratio_cudnn"] = _div(row["cuflash_tflops"], row["cudnn_tflops"])

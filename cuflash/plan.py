@@ -630,14 +630,15 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
         if main.dq_groups > 1:
             why.append(f"Without a mask over at most {bwd_ws.DQ_GROUPS_PLANNED[bucket][1]} keys and queries, the key blocks add in "
                        f"{main.dq_groups} runs of consecutive blocks, each into an fp32 accumulator of its own "
-                       "(its first block stores, the others add in turn) and walking from another query block, so "
-                       "that a block waits at most for the ones before it in its run when a wave starts; "
-                       f"bwd_convert sums the {main.dq_groups} accumulators in a fixed order.")
-            longest = -(-(-(-p.seqlen_k // main.block_n)) // main.dq_groups)
-            if longest <= bwd_ws.SPREAD_RUN[bucket]:
-                why.append(f"Runs of at most {bwd_ws.SPREAD_RUN[bucket]} blocks (here {longest}) take the spread order: "
-                           "a run's blocks start their walks spread over its query blocks and each query block "
-                           "takes their adds in the order they reach it, so none queues behind the run's first.")
+                       "(the first to add into a query block stores, the others add in turn) and walking from "
+                       "another query block, so that a block waits at most for the ones before it in its run when "
+                       f"a wave starts; bwd_convert sums the {main.dq_groups} accumulators in a fixed order.")
+            blocks = -(-p.seqlen_k // main.block_n)
+            lens = sorted({blocks // main.dq_groups, -(-blocks // main.dq_groups)})
+            if lens[0] <= bwd_ws.SPREAD_RUN[bucket]:
+                why.append(f"Runs of at most {bwd_ws.SPREAD_RUN[bucket]} blocks (here runs of "
+                           f"{' and '.join(map(str, lens))}) take the spread order instead: a run's blocks start their walks spread over its query blocks and "
+                           "each query block takes their adds in the order they reach it, so none waits at the start.")
     elif p.deterministic:
         why.append(f"deterministic=True: dQ has its own kernel, a block per {last.block_m} query rows walking the "
                    "K/V blocks it sees and writing dQ once: no atomics, every gradient is bitwise repeatable"

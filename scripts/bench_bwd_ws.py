@@ -88,7 +88,7 @@ def main():
                                              for x, y in zip(got, base)])
                         res[name] = tf(bench.time_cuda(fn, saved, 3, 20))
                 call = bench._sdpa_backward_call(torch, "CUDNN_ATTENTION", sets, causal)
-                cudnn = tf(bench.time_cuda(*call, 3, 20) if call else None)
+                cudnn = tf(bench.time_interleaved({"cudnn": call}, 3, 20)["cudnn"] if call else None)
                 best = max(res.values())
                 print(f"{d:>4} {causal!s:>6} {b:>3} {s:>6} | " + " ".join(f"{x:10.1f}" for x in res.values())
                       + f" {wgmma:7.1f} {cudnn:7.1f}      | {best / wgmma:11.2f} {best / cudnn:10.2f} | {diff:.3g}",

@@ -133,7 +133,7 @@ def main():
     # at d = 256 both parities' P^T and dS^T tiles, with a key tail; at d = 128 deterministic, the
     # dQ writer's ordered adds (semaphores), key blocks from the last (causal, window) or the first;
     # deterministic without a mask in runs of key blocks (uneven: 5 over 4 runs at d = 256, 3 over 2
-    # at d = 64; 6 over 2 at d = 128), each run's first block storing
+    # at d = 64, which take the spread order; 6 over 2 at d = 128), a run's first adds storing
     for d, sk in ((256, 300), (64, 300), (128, 650)):  # d = 128 last: the dQ variants below use its tensors
         q, k, v = rnd(1, 700, 8, d), rnd(1, sk, 2, d), rnd(1, 700, 8, d)[:, :sk, :2]
         for mods in (dict(causal=True), dict(window_size=(100, 20)), dict()):

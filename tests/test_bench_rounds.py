@@ -101,6 +101,18 @@ def test_time_interleaved_rotates_and_takes_medians(monkeypatch):
     timed = [n for n, _ in calls[4:]]
     assert calls[:4] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
     assert timed == ["a", "b", "b", "a", "a", "b"]
+    # a timed call that raises drops that implementation, not the others
+    calls.clear()
+    n = iter(range(100))
+
+    def flaky(x):
+        if next(n) == 3:
+            raise RuntimeError("launch failed")
+        fake.now += 1.0
+    errors = {}
+    durations["a"] = iter([4.0] * 10)
+    got = bench.time_interleaved({"a": (impl("a"), [(0,)]), "f": (flaky, [(0,)])}, warmup=1, reps=4, errors=errors)
+    assert got == {"a": 4.0, "f": None} and str(errors["f"]) == "launch failed"
 
 
 def test_cli_settle(capsys, monkeypatch):

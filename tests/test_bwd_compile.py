@@ -490,7 +490,7 @@ def test_prepared_launches_fired_anew_match_a_fresh_run(monkeypatch, arch, d, de
     # deterministic: no dQ accumulator (the dQ kernel writes dQ), except on sm_90 (bwd_ws at d = 64,
     # 128 and 256): the accumulator and, after it, the ordered adds' semaphores (one per 64 rows)
     # without a mask in runs of key blocks (333 keys: 3 blocks, 2 runs; d = 256: 6 blocks, 4 runs),
-    # an accumulator and semaphores per run, which bwd_prep does not zero (each run's first block stores)
+    # an accumulator and semaphores per run, which bwd_prep does not zero (a run's first adds store)
     ordered = deterministic and arch == 90 and d in (64, 128, 256)
     dq_kernel = deterministic and not ordered
     runs = (4 if d == 256 else 2) if ordered and not causal else 1

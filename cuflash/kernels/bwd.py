@@ -170,8 +170,8 @@ class BwdRowVariant(KernelVariant):
     # dq_t's 80-row steps; VARLEN_ROW_GAP leaves room for either); a dense batch's to head_rows.
     row_pad: int = ROW_PAD
     # bwd_ws's ordered dQ in runs of key blocks (BwdWsVariant.dq_groups, dense batches): bwd_prep
-    # zeroes this many semaphores per 64 rows and no accumulator (each run's first block stores
-    # into its own); the tiled or swizzled bwd_convert sums this many accumulators.
+    # zeroes this many semaphores per 64 rows and no accumulator (the first block of a run to add
+    # into a query block stores into the run's own); the tiled or swizzled bwd_convert sums them.
     dq_groups: int = 1
 
     def __post_init__(self):
