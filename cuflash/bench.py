@@ -184,8 +184,8 @@ def time_interleaved(calls: dict, warmup=5, reps=90, settle_s=0.0, errors=None) 
     interleaved, every implementation's samples span the same stretch of time and their ratios
     compare like with like. Each fn is called once untimed first (it may compile) and
     ``warmup`` times; where a call raises, then or later, its result is None and
-    ``errors[name]`` (if a dict is given) holds the exception. ``settle_s`` > 0: before the samples, passes of back-to-back
-    calls run that long (time_cuda's settle_s)."""
+    ``errors[name]`` (if a dict is given) holds the exception. ``settle_s`` > 0: before the
+    samples, passes of back-to-back calls run that long (time_cuda's settle_s)."""
     torch = _torch()
     live, k = {}, 0
     for name, (fn, inputs) in calls.items():
