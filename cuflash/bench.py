@@ -243,6 +243,12 @@ def rotated_rounds(timers: dict, rounds: int) -> dict:
     return {n: statistics.median(v) if v else None for n, v in got.items()}
 
 
+def _note_error(row: dict, e):
+    """A row's ``error``: cuflash's exception, if it raised."""
+    if e is not None:
+        row.update(error=f"{type(e).__name__}: {e}")
+
+
 def _make_sets(torch, shapes, dtype, extra_bytes=0, min_sets=4):
     """Enough random input sets that their total exceeds max(2*L2, 120 MB)."""
     elem = torch.empty((), dtype=dtype).element_size()
@@ -385,9 +391,7 @@ def bench_prefill(dtypes=("bfloat16", "float16"), head_dims=GRID_HEAD_DIMS, caus
         for name, backend in (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION")):
             calls[name] = (_sdpa_on(torch, backend, c, gqa > 1), sets_t)
         ms = time_interleaved(calls, warmup, rounds * reps, settle, errors)
-        if "cuflash" in errors:
-            e = errors["cuflash"]
-            row.update(error=f"{type(e).__name__}: {e}")
+        _note_error(row, errors.get("cuflash"))
         row["cuflash_ms"] = ms.get("cuflash")
         row["cuflash_tflops"] = tf(row["cuflash_ms"])
         row["flash_tflops"] = tf(ms.get("flash"))
@@ -485,9 +489,7 @@ def bench_backward(dtypes=("bfloat16", "float16"), head_dims=GRID_HEAD_DIMS, cau
             if call is not None:
                 calls[name] = call
         ms = time_interleaved(calls, warmup, rounds * reps, settle, errors)
-        if "cuflash" in errors:
-            e = errors["cuflash"]
-            row.update(error=f"{type(e).__name__}: {e}")
+        _note_error(row, errors.get("cuflash"))
         row["cuflash_ms"] = ms.get("cuflash")
         row["flash_tflops"], row["cudnn_tflops"] = tf(ms.get("flash")), tf(ms.get("cudnn"))
         row["cuflash_tflops"] = tf(row["cuflash_ms"])
