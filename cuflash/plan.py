@@ -350,7 +350,9 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                        f"stages on mbarriers; "
                        f"{v.consumers} consumer warpgroups of 64 query rows run wgmma and the softmax"
                        + (", each issuing the next tile's QK^T before this tile's softmax" if v.overlap else "")
-                       + (", taking turns at the tensor cores (ping-pong)" if v.pingpong else "") + "."
+                       + ((", taking turns at the exponentials of the softmax (ping-pong: at d=64 they keep "
+                           "the MUFU unit as busy as the products keep the tensor cores)" if v.turn_softmax else
+                           ", taking turns at the tensor cores (ping-pong)") if v.pingpong else "") + "."
                        + (" Sliding window: each tile walks only the K/V blocks inside the band, masking those on "
                           "its edges." if v.local else "")
                        + (" Packed sequences: the tensor maps span every token, and each block reads its "
@@ -364,7 +366,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                        + (" Paged KV cache: " + _fwd_ws_pages(v, p.page_size) if v.paged else "")
                        + (f" Persistent blocks (at most one per SM) take the query tiles from an atomic counter in "
                           f"the one-tile order and load a tile's Q and first K/V while finishing the last: with "
-                          f"{p.seqlen_k} keys (at most {fwd_ws.persistent_max_keys(v.head_dim, v.causal)}) each tile walks "
+                          f"{p.seqlen_k} keys (at most {fwd_ws.SHORT_D64_MAX_KEYS if v.turn_softmax else fwd_ws.persistent_max_keys(v.head_dim, v.causal)}) each tile walks "
                           f"few K/V blocks, "
                           f"and a one-tile block's start and end would cost a large share of its time."
                           if v.persistent else ""))

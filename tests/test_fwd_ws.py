@@ -39,12 +39,14 @@ REG_FILE = 65536  # 32-bit registers per SM (and so per block with one block per
 
 def test_variants_of_each_arch():
     """The planned tiles: d 128 and 256 two consumer warpgroups of 64 rows with both schedules,
-    d 64 three warpgroups with the overlap (and two for short causal problems); fp16 and bf16,
-    causal or not; persistent at d 64 and 128 for at most 1024 keys (2048 at d=64 causal); all within Hopper's 227 KB
-    of shared memory."""
-    assert len({v.name for v in VARIANTS}) == len(VARIANTS) == 24
-    assert {(v.head_dim, v.block_m, v.causal) for v in VARIANTS if v.persistent} == {
-        (64, 192, False), (64, 128, True), (64, 192, True), (128, 128, False), (128, 128, True)}
+    d 64 three warpgroups with the overlap (and two for short causal problems, and two taking
+    turns at the softmax, persistent, for dense problems of at most 4096 keys); fp16 and bf16,
+    causal or not; persistent at d 128 for at most 1024 keys; all within Hopper's 227 KB of
+    shared memory."""
+    assert len({v.name for v in VARIANTS}) == len(VARIANTS) == 22
+    assert {(v.head_dim, v.block_m, v.causal, v.turn_softmax) for v in VARIANTS if v.persistent} == {
+        (64, 128, False, True), (64, 128, True, True), (128, 128, False, False), (128, 128, True, False)}
+    assert all(v.persistent and not v.overlap for v in VARIANTS if v.turn_softmax)
     assert {(v.head_dim, v.dtype, v.causal) for v in VARIANTS} == {
         (d, dt, c) for d in (64, 128, 256) for dt in ("fp16", "bf16") for c in (False, True)}
     assert fwd_ws.variants(80) == [] and fwd_ws.variants(89) == []
@@ -84,8 +86,8 @@ def test_variants_of_each_arch():
     assert {replace(v, flashmask=0) for v in FLASHMASK} == {
         replace(v, stages=2) for v in VARIANTS if not v.persistent and not (v.head_dim == 64 and v.causal and v.block_m == 192)}
     tiles = {(v.head_dim, v.block_m, v.block_n, v.overlap, v.pingpong) for v in VARIANTS}
-    assert tiles == {(64, 192, 128, True, False), (64, 128, 128, True, True), (128, 128, 128, True, True),
-                     (256, 128, 80, True, True)}
+    assert tiles == {(64, 192, 128, True, False), (64, 128, 128, True, True), (64, 128, 128, False, True),
+                     (128, 128, 128, True, True), (256, 128, 80, True, True)}
     for v in VARIANTS:
         # a third K/V stage only on d=64's 192-row tile without a mask, one block per tile
         assert (v.kind, v.family, v.target) == ("fwd_ws", "fwd_ws", "90a")
@@ -93,17 +95,25 @@ def test_variants_of_each_arch():
         assert v.threads == 128 * (1 + v.block_m // 64)
         assert v.smem_bytes == (v.block_m * (1 + v.own_o) + v.stages * 2 * v.block_n) * v.head_dim * 2 + fwd_ws.BARRIER_BYTES <= 227 << 10
         assert re.fullmatch(r"[A-Za-z0-9_]+", v.name)
-    short, long = (fwd_ws.planned(64, "bf16", True, sq) for sq in (2048, 2049))
-    assert (short.block_m, long.block_m) == (128, 192)
-    assert fwd_ws.planned(64, "bf16", False, 1).block_m == 192
+    # d=64 causal from one query to 2048 over more keys than SHORT_D64's: the short causal tile
+    short, long = (fwd_ws.planned(64, "bf16", True, sq, seqlen_k=8192) for sq in (2048, 2049))
+    assert (short.block_m, long.block_m) == (128, 192) and not short.turn_softmax
+    assert fwd_ws.planned(64, "bf16", False, 1, seqlen_k=8192).block_m == 192
     # persistent: from the keys (as many as queries unless given), d 64 and 128, never with FlashMask
     assert fwd_ws.planned(128, "bf16", True, 4096, seqlen_k=1024).persistent
     assert not fwd_ws.planned(128, "bf16", True, 512, seqlen_k=1025).persistent
-    assert fwd_ws.planned(64, "bf16", False, 1024).persistent and not fwd_ws.planned(64, "bf16", False, 1025).persistent
     assert not fwd_ws.planned(256, "bf16", False, 128).persistent
-    # d=64 causal: persistent 128-row tiles up to 2048 keys
-    assert fwd_ws.planned(64, "bf16", True, 2048).persistent and not fwd_ws.planned(64, "bf16", True, 2049).persistent
-    assert not fwd_ws.planned(64, "bf16", False, 2048).persistent
+    # dense d=64 up to 4096 keys, causal or not: SHORT_D64, persistent; beyond, 192-row tiles
+    for causal in (False, True):
+        for sq, sk in ((1, 4096), (4096, 4096), (8192, 1024)):
+            v = fwd_ws.planned(64, "bf16", causal, sq, seqlen_k=sk)
+            assert v.turn_softmax and v.persistent and (v.block_m, v.overlap) == (128, False)
+        v = fwd_ws.planned(64, "bf16", causal, 4097)
+        assert not (v.turn_softmax or v.persistent) and v.block_m == 192
+    # ... but not with score modifiers, sinks, packed sequences or caches
+    for mods in (dict(softcap=True), dict(alibi=True), dict(sinks=True), dict(varlen=True), dict(cache=True),
+                 dict(local=True), dict(flashmask=2)):
+        assert not fwd_ws.planned(64, "bf16", False, 1024, **mods).turn_softmax
     assert not fwd_ws.planned(128, "bf16", True, 128, flashmask=1).persistent
 
 
@@ -146,8 +156,11 @@ def test_registered_and_planned_where_it_applies():
                 plan = make_plan(p, h100)
                 assert [l.variant.family for l in plan.launches] == ["fwd_ws"], plan
                 v = plan.launches[0].variant
-                assert v == fwd_ws.planned(d, "bf16", causal, sq, seqlen_k=4096) and not v.persistent
-                assert (v.head_dim, v.causal, plan.launches[0].grid) == (d, causal, (-(-sq // v.block_m), 16, 2))
+                assert v == fwd_ws.planned(d, "bf16", causal, sq, seqlen_k=4096) and v.persistent == (d == 64)
+                assert (v.head_dim, v.causal, plan.launches[0].grid) == (
+                    (d, causal, (132, 1, 1)) if d == 64 else (d, causal, (-(-sq // v.block_m), 16, 2)))
+                if d == 64:
+                    assert "turns at the exponentials" in plan.reason and "at most 4096" in plan.reason
                 short = make_plan(replace(p, seqlen_k=1000), h100)
                 v = short.launches[0].variant
                 assert v == fwd_ws.planned(d, "bf16", causal, sq, seqlen_k=1000) and v.persistent == (d <= 128)
@@ -383,7 +396,7 @@ def test_persistent_stages_o_apart_where_shared_memory_allows():
     epilogue) wherever Q, the K/V stages and O fit in 227 KiB: not at d=256 (128 x 80), whose
     tiles fill it, where O goes through Q's tile as before."""
     for d, c, sq in ((64, False, 4096), (64, True, 1024), (128, False, 4096), (128, True, 4096)):
-        one = fwd_ws.planned(d, "bf16", c, sq, seqlen_k=4096)
+        one = replace(fwd_ws.planned(d, "bf16", c, sq, seqlen_k=4096), persistent=False)
         v = replace(one, persistent=True)
         assert v.own_o and v.smem_bytes == one.smem_bytes + v.block_m * d * 2
         assert v.smem_bytes <= fwd_ws.MAX_SMEM
@@ -485,17 +498,24 @@ def _run_poisoned(q, k, v, causal, **tile):
     return out, lse
 
 
-# Each head dim with each tile the planner can pick for it (fwd_ws.TILES, SHORT_CAUSAL_D64, and
-# d=64's 192-row tile with three K/V stages).
-PLANNED_TILES = [(d, t) for d, t in fwd_ws.TILES.items()] + [(64, fwd_ws.SHORT_CAUSAL_D64),
+# Each head dim with each tile the planner can pick for it (fwd_ws.TILES, SHORT_CAUSAL_D64,
+# SHORT_D64, and d=64's 192-row tile with three K/V stages).
+PLANNED_TILES = [(d, t) for d, t in fwd_ws.TILES.items()] + [(64, fwd_ws.SHORT_CAUSAL_D64), (64, fwd_ws.SHORT_D64),
                                                              (64, dict(fwd_ws.TILES[64], stages=3))]
+
+
+def _tile_id(x):
+    """A test id for a head dim or a tile of PLANNED_TILES."""
+    if isinstance(x, int):
+        return x
+    t = {"block_m": 128, "stages": 2, **x}
+    return "m{block_m}n{block_n}s{stages}".format(**t) + ("sm" if t.get("turn_softmax") else "")
 
 
 @requires_sm90
 @requires_torch
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("d,tile", PLANNED_TILES, ids=lambda x: x if isinstance(x, int) else
-                         "m{block_m}n{block_n}s{stages}".format(**{"block_m": 128, "stages": 2, **x}))
+@pytest.mark.parametrize("d,tile", PLANNED_TILES, ids=_tile_id)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", [(128, 128), (113, 203), (256, 512), (512, 256), (1, 239), (1023, 1024),
                                    (2048, 2048)])
@@ -508,8 +528,7 @@ def test_gpu_matches_reference(rng, dtype, d, tile, causal, sq, sk):
 
 @requires_sm90
 @requires_torch
-@pytest.mark.parametrize("d,tile", PLANNED_TILES, ids=lambda x: x if isinstance(x, int) else
-                         "m{block_m}n{block_n}s{stages}".format(**{"block_m": 128, "stages": 2, **x}))
+@pytest.mark.parametrize("d,tile", PLANNED_TILES, ids=_tile_id)
 @pytest.mark.parametrize("window", [(0, 0), (5, 0), (100, 20), (-1, 37), (300, -1), (1000, 1000)])
 @pytest.mark.parametrize("b,h,hk,sq,sk", [(2, 3, 3, 113, 203), (2, 4, 2, 700, 700), (1, 4, 1, 512, 300),
                                          (1, 2, 2, 1, 239)])
@@ -551,8 +570,7 @@ def test_gpu_gqa(rng, h, hk, causal, sq, sk, d):
 
 @requires_sm90
 @requires_torch
-@pytest.mark.parametrize("d,tile", PLANNED_TILES, ids=lambda x: x if isinstance(x, int) else
-                         "m{block_m}n{block_n}s{stages}".format(**{"block_m": 128, "stages": 2, **x}))
+@pytest.mark.parametrize("d,tile", PLANNED_TILES, ids=_tile_id)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("b,h,hk,sq,sk", [(3, 8, 2, 768, 768), (3, 6, 6, 1000, 1300), (2, 4, 1, 555, 300),
                                          (1, 2, 2, 1, 239), (5, 40, 8, 129, 129), (2, 16, 4, 200, 20000)])
@@ -576,8 +594,7 @@ def test_gpu_persistent_matches_one_tile_blocks(rng, d, tile, causal, b, h, hk, 
 
 @requires_sm90
 @requires_torch
-@pytest.mark.parametrize("d,tile", PLANNED_TILES, ids=lambda x: x if isinstance(x, int) else
-                         "m{block_m}n{block_n}s{stages}".format(**{"block_m": 128, "stages": 2, **x}))
+@pytest.mark.parametrize("d,tile", PLANNED_TILES, ids=_tile_id)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("tail", [1, 64, 65])

@@ -95,6 +95,10 @@ class FwdWsVariant(KernelVariant):
     # barriers), so one's softmax runs while the other's products use the tensor cores.
     overlap: bool = False
     pingpong: bool = False
+    # With ``pingpong``: the turns are taken around each softmax's exponentials rather than
+    # around the products' issue (cuDNN's order at d = 64, where the exponentials keep the MUFU
+    # unit busy as long as the products keep the tensor cores).
+    turn_softmax: bool = False
     # FlashAttention-3's persistent blocks: at most one block per SM, each taking query tiles
     # from an atomic counter (``tile_counter``; null: a fixed order) in the one-tile launch order
     # (query block fastest, then head, then batch), so that the producer loads the next tile's Q
@@ -135,10 +139,12 @@ class FwdWsVariant(KernelVariant):
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for f in ("causal", "local", "overlap", "pingpong", "persistent", "softcap", "alibi", "varlen", "cache",
+        for f in ("causal", "local", "overlap", "pingpong", "turn_softmax", "persistent", "softcap", "alibi", "varlen", "cache",
                   "leftpad", "paged", "gather", "sinks"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be a bool, got {getattr(self, f)!r}")
+        if self.turn_softmax and not self.pingpong:
+            raise ValueError("turn_softmax is a ping-pong schedule: it needs pingpong=True")
         if self.pingpong and self.block_m != 128:
             raise ValueError(f"pingpong takes turns between two consumer warpgroups: block_m must be 128, "
                              f"got {self.block_m}")
@@ -182,7 +188,7 @@ class FwdWsVariant(KernelVariant):
     @functools.cached_property
     def name(self) -> str:
         mask = "local" if self.local else "causal" if self.causal else "full"
-        sched = ("_overlap" if self.overlap else "") + ("_pingpong" if self.pingpong else "") + (
+        sched = ("_overlap" if self.overlap else "") + ("_pingpong" if self.pingpong else "") + ("_smturn" if self.turn_softmax else "") + (
             "_persistent" if self.persistent else "") + (f"_fm{self.flashmask}" if self.flashmask else "")
         mods = ("_softcap" if self.softcap else "") + ("_alibi" if self.alibi else "") + (
             "_varlen" if self.varlen else "") + ("_cache" if self.cache else "") + ("_leftpad" if self.leftpad else "") + (
@@ -262,7 +268,7 @@ class FwdWsVariant(KernelVariant):
     def constants(self) -> dict:
         return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, stages=self.stages,
                     causal=self.causal, local=self.local, bf16=self.dtype == "bf16", overlap=self.overlap,
-                    pingpong=self.pingpong,
+                    pingpong=self.pingpong, turn_softmax=self.turn_softmax,
                     persistent=self.persistent, own_o=self.own_o, flashmask=self.flashmask,
                     softcap=self.softcap, alibi=self.alibi, varlen=self.varlen, cache=self.cache,
                     leftpad=self.leftpad, paged=self.paged, gather=self.gather, sinks=self.sinks, zero_tail=self.zero_tail,
@@ -276,10 +282,16 @@ class FwdWsVariant(KernelVariant):
 # 80 keys (256: two stages of 80-key K and V tiles fill shared memory); d 64 takes 192 rows in three
 # warpgroups with the intra-warpgroup overlap (ping-pong needs two), except causal attention
 # over at most 2048 queries, where the larger diagonal share of 192-row tiles costs more than
-# it saves and 128-row tiles run faster.
+# it saves and 128-row tiles run faster; and dense d 64 over at most 4096 keys (SHORT_D64).
 TILES = {64: dict(block_m=192, block_n=128, overlap=True), 128: dict(block_n=128, overlap=True, pingpong=True),
          256: dict(block_n=80, overlap=True, pingpong=True)}
 SHORT_CAUSAL_D64 = dict(block_m=128, block_n=128, overlap=True, pingpong=True)
+# Dense d=64 over at most SHORT_D64_MAX_KEYS keys, causal or not, without score modifiers, packed
+# sequences or caches: 128-row persistent tiles whose ping-pong turns are the softmax's
+# exponentials (turn_softmax; +4 to +5% over the tiles above up to 4k keys, slower from 8k:
+# BENCHMARKS.md).
+SHORT_D64 = dict(block_m=128, block_n=128, pingpong=True, turn_softmax=True)
+SHORT_D64_MAX_KEYS = 4096
 # Persistent blocks where each query tile walks few K/V blocks (at most this many keys), so that
 # a one-tile block's start (its Q and first K/V loads) and end are a large share of its time:
 # d 64 and 128 (BENCHMARKS.md: +7 to +12% at 1k keys, within +-3% at 2k, slower beyond; d=256
@@ -303,7 +315,8 @@ def gathers(page_size: int, head_dim: int) -> bool:
 
 
 def persistent_max_keys(head_dim: int, causal: bool) -> int:
-    """The most keys for which the plan takes persistent blocks at this head dim and mask."""
+    """The most keys for which the plan takes persistent blocks at this head dim and mask (dense
+    d=64 calls: SHORT_D64_MAX_KEYS)."""
     return PERSISTENT_MAX_KEYS_D64_CAUSAL if head_dim == 64 and causal else PERSISTENT_MAX_KEYS
 
 
@@ -322,11 +335,13 @@ def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 
     # and some softcap/ALiBi variants).
     gather = paged and gathers(page_size, head_dim)
     # (Gathered pages: the producer's 40 registers leave three consumer warpgroups too few.)
-    short = head_dim == 64 and ((causal or local) and (flashmask or seqlen_q <= 2048) or softcap or alibi or gather)
-    tile = SHORT_CAUSAL_D64 if short else TILES[head_dim]
     keys = seqlen_q if seqlen_k is None else seqlen_k
+    plain = not (flashmask or local or softcap or alibi or varlen or cache or paged or sinks)
+    short = head_dim == 64 and ((causal or local) and (flashmask or seqlen_q <= 2048) or softcap or alibi or gather)
+    tile = (SHORT_D64 if head_dim == 64 and plain and keys <= SHORT_D64_MAX_KEYS
+            else SHORT_CAUSAL_D64 if short else TILES[head_dim])
     persistent = (not (flashmask or local or varlen or cache or paged) and head_dim <= 128
-                  and keys <= persistent_max_keys(head_dim, causal))
+                  and keys <= (SHORT_D64_MAX_KEYS if tile is SHORT_D64 else persistent_max_keys(head_dim, causal)))
     if tile.get("block_m") == 192 and not (causal or local or persistent or flashmask):
         # Without a mask the 192-row d=64 tile leaves room for a third K/V stage (123 KB of shared
         # memory): +1.4 to +2.9% from 2k keys up (BENCHMARKS.md; dense, and so packed sequences,
@@ -342,7 +357,7 @@ def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
     the sliding-window, softcap, ALiBi, varlen, KV-cache, sink and FlashMask ones."""
     if arch != 90:
         return []
-    shapes = [(sq, sk) for sq in (1, 4096) for sk in (1024, 2048, 4096)]
+    shapes = [(sq, sk) for sq in (1, 4096) for sk in (1024, 2048, 4096, 8192)]
     # dense and FlashMask (which composes with softcap)
     dense = [planned(d, dt, c, sq, arch, n, sk, softcap=cap) for d in HEAD_DIMS for dt in DTYPES
              for c in (False, True) for sq, sk in shapes
