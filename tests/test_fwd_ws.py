@@ -93,7 +93,8 @@ def test_variants_of_each_arch():
         assert (v.kind, v.family, v.target) == ("fwd_ws", "fwd_ws", "90a")
         assert v.stages == (3 if v.block_m == 192 and not (v.causal or v.local or v.persistent or v.flashmask) else 2)
         assert v.threads == 128 * (1 + v.block_m // 64)
-        assert v.smem_bytes == (v.block_m * (1 + v.own_o) + v.stages * 2 * v.block_n) * v.head_dim * 2 + fwd_ws.BARRIER_BYTES <= 227 << 10
+        assert v.smem_bytes == ((v.block_m * (1 + v.own_o) + v.stages * 2 * v.block_n) * v.head_dim * 2
+                                + fwd_ws.BARRIER_BYTES + 4 * 128 * v.consumers * v.turn_softmax) <= 227 << 10
         assert re.fullmatch(r"[A-Za-z0-9_]+", v.name)
     # d=64 causal from one query to 2048 over more keys than SHORT_D64's: the short causal tile
     short, long = (fwd_ws.planned(64, "bf16", True, sq, seqlen_k=8192) for sq in (2048, 2049))
@@ -132,6 +133,8 @@ def test_consumer_registers_fill_the_register_file():
 @pytest.mark.parametrize("kw", [dict(arch=80), dict(head_dim=96), dict(head_dim=192), dict(dtype="fp32"),
                                 dict(block_m=96), dict(block_n=264), dict(stages=1), dict(causal=1),
                                 dict(overlap=1), dict(pingpong="yes"), dict(pingpong=True, block_m=192),
+                                dict(turn_softmax=True), dict(turn_softmax=1, pingpong=True),
+                                dict(turn_softmax=True, pingpong=True, flashmask=2),
                                 dict(flashmask=4, causal=True), dict(flashmask=1), dict(flashmask=3),
                                 dict(flashmask=2, persistent=True)])
 def test_bad_variants_are_refused(kw):

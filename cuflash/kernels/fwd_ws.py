@@ -143,8 +143,10 @@ class FwdWsVariant(KernelVariant):
                   "leftpad", "paged", "gather", "sinks"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be a bool, got {getattr(self, f)!r}")
-        if self.turn_softmax and not self.pingpong:
-            raise ValueError("turn_softmax is a ping-pong schedule: it needs pingpong=True")
+        if self.turn_softmax and (not self.pingpong or self.flashmask or self.gather):
+            raise ValueError(f"turn_softmax is a ping-pong schedule without FlashMask or gathered pages: it needs "
+                             f"pingpong=True, flashmask=0 and gather=False, got pingpong={self.pingpong}, "
+                             f"flashmask={self.flashmask!r}, gather={self.gather}")
         if self.pingpong and self.block_m != 128:
             raise ValueError(f"pingpong takes turns between two consumer warpgroups: block_m must be 128, "
                              f"got {self.block_m}")
@@ -252,9 +254,10 @@ class FwdWsVariant(KernelVariant):
     def smem_bytes(self) -> int:
         """Q, kStages K and V tiles (2-byte elements), O's staging (own_o), the mbarriers, then
         (FlashMask) a partly masked K/V block's bounds per stage (int32), or (gather) the (page, row)
-        of each row of a K/V tile (int32 pairs)."""
+        of each row of a K/V tile (int32 pairs), or (turn_softmax) a word per consumer thread."""
         return (self._tiles_bytes + (self._o_bytes if self.own_o else 0) + BARRIER_BYTES
-                + self.stages * self.block_n * self.flashmask * 4 + self.block_n * 8 * self.gather)
+                + self.stages * self.block_n * self.flashmask * 4 + self.block_n * 8 * self.gather
+                + 4 * 128 * self.consumers * self.turn_softmax)
 
     def grid(self, batch: int, seqlen_q: int, nheads: int, num_sms: int = 0) -> tuple[int, int, int]:
         """One block per query tile; persistent: one per SM (``num_sms``), or per tile if fewer."""
