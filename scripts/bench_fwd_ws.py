@@ -28,7 +28,9 @@ PERSISTENT = {"one-tile": dict(persistent=False), "persistent": dict(persistent=
 TILES = {
     64: {"128x128": BOTH, "192x128 ov": dict(block_m=192, overlap=True), "192x128": dict(block_m=192),
          "128x128 pers": dict(persistent=True, **BOTH), "192x128 ov pers": dict(block_m=192, overlap=True, persistent=True),
-         "128x176": dict(block_n=176, **BOTH), "128x192": dict(block_n=192, **BOTH)},
+         "128x176": dict(block_n=176, **BOTH), "128x192": dict(block_n=192, **BOTH),
+         "128x128 sm pers": dict(pingpong=True, turn_softmax=True, persistent=True),
+         "128x128 sm ov pers": dict(turn_softmax=True, persistent=True, **BOTH)},
     128: {"128x128": BOTH, "128x128 pers": dict(persistent=True, **BOTH), "128x128 ov": dict(overlap=True),
           "128x176": dict(block_n=176, **BOTH),
           "128x176 ov": dict(block_n=176, overlap=True), "128x160": dict(block_n=160, **BOTH)},
