@@ -135,6 +135,7 @@ def test_consumer_registers_fill_the_register_file():
                                 dict(overlap=1), dict(pingpong="yes"), dict(pingpong=True, block_m=192),
                                 dict(turn_softmax=True), dict(turn_softmax=1, pingpong=True),
                                 dict(turn_softmax=True, pingpong=True, flashmask=2),
+                                dict(turn_softmax=True, pingpong=True, paged=True, gather=True, block_n=128),
                                 dict(flashmask=4, causal=True), dict(flashmask=1), dict(flashmask=3),
                                 dict(flashmask=2, persistent=True)])
 def test_bad_variants_are_refused(kw):
@@ -351,10 +352,12 @@ def test_compiles_as_designed(compiled, v):
     assert "warning" not in c.log.lower(), c.log
 
 
-SCHEDULES = [dict(overlap=True), dict(pingpong=True), dict(overlap=True, pingpong=True)]
+SCHEDULES = [dict(overlap=True), dict(pingpong=True), dict(overlap=True, pingpong=True),
+             dict(pingpong=True, turn_softmax=True), dict(overlap=True, pingpong=True, turn_softmax=True)]
 SCHEDULED = [FwdWsVariant(head_dim=d, dtype="bf16", causal=c, arch=90, **kw)
              for d in (64, 128) for c in (False, True) for kw in SCHEDULES]
-# The planned tiles with persistent blocks (planned for at most 1024 keys at d 64 and 128).
+# The planned tiles with persistent blocks (planned for at most 1024 keys at d 64 and 128, 4096
+# on dense d=64's softmax-turn tile).
 PERSISTENT = [replace(v, persistent=True) for v in VARIANTS if v.dtype == "bf16"]
 
 
@@ -366,6 +369,7 @@ def test_schedules_compile_as_designed(compiled, v):
     assert_compiled_clean(c, v)
     assert "serialized" not in c.log and "warning" not in c.log.lower(), c.log
     assert ("_overlap" in v.name) == v.overlap and ("_pingpong" in v.name) == v.pingpong
+    assert ("_smturn" in v.name) == v.turn_softmax
 
 
 @pytest.mark.parametrize("v", PERSISTENT, ids=lambda v: v.name)
@@ -398,8 +402,9 @@ def test_persistent_stages_o_apart_where_shared_memory_allows():
     """Persistent blocks stage O in a buffer of their own (Q's tile is released before the
     epilogue) wherever Q, the K/V stages and O fit in 227 KiB: not at d=256 (128 x 80), whose
     tiles fill it, where O goes through Q's tile as before."""
-    for d, c, sq in ((64, False, 4096), (64, True, 1024), (128, False, 4096), (128, True, 4096)):
-        one = replace(fwd_ws.planned(d, "bf16", c, sq, seqlen_k=4096), persistent=False)
+    for d, c, sq, mods in ((64, False, 4096, {}), (64, True, 1024, {}), (64, False, 1024, dict(sinks=True)),
+                           (128, False, 4096, {}), (128, True, 4096, {})):
+        one = replace(fwd_ws.planned(d, "bf16", c, sq, seqlen_k=4096, **mods), persistent=False)
         v = replace(one, persistent=True)
         assert v.own_o and v.smem_bytes == one.smem_bytes + v.block_m * d * 2
         assert v.smem_bytes <= fwd_ws.MAX_SMEM
@@ -459,6 +464,14 @@ def test_sass_roles(compiled, v, tmp_path):
     used = max((int(x) for l in lines[alloc[0]:end] for x in re.findall(r"\bR(\d+)\b", l)), default=-1)
     assert used < v.consumer_regs, used
     assert "UTMALDG.4D" in sass and f"HGMMA.64x{v.block_n}x16.F32" in sass and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass
+    # Softmax turns: every turn (a bar.sync on a turn barrier up to the next bar.arrive) encloses
+    # a softmax's exponentials, block_n / 2 per thread (ptxas would move them out otherwise).
+    if v.turn_softmax:
+        turns = [i for i, l in enumerate(lines) if re.search(r"BAR\.SYNC\S* R\d+, 0x100", l)]
+        assert turns
+        for i in turns:
+            j = next(k for k in range(i + 1, len(lines)) if re.search(r"BAR\.ARV R\d+, 0x100", lines[k]))
+            assert sum("MUFU.EX2" in l for l in lines[i:j]) >= v.block_n // 2, lines[i:j + 1]
 
 
 # ---------------------------------------------------------------------------------------------

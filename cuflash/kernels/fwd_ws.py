@@ -240,7 +240,7 @@ class FwdWsVariant(KernelVariant):
     def own_o(self) -> bool:
         """Persistent blocks stage O in a buffer of their own where shared memory has room for one
         (so Q's tile is released before the epilogue), else in Q's tile."""
-        return self.persistent and self._tiles_bytes + self._o_bytes + BARRIER_BYTES <= MAX_SMEM
+        return self.persistent and self._tiles_bytes + self._o_bytes + BARRIER_BYTES + self._turn_bytes <= MAX_SMEM
 
     @property
     def _tiles_bytes(self) -> int:
@@ -251,13 +251,16 @@ class FwdWsVariant(KernelVariant):
         return self.block_m * self.head_dim * 2
 
     @property
+    def _turn_bytes(self) -> int:  # turn_softmax: a word per consumer thread
+        return 4 * 128 * self.consumers * self.turn_softmax
+
+    @property
     def smem_bytes(self) -> int:
         """Q, kStages K and V tiles (2-byte elements), O's staging (own_o), the mbarriers, then
         (FlashMask) a partly masked K/V block's bounds per stage (int32), or (gather) the (page, row)
         of each row of a K/V tile (int32 pairs), or (turn_softmax) a word per consumer thread."""
         return (self._tiles_bytes + (self._o_bytes if self.own_o else 0) + BARRIER_BYTES
-                + self.stages * self.block_n * self.flashmask * 4 + self.block_n * 8 * self.gather
-                + 4 * 128 * self.consumers * self.turn_softmax)
+                + self.stages * self.block_n * self.flashmask * 4 + self.block_n * 8 * self.gather + self._turn_bytes)
 
     def grid(self, batch: int, seqlen_q: int, nheads: int, num_sms: int = 0) -> tuple[int, int, int]:
         """One block per query tile; persistent: one per SM (``num_sms``), or per tile if fewer."""
@@ -318,8 +321,8 @@ def gathers(page_size: int, head_dim: int) -> bool:
 
 
 def persistent_max_keys(head_dim: int, causal: bool) -> int:
-    """The most keys for which the plan takes persistent blocks at this head dim and mask (dense
-    d=64 calls: SHORT_D64_MAX_KEYS)."""
+    """The most keys for which the plan takes persistent blocks at this head dim and mask on the
+    tiles other than SHORT_D64 (which is persistent up to SHORT_D64_MAX_KEYS)."""
     return PERSISTENT_MAX_KEYS_D64_CAUSAL if head_dim == 64 and causal else PERSISTENT_MAX_KEYS
 
 
