@@ -139,8 +139,8 @@ class FwdWsVariant(KernelVariant):
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for f in ("causal", "local", "overlap", "pingpong", "turn_softmax", "persistent", "softcap", "alibi", "varlen", "cache",
-                  "leftpad", "paged", "gather", "sinks"):
+        for f in ("causal", "local", "overlap", "pingpong", "turn_softmax", "persistent", "softcap", "alibi", "varlen",
+                  "cache", "leftpad", "paged", "gather", "sinks"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be a bool, got {getattr(self, f)!r}")
         if self.turn_softmax and (not self.pingpong or self.flashmask or self.gather):
@@ -190,8 +190,9 @@ class FwdWsVariant(KernelVariant):
     @functools.cached_property
     def name(self) -> str:
         mask = "local" if self.local else "causal" if self.causal else "full"
-        sched = ("_overlap" if self.overlap else "") + ("_pingpong" if self.pingpong else "") + ("_smturn" if self.turn_softmax else "") + (
-            "_persistent" if self.persistent else "") + (f"_fm{self.flashmask}" if self.flashmask else "")
+        sched = ("_overlap" if self.overlap else "") + ("_pingpong" if self.pingpong else "") + (
+            "_smturn" if self.turn_softmax else "") + ("_persistent" if self.persistent else "") + (
+            f"_fm{self.flashmask}" if self.flashmask else "")
         mods = ("_softcap" if self.softcap else "") + ("_alibi" if self.alibi else "") + (
             "_varlen" if self.varlen else "") + ("_cache" if self.cache else "") + ("_leftpad" if self.leftpad else "") + (
             "_paged" if self.paged else "") + ("_gather" if self.gather else "") + ("_sinks" if self.sinks else "")
