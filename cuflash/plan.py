@@ -366,7 +366,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                        + (" Paged KV cache: " + _fwd_ws_pages(v, p.page_size) if v.paged else "")
                        + (f" Persistent blocks (at most one per SM) take the query tiles from an atomic counter in "
                           f"the one-tile order and load a tile's Q and first K/V while finishing the last: with "
-                          f"{p.seqlen_k} keys (at most {_fwd_ws_persistent_keys(v)}) each tile walks "
+                          f"{p.seqlen_k} keys (at most {fwd_ws.persistent_max_keys(v.head_dim, v.causal, v.turn_softmax)}) each tile walks "
                           f"few K/V blocks, "
                           f"and a one-tile block's start and end would cost a large share of its time."
                           if v.persistent else ""))
@@ -472,11 +472,6 @@ def _dropout_rejects(p: Problem) -> None:
         if bad:
             raise ValueError(f"dropout_p > 0 cannot be combined with {what}: dropout is for training, "
                              "where flash-attn has no KV cache and no split")
-
-
-def _fwd_ws_persistent_keys(v) -> int:
-    """The most keys for which the plan gives fwd_ws variant v's tile persistent blocks."""
-    return fwd_ws.SHORT_D64_MAX_KEYS if v.turn_softmax else fwd_ws.persistent_max_keys(v.head_dim, v.causal)
 
 
 def _fwd_ws_pages(v, page_size: int) -> str:

@@ -321,9 +321,11 @@ def gathers(page_size: int, head_dim: int) -> bool:
     return page_size > 0 and (page_size < GATHER_BELOW_ROWS or not pages_fit(page_size, TILES[head_dim]["block_n"]))
 
 
-def persistent_max_keys(head_dim: int, causal: bool) -> int:
-    """The most keys for which the plan takes persistent blocks at this head dim and mask on the
-    tiles other than SHORT_D64 (which is persistent up to SHORT_D64_MAX_KEYS)."""
+def persistent_max_keys(head_dim: int, causal: bool, turn_softmax: bool = False) -> int:
+    """The most keys for which the plan takes persistent blocks at this head dim and mask, on
+    SHORT_D64's softmax-turn tile (``turn_softmax``) or the others."""
+    if turn_softmax:
+        return SHORT_D64_MAX_KEYS
     return PERSISTENT_MAX_KEYS_D64_CAUSAL if head_dim == 64 and causal else PERSISTENT_MAX_KEYS
 
 
@@ -348,7 +350,7 @@ def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 
     tile = (SHORT_D64 if head_dim == 64 and plain and keys <= SHORT_D64_MAX_KEYS
             else SHORT_CAUSAL_D64 if short else TILES[head_dim])
     persistent = (not (flashmask or local or varlen or cache or paged) and head_dim <= 128
-                  and keys <= (SHORT_D64_MAX_KEYS if tile is SHORT_D64 else persistent_max_keys(head_dim, causal)))
+                  and keys <= persistent_max_keys(head_dim, causal, tile is SHORT_D64))
     if tile.get("block_m") == 192 and not (causal or local or persistent or flashmask):
         # Without a mask the 192-row d=64 tile leaves room for a third K/V stage (123 KB of shared
         # memory): +1.4 to +2.9% from 2k keys up (BENCHMARKS.md; dense, and so packed sequences,
