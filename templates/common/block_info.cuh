@@ -40,6 +40,22 @@ __device__ __forceinline__ SeqRows key_rows(const int* cu_seqlens_k, int b, int 
   return r;
 }
 
+// The grid's blocks taken in rounds: in launch order, every (y, z) pair's first x block, then
+// every pair's second, and so on (`reverse`: x from the last), for walks whose length does not
+// follow x, so that the long ones of every pair start with the grid. Returns (x, y, z).
+struct GridBlock {
+  int x, y, z;
+};
+__device__ __forceinline__ GridBlock grid_rounds(bool reverse) {
+  const int pairs = gridDim.y * gridDim.z;
+  const int lin = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  GridBlock g;
+  g.x = reverse ? gridDim.x - 1 - lin / pairs : lin / pairs;
+  g.y = lin % pairs % gridDim.y;
+  g.z = lin % pairs / gridDim.y;
+  return g;
+}
+
 // A band edge that bounds nothing (an enumerator, so that it is no device global in the module
 // as namespace-scope constexpr variables are under -default-device).
 enum : int { kUnbounded = 1 << 30 };
