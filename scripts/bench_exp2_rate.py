@@ -1,7 +1,9 @@
-"""Results per clock per SM of the exponential unit (ex2.approx in f32, f16x2 and bf16x2) and of
-FFMA on this GPU: each thread runs eight independent chains of one instruction, two blocks per SM.
-The rates are taken at the device's boost clock, so FFMA's shortfall from 128 shows how far the
-clock ran below it.
+"""Results per clock per SM of the exponential unit (ex2.approx in f32, f16x2 and bf16x2; the
+bf16x2 form needs sm_90) and of FFMA on this GPU: each thread runs eight independent chains of one
+instruction, 2048 threads per SM (blocks of 256 or 1024), one timed launch after a warm-up one.
+"instructions" counts per-thread instructions, "results" the values they produce (two for the
+packed forms). The rates are taken at the device's boost clock; FFMA stays below its 128 per clock
+because the loop's own instructions share the issue slots.
 
     python scripts/bench_exp2_rate.py
 """

@@ -41,8 +41,9 @@ __device__ __forceinline__ SeqRows key_rows(const int* cu_seqlens_k, int b, int 
 }
 
 // The grid's blocks taken in rounds: in launch order, every (y, z) pair's first x block, then
-// every pair's second, and so on (`reverse`: x from the last), for walks whose length does not
-// follow x, so that the long ones of every pair start with the grid. Returns (x, y, z).
+// every pair's second, and so on, so that each pair's long walks start with the grid rather
+// than behind the pairs before it (`reverse`: x from the last, for walks that grow with x).
+// Returns (x, y, z).
 struct GridBlock {
   int x, y, z;
 };
