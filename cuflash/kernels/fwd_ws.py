@@ -31,7 +31,7 @@ GATHER_PRODUCER_REGS = 40  # of one whose 128 threads gather paged K/V rows (cp.
 GATHER_BELOW_ROWS = 64
 MAX_CONSUMER_REGS = 240  # of a consumer's, with two (128 * 24 + 256 * 240 = 64512 <= 65536)
 BOX_COLS = 64                           # one TMA box is 64 columns (128 bytes: the swizzle's width)
-BARRIER_BYTES = 128                     # 2 + 4 * stages mbarriers of 8 bytes, rounded up
+BARRIER_BYTES = 160                     # 2 + 4 * stages mbarriers of 8 bytes, two 16-byte tile slots (persistent), rounded up
 MAX_SMEM = 232448                       # dynamic shared memory a block may have on sm_90 (227 KiB)
 # An mbarrier wait longer than this many clock cycles traps (the launch fails instead of hanging
 # on a phase that never completes): a debugging aid while changing the pipeline, e.g. 1 << 32
@@ -279,7 +279,7 @@ class FwdWsVariant(KernelVariant):
                     persistent=self.persistent, own_o=self.own_o, flashmask=self.flashmask,
                     softcap=self.softcap, alibi=self.alibi, varlen=self.varlen, cache=self.cache,
                     leftpad=self.leftpad, paged=self.paged, gather=self.gather, sinks=self.sinks, zero_tail=self.zero_tail,
-                    barrier_bytes=BARRIER_BYTES,
+                    barrier_bytes=BARRIER_BYTES, lpt_bytes=LPT_BYTES,
                     producer_regs=self.producer_regs,
                     consumer_regs=self.consumer_regs, hang_trap_cycles=HANG_TRAP_CYCLES)
 
@@ -305,6 +305,10 @@ SHORT_D64_MAX_KEYS = 4096
 # slower everywhere); d=64 causal up to 2k keys, where its 128-row tiles gain 8% at 2k.
 PERSISTENT_MAX_KEYS = 1024
 PERSISTENT_MAX_KEYS_D64_CAUSAL = 2048
+# Causal tiles (persistent blocks' and the grid of one-tile blocks alike, FlashMask aside) run in
+# sections of (head, batch) pairs whose K/V fit in this many bytes of L2, longest tiles first
+# within a section (FlashAttention-3's LPT order; BENCHMARKS.md: +1 to +13% from 2k keys).
+LPT_BYTES = 16 << 20
 
 
 def pages_fit(page_size: int, block_n: int) -> bool:

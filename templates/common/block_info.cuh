@@ -57,6 +57,19 @@ __device__ __forceinline__ GridBlock grid_rounds(bool reverse) {
   return g;
 }
 
+// FlashAttention-3's LPT launch order: item `lin` of a walk over `pairs` (head, batch) pairs of
+// `per_pair` items each (query tiles or key blocks, longest first) is taken in sections of
+// `section` pairs, and within a section every pair's item 0, then every pair's item 1, and so
+// on: the longest items of a section start first, its shortest fill the end.
+struct LptItem {
+  int item, pair;
+};
+__device__ __forceinline__ LptItem lpt_item(int lin, int per_pair, int pairs, int section) {
+  const int first = lin / (section * per_pair) * section, width = min(section, pairs - first);
+  const int within = lin - first * per_pair;
+  return LptItem{within / width, first + within % width};
+}
+
 // A band edge that bounds nothing (an enumerator, so that it is no device global in the module
 // as namespace-scope constexpr variables are under -default-device).
 enum : int { kUnbounded = 1 << 30 };
