@@ -41,11 +41,12 @@ def test_variants_of_each_arch():
     """The planned tiles: d 128 and 256 two consumer warpgroups of 64 rows with both schedules,
     d 64 three warpgroups with the overlap (and two for short causal problems, and two taking
     turns at the softmax, persistent, for dense problems of at most 4096 keys); fp16 and bf16,
-    causal or not; persistent at d 128 for at most 1024 keys; all within Hopper's 227 KB of
-    shared memory."""
-    assert len({v.name for v in VARIANTS}) == len(VARIANTS) == 22
+    causal or not; persistent at d 128 for at most 1024 keys, and at d 256 causal; all within
+    Hopper's 227 KB of shared memory."""
+    assert len({v.name for v in VARIANTS}) == len(VARIANTS) == 24
     assert {(v.head_dim, v.block_m, v.causal, v.turn_softmax) for v in VARIANTS if v.persistent} == {
-        (64, 128, False, True), (64, 128, True, True), (128, 128, False, False), (128, 128, True, False)}
+        (64, 128, False, True), (64, 128, True, True), (128, 128, False, False), (128, 128, True, False),
+        (256, 128, True, False)}
     assert all(v.persistent and not v.overlap for v in VARIANTS if v.turn_softmax)
     assert {(v.head_dim, v.dtype, v.causal) for v in VARIANTS} == {
         (d, dt, c) for d in (64, 128, 256) for dt in ("fp16", "bf16") for c in (False, True)}
@@ -167,7 +168,7 @@ def test_registered_and_planned_where_it_applies():
                     assert "turns at the exponentials" in plan.reason and "at most 4096" in plan.reason
                 short = make_plan(replace(p, seqlen_k=1000), h100)
                 v = short.launches[0].variant
-                assert v == fwd_ws.planned(d, "bf16", causal, sq, seqlen_k=1000) and v.persistent == (d <= 128)
+                assert v == fwd_ws.planned(d, "bf16", causal, sq, seqlen_k=1000) and v.persistent == (d <= 128 or causal)
                 if v.persistent:
                     assert short.launches[0].grid == (132, 1, 1) and "Persistent blocks" in short.reason
                 assert "fwd_ws" in plan.reason and "TMA" in plan.reason

@@ -301,8 +301,9 @@ SHORT_D64 = dict(block_m=128, block_n=128, pingpong=True, turn_softmax=True)
 SHORT_D64_MAX_KEYS = 4096
 # Persistent blocks where each query tile walks few K/V blocks (at most this many keys), so that
 # a one-tile block's start (its Q and first K/V loads) and end are a large share of its time:
-# d 64 and 128 (BENCHMARKS.md: +7 to +12% at 1k keys, within +-3% at 2k, slower beyond; d=256
-# slower everywhere); d=64 causal up to 2k keys, where its 128-row tiles gain 8% at 2k.
+# d 64 and 128 (BENCHMARKS.md: +7 to +12% at 1k keys, within +-3% at 2k, slower beyond); d=64
+# causal up to 2k keys, where its 128-row tiles gain 8% at 2k; d=256 causal only (+2% at 1k keys
+# in the LPT order, slower from 2k; without a mask slower everywhere).
 PERSISTENT_MAX_KEYS = 1024
 PERSISTENT_MAX_KEYS_D64_CAUSAL = 2048
 # Causal tiles (persistent blocks' and the grid of one-tile blocks alike, FlashMask aside) run in
@@ -330,6 +331,8 @@ def persistent_max_keys(head_dim: int, causal: bool, turn_softmax: bool = False)
     SHORT_D64's softmax-turn tile (``turn_softmax``) or the others."""
     if turn_softmax:
         return SHORT_D64_MAX_KEYS
+    if head_dim == 256:
+        return PERSISTENT_MAX_KEYS if causal else 0
     return PERSISTENT_MAX_KEYS_D64_CAUSAL if head_dim == 64 and causal else PERSISTENT_MAX_KEYS
 
 
@@ -353,7 +356,7 @@ def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 
     short = head_dim == 64 and ((causal or local) and (flashmask or seqlen_q <= 2048) or softcap or alibi or gather)
     tile = (SHORT_D64 if head_dim == 64 and plain and keys <= SHORT_D64_MAX_KEYS
             else SHORT_CAUSAL_D64 if short else TILES[head_dim])
-    persistent = (not (flashmask or local or varlen or cache or paged) and head_dim <= 128
+    persistent = (not (flashmask or local or varlen or cache or paged)
                   and keys <= persistent_max_keys(head_dim, causal, tile is SHORT_D64))
     if tile.get("block_m") == 192 and not (causal or local or persistent or flashmask):
         # Without a mask the 192-row d=64 tile leaves room for a third K/V stage (123 KB of shared
