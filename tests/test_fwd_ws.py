@@ -101,7 +101,8 @@ def test_variants_of_each_arch():
     short, long = (fwd_ws.planned(64, "bf16", True, sq, seqlen_k=8192) for sq in (2048, 2049))
     assert (short.block_m, long.block_m) == (128, 192) and not short.turn_softmax
     assert fwd_ws.planned(64, "bf16", False, 1, seqlen_k=8192).block_m == 192
-    # persistent: from the keys (as many as queries unless given), d 64 and 128, never with FlashMask
+    # persistent: from the keys (as many as queries unless given), d 64 and 128 (256: causal only),
+    # never with FlashMask
     assert fwd_ws.planned(128, "bf16", True, 4096, seqlen_k=1024).persistent
     assert not fwd_ws.planned(128, "bf16", True, 512, seqlen_k=1025).persistent
     assert not fwd_ws.planned(256, "bf16", False, 128).persistent
@@ -357,8 +358,8 @@ SCHEDULES = [dict(overlap=True), dict(pingpong=True), dict(overlap=True, pingpon
              dict(pingpong=True, turn_softmax=True), dict(overlap=True, pingpong=True, turn_softmax=True)]
 SCHEDULED = [FwdWsVariant(head_dim=d, dtype="bf16", causal=c, arch=90, **kw)
              for d in (64, 128) for c in (False, True) for kw in SCHEDULES]
-# The planned tiles with persistent blocks (planned for at most 1024 keys at d 64 and 128, 4096
-# on dense d=64's softmax-turn tile).
+# The planned tiles with persistent blocks (planned for at most 1024 keys at d 64 and 128 and at
+# d 256 causal, 4096 on dense d=64's softmax-turn tile).
 PERSISTENT = [replace(v, persistent=True) for v in VARIANTS if v.dtype == "bf16"]
 
 

@@ -101,7 +101,8 @@ class FwdWsVariant(KernelVariant):
     turn_softmax: bool = False
     # FlashAttention-3's persistent blocks: at most one block per SM, each taking query tiles
     # from an atomic counter (``tile_counter``; null: a fixed order) in the one-tile launch order
-    # (query block fastest, then head, then batch), so that the producer loads the next tile's Q
+    # (query block fastest, then head, then batch; causal: longest tiles first within sections of
+    # heads, LPT_BYTES), so that the producer loads the next tile's Q
     # and first K/V while the consumers finish the last, and no block pays a cold start per tile.
     persistent: bool = False
     # FlashMask bound columns per key (cuflash.masks; 1 or 2 with causal, 2 or 4 without), 0 =
@@ -306,9 +307,10 @@ SHORT_D64_MAX_KEYS = 4096
 # in the LPT order, slower from 2k; without a mask slower everywhere).
 PERSISTENT_MAX_KEYS = 1024
 PERSISTENT_MAX_KEYS_D64_CAUSAL = 2048
-# Causal tiles (persistent blocks' and the grid of one-tile blocks alike, FlashMask aside) run in
-# sections of (head, batch) pairs whose K/V fit in this many bytes of L2, longest tiles first
-# within a section (FlashAttention-3's LPT order; BENCHMARKS.md: +1 to +13% from 2k keys).
+# Causal tiles (persistent blocks' and the grid of one-tile blocks alike, FlashMask and KV caches
+# aside) run in sections of (head, batch) pairs whose K/V fit in this many bytes of L2, longest
+# tiles first within a section (FlashAttention-3's LPT order; BENCHMARKS.md: +1 to +13% from 2k
+# keys).
 LPT_BYTES = 16 << 20
 
 
