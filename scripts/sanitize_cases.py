@@ -16,11 +16,12 @@ def main():
     torch.manual_seed(0)
     # standard kernel: tails in both sequences, causal with sq > sk, GQA, head dim below the bucket;
     # on sm_90 the warp-specialised one at d 64 (128- and 192-row tiles, the latter with three
-    # K/V stages without a mask over more than 1024 keys), 128 and 256
+    # K/V stages without a mask over more than 1024 keys), 128 and 256; causal one-tile blocks in
+    # the LPT order with a partial last section (d 256, 2048 keys: sections of 8 of 10 pairs)
     for (sq, sk, h, hk, d, causal) in [(113, 203, 4, 2, 64, True), (200, 77, 2, 2, 128, True),
                                        (37, 301, 4, 1, 40, False), (129, 129, 2, 2, 256, True),
                                        (300, 211, 4, 2, 64, False), (2100, 2100, 1, 1, 64, True),
-                                       (1200, 1500, 8, 2, 64, False)]:
+                                       (1200, 1500, 8, 2, 64, False), (2000, 2048, 5, 5, 256, True)]:
         cuflash.attention(rnd(2, sq, h, d), rnd(2, sk, hk, d), rnd(2, sk, hk, d), causal=causal, return_lse=True)
     # persistent fwd_ws blocks: more query tiles than SMs, rows with no key, tiles from the
     # counter and in a fixed order
