@@ -571,3 +571,65 @@ def test_gpu_torch_autograd(rng):
     same = reference.attention_backward(*args, causal=True, startend_row_indices=x, precision="same")
     for g, r, s in zip((q.grad, k.grad, v.grad), ref64, same):
         assert max_abs_err(to_np(g), r) <= 2 * max_abs_err(s, r) + 2e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# The windowed walk (bwd_ws fm_window): the same steps as the planned walk, found 32 at a time
+
+def _windowed(v):
+    return dataclasses.replace(v, fm_window=True)
+
+
+# One per dQ mode and n at d = 64 and 128, and the split head dim (d = 256)
+WINDOWED = [_windowed(v) for v in importlib.import_module("cuflash.kernels.bwd_ws").variants(90)
+            if getattr(v, "flashmask", 0) and v.dtype == "bf16" and (v.head_dim, v.flashmask) in (
+                (64, 1), (128, 2), (128, 4), (256, 1))]
+
+
+def test_windowed_walk_is_named_checked_and_compiles_without_spills():
+    from cuflash.kernels import bwd_ws
+    assert {(v.head_dim, v.dq, v.dq_ordered) for v in WINDOWED} >= {(64, True, True), (128, True, False),
+                                                                    (256, True, False), (256, False, False)}
+    for v in WINDOWED:
+        assert "_fm" in v.name and f"fm{v.flashmask}w_" in v.name
+        src = codegen.render(v)
+        assert "fm_next(walk, fm_part)" in src and "next_step" not in src and "fm_part" in src
+        assert "fm_walk" not in codegen.render(dataclasses.replace(v, fm_window=False))
+    with pytest.raises(ValueError, match="fm_window"):
+        bwd_ws.BwdWsVariant(kind="bwd_ws_dkdv_dq", head_dim=128, dtype="bf16", arch=90, fm_window=True)
+    from cuflash import compiler
+    for v in WINDOWED[:2]:  # (the GPU test below compiles every one)
+        assert_compiled_clean(compiler.compile_variant(v), v)
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("name, causal, x", [b for b in _builders(1100) if b[0] in (
+    "causal_document", "share_question", "global_sliding_window", "prefix_lm_document", "random_eviction")],
+    ids=lambda a: a if isinstance(a, str) else None)
+def test_gpu_windowed_walk_matches_the_planned_walk(rng, monkeypatch, name, causal, x, d, deterministic):
+    """bwd_ws with fm_window against the planned walk on the same inputs: both within flash-attn's
+    rule of the reference, and dK, dV bitwise equal (the same steps in the same order; dQ's atomic
+    adds may come in another order, the ordered ones may not)."""
+    import torch
+    from cuflash import plan as plan_mod
+    from cuflash.kernels import bwd_ws
+    seed = int(rng.integers(1 << 30))
+    planned = bwd_ws.planned
+    grads = {}
+    for window in (False, True):
+        if window:
+            monkeypatch.setattr(bwd_ws, "planned", lambda *a, **k: (
+                lambda v: _windowed(v) if v.flashmask else v)(planned(*a, **k)))
+        plan_mod.forget_plans()
+        p = _bwd_plan(90, deterministic, n=x.shape[-1], causal=causal, d=d)
+        assert p.launches[1].variant.family == "bwd_ws" and p.launches[1].variant.fm_window == window
+        grads[window] = _check(np.random.default_rng(seed), 1, 1100, 1100, 4, 2, d, "bfloat16", causal, x,
+                               deterministic)
+    monkeypatch.undo()
+    plan_mod.forget_plans()
+    same = range(3) if deterministic else range(1, 3)
+    for i in same:
+        assert torch.equal(grads[False][i].view(torch.int16), grads[True][i].view(torch.int16)), ("dq", "dk", "dv")[i]

@@ -129,6 +129,11 @@ class BwdWsVariant(KernelVariant):
     # (batch, KV head) pairs whose Q, dO and dQ rows fit in LPT_BYTES of L2 (FlashAttention-3's
     # LPT order), instead of each pair's blocks in turn.
     lpt: bool = False
+    # FlashMask: each warp classifies its walk's steps 32 at a time, once per 32, and keeps the
+    # live ones and the partly masked ones as two bit masks that it pops, instead of classifying
+    # the next 32 steps at every step (and each step's tile twice more). The same steps in the
+    # same order.
+    fm_window: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -179,6 +184,8 @@ class BwdWsVariant(KernelVariant):
                 self.causal and self.dq and not (self.dq_ordered or self.flashmask or self.varlen)):
             raise ValueError(f"lpt must be a bool, True only causal with atomic dQ, no FlashMask and no packed "
                              f"sequences; got {self.lpt!r}")
+        if not isinstance(self.fm_window, bool) or self.fm_window and not self.flashmask:
+            raise ValueError(f"fm_window must be a bool, True only with FlashMask; got {self.fm_window!r}")
 
     @functools.cached_property
     def params(self) -> ParamTable:
@@ -227,7 +234,7 @@ class BwdWsVariant(KernelVariant):
         mask += "_varlen" if self.varlen else ""
         bulk = (("_dqwriter" if self.dq_writer else "") + ("_dqearly" if self.dq_early else "")
                 + ("_ordered" if self.dq_ordered else "") + (f"_g{self.dq_groups}" if self.dq_groups > 1 else "")
-                + (f"_fm{self.flashmask}" if self.flashmask else "")
+                + (f"_fm{self.flashmask}" if self.flashmask else "") + ("w" if self.fm_window else "")
                 + ("_lpt" if self.lpt else "") + ("_rot" if self.rotate else "") + ("_dqT" if self.dq_t else ""))
         return f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{bulk}_m{self.block_m}n{self.block_n}_sm{self.arch}"
 
@@ -270,7 +277,7 @@ class BwdWsVariant(KernelVariant):
                     dq_early=self.dq_early, dq_writer=self.dq_writer,
                     dq_ordered=self.dq_ordered, dq_groups=self.dq_groups, flashmask=self.flashmask, rotate=self.rotate, overlap=self.overlap,
                     softcap=self.softcap, alibi=self.alibi, varlen=self.varlen, zero_tail=self.zero_tail, dq_t=self.dq_t,
-                    lpt=self.lpt, lpt_bytes=LPT_BYTES, spread_run=SPREAD_RUN[self.head_dim],
+                    lpt=self.lpt, lpt_bytes=LPT_BYTES, fm_window=self.fm_window, spread_run=SPREAD_RUN[self.head_dim],
                     producer_regs=PRODUCER_REGS, consumer_regs=MAX_CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES,
                     info_bytes=INFO_BYTES, barrier_bytes=BARRIER_BYTES, varlen_row_gap=VARLEN_ROW_GAP)
 

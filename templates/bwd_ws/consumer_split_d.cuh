@@ -57,7 +57,7 @@
                                     info_i32(sInfo, kInfoDiag), kIsLocal ? info_i32(sInfo, kInfoDiagLo) : 0);
 {% if flashmask %}
       if constexpr (decltype(masked)::value)
-        if (fm_class(it) == kFmMasked)
+        if ({{ "fm_part" if fm_window else "fm_class(it) == kFmMasked" }})
           apply_flashmask_t<kQT, kFlashMask, kIsCausal, !kIsCausal>(
               s, n0 + key_w, m0 + q_wg, info_i32(sInfo, kInfoSeqK), fm_idx + {{ batch }} * fm_sb + (h / fm_hdiv) * fm_sh,
               fm_ss, fm_sc);
