@@ -20,8 +20,8 @@ from cuflash.kernels import bwd
 from cuflash.kernels.bwd import BwdTileVariant
 from cuflash.kernels.flashmask import FlashMaskPrepVariant
 from cuflash.plan import DeviceFacts, Problem, make_backward_plan
-from conftest import (assert_compiled_clean, fake_view, record_launches, requires_gpu, requires_sm90, requires_torch,
-                      warm)
+from conftest import (assert_compiled_clean, assert_warp_specialised_clean, fake_view, record_launches, requires_gpu,
+                      requires_sm90, requires_torch, warm)
 from test_flashmask_kernels import _builders, _kernel_mask
 
 H100 = dict(num_sms=132)
@@ -580,26 +580,47 @@ def _windowed(v):
     return dataclasses.replace(v, fm_window=True)
 
 
-# One per dQ mode and n at d = 64 and 128, and the split head dim (d = 256)
+# Every FlashMask bwd_ws variant of sm_90 in bf16, windowed: d = 64, 128 and 256 (split head dim),
+# every n, atomic, ordered and no dQ
 WINDOWED = [_windowed(v) for v in importlib.import_module("cuflash.kernels.bwd_ws").variants(90)
-            if getattr(v, "flashmask", 0) and v.dtype == "bf16" and (v.head_dim, v.flashmask) in (
-                (64, 1), (128, 2), (128, 4), (256, 1))]
+            if getattr(v, "flashmask", 0) and v.dtype == "bf16"]
 
 
-def test_windowed_walk_is_named_checked_and_compiles_without_spills():
+@pytest.mark.parametrize("v", WINDOWED, ids=lambda v: v.name)
+def test_windowed_walk_compiles_clean(compiled, v):
+    assert_warp_specialised_clean(compiled[v], v)
+
+
+def test_windowed_walk_is_named_checked_and_rendered():
     from cuflash.kernels import bwd_ws
-    assert {(v.head_dim, v.dq, v.dq_ordered) for v in WINDOWED} >= {(64, True, True), (128, True, False),
-                                                                    (256, True, False), (256, False, False)}
+    assert {(v.head_dim, v.flashmask, v.dq, v.dq_ordered) for v in WINDOWED} >= {
+        (64, 1, True, True), (128, 2, True, False), (128, 4, False, False), (256, 1, True, False)}
     for v in WINDOWED:
-        assert "_fm" in v.name and f"fm{v.flashmask}w_" in v.name
-        src = codegen.render(v)
-        assert "fm_next(walk, fm_part)" in src and "next_step" not in src and "fm_part" in src
-        assert "fm_walk" not in codegen.render(dataclasses.replace(v, fm_window=False))
+        assert f"_fm{v.flashmask}w_" in v.name
+        src, planned = codegen.render(v), codegen.render(dataclasses.replace(v, fm_window=False))
+        assert "fm_next(walk, fm_part)" in src and "next_step(" not in src
+        assert "next_step(" in planned and "fm_walk" not in planned and "fm_part" not in planned
     with pytest.raises(ValueError, match="fm_window"):
         bwd_ws.BwdWsVariant(kind="bwd_ws_dkdv_dq", head_dim=128, dtype="bf16", arch=90, fm_window=True)
-    from cuflash import compiler
-    for v in WINDOWED[:2]:  # (the GPU test below compiles every one)
-        assert_compiled_clean(compiler.compile_variant(v), v)
+
+
+@pytest.fixture
+def _planned_walk():
+    """Yields a switch to the windowed walk (bwd_ws.planned returning fm_window variants), and
+    drops every plan and prepared launch made meanwhile when the test ends, however it ends."""
+    from cuflash import plan as plan_mod
+    from cuflash.kernels import bwd_ws
+    planned = bwd_ws.planned
+
+    def windowed(on):
+        bwd_ws.planned = (lambda *a, **k: (lambda v: _windowed(v) if v.flashmask else v)(planned(*a, **k))) \
+            if on else planned
+        plan_mod.forget_plans()
+    try:
+        yield windowed
+    finally:
+        bwd_ws.planned = planned
+        plan_mod.forget_plans()
 
 
 @requires_sm90
@@ -607,29 +628,26 @@ def test_windowed_walk_is_named_checked_and_compiles_without_spills():
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("name, causal, x", [b for b in _builders(1100) if b[0] in (
-    "causal_document", "share_question", "global_sliding_window", "prefix_lm_document", "random_eviction")],
-    ids=lambda a: a if isinstance(a, str) else None)
-def test_gpu_windowed_walk_matches_the_planned_walk(rng, monkeypatch, name, causal, x, d, deterministic):
-    """bwd_ws with fm_window against the planned walk on the same inputs: both within flash-attn's
-    rule of the reference, and dK, dV bitwise equal (the same steps in the same order; dQ's atomic
-    adds may come in another order, the ordered ones may not)."""
+    "causal_document", "share_question", "global_sliding_window", "prefix_lm_document", "random_eviction",
+    "causal_blockwise", "qk_sparse")], ids=lambda a: a if isinstance(a, str) else None)
+def test_gpu_windowed_walk_matches_the_planned_walk(rng, _planned_walk, name, causal, x, d, deterministic):
+    """bwd_ws with fm_window against the planned walk on the same inputs (8 query heads on one KV
+    head: walks of up to 8 x 9 or 8 x 18 steps, so several windows): both within
+    flash-attn's rule of the reference, and dK, dV bitwise equal (the same steps in the same
+    order), dQ too where its adds are ordered (atomic adds may come in another order)."""
     import torch
-    from cuflash import plan as plan_mod
-    from cuflash.kernels import bwd_ws
     seed = int(rng.integers(1 << 30))
-    planned = bwd_ws.planned
-    grads = {}
+    grads, kinds = {}, {}
     for window in (False, True):
-        if window:
-            monkeypatch.setattr(bwd_ws, "planned", lambda *a, **k: (
-                lambda v: _windowed(v) if v.flashmask else v)(planned(*a, **k)))
-        plan_mod.forget_plans()
-        p = _bwd_plan(90, deterministic, n=x.shape[-1], causal=causal, d=d)
-        assert p.launches[1].variant.family == "bwd_ws" and p.launches[1].variant.fm_window == window
-        grads[window] = _check(np.random.default_rng(seed), 1, 1100, 1100, 4, 2, d, "bfloat16", causal, x,
+        _planned_walk(window)
+        p = make_backward_plan(Problem(1, 1100, 1100, 8, 1, d, "bf16", causal=causal, deterministic=deterministic,
+                                       flashmask=x.shape[-1], flashmask_heads=1), DeviceFacts(132, 90))
+        main = p.launches[1].variant
+        assert main.family == "bwd_ws" and main.fm_window == window, main
+        kinds[window] = main.kind, main.dq_ordered
+        grads[window] = _check(np.random.default_rng(seed), 1, 1100, 1100, 8, 1, d, "bfloat16", causal, x,
                                deterministic)
-    monkeypatch.undo()
-    plan_mod.forget_plans()
-    same = range(3) if deterministic else range(1, 3)
-    for i in same:
-        assert torch.equal(grads[False][i].view(torch.int16), grads[True][i].view(torch.int16)), ("dq", "dk", "dv")[i]
+    assert kinds[False] == kinds[True]
+    for i, name in enumerate(("dq", "dk", "dv")):
+        if i or deterministic:
+            assert torch.equal(grads[False][i].view(torch.int16), grads[True][i].view(torch.int16)), name
