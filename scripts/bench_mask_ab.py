@@ -2,11 +2,16 @@
 two trees (run it once with each on PYTHONPATH): no FlexAttention or SDPA, so a run takes seconds.
 
     python scripts/bench_mask_ab.py [--seqlen 8192 32768] [--reps 10]
+    python scripts/bench_mask_ab.py --windowed [--rounds 3]
 
 Prints per family and length the TF/s on the kept pairs (bench mask's count) and the share of
 plain causal attention's TF/s at the same length and pass (#21 asks at least 85%). bf16, d = 128,
-16 heads, batch 1, the masks bench mask builds (seed 0)."""
+16 heads, batch 1, the masks bench mask builds (seed 0). ``--windowed``: in one process, forward +
+backward with the planned backward walk against bwd_ws's fm_window variant, in rounds that
+alternate the two (the order rotated each round), and their ratio."""
 import argparse
+import statistics
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -18,7 +23,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqlen", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--windowed", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
+    if a.windowed:
+        return windowed(a)
     for s in a.seqlen:
         shp = (1, s, 16, 128)
         sets = bench._make_sets(torch, (shp,) * 4, torch.bfloat16, min_sets=2)  # q, k, v, do
@@ -38,6 +47,38 @@ def main():
             print(line, flush=True)
         del sets, grad_sets
         torch.cuda.empty_cache()
+
+
+def windowed(a):
+    from cuflash.plan import forget_plans
+    from cuflash.kernels import bwd_ws
+    planned = bwd_ws.planned
+    modes = {"planned": planned,
+             "windowed": lambda *p, **k: (lambda v: replace(v, fm_window=True) if v.flashmask else v)(planned(*p, **k))}
+    try:
+        for s in a.seqlen:
+            shp = (1, s, 16, 128)
+            sets = bench._make_sets(torch, (shp,) * 4, torch.bfloat16, min_sets=2)
+            grad_sets = [(*(t.detach().requires_grad_() for t in x[:3]), x[3]) for x in sets]
+            for fam in bench.MASK_FAMILIES:
+                idx, causal, _, _ = bench._mask_family(fam, s, 16, 0)
+                pairs = bench.mask_pairs(idx, s, causal, 16)
+                idx = torch.from_numpy(np.ascontiguousarray(idx)).cuda()
+                tf = {m: [] for m in modes}
+                for r in range(a.rounds):
+                    for m in list(modes)[r % 2:] + list(modes)[:r % 2]:
+                        bwd_ws.planned = modes[m]
+                        forget_plans()
+                        attn, _ = bench._cuflash_mask_attn(causal, idx, True)
+                        ms = bench.time_cuda(bench._grad_fn(torch, attn, True), grad_sets, 5, a.reps)
+                        tf[m].append(bench.mask_flops(pairs, 128, True) / ms / 1e9)
+                p, w = (statistics.median(tf[m]) for m in modes)
+                print(f"{fam:22s} {s:6d} | fb planned {p:6.1f} windowed {w:6.1f} | {w / p:.3f}", flush=True)
+            del sets, grad_sets
+            torch.cuda.empty_cache()
+    finally:
+        bwd_ws.planned = planned
+        forget_plans()
 
 
 if __name__ == "__main__":
