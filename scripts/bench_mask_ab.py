@@ -2,13 +2,13 @@
 two trees (run it once with each on PYTHONPATH): no FlexAttention or SDPA, so a run takes seconds.
 
     python scripts/bench_mask_ab.py [--seqlen 8192 32768] [--reps 10]
-    python scripts/bench_mask_ab.py --windowed [--rounds 3]
+    python scripts/bench_mask_ab.py --trial fm_window dq_t [--rounds 3]
 
 Prints per family and length the TF/s on the kept pairs (bench mask's count) and the share of
 plain causal attention's TF/s at the same length and pass (#21 asks at least 85%). bf16, d = 128,
-16 heads, batch 1, the masks bench mask builds (seed 0). ``--windowed``: in one process, forward +
-backward with the planned backward walk against bwd_ws's fm_window variant, in rounds that
-alternate the two (the order rotated each round), and their ratio."""
+16 heads, batch 1, the masks bench mask builds (seed 0). ``--trial F ...``: in one process, forward +
+backward with the planned FlashMask bwd_ws variant against the same with the bool fields F set,
+in rounds that alternate the two (the order rotated each round), and their ratio."""
 import argparse
 import statistics
 from dataclasses import replace
@@ -23,11 +23,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqlen", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--windowed", action="store_true")
+    ap.add_argument("--trial", nargs="+", default=[], metavar="FIELD")
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
-    if a.windowed:
-        return windowed(a)
+    if a.trial:
+        return trial(a)
     for s in a.seqlen:
         shp = (1, s, 16, 128)
         sets = bench._make_sets(torch, (shp,) * 4, torch.bfloat16, min_sets=2)  # q, k, v, do
@@ -49,12 +49,13 @@ def main():
         torch.cuda.empty_cache()
 
 
-def windowed(a):
+def trial(a):
     from cuflash.plan import forget_plans
     from cuflash.kernels import bwd_ws
     planned = bwd_ws.planned
+    mods = dict.fromkeys(a.trial, True)
     modes = {"planned": planned,
-             "windowed": lambda *p, **k: (lambda v: replace(v, fm_window=True) if v.flashmask else v)(planned(*p, **k))}
+             "trial": lambda *p, **k: (lambda v: replace(v, **mods) if v.flashmask else v)(planned(*p, **k))}
     try:
         for s in a.seqlen:
             shp = (1, s, 16, 128)
@@ -73,7 +74,7 @@ def windowed(a):
                         ms = bench.time_cuda(bench._grad_fn(torch, attn, True), grad_sets, 5, a.reps)
                         tf[m].append(bench.mask_flops(pairs, 128, True) / ms / 1e9)
                 p, w = (statistics.median(tf[m]) for m in modes)
-                print(f"{fam:22s} {s:6d} | fb planned {p:6.1f} windowed {w:6.1f} | {w / p:.3f}", flush=True)
+                print(f"{fam:22s} {s:6d} | fb planned {p:6.1f} {'+'.join(a.trial)} {w:6.1f} | {w / p:.3f}", flush=True)
             del sets, grad_sets
             torch.cuda.empty_cache()
     finally:

@@ -574,50 +574,59 @@ def test_gpu_torch_autograd(rng):
 
 
 # ---------------------------------------------------------------------------------------------
-# The windowed walk (bwd_ws fm_window): the same steps as the planned walk, found 32 at a time
+# Unplanned FlashMask bwd_ws variants on trial: the windowed walk (fm_window: the same steps as the
+# planned walk, found 32 at a time) and, at d = 128 with atomic dQ, 80-query steps with dQ^T (dq_t)
 
-def _windowed(v):
-    return dataclasses.replace(v, fm_window=True)
-
-
-# Every FlashMask bwd_ws variant of sm_90 in bf16, windowed: d = 64, 128 and 256 (split head dim),
-# every n, atomic, ordered and no dQ
-WINDOWED = [_windowed(v) for v in importlib.import_module("cuflash.kernels.bwd_ws").variants(90)
-            if getattr(v, "flashmask", 0) and v.dtype == "bf16"]
+TRIALS = [dict(fm_window=True), dict(dq_t=True), dict(fm_window=True, dq_t=True)]
 
 
-@pytest.mark.parametrize("v", WINDOWED, ids=lambda v: v.name)
-def test_windowed_walk_compiles_clean(compiled, v):
+def _trial(v, mods):
+    """v with mods where they apply (dq_t: d = 128, atomic dQ through the writer), else v."""
+    if "dq_t" in mods and not (v.head_dim == 128 and v.dq_writer and not v.dq_ordered):
+        mods = {k: x for k, x in mods.items() if k != "dq_t"}
+    return dataclasses.replace(v, **mods)
+
+
+# Every FlashMask bwd_ws variant of sm_90 in bf16 with each trial's fields, where they change it
+TRIED = list(dict.fromkeys(
+    t for v in importlib.import_module("cuflash.kernels.bwd_ws").variants(90)
+    if getattr(v, "flashmask", 0) and v.dtype == "bf16" for m in TRIALS if (t := _trial(v, m)) != v))
+
+
+@pytest.mark.parametrize("v", TRIED, ids=lambda v: v.name)
+def test_trial_variant_compiles_clean(compiled, v):
     assert_warp_specialised_clean(compiled[v], v)
 
 
-def test_windowed_walk_is_named_checked_and_rendered():
+def test_trial_variants_are_named_checked_and_rendered():
     from cuflash.kernels import bwd_ws
-    assert {(v.head_dim, v.flashmask, v.dq, v.dq_ordered) for v in WINDOWED} >= {
-        (64, 1, True, True), (128, 2, True, False), (128, 4, False, False), (256, 1, True, False)}
-    for v in WINDOWED:
-        assert f"_fm{v.flashmask}w_" in v.name
+    assert {(v.head_dim, v.flashmask, v.dq, v.dq_ordered, v.fm_window, v.dq_t) for v in TRIED} >= {
+        (64, 1, True, True, True, False), (128, 2, True, False, True, False), (128, 4, False, False, True, False),
+        (256, 1, True, False, True, False), (128, 1, True, False, False, True), (128, 2, True, False, True, True)}
+    for v in TRIED:
+        assert (f"_fm{v.flashmask}w_" in v.name) == v.fm_window and ("_dqT_m80" in v.name) == v.dq_t
         src, planned = codegen.render(v), codegen.render(dataclasses.replace(v, fm_window=False))
-        assert "fm_next(walk, fm_part)" in src and "next_step(" not in src
+        assert ("fm_next(walk, fm_part)" in src and "next_step(" not in src) == v.fm_window
         assert "next_step(" in planned and "fm_walk" not in planned and "fm_part" not in planned
     with pytest.raises(ValueError, match="fm_window"):
         bwd_ws.BwdWsVariant(kind="bwd_ws_dkdv_dq", head_dim=128, dtype="bf16", arch=90, fm_window=True)
 
 
 @pytest.fixture
-def _planned_walk():
-    """Yields a switch to the windowed walk (bwd_ws.planned returning fm_window variants), and
-    drops every plan and prepared launch made meanwhile when the test ends, however it ends."""
+def _trial_plan():
+    """Yields a switch of bwd_ws.planned to the trial fields given (None: as planned) for FlashMask
+    backwards, and drops every plan and prepared launch made meanwhile when the test ends, however
+    it ends."""
     from cuflash import plan as plan_mod
     from cuflash.kernels import bwd_ws
     planned = bwd_ws.planned
 
-    def windowed(on):
-        bwd_ws.planned = (lambda *a, **k: (lambda v: _windowed(v) if v.flashmask else v)(planned(*a, **k))) \
-            if on else planned
+    def switch(mods):
+        bwd_ws.planned = (lambda *a, **k: (lambda v: _trial(v, mods) if v.flashmask else v)(planned(*a, **k))) \
+            if mods else planned
         plan_mod.forget_plans()
     try:
-        yield windowed
+        yield switch
     finally:
         bwd_ws.planned = planned
         plan_mod.forget_plans()
@@ -625,29 +634,31 @@ def _planned_walk():
 
 @requires_sm90
 @requires_torch
+@pytest.mark.parametrize("mods", TRIALS, ids=lambda m: "+".join(m))
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("name, causal, x", [b for b in _builders(1100) if b[0] in (
     "causal_document", "share_question", "global_sliding_window", "prefix_lm_document", "random_eviction",
     "causal_blockwise", "qk_sparse")], ids=lambda a: a if isinstance(a, str) else None)
-def test_gpu_windowed_walk_matches_the_planned_walk(rng, _planned_walk, name, causal, x, d, deterministic):
-    """bwd_ws with fm_window against the planned walk on the same inputs (8 query heads on one KV
-    head: walks of up to 8 x 9 or 8 x 18 steps, so several windows): both within
-    flash-attn's rule of the reference, and dK, dV bitwise equal (the same steps in the same
-    order), dQ too where its adds are ordered (atomic adds may come in another order)."""
+def test_gpu_trial_variant_matches_the_planned_one(rng, _trial_plan, name, causal, x, d, deterministic, mods):
+    """A trial variant against the planned one on the same inputs (8 query heads on one KV head:
+    walks of up to 8 x 9 or 8 x 18 steps, so several windows): both within flash-attn's rule of the
+    reference; with the same steps (fm_window alone) dK and dV bitwise equal, dQ too where its adds
+    are ordered (atomic adds may come in another order)."""
     import torch
     seed = int(rng.integers(1 << 30))
-    grads, kinds = {}, {}
-    for window in (False, True):
-        _planned_walk(window)
+    grads, mains = {}, {}
+    for trial in (None, mods):
+        _trial_plan(trial)
         p = make_backward_plan(Problem(1, 1100, 1100, 8, 1, d, "bf16", causal=causal, deterministic=deterministic,
                                        flashmask=x.shape[-1], flashmask_heads=1), DeviceFacts(132, 90))
-        main = p.launches[1].variant
-        assert main.family == "bwd_ws" and main.fm_window == window, main
-        kinds[window] = main.kind, main.dq_ordered
-        grads[window] = _check(np.random.default_rng(seed), 1, 1100, 1100, 8, 1, d, "bfloat16", causal, x,
-                               deterministic)
-    assert kinds[False] == kinds[True]
-    for i, name in enumerate(("dq", "dk", "dv")):
-        if i or deterministic:
-            assert torch.equal(grads[False][i].view(torch.int16), grads[True][i].view(torch.int16)), name
+        mains[trial is not None] = main = p.launches[1].variant
+        assert main.family == "bwd_ws" and (main == _trial(mains[False], mods) if trial else True), main
+        grads[trial is not None] = _check(np.random.default_rng(seed), 1, 1100, 1100, 8, 1, d, "bfloat16", causal,
+                                          x, deterministic)
+    if mains[True] == mains[False]:
+        pytest.skip(f"{'+'.join(mods)} does not apply to {mains[False].name}")
+    if mains[True].dq_t == mains[False].dq_t:  # the same steps
+        for i, g in enumerate(("dq", "dk", "dv")):
+            if i or deterministic:
+                assert torch.equal(grads[False][i].view(torch.int16), grads[True][i].view(torch.int16)), g

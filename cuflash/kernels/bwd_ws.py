@@ -122,8 +122,8 @@ class BwdWsVariant(KernelVariant):
     # dS^T (the head dim as wgmma's M, FlashAttention-3's dQ_swapAB) and dS kept as rows of
     # queries; the dQ writer's adds (ordered: a semaphore per step) into an accumulator of rows
     # with swizzled chunks (``convert(swizzled=True)``), padded to ``row_pad`` rows per head or
-    # packed sequence (whole steps; ``prep()``). No FlashMask, no softcap; packed sequences
-    # without the ordered adds.
+    # packed sequence (whole steps; ``prep()``). No softcap; packed sequences and FlashMask (not
+    # planned with it) without the ordered adds.
     dq_t: bool = False
     # Causal, atomic dQ, dense batches: key blocks launched longest first within sections of
     # (batch, KV head) pairs whose Q, dO and dQ rows fit in LPT_BYTES of L2 (FlashAttention-3's
@@ -176,9 +176,9 @@ class BwdWsVariant(KernelVariant):
             raise ValueError(f"softcap and alibi together need registers that head_dim {self.head_dim} lacks")
         if not isinstance(self.dq_t, bool) or self.dq_t and not (
                 self.head_dim == 128 and self.dq_writer and not (
-                    self.flashmask or self.softcap or self.varlen and self.dq_ordered)):
-            raise ValueError(f"dq_t must be a bool, True only at head_dim 128 with the dQ writer (packed sequences: "
-                             f"unordered), without FlashMask or softcap; got {self.dq_t!r}")
+                    self.softcap or (self.varlen or self.flashmask) and self.dq_ordered)):
+            raise ValueError(f"dq_t must be a bool, True only at head_dim 128 with the dQ writer (packed sequences "
+                             f"and FlashMask: unordered), without softcap; got {self.dq_t!r}")
 
         if not isinstance(self.lpt, bool) or self.lpt and not (
                 self.causal and self.dq and not (self.dq_ordered or self.flashmask or self.varlen)):
