@@ -1,17 +1,17 @@
 """cuflash alone on `bench mask`'s FlashMask families, forward and forward + backward, for comparing
 two trees (run it once with each on PYTHONPATH): no FlexAttention or SDPA, so a run takes seconds.
 
-    python scripts/bench_mask_ab.py [--seqlen 8192 32768] [--reps 10]
-    python scripts/bench_mask_ab.py --trial fm_window dq_t [--rounds 3]
+    python scripts/bench_mask_ab.py [--seqlen 8192 32768] [--reps 10] [--head-dim 128] [--deterministic]
+    python scripts/bench_mask_ab.py --trial fm_window dq_t [--rounds 3] [--head-dim 128] [--deterministic]
 
 Prints per family and length the TF/s on the kept pairs (bench mask's count) and the share of
-plain causal attention's TF/s at the same length and pass (#21 asks at least 85%). bf16, d = 128,
-16 heads, batch 1, the masks bench mask builds (seed 0). ``--trial F ...``: in one process, forward +
-backward with the planned FlashMask bwd_ws variant against the same with the bool fields F set,
-in rounds that alternate the two (the order rotated each round), and their ratio."""
+plain causal attention's TF/s at the same length and pass (#21 asks at least 85%). bf16, d = 128
+unless --head-dim says otherwise, 16 heads, batch 1, the masks bench mask builds (seed 0).
+``--trial F ...``: in one process, forward + backward with the planned FlashMask bwd_ws variant
+against the same with the bool fields F flipped where they apply (bwd_ws.flipped), in rounds
+that alternate the two (the order rotated each round), and their ratio."""
 import argparse
 import statistics
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -25,23 +25,26 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--trial", nargs="+", default=[], metavar="FIELD")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--deterministic", action="store_true", help="deterministic backward (ordered dQ adds)")
+    ap.add_argument("--families", nargs="+", default=list(bench.MASK_FAMILIES), choices=bench.MASK_FAMILIES)
     a = ap.parse_args()
     if a.trial:
         return trial(a)
     for s in a.seqlen:
-        shp = (1, s, 16, 128)
+        shp = (1, s, 16, a.head_dim)
         sets = bench._make_sets(torch, (shp,) * 4, torch.bfloat16, min_sets=2)  # q, k, v, do
         grad_sets = [(*(t.detach().requires_grad_() for t in x[:3]), x[3]) for x in sets]
         causal_tf = {}
-        for fam in ("causal", *bench.MASK_FAMILIES):
+        for fam in ("causal", *a.families):
             idx, causal, _, _ = bench._mask_family(fam, s, 16, 0)
             pairs = bench.mask_pairs(idx, s, causal, 16)
             idx = None if fam == "causal" else torch.from_numpy(np.ascontiguousarray(idx)).cuda()
             line = f"{fam:22s} {s:6d}"
             for backward in (False, True):
-                attn, _ = bench._cuflash_mask_attn(causal, idx, backward)
-                ms = bench.time_cuda(bench._grad_fn(torch, attn, backward), grad_sets if backward else sets, 5, a.reps)
-                tf = bench.mask_flops(pairs, 128, backward) / ms / 1e9
+                ms = bench.time_cuda(bench._grad_fn(torch, _attn(causal, idx, a.deterministic), backward),
+                                     grad_sets if backward else sets, 5, a.reps)
+                tf = bench.mask_flops(pairs, a.head_dim, backward) / ms / 1e9
                 causal_tf.setdefault(backward, tf)
                 line += f" | {'fb' if backward else 'f '} {tf:6.1f} {100 * tf / causal_tf[backward]:4.0f}%"
             print(line, flush=True)
@@ -49,19 +52,25 @@ def main():
         torch.cuda.empty_cache()
 
 
+def _attn(causal, idx, deterministic):
+    """cuflash.torch.attention with the FlashMask indices (none for plain causal) as attn(q, k, v)."""
+    import cuflash.torch as ct
+    kw = {} if idx is None else {"startend_row_indices": idx}
+    return lambda q, k, v: ct.attention(q, k, v, causal=causal, deterministic=deterministic, **kw)
+
+
 def trial(a):
     from cuflash.plan import forget_plans
     from cuflash.kernels import bwd_ws
     planned = bwd_ws.planned
-    mods = dict.fromkeys(a.trial, True)
     modes = {"planned": planned,
-             "trial": lambda *p, **k: (lambda v: replace(v, **mods) if v.flashmask else v)(planned(*p, **k))}
+             "trial": lambda *p, **k: (lambda v: bwd_ws.flipped(v, a.trial) if v.flashmask else v)(planned(*p, **k))}
     try:
         for s in a.seqlen:
-            shp = (1, s, 16, 128)
+            shp = (1, s, 16, a.head_dim)
             sets = bench._make_sets(torch, (shp,) * 4, torch.bfloat16, min_sets=2)
             grad_sets = [(*(t.detach().requires_grad_() for t in x[:3]), x[3]) for x in sets]
-            for fam in bench.MASK_FAMILIES:
+            for fam in a.families:
                 idx, causal, _, _ = bench._mask_family(fam, s, 16, 0)
                 pairs = bench.mask_pairs(idx, s, causal, 16)
                 idx = torch.from_numpy(np.ascontiguousarray(idx)).cuda()
@@ -70,11 +79,11 @@ def trial(a):
                     for m in list(modes)[r % 2:] + list(modes)[:r % 2]:
                         bwd_ws.planned = modes[m]
                         forget_plans()
-                        attn, _ = bench._cuflash_mask_attn(causal, idx, True)
+                        attn = _attn(causal, idx, a.deterministic)
                         ms = bench.time_cuda(bench._grad_fn(torch, attn, True), grad_sets, 5, a.reps)
-                        tf[m].append(bench.mask_flops(pairs, 128, True) / ms / 1e9)
+                        tf[m].append(bench.mask_flops(pairs, a.head_dim, True) / ms / 1e9)
                 p, w = (statistics.median(tf[m]) for m in modes)
-                print(f"{fam:22s} {s:6d} | fb planned {p:6.1f} {'+'.join(a.trial)} {w:6.1f} | {w / p:.3f}", flush=True)
+                print(f"{fam:22s} {s:6d} | fb planned {p:6.1f} flipped {'+'.join(a.trial)} {w:6.1f} | {w / p:.3f}", flush=True)
             del sets, grad_sets
             torch.cuda.empty_cache()
     finally:

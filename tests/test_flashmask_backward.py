@@ -114,14 +114,17 @@ def test_plan_adds_the_prep_launches(arch, deterministic, d):
         assert main.kind == ("bwd_ws_dkdv" if dq_kernel else "bwd_ws_dkdv_dq")
         assert main.dq_ordered == (deterministic and not dq_kernel)
     assert (last.kind, getattr(last, "flashmask", 0)) == (("bwd_dq", 2) if dq_kernel else ("bwd_convert", 0))
-    assert getattr(last, "tiled", False) == (ws and not dq_kernel)
+    assert getattr(main, "dq_t", False) == (ws and d == 128 and not deterministic)  # 80-query steps with dQ^T
+    assert getattr(last, "tiled", False) == (ws and not dq_kernel and not getattr(main, "dq_t", False))
+    assert getattr(last, "swizzled", False) == getattr(main, "dq_t", False)
     assert ("with this FlashMask mask the dK/dV kernel adds no dQ" in p.reason) == (ws and dq_kernel)
     assert ("fully masked takes no turn" in p.reason) == (ws and deterministic and not dq_kernel)
     sizes = [main.block_n] + ([last.block_n] if dq_kernel and last.block_n != main.block_n else [])
     assert [v.family for v in fm] == ["flashmask"] * len(sizes) and all(v.columns == 2 for v in fm)
     assert [l.grid for l in p.launches[3:]] == [(-(-333 // bn), 2, 2) for bn in sizes]
     fm_bytes = sum(4 * 2 * 2 * -(-333 // bn) * 2 * 2 for bn in sizes)
-    rows = 2 * 8 * 384  # LSE and D, and without the deterministic dQ kernel the dQ accumulator
+    rows = 2 * 8 * (320 if getattr(main, "dq_t", False) else 384)  # LSE and D, and without the deterministic dQ kernel the dQ
+    # accumulator, for 300 queries in steps of 80 or 128 rows
     sems = 0  # no ordered adds, so no semaphores
     assert p.workspace_bytes == 4 * rows * (2 + (0 if dq_kernel else d)) + fm_bytes + sems
     assert backward.workspace_floats(p) == p.workspace_bytes // 4
@@ -200,7 +203,7 @@ def test_launch_arguments(monkeypatch, deterministic):
     n_prep = len(plan.launches) - 3
     assert names == [l.name for l in plan.launches[3:]] + [l.name for l in plan.launches[:3]]
     assert all(s == 5 for _, s, _ in launched)
-    _, rows = backward.stats_rows(b, sq, h)
+    _, rows = backward.stats_rows(b, sq, h, pad=backward.row_pad(plan))  # (whole 80-row steps with dq_t)
     at = ws + 4 * rows * (2 + (0 if deterministic else d))  # the bounds follow the fp32 rows
     outs = []
     for (_, _, f), (launch, bn, ints) in zip(launched[:n_prep], backward._flashmask_preps(plan)):
@@ -574,20 +577,19 @@ def test_gpu_torch_autograd(rng):
 
 
 # ---------------------------------------------------------------------------------------------
-# Unplanned FlashMask bwd_ws variants on trial: the windowed walk (fm_window: the same steps as the
-# planned walk, found 32 at a time) and, at d = 128 with atomic dQ, 80-query steps with dQ^T (dq_t)
+# The planned FlashMask bwd_ws variants against their other walks (bwd_ws.flipped): fm_window (the
+# same steps found 32 at a time, or one at a time) and, at d = 128 with atomic dQ, dq_t (80-query
+# steps with dQ^T, or 64-query steps)
 
-TRIALS = [dict(fm_window=True), dict(dq_t=True), dict(fm_window=True, dq_t=True)]
-
-
-def _trial(v, mods):
-    """v with mods where they apply (dq_t: d = 128, atomic dQ through the writer), else v."""
-    if "dq_t" in mods and not (v.head_dim == 128 and v.dq_writer and not v.dq_ordered):
-        mods = {k: x for k, x in mods.items() if k != "dq_t"}
-    return dataclasses.replace(v, **mods)
+TRIALS = [("fm_window",), ("dq_t",), ("fm_window", "dq_t")]
 
 
-# Every FlashMask bwd_ws variant of sm_90 in bf16 with each trial's fields, where they change it
+def _trial(v, fields):
+    from cuflash.kernels import bwd_ws
+    return bwd_ws.flipped(v, fields)
+
+
+# Every FlashMask bwd_ws variant of sm_90 in bf16 with each trial's fields flipped, where they apply
 TRIED = list(dict.fromkeys(
     t for v in importlib.import_module("cuflash.kernels.bwd_ws").variants(90)
     if getattr(v, "flashmask", 0) and v.dtype == "bf16" for m in TRIALS if (t := _trial(v, m)) != v))
@@ -600,10 +602,13 @@ def test_trial_variant_compiles_clean(compiled, v):
 
 def test_trial_variants_are_named_checked_and_rendered():
     from cuflash.kernels import bwd_ws
-    assert {(v.head_dim, v.flashmask, v.dq, v.dq_ordered, v.fm_window, v.dq_t) for v in TRIED} >= {
-        (64, 1, True, True, True, False), (128, 2, True, False, True, False), (128, 4, False, False, True, False),
-        (256, 1, True, False, True, False), (128, 1, True, False, False, True), (128, 2, True, False, True, True)}
-    for v in TRIED:
+    both = TRIED + [v for v in bwd_ws.variants(90) if getattr(v, "flashmask", 0) and v.dtype == "bf16"]
+    assert {(v.head_dim, v.flashmask, v.dq, v.dq_ordered, v.fm_window, v.dq_t) for v in both} >= {
+        (64, 1, True, True, True, False), (64, 1, True, True, False, False), (128, 2, True, False, True, False),
+        (128, 4, False, False, True, False), (128, 4, False, False, False, False), (256, 1, True, False, True, False),
+        (256, 1, True, False, False, False), (128, 1, True, False, False, True), (128, 2, True, False, True, True),
+        (128, 2, True, False, False, False)}
+    for v in both:
         assert (f"_fm{v.flashmask}w_" in v.name) == v.fm_window and ("_dqT_m80" in v.name) == v.dq_t
         src, planned = codegen.render(v), codegen.render(dataclasses.replace(v, fm_window=False))
         assert ("fm_next(walk, fm_part)" in src and "next_step(" not in src) == v.fm_window
@@ -614,22 +619,22 @@ def test_trial_variants_are_named_checked_and_rendered():
 
 @pytest.fixture
 def _trial_plan():
-    """Yields a switch of bwd_ws.planned to the trial fields given (None: as planned) for FlashMask
+    """Yields a switch of bwd_ws.planned to the trial fields flipped (None: as planned) for FlashMask
     backwards, and drops every plan and prepared launch made meanwhile when the test ends, however
     it ends."""
-    from cuflash import plan as plan_mod
     from cuflash.kernels import bwd_ws
+    from cuflash.plan import forget_plans
     planned = bwd_ws.planned
 
-    def switch(mods):
-        bwd_ws.planned = (lambda *a, **k: (lambda v: _trial(v, mods) if v.flashmask else v)(planned(*a, **k))) \
-            if mods else planned
-        plan_mod.forget_plans()
+    def switch(fields):
+        bwd_ws.planned = (lambda *a, **k: (lambda v: _trial(v, fields) if v.flashmask else v)(planned(*a, **k))) \
+            if fields else planned
+        forget_plans()
     try:
         yield switch
     finally:
         bwd_ws.planned = planned
-        plan_mod.forget_plans()
+        forget_plans()
 
 
 @requires_sm90
@@ -641,9 +646,9 @@ def _trial_plan():
     "causal_document", "share_question", "global_sliding_window", "prefix_lm_document", "random_eviction",
     "causal_blockwise", "qk_sparse")], ids=lambda a: a if isinstance(a, str) else None)
 def test_gpu_trial_variant_matches_the_planned_one(rng, _trial_plan, name, causal, x, d, deterministic, mods):
-    """A trial variant against the planned one on the same inputs (8 query heads on one KV head:
+    """The planned variant against its other walk on the same inputs (8 query heads on one KV head:
     walks of up to 8 x 9 or 8 x 18 steps, so several windows): both within flash-attn's rule of the
-    reference; with the same steps (fm_window alone) dK and dV bitwise equal, dQ too where its adds
+    reference; with the same steps (dq_t as planned) dK and dV bitwise equal, dQ too where its adds
     are ordered (atomic adds may come in another order)."""
     import torch
     problem = Problem(1, 1100, 1100, 8, 1, d, "bf16", causal=causal, deterministic=deterministic,
@@ -660,7 +665,7 @@ def test_gpu_trial_variant_matches_the_planned_one(rng, _trial_plan, name, causa
         assert main == (_trial(planned, mods) if trial else planned), main
         grads[trial is not None] = _check(np.random.default_rng(seed), 1, 1100, 1100, 8, 1, d, "bfloat16", causal,
                                           x, deterministic)
-    if "dq_t" not in mods or not _trial(planned, mods).dq_t:  # the same steps
+    if _trial(planned, mods).dq_t == planned.dq_t:  # the same steps
         for i, g in enumerate(("dq", "dk", "dv")):
             if i or deterministic:
                 assert torch.equal(grads[False][i].view(torch.int16), grads[True][i].view(torch.int16)), g

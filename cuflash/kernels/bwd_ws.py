@@ -299,12 +299,18 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
     every query block sees, global tokens or a prefix, holds up the others' turns), and at d = 256
     the consumers' ordered atomics take a turn on every step. ``softcap``, ``alibi``: the
     forward's score modifiers (the same dQ modes); ``varlen``: packed sequences (the same dQ
-    modes). At d = 128 without FlashMask or softcap: 80-query steps with dQ^T (``dq_t``; H200,
-    bf16: +3 to +11% without a mask, +4 to +5% causal from 4k queries, -1 to +1% causal at 1k-2k;
-    deterministic -1 to +9%, BENCHMARKS.md), except deterministic with a window (NVRTC 13.5 spills
-    4 B in that variant), packed sequences but causal or windowed ones without deterministic mode
-    (without a mask the packed variant spills 8 B), and ALiBi but on dense batches without a window
-    (softcap, and ALiBi with a window or packed sequences, spill 4 to 72 B). Causal from
+    modes). FlashMask at d = 64 and 128 but d = 64 deterministic: each warp classifies a window of
+    32 steps at once (``fm_window``; forward + backward on bench mask's families, one process each:
+    d = 128 H200 +2 to +11%, deterministic H100 0 to +9%, d = 64 H100 +4 to +12%; d = 64
+    deterministic H100 +2 to +9% but one family at 8k -37%, d = 256 H100 -14 to +10%). At d = 128
+    without softcap: 80-query steps with dQ^T (``dq_t``; H200, bf16: +3 to +11% without a mask, +4
+    to +5% causal from 4k queries, -1 to +1% causal at 1k-2k; deterministic -1 to +9%; FlashMask
+    with atomic dQ +2 to +13%, with fm_window +9 to +23% over neither; BENCHMARKS.md), except
+    deterministic with a window or FlashMask (NVRTC 13.5 spills 4 B in the window's variant; the
+    FlashMask variant takes unordered adds only), packed sequences but causal or windowed ones
+    without deterministic mode (without a mask the packed variant spills 8 B), and ALiBi but on
+    dense batches without a window (softcap, and ALiBi with a window or packed sequences, spill 4
+    to 72 B). Causal from
     LPT_MIN_SEQLEN_K keys on dense batches with atomic dQ, at d = 128 without softcap (4 B spill)
     and at d = 64 with at least LPT_MIN_GROUPS_D64 query heads per KV head (``ngroups``): key
     blocks launched longest first (``lpt``; H200: d = 128 +2 to +8% from 2k to 16k keys, 0 at 1k,
@@ -313,8 +319,9 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
     adds in runs of key blocks (``dq_groups``, dq_groups(); H200, bf16, over one run: d = 128 +1 to
     +11% from 1k to 8k keys, d = 64 +4 to +13%, d = 256 +4 to +17% up to 4k)."""
     dq = not (deterministic and flashmask and (head_dim == 256 or not causal))
-    dq_t = head_dim == 128 and not (flashmask or softcap or deterministic and (local or varlen)
+    dq_t = head_dim == 128 and not (softcap or deterministic and (local or varlen or flashmask)
                                     or varlen and not (causal or local) or alibi and (local or varlen))
+    fm_window = bool(flashmask) and (head_dim == 128 or head_dim == 64 and not deterministic)
     lpt = (causal and not (deterministic or flashmask or varlen) and seqlen_k >= LPT_MIN_SEQLEN_K
            and (head_dim == 128 and not softcap or head_dim == 64 and ngroups >= LPT_MIN_GROUPS_D64))
     groups = (dq_groups(head_dim, seqlen_k, seqlen_q) if dq and deterministic
@@ -325,7 +332,16 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
                         flashmask=flashmask,
                         rotate=not (deterministic or flashmask or dq_t and not (causal or local)), softcap=softcap,
                         alibi=alibi, varlen=varlen,
-                        dq_t=dq_t, lpt=lpt)
+                        dq_t=dq_t, lpt=lpt, fm_window=fm_window)
+
+
+def flipped(variant: BwdWsVariant, fields) -> BwdWsVariant:
+    """A FlashMask ``variant`` with the bool fields named in ``fields`` ("fm_window", "dq_t")
+    flipped where the flip gives a valid variant (dq_t: d = 128 with the dQ writer's unordered
+    adds), else as it is: the other side of an A/B trial against the planned variant."""
+    ok = {"fm_window": bool(variant.flashmask),
+          "dq_t": bool(variant.flashmask) and variant.head_dim == 128 and variant.dq_writer and not variant.dq_ordered}
+    return replace(variant, **{f: not getattr(variant, f) for f in fields if ok[f]})
 
 
 def dq_groups(head_dim: int, seqlen_k: int, seqlen_q: int = 0) -> int:
