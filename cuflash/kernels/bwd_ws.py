@@ -299,10 +299,10 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
     every query block sees, global tokens or a prefix, holds up the others' turns), and at d = 256
     the consumers' ordered atomics take a turn on every step. ``softcap``, ``alibi``: the
     forward's score modifiers (the same dQ modes); ``varlen``: packed sequences (the same dQ
-    modes). FlashMask at d = 64 and 128 but d = 64 deterministic: each warp classifies a window of
-    32 steps at once (``fm_window``; forward + backward on bench mask's families, one process each:
-    d = 128 H200 +2 to +11%, deterministic H100 0 to +9%, d = 64 H100 +4 to +12%; d = 64
-    deterministic H100 +2 to +9% but one family at 8k -37%, d = 256 H100 -14 to +10%). At d = 128
+    modes). FlashMask at d = 64 and 128: each warp classifies a window of 32 steps at once
+    (``fm_window``; forward + backward on bench mask's families, one process each: d = 128 H200 +2
+    to +11%, deterministic H100 0 to +9%, d = 64 H100 +4 to +12%, deterministic +2 to +9%; d = 256
+    H100 -14 to +10%, so not there). At d = 128
     without softcap: 80-query steps with dQ^T (``dq_t``; H200, bf16: +3 to +11% without a mask, +4
     to +5% causal from 4k queries, -1 to +1% causal at 1k-2k; deterministic -1 to +9%; FlashMask
     with atomic dQ +2 to +13%, with fm_window +9 to +23% over neither; BENCHMARKS.md), except
@@ -321,7 +321,7 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
     dq = not (deterministic and flashmask and (head_dim == 256 or not causal))
     dq_t = head_dim == 128 and not (softcap or deterministic and (local or varlen or flashmask)
                                     or varlen and not (causal or local) or alibi and (local or varlen))
-    fm_window = bool(flashmask) and (head_dim == 128 or head_dim == 64 and not deterministic)
+    fm_window = bool(flashmask) and head_dim != 256
     lpt = (causal and not (deterministic or flashmask or varlen) and seqlen_k >= LPT_MIN_SEQLEN_K
            and (head_dim == 128 and not softcap or head_dim == 64 and ngroups >= LPT_MIN_GROUPS_D64))
     groups = (dq_groups(head_dim, seqlen_k, seqlen_q) if dq and deterministic
