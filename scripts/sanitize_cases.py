@@ -31,6 +31,11 @@ def main():
                                    (256, False, False)):
             fwd_ws.run(rnd(5, 129, 40, d), rnd(5, 100, 8, d), rnd(5, 100, 8, d), causal=causal, return_lse=True,
                        persistent=True, dynamic=dynamic, **fwd_ws.TILES[d])
+        # planned: persistent causal blocks in the LPT order (d 64 on the softmax-turn tile, d 256),
+        # one-tile causal blocks (d 128), persistent non-causal (d 64)
+        for (b, s, h, d, causal) in ((2, 1024, 16, 64, True), (2, 1024, 16, 256, True), (1, 3000, 8, 128, True),
+                                     (2, 1024, 16, 64, False)):
+            cuflash.attention(rnd(b, s, h, d), rnd(b, s, h, d), rnd(b, s, h, d), causal=causal)
         for d in (64, 128, 256):  # sliding windows: both edges masked, rows that see no key
             fwd_ws.run(rnd(2, 300, 4, d), rnd(2, 500, 2, d), rnd(2, 500, 2, d), return_lse=True,
                        window_size=(70, 10), **fwd_ws.TILES[d])
