@@ -17,13 +17,14 @@ import numpy as np
 import torch
 
 from cuflash import bench
+from cuflash.kernels.bwd_ws import FLIPPABLE
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqlen", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--trial", nargs="+", default=[], metavar="FIELD")
+    ap.add_argument("--trial", nargs="+", default=[], choices=FLIPPABLE, metavar="FIELD")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--deterministic", action="store_true", help="deterministic backward (ordered dQ adds)")

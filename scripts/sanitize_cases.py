@@ -1,7 +1,10 @@
 """Representative calls of every kernel family with odd shapes, for compute-sanitizer.
 
     bash scripts/sanitize.sh        # memcheck, racecheck and synccheck over these calls
+    python scripts/sanitize_cases.py flashmask   # the FlashMask calls alone
 """
+import sys
+
 import numpy as np
 import torch
 
@@ -10,6 +13,23 @@ import cuflash
 
 def rnd(*shape, dtype=torch.bfloat16):
     return torch.randn(*shape, device="cuda", dtype=dtype)
+
+
+def flashmask():
+    """FlashMask (on sm_90 the warp-specialised forward and backward, at every head dim, atomic and
+    deterministic; at d = 64 and 128 the windowed walk, at d = 128 atomic the 80-query dQ^T steps):
+    skipped, masked and plain blocks, rows with no visible key, GQA."""
+    from cuflash import masks
+    from cuflash.backward import attention_backward as fm_backward
+    for d, causal, x in ((64, True, masks.causal_document([300, 20, 380], batch=2)),
+                         (128, False, masks.global_sliding_window(700, 9, 100, batch=2)),
+                         (128, True, masks.share_question([[300, 200, 100], [60, 40]], batch=2)),
+                         (256, True, masks.qk_sparse(700, [(100, 50), (500, 30)], batch=2))):
+        q, k, v, idx = rnd(2, 700, 4, d), rnd(2, 700, 2, d), rnd(2, 700, 2, d), torch.from_numpy(x).cuda()
+        o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, startend_row_indices=idx)
+        for det in (False, True):  # atomic dQ; the ordered dQ writer, skipped tiles taking no turn
+            fm_backward(torch.randn_like(o), q, k, v, o, lse, causal=causal, startend_row_indices=idx,
+                        deterministic=det)
 
 
 def main():
@@ -45,18 +65,7 @@ def main():
                           num_splits=1, return_lse=True)
         cuflash.attention(rnd(2, 700, 8, 128), rnd(2, 700, 2, 128), rnd(2, 700, 2, 128), causal=True,
                           window_size=(127, 0), sinks=sinks.bfloat16(), num_splits=1)
-    # FlashMask (on sm_90 the warp-specialised forward and backward, at every head dim, atomic and
-    # deterministic): skipped, masked and plain blocks, rows with no visible key, GQA
-    from cuflash import masks
-    from cuflash.backward import attention_backward as fm_backward
-    for d, causal, x in ((64, True, masks.causal_document([300, 20, 380], batch=2)),
-                         (128, False, masks.global_sliding_window(700, 9, 100, batch=2)),
-                         (256, True, masks.qk_sparse(700, [(100, 50), (500, 30)], batch=2))):
-        q, k, v, idx = rnd(2, 700, 4, d), rnd(2, 700, 2, d), rnd(2, 700, 2, d), torch.from_numpy(x).cuda()
-        o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, startend_row_indices=idx)
-        for det in (False, True):  # atomic dQ; the ordered dQ writer, skipped tiles taking no turn
-            fm_backward(torch.randn_like(o), q, k, v, o, lse, causal=causal, startend_row_indices=idx,
-                        deterministic=det)
+    flashmask()
     # split-KV (merge fused into the split kernel), with empty splits; decode tile (GQA packing)
     cuflash.attention(rnd(1, 3, 8, 128), rnd(1, 799, 2, 128), rnd(1, 799, 2, 128), causal=True, num_splits=128)
     cuflash.attention(rnd(2, 1, 28, 128), rnd(2, 339, 4, 128), rnd(2, 339, 4, 128), causal=True)
@@ -213,4 +222,9 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["flashmask"]:  # that part alone
+        torch.manual_seed(0)
+        flashmask()
+        torch.cuda.synchronize()
+    else:
+        main()

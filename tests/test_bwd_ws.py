@@ -63,6 +63,10 @@ def test_variants():
     assert sum(v.dq_ordered for v in FLASHMASK) == 8 and sum(not v.dq for v in FLASHMASK) == 16
     assert all(v.dq_writer and v.causal for v in FLASHMASK if v.dq_ordered)
     assert all(v.split_d or not v.causal for v in FLASHMASK if not v.dq)
+    # the windowed walk but at d = 256; 80-query dQ^T steps at d = 128 with atomic dQ
+    assert all(v.fm_window == (v.head_dim != 256) for v in FLASHMASK)
+    assert all(v.dq_t == (v.head_dim == 128 and v.dq_writer and not v.dq_ordered) for v in FLASHMASK)
+    assert sum(v.dq_t for v in FLASHMASK) == 8  # d = 128, two dtypes, four masks
     assert [(v.kind, v.tiled, v.head_dim) for v in CONVERTS] == [("bwd_convert", True, d) for d in (64, 128, 256)
                                                                  for _ in range(2)]
     for v in VARIANTS:

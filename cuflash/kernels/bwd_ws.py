@@ -122,8 +122,8 @@ class BwdWsVariant(KernelVariant):
     # dS^T (the head dim as wgmma's M, FlashAttention-3's dQ_swapAB) and dS kept as rows of
     # queries; the dQ writer's adds (ordered: a semaphore per step) into an accumulator of rows
     # with swizzled chunks (``convert(swizzled=True)``), padded to ``row_pad`` rows per head or
-    # packed sequence (whole steps; ``prep()``). No softcap; packed sequences and FlashMask (not
-    # planned with it) without the ordered adds.
+    # packed sequence (whole steps; ``prep()``). No softcap; packed sequences and FlashMask only
+    # without the ordered adds.
     dq_t: bool = False
     # Causal, atomic dQ, dense batches: key blocks launched longest first within sections of
     # (batch, KV head) pairs whose Q, dO and dQ rows fit in LPT_BYTES of L2 (FlashAttention-3's
@@ -301,8 +301,8 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
     forward's score modifiers (the same dQ modes); ``varlen``: packed sequences (the same dQ
     modes). FlashMask at d = 64 and 128: each warp classifies a window of 32 steps at once
     (``fm_window``; forward + backward on bench mask's families, one process each: d = 128 H200 +2
-    to +11%, deterministic H100 0 to +9%, d = 64 H100 +4 to +12%, deterministic +2 to +9%; d = 256
-    H100 -14 to +10%, so not there). At d = 128
+    to +11%, deterministic H100 0 to +9%, d = 64 H100 +4 to +12%, deterministic +1 to +9% (one
+    reading of -37% that a recheck put at +9%); d = 256 H100 -14 to +10%, so not there). At d = 128
     without softcap: 80-query steps with dQ^T (``dq_t``; H200, bf16: +3 to +11% without a mask, +4
     to +5% causal from 4k queries, -1 to +1% causal at 1k-2k; deterministic -1 to +9%; FlashMask
     with atomic dQ +2 to +13%, with fm_window +9 to +23% over neither; BENCHMARKS.md), except
@@ -335,10 +335,15 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
                         dq_t=dq_t, lpt=lpt, fm_window=fm_window)
 
 
+FLIPPABLE = ("fm_window", "dq_t")
+
+
 def flipped(variant: BwdWsVariant, fields) -> BwdWsVariant:
-    """A FlashMask ``variant`` with the bool fields named in ``fields`` ("fm_window", "dq_t")
-    flipped where the flip gives a valid variant (dq_t: d = 128 with the dQ writer's unordered
-    adds), else as it is: the other side of an A/B trial against the planned variant."""
+    """A FlashMask ``variant`` with the bool fields named in ``fields`` (FLIPPABLE) flipped where
+    the flip gives a valid variant (dq_t: d = 128 with the dQ writer's unordered adds), else as it
+    is: the other side of an A/B trial against the planned variant."""
+    if unknown := set(fields) - set(FLIPPABLE):
+        raise ValueError(f"fields must be among {FLIPPABLE}, got {sorted(unknown)}")
     ok = {"fm_window": bool(variant.flashmask),
           "dq_t": bool(variant.flashmask) and variant.head_dim == 128 and variant.dq_writer and not variant.dq_ordered}
     return replace(variant, **{f: not getattr(variant, f) for f in fields if ok[f]})
