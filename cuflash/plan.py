@@ -431,7 +431,7 @@ def _flashmask_plan(p: Problem, dev: DeviceFacts) -> Plan:
                   f"{bm} x {bn} whose rows are all masked, masks")
     prep = FlashMaskPrepVariant(columns=p.flashmask, arch=dev.arch)
     heads = p.flashmask_heads or 1
-    grid = v.grid(p.batch, p.seqlen_q, p.nheads) if ws == "" else (cdiv(p.seqlen_q, bm), p.nheads, p.batch)
+    grid = v.grid(p.batch, p.seqlen_q, p.nheads, dev.num_sms) if ws == "" else (cdiv(p.seqlen_q, bm), p.nheads, p.batch)
     launches = (Launch(v, grid, v.threads, v.smem_bytes),
                 Launch(prep, prep.grid(p.batch, heads, p.seqlen_k, bn), prep.threads, 0))
     # Room for the standard kernel's blocks too: launch.prepare runs it instead of fwd_ws when the

@@ -3,13 +3,15 @@ two trees (run it once with each on PYTHONPATH): no FlexAttention or SDPA, so a 
 
     python scripts/bench_mask_ab.py [--seqlen 8192 32768] [--reps 10] [--head-dim 128] [--deterministic]
     python scripts/bench_mask_ab.py --trial fm_window dq_t [--rounds 3] [--head-dim 128] [--deterministic]
+    python scripts/bench_mask_ab.py --trial persistent [--rounds 3] [--head-dim 128]
 
 Prints per family and length the TF/s on the kept pairs (bench mask's count) and the share of
 plain causal attention's TF/s at the same length and pass (#21 asks at least 85%). bf16, d = 128
 unless --head-dim says otherwise, 16 heads, batch 1, the masks bench mask builds (seed 0).
 ``--trial F ...``: in one process, forward + backward with the planned FlashMask bwd_ws variant
 against the same with the bool fields F flipped where they apply (bwd_ws.flipped), in rounds
-that alternate the two (the order rotated each round), and their ratio."""
+that alternate the two (the order rotated each round), and their ratio. ``--trial persistent``:
+the same for the forward alone, the planned fwd_ws variant against persistent blocks."""
 import argparse
 import statistics
 
@@ -24,7 +26,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqlen", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--trial", nargs="+", default=[], choices=FLIPPABLE, metavar="FIELD")
+    ap.add_argument("--trial", nargs="+", default=[], choices=(*FLIPPABLE, "persistent"), metavar="FIELD")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--deterministic", action="store_true", help="deterministic backward (ordered dQ adds)")
@@ -61,11 +63,17 @@ def _attn(causal, idx, deterministic):
 
 
 def trial(a):
+    from dataclasses import replace
     from cuflash.plan import forget_plans
-    from cuflash.kernels import bwd_ws
-    planned = bwd_ws.planned
+    from cuflash.kernels import bwd_ws, fwd_ws
+    fwd = a.trial == ["persistent"]
+    if fwd != ("persistent" in a.trial):
+        raise SystemExit("--trial persistent (the forward's) takes no other field")
+    kernels = fwd_ws if fwd else bwd_ws
+    planned = kernels.planned
+    change = (lambda v: replace(v, persistent=True)) if fwd else (lambda v: bwd_ws.flipped(v, a.trial))
     modes = {"planned": planned,
-             "trial": lambda *p, **k: (lambda v: bwd_ws.flipped(v, a.trial) if v.flashmask else v)(planned(*p, **k))}
+             "trial": lambda *p, **k: (lambda v: change(v) if v.flashmask else v)(planned(*p, **k))}
     try:
         for s in a.seqlen:
             shp = (1, s, 16, a.head_dim)
@@ -78,17 +86,19 @@ def trial(a):
                 tf = {m: [] for m in modes}
                 for r in range(a.rounds):
                     for m in list(modes)[r % 2:] + list(modes)[:r % 2]:
-                        bwd_ws.planned = modes[m]
+                        kernels.planned = modes[m]
                         forget_plans()
                         attn = _attn(causal, idx, a.deterministic)
-                        ms = bench.time_cuda(bench._grad_fn(torch, attn, True), grad_sets, 5, a.reps)
-                        tf[m].append(bench.mask_flops(pairs, a.head_dim, True) / ms / 1e9)
+                        ms = bench.time_cuda(bench._grad_fn(torch, attn, not fwd), sets if fwd else grad_sets, 5,
+                                             a.reps)
+                        tf[m].append(bench.mask_flops(pairs, a.head_dim, not fwd) / ms / 1e9)
                 p, w = (statistics.median(tf[m]) for m in modes)
-                print(f"{fam:22s} {s:6d} | fb planned {p:6.1f} flipped {'+'.join(a.trial)} {w:6.1f} | {w / p:.3f}", flush=True)
+                print(f"{fam:22s} {s:6d} | {'f ' if fwd else 'fb'} planned {p:6.1f} {'' if fwd else 'flipped '}"
+                      f"{'+'.join(a.trial)} {w:6.1f} | {w / p:.3f}", flush=True)
             del sets, grad_sets
             torch.cuda.empty_cache()
     finally:
-        bwd_ws.planned = planned
+        kernels.planned = planned
         forget_plans()
 
 

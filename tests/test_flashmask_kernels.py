@@ -5,6 +5,7 @@ attention rejects the options it cannot be combined with before any launch, and 
 outputs and LSE match the float64 reference with flash-attn's rule for every builder in
 cuflash.masks."""
 import dataclasses
+import importlib
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from cuflash import codegen, masks
 from cuflash.kernels import covering_sample
 from cuflash.kernels.flashmask import FlashMaskPrepVariant
 from cuflash.kernels.fwd import FLASHMASK_PARAMS, PARAMS, FwdVariant, flashmask_tile, flashmask_variants
-from conftest import assert_compiled_clean, requires_gpu, requires_sm90, requires_torch
+from conftest import assert_compiled_clean, assert_warp_specialised_clean, requires_gpu, requires_sm90, requires_torch
 
 PREP = [FlashMaskPrepVariant(columns=n, arch=a) for a in (80, 90) for n in (1, 2, 4)]
 # The covering sample's FlashMask variants: each n on both archs (mma.sync and wgmma on sm_90).
@@ -380,3 +381,78 @@ def test_kernel_rule_is_exact(name, causal, x, bm, bn):
             i = np.arange(300)[:, None]
             want |= (i >= s[:, :, None, :]) & (i < e[:, :, None, :])
     np.testing.assert_array_equal(_kernel_mask(x, 300, causal, bm, bn), want)
+
+
+# ---------------------------------------------------------------------------------------------
+# Persistent FlashMask forward blocks on trial (not planned): FwdWsVariant(persistent=True) with
+# FlashMask at d = 64 and 128 on 128-row tiles, each block walking query tiles in the one-tile
+# grid's order, each walk's end taking a stage
+
+def _persistent(v):
+    return dataclasses.replace(v, persistent=True)
+
+
+PERSISTENT = [_persistent(v) for v in importlib.import_module("cuflash.kernels.fwd_ws").variants(90)
+              if v.flashmask and v.dtype == "bf16" and v.block_m == 128 and v.head_dim <= 128]
+
+
+@pytest.mark.parametrize("v", PERSISTENT, ids=lambda v: v.name)
+def test_persistent_flashmask_variant_compiles_clean(compiled, v):
+    assert_warp_specialised_clean(compiled[v], v)
+
+
+def test_persistent_flashmask_variants_are_checked_and_rendered():
+    from cuflash.kernels import fwd_ws
+    assert len(PERSISTENT) == 14 and all(v.own_o and v.producer_regs == fwd_ws.GATHER_PRODUCER_REGS for v in PERSISTENT)
+    for v in PERSISTENT:
+        src = codegen.render(v)
+        assert "auto tile_at" in src and "i_end + 1" in src and "kv_slot[i % kStages] = -1" in src
+    base = fwd_ws.FwdWsVariant(head_dim=128, dtype="bf16", arch=90, causal=True, flashmask=1, persistent=True)
+    for bad in (dict(head_dim=256, block_n=80), dict(head_dim=64, block_m=192)):
+        with pytest.raises(ValueError, match="persistent only at head dims up to 128"):
+            dataclasses.replace(base, **bad)
+
+
+@requires_sm90
+@requires_torch
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("name, causal, x", [b for b in _builders(1100) if b[0] in (
+    "causal_document", "share_question", "global_sliding_window", "prefix_lm_document", "random_eviction",
+    "causal_blockwise", "qk_sparse", "document")], ids=lambda a: a if isinstance(a, str) else None)
+def test_gpu_persistent_flashmask_matches_one_tile_blocks(rng, monkeypatch, name, causal, x, d):
+    """Persistent FlashMask blocks against one-tile blocks on the same inputs: O and LSE bitwise
+    equal (the same walks in the same order), with more query tiles than SMs (each block takes
+    several tiles, through the tile counter) and as one block per tile (no counter: a first call
+    inside a CUDA graph capture takes that path; here launch.fire's fused=False)."""
+    import torch
+    from cuflash import launch
+    from cuflash.kernels import fwd_ws
+    from cuflash.plan import forget_plans
+    from test_gpu_forward import torch_inputs
+    b, h, hk = 3, 48, 6  # 9 query tiles x 48 heads x 3 = 1296 tiles
+    q, k, v = torch_inputs(rng, b, 1100, 1100, h, hk, d, "bfloat16")
+    xb = np.ascontiguousarray(np.concatenate([x] * b))
+    xt = torch.from_numpy(xb).cuda()
+    got = {}
+    planned = fwd_ws.planned
+    for mode in ("one-tile blocks", "persistent", "persistent, one block per tile"):
+        persistent = mode != "one-tile blocks"
+        monkeypatch.setattr(fwd_ws, "planned", lambda *a, **kw: (lambda w: dataclasses.replace(w, persistent=persistent)
+                                                                if w.flashmask and w.block_m == 128 else w)(
+            planned(*a, **kw)))
+        if mode == "persistent, one block per tile":
+            fire = launch.fire
+            monkeypatch.setattr(launch, "fire", lambda *a, **kw: fire(*a, **{**kw, "fused": False}))
+        forget_plans()
+        try:
+            kernel = _plan(q=(b, 1100, h, d), hk=hk, causal=causal, startend_row_indices=xb).launches[0].variant
+            assert kernel.kind == "fwd_ws" and kernel.persistent == (persistent and kernel.block_m == 128), kernel
+            out = torch.full_like(q, float("nan"))
+            got[mode] = cuflash.attention(q, k, v, causal=causal, out=out, return_lse=True, startend_row_indices=xt)
+        finally:
+            monkeypatch.undo()
+            forget_plans()
+    for mode in ("persistent", "persistent, one block per tile"):
+        assert torch.equal(got[mode][0].view(torch.int16), got["one-tile blocks"][0].view(torch.int16)), mode
+        assert torch.equal(got[mode][1], got["one-tile blocks"][1]), mode
+    _run(rng, 1, 1100, 8, 2, d, "bfloat16", causal, x)  # (the planned kernel against the reference)

@@ -139,7 +139,8 @@ def test_consumer_registers_fill_the_register_file():
                                 dict(turn_softmax=True, pingpong=True, flashmask=2),
                                 dict(turn_softmax=True, pingpong=True, paged=True, gather=True, block_n=128),
                                 dict(flashmask=4, causal=True), dict(flashmask=1), dict(flashmask=3),
-                                dict(flashmask=2, persistent=True)])
+                                dict(flashmask=2, persistent=True, head_dim=256, block_n=80),
+                                dict(flashmask=2, persistent=True, head_dim=64, block_m=192)])
 def test_bad_variants_are_refused(kw):
     with pytest.raises(ValueError):
         FwdWsVariant(**{**dict(head_dim=128, dtype="bf16", arch=90), **kw})

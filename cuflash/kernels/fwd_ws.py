@@ -25,7 +25,8 @@ from .params import TENSOR_MAP_BYTES, ParamTable, strides
 HEAD_DIMS = (64, 128, 256)
 BLOCK_M, BLOCK_N, STAGES = 128, 128, 2  # two consumer warpgroups of 64 rows; two K/V stages
 PRODUCER_REGS = 24    # setmaxnreg of the producer warpgroup
-GATHER_PRODUCER_REGS = 40  # of one whose 128 threads gather paged K/V rows (cp.async addresses)
+GATHER_PRODUCER_REGS = 40  # of one whose 128 threads gather paged K/V rows (cp.async addresses), or
+                           # that walks FlashMask blocks over persistent tiles
 # Pages of fewer rows are gathered: at d=128 (H100) the gather runs at 436 TF/s whatever the page
 # size, TMA boxes per page at 267 / 404 / 538 with pages of 16 / 32 / 64 rows.
 GATHER_BELOW_ROWS = 64
@@ -104,6 +105,7 @@ class FwdWsVariant(KernelVariant):
     # (query block fastest, then head, then batch; causal: longest tiles first within sections of
     # heads, LPT_BYTES), so that the producer loads the next tile's Q
     # and first K/V while the consumers finish the last, and no block pays a cold start per tile.
+    # FlashMask: at d = 64 and 128 on 128-row tiles, in FlashMask's launch order (not planned).
     persistent: bool = False
     # FlashMask bound columns per key (cuflash.masks; 1 or 2 with causal, 2 or 4 without), 0 =
     # none: the walk leaves out fully masked K/V blocks and masks the partly masked ones.
@@ -160,9 +162,12 @@ class FwdWsVariant(KernelVariant):
         if self.stages < 2:
             raise ValueError(f"stages must be at least 2, got {self.stages!r}")
         if self.flashmask and not (self.flashmask in FLASHMASK_NS[:2] if self.causal else
-                                   self.flashmask in FLASHMASK_NS[1:]) or self.flashmask and self.persistent:
-            raise ValueError(f"flashmask must be 0, or 1 or 2 with causal, 2 or 4 without, and not persistent; got "
-                             f"{self.flashmask!r} (causal={self.causal}, persistent={self.persistent})")
+                                   self.flashmask in FLASHMASK_NS[1:]) or self.flashmask and self.persistent and not (
+                                   self.head_dim <= 128 and self.block_m == 128):
+            raise ValueError(f"flashmask must be 0, or 1 or 2 with causal, 2 or 4 without, and persistent only at head "
+                             f"dims up to 128 on 128-row tiles (beyond, the walk's state spills); got "
+                             f"{self.flashmask!r} (causal={self.causal}, persistent={self.persistent}, "
+                             f"head_dim={self.head_dim}, block_m={self.block_m})")
         if self.local and (self.causal or self.flashmask or self.persistent):
             raise ValueError(f"local (a sliding window) excludes causal, flashmask and persistent, got causal="
                              f"{self.causal}, flashmask={self.flashmask!r}, persistent={self.persistent}")
@@ -218,8 +223,9 @@ class FwdWsVariant(KernelVariant):
 
     @property
     def producer_regs(self) -> int:
-        """setmaxnreg of the producer warpgroup."""
-        return GATHER_PRODUCER_REGS if self.gather else PRODUCER_REGS
+        """setmaxnreg of the producer warpgroup (persistent FlashMask: its warp keeps the walk's and the
+        tile order's state across tiles, which spills in 24)."""
+        return GATHER_PRODUCER_REGS if self.gather or self.persistent and self.flashmask else PRODUCER_REGS
 
     @property
     def consumer_regs(self) -> int:
@@ -242,7 +248,8 @@ class FwdWsVariant(KernelVariant):
     def own_o(self) -> bool:
         """Persistent blocks stage O in a buffer of their own where shared memory has room for one
         (so Q's tile is released before the epilogue), else in Q's tile."""
-        return self.persistent and self._tiles_bytes + self._o_bytes + BARRIER_BYTES + self._turn_bytes <= MAX_SMEM
+        return self.persistent and (self._tiles_bytes + self._o_bytes + BARRIER_BYTES + self._turn_bytes
+                                    + self._fm_bytes <= MAX_SMEM)
 
     @property
     def _tiles_bytes(self) -> int:
@@ -257,12 +264,16 @@ class FwdWsVariant(KernelVariant):
         return 4 * 128 * self.consumers * self.turn_softmax
 
     @property
+    def _fm_bytes(self) -> int:  # FlashMask: a partly masked K/V block's bounds per stage (int32)
+        return self.stages * self.block_n * self.flashmask * 4
+
+    @property
     def smem_bytes(self) -> int:
         """Q, kStages K and V tiles (2-byte elements), O's staging (own_o), the mbarriers, then
         (FlashMask) a partly masked K/V block's bounds per stage (int32), or (gather) the (page, row)
         of each row of a K/V tile (int32 pairs), or (turn_softmax) a word per consumer thread."""
         return (self._tiles_bytes + (self._o_bytes if self.own_o else 0) + BARRIER_BYTES
-                + self.stages * self.block_n * self.flashmask * 4 + self.block_n * 8 * self.gather + self._turn_bytes)
+                + self._fm_bytes + self.block_n * 8 * self.gather + self._turn_bytes)
 
     def grid(self, batch: int, seqlen_q: int, nheads: int, num_sms: int = 0) -> tuple[int, int, int]:
         """One block per query tile; persistent: one per SM (``num_sms``), or per tile if fewer."""
@@ -358,6 +369,8 @@ def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 
     short = head_dim == 64 and ((causal or local) and (flashmask or seqlen_q <= 2048) or softcap or alibi or gather)
     tile = (SHORT_D64 if head_dim == 64 and plain and keys <= SHORT_D64_MAX_KEYS
             else SHORT_CAUSAL_D64 if short else TILES[head_dim])
+    # (FlashMask's persistent blocks, FwdWsVariant(persistent=True, flashmask=n), are on trial and
+    # not planned: BENCHMARKS.md.)
     persistent = (not (flashmask or local or varlen or cache or paged)
                   and keys <= persistent_max_keys(head_dim, causal, tile is SHORT_D64))
     if tile.get("block_m") == 192 and not (causal or local or persistent or flashmask):
