@@ -71,7 +71,8 @@ def trial(a):
         raise SystemExit("--trial persistent (the forward's) takes no other field")
     kernels = fwd_ws if fwd else bwd_ws
     planned = kernels.planned
-    change = (lambda v: replace(v, persistent=True)) if fwd else (lambda v: bwd_ws.flipped(v, a.trial))
+    change = ((lambda v: replace(v, persistent=True) if v.block_m == 128 and v.head_dim <= 128 else v) if fwd
+              else (lambda v: bwd_ws.flipped(v, a.trial)))
     modes = {"planned": planned,
              "trial": lambda *p, **k: (lambda v: change(v) if v.flashmask else v)(planned(*p, **k))}
     try:

@@ -406,9 +406,11 @@ def test_persistent_flashmask_variants_are_checked_and_rendered():
     assert len(PERSISTENT) == 14 and all(v.own_o and v.producer_regs == fwd_ws.GATHER_PRODUCER_REGS for v in PERSISTENT)
     for v in PERSISTENT:
         src = codegen.render(v)
-        assert "auto tile_at" in src and "i_end + 1" in src and "kv_slot[i % kStages] = -1" in src
-    base = fwd_ws.FwdWsVariant(head_dim=128, dtype="bf16", arch=90, causal=True, flashmask=1, persistent=True)
-    for bad in (dict(head_dim=256, block_n=80), dict(head_dim=64, block_m=192)):
+        assert "auto tile_at" in src and "kv0 += i_end + 1" in src and "if (!kOverlap || i_end == 0)" in src
+    base = fwd_ws.FwdWsVariant(head_dim=128, dtype="bf16", arch=90, causal=True, flashmask=1, persistent=True,
+                               overlap=True, pingpong=True)
+    for bad in (dict(head_dim=256, block_n=80), dict(head_dim=64, block_m=192, pingpong=False), dict(overlap=False),
+                dict(stages=3)):
         with pytest.raises(ValueError, match="persistent only at head dims up to 128"):
             dataclasses.replace(base, **bad)
 
@@ -418,12 +420,15 @@ def test_persistent_flashmask_variants_are_checked_and_rendered():
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("name, causal, x", [b for b in _builders(1100) if b[0] in (
     "causal_document", "share_question", "global_sliding_window", "prefix_lm_document", "random_eviction",
-    "causal_blockwise", "qk_sparse", "document")], ids=lambda a: a if isinstance(a, str) else None)
+    "causal_blockwise", "qk_sparse", "document")] + [
+    ("empty_tiles", True, np.full((1, 1, 1100, 1), 500, dtype=np.int32))],  # rows from 500 see no key
+    ids=lambda a: a if isinstance(a, str) else None)
 def test_gpu_persistent_flashmask_matches_one_tile_blocks(rng, monkeypatch, name, causal, x, d):
-    """Persistent FlashMask blocks against one-tile blocks on the same inputs: O and LSE bitwise
-    equal (the same walks in the same order), with more query tiles than SMs (each block takes
-    several tiles, through the tile counter) and as one block per tile (no counter: a first call
-    inside a CUDA graph capture takes that path; here launch.fire's fused=False)."""
+    """Persistent FlashMask blocks against one-tile blocks on the same inputs, both on 128-row
+    tiles (d = 64 without causal plans 192): O and LSE bitwise equal (the same walks in the same
+    order), with more query tiles than SMs (each block takes several tiles, through the tile
+    counter) and as one block per tile (no counter: a first call inside a CUDA graph capture takes
+    that path; here launch.fire's fused=False); query tiles whose walk is empty (empty_tiles)."""
     import torch
     from cuflash import launch
     from cuflash.kernels import fwd_ws
@@ -437,16 +442,15 @@ def test_gpu_persistent_flashmask_matches_one_tile_blocks(rng, monkeypatch, name
     planned = fwd_ws.planned
     for mode in ("one-tile blocks", "persistent", "persistent, one block per tile"):
         persistent = mode != "one-tile blocks"
-        monkeypatch.setattr(fwd_ws, "planned", lambda *a, **kw: (lambda w: dataclasses.replace(w, persistent=persistent)
-                                                                if w.flashmask and w.block_m == 128 else w)(
-            planned(*a, **kw)))
+        monkeypatch.setattr(fwd_ws, "planned", lambda *a, **kw: (lambda w: dataclasses.replace(
+            w, block_m=128, pingpong=True, persistent=persistent) if w.flashmask else w)(planned(*a, **kw)))
         if mode == "persistent, one block per tile":
             fire = launch.fire
             monkeypatch.setattr(launch, "fire", lambda *a, **kw: fire(*a, **{**kw, "fused": False}))
         forget_plans()
         try:
             kernel = _plan(q=(b, 1100, h, d), hk=hk, causal=causal, startend_row_indices=xb).launches[0].variant
-            assert kernel.kind == "fwd_ws" and kernel.persistent == (persistent and kernel.block_m == 128), kernel
+            assert kernel.kind == "fwd_ws" and kernel.persistent == persistent and kernel.block_m == 128, kernel
             out = torch.full_like(q, float("nan"))
             got[mode] = cuflash.attention(q, k, v, causal=causal, out=out, return_lse=True, startend_row_indices=xt)
         finally:

@@ -32,7 +32,8 @@ GATHER_PRODUCER_REGS = 40  # of one whose 128 threads gather paged K/V rows (cp.
 GATHER_BELOW_ROWS = 64
 MAX_CONSUMER_REGS = 240  # of a consumer's, with two (128 * 24 + 256 * 240 = 64512 <= 65536)
 BOX_COLS = 64                           # one TMA box is 64 columns (128 bytes: the swizzle's width)
-BARRIER_BYTES = 160                     # 2 + 4 * stages mbarriers of 8 bytes, two 16-byte tile slots (persistent), rounded up
+BARRIER_BYTES = 160                     # 2 + 4 * stages mbarriers of 8 bytes, two 16-byte tile slots (persistent), a
+                                        # walk slot per stage (persistent FlashMask), rounded up
 MAX_SMEM = 232448                       # dynamic shared memory a block may have on sm_90 (227 KiB)
 # An mbarrier wait longer than this many clock cycles traps (the launch fails instead of hanging
 # on a phase that never completes): a debugging aid while changing the pipeline, e.g. 1 << 32
@@ -163,11 +164,12 @@ class FwdWsVariant(KernelVariant):
             raise ValueError(f"stages must be at least 2, got {self.stages!r}")
         if self.flashmask and not (self.flashmask in FLASHMASK_NS[:2] if self.causal else
                                    self.flashmask in FLASHMASK_NS[1:]) or self.flashmask and self.persistent and not (
-                                   self.head_dim <= 128 and self.block_m == 128):
+                                   self.head_dim <= 128 and self.block_m == 128 and self.overlap and self.stages == 2):
             raise ValueError(f"flashmask must be 0, or 1 or 2 with causal, 2 or 4 without, and persistent only at head "
-                             f"dims up to 128 on 128-row tiles (beyond, the walk's state spills); got "
-                             f"{self.flashmask!r} (causal={self.causal}, persistent={self.persistent}, "
-                             f"head_dim={self.head_dim}, block_m={self.block_m})")
+                             f"dims up to 128 on 128-row tiles with the overlap and two stages (beyond, the walk's "
+                             f"state spills; the others are untested); got {self.flashmask!r} (causal={self.causal}, "
+                             f"persistent={self.persistent}, head_dim={self.head_dim}, block_m={self.block_m}, "
+                             f"overlap={self.overlap}, stages={self.stages})")
         if self.local and (self.causal or self.flashmask or self.persistent):
             raise ValueError(f"local (a sliding window) excludes causal, flashmask and persistent, got causal="
                              f"{self.causal}, flashmask={self.flashmask!r}, persistent={self.persistent}")
