@@ -585,9 +585,7 @@ def test_gpu_torch_autograd(rng):
 TRIALS = [("fm_window",), ("dq_t",), ("fm_window", "dq_t")]
 
 
-def _trial(v, fields):
-    from cuflash.kernels import bwd_ws
-    return bwd_ws.flipped(v, fields)
+_trial = importlib.import_module("cuflash.kernels.bwd_ws").flipped
 
 
 # Every FlashMask bwd_ws variant of sm_90 in bf16 with each trial's fields flipped, where they apply
