@@ -83,8 +83,10 @@ def test_variants_of_each_arch():
     assert all(v.params.names[-2:] == ("window_left", "window_right") for v in LOCAL)
     assert {(v.causal, v.flashmask) for v in FLASHMASK} == {(True, 1), (True, 2), (False, 2), (False, 4)}
     # d=64 causal FlashMask: the short causal tile (128 rows, both schedules) at any length
-    # (two K/V stages: the third of d=64's dense tile was not measured with FlashMask)
-    assert {replace(v, flashmask=0) for v in FLASHMASK} == {
+    # (two K/V stages: the third of d=64's dense tile was not measured with FlashMask); d=128:
+    # persistent blocks
+    assert all(v.persistent == (v.head_dim == 128) for v in FLASHMASK)
+    assert {replace(v, flashmask=0, persistent=False) for v in FLASHMASK} == {
         replace(v, stages=2) for v in VARIANTS if not v.persistent and not (v.head_dim == 64 and v.causal and v.block_m == 192)}
     tiles = {(v.head_dim, v.block_m, v.block_n, v.overlap, v.pingpong) for v in VARIANTS}
     assert tiles == {(64, 192, 128, True, False), (64, 128, 128, True, True), (64, 128, 128, False, True),
@@ -117,7 +119,9 @@ def test_variants_of_each_arch():
     for mods in (dict(softcap=True), dict(alibi=True), dict(sinks=True), dict(varlen=True), dict(cache=True),
                  dict(local=True), dict(flashmask=2)):
         assert not fwd_ws.planned(64, "bf16", False, 1024, **mods).turn_softmax
-    assert not fwd_ws.planned(128, "bf16", True, 128, flashmask=1).persistent
+    # FlashMask: persistent at d=128 at any length, not at d=64 (not measured)
+    assert all(fwd_ws.planned(128, "bf16", True, sq, flashmask=1).persistent for sq in (128, 32768))
+    assert not fwd_ws.planned(64, "bf16", True, 128, flashmask=1).persistent
 
 
 def test_consumer_registers_fill_the_register_file():

@@ -371,9 +371,10 @@ def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 
     short = head_dim == 64 and ((causal or local) and (flashmask or seqlen_q <= 2048) or softcap or alibi or gather)
     tile = (SHORT_D64 if head_dim == 64 and plain and keys <= SHORT_D64_MAX_KEYS
             else SHORT_CAUSAL_D64 if short else TILES[head_dim])
-    # (FlashMask's persistent blocks, FwdWsVariant(persistent=True, flashmask=n), are on trial and
-    # not planned: BENCHMARKS.md.)
-    persistent = (not (flashmask or local or varlen or cache or paged)
+    # FlashMask at d=128: persistent blocks at any length (+1 to +4% forward on most of bench
+    # mask's families at 8k and 32k keys, random eviction -1.5 to -4%: BENCHMARKS.md); d=64 not
+    # measured.
+    persistent = (flashmask and head_dim == 128 or not (flashmask or local or varlen or cache or paged)
                   and keys <= persistent_max_keys(head_dim, causal, tile is SHORT_D64))
     if tile.get("block_m") == 192 and not (causal or local or persistent or flashmask):
         # Without a mask the 192-row d=64 tile leaves room for a third K/V stage (123 KB of shared
