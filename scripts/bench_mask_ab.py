@@ -11,7 +11,8 @@ unless --head-dim says otherwise, 16 heads, batch 1, the masks bench mask builds
 ``--trial F ...``: in one process, forward + backward with the planned FlashMask bwd_ws variant
 against the same with the bool fields F flipped where they apply (bwd_ws.flipped), in rounds
 that alternate the two (the order rotated each round), and their ratio. ``--trial persistent``:
-the same for the forward alone, the planned fwd_ws variant against persistent blocks."""
+the same for the forward alone, the planned fwd_ws variant against it with persistent blocks
+flipped (on where it is off, off where it is on; 128-row tiles at d <= 128 only)."""
 import argparse
 import statistics
 
@@ -71,8 +72,8 @@ def trial(a):
         raise SystemExit("--trial persistent (the forward's) takes no other field")
     kernels = fwd_ws if fwd else bwd_ws
     planned = kernels.planned
-    change = ((lambda v: replace(v, persistent=True) if v.block_m == 128 and v.head_dim <= 128 else v) if fwd
-              else (lambda v: bwd_ws.flipped(v, a.trial)))
+    change = ((lambda v: replace(v, persistent=not v.persistent) if v.block_m == 128 and v.head_dim <= 128 else v)
+              if fwd else (lambda v: bwd_ws.flipped(v, a.trial)))
     modes = {"planned": planned,
              "trial": lambda *p, **k: (lambda v: change(v) if v.flashmask else v)(planned(*p, **k))}
     try:
@@ -94,8 +95,8 @@ def trial(a):
                                              a.reps)
                         tf[m].append(bench.mask_flops(pairs, a.head_dim, not fwd) / ms / 1e9)
                 p, w = (statistics.median(tf[m]) for m in modes)
-                print(f"{fam:22s} {s:6d} | {'f ' if fwd else 'fb'} planned {p:6.1f} {'' if fwd else 'flipped '}"
-                      f"{'+'.join(a.trial)} {w:6.1f} | {w / p:.3f}", flush=True)
+                print(f"{fam:22s} {s:6d} | {'f ' if fwd else 'fb'} planned {p:6.1f} flipped {'+'.join(a.trial)} "
+                      f"{w:6.1f} | {w / p:.3f}", flush=True)
             del sets, grad_sets
             torch.cuda.empty_cache()
     finally:
