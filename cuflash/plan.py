@@ -365,13 +365,10 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                           + " on the device (one block per query tile)." if v.cache else "")
                        + (" Paged KV cache: " + _fwd_ws_pages(v, p.page_size) if v.paged else "")
                        + (f" Persistent blocks (at most one per SM) take the query tiles from an atomic counter in "
-                          f"the one-tile order and load a tile's Q and first K/V while finishing the last: "
-                          + ("FlashMask leaves each tile's walk only the K/V blocks its mask keeps, often few, "
-                             if v.flashmask else
-                             f"with {p.seqlen_k} keys (at most "
-                             f"{fwd_ws.persistent_max_keys(v.head_dim, v.causal, v.turn_softmax)}) each tile walks "
-                             f"few K/V blocks, ")
-                          + "and a one-tile block's start and end would cost a large share of its time."
+                          f"the one-tile order and load a tile's Q and first K/V while finishing the last: with "
+                          f"{p.seqlen_k} keys (at most {fwd_ws.persistent_max_keys(v.head_dim, v.causal, v.turn_softmax)}) each tile walks "
+                          f"few K/V blocks, "
+                          f"and a one-tile block's start and end would cost a large share of its time."
                           if v.persistent else ""))
             launches.append(Launch(v, v.grid(p.batch, sq, nh, dev.num_sms), v.threads, v.smem_bytes))
         else:
@@ -424,7 +421,7 @@ def _flashmask_plan(p: Problem, dev: DeviceFacts) -> Plan:
                   f"TMA, {v.consumers} consumer warpgroups of 64 query rows) walks only the K/V blocks of {bn} "
                   f"keys in which some row of its {bm}-row tile is visible (the others are never loaded; a partly "
                   f"masked block's bounds are copied into shared memory with its K tile; "
-                  + ("persistent blocks, one per SM, take from an atomic counter every "
+                  + ("persistent blocks (at most one per SM) take from an atomic counter every "
                      if v.persistent else "the grid runs every ")
                   + f"(head, batch)'s first query tile{' (causal: its last)' if p.causal else ''}, then every one's "
                   f"second, and so on"

@@ -9,7 +9,7 @@ hand-offs move every figure by tens of µs.
     python scripts/bench_host_parts.py insitu  # cuflash.torch's bodies timed inside the step against alone
 
 ``kinds`` builds a C++ torch::autograd::Function with torch.utils.cpp_extension.load_inline
-(g++ and ninja; ``EXT_DIR`` keeps the build)."""
+(-O3; g++ and ninja; ``EXT_DIR`` keeps the build)."""
 import os
 import statistics
 import sys
@@ -114,8 +114,8 @@ def main():
     out, lse = p.fwd(qd, kd, vd, None)
     if what == "kinds":
         from torch.utils.cpp_extension import load_inline
-        ext = load_inline("cuflash_trivial_function", cpp_sources=CPP, functions=["triv"],
-                          build_directory=os.environ.get("EXT_DIR") or None)
+        ext = load_inline("cuflash_trivial_function_o3", cpp_sources=CPP, functions=["triv"],
+                          extra_cflags=["-O3"], build_directory=os.environ.get("EXT_DIR") or None)
         report({"python Function (trivial)": lambda: torch.autograd.grad(Trivial.apply(q, k, v)[0], (q, k, v), g),
                 "C++ Function (trivial)": lambda: torch.autograd.grad(ext.triv(q, k, v)[0], (q, k, v), g),
                 "SDPA flash": sdpa, "cuflash.torch": cf})

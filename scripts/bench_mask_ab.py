@@ -12,7 +12,8 @@ unless --head-dim says otherwise, 16 heads, batch 1, the masks bench mask builds
 against the same with the bool fields F flipped where they apply (bwd_ws.flipped), in rounds
 that alternate the two (the order rotated each round), and their ratio. ``--trial persistent``:
 the same for the forward alone, the planned fwd_ws variant against it with persistent blocks
-flipped (on where it is off, off where it is on; 128-row tiles at d <= 128 only)."""
+flipped (on where it is off, off where it is on; 128-row tiles at d <= 128 only). Rows whose
+trial variant is the planned one say "(the same kernel)": their ratio is the runs' noise."""
 import argparse
 import statistics
 
@@ -74,8 +75,15 @@ def trial(a):
     planned = kernels.planned
     change = ((lambda v: replace(v, persistent=not v.persistent) if v.block_m == 128 and v.head_dim <= 128 else v)
               if fwd else (lambda v: bwd_ws.flipped(v, a.trial)))
-    modes = {"planned": planned,
-             "trial": lambda *p, **k: (lambda v: change(v) if v.flashmask else v)(planned(*p, **k))}
+    changed = []  # whether the trial's variant differed from the planned one (per family and length)
+
+    def trial_variant(*p, **k):
+        v = planned(*p, **k)
+        w = change(v) if v.flashmask else v
+        changed.append(w != v)
+        return w
+
+    modes = {"planned": planned, "trial": trial_variant}
     try:
         for s in a.seqlen:
             shp = (1, s, 16, a.head_dim)
@@ -86,6 +94,7 @@ def trial(a):
                 pairs = bench.mask_pairs(idx, s, causal, 16)
                 idx = torch.from_numpy(np.ascontiguousarray(idx)).cuda()
                 tf = {m: [] for m in modes}
+                changed.clear()
                 for r in range(a.rounds):
                     for m in list(modes)[r % 2:] + list(modes)[:r % 2]:
                         kernels.planned = modes[m]
@@ -96,7 +105,7 @@ def trial(a):
                         tf[m].append(bench.mask_flops(pairs, a.head_dim, not fwd) / ms / 1e9)
                 p, w = (statistics.median(tf[m]) for m in modes)
                 print(f"{fam:22s} {s:6d} | {'f ' if fwd else 'fb'} planned {p:6.1f} flipped {'+'.join(a.trial)} "
-                      f"{w:6.1f} | {w / p:.3f}", flush=True)
+                      f"{w:6.1f} | {w / p:.3f}{'' if any(changed) else ' (the same kernel)'}", flush=True)
             del sets, grad_sets
             torch.cuda.empty_cache()
     finally:

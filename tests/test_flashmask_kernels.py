@@ -133,6 +133,22 @@ def test_plan_flashmask_softcap_runs_the_warp_specialised_kernel():
     assert "softcapped" in p.reason and "warp-specialised" in p.reason
 
 
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_plan_flashmask_persistent_blocks_at_d128(softcap):
+    """sm_90 at d = 128: persistent blocks, at most one per SM (fewer with fewer query tiles), and the
+    reason says so; d = 64: one block per query tile."""
+    x = masks.causal_document([100, 300, 112], batch=2)
+    for seqlen, grid in ((512, (64, 1, 1)), (8192, (132, 1, 1))):  # 4 x 8 x 2 tiles; 64 x 8 x 2
+        p = _plan(q=(2, seqlen, 8, 128), causal=True, softcap=softcap,
+                  startend_row_indices=np.tile(x, (1, 1, seqlen // 512, 1)))
+        v = p.launches[0].variant
+        assert v.kind == "fwd_ws" and v.persistent and v.flashmask == 1 and p.launches[0].grid == grid
+        assert "persistent blocks (at most one per SM) take from an atomic counter" in p.reason
+    p = _plan(q=(2, 512, 8, 64), causal=True, softcap=softcap, startend_row_indices=x)
+    v = p.launches[0].variant
+    assert not v.persistent and p.launches[0].grid == (4, 8, 2) and "the grid runs every" in p.reason
+
+
 def test_plan_flashmask_never_splits_or_packs():
     # decode-like shapes would split or pack GQA heads as rows without FlashMask
     k = (1, 4096, 2, 128)
@@ -386,8 +402,8 @@ def test_kernel_rule_is_exact(name, causal, x, bm, bn):
 
 
 # ---------------------------------------------------------------------------------------------
-# Persistent FlashMask forward blocks on trial (not planned): FwdWsVariant(persistent=True) with
-# FlashMask at d = 64 and 128 on 128-row tiles, each block walking query tiles in the one-tile
+# Persistent FlashMask forward blocks (planned at d = 128, on trial at d = 64): FwdWsVariant(persistent=True)
+# with FlashMask at d = 64 and 128 on 128-row tiles, each block walking query tiles in the one-tile
 # grid's order, each walk's end taking a stage
 
 def _persistent(v):

@@ -106,7 +106,7 @@ class FwdWsVariant(KernelVariant):
     # (query block fastest, then head, then batch; causal: longest tiles first within sections of
     # heads, LPT_BYTES), so that the producer loads the next tile's Q
     # and first K/V while the consumers finish the last, and no block pays a cold start per tile.
-    # FlashMask: at d = 64 and 128 on 128-row tiles, in FlashMask's launch order (not planned).
+    # FlashMask: at d = 64 and 128 on 128-row tiles, in FlashMask's launch order (planned at d = 128).
     persistent: bool = False
     # FlashMask bound columns per key (cuflash.masks; 1 or 2 with causal, 2 or 4 without), 0 =
     # none: the walk leaves out fully masked K/V blocks and masks the partly masked ones.
@@ -371,9 +371,9 @@ def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 
     short = head_dim == 64 and ((causal or local) and (flashmask or seqlen_q <= 2048) or softcap or alibi or gather)
     tile = (SHORT_D64 if head_dim == 64 and plain and keys <= SHORT_D64_MAX_KEYS
             else SHORT_CAUSAL_D64 if short else TILES[head_dim])
-    # FlashMask at d=128: persistent blocks at any length (+1 to +4% forward on most of bench
-    # mask's families at 8k and 32k keys, random eviction -1.5 to -4%: BENCHMARKS.md); d=64 not
-    # measured.
+    # FlashMask at d=128: persistent blocks at any length (a median +1.9% forward over bench
+    # mask's families at 8k and 32k keys, within about +-3% of noise per family: BENCHMARKS.md);
+    # d=64: +0.7% median on its causal tiles, not planned.
     persistent = (flashmask and head_dim == 128 or not (flashmask or local or varlen or cache or paged)
                   and keys <= persistent_max_keys(head_dim, causal, tile is SHORT_D64))
     if tile.get("block_m") == 192 and not (causal or local or persistent or flashmask):
