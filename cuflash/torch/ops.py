@@ -11,6 +11,7 @@ import cuflash.backward
 from cuflash import api, arrays
 from cuflash.plan import cached_on_plans
 
+from . import node as _node
 from . import plans
 
 
@@ -449,12 +450,16 @@ class _Prepared:
     cuflash's views of them and, as they read only data pointers, take SDPA's tensors as they
     are. The output and the gradients are then allocated by the Function, like q, k and v
     (``torch.empty_like``, which keeps a dense tensor's strides), and given to the launches."""
-    __slots__ = ("causal", "scale", "window", "softcap", "deterministic", "fwd", "bwd", "bwd_strides", "sdpa")
+    __slots__ = ("causal", "scale", "window", "softcap", "deterministic", "fwd", "bwd", "bwd_strides", "sdpa",
+                 "program", "fallback")
 
     def __init__(self, causal, scale, window, softcap, deterministic, sdpa=False):
         self.causal, self.scale, self.window, self.softcap = causal, scale, window, softcap
         self.deterministic, self.fwd, self.bwd, self.bwd_strides = deterministic, None, None, None
         self.sdpa = sdpa
+        # The C++ node's program (node.program) once ``bwd`` exists, False where it cannot be
+        # made; ``fallback``: the Python backward it calls for what the program does not cover.
+        self.program, self.fallback = None, None
 
 
 def _bshd(*xs):
@@ -487,23 +492,58 @@ def _prepared_for(q, k, v, causal, softmax_scale, window, softcap, deterministic
     return p
 
 
+def _prepared_forward(q, k, v, p):
+    """(out, lse) of a prepared call: the repeat path's launches, or the general path (the first
+    call of a layout, or pointers the repeat path does not take), which makes them."""
+    # p.sdpa: the output is allocated here like q (its strides, whatever those of its size-1
+    # dims), given to the launches as cuflash's view of it, and returned as it is, a new tensor.
+    o = torch.empty_like(q) if p.sdpa else None
+    res = p.fwd(q, k, v, o) if p.fwd is not None else None
+    if res is None:
+        qa, ka, va, oa = _bshd(q, k, v, o) if p.sdpa else (q, k, v, None)
+        res = cuflash.attention(qa, ka, va, causal=p.causal, softmax_scale=p.scale, window_size=p.window,
+                                softcap=p.softcap, return_lse=True, out=oa)
+        if p.fwd is None:
+            p.fwd = api._repeats.get(api._signature(qa, ka, va, oa, p.causal, p.scale, True, 0, p.window,
+                                                    p.softcap, None))
+        if p.sdpa:
+            res = (o, res[1])
+    return res
+
+
+def _prepared_backward(p, dout, q, k, v, out, lse):
+    """(dq, dk, dv) of a prepared call's backward: the repeat path's launches where they hold, else
+    the general path, which makes them (and, with CUFLASH_CPP_NODE=1, the C++ node's program)."""
+    # The backward's prepared launches hold for an output gradient laid out as the output, and
+    # for saved tensors with the strides they were made for: a saved-tensor hook (e.g.
+    # torch.autograd.graph.save_on_cpu) may give back contiguous copies of strided inputs.
+    usual = dout.dtype == out.dtype and dout.stride() == out.stride()
+    strides = (q.stride(), k.stride(), v.stride(), out.stride(), lse.stride())
+    grads = tuple(torch.empty_like(x) for x in (q, k, v)) if p.sdpa else (None, None, None)
+    res = (p.bwd(dout, q, k, v, out, lse, *grads)
+           if usual and p.bwd is not None and strides == p.bwd_strides else None)
+    if res is None:
+        args = _bshd(_last_dim_contiguous(dout), q, k, v, out) + (lse,) if p.sdpa else (
+            _last_dim_contiguous(dout), q, k, v, out, lse)
+        given = _bshd(*grads) if p.sdpa else grads
+        res = cuflash.backward.attention_backward(
+            *args, causal=p.causal, softmax_scale=p.scale, window_size=p.window, softcap=p.softcap,
+            deterministic=p.deterministic, dq=given[0], dk=given[1], dv=given[2])
+        if usual and p.bwd is None:
+            p.bwd = cuflash.backward._repeats.get(cuflash.backward._signature(
+                *args, *given, p.causal, p.scale, p.deterministic, p.window, p.softcap, 0))
+            p.bwd_strides = strides
+        if p.sdpa:
+            res = grads
+    if torch.is_grad_enabled():  # (create_graph=True)
+        res = _first_order(res[:3], dout, q, k, v, out)
+    return tuple(res[:3])
+
+
 class _PreparedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, p):
-        # p.sdpa: the output is allocated here like q (its strides, whatever those of its size-1
-        # dims), given to the launches as cuflash's view of it, and returned as it is, a new tensor.
-        o = torch.empty_like(q) if p.sdpa else None
-        res = p.fwd(q, k, v, o) if p.fwd is not None else None
-        if res is None:  # the first call of this layout, or pointers the repeat path does not take
-            qa, ka, va, oa = _bshd(q, k, v, o) if p.sdpa else (q, k, v, None)
-            res = cuflash.attention(qa, ka, va, causal=p.causal, softmax_scale=p.scale, window_size=p.window,
-                                    softcap=p.softcap, return_lse=True, out=oa)
-            if p.fwd is None:
-                p.fwd = api._repeats.get(api._signature(qa, ka, va, oa, p.causal, p.scale, True, 0, p.window,
-                                                        p.softcap, None))
-            if p.sdpa:
-                res = (o, res[1])
-        out, lse = res
+        out, lse = _prepared_forward(q, k, v, p)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.prepared = p
         ctx.mark_non_differentiable(lse)
@@ -514,33 +554,22 @@ class _PreparedAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         if dout is None:  # the output got no gradient
             return None, None, None, None
-        q, k, v, out, lse = ctx.saved_tensors
-        p = ctx.prepared
-        # The backward's prepared launches hold for an output gradient laid out as the output, and
-        # for saved tensors with the strides they were made for: a saved-tensor hook (e.g.
-        # torch.autograd.graph.save_on_cpu) may give back contiguous copies of strided inputs.
-        usual = dout.dtype == out.dtype and dout.stride() == out.stride()
-        strides = (q.stride(), k.stride(), v.stride(), out.stride(), lse.stride())
-        grads = tuple(torch.empty_like(x) for x in (q, k, v)) if p.sdpa else (None, None, None)
-        res = (p.bwd(dout, q, k, v, out, lse, *grads)
-               if usual and p.bwd is not None and strides == p.bwd_strides else None)
-        if res is None:
-            args = _bshd(_last_dim_contiguous(dout), q, k, v, out) + (lse,) if p.sdpa else (
-                _last_dim_contiguous(dout), q, k, v, out, lse)
-            given = _bshd(*grads) if p.sdpa else grads
-            res = cuflash.backward.attention_backward(
-                *args, causal=p.causal, softmax_scale=p.scale, window_size=p.window, softcap=p.softcap,
-                deterministic=p.deterministic, dq=given[0], dk=given[1], dv=given[2])
-            if usual and p.bwd is None:
-                p.bwd = cuflash.backward._repeats.get(cuflash.backward._signature(
-                    *args, *given, p.causal, p.scale, p.deterministic, p.window, p.softcap, 0))
-                p.bwd_strides = strides
-            if p.sdpa:
-                res = grads
-        if torch.is_grad_enabled():  # (create_graph=True)
-            res = _first_order(res[:3], dout, q, k, v, out)
-        dq, dk, dv = res
-        return dq, dk, dv, None
+        return (*_prepared_backward(ctx.prepared, dout, *ctx.saved_tensors), None)
+
+
+def _prepared_apply(q, k, v, p):
+    """(out, lse) of a prepared call that needs gradients: with the C++ node where it is asked for
+    and its program is made (node.py), else through _PreparedAttention."""
+    if p.program is None and p.bwd is not None:  # (decided once per layout, after its first backward)
+        p.program = (_node.enabled() and _node.module() is not None
+                     and _node.program(p.bwd, p.bwd_strides, (not p.sdpa,) * 3)) or False
+        p.fallback = lambda *saved: _prepared_backward(p, *saved)
+    if not p.program:
+        return _PreparedAttention.apply(q, k, v, p)
+    with torch.no_grad():  # (as inside a Function's forward: nothing it runs is recorded)
+        out, lse = _prepared_forward(q, k, v, p)
+    _node.module().attach(q, k, v, out, lse, p.program, p.fallback)
+    return out, lse
 
 
 def _apply(route, eager, func, op, args):
@@ -596,7 +625,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
         p = _prepared_for(q, k, v, bool(causal), softmax_scale, (window_left, window_right), softcap,
                           bool(deterministic))
         if p is not None:
-            out, lse = _PreparedAttention.apply(q, k, v, p)
+            out, lse = _prepared_apply(q, k, v, p)
             return (out, lse) if return_lse else out
     args = (q, k, v, bool(causal), softmax_scale, window_left, window_right, softcap, alibi_slopes,
             bool(deterministic), sinks, startend_row_indices) + (dropout if dropout[0] else ())

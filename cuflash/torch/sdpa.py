@@ -184,7 +184,7 @@ _served: dict = cached_on_plans({})  # repeat signature of a forward's operands 
 def _autograd_impl(keyset, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False,
                    *, scale=None):
     """SDPA's flash forward above autograd. A call that needs gradients and that cuflash serves
-    runs cuflash's eager Function (ops._PreparedAttention): its backward node takes the output's
+    runs cuflash's eager Function (ops._prepared_apply): its backward node takes the output's
     gradient alone, where the aten op's own node would call the flash backward op with 15 boxed
     arguments (about half of a step's host time: BENCHMARKS.md). Every other call (no gradient,
     torch.compile's fake tensors, torch.func) takes PyTorch's autograd kernel, which records that
@@ -193,7 +193,7 @@ def _autograd_impl(keyset, query, key, value, dropout_p=0.0, is_causal=False, re
     if p is None:
         return _active.autograd.call_boxed(keyset, query, key, value, dropout_p, is_causal, return_debug_mask,
                                            scale=scale)
-    out, lse = ops._PreparedAttention.apply(query, key, value, p)  # (SDPA's layout in and out: p.sdpa)
+    out, lse = ops._prepared_apply(query, key, value, p)  # (SDPA's layout in and out: p.sdpa)
     return _result(query, key, out, lse, _held_placeholders(query))
 
 

@@ -1,0 +1,264 @@
+// cuflash's attention backward as a C++ autograd node (cuflash/torch/node.py builds this file
+// with torch.utils.cpp_extension on first use). The forward runs in Python and calls attach(),
+// which records this node as the output's grad_fn; the engine then runs the backward here,
+// without the Python interpreter: a "program" prepared in Python from cuflash.backward's repeat
+// object (the kernels, their parameter structs with the pointer and tensor-map fields left
+// blank, grids) is filled in with this call's pointers and launched with cuLaunchKernel. Calls
+// the program does not cover (other strides or dtypes, unaligned pointers, create_graph=True)
+// call the Python backward instead (``fallback``).
+#include <torch/extension.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <dlfcn.h>
+
+#include <array>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+// Autograd nodes are held by std::shared_ptr up to PyTorch 2.11 and by c10::intrusive_ptr after;
+// these two, templates so that only the branch of the PyTorch at hand is compiled, make and
+// re-own one either way.
+template <class T>
+auto new_node() {
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, T>) return c10::make_intrusive<T>();
+  else return std::make_shared<T>();
+}
+
+template <class T>
+auto owning(T* n) {
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, T>) return c10::intrusive_ptr<T>::unsafe_reclaim_from_nonowning(n);
+  else return n->shared_from_this();
+}
+
+// The CUDA driver's entry points, looked up in libcuda at first use (no link-time dependency).
+using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
+                         void**, void**);
+using EncodeFn = int (*)(void*, int, unsigned, void*, const uint64_t*, const uint64_t*, const uint32_t*,
+                         const uint32_t*, int, int, int, int);
+
+struct Driver {
+  LaunchFn launch = nullptr;
+  EncodeFn encode = nullptr;
+};
+
+const Driver& driver() {
+  static const Driver d = [] {
+    Driver r;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (!lib) lib = dlopen("libcuda.so.1", RTLD_NOW);
+    TORCH_CHECK(lib, "cuflash: cannot open libcuda.so.1");
+    r.launch = reinterpret_cast<LaunchFn>(dlsym(lib, "cuLaunchKernel"));
+    r.encode = reinterpret_cast<EncodeFn>(dlsym(lib, "cuTensorMapEncodeTiled"));
+    TORCH_CHECK(r.launch && r.encode, "cuflash: libcuda.so.1 lacks cuLaunchKernel or cuTensorMapEncodeTiled");
+    return r;
+  }();
+  return d;
+}
+
+// The operands by role, in this order (cuflash.backward's _Ptr and _Map roles).
+enum Role { kQ, kK, kV, kDout, kOut, kLse, kDq, kDk, kDv, kWs, kRoles };
+
+constexpr int kMapBytes = 128;
+constexpr int kMaxParams = 1024;  // cuflash.compiler.Kernel's limit on a struct's size
+
+// A field filled in when the launch fires: role's pointer plus ``add`` bytes at ``offset``, or
+// (map) the role's TMA tensor map, encoded with the driver's arguments below.
+struct Patch {
+  int offset = 0;
+  int role = 0;
+  int64_t add = 0;
+  bool map = false;
+  int dtype = 0, rank = 0, l2 = 0;
+  std::array<uint64_t, 5> dims{};
+  std::array<uint64_t, 4> strides{};
+  std::array<uint32_t, 5> box{}, elem{};
+};
+
+struct Launch {
+  void* fn = nullptr;
+  std::array<unsigned, 3> grid{}, block{};
+  unsigned smem = 0;
+  std::string params;  // the struct, with the patched fields blank
+  std::vector<Patch> patches;
+};
+
+// One prepared backward: its launches, the fp32 workspace's size, which gradients it allocates
+// contiguous (the others like their input), and the strides of (q, k, v, out, lse) it was made for.
+struct Program {
+  std::vector<Launch> launches;
+  int64_t ws_floats = 0;
+  std::array<bool, 3> contiguous{};
+  std::vector<std::vector<int64_t>> strides;
+};
+
+bool aligned(const at::Tensor& t) { return (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0; }
+
+// Fills the program's fields with ``ptrs`` and launches it on ``stream``.
+void fire(const Program& prog, const std::array<uint64_t, kRoles>& ptrs, void* stream) {
+  const Driver& d = driver();
+  alignas(128) unsigned char buf[kMaxParams];
+  for (const Launch& la : prog.launches) {
+    std::memcpy(buf, la.params.data(), la.params.size());
+    for (const Patch& p : la.patches) {
+      if (!p.map) {
+        const uint64_t v = ptrs[p.role] + p.add;
+        std::memcpy(buf + p.offset, &v, sizeof v);
+        continue;
+      }
+      const int rc = d.encode(buf + p.offset, p.dtype, p.rank, reinterpret_cast<void*>(ptrs[p.role]), p.dims.data(),
+                              p.strides.data(), p.box.data(), p.elem.data(), 0 /* no interleave */,
+                              3 /* 128-byte swizzle */, p.l2, 0 /* zero fill */);
+      TORCH_CHECK(rc == 0, "cuflash: cuTensorMapEncodeTiled failed with CUresult ", rc);
+    }
+    void* arg = buf;
+    const int rc = d.launch(la.fn, la.grid[0], la.grid[1], la.grid[2], la.block[0], la.block[1], la.block[2], la.smem,
+                            stream, &arg, nullptr);
+    TORCH_CHECK(rc == 0, "cuflash: cuLaunchKernel failed with CUresult ", rc);
+  }
+}
+
+struct AttentionBackward : public torch::autograd::Node {
+  std::shared_ptr<Program> prog;
+  py::object fallback;  // fallback(dout, q, k, v, out, lse) -> (dq, dk, dv), the Python backward
+  torch::autograd::SavedVariable q_, k_, v_, out_, lse_;
+
+  std::string name() const override { return "CuflashAttentionBackward"; }
+
+  void release_variables() override {
+    q_.reset_data(), k_.reset_data(), v_.reset_data(), out_.reset_data(), lse_.reset_data();
+  }
+
+  ~AttentionBackward() override {
+    if (!Py_IsInitialized()) {  // (at exit: leave the object to the interpreter's teardown)
+      fallback.release();
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    fallback = py::object();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    const at::Tensor& dout = grads[0];
+    if (!dout.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    const at::Tensor q = q_.unpack(), k = k_.unpack(), v = v_.unpack(), out = out_.unpack(owning(this)), lse = lse_.unpack();
+    const Program& p = *prog;
+    // The program holds for the layouts, dtypes and device it was made for (a saved-tensor hook
+    // may give back other ones) and for 16-byte aligned operands (TMA).
+    bool usual = !at::GradMode::is_enabled() && dout.strides() == out.strides() && aligned(dout) &&
+                 dout.device() == out.device() && lse.scalar_type() == at::kFloat;
+    const at::Tensor* saved[5] = {&q, &k, &v, &out, &lse};
+    for (int i = 0; usual && i < 5; ++i)
+      usual = saved[i]->strides() == c10::IntArrayRef(p.strides[i]) && aligned(*saved[i]) &&
+              saved[i]->device() == out.device() && (i == 4 || saved[i]->scalar_type() == dout.scalar_type());
+    if (!usual) {
+      py::gil_scoped_acquire gil;
+      const py::tuple r = fallback(dout, q, k, v, out, lse);
+      variable_list g(3);
+      for (int i = 0; i < 3; ++i)
+        if (!r[i].is_none()) g[i] = r[i].cast<at::Tensor>();
+      return g;
+    }
+    const at::Tensor* ins[3] = {&q, &k, &v};
+    at::Tensor g[3];
+    for (int i = 0; i < 3; ++i)
+      g[i] = p.contiguous[i] ? at::empty_like(*ins[i], at::MemoryFormat::Contiguous) : at::empty_like(*ins[i]);
+    const at::Tensor ws = at::empty({p.ws_floats}, q.options().dtype(at::kFloat));
+    const std::array<uint64_t, kRoles> ptrs = {
+        (uint64_t)q.data_ptr(),    (uint64_t)k.data_ptr(),    (uint64_t)v.data_ptr(),  (uint64_t)dout.data_ptr(),
+        (uint64_t)out.data_ptr(),  (uint64_t)lse.data_ptr(),  (uint64_t)g[0].data_ptr(), (uint64_t)g[1].data_ptr(),
+        (uint64_t)g[2].data_ptr(), (uint64_t)ws.data_ptr()};
+    if (!p.launches.empty()) {  // (a program without launches: the tests' CPU check of the node)
+      c10::DeviceGuard guard(q.device());
+      const c10::impl::VirtualGuardImpl impl(q.device().type());
+      fire(p, ptrs, impl.getStream(q.device()).native_handle());
+    }
+    return {g[0], g[1], g[2]};
+  }
+};
+
+// A program from Python: launches as (function pointer, grid, block, shared memory, struct
+// bytes, patches), each patch (offset, role, add) or (offset, role, dtype, rank, dims, strides,
+// box, element strides, L2 promotion).
+std::shared_ptr<Program> make_program(const py::list& launches, int64_t ws_floats, std::vector<bool> contiguous,
+                                      std::vector<std::vector<int64_t>> strides) {
+  auto prog = std::make_shared<Program>();
+  TORCH_CHECK(contiguous.size() == 3 && strides.size() == 5, "cuflash: a program needs 3 flags and 5 strides");
+  for (int i = 0; i < 3; ++i) prog->contiguous[i] = contiguous[i];
+  prog->strides = std::move(strides);
+  prog->ws_floats = ws_floats;
+  for (const py::handle& h : launches) {
+    const py::tuple t = h.cast<py::tuple>();
+    Launch la;
+    la.fn = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
+    const auto grid = t[1].cast<std::vector<unsigned>>(), block = t[2].cast<std::vector<unsigned>>();
+    TORCH_CHECK(grid.size() == 3 && block.size() == 3, "cuflash: grid and block are 3-tuples");
+    std::copy(grid.begin(), grid.end(), la.grid.begin());
+    std::copy(block.begin(), block.end(), la.block.begin());
+    la.smem = t[3].cast<unsigned>();
+    la.params = t[4].cast<std::string>();
+    TORCH_CHECK(la.params.size() <= kMaxParams, "cuflash: a parameter struct of ", la.params.size(), " bytes");
+    for (const py::handle& ph : t[5].cast<py::list>()) {
+      const py::tuple pt = ph.cast<py::tuple>();
+      Patch p;
+      p.offset = pt[0].cast<int>();
+      p.role = pt[1].cast<int>();
+      TORCH_CHECK(p.role >= 0 && p.role < kRoles, "cuflash: an unknown role ", p.role);
+      if (pt.size() == 3) {
+        p.add = pt[2].cast<int64_t>();
+        TORCH_CHECK(p.offset >= 0 && p.offset + 8 <= (int)la.params.size(), "cuflash: a pointer field out of the struct");
+      } else {
+        p.map = true;
+        p.dtype = pt[2].cast<int>(), p.rank = pt[3].cast<int>();
+        TORCH_CHECK(p.rank >= 1 && p.rank <= 5 && p.offset % 64 == 0 && p.offset + kMapBytes <= (int)la.params.size(),
+                    "cuflash: a tensor map field out of the struct, misaligned or of rank ", p.rank);
+        const auto dims = pt[4].cast<std::vector<uint64_t>>(), st = pt[5].cast<std::vector<uint64_t>>();
+        const auto box = pt[6].cast<std::vector<uint32_t>>(), elem = pt[7].cast<std::vector<uint32_t>>();
+        TORCH_CHECK((int)dims.size() == p.rank && (int)st.size() == p.rank - 1 && (int)box.size() == p.rank &&
+                        (int)elem.size() == p.rank, "cuflash: tensor map arguments of the wrong rank");
+        std::copy(dims.begin(), dims.end(), p.dims.begin());
+        std::copy(st.begin(), st.end(), p.strides.begin());
+        std::copy(box.begin(), box.end(), p.box.begin());
+        std::copy(elem.begin(), elem.end(), p.elem.begin());
+        p.l2 = pt[8].cast<int>();
+      }
+      la.patches.push_back(p);
+    }
+    prog->launches.push_back(std::move(la));
+  }
+  return prog;
+}
+
+// Records the node as ``out``'s grad_fn, with q, k, v's gradient edges; lse stays without one.
+void attach(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+            const at::Tensor& lse, std::shared_ptr<Program> prog, py::object fallback) {
+  auto node = new_node<AttentionBackward>();
+  node->prog = std::move(prog);
+  node->fallback = std::move(fallback);
+  node->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
+  node->q_ = torch::autograd::SavedVariable(q, false);
+  node->k_ = torch::autograd::SavedVariable(k, false);
+  node->v_ = torch::autograd::SavedVariable(v, false);
+  node->lse_ = torch::autograd::SavedVariable(lse, false);
+  torch::autograd::set_history(out, node);
+  node->out_ = torch::autograd::SavedVariable(out, true);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Program, std::shared_ptr<Program>>(m, "Program");
+  m.def("make_program", &make_program);
+  m.def("attach", &attach);
+}

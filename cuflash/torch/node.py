@@ -1,0 +1,96 @@
+"""cuflash's attention backward as a C++ autograd node (node.cpp), on trial: opt in with
+``CUFLASH_CPP_NODE=1``.
+
+An eager call that needs gradients records a Python ``torch.autograd.Function`` node by default,
+whose backward the autograd engine runs through the Python interpreter. With the C++ node, the
+forward still runs in Python and the backward runs in C++: it fills the backward's prepared
+launches (the kernels, their parameter structs and grids, made by the first call of a layout)
+with the call's pointers and launches them, calling the Python backward only for what the
+prepared launches do not cover. The node is built from node.cpp by
+``torch.utils.cpp_extension`` (a C++ compiler and ninja; about 30 s, once per PyTorch version,
+kept under cuflash's cache directory); where it cannot be built the Python node stays, and
+:func:`why_not` says why.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from cuflash import compiler
+from cuflash.kernels import fwd_ws
+
+ROLES = ("q", "k", "v", "dout", "out", "lse", "dq", "dk", "dv", "ws")  # node.cpp's Role order
+_SOURCE = Path(__file__).with_name("node.cpp")
+_state: dict = {}  # "module": the built extension or None; "why": why there is none
+
+
+def enabled() -> bool:
+    """Whether calls ask for the C++ node (``CUFLASH_CPP_NODE=1``)."""
+    return os.environ.get("CUFLASH_CPP_NODE", "0") == "1"
+
+
+def module():
+    """The built extension, or None (then :func:`why_not` says why). Builds it on first use."""
+    if "module" not in _state:
+        _state["module"], _state["why"] = _build()
+    return _state["module"]
+
+
+def why_not() -> str | None:
+    """Why the C++ node is not in use, or None where it is."""
+    if not enabled():
+        return "not asked for (CUFLASH_CPP_NODE=1 asks)"
+    module()
+    return _state["why"]
+
+
+def _build():
+    problem = compiler.cache_dir_problem()
+    if problem:
+        return None, f"cuflash's cache directory {compiler.cache_dir()} is refused: {problem}"
+    src = _SOURCE.read_bytes()
+    key = hashlib.sha256(src + torch.__version__.encode() + sys.version.encode()).hexdigest()[:16]
+    where = compiler.cache_dir() / "torch-node" / key
+    try:
+        where.mkdir(mode=0o700, parents=True, exist_ok=True)
+        from torch.utils.cpp_extension import load
+        if not (where / f"cuflash_node_{key}.so").exists():
+            print(f"cuflash: building the C++ autograd node in {where} (once per PyTorch version, about 30 s)",
+                  file=sys.stderr, flush=True)
+        return load(f"cuflash_node_{key}", sources=[str(_SOURCE)], extra_cflags=["-O3"],
+                    build_directory=str(where), verbose=False), None
+    except Exception as e:  # no compiler, no ninja, no headers: the Python node stays
+        return None, f"building {_SOURCE.name} failed: {type(e).__name__}: {str(e).strip()[-400:]}"
+
+
+def program(bwd, strides, contiguous):
+    """node.cpp's Program for a prepared backward ``bwd`` (cuflash.backward's repeat object, whose
+    launches take pointers by role), made for saved (q, k, v, out, lse) of ``strides`` and
+    allocating the gradient of q, k, v contiguous where ``contiguous`` says so (else like its
+    input). None where a launch needs a role the node does not fill (packed sequences, FlashMask).
+    The program holds the kernels' CUfunction handles: cuflash never unloads a loaded kernel
+    (compiler._loaded), so they stay valid for every node that holds the program."""
+    from cuflash.backward import _Map, _Ptr
+    launches = []
+    for la in bwd.launches:
+        table = la.kernel.table
+        patches = []
+        for i, x in la.slots:
+            if x.role not in ROLES:
+                return None
+            offset = table.offset(table.names[i])
+            if x.__class__ is _Ptr:
+                patches.append((offset, ROLES.index(x.role), x.offset))
+                continue
+            assert x.__class__ is _Map
+            code, dims, byte_strides, box, elem, l2 = fwd_ws._encode_args(
+                tuple(x.shape), tuple(x.strides), x.dtype, x.rows, 256)  # fwd_ws.tensor_map's arguments
+            patches.append((offset, ROLES.index(x.role), code, len(dims), list(dims), list(byte_strides), list(box),
+                            list(elem), l2))
+        launches.append((la.kernel.ptr, tuple(la.grid), tuple(la.block), la.smem,
+                         la.kernel.layout.pack(*la.values), patches))
+    return module().make_program(launches, bwd.ws_floats, list(contiguous), [list(s) for s in strides])

@@ -1,0 +1,221 @@
+"""The C++ autograd node of cuflash.torch (cuflash/torch/node.cpp, on trial: CUFLASH_CPP_NODE=1).
+
+CPU tests build the extension (they skip where it cannot be built: no PyTorch, C++ compiler or
+ninja) and check the node's bookkeeping with a program of no launches on CPU tensors: the history
+it records, its gradients' layouts, when it calls the Python backward instead, saved-tensor hooks,
+the graph's release; and the program that node.py makes from a prepared backward. GPU tests
+compare its gradients with the Python node's, bit for bit.
+"""
+import pytest
+
+pytest.importorskip("torch", reason="needs PyTorch (optional dependency)")
+
+from conftest import requires_gpu  # noqa: E402
+
+import torch  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ext():
+    from cuflash.torch import node
+    m = node.module()
+    if m is None:
+        pytest.skip(f"the C++ node cannot be built here: {node._state['why']}")
+    return m
+
+
+def _operands(sq=6, sk=5, h=2, d=8, strided_q=False):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, h, sq, d, generator=g).transpose(1, 2) if strided_q else torch.randn(1, sq, h, d, generator=g)
+    k, v = (torch.randn(1, sk, h, d, generator=g) for _ in range(2))
+    for x in (q, k, v):
+        x.requires_grad_()
+    out, lse = torch.randn(1, sq, h, d, generator=g), torch.zeros(1, h, sq)
+    return q, k, v, out, lse
+
+
+def _strides(*xs):
+    return [list(x.stride()) for x in xs]
+
+
+class _Fallback:
+    """A Python backward that records its calls and returns gradients of ones."""
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, dout, q, k, v, out, lse):
+        self.calls.append((dout, q, k, v, out, lse, torch.is_grad_enabled()))
+        return tuple(torch.ones_like(x) for x in (q, k, v))
+
+
+def test_node_records_the_output_history_and_runs_its_program(ext):
+    q, k, v, out, lse = _operands(strided_q=True)
+    fb = _Fallback()
+    prog = ext.make_program([], 16, [True, False, True], _strides(q, k, v, out, lse))
+    ext.attach(q, k, v, out, lse, prog, fb)
+    assert out.requires_grad and out.grad_fn.name() == "CuflashAttentionBackward" and not lse.requires_grad
+    assert [e[0] is not None for e in out.grad_fn.next_functions] == [True] * 3  # q, k, v's accumulators
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert not fb.calls
+    # no launches: the gradients are the node's allocations, contiguous where the program says so
+    assert dq.shape == q.shape and dq.is_contiguous() and not q.is_contiguous()
+    assert dk.shape == k.shape and dv.shape == v.shape and dk.stride() == k.stride()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+
+
+def test_node_calls_the_python_backward_for_what_its_program_does_not_cover(ext):
+    q, k, v, out, lse = _operands()
+    fb = _Fallback()
+    prog = ext.make_program([], 16, [True] * 3, _strides(q, k, v, out, lse))
+    # an output gradient laid out otherwise than the output
+    ext.attach(q, k, v, out, lse, prog, fb)
+    dout = torch.randn(1, 2, 6, 8).transpose(1, 2)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    assert len(fb.calls) == 1 and fb.calls[0][0].stride() == dout.stride() and not fb.calls[0][-1]
+    assert all(torch.equal(g, torch.ones_like(x)) for g, x in zip(got, (q, k, v)))
+    assert torch.equal(fb.calls[0][4], out)
+    # create_graph=True: the Python backward, in grad mode
+    out2 = out.detach().clone()
+    ext.attach(q, k, v, out2, lse, prog, fb)
+    torch.autograd.grad(out2, (q, k, v), torch.randn_like(out2), create_graph=True)
+    assert len(fb.calls) == 2 and fb.calls[1][-1]
+    # saved tensors given back with other strides (a saved-tensor hook's copies)
+    out3 = out.detach().clone()
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: x.mT.contiguous().mT, lambda x: x):
+        ext.attach(q, k, v, out3, lse, prog, fb)
+    torch.autograd.grad(out3, (q, k, v), torch.randn_like(out3))
+    assert len(fb.calls) == 3
+    # a q with the program's strides at an address that is not 16-byte aligned
+    q4 = torch.randn(q.numel() + 1)[1:].view(q.shape).requires_grad_()
+    assert q4.stride() == q.stride() and q4.data_ptr() % 16
+    out4 = out.detach().clone()
+    ext.attach(q4, k, v, out4, lse, prog, fb)
+    torch.autograd.grad(out4, (q4, k, v), torch.randn_like(out4))
+    assert len(fb.calls) == 4
+
+
+def test_node_keeps_saved_tensor_hooks(ext):
+    """Saved tensors go through the default hooks (torch.autograd.graph.saved_tensors_hooks,
+    as checkpointing and save_on_cpu use them): packed at attach, unpacked in the backward."""
+    q, k, v, out, lse = _operands()
+    fb = _Fallback()
+    prog = ext.make_program([], 16, [True] * 3, _strides(q, k, v, out, lse))
+    packed, unpacked = [], []
+
+    def pack(x):
+        packed.append(x.shape)
+        return x
+
+    def unpack(x):
+        unpacked.append(x.shape)
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        ext.attach(q, k, v, out, lse, prog, fb)
+    torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert len(packed) == len(unpacked) == 5 and not fb.calls
+
+
+@pytest.mark.parametrize("launch, what", [
+    ((1, (1, 1, 1), (32, 1, 1), 0, b"\0" * 16, [(12, 0, 0)]), "pointer field out of the struct"),
+    ((1, (1, 1, 1), (32, 1, 1), 0, b"\0" * 16, [(0, 10, 0)]), "unknown role"),
+    ((1, (1, 1, 1), (32, 1, 1), 0, b"\0" * 256, [(8, 0, 9, 4, [1] * 4, [1] * 3, [1] * 4, [1] * 4, 3)]),
+     "tensor map field out of the struct, misaligned"),
+    ((1, (1, 1), (32, 1, 1), 0, b"", []), "grid and block are 3-tuples"),
+    ((1, (1, 1, 1), (32, 1, 1), 0, b"\0" * 2048, []), "parameter struct of 2048 bytes"),
+])
+def test_make_program_checks_its_launches(ext, launch, what):
+    with pytest.raises(RuntimeError, match=what):
+        ext.make_program([launch], 0, [True] * 3, [[1]] * 5)
+
+
+def test_program_from_a_prepared_backward(monkeypatch):
+    """node.program: each launch's struct with its blank fields, the pointer fields' offsets,
+    roles and byte offsets, and the tensor maps' driver arguments; None for a role the node
+    does not fill."""
+    from types import SimpleNamespace
+    from cuflash.backward import _Map, _Ptr
+    from cuflash.kernels import fwd_ws
+    from cuflash.kernels.params import TENSOR_MAP_BYTES, ParamTable
+    from cuflash.torch import node
+    table = ParamTable("P", (("n", "int"), ("dout", "const void*"), ("map_q", "CUtensorMap"), ("lse", "float*")))
+    kernel = SimpleNamespace(table=table, layout=table.layout, ptr=0xABC)
+    q_map = _Map("q", (2, 256, 8, 64), (131072, 512, 64, 1), 64, "bf16")
+    la = SimpleNamespace(kernel=kernel, grid=(4, 8, 2), block=(384, 1, 1), smem=1000,
+                         values=(7, 0, bytes(TENSOR_MAP_BYTES), 0), slots=((1, _Ptr("dout")), (2, q_map),
+                                                                            (3, _Ptr("lse", 256))))
+    made = []
+    monkeypatch.setattr(node, "module", lambda: SimpleNamespace(make_program=lambda *a: made.append(a) or "P"))
+    bwd = SimpleNamespace(launches=(la,), ws_floats=99)
+    assert node.program(bwd, [(1,)] * 5, (True, True, False)) == "P"
+    (launches, ws, contiguous, strides), = made
+    assert ws == 99 and contiguous == [True, True, False] and strides == [[1]] * 5
+    (fn, grid, block, smem, params, patches), = launches
+    assert (fn, grid, block, smem) == (0xABC, (4, 8, 2), (384, 1, 1), 1000) and params == table.layout.pack(*la.values)
+    code, dims, byte_strides, box, elem, l2 = fwd_ws._encode_args(q_map.shape, q_map.strides, "bf16", 64, 256)
+    assert patches == [(table.offset("dout"), node.ROLES.index("dout"), 0),
+                       (table.offset("map_q"), node.ROLES.index("q"), code, 4, list(dims), list(byte_strides),
+                        list(box), list(elem), l2),
+                       (table.offset("lse"), node.ROLES.index("lse"), 256)]
+    assert table.offset("map_q") % 64 == 0
+    la.slots += ((1, _Ptr("cu_q")),)
+    assert node.program(bwd, [(1,)] * 5, (True,) * 3) is None
+
+
+def _attention_node(out):
+    """The name of the attention's node in ``out``'s graph (SDPA adds transposes around it)."""
+    fn = out.grad_fn
+    while fn is not None and "Attention" not in fn.name():
+        fn = fn.next_functions[0][0]
+    return None if fn is None else fn.name()
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("sq,sk,h,hk,d,causal", [(256, 256, 8, 2, 128, True), (113, 203, 4, 4, 64, False)])
+@pytest.mark.parametrize("sdpa", [False, True])
+def test_gpu_node_matches_the_python_node(monkeypatch, dtype, sq, sk, h, hk, d, causal, sdpa):
+    """Three steps with the C++ node asked for (the first makes the prepared launches and the
+    Python node runs it; the others run the C++ node) against the same with the Python node:
+    outputs and gradients bitwise equal, through cuflash.torch.attention and through SDPA with
+    cuflash active."""
+    import cuflash.torch as ct
+    import cuflash.torch.sdpa as s
+    from cuflash.plan import forget_plans
+    from cuflash.torch import node
+    if node.module() is None:
+        pytest.skip(f"the C++ node cannot be built here: {node._state['why']}")
+    dt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(sq + sk)
+    shapes = ((2, sq, h, d), (2, sk, hk, d), (2, sk, hk, d))
+    leaves = [torch.randn(*x, device="cuda", dtype=dt, generator=g) for x in shapes]
+    dout = torch.randn(2, sq, h, d, device="cuda", dtype=dt, generator=g)
+
+    def steps(cpp):
+        monkeypatch.setenv("CUFLASH_CPP_NODE", "1" if cpp else "0")
+        forget_plans()
+        res = []
+        for _ in range(3):
+            q, k, v = (x.clone().requires_grad_() for x in leaves)
+            if sdpa:
+                qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+                out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                                                       enable_gqa=h != hk).transpose(1, 2)
+            else:
+                out = ct.attention(q, k, v, causal=causal)
+            res.append((_attention_node(out), out.detach(), *torch.autograd.grad(out, (q, k, v), dout)))
+        return res
+
+    if sdpa:
+        s.activate_sdpa()
+    try:
+        python, cpp = steps(False), steps(True)
+    finally:
+        if sdpa:
+            s.restore_sdpa()
+        forget_plans()
+    assert [r[0] for r in python] == ["_PreparedAttentionBackward"] * 3
+    assert [r[0] for r in cpp] == ["_PreparedAttentionBackward"] + ["CuflashAttentionBackward"] * 2
+    for a, b in zip(python, cpp):
+        assert all(torch.equal(x, y) for x, y in zip(a[1:], b[1:]))
