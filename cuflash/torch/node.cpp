@@ -47,10 +47,18 @@ using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned
                          void**, void**);
 using EncodeFn = int (*)(void*, int, unsigned, void*, const uint64_t*, const uint64_t*, const uint32_t*,
                          const uint32_t*, int, int, int, int);
+using CtxGetFn = int (*)(void**);
+using CtxSetFn = int (*)(void*);
+using DeviceGetFn = int (*)(int*, int);
+using PrimaryRetainFn = int (*)(void**, int);
 
 struct Driver {
   LaunchFn launch = nullptr;
   EncodeFn encode = nullptr;
+  CtxGetFn ctx_get = nullptr;
+  CtxSetFn ctx_set = nullptr;
+  DeviceGetFn device_get = nullptr;
+  PrimaryRetainFn primary_retain = nullptr;
 };
 
 const Driver& driver() {
@@ -61,7 +69,12 @@ const Driver& driver() {
     TORCH_CHECK(lib, "cuflash: cannot open libcuda.so.1");
     r.launch = reinterpret_cast<LaunchFn>(dlsym(lib, "cuLaunchKernel"));
     r.encode = reinterpret_cast<EncodeFn>(dlsym(lib, "cuTensorMapEncodeTiled"));
-    TORCH_CHECK(r.launch && r.encode, "cuflash: libcuda.so.1 lacks cuLaunchKernel or cuTensorMapEncodeTiled");
+    r.ctx_get = reinterpret_cast<CtxGetFn>(dlsym(lib, "cuCtxGetCurrent"));
+    r.ctx_set = reinterpret_cast<CtxSetFn>(dlsym(lib, "cuCtxSetCurrent"));
+    r.device_get = reinterpret_cast<DeviceGetFn>(dlsym(lib, "cuDeviceGet"));
+    r.primary_retain = reinterpret_cast<PrimaryRetainFn>(dlsym(lib, "cuDevicePrimaryCtxRetain"));
+    TORCH_CHECK(r.launch && r.encode && r.ctx_get && r.ctx_set && r.device_get && r.primary_retain,
+                "cuflash: libcuda.so.1 lacks a driver function the node calls");
     return r;
   }();
   return d;
@@ -105,9 +118,25 @@ struct Program {
 
 bool aligned(const at::Tensor& t) { return (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0; }
 
-// Fills the program's fields with ``ptrs`` and launches it on ``stream``.
-void fire(const Program& prog, const std::array<uint64_t, kRoles>& ptrs, void* stream) {
+// Makes device ``ordinal``'s primary context current on this thread (cuflash's kernels are
+// loaded there; the engine's threads may have none, or another device's, current).
+void bind_primary_context(const Driver& d, int ordinal) {
+  thread_local std::array<void*, 64> primary{};  // retained once per thread and device
+  TORCH_CHECK(ordinal >= 0 && ordinal < (int)primary.size(), "cuflash: device ", ordinal);
+  if (!primary[ordinal]) {
+    int dev = 0;
+    TORCH_CHECK(d.device_get(&dev, ordinal) == 0 && d.primary_retain(&primary[ordinal], dev) == 0,
+                "cuflash: cannot retain device ", ordinal, "'s primary context");
+  }
+  void* current = nullptr;
+  if (d.ctx_get(&current) != 0 || current != primary[ordinal])
+    TORCH_CHECK(d.ctx_set(primary[ordinal]) == 0, "cuflash: cannot make device ", ordinal, "'s context current");
+}
+
+// Fills the program's fields with ``ptrs`` and launches it on ``stream`` of device ``ordinal``.
+void fire(const Program& prog, const std::array<uint64_t, kRoles>& ptrs, void* stream, int ordinal) {
   const Driver& d = driver();
+  bind_primary_context(d, ordinal);
   alignas(128) unsigned char buf[kMaxParams];
   for (const Launch& la : prog.launches) {
     std::memcpy(buf, la.params.data(), la.params.size());
@@ -182,7 +211,7 @@ struct AttentionBackward : public torch::autograd::Node {
     if (!p.launches.empty()) {  // (a program without launches: the tests' CPU check of the node)
       c10::DeviceGuard guard(q.device());
       const c10::impl::VirtualGuardImpl impl(q.device().type());
-      fire(p, ptrs, impl.getStream(q.device()).native_handle());
+      fire(p, ptrs, impl.getStream(q.device()).native_handle(), q.device().index());
     }
     return {g[0], g[1], g[2]};
   }

@@ -67,13 +67,27 @@ def _build():
         return None, f"building {_SOURCE.name} failed: {type(e).__name__}: {str(e).strip()[-400:]}"
 
 
+def program_for(bwd, strides):
+    """:func:`program` where the C++ node is asked for and built, else None (a failure to make
+    it goes to :func:`why_not`, and the call keeps the Python node). The gradients are allocated
+    as ``bwd`` allocates them (contiguous) or as the Python backward gives them to it (like
+    their inputs: SDPA's layout)."""
+    if not enabled() or module() is None:
+        return None
+    try:
+        return program(bwd, strides, bwd.allocate)
+    except Exception as e:
+        _state["why"] = f"making a program failed: {type(e).__name__}: {e}"
+        return None
+
+
 def program(bwd, strides, contiguous):
     """node.cpp's Program for a prepared backward ``bwd`` (cuflash.backward's repeat object, whose
     launches take pointers by role), made for saved (q, k, v, out, lse) of ``strides`` and
     allocating the gradient of q, k, v contiguous where ``contiguous`` says so (else like its
     input). None where a launch needs a role the node does not fill (packed sequences, FlashMask).
-    The program holds the kernels' CUfunction handles: cuflash never unloads a loaded kernel
-    (compiler._loaded), so they stay valid for every node that holds the program."""
+    The program holds the kernels' CUfunction handles; each node that holds it also holds the
+    Python backward (its fallback), and so ``bwd`` and its kernels' modules, which stay loaded."""
     from cuflash.backward import _Map, _Ptr
     launches = []
     for la in bwd.launches:
@@ -84,6 +98,7 @@ def program(bwd, strides, contiguous):
                 return None
             offset = table.offset(table.names[i])
             if x.__class__ is _Ptr:
+                assert table.fields[i][1].endswith("*"), (table.struct_name, table.names[i])  # 8 bytes written
                 patches.append((offset, ROLES.index(x.role), x.offset))
                 continue
             assert x.__class__ is _Map

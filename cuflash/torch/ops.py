@@ -1,10 +1,12 @@
 """The custom ops ``cuflash::attention_fwd`` / ``_bwd`` and ``cuflash::attention_varlen_fwd`` /
 ``_bwd`` (with fake implementations and autograd), the eager autograd.Function that runs the same
 bodies, and the public :func:`attention` / :func:`attention_varlen`."""
+import sys
 from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad as _forward_ad
 
 import cuflash
 import cuflash.backward
@@ -559,17 +561,25 @@ class _PreparedAttention(torch.autograd.Function):
 
 def _prepared_apply(q, k, v, p):
     """(out, lse) of a prepared call that needs gradients: with the C++ node where it is asked for
-    and its program is made (node.py), else through _PreparedAttention."""
+    and its program is made (node.py), else through _PreparedAttention (also under forward-mode
+    AD, whose tangents the node does not carry, and where compiled autograd is on, which a C++
+    node must describe to it: node.cpp does not)."""
     if p.program is None and p.bwd is not None:  # (decided once per layout, after its first backward)
-        p.program = (_node.enabled() and _node.module() is not None
-                     and _node.program(p.bwd, p.bwd_strides, (not p.sdpa,) * 3)) or False
+        p.program = _node.program_for(p.bwd, p.bwd_strides) or False
         p.fallback = lambda *saved: _prepared_backward(p, *saved)
-    if not p.program:
+    if not p.program or _forward_ad._current_level >= 0 or _compiled_autograd():
         return _PreparedAttention.apply(q, k, v, p)
     with torch.no_grad():  # (as inside a Function's forward: nothing it runs is recorded)
         out, lse = _prepared_forward(q, k, v, p)
     _node.module().attach(q, k, v, out, lse, p.program, p.fallback)
     return out, lse
+
+
+def _compiled_autograd() -> bool:
+    """Whether compiled autograd (torch._dynamo.compiled_autograd) is on, if it was imported."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return ca is not None and bool(getattr(ca, "compiled_autograd_enabled", False)
+                                   or getattr(ca, "in_compiled_autograd_region", False))
 
 
 def _apply(route, eager, func, op, args):
