@@ -515,7 +515,8 @@ def _prepared_forward(q, k, v, p):
 
 def _prepared_backward(p, dout, q, k, v, out, lse):
     """(dq, dk, dv) of a prepared call's backward: the repeat path's launches where they hold, else
-    the general path, which makes them (and, with CUFLASH_CPP_NODE=1, the C++ node's program)."""
+    the general path, which makes them (the C++ node's program is made from them: _prepared_apply).
+    The Python node's backward, and the C++ node's for what its program does not cover."""
     # The backward's prepared launches hold for an output gradient laid out as the output, and
     # for saved tensors with the strides they were made for: a saved-tensor hook (e.g.
     # torch.autograd.graph.save_on_cpu) may give back contiguous copies of strided inputs.
