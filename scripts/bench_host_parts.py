@@ -3,7 +3,8 @@ ops (b=2, s=256, 8 heads, d=64, causal, bf16; host µs, median of seven interlea
 1000 calls). Run on one core too (``taskset -c 2 python ...``): the machine's cross-core thread
 hand-offs move every figure by tens of µs.
 
-    python scripts/bench_host_parts.py kinds   # trivial Python and C++ autograd Functions, SDPA, cuflash.torch
+    python scripts/bench_host_parts.py kinds   # trivial Python and C++ autograd Functions, SDPA, cuflash.torch,
+                                               # SDPA with cuflash active (CUFLASH_CPP_NODE=1: with the C++ node)
     python scripts/bench_host_parts.py parts   # each body and piece alone, on the main thread
     python scripts/bench_host_parts.py busy    # a fixed Python loop in a trivial Function's forward or backward
     python scripts/bench_host_parts.py insitu  # cuflash.torch's bodies timed inside the step against alone
@@ -49,12 +50,24 @@ def run(fn, n=1000):
 
 
 def report(cases, rounds=7):
-    for fn in cases.values():
-        run(fn, 200)
+    """Each case is a call, or (call, on, off): on() and off() run around its rounds, untimed."""
+    cases = {k: c if isinstance(c, tuple) else (c, None, None) for k, c in cases.items()}
+
+    def timed(fn, on, off, n=1000):
+        if on:
+            on()
+        try:
+            return run(fn, n)
+        finally:
+            if off:
+                off()
+
+    for c in cases.values():
+        timed(*c, n=200)
     res = {k: [] for k in cases}
     for _ in range(rounds):
-        for name, fn in cases.items():
-            res[name].append(run(fn))
+        for name, c in cases.items():
+            res[name].append(timed(*c))
     for name, r in res.items():
         print(f"{name:30s} median {statistics.median(r):7.1f} us  (min {min(r):.1f}, max {max(r):.1f})", flush=True)
 
@@ -108,17 +121,25 @@ def main():
     def cf():
         return torch.autograd.grad(ct.attention(q, k, v, causal=True), (q, k, v), g)
 
+    def sdpa_views():  # SDPA on (batch, seqlen, nheads, d) leaves seen as (batch, nheads, seqlen, d), as models call it
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)),
+                                                                   is_causal=True)
+            return torch.autograd.grad(out, (q, k, v), gt)
+
     cf(), sdpa()
     p = ops._prepared_for(q, k, v, True, None, (-1, -1), 0.0, False)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     out, lse = p.fwd(qd, kd, vd, None)
     if what == "kinds":
+        import cuflash.torch.sdpa as sd
         from torch.utils.cpp_extension import load_inline
         ext = load_inline("cuflash_trivial_function_o3", cpp_sources=CPP, functions=["triv"],
                           extra_cflags=["-O3"], build_directory=os.environ.get("EXT_DIR") or None)
         report({"python Function (trivial)": lambda: torch.autograd.grad(Trivial.apply(q, k, v)[0], (q, k, v), g),
                 "C++ Function (trivial)": lambda: torch.autograd.grad(ext.triv(q, k, v)[0], (q, k, v), g),
-                "SDPA flash": sdpa, "cuflash.torch": cf})
+                "SDPA flash": sdpa, "cuflash.torch": cf, "SDPA flash on views": sdpa_views,
+                "SDPA on views, cuflash active": (sdpa_views, sd.activate_sdpa, sd.restore_sdpa)})
     elif what == "parts":
         from cuflash import arrays, backward as bw
         a = torch.ops.aten
