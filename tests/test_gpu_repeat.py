@@ -232,15 +232,18 @@ def test_backward_repeat_through_autograd_and_misaligned_pointers():
 # ---------------------------------------------------------------------------------------------
 # The eager autograd path of plain calls (cuflash.torch.ops._PreparedAttention)
 
+@pytest.mark.parametrize("cpp_node", [False, True])
 @pytest.mark.parametrize("kw", [dict(causal=True, deterministic=True),
                                 dict(causal=False, softmax_scale=0.2, window_size=(40, 7), softcap=20.0,
                                      deterministic=True),
                                 dict(causal=True)])
-def test_prepared_autograd_steps(monkeypatch, kw):
+def test_prepared_autograd_steps(monkeypatch, kw, cpp_node):
     """Repeated training steps fire the forward's and the backward's prepared launches (neither
     general path runs after the first step) and give the general path's results for their own
     data: bitwise with deterministic=True, within the atomics' reordering otherwise. An output
-    gradient laid out unlike the output takes the general backward."""
+    gradient laid out unlike the output takes the general backward. ``cpp_node``: the same with
+    the C++ backward node (CUFLASH_CPP_NODE=1), which fires the prepared backward from the second
+    step on."""
     import torch
     import cuflash.torch as ct
     from cuflash import api, backward
@@ -267,6 +270,10 @@ def test_prepared_autograd_steps(monkeypatch, kw):
             else:
                 assert (x.float() - y.float()).abs().max().item() <= 1e-2 * y.float().abs().max().item()
 
+    from cuflash.torch import node
+    if cpp_node and node.module() is None:
+        pytest.skip(f"the C++ node cannot be built here: {node._state['why']}")
+    monkeypatch.setenv("CUFLASH_CPP_NODE", "1" if cpp_node else "0")
     ops._prepared.clear()
     step(0)
     (p,) = ops._prepared.values()
@@ -279,7 +286,7 @@ def test_prepared_autograd_steps(monkeypatch, kw):
             got = step(seed)
         same(got, step(seed, general=True))
     same(step(3, dout_t=True), step(3, general=True, dout_t=True))
-    assert len(ops._prepared) == 1
+    assert len(ops._prepared) == 1 and bool(p.program) == cpp_node
 
 
 def test_prepared_autograd_returns_the_lse():
