@@ -41,12 +41,9 @@ std::vector<at::Tensor> triv(at::Tensor q, at::Tensor k, at::Tensor v) { return 
 
 
 def run(fn, n=1000):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
+    """Host µs per call over n back-to-back calls (bench.host_us, one round)."""
+    from cuflash.bench import host_us
+    return host_us(fn, reps=n, rounds=1)
 
 
 def report(cases, rounds=7):

@@ -12,7 +12,8 @@ unless --head-dim says otherwise, 16 heads, batch 1, the masks bench mask builds
 against the same with the bool fields F flipped where they apply (bwd_ws.flipped), in rounds
 that alternate the two (the order rotated each round), and their ratio. ``--trial persistent``:
 the same for the forward alone, the planned fwd_ws variant against it with persistent blocks
-flipped (on where it is off, off where it is on; 128-row tiles at d <= 128 only). Rows whose
+flipped (on where it is off, off where it is on; where FwdWsVariant accepts it: 128-row tiles at
+d <= 128). Rows whose
 trial variant is the planned one say "(the same kernel)": their ratio is the runs' noise."""
 import argparse
 import statistics
@@ -73,8 +74,13 @@ def trial(a):
         raise SystemExit("--trial persistent (the forward's) takes no other field")
     kernels = fwd_ws if fwd else bwd_ws
     planned = kernels.planned
-    change = ((lambda v: replace(v, persistent=not v.persistent) if v.block_m == 128 and v.head_dim <= 128 else v)
-              if fwd else (lambda v: bwd_ws.flipped(v, a.trial)))
+    def flip_persistent(v):  # where the variant's own checks take the other choice
+        try:
+            return replace(v, persistent=not v.persistent)
+        except ValueError:
+            return v
+
+    change = flip_persistent if fwd else (lambda v: bwd_ws.flipped(v, a.trial))
     changed = []  # whether the trial's variant differed from the planned one (per family and length)
 
     def trial_variant(*p, **k):

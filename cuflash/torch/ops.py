@@ -1,6 +1,7 @@
 """The custom ops ``cuflash::attention_fwd`` / ``_bwd`` and ``cuflash::attention_varlen_fwd`` /
 ``_bwd`` (with fake implementations and autograd), the eager autograd.Function that runs the same
 bodies, and the public :func:`attention` / :func:`attention_varlen`."""
+import functools
 import sys
 from typing import Optional
 
@@ -567,7 +568,7 @@ def _prepared_apply(q, k, v, p):
     node must describe to it: node.cpp does not)."""
     if p.program is None and p.bwd is not None:  # (decided once per layout, after its first backward)
         p.program = _node.program_for(p.bwd, p.bwd_strides) or False
-        p.fallback = lambda *saved: _prepared_backward(p, *saved)
+        p.fallback = functools.partial(_prepared_backward, p)
     if not p.program or _forward_ad._current_level >= 0 or _compiled_autograd():
         return _PreparedAttention.apply(q, k, v, p)
     with torch.no_grad():  # (as inside a Function's forward: nothing it runs is recorded)
