@@ -163,8 +163,24 @@ def cmd_warmup(a):
         else:
             print(f"compiled {len(compiled)} kernels" + (f" ({len(cached)} already cached)" if cached else "")
                   + f" for sm_{arch} in {took:.1f} s into {compiler.cache_dir()}")
+    if not a.check:
+        _warmup_torch_node()
     if failed:
         raise SystemExit(1)
+
+
+def _warmup_torch_node():
+    """Builds cuflash.torch's C++ autograd node where PyTorch is installed (cuflash/torch/node.py)."""
+    import importlib.util
+    if importlib.util.find_spec("torch") is None:
+        return
+    from cuflash.torch import node
+    if not node.enabled():
+        print(f"C++ autograd node: {node.why_not()}")
+        return
+    t0 = time.perf_counter()
+    why = node.why_not()
+    print(f"C++ autograd node: {'ready' if why is None else why} ({time.perf_counter() - t0:.1f} s)")
 
 
 def cmd_cache(a):

@@ -118,11 +118,12 @@ def main():
     def cf():
         return torch.autograd.grad(ct.attention(q, k, v, causal=True), (q, k, v), g)
 
-    def sdpa_views():  # SDPA on (batch, seqlen, nheads, d) leaves seen as (batch, nheads, seqlen, d), as models call it
+    def sdpa_views():  # as models call it: SDPA on (batch, seqlen, nheads, d) leaves seen as (batch, nheads,
+        # seqlen, d), its output seen back as (batch, seqlen, nheads, d) (the output's gradient then has its strides)
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             out = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)),
                                                                    is_causal=True)
-            return torch.autograd.grad(out, (q, k, v), gt)
+            return torch.autograd.grad(out.transpose(1, 2), (q, k, v), g)
 
     cf(), sdpa()
     p = ops._prepared_for(q, k, v, True, None, (-1, -1), 0.0, False)

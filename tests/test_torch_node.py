@@ -259,3 +259,25 @@ def test_prepared_calls_take_the_node_once_asked_for(ext, monkeypatch):
     p2.fwd, p2.bwd, p2.bwd_strides = fwd, p.bwd, p.bwd_strides
     monkeypatch.setenv("CUFLASH_CPP_NODE", "0")
     assert node_name(p2) == "_PreparedAttentionBackward" and p2.program is False
+
+
+def test_the_node_is_on_unless_turned_off(monkeypatch):
+    from cuflash.torch import node
+    monkeypatch.delenv("CUFLASH_CPP_NODE", raising=False)
+    assert node.enabled()
+    monkeypatch.setenv("CUFLASH_CPP_NODE", "0")
+    assert not node.enabled() and node.why_not() == "turned off (CUFLASH_CPP_NODE=0)"
+
+
+def test_a_failed_build_is_remembered(monkeypatch, tmp_path):
+    """A build that fails (here: a source that does not compile) keeps the Python node, and its
+    reason is kept in the cache so that later processes do not spend the build's time again."""
+    from cuflash.torch import node
+    bad = tmp_path / "node.cpp"
+    bad.write_text("#error this source does not compile\n")
+    monkeypatch.setattr(node, "_SOURCE", bad)
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    module, why = node._build()
+    assert module is None and why.startswith("building node.cpp failed")
+    again, why_again = node._build()
+    assert again is None and why_again.startswith(why) and "to build again" in why_again

@@ -18,6 +18,7 @@
 #include <array>
 #include <cstring>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -26,6 +27,23 @@ namespace {
 
 using torch::autograd::Node;
 using torch::autograd::variable_list;
+
+// Throws std::runtime_error (RuntimeError in Python) with the message's parts unless ``ok``.
+// The message is put together with std::string and std::to_string alone: on the PyTorch 2.11
+// machine an extension's std::ostringstream crashed the process (TORCH_CHECK's formatted
+// messages too), while a std::runtime_error of a std::string was raised as it should be.
+inline std::string text(const char* s) { return s; }
+inline std::string text(const std::string& s) { return s; }
+template <class T, class = std::enable_if_t<std::is_integral_v<T>>>
+std::string text(T n) { return std::to_string(n); }
+
+template <class... Parts>
+void check(bool ok, const Parts&... parts) {
+  if (ok) return;
+  std::string msg;
+  ((msg += text(parts)), ...);
+  throw std::runtime_error(msg);
+}
 
 // Autograd nodes are held by std::shared_ptr up to PyTorch 2.11 and by c10::intrusive_ptr after;
 // these two, templates so that only the branch of the PyTorch at hand is compiled, make and
@@ -66,14 +84,14 @@ const Driver& driver() {
     Driver r;
     void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
     if (!lib) lib = dlopen("libcuda.so.1", RTLD_NOW);
-    TORCH_CHECK(lib, "cuflash: cannot open libcuda.so.1");
+    check(lib, "cuflash: cannot open libcuda.so.1");
     r.launch = reinterpret_cast<LaunchFn>(dlsym(lib, "cuLaunchKernel"));
     r.encode = reinterpret_cast<EncodeFn>(dlsym(lib, "cuTensorMapEncodeTiled"));
     r.ctx_get = reinterpret_cast<CtxGetFn>(dlsym(lib, "cuCtxGetCurrent"));
     r.ctx_set = reinterpret_cast<CtxSetFn>(dlsym(lib, "cuCtxSetCurrent"));
     r.device_get = reinterpret_cast<DeviceGetFn>(dlsym(lib, "cuDeviceGet"));
     r.primary_retain = reinterpret_cast<PrimaryRetainFn>(dlsym(lib, "cuDevicePrimaryCtxRetain"));
-    TORCH_CHECK(r.launch && r.encode && r.ctx_get && r.ctx_set && r.device_get && r.primary_retain,
+    check(r.launch && r.encode && r.ctx_get && r.ctx_set && r.device_get && r.primary_retain,
                 "cuflash: libcuda.so.1 lacks a driver function the node calls");
     return r;
   }();
@@ -122,15 +140,15 @@ bool aligned(const at::Tensor& t) { return (reinterpret_cast<uintptr_t>(t.data_p
 // loaded there; the engine's threads may have none, or another device's, current).
 void bind_primary_context(const Driver& d, int ordinal) {
   thread_local std::array<void*, 64> primary{};  // retained once per thread and device
-  TORCH_CHECK(ordinal >= 0 && ordinal < (int)primary.size(), "cuflash: device ", ordinal);
+  check(ordinal >= 0 && ordinal < (int)primary.size(), "cuflash: device ", ordinal);
   if (!primary[ordinal]) {
     int dev = 0;
-    TORCH_CHECK(d.device_get(&dev, ordinal) == 0 && d.primary_retain(&primary[ordinal], dev) == 0,
+    check(d.device_get(&dev, ordinal) == 0 && d.primary_retain(&primary[ordinal], dev) == 0,
                 "cuflash: cannot retain device ", ordinal, "'s primary context");
   }
   void* current = nullptr;
   if (d.ctx_get(&current) != 0 || current != primary[ordinal])
-    TORCH_CHECK(d.ctx_set(primary[ordinal]) == 0, "cuflash: cannot make device ", ordinal, "'s context current");
+    check(d.ctx_set(primary[ordinal]) == 0, "cuflash: cannot make device ", ordinal, "'s context current");
 }
 
 // Fills the program's fields with ``ptrs`` and launches it on ``stream`` of device ``ordinal``.
@@ -149,12 +167,12 @@ void fire(const Program& prog, const std::array<uint64_t, kRoles>& ptrs, void* s
       const int rc = d.encode(buf + p.offset, p.dtype, p.rank, reinterpret_cast<void*>(ptrs[p.role]), p.dims.data(),
                               p.strides.data(), p.box.data(), p.elem.data(), 0 /* no interleave */,
                               3 /* 128-byte swizzle */, p.l2, 0 /* zero fill */);
-      TORCH_CHECK(rc == 0, "cuflash: cuTensorMapEncodeTiled failed with CUresult ", rc);
+      check(rc == 0, "cuflash: cuTensorMapEncodeTiled failed with CUresult ", rc);
     }
     void* arg = buf;
     const int rc = d.launch(la.fn, la.grid[0], la.grid[1], la.grid[2], la.block[0], la.block[1], la.block[2], la.smem,
                             stream, &arg, nullptr);
-    TORCH_CHECK(rc == 0, "cuflash: cuLaunchKernel failed with CUresult ", rc);
+    check(rc == 0, "cuflash: cuLaunchKernel failed with CUresult ", rc);
   }
 }
 
@@ -223,7 +241,7 @@ struct AttentionBackward : public torch::autograd::Node {
 std::shared_ptr<Program> make_program(const py::list& launches, int64_t ws_floats, std::vector<bool> contiguous,
                                       std::vector<std::vector<int64_t>> strides) {
   auto prog = std::make_shared<Program>();
-  TORCH_CHECK(contiguous.size() == 3 && strides.size() == 5, "cuflash: a program needs 3 flags and 5 strides");
+  check(contiguous.size() == 3 && strides.size() == 5, "cuflash: a program needs 3 flags and 5 strides");
   for (int i = 0; i < 3; ++i) prog->contiguous[i] = contiguous[i];
   prog->strides = std::move(strides);
   prog->ws_floats = ws_floats;
@@ -232,29 +250,29 @@ std::shared_ptr<Program> make_program(const py::list& launches, int64_t ws_float
     Launch la;
     la.fn = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
     const auto grid = t[1].cast<std::vector<unsigned>>(), block = t[2].cast<std::vector<unsigned>>();
-    TORCH_CHECK(grid.size() == 3 && block.size() == 3, "cuflash: grid and block are 3-tuples");
+    check(grid.size() == 3 && block.size() == 3, "cuflash: grid and block are 3-tuples");
     std::copy(grid.begin(), grid.end(), la.grid.begin());
     std::copy(block.begin(), block.end(), la.block.begin());
     la.smem = t[3].cast<unsigned>();
     la.params = t[4].cast<std::string>();
-    TORCH_CHECK(la.params.size() <= kMaxParams, "cuflash: a parameter struct of ", la.params.size(), " bytes");
+    check(la.params.size() <= kMaxParams, "cuflash: a parameter struct of ", la.params.size(), " bytes");
     for (const py::handle& ph : t[5].cast<py::list>()) {
       const py::tuple pt = ph.cast<py::tuple>();
       Patch p;
       p.offset = pt[0].cast<int>();
       p.role = pt[1].cast<int>();
-      TORCH_CHECK(p.role >= 0 && p.role < kRoles, "cuflash: an unknown role ", p.role);
+      check(p.role >= 0 && p.role < kRoles, "cuflash: an unknown role ", p.role);
       if (pt.size() == 3) {
         p.add = pt[2].cast<int64_t>();
-        TORCH_CHECK(p.offset >= 0 && p.offset + 8 <= (int)la.params.size(), "cuflash: a pointer field out of the struct");
+        check(p.offset >= 0 && p.offset + 8 <= (int)la.params.size(), "cuflash: a pointer field out of the struct");
       } else {
         p.map = true;
         p.dtype = pt[2].cast<int>(), p.rank = pt[3].cast<int>();
-        TORCH_CHECK(p.rank >= 1 && p.rank <= 5 && p.offset % 64 == 0 && p.offset + kMapBytes <= (int)la.params.size(),
+        check(p.rank >= 1 && p.rank <= 5 && p.offset % 64 == 0 && p.offset + kMapBytes <= (int)la.params.size(),
                     "cuflash: a tensor map field out of the struct, misaligned or of rank ", p.rank);
         const auto dims = pt[4].cast<std::vector<uint64_t>>(), st = pt[5].cast<std::vector<uint64_t>>();
         const auto box = pt[6].cast<std::vector<uint32_t>>(), elem = pt[7].cast<std::vector<uint32_t>>();
-        TORCH_CHECK((int)dims.size() == p.rank && (int)st.size() == p.rank - 1 && (int)box.size() == p.rank &&
+        check((int)dims.size() == p.rank && (int)st.size() == p.rank - 1 && (int)box.size() == p.rank &&
                         (int)elem.size() == p.rank, "cuflash: tensor map arguments of the wrong rank");
         std::copy(dims.begin(), dims.end(), p.dims.begin());
         std::copy(st.begin(), st.end(), p.strides.begin());

@@ -1,15 +1,16 @@
-"""cuflash's attention backward as a C++ autograd node (node.cpp), on trial: opt in with
-``CUFLASH_CPP_NODE=1``.
+"""cuflash's attention backward as a C++ autograd node (node.cpp), used where it can be built;
+``CUFLASH_CPP_NODE=0`` turns it off.
 
-An eager call that needs gradients records a Python ``torch.autograd.Function`` node by default,
-whose backward the autograd engine runs through the Python interpreter. With the C++ node, the
-forward still runs in Python and the backward runs in C++: it fills the backward's prepared
-launches (the kernels, their parameter structs and grids, made by the first call of a layout)
-with the call's pointers and launches them, calling the Python backward only for what the
-prepared launches do not cover. The node is built from node.cpp by
-``torch.utils.cpp_extension`` (a C++ compiler and ninja; about 30 s, once per PyTorch version,
-kept under cuflash's cache directory); where it cannot be built the Python node stays, and
-:func:`why_not` says why.
+An eager call that needs gradients would otherwise record a Python ``torch.autograd.Function``
+node, whose backward the autograd engine runs through the Python interpreter (tens of µs of
+host time per call). With the C++ node, the forward still runs in Python and the backward runs
+in C++: it fills the backward's prepared launches (the kernels, their parameter structs and
+grids, made by the first call of a layout) with the call's pointers and launches them, calling
+the Python backward only for what the prepared launches do not cover. The node is built from
+node.cpp by ``torch.utils.cpp_extension`` (a C++ compiler and ninja; about 30 s, once per
+PyTorch and Python version, kept under cuflash's cache directory; ``python -m cuflash warmup``
+builds it ahead), at the second call of a layout that needs gradients; where it cannot be built
+the Python node stays, and :func:`why_not` says why.
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ _state: dict = {}  # "module": the built extension or None; "why": why there is 
 
 
 def enabled() -> bool:
-    """Whether calls ask for the C++ node (``CUFLASH_CPP_NODE=1``)."""
-    return os.environ.get("CUFLASH_CPP_NODE", "0") == "1"
+    """Whether calls may take the C++ node: unless ``CUFLASH_CPP_NODE=0``."""
+    return os.environ.get("CUFLASH_CPP_NODE", "1") != "0"
 
 
 def module():
@@ -43,7 +44,7 @@ def module():
 def why_not() -> str | None:
     """Why the C++ node is not in use, or None where it is."""
     if not enabled():
-        return "not asked for (CUFLASH_CPP_NODE=1 asks)"
+        return "turned off (CUFLASH_CPP_NODE=0)"
     module()
     return _state["why"]
 
@@ -55,16 +56,24 @@ def _build():
     src = _SOURCE.read_bytes()
     key = hashlib.sha256(src + torch.__version__.encode() + sys.version.encode()).hexdigest()[:16]
     where = compiler.cache_dir() / "torch-node" / key
+    failed = where / "failed.txt"  # a failed build's reason: later processes do not try again
+    if failed.exists():
+        return None, f"{failed.read_text().strip()} (remove {failed} to build again)"
     try:
         where.mkdir(mode=0o700, parents=True, exist_ok=True)
         from torch.utils.cpp_extension import load
         if not (where / f"cuflash_node_{key}.so").exists():
-            print(f"cuflash: building the C++ autograd node in {where} (once per PyTorch version, about 30 s)",
-                  file=sys.stderr, flush=True)
+            print(f"cuflash: building the C++ autograd node in {where} (once per PyTorch and Python version, "
+                  "about 30 s; CUFLASH_CPP_NODE=0 turns it off)", file=sys.stderr, flush=True)
         return load(f"cuflash_node_{key}", sources=[str(_SOURCE)], extra_cflags=["-O3"],
                     build_directory=str(where), verbose=False), None
     except Exception as e:  # no compiler, no ninja, no headers: the Python node stays
-        return None, f"building {_SOURCE.name} failed: {type(e).__name__}: {str(e).strip()[-400:]}"
+        why = f"building {_SOURCE.name} failed: {type(e).__name__}: {str(e).strip()[-400:]}"
+        try:
+            failed.write_text(why + "\n")
+        except OSError:
+            pass
+        return None, why
 
 
 def program_for(bwd, strides):
