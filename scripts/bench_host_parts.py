@@ -6,6 +6,8 @@ hand-offs move every figure by tens of µs.
     python scripts/bench_host_parts.py kinds   # trivial Python and C++ autograd Functions, SDPA, cuflash.torch,
                                                # SDPA with cuflash active (CUFLASH_CPP_NODE=1: with the C++ node)
     python scripts/bench_host_parts.py parts   # each body and piece alone, on the main thread
+    python scripts/bench_host_parts.py sdpa    # SDPA's flash path on views, PyTorch's and cuflash's: forward alone and
+                                               # the step, against cuflash.torch's
     python scripts/bench_host_parts.py busy    # a fixed Python loop in a trivial Function's forward or backward
     python scripts/bench_host_parts.py insitu  # cuflash.torch's bodies timed inside the step against alone
 
@@ -138,6 +140,23 @@ def main():
                 "C++ Function (trivial)": lambda: torch.autograd.grad(ext.triv(q, k, v)[0], (q, k, v), g),
                 "SDPA flash": sdpa, "cuflash.torch": cf, "SDPA flash on views": sdpa_views,
                 "SDPA on views, cuflash active": (sdpa_views, sd.activate_sdpa, sd.restore_sdpa)})
+    elif what == "sdpa":
+        import cuflash.torch.sdpa as sd
+
+        def views_fwd():  # (the flash backend, as the other SDPA cases ask for it)
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)),
+                                                                        is_causal=True)
+
+        def views_step():
+            return torch.autograd.grad(views_fwd().transpose(1, 2), (q, k, v), g)
+
+        def active(fn):
+            return fn, sd.activate_sdpa, sd.restore_sdpa
+        report({"SDPA on views, forward": views_fwd, "SDPA on views, forward, cuflash active": active(views_fwd),
+                "cuflash.torch, forward": lambda: ct.attention(q, k, v, causal=True),
+                "SDPA on views, step": views_step, "SDPA on views, step, cuflash active": active(views_step),
+                "cuflash.torch, step": cf}, rounds=5)
     elif what == "parts":
         from cuflash import arrays, backward as bw
         a = torch.ops.aten
