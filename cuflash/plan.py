@@ -204,8 +204,13 @@ _derived: list = []  # clear() of each cache kept on plans (cached_on_plans)
 def cached_on_plans(cache: dict) -> dict:
     """Register ``cache``, whose entries were derived from plans (per-call plans, prepared
     launches), to be cleared by forget_plans; returns it."""
-    _derived.append(cache.clear)
+    on_forget_plans(cache.clear)
     return cache
+
+
+def on_forget_plans(clear) -> None:
+    """Register ``clear()``, which drops what was derived from plans, to be called by forget_plans."""
+    _derived.append(clear)
 
 
 def forget_plans() -> None:

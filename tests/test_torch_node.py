@@ -119,7 +119,7 @@ def test_node_keeps_saved_tensor_hooks(ext):
 
 @pytest.mark.parametrize("launch, what", [
     ((1, (1, 1, 1), (32, 1, 1), 0, b"\0" * 16, [(12, 0, 0)]), "pointer field out of the struct"),
-    ((1, (1, 1, 1), (32, 1, 1), 0, b"\0" * 16, [(0, 10, 0)]), "unknown role"),
+    ((1, (1, 1, 1), (32, 1, 1), 0, b"\0" * 16, [(0, 99, 0)]), "unknown role"),
     ((1, (1, 1, 1), (32, 1, 1), 0, b"\0" * 256, [(8, 0, 9, 4, [1] * 4, [1] * 3, [1] * 4, [1] * 4, 3)]),
      "tensor map field out of the struct, misaligned"),
     ((1, (1, 1), (32, 1, 1), 0, b"", []), "grid and block are 3-tuples"),
@@ -176,10 +176,11 @@ def _attention_node(out):
 @pytest.mark.parametrize("sq,sk,h,hk,d,causal", [(256, 256, 8, 2, 128, True), (113, 203, 4, 4, 64, False)])
 @pytest.mark.parametrize("sdpa", [False, True])
 def test_gpu_node_matches_the_python_node(monkeypatch, dtype, sq, sk, h, hk, d, causal, sdpa):
-    """Three steps with the C++ node asked for (the first makes the prepared launches and the
-    Python node runs it; the others run the C++ node) against the same with the Python node:
-    outputs and gradients bitwise equal (deterministic=True), through cuflash.torch.attention and
-    through SDPA with cuflash active (dQ there within its atomic adds' reordering)."""
+    """Five steps with the C++ node (the first makes the prepared launches and the Python node
+    runs it; the others run the C++ node; through SDPA, from the third on node.cpp's fast_forward
+    runs the forward too, where it covers the layout's kernel) against the same with the Python
+    node: outputs and gradients bitwise equal (deterministic=True), through cuflash.torch.attention
+    and through SDPA with cuflash active (dQ there within its atomic adds' reordering)."""
     import cuflash.torch as ct
     import cuflash.torch.sdpa as s
     from cuflash.plan import forget_plans
@@ -192,11 +193,16 @@ def test_gpu_node_matches_the_python_node(monkeypatch, dtype, sq, sk, h, hk, d, 
     leaves = [torch.randn(*x, device="cuda", dtype=dt, generator=g) for x in shapes]
     dout = torch.randn(2, sq, h, d, device="cuda", dtype=dt, generator=g)
 
+    eager = s._eager
+    eager_calls = []
+    monkeypatch.setattr(s, "_eager", lambda *a: eager_calls.append(1) or eager(*a))
+
     def steps(cpp):
         monkeypatch.setenv("CUFLASH_CPP_NODE", "1" if cpp else "0")
         forget_plans()
+        eager_calls.clear()
         res = []
-        for _ in range(3):
+        for _ in range(5):
             q, k, v = (x.clone().requires_grad_() for x in leaves)
             if sdpa:
                 qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
@@ -210,13 +216,18 @@ def test_gpu_node_matches_the_python_node(monkeypatch, dtype, sq, sk, h, hk, d, 
     if sdpa:
         s.activate_sdpa()
     try:
-        python, cpp = steps(False), steps(True)
+        python = steps(False)
+        assert len(eager_calls) == (5 if sdpa else 0)
+        cpp = steps(True)
+        fast = [p.fast for p in s._served.values() if p is not None]
     finally:
         if sdpa:
             s.restore_sdpa()
         forget_plans()
-    assert [r[0] for r in python] == ["_PreparedAttentionBackward"] * 3
-    assert [r[0] for r in cpp] == ["_PreparedAttentionBackward"] + ["CuflashAttentionBackward"] * 2
+    assert [r[0] for r in python] == ["_PreparedAttentionBackward"] * 5
+    assert [r[0] for r in cpp] == ["_PreparedAttentionBackward"] + ["CuflashAttentionBackward"] * 4
+    if sdpa:  # one layout; its forwards in C++ from the third call where node.forward_launch covers it
+        assert len(fast) == 1 and len(eager_calls) == (2 if fast[0] else 5)
     for a, b in zip(python, cpp):  # (out, dq, dk, dv); SDPA's dQ adds are atomic, in any order
         assert torch.equal(a[1], b[1]) and torch.equal(a[3], b[3]) and torch.equal(a[4], b[4])
         assert torch.equal(a[2], b[2]) if not sdpa else (
@@ -281,3 +292,47 @@ def test_a_failed_build_is_remembered(monkeypatch, tmp_path):
     assert module is None and why.startswith("building node.cpp failed")
     again, why_again = node._build()
     assert again is None and why_again.startswith(why) and "to build again" in why_again
+
+
+def test_fast_forward_leaves_other_calls_to_python(ext):
+    """node.cpp's fast_forward (SDPA's forward in C++) answers None, for the Python path, where no
+    gradient is wanted, for tensors that are not CUDA tensors, and for a layout it was not given;
+    it was given none here."""
+    q, k, v, _, _ = _operands()
+    assert ext.fast_forward(q, k, v, True, None) is None
+    with torch.no_grad():
+        assert ext.fast_forward(q, k, v, True, 0.5) is None
+    ext.fast_clear()
+
+
+def test_forward_launch_of_a_prepared_forward():
+    """node.forward_launch: the fwd_ws launch's struct with blank maps, output, LSE and tile
+    counter, their patches by role, the early-launch attribute; None for what it does not cover."""
+    from types import SimpleNamespace
+    from cuflash import compiler
+    from cuflash.kernels import fwd_ws
+    from cuflash.kernels.params import ParamTable
+    from cuflash.torch import node
+    table = ParamTable("P", (("tma_q", "CUtensorMap"), ("tma_k", "CUtensorMap"), ("tma_v", "CUtensorMap"),
+                             ("o", "void*"), ("lse", "float*"), ("n", "int"), ("tile_counter", "int*")))
+    kernel = SimpleNamespace(table=table, layout=table.layout, ptr=0xABC)
+    mq = ((2, 256, 8, 64), (131072, 512, 64, 1), 128)
+    mk = ((2, 256, 2, 64), (32768, 128, 64, 1), 128)
+    r = SimpleNamespace(maps=("bf16", mq, mk, mk), split=False, prep=None, kernel=kernel, grid=(132, 1, 1),
+                        block=(384, 1, 1), smem=1000, mid=(7, 0), early=True, tiles=(16, 1, 1))
+    rep = SimpleNamespace(recipe=r, packed=None, fm_ints=0, lse_shape=(2, 8, 256))
+    (fn, grid, block, smem, params, patches, early), persistent = node.forward_launch(rep)
+    assert (fn, grid, block, smem, persistent) == (0xABC, (132, 1, 1), (384, 1, 1), 1000, True)
+    blank = bytes(fwd_ws.TENSOR_MAP_BYTES)
+    assert params == table.layout.pack(blank, blank, blank, 0, 0, 7, 0)
+    assert early == compiler._PROGRAMMATIC_STREAM_SERIALIZATION
+    maps = [fwd_ws._encode_args(*m[:2], "bf16", m[2], 256) for m in (mq, mk, mk)]
+    assert patches == [(table.offset(f), node.ROLES.index(role), code, 4, list(dims), list(st), list(box),
+                        list(elem), l2) for f, role, (code, dims, st, box, elem, l2)
+                       in zip(("tma_q", "tma_k", "tma_v"), "qkv", maps)] + [
+        (table.offset("o"), node.ROLES.index("out"), 0), (table.offset("lse"), node.ROLES.index("lse"), 0),
+        (table.offset("tile_counter"), node.ROLES.index("counter"), 0)]
+    for other in (dict(split=True), dict(prep=("prep",)), dict(maps=None), dict(maps=("bf16", mq, None, None))):
+        assert node.forward_launch(SimpleNamespace(recipe=SimpleNamespace(**{**vars(r), **other}), packed=None,
+                                                   fm_ints=0, lse_shape=(2, 8, 256))) is None
+    assert node.forward_launch(SimpleNamespace(recipe=r, packed=None, fm_ints=0, lse_shape=None)) is None

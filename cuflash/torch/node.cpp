@@ -69,6 +69,8 @@ using CtxGetFn = int (*)(void**);
 using CtxSetFn = int (*)(void*);
 using DeviceGetFn = int (*)(int*, int);
 using PrimaryRetainFn = int (*)(void**, int);
+using LaunchExFn = int (*)(const void*, void*, void**, void**);
+using IsCapturingFn = int (*)(void*, int*);
 
 struct Driver {
   LaunchFn launch = nullptr;
@@ -77,6 +79,8 @@ struct Driver {
   CtxSetFn ctx_set = nullptr;
   DeviceGetFn device_get = nullptr;
   PrimaryRetainFn primary_retain = nullptr;
+  LaunchExFn launch_ex = nullptr;  // (CUDA 12+; without it launches are plain)
+  IsCapturingFn is_capturing = nullptr;
 };
 
 const Driver& driver() {
@@ -91,15 +95,18 @@ const Driver& driver() {
     r.ctx_set = reinterpret_cast<CtxSetFn>(dlsym(lib, "cuCtxSetCurrent"));
     r.device_get = reinterpret_cast<DeviceGetFn>(dlsym(lib, "cuDeviceGet"));
     r.primary_retain = reinterpret_cast<PrimaryRetainFn>(dlsym(lib, "cuDevicePrimaryCtxRetain"));
-    check(r.launch && r.encode && r.ctx_get && r.ctx_set && r.device_get && r.primary_retain,
+    r.launch_ex = reinterpret_cast<LaunchExFn>(dlsym(lib, "cuLaunchKernelEx"));
+    r.is_capturing = reinterpret_cast<IsCapturingFn>(dlsym(lib, "cuStreamIsCapturing"));
+    check(r.launch && r.encode && r.ctx_get && r.ctx_set && r.device_get && r.primary_retain && r.is_capturing,
                 "cuflash: libcuda.so.1 lacks a driver function the node calls");
     return r;
   }();
   return d;
 }
 
-// The operands by role, in this order (cuflash.backward's _Ptr and _Map roles).
-enum Role { kQ, kK, kV, kDout, kOut, kLse, kDq, kDk, kDv, kWs, kRoles };
+// The operands by role, in this order (cuflash.backward's _Ptr and _Map roles; node.py's ROLES):
+// the forward's persistent blocks also take a tile counter.
+enum Role { kQ, kK, kV, kDout, kOut, kLse, kDq, kDk, kDv, kWs, kCounter, kRoles };
 
 constexpr int kMapBytes = 128;
 constexpr int kMaxParams = 1024;  // cuflash.compiler.Kernel's limit on a struct's size
@@ -123,6 +130,20 @@ struct Launch {
   unsigned smem = 0;
   std::string params;  // the struct, with the patched fields blank
   std::vector<Patch> patches;
+  unsigned early = 0;  // a launch attribute's id (programmatic stream serialisation), or 0: a plain launch
+};
+
+// cuLaunchKernelEx's CUlaunchAttribute (an id, 4 bytes of padding, a 64-byte value) and CUlaunchConfig.
+struct LaunchAttr {
+  unsigned id;
+  unsigned pad;
+  int value[16];
+};
+struct LaunchConfig {
+  unsigned dims[7];  // grid x, y, z, block x, y, z, dynamic shared memory
+  void* stream;
+  LaunchAttr* attrs;
+  unsigned num_attrs;
 };
 
 // One prepared backward: its launches, the fp32 workspace's size, which gradients it allocates
@@ -151,29 +172,40 @@ void bind_primary_context(const Driver& d, int ordinal) {
     check(d.ctx_set(primary[ordinal]) == 0, "cuflash: cannot make device ", ordinal, "'s context current");
 }
 
+// Fills one launch's fields with ``ptrs`` and launches it on ``stream``.
+void fire_launch(const Driver& d, const Launch& la, const std::array<uint64_t, kRoles>& ptrs, void* stream) {
+  alignas(128) unsigned char buf[kMaxParams];
+  std::memcpy(buf, la.params.data(), la.params.size());
+  for (const Patch& p : la.patches) {
+    if (!p.map) {
+      const uint64_t v = ptrs[p.role] + p.add;
+      std::memcpy(buf + p.offset, &v, sizeof v);
+      continue;
+    }
+    const int rc = d.encode(buf + p.offset, p.dtype, p.rank, reinterpret_cast<void*>(ptrs[p.role]), p.dims.data(),
+                            p.strides.data(), p.box.data(), p.elem.data(), 0 /* no interleave */,
+                            3 /* 128-byte swizzle */, p.l2, 0 /* zero fill */);
+    check(rc == 0, "cuflash: cuTensorMapEncodeTiled failed with CUresult ", rc);
+  }
+  void* arg = buf;
+  int rc;
+  if (la.early && d.launch_ex) {
+    LaunchAttr attr{la.early, 0, {1}};  // programmaticStreamSerializationAllowed = 1
+    const LaunchConfig config{{la.grid[0], la.grid[1], la.grid[2], la.block[0], la.block[1], la.block[2], la.smem},
+                              stream, &attr, 1};
+    rc = d.launch_ex(&config, la.fn, &arg, nullptr);
+  } else {
+    rc = d.launch(la.fn, la.grid[0], la.grid[1], la.grid[2], la.block[0], la.block[1], la.block[2], la.smem, stream,
+                  &arg, nullptr);
+  }
+  check(rc == 0, "cuflash: cuLaunchKernel failed with CUresult ", rc);
+}
+
 // Fills the program's fields with ``ptrs`` and launches it on ``stream`` of device ``ordinal``.
 void fire(const Program& prog, const std::array<uint64_t, kRoles>& ptrs, void* stream, int ordinal) {
   const Driver& d = driver();
   bind_primary_context(d, ordinal);
-  alignas(128) unsigned char buf[kMaxParams];
-  for (const Launch& la : prog.launches) {
-    std::memcpy(buf, la.params.data(), la.params.size());
-    for (const Patch& p : la.patches) {
-      if (!p.map) {
-        const uint64_t v = ptrs[p.role] + p.add;
-        std::memcpy(buf + p.offset, &v, sizeof v);
-        continue;
-      }
-      const int rc = d.encode(buf + p.offset, p.dtype, p.rank, reinterpret_cast<void*>(ptrs[p.role]), p.dims.data(),
-                              p.strides.data(), p.box.data(), p.elem.data(), 0 /* no interleave */,
-                              3 /* 128-byte swizzle */, p.l2, 0 /* zero fill */);
-      check(rc == 0, "cuflash: cuTensorMapEncodeTiled failed with CUresult ", rc);
-    }
-    void* arg = buf;
-    const int rc = d.launch(la.fn, la.grid[0], la.grid[1], la.grid[2], la.block[0], la.block[1], la.block[2], la.smem,
-                            stream, &arg, nullptr);
-    check(rc == 0, "cuflash: cuLaunchKernel failed with CUresult ", rc);
-  }
+  for (const Launch& la : prog.launches) fire_launch(d, la, ptrs, stream);
 }
 
 struct AttentionBackward : public torch::autograd::Node {
@@ -235,9 +267,52 @@ struct AttentionBackward : public torch::autograd::Node {
   }
 };
 
-// A program from Python: launches as (function pointer, grid, block, shared memory, struct
-// bytes, patches), each patch (offset, role, add) or (offset, role, dtype, rank, dims, strides,
-// box, element strides, L2 promotion).
+// A launch from Python: (function pointer, grid, block, shared memory, struct bytes, patches[,
+// early]), each patch (offset, role, add) or (offset, role, dtype, rank, dims, strides, box,
+// element strides, L2 promotion); ``early``: the launch attribute's id (see Launch::early).
+Launch parse_launch(const py::handle& h) {
+  const py::tuple t = h.cast<py::tuple>();
+  Launch la;
+  la.fn = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
+  const auto grid = t[1].cast<std::vector<unsigned>>(), block = t[2].cast<std::vector<unsigned>>();
+  check(grid.size() == 3 && block.size() == 3, "cuflash: grid and block are 3-tuples");
+  std::copy(grid.begin(), grid.end(), la.grid.begin());
+  std::copy(block.begin(), block.end(), la.block.begin());
+  la.smem = t[3].cast<unsigned>();
+  la.params = t[4].cast<std::string>();
+  check(la.params.size() <= kMaxParams, "cuflash: a parameter struct of ", la.params.size(), " bytes");
+  for (const py::handle& ph : t[5].cast<py::list>()) {
+    const py::tuple pt = ph.cast<py::tuple>();
+    Patch p;
+    p.offset = pt[0].cast<int>();
+    p.role = pt[1].cast<int>();
+    check(p.role >= 0 && p.role < kRoles, "cuflash: an unknown role ", p.role);
+    if (pt.size() == 3) {
+      p.add = pt[2].cast<int64_t>();
+      check(p.offset >= 0 && p.offset + 8 <= (int)la.params.size(), "cuflash: a pointer field out of the struct");
+    } else {
+      p.map = true;
+      p.dtype = pt[2].cast<int>(), p.rank = pt[3].cast<int>();
+      check(p.rank >= 1 && p.rank <= 5 && p.offset % 64 == 0 && p.offset + kMapBytes <= (int)la.params.size(),
+            "cuflash: a tensor map field out of the struct, misaligned or of rank ", p.rank);
+      const auto dims = pt[4].cast<std::vector<uint64_t>>(), st = pt[5].cast<std::vector<uint64_t>>();
+      const auto box = pt[6].cast<std::vector<uint32_t>>(), elem = pt[7].cast<std::vector<uint32_t>>();
+      check((int)dims.size() == p.rank && (int)st.size() == p.rank - 1 && (int)box.size() == p.rank &&
+                (int)elem.size() == p.rank, "cuflash: tensor map arguments of the wrong rank");
+      std::copy(dims.begin(), dims.end(), p.dims.begin());
+      std::copy(st.begin(), st.end(), p.strides.begin());
+      std::copy(box.begin(), box.end(), p.box.begin());
+      std::copy(elem.begin(), elem.end(), p.elem.begin());
+      p.l2 = pt[8].cast<int>();
+    }
+    la.patches.push_back(p);
+  }
+  if (t.size() > 6) la.early = t[6].cast<unsigned>();
+  return la;
+}
+
+// A program from Python: its launches (parse_launch), the workspace's floats, the gradients'
+// contiguous flags and the saved tensors' strides.
 std::shared_ptr<Program> make_program(const py::list& launches, int64_t ws_floats, std::vector<bool> contiguous,
                                       std::vector<std::vector<int64_t>> strides) {
   auto prog = std::make_shared<Program>();
@@ -245,45 +320,7 @@ std::shared_ptr<Program> make_program(const py::list& launches, int64_t ws_float
   for (int i = 0; i < 3; ++i) prog->contiguous[i] = contiguous[i];
   prog->strides = std::move(strides);
   prog->ws_floats = ws_floats;
-  for (const py::handle& h : launches) {
-    const py::tuple t = h.cast<py::tuple>();
-    Launch la;
-    la.fn = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
-    const auto grid = t[1].cast<std::vector<unsigned>>(), block = t[2].cast<std::vector<unsigned>>();
-    check(grid.size() == 3 && block.size() == 3, "cuflash: grid and block are 3-tuples");
-    std::copy(grid.begin(), grid.end(), la.grid.begin());
-    std::copy(block.begin(), block.end(), la.block.begin());
-    la.smem = t[3].cast<unsigned>();
-    la.params = t[4].cast<std::string>();
-    check(la.params.size() <= kMaxParams, "cuflash: a parameter struct of ", la.params.size(), " bytes");
-    for (const py::handle& ph : t[5].cast<py::list>()) {
-      const py::tuple pt = ph.cast<py::tuple>();
-      Patch p;
-      p.offset = pt[0].cast<int>();
-      p.role = pt[1].cast<int>();
-      check(p.role >= 0 && p.role < kRoles, "cuflash: an unknown role ", p.role);
-      if (pt.size() == 3) {
-        p.add = pt[2].cast<int64_t>();
-        check(p.offset >= 0 && p.offset + 8 <= (int)la.params.size(), "cuflash: a pointer field out of the struct");
-      } else {
-        p.map = true;
-        p.dtype = pt[2].cast<int>(), p.rank = pt[3].cast<int>();
-        check(p.rank >= 1 && p.rank <= 5 && p.offset % 64 == 0 && p.offset + kMapBytes <= (int)la.params.size(),
-                    "cuflash: a tensor map field out of the struct, misaligned or of rank ", p.rank);
-        const auto dims = pt[4].cast<std::vector<uint64_t>>(), st = pt[5].cast<std::vector<uint64_t>>();
-        const auto box = pt[6].cast<std::vector<uint32_t>>(), elem = pt[7].cast<std::vector<uint32_t>>();
-        check((int)dims.size() == p.rank && (int)st.size() == p.rank - 1 && (int)box.size() == p.rank &&
-                        (int)elem.size() == p.rank, "cuflash: tensor map arguments of the wrong rank");
-        std::copy(dims.begin(), dims.end(), p.dims.begin());
-        std::copy(st.begin(), st.end(), p.strides.begin());
-        std::copy(box.begin(), box.end(), p.box.begin());
-        std::copy(elem.begin(), elem.end(), p.elem.begin());
-        p.l2 = pt[8].cast<int>();
-      }
-      la.patches.push_back(p);
-    }
-    prog->launches.push_back(std::move(la));
-  }
+  for (const py::handle& h : launches) prog->launches.push_back(parse_launch(h));
   return prog;
 }
 
@@ -302,10 +339,130 @@ void attach(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   node->out_ = torch::autograd::SavedVariable(out, true);
 }
 
+// ---------------------------------------------------------------------------------------------
+// SDPA's flash forward with gradients, whole in C++ (cuflash/torch/sdpa.py calls fast_forward
+// first): per layout of (q, k, v) and options, the prepared forward's one launch as a program
+// and the backward's program, kept by Python once both exist (fast_keep).
+
+struct FastForward {
+  std::array<std::vector<int64_t>, 3> sizes, strides;  // of q, k, v
+  at::ScalarType dtype = at::kHalf;
+  int device = 0;
+  bool causal = false, has_scale = false, deterministic = false;
+  double scale = 0;
+  std::vector<int64_t> lse_shape;
+  Launch launch;
+  bool persistent = false;  // takes a zeroed int32 tile counter per stream (role kCounter)
+  std::shared_ptr<Program> backward;
+  py::object fallback, keep;  // the Python backward; what holds the kernels' modules loaded
+};
+
+// Never destroyed (they hold Python objects, which must not be released after the interpreter).
+std::vector<std::shared_ptr<FastForward>>& fast_table() {
+  static auto* t = new std::vector<std::shared_ptr<FastForward>>();
+  return *t;
+}
+std::vector<std::pair<std::pair<int, uint64_t>, at::Tensor>>& tile_counters() {  // (device, stream) -> counter
+  static auto* t = new std::vector<std::pair<std::pair<int, uint64_t>, at::Tensor>>();
+  return *t;
+}
+
+void fast_keep(const py::handle& launch, bool persistent, const at::Tensor& q, const at::Tensor& k,
+               const at::Tensor& v, bool causal, std::optional<double> scale, bool deterministic,
+               std::vector<int64_t> lse_shape, std::shared_ptr<Program> backward, py::object fallback,
+               py::object keep) {
+  auto e = std::make_shared<FastForward>();
+  const at::Tensor* in[3] = {&q, &k, &v};
+  for (int i = 0; i < 3; ++i) {
+    e->sizes[i] = in[i]->sizes().vec();
+    e->strides[i] = in[i]->strides().vec();
+  }
+  e->dtype = q.scalar_type();
+  e->device = q.get_device();
+  e->causal = causal, e->has_scale = scale.has_value(), e->scale = scale.value_or(0.0);
+  e->deterministic = deterministic;
+  e->lse_shape = std::move(lse_shape);
+  e->launch = parse_launch(launch);
+  e->persistent = persistent;
+  e->backward = std::move(backward);
+  e->fallback = std::move(fallback), e->keep = std::move(keep);
+  auto& table = fast_table();
+  if (table.size() >= 64) table.clear();  // (calls look layouts up one by one: a model has a few)
+  table.push_back(std::move(e));
+}
+
+void fast_clear() { fast_table().clear(); }
+
+bool holds(const FastForward& e, const at::Tensor* in[3], bool causal, const std::optional<double>& scale,
+           bool deterministic) {
+  if (e.causal != causal || e.has_scale != scale.has_value() || (e.has_scale && e.scale != *scale) ||
+      e.deterministic != deterministic || in[0]->get_device() != e.device)
+    return false;
+  for (int i = 0; i < 3; ++i)
+    if (in[i]->scalar_type() != e.dtype || in[i]->sizes() != c10::IntArrayRef(e.sizes[i]) ||
+        in[i]->strides() != c10::IntArrayRef(e.strides[i]) || in[i]->get_device() != e.device)
+      return false;
+  return true;
+}
+
+// (out, lse) of SDPA's flash forward of a layout kept by fast_keep, the output's history
+// recorded with the C++ node; None where this call needs the Python path: no gradient wanted,
+// tensors that are not plain CUDA tensors (subclasses, fake tensors), another layout or option,
+// operands not 16-byte aligned, a stream being captured into a CUDA graph. (sdpa.py checks the
+// rest first: dropout, forward-mode AD, torch.func, dispatch modes, compiled autograd.)
+py::object fast_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                        std::optional<double> scale) {
+  const at::Tensor* in[3] = {&q, &k, &v};
+  if (!at::GradMode::is_enabled() || !(q.requires_grad() || k.requires_grad() || v.requires_grad()))
+    return py::none();
+  for (const at::Tensor* t : in)
+    if (!t->is_cuda() || t->key_set().has(c10::DispatchKey::Python) || (reinterpret_cast<uintptr_t>(t->data_ptr()) & 15))
+      return py::none();
+  const bool deterministic = at::globalContext().deterministicAlgorithms();
+  const FastForward* found = nullptr;
+  for (const auto& e : fast_table())
+    if (holds(*e, in, causal, scale, deterministic)) {
+      found = e.get();
+      break;
+    }
+  if (!found) return py::none();
+  const FastForward& e = *found;
+  c10::DeviceGuard guard(q.device());
+  const c10::impl::VirtualGuardImpl impl(q.device().type());
+  void* stream = impl.getStream(q.device()).native_handle();
+  const Driver& d = driver();
+  int capturing = 0;
+  check(d.is_capturing(stream, &capturing) == 0, "cuflash: cuStreamIsCapturing failed");
+  if (capturing) return py::none();  // (a capture's persistent blocks take no counter: the Python path)
+  std::array<uint64_t, kRoles> ptrs{};
+  if (e.persistent) {
+    auto& counters = tile_counters();
+    const std::pair<int, uint64_t> where{e.device, reinterpret_cast<uint64_t>(stream)};
+    const at::Tensor* counter = nullptr;
+    for (const auto& c : counters)
+      if (c.first == where) counter = &c.second;
+    if (!counter) {  // zeroed on this stream; each kernel leaves it zeroed
+      counters.emplace_back(where, at::zeros({1}, q.options().dtype(at::kInt)));
+      counter = &counters.back().second;
+    }
+    ptrs[kCounter] = reinterpret_cast<uint64_t>(counter->data_ptr());
+  }
+  at::Tensor out = at::empty_like(q), lse = at::empty(e.lse_shape, q.options().dtype(at::kFloat));
+  ptrs[kQ] = (uint64_t)q.data_ptr(), ptrs[kK] = (uint64_t)k.data_ptr(), ptrs[kV] = (uint64_t)v.data_ptr();
+  ptrs[kOut] = (uint64_t)out.data_ptr(), ptrs[kLse] = (uint64_t)lse.data_ptr();
+  bind_primary_context(d, e.device);
+  fire_launch(d, e.launch, ptrs, stream);
+  attach(q, k, v, out, lse, e.backward, e.fallback);
+  return py::make_tuple(out, lse);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Program, std::shared_ptr<Program>>(m, "Program");
   m.def("make_program", &make_program);
   m.def("attach", &attach);
+  m.def("fast_keep", &fast_keep);
+  m.def("fast_clear", &fast_clear);
+  m.def("fast_forward", &fast_forward);
 }

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from cuflash import compiler
+from cuflash import compiler, plan
 from cuflash.kernels import fwd_ws
 
-ROLES = ("q", "k", "v", "dout", "out", "lse", "dq", "dk", "dv", "ws")  # node.cpp's Role order
+ROLES = ("q", "k", "v", "dout", "out", "lse", "dq", "dk", "dv", "ws", "counter")  # node.cpp's Role order
 _SOURCE = Path(__file__).with_name("node.cpp")
 _state: dict = {}  # "module": the built extension or None; "why": why there is none
 
@@ -118,3 +118,47 @@ def program(bwd, strides, contiguous):
         launches.append((la.kernel.ptr, tuple(la.grid), tuple(la.block), la.smem,
                          la.kernel.layout.pack(*la.values), patches))
     return module().make_program(launches, bwd.ws_floats, list(contiguous), [list(s) for s in strides])
+
+
+def keep_forward(p, q, k, v) -> bool:
+    """Hands an SDPA call's prepared forward and backward (``p``, an ops._Prepared whose C++
+    backward program exists) to node.cpp's ``fast_forward``, which then runs the forwards of calls
+    on q, k, v's layout with ``p``'s options in C++, the output's history recorded with the C++
+    node; whether it could (not for the prepared forwards that :func:`forward_launch` does not
+    cover). Forgotten with the plans (cuflash.plan.forget_plans)."""
+    launch = forward_launch(p.fwd)
+    if launch is None or not p.program:
+        return False
+    m = module()
+    if not _state.get("forgets"):
+        plan.on_forget_plans(m.fast_clear)
+        _state["forgets"] = True
+    m.fast_keep(launch[0], launch[1], q, k, v, p.causal, p.scale, p.deterministic, list(p.fwd.lse_shape),
+                p.program, p.fallback, p)
+    return True
+
+
+def forward_launch(rep):
+    """(launch, persistent): node.cpp's launch (see ``parse_launch``) of a prepared forward
+    (cuflash.api's repeat object) of one fwd_ws kernel, whose tensor maps, output, LSE and (where
+    ``persistent``) tile counter are filled in per call; None for the forwards it does not cover:
+    split-KV, FlashMask, gathered pages, packed sequences, no LSE, the mma.sync kernels."""
+    r = rep.recipe
+    if (r.maps is None or r.split or r.prep is not None or rep.packed is not None or rep.fm_ints
+            or rep.lse_shape is None or r.maps[2] is None):
+        return None
+    dtype, *maps = r.maps
+    table = r.kernel.table
+    patches = []
+    for name, role, (shape, strides, rows) in zip(("tma_q", "tma_k", "tma_v"), ("q", "k", "v"), maps):
+        code, dims, byte_strides, box, elem, l2 = fwd_ws._encode_args(tuple(shape), tuple(strides), dtype, rows, 256)
+        patches.append((table.offset(name), ROLES.index(role), code, len(dims), list(dims), list(byte_strides),
+                        list(box), list(elem), l2))
+    patches += [(table.offset("o"), ROLES.index("out"), 0), (table.offset("lse"), ROLES.index("lse"), 0)]
+    persistent = r.tiles is not None
+    if persistent:  # (the recipe's last field, 0 until a stream's counter is given)
+        patches.append((table.offset("tile_counter"), ROLES.index("counter"), 0))
+    blank = bytes(fwd_ws.TENSOR_MAP_BYTES)
+    params = r.kernel.layout.pack(blank, blank, blank, 0, 0, *r.mid)
+    early = compiler._PROGRAMMATIC_STREAM_SERIALIZATION if r.early else 0
+    return (r.kernel.ptr, tuple(r.grid), tuple(r.block), r.smem, params, patches, early), persistent

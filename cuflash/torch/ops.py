@@ -454,7 +454,7 @@ class _Prepared:
     are. The output and the gradients are then allocated by the Function, like q, k and v
     (``torch.empty_like``, which keeps a dense tensor's strides), and given to the launches."""
     __slots__ = ("causal", "scale", "window", "softcap", "deterministic", "fwd", "bwd", "bwd_strides", "sdpa",
-                 "program", "fallback")
+                 "program", "fallback", "fast")
 
     def __init__(self, causal, scale, window, softcap, deterministic, sdpa=False):
         self.causal, self.scale, self.window, self.softcap = causal, scale, window, softcap
@@ -463,6 +463,9 @@ class _Prepared:
         # The C++ node's program (node.program) once ``bwd`` exists, False where it cannot be
         # made; ``fallback``: the Python backward it calls for what the program does not cover.
         self.program, self.fallback = None, None
+        # SDPA's calls: whether node.cpp's fast_forward runs this layout's forwards (node.keep_forward),
+        # None until the C++ program exists.
+        self.fast = None
 
 
 def _bshd(*xs):
@@ -575,6 +578,14 @@ def _prepared_apply(q, k, v, p):
         out, lse = _prepared_forward(q, k, v, p)
     _node.module().attach(q, k, v, out, lse, p.program, p.fallback)
     return out, lse
+
+
+def _plain_autograd() -> bool:
+    """No forward-mode AD level, torch.func transform, __torch_dispatch__ mode or compiled
+    autograd is active: what a call recorded with the C++ node and made outside Python (node.cpp's
+    fast_forward) must know first."""
+    return (_forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
+            and not torch._C._len_torch_dispatch_stack() and not _compiled_autograd())
 
 
 def _compiled_autograd() -> bool:

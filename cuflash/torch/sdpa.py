@@ -189,12 +189,34 @@ def _autograd_impl(keyset, query, key, value, dropout_p=0.0, is_causal=False, re
     arguments (about half of a step's host time: BENCHMARKS.md). Every other call (no gradient,
     torch.compile's fake tensors, torch.func) takes PyTorch's autograd kernel, which records that
     node and calls the CUDA kernels above."""
-    p = None if return_debug_mask or dropout_p != 0 else _eager(query, key, value, is_causal, scale)
+    if return_debug_mask or dropout_p != 0:
+        return _active.autograd.call_boxed(keyset, query, key, value, dropout_p, is_causal, return_debug_mask,
+                                           scale=scale)
+    if _fast is not None and ops._plain_autograd():  # a layout node.cpp runs whole (node.keep_forward)
+        res = _fast(query, key, value, is_causal, scale)
+        if res is not None:
+            return _result(query, key, res[0], res[1], _held_placeholders(query))
+    p = _eager(query, key, value, is_causal, scale)
     if p is None:
         return _active.autograd.call_boxed(keyset, query, key, value, dropout_p, is_causal, return_debug_mask,
                                            scale=scale)
     out, lse = ops._prepared_apply(query, key, value, p)  # (SDPA's layout in and out: p.sdpa)
+    if p.fast is None and p.program:
+        _keep_fast(p, query, key, value)
     return _result(query, key, out, lse, _held_placeholders(query))
+
+
+_fast = None  # node.cpp's fast_forward, once a layout has been handed to it
+
+
+def _keep_fast(p, query, key, value):
+    """Hands the layout's prepared forward and C++ backward to node.cpp (node.keep_forward), so
+    that its later calls run their forward in C++ too, without this module's Python."""
+    global _fast
+    from . import node
+    p.fast = node.keep_forward(p, query, key, value)
+    if p.fast:
+        _fast = node.module().fast_forward
 
 
 def _eager(query, key, value, is_causal, scale):
