@@ -416,7 +416,8 @@ py::object fast_forward(const at::Tensor& q, const at::Tensor& k, const at::Tens
   if (!at::GradMode::is_enabled() || !(q.requires_grad() || k.requires_grad() || v.requires_grad()))
     return py::none();
   for (const at::Tensor* t : in)
-    if (!t->is_cuda() || t->key_set().has(c10::DispatchKey::Python) || (reinterpret_cast<uintptr_t>(t->data_ptr()) & 15))
+    if (!t->is_cuda() || t->key_set().has(c10::DispatchKey::Python) || !t->has_storage() ||
+        (reinterpret_cast<uintptr_t>(t->data_ptr()) & 15))
       return py::none();
   const bool deterministic = at::globalContext().deterministicAlgorithms();
   const FastForward* found = nullptr;
@@ -431,9 +432,8 @@ py::object fast_forward(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const c10::impl::VirtualGuardImpl impl(q.device().type());
   void* stream = impl.getStream(q.device()).native_handle();
   const Driver& d = driver();
-  int capturing = 0;
-  check(d.is_capturing(stream, &capturing) == 0, "cuflash: cuStreamIsCapturing failed");
-  if (capturing) return py::none();  // (a capture's persistent blocks take no counter: the Python path)
+  int capturing = 0;  // (a capture's persistent blocks take no counter: the Python path; as where it cannot tell)
+  if (d.is_capturing(stream, &capturing) != 0 || capturing) return py::none();
   std::array<uint64_t, kRoles> ptrs{};
   if (e.persistent) {
     auto& counters = tile_counters();
