@@ -174,13 +174,14 @@ def _warmup_torch_node():
     import importlib.util
     if importlib.util.find_spec("torch") is None:
         return
-    from cuflash.torch import node
-    if not node.enabled():
-        print(f"C++ autograd node: {node.why_not()}")
-        return
     t0 = time.perf_counter()
-    why = node.why_not()
-    print(f"C++ autograd node: {'ready' if why is None else why} ({time.perf_counter() - t0:.1f} s)")
+    try:
+        from cuflash.torch import node
+        why = node.why_not()
+    except Exception as e:  # (a PyTorch that cannot be imported here)
+        why = f"{type(e).__name__}: {e}"
+    print(f"C++ autograd node: {'ready' if why is None else 'not built: ' + why + ' (the Python node is used)'} "
+          f"({time.perf_counter() - t0:.1f} s)")
 
 
 def cmd_cache(a):

@@ -276,22 +276,58 @@ def test_the_node_is_on_unless_turned_off(monkeypatch):
     from cuflash.torch import node
     monkeypatch.delenv("CUFLASH_CPP_NODE", raising=False)
     assert node.enabled()
-    monkeypatch.setenv("CUFLASH_CPP_NODE", "0")
-    assert not node.enabled() and node.why_not() == "turned off (CUFLASH_CPP_NODE=0)"
+    for off in ("0", "false", "Off", " no "):
+        monkeypatch.setenv("CUFLASH_CPP_NODE", off)
+        assert not node.enabled() and node.why_not() == f"turned off (CUFLASH_CPP_NODE={off})"
+    monkeypatch.setenv("CUFLASH_CPP_NODE", "1")
+    assert node.enabled()
 
 
-def test_a_failed_build_is_remembered(monkeypatch, tmp_path):
-    """A build that fails (here: a source that does not compile) keeps the Python node, and its
-    reason is kept in the cache so that later processes do not spend the build's time again."""
+def test_a_failed_build_keeps_the_python_node(monkeypatch, tmp_path):
+    """A source that does not compile: no module, and why; nothing is remembered (a later
+    process tries again)."""
     from cuflash.torch import node
     bad = tmp_path / "node.cpp"
     bad.write_text("#error this source does not compile\n")
     monkeypatch.setattr(node, "_SOURCE", bad)
     monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path / "cache"))
-    module, why = node._build()
-    assert module is None and why.startswith("building node.cpp failed")
-    again, why_again = node._build()
-    assert again is None and why_again.startswith(why) and "to build again" in why_again
+    module, why = node._load()
+    assert module is None and why.startswith("the C++ node could not be loaded or built")
+    assert [p.name for p in (tmp_path / "cache" / "torch-node").iterdir()]  # its build directory
+    assert not list((tmp_path / "cache").rglob("*.so"))
+
+
+def test_a_built_node_is_imported_without_a_compiler(ext, monkeypatch):
+    """Once built, a process imports the library as it is: no ninja, compiler or build lock."""
+    from torch.utils import cpp_extension
+    from cuflash.torch import node
+
+    def refuse(*a, **k):
+        raise AssertionError("built again")
+    monkeypatch.setattr(cpp_extension, "load", refuse)
+    monkeypatch.setattr(cpp_extension, "verify_ninja_availability", refuse)
+    module, why = node._load()
+    assert why is None and hasattr(module, "fast_forward")
+
+
+def test_a_stale_build_lock_is_removed(monkeypatch, tmp_path):
+    """A build lock left by a killed build (older than STALE_LOCK_S) is removed before building:
+    torch's build waits on a lock without end."""
+    import os
+    from torch.utils import cpp_extension
+    from cuflash.torch import node
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    seen = []
+    monkeypatch.setattr(cpp_extension, "verify_ninja_availability", lambda: None)
+    monkeypatch.setattr(cpp_extension, "load", lambda name, build_directory, **k: seen.append(
+        os.path.exists(os.path.join(build_directory, "lock"))) or "built")
+    node._load()  # makes the build directory
+    (lock,) = [d / "lock" for d in (tmp_path / "cache" / "torch-node").iterdir()]
+    lock.touch()
+    assert node._load() == ("built", None) and seen[-1]  # a fresh lock stays (another build)
+    old = lock.stat().st_mtime - node.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    assert node._load() == ("built", None) and not seen[-1] and not lock.exists()
 
 
 def test_fast_forward_leaves_other_calls_to_python(ext):

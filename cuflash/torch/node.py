@@ -1,22 +1,30 @@
 """cuflash's attention backward as a C++ autograd node (node.cpp), used where it can be built;
-``CUFLASH_CPP_NODE=0`` turns it off.
+``CUFLASH_CPP_NODE=0`` (or ``false``, ``off``, ``no``) turns it off.
 
 An eager call that needs gradients would otherwise record a Python ``torch.autograd.Function``
 node, whose backward the autograd engine runs through the Python interpreter (tens of µs of
 host time per call). With the C++ node, the forward still runs in Python and the backward runs
 in C++: it fills the backward's prepared launches (the kernels, their parameter structs and
 grids, made by the first call of a layout) with the call's pointers and launches them, calling
-the Python backward only for what the prepared launches do not cover. The node is built from
-node.cpp by ``torch.utils.cpp_extension`` (a C++ compiler and ninja; about 30 s, once per
-PyTorch and Python version, kept under cuflash's cache directory; ``python -m cuflash warmup``
-builds it ahead), at the second call of a layout that needs gradients; where it cannot be built
-the Python node stays, and :func:`why_not` says why.
+the Python backward only for what the prepared launches do not cover. SDPA's calls with cuflash
+active also run their forward in C++ (node.cpp's ``fast_forward``, :func:`keep_forward`).
+
+The node is built from node.cpp by ``torch.utils.cpp_extension`` (a C++ compiler and ninja;
+about 30 s, once per PyTorch version, Python version and machine type, kept under cuflash's
+cache directory in ``torch-node/``; later processes import the built library without a
+compiler), at the second call of a layout that needs gradients, or ahead by ``python -m cuflash
+warmup``; where it cannot be built the Python node stays, and :func:`why_not` says why.
 """
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
+import platform
 import sys
+import threading
+import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -27,66 +35,82 @@ from cuflash.kernels import fwd_ws
 ROLES = ("q", "k", "v", "dout", "out", "lse", "dq", "dk", "dv", "ws", "counter")  # node.cpp's Role order
 _SOURCE = Path(__file__).with_name("node.cpp")
 _state: dict = {}  # "module": the built extension or None; "why": why there is none
+_lock = threading.Lock()
+STALE_LOCK_S = 600  # a build lock older than this was left by a killed build (a build takes about 30 s)
 
 
 def enabled() -> bool:
-    """Whether calls may take the C++ node: unless ``CUFLASH_CPP_NODE=0``."""
-    return os.environ.get("CUFLASH_CPP_NODE", "1") != "0"
+    """Whether calls may take the C++ node: unless ``CUFLASH_CPP_NODE`` is 0, false, off or no."""
+    return os.environ.get("CUFLASH_CPP_NODE", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def module():
-    """The built extension, or None (then :func:`why_not` says why). Builds it on first use."""
+    """The extension, or None (then :func:`why_not` says why): imported where it was built,
+    else built (about 30 s) on first use."""
     if "module" not in _state:
-        _state["module"], _state["why"] = _build()
+        with _lock:
+            if "module" not in _state:
+                _state["module"], _state["why"] = _load()
     return _state["module"]
 
 
 def why_not() -> str | None:
-    """Why the C++ node is not in use, or None where it is."""
+    """Why the C++ node is not in use, or None where it is (imports or builds it: see module)."""
     if not enabled():
-        return "turned off (CUFLASH_CPP_NODE=0)"
+        return f"turned off (CUFLASH_CPP_NODE={os.environ.get('CUFLASH_CPP_NODE')})"
     module()
     return _state["why"]
 
 
-def _build():
-    problem = compiler.cache_dir_problem()
-    if problem:
-        return None, f"cuflash's cache directory {compiler.cache_dir()} is refused: {problem}"
-    src = _SOURCE.read_bytes()
-    key = hashlib.sha256(src + torch.__version__.encode() + sys.version.encode()).hexdigest()[:16]
-    where = compiler.cache_dir() / "torch-node" / key
-    failed = where / "failed.txt"  # a failed build's reason: later processes do not try again
-    if failed.exists():
-        return None, f"{failed.read_text().strip()} (remove {failed} to build again)"
+def _load():
+    """(module, None) or (None, why)."""
     try:
+        problem = compiler.cache_dir_problem()
+        if problem:
+            return None, f"cuflash's cache directory {compiler.cache_dir()} is refused: {problem}"
+        key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + sys.version.encode()
+                             + platform.machine().encode()).hexdigest()[:16]
+        name = f"cuflash_node_{key}"
+        where = compiler.cache_dir() / "torch-node" / key
         where.mkdir(mode=0o700, parents=True, exist_ok=True)
-        from torch.utils.cpp_extension import load
-        if not (where / f"cuflash_node_{key}.so").exists():
-            print(f"cuflash: building the C++ autograd node in {where} (once per PyTorch and Python version, "
-                  "about 30 s; CUFLASH_CPP_NODE=0 turns it off)", file=sys.stderr, flush=True)
-        return load(f"cuflash_node_{key}", sources=[str(_SOURCE)], extra_cflags=["-O3"],
-                    build_directory=str(where), verbose=False), None
-    except Exception as e:  # no compiler, no ninja, no headers: the Python node stays
-        why = f"building {_SOURCE.name} failed: {type(e).__name__}: {str(e).strip()[-400:]}"
-        try:
-            failed.write_text(why + "\n")
-        except OSError:
-            pass
-        return None, why
+        for d in (where.parent, where):
+            why = compiler._untrusted(os.stat(d))
+            if why:
+                return None, f"{d} is refused: {why}"
+        built = where / f"{name}.so"
+        if built.exists() and not compiler._untrusted(os.stat(built)):
+            try:  # import it as it is: no compiler, ninja or build lock needed
+                spec = importlib.util.spec_from_file_location(name, built)
+                mod = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(mod)
+                return mod, None
+            except ImportError:
+                pass  # (a build cut short: build it again)
+        from torch.utils import cpp_extension
+        cpp_extension.verify_ninja_availability()
+        lock = where / "lock"  # torch's build lock, which it waits on without end
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
+        print(f"cuflash: building the C++ autograd node in {where} (once per PyTorch version, about 30 s; "
+              "CUFLASH_CPP_NODE=0 turns it off)", file=sys.stderr, flush=True)
+        return cpp_extension.load(name, sources=[str(_SOURCE)], extra_cflags=["-O3"], build_directory=str(where),
+                                  verbose=False), None
+    except Exception as e:  # no compiler, no ninja, no headers, an unreadable directory: the Python node stays
+        return None, f"the C++ node could not be loaded or built: {type(e).__name__}: {str(e).strip()[-400:]}"
 
 
 def program_for(bwd, strides):
-    """:func:`program` where the C++ node is asked for and built, else None (a failure to make
+    """:func:`program` where the C++ node is on and built, else None (a failure to make
     it goes to :func:`why_not`, and the call keeps the Python node). The gradients are allocated
     as ``bwd`` allocates them (contiguous) or as the Python backward gives them to it (like
     their inputs: SDPA's layout)."""
-    if not enabled() or module() is None:
-        return None
     try:
+        if not enabled() or module() is None:
+            return None
         return program(bwd, strides, bwd.allocate)
-    except Exception as e:
-        _state["why"] = f"making a program failed: {type(e).__name__}: {e}"
+    except Exception as e:  # (a bug: said once, and this layout keeps the Python node)
+        warnings.warn(f"cuflash: the C++ node's program for a layout could not be made ({type(e).__name__}: {e}); "
+                      "that layout keeps the Python node", RuntimeWarning, stacklevel=2)
         return None
 
 

@@ -214,7 +214,12 @@ def _keep_fast(p, query, key, value):
     that its later calls run their forward in C++ too, without this module's Python."""
     global _fast
     from . import node
-    p.fast = node.keep_forward(p, query, key, value)
+    try:
+        p.fast = node.keep_forward(p, query, key, value)
+    except Exception as e:  # (a bug: said once; the layout keeps the Python forward)
+        p.fast = False
+        warnings.warn(f"cuflash: SDPA's forward could not be handed to the C++ node ({type(e).__name__}: {e})",
+                      RuntimeWarning, stacklevel=2)
     if p.fast:
         _fast = node.module().fast_forward
 
