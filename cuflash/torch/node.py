@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from cuflash import compiler, plan
+from cuflash import compiler
+from cuflash.plan import on_forget_plans
 from cuflash.kernels import fwd_ws
 
 ROLES = ("q", "k", "v", "dout", "out", "lse", "dq", "dk", "dv", "ws", "counter")  # node.cpp's Role order
@@ -155,7 +156,7 @@ def keep_forward(p, q, k, v) -> bool:
         return False
     m = module()
     if not _state.get("forgets"):
-        plan.on_forget_plans(m.fast_clear)
+        on_forget_plans(m.fast_clear)
         _state["forgets"] = True
     m.fast_keep(launch[0], launch[1], q, k, v, p.causal, p.scale, p.deterministic, list(p.fwd.lse_shape),
                 p.program, p.fallback, p)
