@@ -342,14 +342,10 @@ def test_fast_forward_leaves_other_calls_to_python(ext):
     ext.fast_clear()
 
 
-def test_forward_launch_of_a_prepared_forward():
-    """node.forward_launch: the fwd_ws launch's struct with blank maps, output, LSE and tile
-    counter, their patches by role, the early-launch attribute; None for what it does not cover."""
+def _prepared_forward_stand_in():
+    """A stand-in of cuflash.api's repeat object of a persistent fwd_ws forward (never launched)."""
     from types import SimpleNamespace
-    from cuflash import compiler
-    from cuflash.kernels import fwd_ws
     from cuflash.kernels.params import ParamTable
-    from cuflash.torch import node
     table = ParamTable("P", (("tma_q", "CUtensorMap"), ("tma_k", "CUtensorMap"), ("tma_v", "CUtensorMap"),
                              ("o", "void*"), ("lse", "float*"), ("n", "int"), ("tile_counter", "int*")))
     kernel = SimpleNamespace(table=table, layout=table.layout, ptr=0xABC)
@@ -357,7 +353,36 @@ def test_forward_launch_of_a_prepared_forward():
     mk = ((2, 256, 2, 64), (32768, 128, 64, 1), 128)
     r = SimpleNamespace(maps=("bf16", mq, mk, mk), split=False, prep=None, kernel=kernel, grid=(132, 1, 1),
                         block=(384, 1, 1), smem=1000, mid=(7, 0), early=True, tiles=(16, 1, 1))
-    rep = SimpleNamespace(recipe=r, packed=None, fm_ints=0, lse_shape=(2, 8, 256))
+    return SimpleNamespace(recipe=r, packed=None, fm_ints=0, lse_shape=(2, 8, 256))
+
+
+def test_keep_forward_hands_a_layout_over(ext):
+    """node.keep_forward gives node.cpp the layout's forward launch and backward program (False
+    without a program or for a forward it does not cover); forget_plans drops what it holds."""
+    from cuflash.plan import forget_plans
+    from cuflash.torch import node, ops
+    q, k, v, out, lse = _operands()
+    p = ops._Prepared(True, None, (-1, -1), 0.0, False, sdpa=True)
+    p.fwd, p.program = _prepared_forward_stand_in(), False
+    assert node.keep_forward(p, q, k, v) is False
+    p.program, p.fallback = ext.make_program([], 16, [False] * 3, _strides(q, k, v, out, lse)), _Fallback()
+    assert node.keep_forward(p, q, k, v) is True
+    forget_plans()
+    p.fwd.recipe.split = True
+    assert node.keep_forward(p, q, k, v) is False
+
+
+def test_forward_launch_of_a_prepared_forward():
+    """node.forward_launch: the fwd_ws launch's struct with blank maps, output, LSE and tile
+    counter, their patches by role, the early-launch attribute; None for what it does not cover."""
+    from types import SimpleNamespace
+    from cuflash import compiler
+    from cuflash.kernels import fwd_ws
+    from cuflash.torch import node
+    rep = _prepared_forward_stand_in()
+    r = rep.recipe
+    table = r.kernel.table
+    (mq, mk, _) = r.maps[1:]
     (fn, grid, block, smem, params, patches, early), persistent = node.forward_launch(rep)
     assert (fn, grid, block, smem, persistent) == (0xABC, (132, 1, 1), (384, 1, 1), 1000, True)
     blank = bytes(fwd_ws.TENSOR_MAP_BYTES)

@@ -208,6 +208,16 @@ void fire(const Program& prog, const std::array<uint64_t, kRoles>& ptrs, void* s
   for (const Launch& la : prog.launches) fire_launch(d, la, ptrs, stream);
 }
 
+// Whether the interpreter is gone or being finalized: a thread that takes the GIL then is ended
+// by Python (pthread_exit), which aborts the process when it unwinds through a destructor.
+bool python_ending() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return !Py_IsInitialized() || Py_IsFinalizing();
+#else
+  return !Py_IsInitialized() || _Py_IsFinalizing();
+#endif
+}
+
 struct AttentionBackward : public torch::autograd::Node {
   std::shared_ptr<Program> prog;
   py::object fallback;  // fallback(dout, q, k, v, out, lse) -> (dq, dk, dv), the Python backward
@@ -220,7 +230,7 @@ struct AttentionBackward : public torch::autograd::Node {
   }
 
   ~AttentionBackward() override {
-    if (!Py_IsInitialized()) {  // (at exit: leave the object to the interpreter's teardown)
+    if (python_ending()) {  // (at exit: leave the object to the interpreter's teardown)
       fallback.release();
       return;
     }
