@@ -4,7 +4,7 @@ ops (b=2, s=256, 8 heads, d=64, causal, bf16; host µs, median of seven interlea
 hand-offs move every figure by tens of µs.
 
     python scripts/bench_host_parts.py kinds   # trivial Python and C++ autograd Functions, SDPA, cuflash.torch,
-                                               # SDPA with cuflash active (CUFLASH_CPP_NODE=1: with the C++ node)
+                                               # SDPA with cuflash active (CUFLASH_CPP_NODE=0: without the C++ node)
     python scripts/bench_host_parts.py parts   # each body and piece alone, on the main thread
     python scripts/bench_host_parts.py sdpa    # SDPA's flash path on views, PyTorch's and cuflash's: forward alone and
                                                # the step, against cuflash.torch's

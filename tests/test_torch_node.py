@@ -1,4 +1,4 @@
-"""The C++ autograd node of cuflash.torch (cuflash/torch/node.cpp, on trial: CUFLASH_CPP_NODE=1).
+"""The C++ autograd node of cuflash.torch (cuflash/torch/node.cpp; on unless CUFLASH_CPP_NODE=0).
 
 CPU tests build the extension (they skip where it cannot be built: no PyTorch, C++ compiler or
 ninja) and check the node's bookkeeping with a program of no launches on CPU tensors: the history
@@ -236,8 +236,8 @@ def test_gpu_node_matches_the_python_node(monkeypatch, dtype, sq, sk, h, hk, d, 
 
 
 def test_prepared_calls_take_the_node_once_asked_for(ext, monkeypatch):
-    """ops._prepared_apply: the Python node until the layout's backward is prepared or without
-    CUFLASH_CPP_NODE=1; the C++ node after, except under forward-mode AD (whose tangents it would
+    """ops._prepared_apply: the Python node until the layout's backward is prepared or with
+    CUFLASH_CPP_NODE=0; the C++ node after, except under forward-mode AD (whose tangents it would
     drop) and with compiled autograd on. The prepared launches are stand-ins here."""
     import sys
     import types

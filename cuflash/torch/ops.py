@@ -565,7 +565,7 @@ class _PreparedAttention(torch.autograd.Function):
 
 
 def _prepared_apply(q, k, v, p):
-    """(out, lse) of a prepared call that needs gradients: with the C++ node where it is asked for
+    """(out, lse) of a prepared call that needs gradients: with the C++ node where it is on
     and its program is made (node.py), else through _PreparedAttention (also under forward-mode
     AD, whose tangents the node does not carry, and where compiled autograd is on, which a C++
     node must describe to it: node.cpp does not)."""
