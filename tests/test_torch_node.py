@@ -298,8 +298,12 @@ def test_a_failed_build_keeps_the_python_node(monkeypatch, tmp_path):
     assert not list((tmp_path / "cache").rglob("*.so"))
 
 
-def test_a_built_node_is_imported_without_a_compiler(ext, monkeypatch):
-    """Once built, a process imports the library as it is: no ninja, compiler or build lock."""
+@pytest.mark.parametrize("os_lock", [True, False])
+def test_a_built_node_is_imported_without_a_compiler(ext, monkeypatch, tmp_path, os_lock):
+    """Once built, a process imports the library as it is: no ninja or compiler; with PyTorch's
+    newer build lock (the OS's) under it, with the older one (a file) where none is there."""
+    import shutil
+    from pathlib import Path
     from torch.utils import cpp_extension
     from cuflash.torch import node
 
@@ -307,17 +311,27 @@ def test_a_built_node_is_imported_without_a_compiler(ext, monkeypatch):
         raise AssertionError("built again")
     monkeypatch.setattr(cpp_extension, "load", refuse)
     monkeypatch.setattr(cpp_extension, "verify_ninja_availability", refuse)
+    if not os_lock:
+        monkeypatch.delattr(cpp_extension, "FileLock", raising=False)
+        built = Path(ext.__file__)  # the library alone in another cache: no lock file beside it
+        where = tmp_path / "torch-node" / built.parent.name
+        where.mkdir(parents=True, mode=0o700)
+        (tmp_path / "torch-node").chmod(0o700)
+        shutil.copy(built, where / built.name)
+        monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
     module, why = node._load()
     assert why is None and hasattr(module, "fast_forward")
 
 
 def test_a_stale_build_lock_is_removed(monkeypatch, tmp_path):
-    """A build lock left by a killed build (older than STALE_LOCK_S) is removed before building:
-    torch's build waits on a lock without end."""
+    """With PyTorch's older build lock (a file whose existence blocks), one left by a killed
+    build (older than STALE_LOCK_S) is removed before building: torch would wait on it without
+    end. A fresh one stays (a build under way)."""
     import os
     from torch.utils import cpp_extension
     from cuflash.torch import node
     monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delattr(cpp_extension, "FileLock", raising=False)
     seen = []
     monkeypatch.setattr(cpp_extension, "verify_ninja_availability", lambda: None)
     monkeypatch.setattr(cpp_extension, "load", lambda name, build_directory, **k: seen.append(
@@ -325,7 +339,7 @@ def test_a_stale_build_lock_is_removed(monkeypatch, tmp_path):
     node._load()  # makes the build directory
     (lock,) = [d / "lock" for d in (tmp_path / "cache" / "torch-node").iterdir()]
     lock.touch()
-    assert node._load() == ("built", None) and seen[-1]  # a fresh lock stays (another build)
+    assert node._load() == ("built", None) and seen[-1]
     old = lock.stat().st_mtime - node.STALE_LOCK_S - 1
     os.utime(lock, (old, old))
     assert node._load() == ("built", None) and not seen[-1] and not lock.exists()
@@ -370,6 +384,26 @@ def test_keep_forward_hands_a_layout_over(ext):
     forget_plans()
     p.fwd.recipe.split = True
     assert node.keep_forward(p, q, k, v) is False
+
+
+def test_a_full_table_hands_its_layouts_back(ext):
+    """node.cpp keeps 64 layouts; the 65th empties the table and sets each dropped layout's
+    ``fast`` to None, so that its next call hands it over again."""
+    from cuflash.plan import forget_plans
+    from cuflash.torch import node, ops
+    q, k, v, out, lse = _operands()
+    forget_plans()
+    kept = []
+    for _ in range(65):
+        p = ops._Prepared(True, None, (-1, -1), 0.0, False, sdpa=True)
+        p.fwd, p.fallback = _prepared_forward_stand_in(), _Fallback()
+        p.program = ext.make_program([], 16, [False] * 3, _strides(q, k, v, out, lse))
+        p.fast = node.keep_forward(p, q, k, v)
+        kept.append(p)
+    assert [p.fast for p in kept] == [None] * 64 + [True]
+    forget_plans()
+    p = ops._Prepared(True, None, (-1, -1), 0.0, False, sdpa=True)
+    assert node.keep_forward(p, q, k, v) is None  # no prepared forward yet
 
 
 def test_forward_launch_of_a_prepared_forward():

@@ -16,6 +16,7 @@
 #include <dlfcn.h>
 
 #include <array>
+#include <cstddef>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -134,7 +135,7 @@ struct Launch {
 };
 
 // cuLaunchKernelEx's CUlaunchAttribute (an id, 4 bytes of padding, a 64-byte value) and CUlaunchConfig.
-struct LaunchAttr {
+struct alignas(8) LaunchAttr {
   unsigned id;
   unsigned pad;
   int value[16];
@@ -145,6 +146,8 @@ struct LaunchConfig {
   LaunchAttr* attrs;
   unsigned num_attrs;
 };
+static_assert(sizeof(LaunchAttr) == 72 && offsetof(LaunchAttr, value) == 8, "CUlaunchAttribute's layout");
+static_assert(sizeof(LaunchConfig) == 56 && offsetof(LaunchConfig, stream) == 32, "CUlaunchConfig's layout");
 
 // One prepared backward: its launches, the fp32 workspace's size, which gradients it allocates
 // contiguous (the others like their input), and the strides of (q, k, v, out, lse) it was made for.
@@ -397,7 +400,10 @@ void fast_keep(const py::handle& launch, bool persistent, const at::Tensor& q, c
   e->backward = std::move(backward);
   e->fallback = std::move(fallback), e->keep = std::move(keep);
   auto& table = fast_table();
-  if (table.size() >= 64) table.clear();  // (calls look layouts up one by one: a model has a few)
+  if (table.size() >= 64) {  // (calls look layouts up one by one: a model has a few)
+    for (const auto& old : table) old->keep.attr("fast") = py::none();  // (handed over again on use)
+    table.clear();
+  }
   table.push_back(std::move(e));
 }
 
@@ -430,10 +436,10 @@ py::object fast_forward(const at::Tensor& q, const at::Tensor& k, const at::Tens
         (reinterpret_cast<uintptr_t>(t->data_ptr()) & 15))
       return py::none();
   const bool deterministic = at::globalContext().deterministicAlgorithms();
-  const FastForward* found = nullptr;
+  std::shared_ptr<FastForward> found;  // (held: Python that runs below, an allocator's hook, may clear the table)
   for (const auto& e : fast_table())
     if (holds(*e, in, causal, scale, deterministic)) {
-      found = e.get();
+      found = e;
       break;
     }
   if (!found) return py::none();

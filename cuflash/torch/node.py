@@ -78,26 +78,44 @@ def _load():
             why = compiler._untrusted(os.stat(d))
             if why:
                 return None, f"{d} is refused: {why}"
-        built = where / f"{name}.so"
-        if built.exists() and not compiler._untrusted(os.stat(built)):
-            try:  # import it as it is: no compiler, ninja or build lock needed
-                spec = importlib.util.spec_from_file_location(name, built)
-                mod = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(mod)
-                return mod, None
-            except ImportError:
-                pass  # (a build cut short: build it again)
         from torch.utils import cpp_extension
+        built, lock = where / f"{name}.so", where / "lock"  # (the lock: torch's, while it builds)
+        os_lock = getattr(cpp_extension, "FileLock", None)  # newer PyTorch: a lock the OS releases with its holder
+        if os_lock is None:  # older PyTorch: a lock file whose existence blocks, left behind by a killed build
+            try:
+                lock_age = time.time() - lock.stat().st_mtime
+            except FileNotFoundError:
+                lock_age = None
+            if lock_age is not None and lock_age > STALE_LOCK_S:  # (torch would wait on it without end)
+                lock.unlink(missing_ok=True)
+                lock_age = None
+        if built.exists() and not compiler._untrusted(os.stat(built)):
+            if os_lock is not None:
+                with os_lock(str(lock)):  # (waits for a build under way)
+                    mod = _import(name, built)
+            else:
+                mod = None if lock_age is not None else _import(name, built)  # (a build under way: load waits)
+            if mod is not None:
+                return mod, None
         cpp_extension.verify_ninja_availability()
-        lock = where / "lock"  # torch's build lock, which it waits on without end
-        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink(missing_ok=True)
         print(f"cuflash: building the C++ autograd node in {where} (once per PyTorch version, about 30 s; "
               "CUFLASH_CPP_NODE=0 turns it off)", file=sys.stderr, flush=True)
         return cpp_extension.load(name, sources=[str(_SOURCE)], extra_cflags=["-O3"], build_directory=str(where),
                                   verbose=False), None
     except Exception as e:  # no compiler, no ninja, no headers, an unreadable directory: the Python node stays
         return None, f"the C++ node could not be loaded or built: {type(e).__name__}: {str(e).strip()[-400:]}"
+
+
+def _import(name, path):
+    """The built extension at ``path``, imported as it is (no compiler, ninja or build), or None
+    where it cannot be (a build cut short)."""
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    except ImportError:
+        return None
 
 
 def program_for(bwd, strides):
@@ -145,12 +163,15 @@ def program(bwd, strides, contiguous):
     return module().make_program(launches, bwd.ws_floats, list(contiguous), [list(s) for s in strides])
 
 
-def keep_forward(p, q, k, v) -> bool:
+def keep_forward(p, q, k, v) -> bool | None:
     """Hands an SDPA call's prepared forward and backward (``p``, an ops._Prepared whose C++
     backward program exists) to node.cpp's ``fast_forward``, which then runs the forwards of calls
     on q, k, v's layout with ``p``'s options in C++, the output's history recorded with the C++
     node; whether it could (not for the prepared forwards that :func:`forward_launch` does not
-    cover). Forgotten with the plans (cuflash.plan.forget_plans)."""
+    cover), None where ``p`` has no prepared forward yet. Forgotten with the plans
+    (cuflash.plan.forget_plans), and when node.cpp's table is full (``p.fast`` is then None again)."""
+    if p.fwd is None:  # (the layout's forward has not been prepared yet: later)
+        return None
     launch = forward_launch(p.fwd)
     if launch is None or not p.program:
         return False
