@@ -464,7 +464,7 @@ class _Prepared:
         # made; ``fallback``: the Python backward it calls for what the program does not cover.
         self.program, self.fallback = None, None
         # SDPA's calls: whether node.cpp's fast_forward runs this layout's forwards (node.keep_forward),
-        # None until the C++ program exists.
+        # None until the C++ program exists (and again once node.cpp's full table dropped it).
         self.fast = None
 
 

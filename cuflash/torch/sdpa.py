@@ -186,9 +186,10 @@ def _autograd_impl(keyset, query, key, value, dropout_p=0.0, is_causal=False, re
     """SDPA's flash forward above autograd. A call that needs gradients and that cuflash serves
     runs cuflash's eager Function (ops._prepared_apply): its backward node takes the output's
     gradient alone, where the aten op's own node would call the flash backward op with 15 boxed
-    arguments (about half of a step's host time: BENCHMARKS.md). Every other call (no gradient,
-    torch.compile's fake tensors, torch.func) takes PyTorch's autograd kernel, which records that
-    node and calls the CUDA kernels above."""
+    arguments (about half of a step's host time: BENCHMARKS.md); from a layout's third such call,
+    node.cpp's fast_forward runs that forward whole in C++ where it covers the layout (_keep_fast).
+    Every other call (no gradient, torch.compile's fake tensors, torch.func) takes PyTorch's
+    autograd kernel, which records that node and calls the CUDA kernels above."""
     if return_debug_mask or dropout_p != 0:
         return _active.autograd.call_boxed(keyset, query, key, value, dropout_p, is_causal, return_debug_mask,
                                            scale=scale)
