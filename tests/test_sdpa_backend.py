@@ -391,6 +391,49 @@ def test_eager_repeat_path_plumbing(cpu_autograd, ref_kernels):
         assert g is given and g.stride() == torch.empty_like(x).stride() and bool((g == 2).all())
 
 
+def test_forward_in_cpp_only_for_plain_autograd(cpu_autograd, ref_kernels, monkeypatch):
+    """The autograd kernel tries node.cpp's fast_forward (a stand-in here) first, and not under
+    forward-mode AD, a __torch_dispatch__ mode, compiled autograd or with dropout; where it
+    answers None the Python path serves the call."""
+    import sys
+    import types
+    import torch
+    from torch.autograd import forward_ad
+    from torch.utils._python_dispatch import TorchDispatchMode
+    q, k, v = (_bhsd(1, 2, 5, 8, seed=i, grad=True) for i in range(3))
+    op = getattr(torch.ops.aten, FWD)
+    calls, answer = [], []
+
+    def fast(query, key, value, is_causal, scale):
+        calls.append((query, is_causal, scale))
+        return answer[0] if answer else None
+    monkeypatch.setattr(cpu_autograd, "_fast", fast)
+    ref = op(q, k, v, is_causal=True)[0]  # None from the stand-in: the Python path
+    assert len(calls) == 1 and calls[0][0] is q and calls[0][1:] == (True, None)
+    answer.append((torch.full_like(q, 3.0), torch.zeros(1, 2, 5)))
+    res = op(q, k, v, is_causal=True, scale=0.5)
+    assert len(calls) == 2 and calls[1][2] == 0.5 and res[0] is answer[0][0] and res[1] is answer[0][1]
+    assert tuple(res[4:6]) == (5, 5)
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with forward_ad.dual_level():
+        op(q, k, v, is_causal=True)
+    with Mode():
+        op(q, k, v, is_causal=True)
+    monkeypatch.setitem(sys.modules, "torch._dynamo.compiled_autograd",
+                        types.SimpleNamespace(compiled_autograd_enabled=True))
+    op(q, k, v, is_causal=True)
+    monkeypatch.delitem(sys.modules, "torch._dynamo.compiled_autograd")
+    with pytest.raises(NotImplementedError):  # (dropout: PyTorch's kernels, none on CPU here)
+        op(q, k, v, 0.1, is_causal=True)
+    assert len(calls) == 2
+    assert torch.equal(op(q, k, v, is_causal=True)[0], answer[0][0]) and len(calls) == 3
+    assert ref.shape == q.shape
+
+
 def test_double_backward_raises(cpu_autograd, ref_kernels):
     """Gradients taken with create_graph=True work; differentiating them again raises, as through
     PyTorch's own flash backward (cuflash's backward has no derivative), not silently zero."""
