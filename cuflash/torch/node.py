@@ -73,7 +73,8 @@ def _load():
                              + platform.machine().encode()).hexdigest()[:16]
         name = f"cuflash_node_{key}"
         where = compiler.cache_dir() / "torch-node" / key
-        where.mkdir(mode=0o700, parents=True, exist_ok=True)
+        where.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # (as the cache directory: this user's alone)
+        where.mkdir(mode=0o700, exist_ok=True)
         for d in (where.parent, where):
             why = compiler._untrusted(os.stat(d))
             if why:
@@ -98,7 +99,7 @@ def _load():
             if mod is not None:
                 return mod, None
         cpp_extension.verify_ninja_availability()
-        print(f"cuflash: building the C++ autograd node in {where} (once per PyTorch version, about 30 s; "
+        print(f"cuflash: building the C++ autograd node in {where} (once per PyTorch and Python version, about 30 s; "
               "CUFLASH_CPP_NODE=0 turns it off)", file=sys.stderr, flush=True)
         return cpp_extension.load(name, sources=[str(_SOURCE)], extra_cflags=["-O3"], build_directory=str(where),
                                   verbose=False), None
@@ -119,8 +120,8 @@ def _import(name, path):
 
 
 def program_for(bwd, strides):
-    """:func:`program` where the C++ node is on and built, else None (a failure to make
-    it goes to :func:`why_not`, and the call keeps the Python node). The gradients are allocated
+    """:func:`program` where the C++ node is on and built, else None (a failure to make it is
+    warned about, and the call keeps the Python node). The gradients are allocated
     as ``bwd`` allocates them (contiguous) or as the Python backward gives them to it (like
     their inputs: SDPA's layout)."""
     try:
