@@ -51,7 +51,10 @@ def module():
     if "module" not in _state:
         with _lock:
             if "module" not in _state:
-                _state["module"], _state["why"] = _load()
+                mod, _state["why"] = _load()
+                if mod is not None:  # (fast_forward's layouts are derived from plans)
+                    on_forget_plans(mod.fast_clear)
+                _state["module"] = mod
     return _state["module"]
 
 
@@ -155,13 +158,17 @@ def program(bwd, strides, contiguous):
                 patches.append((offset, ROLES.index(x.role), x.offset))
                 continue
             assert x.__class__ is _Map
-            code, dims, byte_strides, box, elem, l2 = fwd_ws._encode_args(
-                tuple(x.shape), tuple(x.strides), x.dtype, x.rows, 256)  # fwd_ws.tensor_map's arguments
-            patches.append((offset, ROLES.index(x.role), code, len(dims), list(dims), list(byte_strides), list(box),
-                            list(elem), l2))
+            patches.append(_map_patch(offset, x.role, x.shape, x.strides, x.dtype, x.rows))
         launches.append((la.kernel.ptr, tuple(la.grid), tuple(la.block), la.smem,
                          la.kernel.layout.pack(*la.values), patches))
     return module().make_program(launches, bwd.ws_floats, list(contiguous), [list(s) for s in strides])
+
+
+def _map_patch(offset, role, shape, strides, dtype, rows):
+    """node.cpp's patch of a tensor-map field (see ``parse_launch``): encoded when the launch fires
+    with fwd_ws.tensor_map's arguments for role's pointer."""
+    code, dims, byte_strides, box, elem, l2 = fwd_ws._encode_args(tuple(shape), tuple(strides), dtype, rows, 256)
+    return (offset, ROLES.index(role), code, len(dims), list(dims), list(byte_strides), list(box), list(elem), l2)
 
 
 def keep_forward(p, q, k, v) -> bool | None:
@@ -176,11 +183,7 @@ def keep_forward(p, q, k, v) -> bool | None:
     launch = forward_launch(p.fwd)
     if launch is None or not p.program:
         return False
-    m = module()
-    if not _state.get("forgets"):
-        on_forget_plans(m.fast_clear)
-        _state["forgets"] = True
-    m.fast_keep(launch[0], launch[1], q, k, v, p.causal, p.scale, p.deterministic, list(p.fwd.lse_shape),
+    module().fast_keep(launch[0], launch[1], q, k, v, p.causal, p.scale, p.deterministic, list(p.fwd.lse_shape),
                 p.program, p.fallback, p)
     return True
 
@@ -198,9 +201,7 @@ def forward_launch(rep):
     table = r.kernel.table
     patches = []
     for name, role, (shape, strides, rows) in zip(("tma_q", "tma_k", "tma_v"), ("q", "k", "v"), maps):
-        code, dims, byte_strides, box, elem, l2 = fwd_ws._encode_args(tuple(shape), tuple(strides), dtype, rows, 256)
-        patches.append((table.offset(name), ROLES.index(role), code, len(dims), list(dims), list(byte_strides),
-                        list(box), list(elem), l2))
+        patches.append(_map_patch(table.offset(name), role, shape, strides, dtype, rows))
     patches += [(table.offset("o"), ROLES.index("out"), 0), (table.offset("lse"), ROLES.index("lse"), 0)]
     persistent = r.tiles is not None
     if persistent:  # (the recipe's last field, 0 until a stream's counter is given)

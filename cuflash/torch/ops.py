@@ -572,7 +572,7 @@ def _prepared_apply(q, k, v, p):
     if p.program is None and p.bwd is not None:  # (decided once per layout, after its first backward)
         p.program = _node.program_for(p.bwd, p.bwd_strides) or False
         p.fallback = functools.partial(_prepared_backward, p)
-    if not p.program or _forward_ad._current_level >= 0 or _compiled_autograd():
+    if not p.program or not _node_allowed():
         return _PreparedAttention.apply(q, k, v, p)
     with torch.no_grad():  # (as inside a Function's forward: nothing it runs is recorded)
         out, lse = _prepared_forward(q, k, v, p)
@@ -580,12 +580,17 @@ def _prepared_apply(q, k, v, p):
     return out, lse
 
 
+def _node_allowed() -> bool:
+    """Whether the C++ node may be recorded: no forward-mode AD level (its tangents) and no
+    compiled autograd (which a C++ node must describe itself to)."""
+    return _forward_ad._current_level < 0 and not _compiled_autograd()
+
+
 def _plain_autograd() -> bool:
-    """No forward-mode AD level, torch.func transform, __torch_dispatch__ mode or compiled
-    autograd is active: what a call recorded with the C++ node and made outside Python (node.cpp's
-    fast_forward) must know first."""
-    return (_forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
-            and not torch._C._len_torch_dispatch_stack() and not _compiled_autograd())
+    """_node_allowed, and no torch.func transform or __torch_dispatch__ mode is active: what a call
+    recorded with the C++ node and made outside Python (node.cpp's fast_forward) must know first."""
+    return (_node_allowed() and not torch._C._are_functorch_transforms_active()
+            and not torch._C._len_torch_dispatch_stack())
 
 
 def _compiled_autograd() -> bool:

@@ -190,14 +190,12 @@ def _autograd_impl(keyset, query, key, value, dropout_p=0.0, is_causal=False, re
     node.cpp's fast_forward runs that forward whole in C++ where it covers the layout (_keep_fast).
     Every other call (no gradient, torch.compile's fake tensors, torch.func) takes PyTorch's
     autograd kernel, which records that node and calls the CUDA kernels above."""
-    if return_debug_mask or dropout_p != 0:
-        return _active.autograd.call_boxed(keyset, query, key, value, dropout_p, is_causal, return_debug_mask,
-                                           scale=scale)
-    if _fast is not None and ops._plain_autograd():  # a layout node.cpp runs whole (node.keep_forward)
+    plain = not return_debug_mask and dropout_p == 0
+    if plain and _fast is not None and ops._plain_autograd():  # a layout node.cpp runs whole (node.keep_forward)
         res = _fast(query, key, value, is_causal, scale)
         if res is not None:
             return _result(query, key, res[0], res[1], _held_placeholders(query))
-    p = _eager(query, key, value, is_causal, scale)
+    p = _eager(query, key, value, is_causal, scale) if plain else None
     if p is None:
         return _active.autograd.call_boxed(keyset, query, key, value, dropout_p, is_causal, return_debug_mask,
                                            scale=scale)
