@@ -120,12 +120,13 @@ def main():
     def cf():
         return torch.autograd.grad(ct.attention(q, k, v, causal=True), (q, k, v), g)
 
-    def sdpa_views():  # as models call it: SDPA on (batch, seqlen, nheads, d) leaves seen as (batch, nheads,
-        # seqlen, d), its output seen back as (batch, seqlen, nheads, d) (the output's gradient then has its strides)
+    def views_fwd():  # as models call it: SDPA on (batch, seqlen, nheads, d) leaves seen as (batch, nheads, seqlen, d)
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            out = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)),
-                                                                   is_causal=True)
-            return torch.autograd.grad(out.transpose(1, 2), (q, k, v), g)
+            return torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)),
+                                                                    is_causal=True)
+
+    def sdpa_views():  # its output seen back as (batch, seqlen, nheads, d): the output's gradient has its strides
+        return torch.autograd.grad(views_fwd().transpose(1, 2), (q, k, v), g)
 
     cf(), sdpa()
     p = ops._prepared_for(q, k, v, True, None, (-1, -1), 0.0, False)
@@ -143,19 +144,11 @@ def main():
     elif what == "sdpa":
         import cuflash.torch.sdpa as sd
 
-        def views_fwd():  # (the flash backend, as the other SDPA cases ask for it)
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)),
-                                                                        is_causal=True)
-
-        def views_step():
-            return torch.autograd.grad(views_fwd().transpose(1, 2), (q, k, v), g)
-
         def active(fn):
             return fn, sd.activate_sdpa, sd.restore_sdpa
         report({"SDPA on views, forward": views_fwd, "SDPA on views, forward, cuflash active": active(views_fwd),
                 "cuflash.torch, forward": lambda: ct.attention(q, k, v, causal=True),
-                "SDPA on views, step": views_step, "SDPA on views, step, cuflash active": active(views_step),
+                "SDPA on views, step": sdpa_views, "SDPA on views, step, cuflash active": active(sdpa_views),
                 "cuflash.torch, step": cf}, rounds=5)
     elif what == "parts":
         from cuflash import arrays, backward as bw
