@@ -140,7 +140,15 @@ def test_activate_restore_bookkeeping(sdpa):
     before = torch._C._get_sdp_priority_order()
     keys = {f"aten/{op}/CUDA" for op in (FWD, BWD)} | {f"aten/{FWD}/AutogradCUDA"}
     sdpa.activate_sdpa()
-    sdpa.activate_sdpa()  # again: still one override
+    assert not sdpa._active.dropout  # (PyTorch's dropout unless asked for)
+    active = sdpa._active
+    sdpa.activate_sdpa(dropout=True)  # again: still one override, cuflash's dropout asked for
+    assert sdpa._active is active and active.dropout
+    with pytest.raises(TypeError, match="dropout must be a bool, got str"):
+        sdpa.activate_sdpa(dropout="yes")
+    assert active.dropout
+    sdpa.activate_sdpa()
+    assert sdpa._active is active and not active.dropout
     assert sdpa.sdpa_active() and keys <= _impls
     assert torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{FWD}", "CUDA")
     order = torch._C._get_sdp_priority_order()
@@ -296,7 +304,8 @@ def cpu_autograd(cpu_overrides, monkeypatch):
     from cuflash.torch import ops
     s = cpu_overrides
     monkeypatch.setattr(s, "_active", types.SimpleNamespace(
-        autograd=torch.library.get_kernel(f"aten::{FWD}", "AutogradCPU"), kernels={}, remove=lambda: None))
+        autograd=torch.library.get_kernel(f"aten::{FWD}", "AutogradCPU"), kernels={}, remove=lambda: None,
+        dropout=False))
 
     def route(q, k, v):
         if type(q) is not torch.Tensor or torch.compiler.is_compiling():
@@ -427,8 +436,8 @@ def test_forward_in_cpp_only_for_plain_autograd(cpu_autograd, ref_kernels, monke
                         types.SimpleNamespace(compiled_autograd_enabled=True))
     op(q, k, v, is_causal=True)
     monkeypatch.delitem(sys.modules, "torch._dynamo.compiled_autograd")
-    with pytest.raises(NotImplementedError):  # (dropout: PyTorch's kernels, none on CPU here)
-        op(q, k, v, 0.1, is_causal=True)
+    with pytest.raises(NotImplementedError):  # (dropout_p=1: PyTorch's kernels, none on CPU here)
+        op(q, k, v, 1.0, is_causal=True)
     assert len(calls) == 2
     assert torch.equal(op(q, k, v, is_causal=True)[0], answer[0][0]) and len(calls) == 3
     assert ref.shape == q.shape
@@ -464,7 +473,7 @@ def test_autograd_falls_back_to_pytorch(cpu_autograd, ref_kernels, monkeypatch):
     impl = cpu_autograd._autograd_impl
     with torch.no_grad():
         assert impl(ks, q, q, q, 0.0, True) == "pytorch"
-    assert impl(ks, q, q, q, 0.25, True, scale=0.5) == "pytorch"
+    assert impl(ks, q, q, q, 1.0, True, scale=0.5) == "pytorch"  # (dropout_p cuflash refuses)
     assert impl(ks, q, q, q, 0.0, False, True) == "pytorch"
     assert impl(ks, q.float(), q.float(), q.float()) == "pytorch"
     assert impl(ks, q, q, q, 0.0, False, scale=-1.0) == "pytorch"
@@ -478,7 +487,140 @@ def test_autograd_falls_back_to_pytorch(cpu_autograd, ref_kernels, monkeypatch):
 
     with Mode():
         assert impl(ks, q, q, q, 0.0, True) == "pytorch"
-    assert seen[1] == ((q, q, q, 0.25, True, False), dict(scale=0.5)) and len(seen) == 7 and not ref_kernels
+    assert seen[1] == ((q, q, q, 1.0, True, False), dict(scale=0.5)) and len(seen) == 7 and not ref_kernels
+
+
+@pytest.fixture
+def ref_dropout(monkeypatch):
+    """cuflash's forward and backward replaced by cuflash.reference (float64, dropout included) on
+    CPU tensors, and the default CUDA generator's (seed, offset) by (5, 7) (ops._dropout_state);
+    records each kernel call's keywords and each generator draw."""
+    import sys
+    import types
+    import torch
+    import cuflash
+    from cuflash import reference
+    from cuflash.torch import ops
+    calls, draws = [], []
+
+    def np64(x):
+        return x.detach().double().numpy()
+
+    def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None, **feat):
+        calls.append(("attention", feat))
+        o, lse = reference.attention(np64(q), np64(k), np64(v), causal=causal, softmax_scale=softmax_scale,
+                                     return_lse=True, **feat)
+        o = torch.from_numpy(o).to(q.dtype)
+        o = out.copy_(o) if out is not None else o.contiguous()
+        return (o, torch.from_numpy(lse).float()) if return_lse else o
+
+    def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False,
+                           dq=None, dk=None, dv=None, **feat):
+        calls.append(("backward", feat))
+        g = reference.attention_backward(np64(dout), np64(q), np64(k), np64(v), causal=causal,
+                                         softmax_scale=softmax_scale, **feat)
+        return tuple(torch.from_numpy(x).to(y.dtype) if buf is None else buf.copy_(torch.from_numpy(x))
+                     for buf, x, y in zip((dq, dk, dv), g, (q, k, v)))
+
+    def dropout_state(dropout_p, seed, offset, device, batch, nheads):
+        draws.append((dropout_p, seed, offset, batch, nheads))
+        return dropout_p, 5, 7
+
+    bwd = types.ModuleType("cuflash.backward")
+    bwd.attention_backward = attention_backward
+    bwd._repeats, bwd._signature = {}, lambda *args: None
+    monkeypatch.setattr(cuflash, "attention", attention)
+    import cuflash.backward  # noqa: F401  the real module first: undoing the patch restores it
+    monkeypatch.setattr(cuflash, "backward", bwd)
+    monkeypatch.setitem(sys.modules, "cuflash.backward", bwd)
+    monkeypatch.setattr(ops, "_dropout_state", dropout_state)
+    return calls, draws
+
+
+@pytest.fixture
+def cpu_dropout(cpu_autograd, ref_dropout, monkeypatch):
+    """cpu_autograd with cuflash's dropout asked for (activate_sdpa(dropout=True))."""
+    monkeypatch.setattr(cpu_autograd._active, "dropout", True)
+    return ref_dropout
+
+
+def test_eager_dropout_runs_cuflash(cpu_autograd, cpu_dropout):
+    """An eager call with dropout that needs gradients runs cuflash's dropout through cuflash's
+    eager Function, whose backward gets the forward's seed and offset; the call draws (seed,
+    offset) from the generator once, for its batch and query heads.
+    Output and gradients are the reference's with that mask; the output is laid out as SDPA's
+    (a transposed view of (batch, seqlen, nheads, d))."""
+    import numpy as np
+    import torch
+    from cuflash import reference
+    calls, draws = cpu_dropout
+    b, h, hk, sq, sk, d, p = 2, 4, 2, 6, 9, 8, 0.3
+    q = _bhsd(b, h, sq, d, grad=True)
+    k, v = _bhsd(b, hk, sk, d, seed=1, grad=True), _bhsd(b, hk, sk, d, seed=2, grad=True)
+    dout = _bhsd(b, h, sq, d, seed=3)
+    op = getattr(torch.ops.aten, FWD)
+    res = op(q, k, v, p, is_causal=True, scale=0.4)
+    nodes = _grad_nodes(res[0])
+    assert "_EagerAttentionBackward" in nodes and not any("FlashAttention" in n for n in nodes), nodes
+    assert res[0].shape == q.shape and res[0].transpose(1, 2).is_contiguous() and res[1].shape == (b, h, sq)
+    grads = torch.autograd.grad(res[0], (q, k, v), dout)
+    assert draws == [(p, None, None, b, h)]
+    dropout = dict(dropout_p=p, seed=5, offset=7)
+    assert [c for c in calls] == [("attention", dropout), ("backward", dropout)]
+    args = [x.detach().transpose(1, 2).double().numpy() for x in (q, k, v)]
+    kw = dict(causal=True, softmax_scale=0.4, **dropout)
+    want = reference.attention(*args, **kw)
+    np.testing.assert_allclose(res[0].detach().transpose(1, 2).double().numpy(), want, atol=2e-2)
+    want = reference.attention_backward(dout.transpose(1, 2).double().numpy(), *args, **kw)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(g.transpose(1, 2).double().numpy(), w, atol=5e-2)
+    out = op(q, k, v, p, is_causal=True, scale=0.4)[0]
+    assert calls[-1] == ("attention", dropout) and len(calls) == 3 and len(draws) == 2
+    assert torch.equal(out, res[0])
+    assert not reference.dropout_keep_mask(5, 7, 0, 0, h, range(sq), range(sk), p).all()  # (some dropped)
+
+
+def test_dropout_left_to_pytorch(cpu_autograd, cpu_dropout, monkeypatch):
+    """Calls with dropout cuflash leaves to PyTorch's autograd kernel: all unless activation asked
+    for cuflash's dropout, and then those without gradients (a
+    compiled graph's forward runs so, and hands its rng_state to PyTorch's backward), a dropout_p
+    cuflash refuses, under a CUDA graph capture (PyTorch's kernels draw a new mask per replay),
+    a __torch_dispatch__ mode or forward-mode AD; none of them draws from the generator."""
+    import torch
+    from torch.autograd import forward_ad
+    from torch.utils._python_dispatch import TorchDispatchMode
+    calls, draws = cpu_dropout
+    seen = []
+
+    class Kernel:
+        def call_boxed(self, keyset, *args, **kwargs):
+            seen.append(args[3])
+            return "pytorch"
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(cpu_autograd._active, "autograd", Kernel())
+    q = _bhsd(1, 2, 4, 8, grad=True)
+    ks = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradCPU)
+    impl = cpu_autograd._autograd_impl
+    assert impl(ks, q, q, q, 1.0, True) == "pytorch"
+    monkeypatch.setattr(cpu_autograd._active, "dropout", False)  # (not asked for: the default)
+    assert impl(ks, q, q, q, 0.01, True) == "pytorch"
+    monkeypatch.setattr(cpu_autograd._active, "dropout", True)
+    with torch.no_grad():
+        assert impl(ks, q, q, q, 0.05, True) == "pytorch"
+    assert impl(ks, *(x.detach() for x in (q, q, q)), 0.06, True) == "pytorch"
+    with Mode():
+        assert impl(ks, q, q, q, 0.1, True) == "pytorch"
+    with forward_ad.dual_level():
+        assert impl(ks, q, q, q, 0.2, True) == "pytorch"
+    assert impl(ks, q, q, q, 0.3, True, True) == "pytorch"  # (return_debug_mask)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert impl(ks, q, q, q, 0.4, True) == "pytorch"
+    assert seen == [1.0, 0.01, 0.05, 0.06, 0.1, 0.2, 0.3, 0.4] and not draws and not calls
 
 
 # (eager calls with the autograd override: test_eager_autograd_runs_cuflash_function)
@@ -647,22 +789,80 @@ def test_gpu_default_order_and_restore(sdpa):
 
 @requires_gpu
 def test_gpu_fallbacks_run_pytorch(sdpa):
-    """fp32 (never sent to flash) and dropout (sent to flash, not served) run PyTorch's kernels,
-    forward and backward."""
+    """fp32 (never sent to flash) runs PyTorch's kernels; so does dropout (cuflash's asked for)
+    under a CUDA graph capture, whose replays draw new masks (PyTorch's graph-safe Philox state),
+    and dropout when cuflash's was not asked for."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     g = torch.Generator(device="cuda").manual_seed(7)
-    sdpa.activate_sdpa()
+    sdpa.activate_sdpa(dropout=True)
     q, k, v = (_cuda_bhsd(g, 2, 4, 128, 64, "float32") for _ in range(3))
     out, names = _kernels(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     assert not _is_cuflash(names) and torch.isfinite(out).all()
-    q, k, v = (_cuda_bhsd(g, 2, 4, 128, 64) for _ in range(3))
+    q, k, v = (_cuda_bhsd(g, 2, 4, 128, 64).detach() for _ in range(3))
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.no_grad():
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # (warm-up outside the capture)
+            F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True)
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True)
+    _, names = _kernels(graph.replay)
+    first = out.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not _is_cuflash(names) and not torch.equal(first, out) and torch.isfinite(out).all()
+    sdpa.activate_sdpa()
+    q.requires_grad_()
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         def run():
             F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True).float().sum().backward()
         _, names = _kernels(run)
-    assert not _is_cuflash(names) and all(torch.isfinite(x.grad).all() for x in (q, k, v))
+    assert not _is_cuflash(names) and torch.isfinite(q.grad).all()
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype,b,h,hk,sq,sk,d,causal,p", [
+    ("bfloat16", 2, 4, 4, 256, 256, 64, True, 0.2), ("float16", 2, 8, 2, 113, 203, 128, False, 0.1),
+    ("bfloat16", 1, 4, 4, 97, 97, 40, True, 0.5)])
+def test_gpu_sdpa_dropout(sdpa, dtype, b, h, hk, sq, sk, d, causal, p):
+    """SDPA with dropout runs cuflash once activated with dropout=True, forward and backward (the profiler shows
+    its kernels): the mask is cuflash's, drawn from the default CUDA generator's seed and offset
+    at the call; output and gradients are within flash-attn's rule of cuflash.reference with that
+    mask. The generator's offset advances (the next call draws another mask) and torch.manual_seed
+    repeats the masks."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from cuflash import reference
+    from test_dropout import _within, to_np
+    g = torch.Generator(device="cuda").manual_seed(sq * 7 + sk)
+    q, dout = _cuda_bhsd(g, b, h, sq, d, dtype), _cuda_bhsd(g, b, h, sq, d, dtype).detach()
+    k, v = _cuda_bhsd(g, b, hk, sk, d, dtype), _cuda_bhsd(g, b, hk, sk, d, dtype)
+    gen = torch.cuda.default_generators[q.device.index]
+    sdpa.activate_sdpa(dropout=True)
+    kw = dict(dropout_p=p, is_causal=causal, enable_gqa=hk != h)
+    torch.manual_seed(1234)
+    seed, offset = gen.initial_seed(), gen.get_offset()
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        (out, *grads), names = _kernels(lambda: _fwd_bwd(q, k, v, dout, **kw))
+        assert _is_cuflash(names), names
+        assert gen.get_offset() > offset
+        again = F.scaled_dot_product_attention(q, k, v, **kw)
+        torch.manual_seed(1234)
+        same = F.scaled_dot_product_attention(q, k, v, **kw)
+    assert torch.equal(same, out) and not torch.equal(again, out)
+    args = [to_np(x.transpose(1, 2)) for x in (q, k, v)]
+    rkw = dict(causal=causal, dropout_p=p, seed=seed, offset=offset)
+    _within(to_np(out.transpose(1, 2)), reference.attention(*args, **rkw),
+            reference.attention(*args, precision="same", **rkw), 1e-5, "out")
+    do = to_np(dout.transpose(1, 2))
+    ref64 = reference.attention_backward(do, *args, **rkw)
+    ref_same = reference.attention_backward(do, *args, precision="same", **rkw)
+    for name, got, r, s in zip(("dq", "dk", "dv"), grads, ref64, ref_same):
+        _within(to_np(got.transpose(1, 2)), r, s, 2e-4, name)
 
 
 @requires_gpu
@@ -693,6 +893,45 @@ def test_gpu_torch_compile(sdpa):
     assert _is_cuflash(names), names
     for a, b in zip([loss] + [x.grad for x in (q, k, v)], eager):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+@requires_gpu
+def test_gpu_torch_compile_dropout_is_pytorchs(sdpa):
+    """Under torch.compile a call with dropout runs PyTorch's kernels (cuflash's dropout asked
+    for or not), forward and backward (the
+    compiled forward runs without gradients and hands PyTorch's rng_state to the backward op):
+    activated or not, the same seed gives bitwise the same loss and gradients."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    g = torch.Generator(device="cuda").manual_seed(10)
+    q, k, v = (_cuda_bhsd(g, 2, 4, 256, 64) for _ in range(3))
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.25, is_causal=True).float().square().sum()
+
+    torch._dynamo.reset()
+    fc = torch.compile(f, fullgraph=True)
+    runs = []
+    for active in (True, False):
+        if active:
+            sdpa.activate_sdpa(dropout=True)
+        else:
+            sdpa.restore_sdpa()
+        for x in (q, k, v):
+            x.grad = None
+        torch.manual_seed(3)
+
+        def run():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # (both runs on the flash op)
+                loss = fc(q, k, v)
+            loss.backward()
+            return loss
+        loss, names = _kernels(run)
+        assert not _is_cuflash(names), names
+        runs.append([loss] + [x.grad.clone() for x in (q, k, v)])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 @requires_gpu

@@ -5,12 +5,16 @@ Activation overrides the CUDA kernels of SDPA's flash-attention ops,
 ``aten::_scaled_dot_product_flash_attention`` and ``..._backward``, through ``torch.library``
 (as PyTorch's own FA3 and FA4 adapters in ``torch/nn/attention/_fa3.py`` / ``_fa4.py`` do), so
 SDPA's flash path runs cuflash's kernels under autograd, ``torch.compile`` and CUDA graphs alike.
-Calls cuflash cannot serve (dropout, the debug mask, other dtypes, ...) go to PyTorch's own kernel,
+Calls cuflash cannot serve (the debug mask, other dtypes, ...) go to PyTorch's own kernel,
 fetched with ``torch.library.get_kernel`` before the override. The forward's autograd kernel is
 overridden too: an eager call that needs gradients runs cuflash's own autograd Function, whose
 backward is a Python node of one gradient rather than the flash backward op reached through
 autograd's boxing of its 15 arguments (host time); every other call takes PyTorch's autograd
-kernel, and so the CUDA kernels above. On PyTorch >= 2.11 cuflash is also
+kernel, and so the CUDA kernels above. Attention dropout is PyTorch's unless activation asks for
+cuflash's (``activate_sdpa(dropout=True)``), and then served on the autograd key alone, in eager
+calls that need gradients (_with_dropout): the flash ops' rng_state is PyTorch's Philox state,
+which cuflash's mask does not follow, so the CUDA kernels above leave every call with dropout,
+forward and backward, to PyTorch's. On PyTorch >= 2.11 cuflash is also
 in SDPA's registry: ``torch.nn.attention.activate_flash_attention_impl("cuflash")`` and
 ``restore_flash_attention_impl()`` do the same as these two functions.
 
@@ -121,8 +125,8 @@ def _result(query, key, out, lse, held=None):
 
 
 def _held_placeholders(query):
-    """The eager Function's (rng_state, unused, debug_attn_mask): without dropout nothing reads
-    them (its backward is cuflash's, which takes none of them), so each device and dtype keeps
+    """The eager Function's (rng_state, unused, debug_attn_mask): nothing reads them (its
+    backward is cuflash's, which takes none of them), so each device and dtype keeps
     one set rather than allocating three tensors per call; not during a CUDA graph capture,
     whose private pool must not hold tensors kept here."""
     key = (query.device, query.dtype)
@@ -188,8 +192,13 @@ def _autograd_impl(keyset, query, key, value, dropout_p=0.0, is_causal=False, re
     gradient alone, where the aten op's own node would call the flash backward op with 15 boxed
     arguments (about half of a step's host time: BENCHMARKS.md); from a layout's third such call,
     node.cpp's fast_forward runs that forward whole in C++ where it covers the layout (_keep_fast).
-    Every other call (no gradient, torch.compile's fake tensors, torch.func) takes PyTorch's
-    autograd kernel, which records that node and calls the CUDA kernels above."""
+    Eager calls with dropout are cuflash's where activation asked for it and _with_dropout serves them. Every other call (no
+    gradient, torch.compile's fake tensors, torch.func) takes PyTorch's autograd kernel, which
+    records that node and calls the CUDA kernels above."""
+    if dropout_p != 0 and _active.dropout and not return_debug_mask:
+        res = _with_dropout(query, key, value, dropout_p, is_causal, scale)
+        if res is not None:
+            return _result(query, key, res[0], res[1], _held_placeholders(query))
     plain = not return_debug_mask and dropout_p == 0
     if plain and _fast is not None and ops._plain_autograd():  # a layout node.cpp runs whole (node.keep_forward)
         res = _fast(query, key, value, is_causal, scale)
@@ -203,6 +212,27 @@ def _autograd_impl(keyset, query, key, value, dropout_p=0.0, is_causal=False, re
     if p.fast is None and p.program:
         _keep_fast(p, query, key, value)
     return _result(query, key, out, lse, _held_placeholders(query))
+
+
+def _with_dropout(query, key, value, dropout_p, is_causal, scale):
+    """(out, lse) of an eager call with attention dropout that needs gradients, or None where
+    cuflash does not serve it. cuflash's dropout has flash-attn's semantics (cuflash.torch.attention's
+    ``dropout_p``): the mask is drawn from the device's default CUDA generator (its seed, and
+    its offset, which this call advances), so ``torch.manual_seed`` repeats it; the call runs
+    cuflash's eager Function, whose backward regenerates the mask from the saved seed and offset.
+    Calls without gradients are not served: the forward of a compiled graph runs without them and
+    hands its rng_state to the flash backward op, which must then be PyTorch's (the CUDA kernels
+    above leave dropout to PyTorch). Neither under a CUDA graph capture (PyTorch's kernels draw a
+    new mask on each replay, cuflash's would replay the captured one), forward-mode AD, a
+    __torch_dispatch__ mode, nor for a dropout_p cuflash refuses (1.0: PyTorch decides)."""
+    if (ops._route(query, key, value) != "autograd" or not ops._plain_autograd() or not 0.0 < dropout_p < 1.0
+            or not ops._plain_scale(scale) or _unsupported(query, key, value, 0.0, scale)
+            or query.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    dropout = ops._dropout_state(float(dropout_p), None, None, query.device, query.shape[0], query.shape[1])
+    out, lse = ops._EagerAttention.apply(*_bshd(query, key, value), bool(is_causal), scale, -1, -1, 0.0, None,
+                                         torch.are_deterministic_algorithms_enabled(), None, None, *dropout)
+    return out.transpose(1, 2), lse
 
 
 _fast = None  # node.cpp's fast_forward, once a layout has been handed to it
@@ -261,9 +291,11 @@ def _pytorch(op, why, keyset, *args, **kwargs):
 
 class _Activation:
     """What activation changed, undone by :meth:`remove` (the registry's handle protocol): the
-    library holding the overrides, PyTorch's kernels behind them, SDPA's backend order."""
+    library holding the overrides, PyTorch's kernels behind them, SDPA's backend order;
+    ``dropout``: whether eager calls with dropout run cuflash's (activate_sdpa)."""
 
     def __init__(self):
+        self.dropout = False
         if not hasattr(torch.library, "get_kernel"):
             raise NotImplementedError("cuflash behind scaled_dot_product_attention needs PyTorch "
                                       f">= 2.9 (torch.library.get_kernel); this is {torch.__version__}")
@@ -327,14 +359,24 @@ def _registry():
     return att if hasattr(att, "restore_flash_attention_impl") else None
 
 
-def activate_sdpa():
+def activate_sdpa(dropout: bool = False):
     """Run SDPA's flash-attention path on cuflash from now on (forward and backward, eager,
     ``torch.compile`` and CUDA graphs), with SDPA's flash backend moved first in its priority
-    order. Calls cuflash cannot serve run PyTorch's own kernels. Undone by :func:`restore_sdpa`."""
+    order. Calls cuflash cannot serve run PyTorch's own kernels. Undone by :func:`restore_sdpa`.
+
+    ``dropout=True``: eager calls with ``dropout_p > 0`` that need gradients run cuflash's
+    attention dropout too (flash-attn's semantics and masks, drawn from the default CUDA
+    generator; docs/torch.md). Off by default: cuflash's dropout runs on its mma.sync kernels,
+    slower on Hopper than PyTorch's own flash kernel with dropout (BENCHMARKS.md). Calling
+    this again while active changes only this choice."""
+    if not isinstance(dropout, bool):
+        raise TypeError(f"dropout must be a bool, got {type(dropout).__name__}")
     if _registry() is not None:
-        _registry().activate_flash_attention_impl(NAME)  # undoes any other impl first
+        if _registry().current_flash_attention_impl() != NAME:
+            _registry().activate_flash_attention_impl(NAME)  # undoes any other impl first
     else:
         _register()
+    _active.dropout = dropout
 
 
 def restore_sdpa():
