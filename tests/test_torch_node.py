@@ -432,3 +432,176 @@ def test_forward_launch_of_a_prepared_forward():
         assert node.forward_launch(SimpleNamespace(recipe=SimpleNamespace(**{**vars(r), **other}), packed=None,
                                                    fm_ints=0, lse_shape=(2, 8, 256))) is None
     assert node.forward_launch(SimpleNamespace(recipe=r, packed=None, fm_ints=0, lse_shape=None)) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: SDPA's forward in C++ (node.cpp's fast_forward) after the hand-over, in the settings a
+# model meets: side streams, a CUDA graph capture, deterministic mode toggled, more layouts than
+# its table holds, a second device.
+
+def _sdpa_leaves(b, sq, sk, h, hk, d, seed, device="cuda"):
+    """q, k, v as (batch, seqlen, nheads, d) leaves and an output gradient, bf16."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    shapes = ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d), (b, sq, h, d))
+    return [torch.randn(*x, device=device, dtype=torch.bfloat16, generator=g) for x in shapes]
+
+
+def _sdpa_step(q, k, v, dout, causal=True):
+    """One SDPA step on SDPA's views of (batch, seqlen, nheads, d) leaves: (out, dq, dk, dv)."""
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                                           enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
+    return (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def _leaves_step(leaves, causal=True):
+    q, k, v = (x.clone().requires_grad_() for x in leaves[:3])
+    return _sdpa_step(q, k, v, leaves[3], causal)
+
+
+def _same(a, b):
+    """Bitwise equal out, dK and dV; dQ (atomic adds in any order) within 1% of its largest."""
+    assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
+    assert (a[1].float() - b[1].float()).abs().max() <= 1e-2 * b[1].float().abs().max()
+
+
+@pytest.fixture
+def handed_over(monkeypatch):
+    """SDPA active with the C++ node, one layout's forward handed to node.cpp (skips where its
+    kernel is not covered): (leaves, the layout's ops._Prepared, the steps so far)."""
+    import cuflash.torch.sdpa as s
+    from cuflash.plan import forget_plans
+    from cuflash.torch import node
+    if node.module() is None:
+        pytest.skip(f"the C++ node cannot be built here: {node._state['why']}")
+    monkeypatch.setenv("CUFLASH_CPP_NODE", "1")
+    forget_plans()
+    s.activate_sdpa()
+    leaves = _sdpa_leaves(2, 1024, 1024, 8, 2, 128, seed=5)
+    steps = [_leaves_step(leaves) for _ in range(4)]
+    p, = [x for x in s._served.values() if x is not None]
+    if not p.fast:
+        s.restore_sdpa()
+        pytest.skip("this GPU's kernel for the layout is not one node.cpp's forward covers")
+    yield leaves, p, steps
+    s.restore_sdpa()
+    forget_plans()
+
+
+@requires_gpu
+def test_gpu_fast_forward_on_a_side_stream(handed_over):
+    """After the hand-over, a step on another stream (its own tile counter) gives the same results
+    as on the default stream; so does the default stream afterwards."""
+    leaves, p, steps = handed_over
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = [_leaves_step(leaves) for _ in range(2)]
+    torch.cuda.current_stream().wait_stream(side)
+    for r in on_side + [_leaves_step(leaves)]:
+        _same(r, steps[-1])
+    assert p.fast
+
+
+@requires_gpu
+def test_gpu_fast_forward_then_cuda_graph_capture(handed_over):
+    """A layout handed over is captured in a CUDA graph (forward and backward; capture takes the
+    Python path) and the graph's replays on new inputs match eager steps on them."""
+    leaves, p, _ = handed_over
+    static = [x.clone() for x in leaves]
+    q, k, v = (x.requires_grad_() for x in static[:3])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # (warm-up outside the capture, as PyTorch asks)
+        _sdpa_step(q, k, v, static[3])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res = _sdpa_step(q, k, v, static[3])
+    for seed in (11, 12):
+        new = _sdpa_leaves(2, 1024, 1024, 8, 2, 128, seed=seed)
+        with torch.no_grad():
+            for x, y in zip(static, new):
+                x.copy_(y)
+        graph.replay()
+        torch.cuda.synchronize()
+        _same(tuple(x.clone() for x in res), _leaves_step(new))
+    assert p.fast
+
+
+@requires_gpu
+def test_gpu_fast_forward_with_deterministic_toggled(handed_over):
+    """Deterministic mode switched on after the hand-over is another layout (its own backward
+    kernel, dQ added in a fixed order: its steps bitwise equal, and close to the other's), and
+    switched off again the handed-over layout's results come back."""
+    leaves, p, steps = handed_over
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        det = [_leaves_step(leaves) for _ in range(4)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for r in det[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r, det[0]))
+    assert torch.equal(det[0][0], steps[-1][0])  # (the same forward; the backward is another kernel)
+    for a, b in zip(det[0][1:], steps[-1][1:]):
+        assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max()
+    _same(_leaves_step(leaves), steps[-1])
+
+
+@requires_gpu
+def test_gpu_fast_forward_past_its_table(handed_over):
+    """More layouts than node.cpp's table holds (64): each still matches PyTorch's own kernels,
+    and the first layout, handed back and over again, keeps its results."""
+    import cuflash.torch.sdpa as s
+    leaves, p, steps = handed_over
+    results = {}
+    for i in range(70):  # (causal d = 64 layouts of one persistent fwd_ws kernel on an H100 or H200)
+        n = 512 + 8 * i
+        new = _sdpa_leaves(4, n, n, 16, 16, 64, seed=i)
+        results[n] = (new, [_leaves_step(new) for _ in range(3)][-1])
+    s.restore_sdpa()
+    try:
+        for n in (512, 512 + 8 * 35, 512 + 8 * 69):
+            new, got = results[n]
+            want = _leaves_step(new)
+            for a, b in zip(got, want):
+                assert (a.float() - b.float()).abs().max() <= 2e-2 * max(1.0, b.float().abs().max().item())
+    finally:
+        s.activate_sdpa()
+    full = sum(1 for x in s._served.values() if x is not None and x.fast)
+    for _ in range(3):
+        _same(_leaves_step(leaves), steps[-1])
+    assert full <= 64 and p.fast  # (the table held at most 64; the first layout is back in it)
+
+
+@requires_gpu
+def test_gpu_fast_forward_on_a_second_device(monkeypatch):
+    """A layout handed over on one GPU and the same layout on another (its own prepared calls
+    and counter) both match PyTorch's own kernels on that device."""
+    import cuflash.torch.sdpa as s
+    from cuflash.plan import forget_plans
+    from cuflash.torch import node
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, PyTorch sees {torch.cuda.device_count()}")
+    if node.module() is None:
+        pytest.skip(f"the C++ node cannot be built here: {node._state['why']}")
+    monkeypatch.setenv("CUFLASH_CPP_NODE", "1")
+    forget_plans()
+    per_device = {}
+    s.activate_sdpa()
+    try:
+        for dev in ("cuda:0", "cuda:1", "cuda:0", "cuda:1"):
+            leaves = _sdpa_leaves(2, 1024, 1024, 8, 2, 128, seed=5, device=dev)
+            with torch.cuda.device(dev):
+                per_device[dev] = (leaves, [_leaves_step(leaves) for _ in range(4)])
+    finally:
+        s.restore_sdpa()
+        forget_plans()
+    for dev, (leaves, res) in per_device.items():
+        with torch.cuda.device(dev):
+            want = _leaves_step(leaves)
+        for r in res[1:]:
+            _same(r, res[0])
+        for a, b in zip(res[-1], want):
+            assert a.device == torch.device(dev)
+            assert (a.float() - b.float()).abs().max() <= 2e-2 * max(1.0, b.float().abs().max().item())
