@@ -366,13 +366,14 @@ def activate_sdpa(dropout: bool = False):
 
     ``dropout=True``: eager calls with ``dropout_p > 0`` that need gradients run cuflash's
     attention dropout too (flash-attn's semantics and masks, drawn from the default CUDA
-    generator; docs/torch.md). Off by default: cuflash's dropout runs on its mma.sync kernels,
-    slower on Hopper than PyTorch's own flash kernel with dropout (BENCHMARKS.md). Calling
+    generator; docs/torch.md). Off by default: cuflash's dropout runs on its standard kernels,
+    not the warp-specialised ones, slower on Hopper than PyTorch's own flash kernel with dropout
+    (BENCHMARKS.md). Calling
     this again while active changes only this choice."""
     if not isinstance(dropout, bool):
         raise TypeError(f"dropout must be a bool, got {type(dropout).__name__}")
     if _registry() is not None:
-        if _registry().current_flash_attention_impl() != NAME:
+        if _registry().current_flash_attention_impl() != NAME or _active is None:
             _registry().activate_flash_attention_impl(NAME)  # undoes any other impl first
     else:
         _register()
