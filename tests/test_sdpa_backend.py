@@ -582,10 +582,13 @@ def test_eager_dropout_runs_cuflash(cpu_autograd, cpu_dropout):
 
 def test_dropout_left_to_pytorch(cpu_autograd, cpu_dropout, monkeypatch):
     """Calls with dropout cuflash leaves to PyTorch's autograd kernel: all unless activation asked
-    for cuflash's dropout, and then those without gradients (a
-    compiled graph's forward runs so, and hands its rng_state to PyTorch's backward), a dropout_p
-    cuflash refuses, under a CUDA graph capture (PyTorch's kernels draw a new mask per replay),
-    a __torch_dispatch__ mode or forward-mode AD; none of them draws from the generator."""
+    for cuflash's dropout, and then those without gradients (a compiled graph's forward runs so,
+    and hands its rng_state to PyTorch's backward), a dropout_p cuflash refuses, under a CUDA
+    graph capture (PyTorch's kernels draw a new mask per replay), a __torch_dispatch__ mode or
+    forward-mode AD, on contiguous (batch, nheads, seqlen, d) operands, and inside a backward
+    without saved-tensor hooks (a reentrant checkpoint's recompute, whose forward ran without
+    gradients) though not with them (a non-reentrant one's); none of them draws from the
+    generator."""
     import torch
     from torch.autograd import forward_ad
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -617,10 +620,44 @@ def test_dropout_left_to_pytorch(cpu_autograd, cpu_dropout, monkeypatch):
     with forward_ad.dual_level():
         assert impl(ks, q, q, q, 0.2, True) == "pytorch"
     assert impl(ks, q, q, q, 0.3, True, True) == "pytorch"  # (return_debug_mask)
+    c = _bhsd(1, 2, 4, 8, grad=True, contiguous=True)  # (its output would not be laid out as PyTorch's)
+    assert impl(ks, c, c, c, 0.35, True) == "pytorch"
+    served = []
+
+    class Recompute(torch.autograd.Function):  # (a checkpoint's recompute runs inside a backward)
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            with torch.enable_grad():
+                served.append(impl(ks, q, q, q, 0.36, True))  # reentrant: no saved-tensor hooks
+                with torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x):  # non-reentrant
+                    served.append(impl(ks, q, q, q, 0.37, True)[0].shape)
+            return g
+
+    Recompute.apply(q.detach().requires_grad_()).sum().backward()
+    assert served == ["pytorch", q.shape] and len(draws) == 1
+    draws.clear()
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert impl(ks, q, q, q, 0.4, True) == "pytorch"
-    assert seen == [1.0, 0.01, 0.05, 0.06, 0.1, 0.2, 0.3, 0.4] and not draws and not calls
+    assert seen == [1.0, 0.01, 0.05, 0.06, 0.1, 0.2, 0.3, 0.35, 0.36, 0.4] and not draws
+
+
+def test_backward_op_refuses_cuflash_dropout_state(any_device, monkeypatch):
+    """The flash backward op called with dropout on the rng_state of a forward cuflash served (a
+    direct call of the ops; autograd never does this) raises before any work: PyTorch's backward
+    would apply another mask."""
+    import torch
+    monkeypatch.setattr(any_device, "_placeholders", {})
+    q = _bhsd(1, 2, 4, 8)
+    seed, offset, _ = any_device._held_placeholders(q)
+    lse = torch.zeros(1, 2, 4)
+    ks = _cuda_keyset()
+    with pytest.raises(ValueError, match="philox_seed: this rng_state comes from a forward that cuflash served"):
+        any_device._backward_impl(ks, q, q, q, q, q, lse, None, None, 4, 4, 0.1, True, seed, offset)
 
 
 # (eager calls with the autograd override: test_eager_autograd_runs_cuflash_function)
@@ -800,22 +837,28 @@ def test_gpu_fallbacks_run_pytorch(sdpa):
     q, k, v = (_cuda_bhsd(g, 2, 4, 128, 64, "float32") for _ in range(3))
     out, names = _kernels(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     assert not _is_cuflash(names) and torch.isfinite(out).all()
-    q, k, v = (_cuda_bhsd(g, 2, 4, 128, 64).detach() for _ in range(3))
+    q, k, v = (_cuda_bhsd(g, 2, 4, 128, 64) for _ in range(3))
+    dout = torch.randn_like(q)
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.no_grad():
+
+    def step():  # (with gradients: the calls cuflash's dropout would serve outside a capture)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # (warm-up outside the capture)
-            F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True)
+            step()
         torch.cuda.current_stream().wait_stream(stream)
         with torch.cuda.graph(graph):
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True)
+            res = step()
     _, names = _kernels(graph.replay)
-    first = out.clone()
+    first = [x.clone() for x in res]
     graph.replay()
     torch.cuda.synchronize()
-    assert not _is_cuflash(names) and not torch.equal(first, out) and torch.isfinite(out).all()
+    assert not _is_cuflash(names) and all(torch.isfinite(x).all() for x in res)
+    assert not torch.equal(first[0], res[0]) and not torch.equal(first[1], res[1])
     sdpa.activate_sdpa()
-    q.requires_grad_()
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         def run():
             F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True).float().sum().backward()
@@ -893,6 +936,55 @@ def test_gpu_torch_compile(sdpa):
     assert _is_cuflash(names), names
     for a, b in zip([loss] + [x.grad for x in (q, k, v)], eager):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+@requires_gpu
+@pytest.mark.parametrize("how", ["reentrant", "non-reentrant", "restored before backward"])
+def test_gpu_sdpa_dropout_checkpoint_and_restore(sdpa, how):
+    """With cuflash's dropout asked for, a step whose forward and backward see different masks
+    would give wrong gradients silently; none does. A reentrant checkpoint's forward runs without
+    gradients (PyTorch's dropout), so its recompute takes PyTorch's too: the gradients are
+    those of the same step without cuflash. A non-reentrant checkpoint recomputes with the same
+    generator state, and a forward taken before restore_sdpa() keeps cuflash's backward: the
+    gradients are those of the same step on cuflash without either."""
+    import torch
+    import torch.nn.functional as F
+    import torch.utils.checkpoint as cp
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    g = torch.Generator(device="cuda").manual_seed(21)
+    q, k, v = (_cuda_bhsd(g, 2, 8, 512, 128) for _ in range(3))
+    dout = torch.randn(2, 8, 512, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q * 1.0, k, v, dropout_p=0.2, is_causal=True)
+
+    def step(cuflash_on, run, restore=False):
+        if cuflash_on:
+            sdpa.activate_sdpa(dropout=True)
+        else:
+            sdpa.restore_sdpa()
+        torch.manual_seed(99)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = run()
+        if restore:
+            sdpa.restore_sdpa()
+        for x in (q, k, v):
+            x.grad = None
+        out.backward(dout)  # (a reentrant checkpoint takes .backward() only)
+        return (out.detach(), *(x.grad for x in (q, k, v)))
+
+    if how == "reentrant":
+        want = step(False, lambda: f(q, k, v))
+        got, names = _kernels(lambda: step(True, lambda: cp.checkpoint(f, q, k, v, use_reentrant=True)))
+        assert not _is_cuflash(names), names
+    else:
+        want = step(True, lambda: f(q, k, v))
+        run = (lambda: cp.checkpoint(f, q, k, v, use_reentrant=False)) if how == "non-reentrant" else \
+            (lambda: f(q, k, v))
+        got, names = _kernels(lambda: step(True, run, restore=how == "restored before backward"))
+        assert _is_cuflash(names), names
+    for a, b in zip(got, want):  # (the same masks: differences of dQ's atomic adds' order at most)
+        assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max()
 
 
 @requires_gpu

@@ -535,11 +535,12 @@ def test_gpu_fast_forward_with_deterministic_toggled(handed_over):
     kernel, dQ added in a fixed order: its steps bitwise equal, and close to the other's), and
     switched off again the handed-over layout's results come back."""
     leaves, p, steps = handed_over
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         det = [_leaves_step(leaves) for _ in range(4)]
     finally:
-        torch.use_deterministic_algorithms(False)
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
     for r in det[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r, det[0]))
     assert torch.equal(det[0][0], steps[-1][0])  # (the same forward; the backward is another kernel)

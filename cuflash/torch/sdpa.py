@@ -170,6 +170,10 @@ def _forward_impl(keyset, query, key, value, dropout_p=0.0, is_causal=False,
 
 def _backward_impl(keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
                    max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+    if dropout_p != 0 and any(philox_seed is held[0] for held in _placeholders.values()):
+        raise ValueError("philox_seed: this rng_state comes from a forward that cuflash served with its own "
+                         "dropout (activate_sdpa(dropout=True)), whose mask PyTorch's backward cannot "
+                         "regenerate; take that forward's gradients through autograd (out.backward(...))")
     why = (_unsupported(query, key, value, dropout_p, scale)
            or _unsupported_backward(grad_out, query, out, logsumexp))
     if why:
@@ -222,17 +226,35 @@ def _with_dropout(query, key, value, dropout_p, is_causal, scale):
     cuflash's eager Function, whose backward regenerates the mask from the saved seed and offset.
     Calls without gradients are not served: the forward of a compiled graph runs without them and
     hands its rng_state to the flash backward op, which must then be PyTorch's (the CUDA kernels
-    above leave dropout to PyTorch). Neither under a CUDA graph capture (PyTorch's kernels draw a
-    new mask on each replay, cuflash's would replay the captured one), forward-mode AD, a
-    __torch_dispatch__ mode, nor for a dropout_p cuflash refuses (1.0: PyTorch decides)."""
+    above leave dropout to PyTorch). Nor is a reentrant checkpoint's recompute, whose forward ran
+    without gradients (_recomputing_without_hooks); nor under a CUDA graph capture (PyTorch's
+    kernels draw a new mask on each replay, cuflash's would replay the captured one),
+    forward-mode AD or a __torch_dispatch__ mode; nor for a dropout_p cuflash refuses (1.0:
+    PyTorch decides); nor on operands that are not transposed (batch, seqlen, nheads, d) tensors
+    (as _eager: the output and gradients are laid out as PyTorch's kernels lay them out)."""
     if (ops._route(query, key, value) != "autograd" or not ops._plain_autograd() or not 0.0 < dropout_p < 1.0
             or not ops._plain_scale(scale) or _unsupported(query, key, value, 0.0, scale)
-            or query.is_cuda and torch.cuda.is_current_stream_capturing()):
+            or not all(x.is_contiguous() for x in _bshd(query, key, value))
+            or query.is_cuda and torch.cuda.is_current_stream_capturing() or _recomputing_without_hooks()):
         return None
     dropout = ops._dropout_state(float(dropout_p), None, None, query.device, query.shape[0], query.shape[1])
     out, lse = ops._EagerAttention.apply(*_bshd(query, key, value), bool(is_causal), scale, -1, -1, 0.0, None,
                                          torch.are_deterministic_algorithms_enabled(), None, None, *dropout)
     return out.transpose(1, 2), lse
+
+
+def _recomputing_without_hooks() -> bool:
+    """Whether this call runs inside a backward pass without saved-tensor hooks: the recompute of
+    a reentrant checkpoint (torch.utils.checkpoint(use_reentrant=True), and the checkpoints of
+    other libraries built the same way), whose forward ran without gradients and so took
+    PyTorch's dropout. A non-reentrant checkpoint recomputes under its own hooks, and its forward
+    was served as the recompute is (the same generator state, so the same mask)."""
+    if torch._C._current_graph_task_id() == -1:
+        return False
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    except (AttributeError, TypeError):  # (a PyTorch without this query: not served)
+        return True
 
 
 _fast = None  # node.cpp's fast_forward, once a layout has been handed to it
@@ -365,11 +387,10 @@ def activate_sdpa(dropout: bool = False):
     order. Calls cuflash cannot serve run PyTorch's own kernels. Undone by :func:`restore_sdpa`.
 
     ``dropout=True``: eager calls with ``dropout_p > 0`` that need gradients run cuflash's
-    attention dropout too (flash-attn's semantics and masks, drawn from the default CUDA
+    attention dropout too (flash-attn's semantics, cuflash's masks, drawn from the default CUDA
     generator; docs/torch.md). Off by default: cuflash's dropout runs on its standard kernels,
     not the warp-specialised ones, slower on Hopper than PyTorch's own flash kernel with dropout
-    (BENCHMARKS.md). Calling
-    this again while active changes only this choice."""
+    (BENCHMARKS.md). Calling this again while active changes only this choice."""
     if not isinstance(dropout, bool):
         raise TypeError(f"dropout must be a bool, got {type(dropout).__name__}")
     if _registry() is not None:
