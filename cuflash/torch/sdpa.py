@@ -196,9 +196,9 @@ def _autograd_impl(keyset, query, key, value, dropout_p=0.0, is_causal=False, re
     gradient alone, where the aten op's own node would call the flash backward op with 15 boxed
     arguments (about half of a step's host time: BENCHMARKS.md); from a layout's third such call,
     node.cpp's fast_forward runs that forward whole in C++ where it covers the layout (_keep_fast).
-    Eager calls with dropout are cuflash's where activation asked for it and _with_dropout serves them. Every other call (no
-    gradient, torch.compile's fake tensors, torch.func) takes PyTorch's autograd kernel, which
-    records that node and calls the CUDA kernels above."""
+    Eager calls with dropout are cuflash's where activation asked for it and _with_dropout
+    serves them. Every other call (no gradient, torch.compile's fake tensors, torch.func) takes
+    PyTorch's autograd kernel, which records that node and calls the CUDA kernels above."""
     if dropout_p != 0 and _active.dropout and not return_debug_mask:
         res = _with_dropout(query, key, value, dropout_p, is_causal, scale)
         if res is not None:
