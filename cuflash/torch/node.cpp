@@ -99,7 +99,7 @@ const Driver& driver() {
     r.launch_ex = reinterpret_cast<LaunchExFn>(dlsym(lib, "cuLaunchKernelEx"));
     r.is_capturing = reinterpret_cast<IsCapturingFn>(dlsym(lib, "cuStreamIsCapturing"));
     check(r.launch && r.encode && r.ctx_get && r.ctx_set && r.device_get && r.primary_retain && r.is_capturing,
-                "cuflash: libcuda.so.1 lacks a driver function the node calls");
+          "cuflash: libcuda.so.1 lacks a driver function the node calls");
     return r;
   }();
   return d;
@@ -168,7 +168,7 @@ void bind_primary_context(const Driver& d, int ordinal) {
   if (!primary[ordinal]) {
     int dev = 0;
     check(d.device_get(&dev, ordinal) == 0 && d.primary_retain(&primary[ordinal], dev) == 0,
-                "cuflash: cannot retain device ", ordinal, "'s primary context");
+          "cuflash: cannot retain device ", ordinal, "'s primary context");
   }
   void* current = nullptr;
   if (d.ctx_get(&current) != 0 || current != primary[ordinal])

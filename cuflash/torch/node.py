@@ -184,7 +184,7 @@ def keep_forward(p, q, k, v) -> bool | None:
     if launch is None or not p.program:
         return False
     module().fast_keep(launch[0], launch[1], q, k, v, p.causal, p.scale, p.deterministic, list(p.fwd.lse_shape),
-                p.program, p.fallback, p)
+                       p.program, p.fallback, p)
     return True
 
 

@@ -230,11 +230,10 @@ def _with_dropout(query, key, value, dropout_p, is_causal, scale):
     without gradients (_recomputing_without_hooks); nor under a CUDA graph capture (PyTorch's
     kernels draw a new mask on each replay, cuflash's would replay the captured one),
     forward-mode AD or a __torch_dispatch__ mode; nor for a dropout_p cuflash refuses (1.0:
-    PyTorch decides); nor on operands that are not transposed (batch, seqlen, nheads, d) tensors
-    (as _eager: the output and gradients are laid out as PyTorch's kernels lay them out)."""
-    if (ops._route(query, key, value) != "autograd" or not ops._plain_autograd() or not 0.0 < dropout_p < 1.0
-            or not ops._plain_scale(scale) or _unsupported(query, key, value, 0.0, scale)
-            or not all(x.is_contiguous() for x in _bshd(query, key, value))
+    PyTorch decides); nor where _eager, whose checks of the layout (an eager call that needs
+    gradients on transposed (batch, seqlen, nheads, d) tensors cuflash serves) it shares, answers
+    None."""
+    if (not 0.0 < dropout_p < 1.0 or not ops._plain_autograd() or _eager(query, key, value, is_causal, scale) is None
             or query.is_cuda and torch.cuda.is_current_stream_capturing() or _recomputing_without_hooks()):
         return None
     dropout = ops._dropout_state(float(dropout_p), None, None, query.device, query.shape[0], query.shape[1])
