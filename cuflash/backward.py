@@ -67,7 +67,6 @@ import numpy as np
 
 from . import api, arrays, compiler, validate
 from .kernels.bwd import ROW_PAD, VARLEN_ROW_GAP, row_floats, sem_words
-from .kernels.flashmask import FlashMaskOrderVariant
 from .kernels.fwd_ws import tensor_map, tma_readable
 from .kernels.params import TENSOR_MAP_BYTES, stride_values
 from .launch import dropout_fields
@@ -454,21 +453,18 @@ def _row_floats(plan) -> int:
 
 
 def _flashmask_preps(plan):
-    """(launch, key-block size, int32 count) of each FlashMask launch before a backward plan's
-    kernels (plan.make_backward_plan: after the three kernels, the prep kernel's for the dK/dV
-    kernel's key blocks first, then for the deterministic dQ kernel's where they differ, then the
-    order kernel's, whose key-block size is the dK/dV kernel's); what they write follows the fp32
-    rows in the workspace in this order."""
+    """(prep launch, key-block size, int32 count) of each FlashMask prep launch of a backward plan
+    (plan.make_backward_plan: after the three kernels, the dK/dV kernel's key blocks first, then
+    the deterministic dQ kernel's where they differ); their bounds follow the fp32 rows in the
+    workspace in this order."""
     p = plan.problem
     if not p.flashmask:
         return []
     main, last = plan.launches[1].variant, plan.launches[2].variant
-    sizes = list(dict.fromkeys((main.block_n, last.block_n) if last.kind == "bwd_dq" else (main.block_n,)))
+    sizes = dict.fromkeys((main.block_n, last.block_n) if last.kind == "bwd_dq" else (main.block_n,))
     heads = p.flashmask_heads or 1
-    out = [(l, bn, l.variant.workspace_ints(p.batch, heads, p.seqlen_k, bn)) for l, bn in zip(plan.launches[3:], sizes)]
-    if len(plan.launches) > 3 + len(sizes):  # the order kernel's: a permutation of the key blocks per index head
-        out.append((plan.launches[-1], main.block_n, p.batch * heads * -(-p.seqlen_k // main.block_n)))
-    return out
+    return [(l, bn, l.variant.workspace_ints(p.batch, heads, p.seqlen_k, bn))
+            for l, bn in zip(plan.launches[3:], sizes)]
 
 
 def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, device: int, cu=None, fm=None,
@@ -526,22 +522,16 @@ def _flashmask_args(plan, fm, at: int):
     idx = _Ptr("fm")
     fields = dict(fm_idx=idx, fm_sb=fm.strides[0], fm_sh=fm.strides[1], fm_ss=fm.strides[2], fm_sc=fm.strides[3],
                   fm_hdiv=p.nheads // heads, fm_heads=heads)
-    preps, blocks, order = [], {}, 0
-    main, last = plan.launches[1].variant, plan.launches[2].variant
+    preps, blocks = [], {}
     for launch, bn, n in _flashmask_preps(plan):
-        if isinstance(launch.variant, FlashMaskOrderVariant):
-            order = _Ptr("ws", at)
-            preps.append((launch, dict(blocks=blocks[bn], order=order, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
-                                       block_m=main.block_m, block_n=bn, heads=heads, n_blocks=-(-p.seqlen_k // bn),
-                                       units=-(-p.seqlen_k // bn))))
-        else:
-            preps.append((launch, dict(idx=idx, idx_sb=fm.strides[0], idx_sh=fm.strides[1], idx_ss=fm.strides[2],
-                                       idx_sc=fm.strides[3], out=_Ptr("ws", at), seqlen_k=p.seqlen_k, block_n=bn,
-                                       heads=heads)))
-            blocks[bn] = _Ptr("ws", at)
+        preps.append((launch, dict(idx=idx, idx_sb=fm.strides[0], idx_sh=fm.strides[1], idx_ss=fm.strides[2],
+                                   idx_sc=fm.strides[3], out=_Ptr("ws", at), seqlen_k=p.seqlen_k, block_n=bn,
+                                   heads=heads)))
+        blocks[bn] = _Ptr("ws", at)
         at += 4 * n
-    return (preps, dict(fields, fm_blocks=blocks[main.block_n], fm_order=order),
-            dict(fields, fm_blocks=blocks[last.block_n], fm_order=0) if last.kind == "bwd_dq" else {})
+    main, last = plan.launches[1].variant, plan.launches[2].variant
+    return (preps, dict(fields, fm_blocks=blocks[main.block_n]),
+            dict(fields, fm_blocks=blocks[last.block_n]) if last.kind == "bwd_dq" else {})
 
 
 def _st(prefix: str, x) -> dict:

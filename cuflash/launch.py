@@ -168,9 +168,7 @@ class Recipe(NamedTuple):
     ws_lse: int                # where the partial LSEs start
     early: bool                # launch with programmatic stream serialisation (see EARLY_LAUNCH)
     maps: tuple | None = None  # fwd_ws: what its tensor maps need besides the pointers (see fire)
-    # FlashMask: the launches before the main one, the prep kernel's then (fwd_ws) the order
-    # kernel's, each (kernel, grid, block, shared memory, its fields by name)
-    prep: tuple | None = None
+    prep: tuple | None = None  # FlashMask: (prep kernel, grid, block, its fields by name), launched first
     tiles: tuple | None = None  # persistent fwd_ws: the one-block-per-tile grid, run without a tile counter
 
 
@@ -190,13 +188,8 @@ def with_pointers(r: Recipe, **pointers) -> Recipe:
 def with_flashmask(r: Recipe, idx: int, ws: int) -> Recipe:
     """``r`` (a FlashMask plan's) reading startend_row_indices at ``idx`` and keeping its prep
     kernel's per-key-block bounds at ``ws`` (int32, plan.workspace_bytes)."""
-    (kernel, grid, block, smem, fields), *order = r.prep
-    preps, order_ptr = [(kernel, grid, block, smem, dict(fields, idx=idx, out=ws))], 0
-    if order:
-        kernel, grid, block, smem, fields = order[0]
-        order_ptr = ws + fields["order"] - fields["blocks"]
-        preps.append((kernel, grid, block, smem, dict(fields, blocks=ws, order=order_ptr)))
-    return with_pointers(r, fm_idx=idx, fm_blocks=ws, fm_order=order_ptr)._replace(prep=tuple(preps))
+    kernel, grid, block, fields = r.prep
+    return with_pointers(r, fm_idx=idx, fm_blocks=ws)._replace(prep=(kernel, grid, block, dict(fields, idx=idx, out=ws)))
 
 
 def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_CACHE,
@@ -263,33 +256,15 @@ def merge_counters(plan: Plan) -> int:
 
 
 def _flashmask_prep(plan: Plan, flashmask, device: int):
-    """The FlashMask launches before a FlashMask plan's main one (Recipe.prep), else None."""
+    """The FlashMask prep launch of a FlashMask plan (kernel, grid, block, fields), else None."""
     main = plan.launches[0].variant
     if not main.flashmask:
         return None
-    p = plan.problem
     ptr, st, heads, ws = flashmask
     pl = plan.launches[1]
-    out = ((compiler.get_kernel(pl.variant, device), pl.grid, (pl.threads,), 0,
+    return (compiler.get_kernel(pl.variant, device), pl.grid, (pl.threads,),
             dict(idx=ptr, idx_sb=st[0], idx_sh=st[1], idx_ss=st[2], idx_sc=st[3], out=ws,
-                 seqlen_k=p.seqlen_k, block_n=main.block_n, heads=heads)),)
-    order = _order_at(plan)
-    if order:
-        ol = plan.launches[2]
-        out += ((compiler.get_kernel(ol.variant, device), ol.grid, (ol.threads,), ol.smem,
-                 dict(blocks=ws, order=ws + order, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, block_m=main.block_m,
-                      block_n=main.block_n, heads=heads, n_blocks=-(-p.seqlen_k // main.block_n),
-                      units=-(-p.seqlen_q // main.block_m))),)
-    return out
-
-
-def _order_at(plan: Plan) -> int:
-    """Where a FlashMask forward's order kernel writes the order, in bytes into the workspace
-    (after the bounds, at its end), or 0 when the plan has no order kernel."""
-    if len(plan.launches) < 3:
-        return 0
-    p = plan.problem
-    return plan.workspace_bytes - 4 * p.batch * (p.flashmask_heads or 1) * -(-p.seqlen_q // plan.launches[0].variant.block_m)
+                 seqlen_k=plan.problem.seqlen_k, block_n=main.block_n, heads=heads))
 
 
 def _flashmask_fields(plan: Plan, flashmask) -> dict:
@@ -299,9 +274,8 @@ def _flashmask_fields(plan: Plan, flashmask) -> dict:
     if flashmask is None:
         raise ValueError(f"{plan.launches[0].name} needs startend_row_indices (prepare's flashmask=)")
     ptr, st, heads, ws = flashmask
-    order = _order_at(plan)
     return dict(fm_idx=ptr, fm_sb=st[0], fm_sh=st[1], fm_ss=st[2], fm_sc=st[3],
-                fm_hdiv=plan.problem.nheads // heads, fm_heads=heads, fm_blocks=ws, fm_order=ws + order if order else 0)
+                fm_hdiv=plan.problem.nheads // heads, fm_heads=heads, fm_blocks=ws)
 
 
 def _cache_fields(variant, pages_per_seq: int, leftpad: int) -> dict:
@@ -428,9 +402,9 @@ def fire(r: Recipe, device: int, stream: int, q: int, k: int, v: int, o: int, ls
     per-stream counter buffer is made) unless ``counter`` points at zeroed int32 counters that the
     caller provides: the persistent blocks' tile counter, or a split launch's merge counters
     (``r.n_counters``; the last split of each query block then merges them)."""
-    for kernel, grid, block, smem, fields in r.prep or ():
-        if grid[0] > 0:  # (no key block: nothing to reduce, and no order: the plan has none)
-            kernel(grid, block, stream, smem, **fields)
+    if r.prep is not None and r.prep[1][0] > 0:  # no key block: nothing to reduce
+        kernel, grid, block, fields = r.prep
+        kernel(grid, block, stream, **fields)
     if r.maps is not None:
         dtype, mq, mk, mv = r.maps
         grid, mid = r.grid, r.mid

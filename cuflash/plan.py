@@ -15,7 +15,7 @@ from typing import NamedTuple
 from .kernels import KernelVariant, head_dim_bucket
 from .kernels import bwd, bwd_ws, fwd_ws
 from .kernels.combine import CombineVariant
-from .kernels.flashmask import FlashMaskOrderVariant, FlashMaskPrepVariant
+from .kernels.flashmask import FlashMaskPrepVariant
 from .kernels.fwd import (DECODE_BLOCK_M, DECODE_MAX_ROWS, DECODE_WARPS, SPLIT_BLOCK_M, SPLIT_WARPS, FwdVariant,
                           decode_tile, flashmask_tile, fwd_tile, split_block_n, split_tile_n,
                           unaligned_leftpad_tile)
@@ -28,9 +28,6 @@ MAX_GRID_X, MAX_GRID_YZ = 2**31 - 1, 65535  # CUDA's grid limits
 FWD_WS = os.environ.get("CUFLASH_FWD_WS", "1") != "0"
 # The warp-specialised backward (kernels/bwd_ws.py) likewise; CUFLASH_BWD_WS=0 keeps the wgmma kernel.
 BWD_WS = os.environ.get("CUFLASH_BWD_WS", "1") != "0"
-# FlashMask on the warp-specialised kernels: the order kernel sorts their units by walk cost first
-# (kernels/flashmask.py); CUFLASH_FLASHMASK_ORDER=0 keeps the kernels' own order (to compare).
-FLASHMASK_ORDER = os.environ.get("CUFLASH_FLASHMASK_ORDER", "1") != "0"
 
 
 def check_grids(launches) -> None:
@@ -452,14 +449,6 @@ def _flashmask_plan(p: Problem, dev: DeviceFacts) -> Plan:
     why = [f"startend_row_indices (FlashMask, n={p.flashmask}, causal={p.causal}): {prep.name} runs first and "
            f"writes the min and max of each bound column per block of {bn} keys ({workspace} B); {kernel} the "
            "partly masked ones element by element and runs the rest unmasked."]
-    order = _flashmask_order(p, dev, bm, bn, cdiv(p.seqlen_q, bm), False) if ws == "" else None
-    if order is not None:
-        launches += (order,)
-        why.append(f"{order.name} then sorts each (batch, index head)'s query tiles by the tiles their walks "
-                   f"compute, longest first ({4 * p.batch * heads * cdiv(p.seqlen_q, bm)} B after the bounds), "
-                   "and the forward takes them in that order (every (head, batch)'s first, then every one's "
-                   "second, ...), so that no long walk starts last.")
-        workspace += 4 * p.batch * heads * cdiv(p.seqlen_q, bm)
     if ws:
         why.append(f"sm_90: Hopper's warpgroup MMA (wgmma, sm_90a), {warps // 4} warpgroups of 64 query rows; not "
                    f"the warp-specialised kernel: {ws}.")
@@ -470,19 +459,6 @@ def _flashmask_plan(p: Problem, dev: DeviceFacts) -> Plan:
     check_grids(launches)
     return Plan(p, dev, launches, 1, 0, False, p.seqlen_q, p.nheads, p.nheads // p.nheads_k, p.causal, (-1, -1),
                 workspace, (), " ".join(why))
-
-
-def _flashmask_order(p: Problem, dev: DeviceFacts, block_m: int, block_n: int, units: int,
-                     by_key: bool) -> Launch | None:
-    """The order kernel's launch for ``units`` units of a warp-specialised FlashMask kernel (query
-    tiles of ``block_m`` rows against key blocks of ``block_n``; ``by_key``: key blocks against
-    query blocks), or None where it is off (FLASHMASK_ORDER) or the bounds do not fit its shared
-    memory (beyond about 170k keys at n = 4: the kernels keep their own order)."""
-    o = FlashMaskOrderVariant(columns=p.flashmask, causal=p.causal, by_key=by_key, arch=dev.arch)
-    smem = o.shared_bytes(p.seqlen_k, block_n, units)
-    if not FLASHMASK_ORDER or units == 0 or p.seqlen_k == 0 or smem > o.smem_bytes:
-        return None
-    return Launch(o, o.grid(p.batch, p.flashmask_heads or 1), o.threads, smem)
 
 
 def _flashmask_rejects(p: Problem) -> None:
@@ -718,11 +694,7 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
                       + (" (ordered dQ with a causal mask: from the last)" if getattr(main, "dq_ordered", False)
                          and p.causal else "")
                       + ", then every one's second, and so on, so that the key blocks of long walks start early in "
-                      "every head" + (f"; {fm[-1].name} sorts each (batch, index head)'s key blocks by the tiles "
-                                      "their walks compute, longest first, and that is the order of a pair's key "
-                                      "blocks (that of its first query head's index head)."
-                                      if isinstance(fm[-1].variant, FlashMaskOrderVariant) else ".")
-                      if main.family == "bwd_ws" else ""))
+                      "every head." if main.family == "bwd_ws" else ""))
     check_grids(launches)
     return Plan(p, dev, launches, 1, 0, False, sq, p.nheads, p.nheads // p.nheads_k, causal, window, workspace,
                 (), " ".join(why), backward=True)
@@ -732,21 +704,13 @@ def _flashmask_backward(p: Problem, dev: DeviceFacts, main, last) -> tuple[tuple
     """The FlashMask prep launches of a backward, their int32 workspace in bytes and their key-block
     sizes: one per
     key-block size, the dK/dV kernel's (``main.block_n``) first, then the deterministic dQ
-    kernel's (``last.block_n``) where it differs; then, for bwd_ws without ordered dQ adds, the
-    order kernel's launch (_flashmask_order). cuflash.backward lays the bounds, then the order, out
-    in this order after the fp32 rows."""
+    kernel's (``last.block_n``) where it differs. cuflash.backward lays the bounds out in this
+    order after the fp32 rows."""
     prep = FlashMaskPrepVariant(columns=p.flashmask, arch=dev.arch)
     heads = p.flashmask_heads or 1
     sizes = dict.fromkeys((main.block_n, last.block_n) if last.kind == "bwd_dq" else (main.block_n,))
     launches = tuple(Launch(prep, prep.grid(p.batch, heads, p.seqlen_k, bn), prep.threads, 0) for bn in sizes)
-    nbytes = sum(4 * prep.workspace_ints(p.batch, heads, p.seqlen_k, bn) for bn in sizes)
-    units = cdiv(p.seqlen_k, main.block_n)
-    order = (_flashmask_order(p, dev, main.block_m, main.block_n, units, True)
-             if main.family == "bwd_ws" and not getattr(main, "dq_ordered", False) else None)
-    if order is not None:
-        launches += (order,)
-        nbytes += 4 * p.batch * heads * units
-    return launches, nbytes, tuple(sizes)
+    return launches, sum(4 * prep.workspace_ints(p.batch, heads, p.seqlen_k, bn) for bn in sizes), tuple(sizes)
 
 
 def empty_plan(p: Problem, dev: DeviceFacts) -> Plan | None:

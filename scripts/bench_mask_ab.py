@@ -4,7 +4,6 @@ two trees (run it once with each on PYTHONPATH): no FlexAttention or SDPA, so a 
     python scripts/bench_mask_ab.py [--seqlen 8192 32768] [--reps 10] [--head-dim 128] [--deterministic]
     python scripts/bench_mask_ab.py --trial fm_window dq_t [--rounds 3] [--head-dim 128] [--deterministic]
     python scripts/bench_mask_ab.py --trial persistent [--rounds 3] [--head-dim 128]
-    python scripts/bench_mask_ab.py --trial order [--rounds 3] [--head-dim 128] [--deterministic]
 
 Prints per family and length the TF/s on the kept pairs (bench mask's count) and the share of
 plain causal attention's TF/s at the same length and pass (#21 asks at least 85%). bf16, d = 128
@@ -14,9 +13,8 @@ against the same with the bool fields F flipped where they apply (bwd_ws.flipped
 that alternate the two (the order rotated each round), and their ratio. ``--trial persistent``:
 the same for the forward alone, the planned fwd_ws variant against it with persistent blocks
 flipped (on where it is off, off where it is on; where FwdWsVariant accepts it: 128-row tiles at
-d <= 128). ``--trial order``: forward and forward + backward as planned (the order kernel sorting
-the warp-specialised kernels' units) against the kernels' own order (plan.FLASHMASK_ORDER off).
-Rows whose trial variant is the planned one say "(the same kernel)": their ratio is the runs' noise."""
+d <= 128). Rows whose
+trial variant is the planned one say "(the same kernel)": their ratio is the runs' noise."""
 import argparse
 import statistics
 
@@ -31,14 +29,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqlen", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--trial", nargs="+", default=[], choices=(*FLIPPABLE, "persistent", "order"), metavar="FIELD")
+    ap.add_argument("--trial", nargs="+", default=[], choices=(*FLIPPABLE, "persistent"), metavar="FIELD")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--deterministic", action="store_true", help="deterministic backward (ordered dQ adds)")
     ap.add_argument("--families", nargs="+", default=list(bench.MASK_FAMILIES), choices=bench.MASK_FAMILIES)
     a = ap.parse_args()
-    if a.trial == ["order"]:
-        return trial_order(a)
     if a.trial:
         return trial(a)
     for s in a.seqlen:
@@ -120,38 +116,6 @@ def trial(a):
             torch.cuda.empty_cache()
     finally:
         kernels.planned = planned
-        forget_plans()
-
-
-def trial_order(a):
-    import importlib
-    from cuflash.plan import forget_plans
-    plan_mod = importlib.import_module("cuflash.plan")
-    try:
-        for s in a.seqlen:
-            shp = (1, s, 16, a.head_dim)
-            sets = bench._make_sets(torch, (shp,) * 4, torch.bfloat16, min_sets=2)
-            grad_sets = [(*(t.detach().requires_grad_() for t in x[:3]), x[3]) for x in sets]
-            for fam in a.families:
-                idx, causal, _, _ = bench._mask_family(fam, s, 16, 0)
-                pairs = bench.mask_pairs(idx, s, causal, 16)
-                idx = torch.from_numpy(np.ascontiguousarray(idx)).cuda()
-                for backward in (False, True):
-                    tf = {True: [], False: []}
-                    for r in range(a.rounds):
-                        for on in ((True, False) if r % 2 == 0 else (False, True)):
-                            plan_mod.FLASHMASK_ORDER = on
-                            forget_plans()
-                            ms = bench.time_cuda(bench._grad_fn(torch, _attn(causal, idx, a.deterministic), backward),
-                                                 grad_sets if backward else sets, 5, a.reps)
-                            tf[on].append(bench.mask_flops(pairs, a.head_dim, backward) / ms / 1e9)
-                    p, w = statistics.median(tf[True]), statistics.median(tf[False])
-                    print(f"{fam:22s} {s:6d} | {'fb' if backward else 'f '} sorted {p:6.1f} own order {w:6.1f} | "
-                          f"sorted / own {p / w:.3f}", flush=True)
-            del sets, grad_sets
-            torch.cuda.empty_cache()
-    finally:
-        plan_mod.FLASHMASK_ORDER = True
         forget_plans()
 
 

@@ -16,7 +16,7 @@ import pytest
 
 import cuflash
 from cuflash import backward, codegen, masks, reference
-from cuflash.kernels import bwd, flashmask
+from cuflash.kernels import bwd
 from cuflash.kernels.bwd import BwdTileVariant
 from cuflash.kernels.flashmask import FlashMaskPrepVariant
 from cuflash.plan import DeviceFacts, Problem, make_backward_plan
@@ -74,7 +74,7 @@ def test_variants_are_named_checked_and_rendered():
         assert {v.mma for v in tiles} == ({"sync", "wgmma"} if arch == 90 else {"sync"})
     # the FlashMask fields follow the plain struct's, which is unchanged
     for fm, plain in ((bwd.DKDV_FM_PARAMS, bwd.DKDV_PARAMS), (bwd.DQ_FM_PARAMS, bwd.DQ_PARAMS)):
-        assert fm.names[:len(plain.names)] == plain.names and fm.names[-2:] == ("fm_blocks", "fm_order")
+        assert fm.names[:len(plain.names)] == plain.names and fm.names[len(plain.names):][-1] == "fm_blocks"
     for v in SAMPLE:
         src = codegen.render(v)
         assert f"constexpr int kFlashMask = {v.flashmask};" in src and "fm_blocks" in src
@@ -121,16 +121,9 @@ def test_plan_adds_the_prep_launches(arch, deterministic, d):
     assert ("with this FlashMask mask the dK/dV kernel adds no dQ" in p.reason) == (ws and dq_kernel)
     assert ("fully masked takes no turn" in p.reason) == (ws and deterministic and not dq_kernel)
     sizes = [main.block_n] + ([last.block_n] if dq_kernel and last.block_n != main.block_n else [])
-    order = fm[len(sizes):]  # bwd_ws without ordered dQ adds: the order kernel sorts the key blocks
-    assert [v.family for v in fm] == ["flashmask"] * (len(sizes) + ws) and all(v.columns == 2 for v in fm)
-    assert [l.grid for l in p.launches[3:3 + len(sizes)]] == [(-(-333 // bn), 2, 2) for bn in sizes]
+    assert [v.family for v in fm] == ["flashmask"] * len(sizes) and all(v.columns == 2 for v in fm)
+    assert [l.grid for l in p.launches[3:]] == [(-(-333 // bn), 2, 2) for bn in sizes]
     fm_bytes = sum(4 * 2 * 2 * -(-333 // bn) * 2 * 2 for bn in sizes)
-    if ws:
-        assert (order[0].by_key, order[0].causal) == (True, False) and p.launches[-1].grid == (2, 2, 1)
-        fm_bytes += 4 * 2 * 2 * -(-333 // main.block_n)  # a permutation of the key blocks per (batch, index head)
-        assert "sorts each (batch, index head)'s key blocks" in p.reason
-    else:
-        assert order == []
     rows = 2 * 8 * (320 if getattr(main, "dq_t", False) else 384)  # LSE and D, and without the deterministic dQ kernel the dQ
     # accumulator, for 300 queries in steps of 80 or 128 rows
     sems = 0  # no ordered adds, so no semaphores
@@ -152,10 +145,7 @@ def test_deterministic_plans(d, causal, n):
     assert main.kind == ("bwd_ws_dkdv_dq" if ordered else "bwd_ws_dkdv")
     assert last.kind == ("bwd_convert" if ordered else "bwd_dq")
     rows = 2 * 8 * 384
-    two = last.kind == "bwd_dq" and last.block_n != main.block_n  # a prep launch per key-block size
-    assert [getattr(v, "by_key", False) for v in fm] == [False] * (1 + two) + [True] * (not ordered)  # ordered adds keep their launch order (a block waits for those before it)
-    fm_bytes = sum(l.grid[0] * l.grid[1] * l.grid[2] * 2 * n * 4 for l in p.launches[3:] if not hasattr(l.variant, "by_key"))
-    fm_bytes += 0 if ordered else 4 * 2 * -(-333 // main.block_n)
+    fm_bytes = sum(l.grid[0] * l.grid[1] * l.grid[2] * 2 * n * 4 for l in p.launches[3:])
     assert p.workspace_bytes == 4 * rows * (2 + (d if ordered else 0)) + fm_bytes + (4 * rows // 64 if ordered else 0)
     assert ("fully masked takes no turn" in p.reason) == ordered
 
@@ -216,22 +206,13 @@ def test_launch_arguments(monkeypatch, deterministic):
     assert all(s == 5 for _, s, _ in launched)
     _, rows = backward.stats_rows(b, sq, h, pad=backward.row_pad(plan))  # (whole 80-row steps with dq_t)
     at = ws + 4 * rows * (2 + (0 if deterministic else d))  # the bounds follow the fp32 rows
-    outs, order = [], 0
-    main = plan.launches[1].variant
+    outs = []
     for (_, _, f), (launch, bn, ints) in zip(launched[:n_prep], backward._flashmask_preps(plan)):
-        if getattr(launch.variant, "by_key", False):  # the order kernel's, last: the dK/dV kernel's key blocks
-            assert launch is plan.launches[-1] and (f["blocks"], f["order"]) == (dict(outs)[main.block_n], at)
-            assert (f["block_m"], f["block_n"], f["seqlen_q"], f["seqlen_k"], f["heads"]) == (
-                main.block_m, main.block_n, sq, sk, h)
-            assert f["n_blocks"] == f["units"] == -(-sk // bn) and ints == b * h * f["units"]
-            order = at
-        else:
-            assert (f["idx"], f["idx_sb"], f["idx_sh"], f["idx_ss"], f["idx_sc"]) == (8 << 24, *fm.strides)
-            assert (f["out"], f["block_n"], f["seqlen_k"], f["heads"]) == (at, bn, sk, h)
-            assert ints == b * h * -(-sk // bn) * 2 * 4
-            outs.append((bn, at))
+        assert (f["idx"], f["idx_sb"], f["idx_sh"], f["idx_ss"], f["idx_sc"]) == (8 << 24, *fm.strides)
+        assert (f["out"], f["block_n"], f["seqlen_k"], f["heads"]) == (at, bn, sk, h)
+        assert ints == b * h * -(-sk // bn) * 2 * 4
+        outs.append((bn, at))
         at += 4 * ints
-    assert order  # neither dQ mode orders its adds here (not causal): the key blocks are sorted
     assert at == ws + 4 * backward.workspace_floats(plan) == ws + plan.workspace_bytes
     blocks = dict(outs)
     for (name, _, f), launch in zip(launched[n_prep + 1:], plan.launches[1:3]):
@@ -240,7 +221,6 @@ def test_launch_arguments(monkeypatch, deterministic):
             continue
         assert (f["fm_idx"], f["fm_sb"], f["fm_sh"], f["fm_ss"], f["fm_sc"]) == (8 << 24, *fm.strides)
         assert (f["fm_hdiv"], f["fm_heads"], f["fm_blocks"]) == (1, h, blocks[launch.variant.block_n])
-        assert f["fm_order"] == (order if launch.variant is main else 0)
     with pytest.raises(ValueError, match="needs startend_row_indices"):
         backward.run(plan, (q, k, v, do, o), lse, grads, ws, 0.1, ((-1, -1), 0.0, None, 0), 5, 0)
 
@@ -435,7 +415,8 @@ def _fm_kernels():
     import cupy
     from cuflash.kernels import fwd
     arch = int(cupy.cuda.Device().compute_capability)
-    warm(bwd.flashmask_variants(arch) + fwd.flashmask_variants(arch) + flashmask.variants(arch))
+    warm(bwd.flashmask_variants(arch) + fwd.flashmask_variants(arch)
+         + [FlashMaskPrepVariant(columns=n, arch=arch) for n in (1, 2, 4)])
 
 
 def _check(rng, b, sq, sk, h, hk, d, dtype, causal, x, deterministic=False, **kw):
@@ -689,108 +670,3 @@ def test_gpu_trial_variant_matches_the_planned_one(rng, _trial_plan, name, causa
         for i, g in enumerate(("dq", "dk", "dv")):
             if i or deterministic:
                 assert torch.equal(grads[False][i].view(torch.int16), grads[True][i].view(torch.int16)), g
-
-
-# ---------------------------------------------------------------------------------------------
-# The order kernel: each (batch, index head)'s units longest walk first
-
-def _order_ref(x, sq, sk, bm, bn, causal, by_key):
-    """The order kernel's permutation on the host: per (batch, index head), the units (query
-    tiles of bm rows, or with by_key key blocks of bn keys) by the cost of their walks (4 per
-    plain tile, 5 per partly masked one, from the blocks' min and max bounds: flashmask.cuh's
-    flashmask_class), the costliest first; ties with a causal mask the later query tile first,
-    else the lower index."""
-    b, heads, _, n = x.shape
-    nb, num_m = -(-sk // bn), -(-sq // bm)
-    lo = np.stack([x[:, :, j * bn:min(j * bn + bn, sk)].min(2) for j in range(nb)], 2)  # (b, heads, nb, n)
-    hi = np.stack([x[:, :, j * bn:min(j * bn + bn, sk)].max(2) for j in range(nb)], 2)
-
-    def cost(bi, h, m, j):
-        r0, r1 = m * bm, min(m * bm + bm, sq)
-        l, u = lo[bi, h, j], hi[bi, h, j]
-        if causal:
-            iv = [(l[0], u[0], sq, sq)] if n == 1 else [(l[0], u[0], l[1], u[1])]
-        elif n == 2:
-            iv = [(l[0], u[0], sq, sq), (0, 0, l[1], u[1])]
-        else:
-            iv = [(l[0], u[0], l[1], u[1]), (l[2], u[2], l[3], u[3])]
-        if any(r0 >= s_max and r1 <= e_min for _, s_max, e_min, _ in iv):
-            return 0
-        return 5 if any(r0 < e_max and r1 > s_min for s_min, _, _, e_max in iv) else 4
-
-    out = np.empty((b, heads, nb if by_key else num_m), np.int32)
-    for bi in range(b):
-        for h in range(heads):
-            if by_key:
-                c = [sum(cost(bi, h, m, j) for m in range(min(num_m, max(0, j * bn - (sk - sq)) // bm) if causal else 0,
-                                                            num_m)) for j in range(nb)]
-            else:
-                c = [sum(cost(bi, h, m, j) for j in range(min(nb, -(-max(0, m * bm + bm + sk - sq) // bn)) if causal
-                                                            else nb)) for m in range(num_m)]
-            later = causal and not by_key
-            out[bi, h] = sorted(range(len(c)), key=lambda u: (-c[u], -u if later else u))
-    return out
-
-
-@requires_gpu
-@pytest.mark.parametrize("by_key", [False, True], ids=["query tiles", "key blocks"])
-@pytest.mark.parametrize("causal, n", [(True, 1), (True, 2), (False, 2), (False, 4)])
-@pytest.mark.parametrize("sq, sk", [(1100, 1100), (700, 1300), (1300, 500)])
-def test_gpu_order_kernel_sorts_units_by_walk_cost(rng, causal, n, sq, sk, by_key):
-    """The prep and order kernels on random intervals (2 batches x 3 index heads, each its own
-    mask) against _order_ref: the same permutation, ties included; the order buffer poisoned."""
-    import cupy
-    from cuflash import compiler
-    from cuflash.kernels.flashmask import FlashMaskOrderVariant
-    dev = cupy.cuda.Device().id
-    arch = int(cupy.cuda.Device().compute_capability)
-    b, heads, bm, bn = 2, 3, (80 if by_key else 128), 128
-    x = _random_intervals(rng, b, heads, sq, sk, n, causal)
-    nb, units = -(-sk // bn), -(-(sk if by_key else sq) // (bn if by_key else bm))
-    xd = cupy.asarray(x)
-    blocks = cupy.full(b * heads * nb * 2 * n, -7, cupy.int32)
-    order = cupy.full(b * heads * units, -1, cupy.int32)
-    prep = FlashMaskPrepVariant(columns=n, arch=arch)
-    compiler.get_kernel(prep, dev)(prep.grid(b, heads, sk, bn), (prep.threads,), 0, idx=xd.data.ptr,
-                                   idx_sb=heads * sk * n, idx_sh=sk * n, idx_ss=n, idx_sc=1, out=blocks.data.ptr,
-                                   seqlen_k=sk, block_n=bn, heads=heads)
-    o = FlashMaskOrderVariant(columns=n, causal=causal, by_key=by_key, arch=arch)
-    compiler.get_kernel(o, dev)(o.grid(b, heads), (o.threads,), 0, o.shared_bytes(sk, bn, units),
-                                blocks=blocks.data.ptr, order=order.data.ptr, seqlen_q=sq, seqlen_k=sk, block_m=bm,
-                                block_n=bn, heads=heads, n_blocks=nb, units=units)
-    got = order.get().reshape(b, heads, units)
-    np.testing.assert_array_equal(got, _order_ref(x, sq, sk, bm, bn, causal, by_key))
-
-
-@requires_sm90
-@requires_torch
-@pytest.mark.usefixtures("_fm_kernels")
-@pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("name, causal, x", [b for b in _builders(1100) if b[0] in (
-    "prefix_lm_document", "global_sliding_window", "causal_blockwise", "share_question")] + [
-    ("random_eviction per head", True, np.concatenate([masks.random_eviction(1100, 300, seed=s) for s in range(8)], 1))],
-    ids=lambda a: a if isinstance(a, str) else None)
-def test_gpu_sorted_key_blocks_change_no_dk_dv_bit(rng, monkeypatch, name, causal, x, d):
-    """bwd_ws with atomic dQ takes its key blocks in the order kernel's order: dK and dV bitwise
-    those of the kernel's own order (each key block's walk is the same), dQ within flash-attn's
-    rule either way; the order kernel runs only in the first."""
-    import importlib
-    import torch
-    from cuflash.plan import forget_plans
-    plan_mod = importlib.import_module("cuflash.plan")
-    seed, got = int(rng.integers(1 << 30)), {}
-    problem = Problem(2, 1100, 1100, 8, 2, d, "bf16", causal=causal, flashmask=x.shape[-1],
-                      flashmask_heads=x.shape[1])
-    xb = np.ascontiguousarray(np.concatenate([x, x]))
-    try:
-        for on in (True, False):
-            monkeypatch.setattr(plan_mod, "FLASHMASK_ORDER", on)
-            forget_plans()
-            launches = make_backward_plan(problem, DeviceFacts(132, 90)).launches
-            assert launches[1].variant.family == "bwd_ws" and getattr(launches[-1].variant, "by_key", False) == on
-            got[on] = _check(np.random.default_rng(seed), 2, 1100, 1100, 8, 2, d, "bfloat16", causal, xb)
-    finally:
-        monkeypatch.undo()
-        forget_plans()
-    for i in (1, 2):
-        assert torch.equal(got[True][i].view(torch.int16), got[False][i].view(torch.int16)), ("dk", "dv")[i - 1]

@@ -68,25 +68,15 @@ def _plan(q=(2, 512, 8, 64), hk=2, arch=90, **kw):
                                        (False, masks.global_sliding_window(512, 16, 64, batch=2))])
 def test_plan_routes_flashmask(arch, causal, x):
     """sm_90: the warp-specialised forward; sm_80: the standard kernel; the prep kernel reduces the
-    indices per block of the forward's keys, in a workspace with room for either kernel's blocks;
-    on sm_90 the order kernel then sorts each (batch, index head)'s query tiles, its permutation
-    after the bounds."""
+    indices per block of the forward's keys, in a workspace with room for either kernel's blocks."""
     p = _plan(arch=arch, causal=causal, startend_row_indices=x)
-    v, prep, *order = (l.variant for l in p.launches)
+    v, prep = (l.variant for l in p.launches)
     n = x.shape[-1]
     assert v.kind == ("fwd_ws" if arch == 90 else "fwd") and v.flashmask == n and v.causal == causal
     assert p.num_splits == 1 and prep.family == "flashmask" and prep.columns == n
     assert p.launches[1].grid == (-(-512 // v.block_n), 1, 2)
     bn_std = flashmask_tile(64, True, arch)[1]
-    tiles = -(-512 // v.block_m)
-    assert p.workspace_bytes == 4 * 2 * max(-(-512 // b) for b in (v.block_n, bn_std)) * 2 * n + 4 * 2 * tiles * len(order)
-    if arch == 90:
-        (o,) = order
-        assert (o.columns, o.causal, o.by_key) == (n, causal, False) and p.launches[2].grid == (1, 2, 1)
-        assert p.launches[2].smem == 4 * (-(-512 // v.block_n) * 2 * n + tiles)
-        assert "longest first" in p.reason
-    else:
-        assert order == []
+    assert p.workspace_bytes == 4 * 2 * max(-(-512 // b) for b in (v.block_n, bn_std)) * 2 * n
     assert "startend_row_indices (FlashMask" in p.reason
     assert ("warp-specialised forward (fwd_ws" in p.reason) == (arch == 90)
     assert ("the standard forward kernel (never split" in p.reason) == (arch == 80)
@@ -488,38 +478,3 @@ def test_gpu_persistent_flashmask_matches_one_tile_blocks(rng, monkeypatch, name
         assert torch.equal(got[mode][0].view(torch.int16), got["one-tile blocks"][0].view(torch.int16)), mode
         assert torch.equal(got[mode][1], got["one-tile blocks"][1]), mode
     _run(rng, 1, 1100, 8, 2, d, "bfloat16", causal, x)  # (the planned kernel against the reference)
-
-
-@requires_sm90
-@requires_torch
-@pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("name, causal, x", [b for b in _builders(1100) if b[0] in (
-    "prefix_lm_document", "global_sliding_window", "causal_blockwise", "document")] + [
-    ("random_eviction per head", True, np.concatenate([masks.random_eviction(1100, 300, seed=s) for s in range(8)], 1))],
-    ids=lambda a: a if isinstance(a, str) else None)
-def test_gpu_sorted_query_tiles_change_no_bit(rng, monkeypatch, name, causal, x, d):
-    """fwd_ws takes its query tiles in the order kernel's order (persistent blocks at d = 128,
-    one-tile blocks at d = 64 and 256): O and LSE bitwise those of the kernels' own order, which
-    the plan keeps with FLASHMASK_ORDER off."""
-    import torch
-    from cuflash.plan import forget_plans
-    from test_gpu_forward import torch_inputs
-    plan_mod = importlib.import_module("cuflash.plan")
-    q, k, v = torch_inputs(rng, 2, 1100, 1100, 8, 2, d, "bfloat16")
-    xb = np.ascontiguousarray(np.concatenate([x, x]))
-    xt = torch.from_numpy(xb).cuda()
-    got = {}
-    try:
-        for on in (True, False):
-            monkeypatch.setattr(plan_mod, "FLASHMASK_ORDER", on)
-            forget_plans()
-            p = _plan(q=(2, 1100, 8, d), hk=2, causal=causal, startend_row_indices=xb)
-            assert p.launches[0].variant.kind == "fwd_ws" and (len(p.launches) == 3) == on
-            out = torch.full_like(q, float("nan"))
-            got[on] = cuflash.attention(q, k, v, causal=causal, out=out, return_lse=True, startend_row_indices=xt)
-    finally:
-        monkeypatch.undo()
-        forget_plans()
-    assert torch.equal(got[True][0].view(torch.int16), got[False][0].view(torch.int16))
-    assert torch.equal(got[True][1], got[False][1])
-    _run(rng, 2, 1100, 8, 2, d, "bfloat16", causal, xb)  # (sorted, against the reference)

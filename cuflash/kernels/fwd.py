@@ -112,11 +112,10 @@ assert PARAMS.names[:DATA_HEAD] == ("q", "k", "v", "o", "lse")
 assert PARAMS.names[-DATA_TAIL:] == ("o_final", "lse_final", "counters")
 # FlashMask variants (flashmask > 0) take these fields too, before the trailing data pointers:
 # the indices (batch, fm heads, seqlen_k, n) with element strides, query heads per index head,
-# the prep kernel's per-key-block bounds (kernels/flashmask.py: min and max of each column per
-# (batch, index head, block of kBlockN keys)), and the order kernel's units of each (batch, index
-# head), longest walk first (the warp-specialised kernels' launch order; null: their own order).
+# and the prep kernel's per-key-block bounds (kernels/flashmask.py: min and max of each column
+# per (batch, index head, block of kBlockN keys)).
 FLASHMASK_FIELDS = (("fm_idx", "const int*"), *strides("fm", "sb", "sh", "ss", "sc"), ("fm_hdiv", "int"),
-                    ("fm_heads", "int"), ("fm_blocks", "const int*"), ("fm_order", "const int*"))
+                    ("fm_heads", "int"), ("fm_blocks", "const int*"))
 FLASHMASK_PARAMS = ParamTable("FwdParams", PARAMS.fields[:-DATA_TAIL] + FLASHMASK_FIELDS + PARAMS.fields[-DATA_TAIL:])
 FLASHMASK_NS = (1, 2, 4)  # bound columns per key: 1 or 2 with causal, 2 or 4 without
 # Attention-sink variants (sinks=True) take these fields too, before the trailing data pointers:
