@@ -4,6 +4,7 @@ two trees (run it once with each on PYTHONPATH): no FlexAttention or SDPA, so a 
     python scripts/bench_mask_ab.py [--seqlen 8192 32768] [--reps 10] [--head-dim 128] [--deterministic]
     python scripts/bench_mask_ab.py --trial fm_window dq_t [--rounds 3] [--head-dim 128] [--deterministic]
     python scripts/bench_mask_ab.py --trial persistent [--rounds 3] [--head-dim 128]
+    python scripts/bench_mask_ab.py --trial double_q [--rounds 3] [--head-dim 128]
 
 Prints per family and length the TF/s on the kept pairs (bench mask's count) and the share of
 plain causal attention's TF/s at the same length and pass (#21 asks at least 85%). bf16, d = 128
@@ -13,7 +14,7 @@ against the same with the bool fields F flipped where they apply (bwd_ws.flipped
 that alternate the two (the order rotated each round), and their ratio. ``--trial persistent``:
 the same for the forward alone, the planned fwd_ws variant against it with persistent blocks
 flipped (on where it is off, off where it is on; where FwdWsVariant accepts it: 128-row tiles at
-d <= 128). Rows whose
+d <= 128); ``--trial double_q`` likewise with two Q tiles flipped (persistent blocks only). Rows whose
 trial variant is the planned one say "(the same kernel)": their ratio is the runs' noise."""
 import argparse
 import statistics
@@ -24,12 +25,14 @@ import torch
 from cuflash import bench
 from cuflash.kernels.bwd_ws import FLIPPABLE
 
+FWD_FLIPPABLE = ("persistent", "double_q")  # the forward's (fwd_ws) trial fields, one at a time
+
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqlen", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--trial", nargs="+", default=[], choices=(*FLIPPABLE, "persistent"), metavar="FIELD")
+    ap.add_argument("--trial", nargs="+", default=[], choices=(*FLIPPABLE, *FWD_FLIPPABLE), metavar="FIELD")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--deterministic", action="store_true", help="deterministic backward (ordered dQ adds)")
@@ -69,18 +72,20 @@ def trial(a):
     from dataclasses import replace
     from cuflash.plan import forget_plans
     from cuflash.kernels import bwd_ws, fwd_ws
-    fwd = a.trial == ["persistent"]
-    if fwd != ("persistent" in a.trial):
-        raise SystemExit("--trial persistent (the forward's) takes no other field")
+    fwd = len(a.trial) == 1 and a.trial[0] in FWD_FLIPPABLE
+    if not fwd and any(f in FWD_FLIPPABLE for f in a.trial):
+        raise SystemExit(f"--trial {' or '.join(FWD_FLIPPABLE)} (the forward's) takes no other field")
     kernels = fwd_ws if fwd else bwd_ws
     planned = kernels.planned
-    def flip_persistent(v):  # where the variant's own checks take the other choice
+
+    def flip_fwd(v):  # where the variant's own checks take the other choice
+        f = a.trial[0]
         try:
-            return replace(v, persistent=not v.persistent)
+            return replace(v, **{f: not getattr(v, f)}, **({"double_q": False} if f == "persistent" else {}))
         except ValueError:
             return v
 
-    change = flip_persistent if fwd else (lambda v: bwd_ws.flipped(v, a.trial))
+    change = flip_fwd if fwd else (lambda v: bwd_ws.flipped(v, a.trial))
     changed = []  # whether the trial's variant differed from the planned one (per family and length)
 
     def trial_variant(*p, **k):

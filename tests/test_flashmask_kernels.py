@@ -442,9 +442,9 @@ def test_persistent_flashmask_variants_are_checked_and_rendered():
     ("empty_tiles", True, np.full((1, 1, 1100, 1), 500, dtype=np.int32))],  # rows from 500 see no key
     ids=lambda a: a if isinstance(a, str) else None)
 def test_gpu_persistent_flashmask_matches_one_tile_blocks(rng, monkeypatch, name, causal, x, d):
-    """Persistent FlashMask blocks against one-tile blocks on the same inputs, both on 128-row
-    tiles (d = 64 without causal plans 192): O and LSE bitwise equal (the same walks in the same
-    order), with more query tiles than SMs (each block takes several tiles, through the tile
+    """Persistent FlashMask blocks, with one Q tile and with two (double_q), against one-tile
+    blocks on the same inputs, all on 128-row tiles (d = 64 without causal plans 192): O and LSE
+    bitwise equal (the same walks in the same order), with more query tiles than SMs (each block takes several tiles, through the tile
     counter) and as one block per tile (no counter: a first call inside a CUDA graph capture takes
     that path; here launch.fire's fused=False); query tiles whose walk is empty (empty_tiles)."""
     import torch
@@ -458,23 +458,27 @@ def test_gpu_persistent_flashmask_matches_one_tile_blocks(rng, monkeypatch, name
     xt = torch.from_numpy(xb).cuda()
     got = {}
     planned = fwd_ws.planned
-    for mode in ("one-tile blocks", "persistent", "persistent, one block per tile"):
-        persistent = mode != "one-tile blocks"
+    modes = ("one-tile blocks", "persistent", "persistent, one block per tile", "two Q tiles",
+             "two Q tiles, one block per tile")
+    for mode in modes:
+        persistent, double_q = mode != "one-tile blocks", mode.startswith("two Q")
         monkeypatch.setattr(fwd_ws, "planned", lambda *a, **kw: (lambda w: dataclasses.replace(
-            w, block_m=128, pingpong=True, persistent=persistent) if w.flashmask else w)(planned(*a, **kw)))
-        if mode == "persistent, one block per tile":
+            w, block_m=128, pingpong=True, persistent=persistent, double_q=double_q) if w.flashmask else w)(
+            planned(*a, **kw)))
+        if mode.endswith("one block per tile"):
             fire = launch.fire
             monkeypatch.setattr(launch, "fire", lambda *a, **kw: fire(*a, **{**kw, "fused": False}))
         forget_plans()
         try:
             kernel = _plan(q=(b, 1100, h, d), hk=hk, causal=causal, startend_row_indices=xb).launches[0].variant
-            assert kernel.kind == "fwd_ws" and kernel.persistent == persistent and kernel.block_m == 128, kernel
+            assert kernel.kind == "fwd_ws" and (kernel.persistent, kernel.double_q) == (persistent, double_q), kernel
+            assert kernel.block_m == 128, kernel
             out = torch.full_like(q, float("nan"))
             got[mode] = cuflash.attention(q, k, v, causal=causal, out=out, return_lse=True, startend_row_indices=xt)
         finally:
             monkeypatch.undo()
             forget_plans()
-    for mode in ("persistent", "persistent, one block per tile"):
+    for mode in modes[1:]:
         assert torch.equal(got[mode][0].view(torch.int16), got["one-tile blocks"][0].view(torch.int16)), mode
         assert torch.equal(got[mode][1], got["one-tile blocks"][1]), mode
     _run(rng, 1, 1100, 8, 2, d, "bfloat16", causal, x)  # (the planned kernel against the reference)

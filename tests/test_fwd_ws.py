@@ -397,8 +397,11 @@ def test_persistent_renders_the_tile_loop_only_when_asked():
     for loop in loops:
         assert loop not in one and many.count(loop) == 1
     assert "bar_q_empty" not in one and "kv0" not in one and "atomicAdd(tile_counter" not in one
-    assert "mbar_wait<kHangTrap>(bar_q_empty, (j - 1) & 1)" in many and "mbar_arrive(bar_q_empty)" in many
-    assert "mbar_wait<kHangTrap>(bar_q, j & 1)" in many and "mbar_wait<kHangTrap>(bar_q, 0)" in one
+    assert "mbar_wait<kHangTrap>(bar_q_empty_of(j), q_phase(j - kQBufs))" in many and "mbar_arrive(bar_q_empty)" in many
+    assert "mbar_wait<kHangTrap>(bar_q_of(j), q_phase(j))" in many and "mbar_wait<kHangTrap>(bar_q, 0)" in one
+    assert "constexpr int kQBufs = 1;" in one and "constexpr int kQBufs = 1;" in many
+    two = codegen.render(replace(fwd_ws.planned(128, "bf16", False, 4096), persistent=True, double_q=True))
+    assert "constexpr int kQBufs = 2;" in two and "constexpr bool kOwnO = false;" in two
     # Tiles handed out by an atomic counter that the launch's last increment zeroes again.
     assert "next = atomicAdd(tile_counter, 1);" in many and "atomicExch(tile_counter, 0)" in many
     assert "tile_counter" in fwd_ws.FwdWsVariant(head_dim=128, dtype="bf16", arch=90, persistent=True).params.names
@@ -602,16 +605,23 @@ def test_gpu_persistent_matches_one_tile_blocks(rng, d, tile, causal, b, h, hk, 
     query tiles and carry stage phases across them; rows that see no key when causal with
     sq > sk), taking tiles from the counter or in a fixed order, compute what one-tile blocks
     compute, bitwise, and pass the reference check; a launch leaves the counter at 0 (the next
-    launch on the stream finds every tile, checked by running three)."""
+    launch on the stream finds every tile, checked by running three); with two Q tiles
+    (double_q, where shared memory has room) too."""
     import torch
     q, k, v = _inputs(rng, b, sq, sk, h, hk, d, "bfloat16")
     one, one_lse = fwd_ws.run(q, k, v, causal=causal, return_lse=True, **tile)
-    for dynamic in (True, True, False, True):
+    try:  # (two Q tiles and the K/V stages fit in shared memory)
+        two_q = fwd_ws.FwdWsVariant(head_dim=d, dtype="bf16", arch=90, causal=causal, persistent=True, double_q=True,
+                                    **tile).double_q
+    except ValueError:
+        two_q = False
+    for dynamic, double_q in ((True, False), (True, False), (False, False), (True, False)) + (
+            ((True, True), (False, True), (True, True)) if two_q else ()):
         out = torch.full_like(q, float("nan"))
         res, lse = fwd_ws.run(q, k, v, causal=causal, out=out, return_lse=True, persistent=True, dynamic=dynamic,
-                              **tile)
+                              double_q=double_q, **tile)
         torch.cuda.synchronize()
-        assert res is out and torch.equal(out, one) and torch.equal(lse, one_lse), dynamic
+        assert res is out and torch.equal(out, one) and torch.equal(lse, one_lse), (dynamic, double_q)
     _check(out, lse, q, k, v, causal)
 
 

@@ -33,7 +33,8 @@ GATHER_BELOW_ROWS = 64
 MAX_CONSUMER_REGS = 240  # of a consumer's, with two (128 * 24 + 256 * 240 = 64512 <= 65536)
 BOX_COLS = 64                           # one TMA box is 64 columns (128 bytes: the swizzle's width)
 BARRIER_BYTES = 160                     # 2 + 4 * stages mbarriers of 8 bytes, two 16-byte tile slots (persistent), a
-                                        # walk slot per stage (persistent FlashMask), rounded up
+                                        # walk slot per stage (persistent FlashMask), two mbarriers of a second Q
+                                        # tile (double_q), rounded up
 MAX_SMEM = 232448                       # dynamic shared memory a block may have on sm_90 (227 KiB)
 # An mbarrier wait longer than this many clock cycles traps (the launch fails instead of hanging
 # on a phase that never completes): a debugging aid while changing the pipeline, e.g. 1 << 32
@@ -108,6 +109,10 @@ class FwdWsVariant(KernelVariant):
     # and first K/V while the consumers finish the last, and no block pays a cold start per tile.
     # FlashMask: at d = 64 and 128 on 128-row tiles, in FlashMask's launch order (planned at d = 128).
     persistent: bool = False
+    # Persistent: two Q tiles, tile j's in tile j & 1, so that the producer loads the next tile's
+    # Q while the consumers work on this one (with one, only after this tile's last S = Q K^T or
+    # its epilogue); O is then staged in the tile's own Q tile (not own_o).
+    double_q: bool = False
     # FlashMask bound columns per key (cuflash.masks; 1 or 2 with causal, 2 or 4 without), 0 =
     # none: the walk leaves out fully masked K/V blocks and masks the partly masked ones.
     flashmask: int = 0
@@ -143,8 +148,8 @@ class FwdWsVariant(KernelVariant):
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for f in ("causal", "local", "overlap", "pingpong", "turn_softmax", "persistent", "softcap", "alibi", "varlen",
-                  "cache", "leftpad", "paged", "gather", "sinks"):
+        for f in ("causal", "local", "overlap", "pingpong", "turn_softmax", "persistent", "double_q", "softcap",
+                  "alibi", "varlen", "cache", "leftpad", "paged", "gather", "sinks"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be a bool, got {getattr(self, f)!r}")
         if self.turn_softmax and (not self.pingpong or self.flashmask or self.gather):
@@ -162,6 +167,9 @@ class FwdWsVariant(KernelVariant):
                              f"a multiple of 16 up to 256 (a TMA box's rows), got {self.block_m}x{self.block_n}")
         if self.stages < 2:
             raise ValueError(f"stages must be at least 2, got {self.stages!r}")
+        if self.double_q and not (self.persistent and self.smem_bytes <= MAX_SMEM):
+            raise ValueError(f"double_q (two Q tiles) needs persistent blocks and room in shared memory (at most "
+                             f"{MAX_SMEM} B), got persistent={self.persistent}, {self.smem_bytes} B")
         if self.flashmask and not (self.flashmask in FLASHMASK_NS[:2] if self.causal else
                                    self.flashmask in FLASHMASK_NS[1:]) or self.flashmask and self.persistent and not (
                                    self.head_dim <= 128 and self.block_m == 128 and self.overlap and self.stages == 2):
@@ -199,7 +207,7 @@ class FwdWsVariant(KernelVariant):
     def name(self) -> str:
         mask = "local" if self.local else "causal" if self.causal else "full"
         sched = ("_overlap" if self.overlap else "") + ("_pingpong" if self.pingpong else "") + (
-            "_smturn" if self.turn_softmax else "") + ("_persistent" if self.persistent else "") + (
+            "_smturn" if self.turn_softmax else "") + ("_persistent" if self.persistent else "") + ("_2q" if self.double_q else "") + (
             f"_fm{self.flashmask}" if self.flashmask else "")
         mods = ("_softcap" if self.softcap else "") + ("_alibi" if self.alibi else "") + (
             "_varlen" if self.varlen else "") + ("_cache" if self.cache else "") + ("_leftpad" if self.leftpad else "") + (
@@ -250,12 +258,12 @@ class FwdWsVariant(KernelVariant):
     def own_o(self) -> bool:
         """Persistent blocks stage O in a buffer of their own where shared memory has room for one
         (so Q's tile is released before the epilogue), else in Q's tile."""
-        return self.persistent and (self._tiles_bytes + self._o_bytes + BARRIER_BYTES + self._turn_bytes
-                                    + self._fm_bytes <= MAX_SMEM)
+        return self.persistent and not self.double_q and (
+            self._tiles_bytes + self._o_bytes + BARRIER_BYTES + self._turn_bytes + self._fm_bytes <= MAX_SMEM)
 
     @property
-    def _tiles_bytes(self) -> int:
-        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
+    def _tiles_bytes(self) -> int:  # Q (two with double_q) and the K and V stages
+        return ((1 + self.double_q) * self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
 
     @property
     def _o_bytes(self) -> int:  # O's staging, a Q-shaped tile
@@ -290,7 +298,7 @@ class FwdWsVariant(KernelVariant):
         return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, stages=self.stages,
                     causal=self.causal, local=self.local, bf16=self.dtype == "bf16", overlap=self.overlap,
                     pingpong=self.pingpong, turn_softmax=self.turn_softmax,
-                    persistent=self.persistent, own_o=self.own_o, flashmask=self.flashmask,
+                    persistent=self.persistent, own_o=self.own_o, double_q=self.double_q, flashmask=self.flashmask,
                     softcap=self.softcap, alibi=self.alibi, varlen=self.varlen, cache=self.cache,
                     leftpad=self.leftpad, paged=self.paged, gather=self.gather, sinks=self.sinks, zero_tail=self.zero_tail,
                     barrier_bytes=BARRIER_BYTES, lpt_bytes=LPT_BYTES,
