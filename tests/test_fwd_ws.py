@@ -96,7 +96,7 @@ def test_variants_of_each_arch():
         assert (v.kind, v.family, v.target) == ("fwd_ws", "fwd_ws", "90a")
         assert v.stages == (3 if v.block_m == 192 and not (v.causal or v.local or v.persistent or v.flashmask) else 2)
         assert v.threads == 128 * (1 + v.block_m // 64)
-        assert v.smem_bytes == ((v.block_m * (1 + v.own_o) + v.stages * 2 * v.block_n) * v.head_dim * 2
+        assert v.smem_bytes == ((v.block_m * (1 + v.own_o + v.double_q) + v.stages * 2 * v.block_n) * v.head_dim * 2
                                 + fwd_ws.BARRIER_BYTES + 4 * 128 * v.consumers * v.turn_softmax) <= 227 << 10
         assert re.fullmatch(r"[A-Za-z0-9_]+", v.name)
     # d=64 causal from one query to 2048 over more keys than SHORT_D64's: the short causal tile
@@ -384,7 +384,7 @@ def test_persistent_compiles_as_designed(compiled, v):
     c = compiled[v]
     assert_compiled_clean(c, v)
     assert "serialized" not in c.log and "warning" not in c.log.lower(), c.log
-    assert v.name.endswith("_persistent_sm90")
+    assert v.name.endswith("_persistent_2q_sm90" if v.double_q else "_persistent_sm90")
 
 
 def test_persistent_renders_the_tile_loop_only_when_asked():
@@ -414,7 +414,7 @@ def test_persistent_stages_o_apart_where_shared_memory_allows():
     tiles fill it, where O goes through Q's tile as before."""
     for d, c, sq, mods in ((64, False, 4096, {}), (64, True, 1024, {}), (64, False, 1024, dict(sinks=True)),
                            (128, False, 4096, {}), (128, True, 4096, {})):
-        one = replace(fwd_ws.planned(d, "bf16", c, sq, seqlen_k=4096, **mods), persistent=False)
+        one = replace(fwd_ws.planned(d, "bf16", c, sq, seqlen_k=4096, **mods), persistent=False, double_q=False)
         v = replace(one, persistent=True)
         assert v.own_o and v.smem_bytes == one.smem_bytes + v.block_m * d * 2
         assert v.smem_bytes <= fwd_ws.MAX_SMEM

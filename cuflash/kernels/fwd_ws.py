@@ -384,14 +384,18 @@ def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 
     # d=64: +0.7% median on its causal tiles, not planned.
     persistent = (flashmask and head_dim == 128 or not (flashmask or local or varlen or cache or paged)
                   and keys <= persistent_max_keys(head_dim, causal, tile is SHORT_D64))
+    # Two Q tiles on the d=64 softmax-turn tile (persistent up to SHORT_D64_MAX_KEYS): +2 to +7%
+    # causal, +1 to +3% without a mask up to 2k keys (BENCHMARKS.md); at d=128 within +-1%, and
+    # for FlashMask about +1% median, not planned.
+    double_q = persistent and tile is SHORT_D64
     if tile.get("block_m") == 192 and not (causal or local or persistent or flashmask):
         # Without a mask the 192-row d=64 tile leaves room for a third K/V stage (123 KB of shared
         # memory): +1.4 to +2.9% from 2k keys up (BENCHMARKS.md; dense, and so packed sequences,
         # caches and sinks); causal and persistent, no gain; FlashMask not measured.
         tile = dict(tile, stages=3)
     return FwdWsVariant(head_dim=head_dim, dtype=dtype, causal=causal, local=local, arch=arch, flashmask=flashmask,
-                        persistent=persistent, softcap=softcap, alibi=alibi, varlen=varlen, cache=cache,
-                        leftpad=leftpad, paged=paged, gather=gather, sinks=sinks, **tile)
+                        persistent=persistent, double_q=double_q, softcap=softcap, alibi=alibi, varlen=varlen,
+                        cache=cache, leftpad=leftpad, paged=paged, gather=gather, sinks=sinks, **tile)
 
 
 def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
