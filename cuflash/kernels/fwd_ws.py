@@ -384,9 +384,9 @@ def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 
     # d=64: +0.7% median on its causal tiles, not planned.
     persistent = (flashmask and head_dim == 128 or not (flashmask or local or varlen or cache or paged)
                   and keys <= persistent_max_keys(head_dim, causal, tile is SHORT_D64))
-    # Two Q tiles on the d=64 softmax-turn tile (persistent up to SHORT_D64_MAX_KEYS): +2 to +7%
-    # causal, +1 to +3% without a mask up to 2k keys (BENCHMARKS.md); at d=128 within +-1%, and
-    # for FlashMask about +1% median, not planned.
+    # Two Q tiles on the d=64 softmax-turn tile (persistent up to SHORT_D64_MAX_KEYS): causal +10%
+    # at 1k keys, +4% at 2k, +1% at 4k; without a mask +3%, +1%, -1% (H200, BENCHMARKS.md); at
+    # d=128 within +-1%, and for FlashMask +1% median (-4 to +3% by family), not planned.
     double_q = persistent and tile is SHORT_D64
     if tile.get("block_m") == 192 and not (causal or local or persistent or flashmask):
         # Without a mask the 192-row d=64 tile leaves room for a third K/V stage (123 KB of shared
