@@ -103,10 +103,12 @@ def test_variants_of_each_arch():
     short, long = (fwd_ws.planned(64, "bf16", True, sq, seqlen_k=8192) for sq in (2048, 2049))
     assert (short.block_m, long.block_m) == (128, 192) and not short.turn_softmax
     assert fwd_ws.planned(64, "bf16", False, 1, seqlen_k=8192).block_m == 192
-    # persistent: from the keys (as many as queries unless given), d 64 and 128 (256: causal only),
-    # never with FlashMask
-    assert fwd_ws.planned(128, "bf16", True, 4096, seqlen_k=1024).persistent
-    assert not fwd_ws.planned(128, "bf16", True, 512, seqlen_k=1025).persistent
+    # persistent: from the keys (as many as queries unless given), d 64 (1024 keys) and 128 (2048;
+    # 256: causal only, 1024)
+    assert fwd_ws.planned(128, "bf16", True, 4096, seqlen_k=2048).persistent
+    assert not fwd_ws.planned(128, "bf16", True, 512, seqlen_k=2049).persistent
+    assert fwd_ws.planned(64, "bf16", True, 4096, seqlen_k=1024, softcap=True).persistent
+    assert not fwd_ws.planned(64, "bf16", False, 512, seqlen_k=1025, softcap=True).persistent
     assert not fwd_ws.planned(256, "bf16", False, 128).persistent
     # dense d=64 up to 4096 keys, causal or not: SHORT_D64, persistent; beyond, 192-row tiles
     for causal in (False, True):

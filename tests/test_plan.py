@@ -258,11 +258,11 @@ def test_backward_plan_names_its_kernels_and_why(deterministic):
 def test_grids_beyond_cuda_limits_are_refused_or_folded():
     """Heads beyond 65535 (grid y) or a forced split count whose batch x splits passes 65535
     (grid z) raise a ValueError before anything is allocated; the split heuristic never picks
-    more splits than grid z can hold. Persistent blocks (sm_90, at most 1024 keys) walk any
-    number of tiles from a grid of one block per SM (d = 64 dense: at most 4096 keys)."""
+    more splits than grid z can hold. Persistent blocks (sm_90, at most 1024 keys; d = 128: 2048)
+    walk any number of tiles from a grid of one block per SM (d = 64 dense: at most 4096 keys)."""
     import cuflash
     with pytest.raises(ValueError, match=r"grid of \(1, 70000, 1\).*at most"):
-        cuflash.plan((1, 128, 70000, 128), (1, 1100, 70000, 128), (1, 1100, 70000, 128), num_sms=132)
+        cuflash.plan((1, 128, 70000, 128), (1, 2100, 70000, 128), (1, 2100, 70000, 128), num_sms=132)
     p = cuflash.plan((1, 128, 70000, 64), (1, 4096, 70000, 64), (1, 4096, 70000, 64), num_sms=132)
     assert p.launches[0].grid == (132, 1, 1) and p.launches[0].variant.persistent
     p = cuflash.plan((1, 128, 70000, 64), (1, 128, 70000, 64), (1, 128, 70000, 64), num_sms=132)
@@ -270,7 +270,7 @@ def test_grids_beyond_cuda_limits_are_refused_or_folded():
     with pytest.raises(ValueError, match=r"grid of .*131072\).*fewer splits"):
         cuflash.plan((1024, 1, 8, 64), (1024, 4096, 8, 64), (1024, 4096, 8, 64), num_sms=132, num_splits=128)
     with pytest.raises(ValueError, match=r"grid of .*70000\)"):
-        cuflash.plan((70000, 16, 2, 128), (70000, 1100, 2, 128), (70000, 1100, 2, 128), num_sms=132)
+        cuflash.plan((70000, 16, 2, 128), (70000, 2100, 2, 128), (70000, 2100, 2, 128), num_sms=132)
     p = cuflash.plan((4000, 1, 8, 128), (4000, 65536, 8, 128), (4000, 65536, 8, 128), num_sms=132)
     assert p.launches[0].grid[2] <= 65535
 

@@ -323,10 +323,13 @@ SHORT_D64 = dict(block_m=128, block_n=128, pingpong=True, turn_softmax=True)
 SHORT_D64_MAX_KEYS = 4096
 # Persistent blocks where each query tile walks few K/V blocks (at most this many keys), so that
 # a one-tile block's start (its Q and first K/V loads) and end are a large share of its time:
-# d 64 and 128 (BENCHMARKS.md: +7 to +12% at 1k keys, within +-3% at 2k, slower beyond); d=64
-# causal up to 2k keys, where its 128-row tiles gain 8% at 2k; d=256 causal only (+2% at 1k keys
-# in the LPT order, slower from 2k; without a mask slower everywhere).
+# d 64 (BENCHMARKS.md: +7 to +12% at 1k keys, within +-3% at 2k, slower beyond); d=128 up to 2k
+# keys (+11% at 2k in an H200 A/B of 2026-11-28, +3% at 4k, even at 8k; 4k not planned yet);
+# d=64 causal up to 2k keys, where its 128-row
+# tiles gain 8% at 2k; d=256 causal only (+2% at 1k keys in the LPT order, slower from 2k;
+# without a mask slower everywhere).
 PERSISTENT_MAX_KEYS = 1024
+PERSISTENT_MAX_KEYS_D128 = 2048
 PERSISTENT_MAX_KEYS_D64_CAUSAL = 2048
 # Causal tiles (persistent blocks' and the grid of one-tile blocks alike, FlashMask and KV caches
 # aside) run in sections of (head, batch) pairs whose K/V fit in this many bytes of L2, longest
@@ -356,6 +359,8 @@ def persistent_max_keys(head_dim: int, causal: bool, turn_softmax: bool = False)
         return SHORT_D64_MAX_KEYS
     if head_dim == 256:
         return PERSISTENT_MAX_KEYS if causal else 0
+    if head_dim == 128:
+        return PERSISTENT_MAX_KEYS_D128
     return PERSISTENT_MAX_KEYS_D64_CAUSAL if head_dim == 64 and causal else PERSISTENT_MAX_KEYS
 
 
