@@ -1036,3 +1036,18 @@ def test_gpu_paged_kvcache_chunk(rng, fired, d, page, causal):
     check_batches(out, q, ks, vs, causal)
     for i in range(b):
         assert torch.equal(rows(kc, i, int(lens[i])), ks[i]) and torch.equal(rows(vc, i, int(lens[i])), vs[i])
+
+
+def test_double_q_needs_persistent_blocks_and_room():
+    """Two Q tiles: persistent blocks only, where Q, the second Q tile and the K/V stages fit (not at
+    d = 256) and the mbarrier area holds the second Q tile's two barriers (not three stages with
+    softmax turns); every variant the planner can pick keeps within the mbarrier area."""
+    base = dict(head_dim=64, dtype="bf16", arch=90, pingpong=True, turn_softmax=True)
+    assert fwd_ws.FwdWsVariant(**base, persistent=True, double_q=True).double_q
+    for bad in (dict(persistent=False), dict(persistent=True, stages=3)):
+        with pytest.raises(ValueError, match="double_q"):
+            fwd_ws.FwdWsVariant(**base, **{**bad, "double_q": True})
+    with pytest.raises(ValueError, match="double_q"):
+        fwd_ws.FwdWsVariant(head_dim=256, dtype="bf16", arch=90, block_n=80, overlap=True, pingpong=True, causal=True,
+                            persistent=True, double_q=True)
+    assert all(v._barrier_area <= fwd_ws.BARRIER_BYTES for v in fwd_ws.variants(90))

@@ -167,9 +167,11 @@ class FwdWsVariant(KernelVariant):
                              f"a multiple of 16 up to 256 (a TMA box's rows), got {self.block_m}x{self.block_n}")
         if self.stages < 2:
             raise ValueError(f"stages must be at least 2, got {self.stages!r}")
-        if self.double_q and not (self.persistent and self.smem_bytes <= MAX_SMEM):
+        if self.double_q and not (self.persistent and self.smem_bytes <= MAX_SMEM
+                                  and self._barrier_area <= BARRIER_BYTES):
             raise ValueError(f"double_q (two Q tiles) needs persistent blocks and room in shared memory (at most "
-                             f"{MAX_SMEM} B), got persistent={self.persistent}, {self.smem_bytes} B")
+                             f"{MAX_SMEM} B, and {BARRIER_BYTES} B for the mbarriers and slots), got "
+                             f"persistent={self.persistent}, {self.smem_bytes} B, {self._barrier_area} B")
         if self.flashmask and not (self.flashmask in FLASHMASK_NS[:2] if self.causal else
                                    self.flashmask in FLASHMASK_NS[1:]) or self.flashmask and self.persistent and not (
                                    self.head_dim <= 128 and self.block_m == 128 and self.overlap and self.stages == 2):
@@ -257,9 +259,18 @@ class FwdWsVariant(KernelVariant):
     @property
     def own_o(self) -> bool:
         """Persistent blocks stage O in a buffer of their own where shared memory has room for one
-        (so Q's tile is released before the epilogue), else in Q's tile."""
+        (so Q's tile is released before the epilogue), else in Q's tile; with two Q tiles
+        (double_q) always in the tile's own Q tile."""
         return self.persistent and not self.double_q and (
             self._tiles_bytes + self._o_bytes + BARRIER_BYTES + self._turn_bytes + self._fm_bytes <= MAX_SMEM)
+
+    @property
+    def _barrier_area(self) -> int:
+        """Bytes of the mbarrier area the template uses (at most BARRIER_BYTES): Q, K/V full and
+        empty and Q empty (or the tail's) barriers, the tile slots (persistent), the walk slots
+        (FlashMask), the second Q tile's two barriers (double_q), the turns' scale (turn_softmax)."""
+        return ((2 + 4 * self.stages) * 8 + (32 if self.persistent else 8 if self.zero_tail else 0)
+                + 4 * self.stages * bool(self.flashmask) + 16 * self.double_q + 4 * self.turn_softmax)
 
     @property
     def _tiles_bytes(self) -> int:  # Q (two with double_q) and the K and V stages
