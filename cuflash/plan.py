@@ -374,6 +374,8 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                           f"{p.seqlen_k} keys (at most {fwd_ws.persistent_max_keys(v.head_dim, v.causal, v.turn_softmax)}) each tile walks "
                           f"few K/V blocks, "
                           f"and a one-tile block's start and end would cost a large share of its time."
+                          + (" They keep two Q tiles, so that the next tile's Q loads while this one runs "
+                             "(O is staged in the tile's own)." if v.double_q else "")
                           if v.persistent else ""))
             launches.append(Launch(v, v.grid(p.batch, sq, nh, dev.num_sms), v.threads, v.smem_bytes))
         else:

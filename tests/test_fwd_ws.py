@@ -174,6 +174,7 @@ def test_registered_and_planned_where_it_applies():
                     (d, causal, (132, 1, 1)) if d == 64 else (d, causal, (-(-sq // v.block_m), 16, 2)))
                 if d == 64:
                     assert "turns at the exponentials" in plan.reason and "at most 4096" in plan.reason
+                assert ("They keep two Q tiles" in plan.reason) == v.double_q == (d == 64)
                 short = make_plan(replace(p, seqlen_k=1000), h100)
                 v = short.launches[0].variant
                 assert v == fwd_ws.planned(d, "bf16", causal, sq, seqlen_k=1000) and v.persistent == (d <= 128 or causal)
