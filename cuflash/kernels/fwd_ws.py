@@ -209,8 +209,8 @@ class FwdWsVariant(KernelVariant):
     def name(self) -> str:
         mask = "local" if self.local else "causal" if self.causal else "full"
         sched = ("_overlap" if self.overlap else "") + ("_pingpong" if self.pingpong else "") + (
-            "_smturn" if self.turn_softmax else "") + ("_persistent" if self.persistent else "") + ("_2q" if self.double_q else "") + (
-            f"_fm{self.flashmask}" if self.flashmask else "")
+            "_smturn" if self.turn_softmax else "") + ("_persistent" if self.persistent else "") + (
+            "_2q" if self.double_q else "") + (f"_fm{self.flashmask}" if self.flashmask else "")
         mods = ("_softcap" if self.softcap else "") + ("_alibi" if self.alibi else "") + (
             "_varlen" if self.varlen else "") + ("_cache" if self.cache else "") + ("_leftpad" if self.leftpad else "") + (
             "_paged" if self.paged else "") + ("_gather" if self.gather else "") + ("_sinks" if self.sinks else "")
@@ -268,7 +268,8 @@ class FwdWsVariant(KernelVariant):
     def _barrier_area(self) -> int:
         """Bytes of the mbarrier area the template uses (at most BARRIER_BYTES): Q, K/V full and
         empty and Q empty (or the tail's) barriers, the tile slots (persistent), the walk slots
-        (FlashMask), the second Q tile's two barriers (double_q), the turns' scale (turn_softmax)."""
+        (FlashMask), the second Q tile's two barriers (double_q), the turns' scale (turn_softmax):
+        the template's kTurnOffset - kBarOffset plus the scale's word, which it static_asserts."""
         return ((2 + 4 * self.stages) * 8 + (32 if self.persistent else 8 if self.zero_tail else 0)
                 + 4 * self.stages * bool(self.flashmask) + 16 * self.double_q + 4 * self.turn_softmax)
 
@@ -336,9 +337,8 @@ SHORT_D64_MAX_KEYS = 4096
 # a one-tile block's start (its Q and first K/V loads) and end are a large share of its time:
 # d 64 (BENCHMARKS.md: +7 to +12% at 1k keys, within +-3% at 2k, slower beyond); d=128 up to 2k
 # keys (+11% at 2k in an H200 A/B of 2026-11-28, +3% at 4k, even at 8k; 4k not planned yet);
-# d=64 causal up to 2k keys, where its 128-row
-# tiles gain 8% at 2k; d=256 causal only (+2% at 1k keys in the LPT order, slower from 2k;
-# without a mask slower everywhere).
+# d=64 causal up to 2k keys, where its 128-row tiles gain 8% at 2k; d=256 causal only (+2% at 1k
+# keys in the LPT order, slower from 2k; without a mask slower everywhere).
 PERSISTENT_MAX_KEYS = 1024
 PERSISTENT_MAX_KEYS_D128 = 2048
 PERSISTENT_MAX_KEYS_D64_CAUSAL = 2048
