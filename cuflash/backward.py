@@ -508,7 +508,7 @@ def run(plan, ops, lse, grads, ws_ptr: int, scale: float, mods, stream: int, dev
     kernels = tuple(launch.variant for launch in plan.launches)
     prepared = _prepare(_launch_specs(kernels[:3], ops, lse, lse_st, grads, (lse2, dsum, acc, sem),
                                       (b, sq, sk, h, hk, d, head_rows), score, fm_args,
-                                      dropout_fields(kernels[1], dropout), packed, plan.device.num_sms), device)
+                                      dropout_fields(kernels[1], dropout), packed), device)
     fire(prepared, _pointers(ops, lse, grads, ws_ptr, cu_ptrs, None if fm is None else fm.ptr), stream)
     return prepared
 
@@ -569,16 +569,14 @@ def _pointers(ops, lse, grads, ws_ptr: int, cu=None, fm=None) -> dict:
     return ptrs
 
 
-def _launch_specs(kernels, ops, lse, lse_st, grads, ws, shape, score, fm=None, drop=None, packed=None,
-                  num_sms=0) -> list:
+def _launch_specs(kernels, ops, lse, lse_st, grads, ws, shape, score, fm=None, drop=None, packed=None) -> list:
     """(variant, grid, fields) of each launch of a backward, in order; pointer fields are _Ptr and
     tensor maps _Map (pointers given as ints, ALiBi's slopes, stay fixed: calls with them do not
     repeat). ``ws`` = (lse2, dsum, dQ accumulator, dQ semaphores)
     fields; ``score``: the kernels' scale, varlen, window, softcap and ALiBi fields by name; ``fm``: FlashMask's (prep launches, dK/dV
     fields, dQ fields) from _flashmask_args, or None; ``drop``: the dropout fields of the dK/dV and
     dQ kernels (launch.dropout_fields), or None; ``packed``: (total_q, total_k) of packed sequences
-    (ops are then batched views with token batch strides), or None; ``num_sms``: the SM count
-    (a persistent bwd_ws grid's)."""
+    (ops are then batched views with token batch strides), or None."""
     q, k, v, do, o = ops
     dq, dk, dv = grads
     lse2, dsum, acc, sem = ws
@@ -616,10 +614,9 @@ def _launch_specs(kernels, ops, lse, lse_st, grads, ws, shape, score, fm=None, d
         fields = (("scale_log2", "scale", "window_left", "window_right") + ("softcap_scale",) * main.softcap
                   + ("alibi_slopes", "alibi_sb", "alibi_scale") * main.alibi
                   + ("cu_seqlens_q", "cu_seqlens_k") * main.varlen)
-        out.append((main, main.grid(b, sq, sk, h, hk, num_sms), dict(
+        out.append((main, main.grid(b, sq, sk, h, hk), dict(
             **maps, lse2=lse2, dsum=dsum, dq_accum=acc, dq_sem=sem, **grads_kv, seqlen_q_arg=sq, nheads=h,
-            head_rows=head_rows, seqlen_k_arg=sk, ngroups=h // hk, **fm_main, **{f: score[f] for f in fields},
-            **({"batch": b} if main.persistent else {}))))
+            head_rows=head_rows, seqlen_k_arg=sk, ngroups=h // hk, **fm_main, **{f: score[f] for f in fields})))
     else:
         out.append((main, main.grid(b, sq, sk, h, hk), dict(dq_accum=acc, **grads_kv, **common, **fm_main,
                                                             **(drop or {}))))

@@ -579,8 +579,7 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     pad = main.row_pad
     rows_q = sq if p.varlen else cdiv(sq, pad) * pad  # bwd_prep's rows per head (dense: every padded row)
     launches = (Launch(prep, prep.grid(b, rows_q, p.nheads, p.head_dim), prep.threads, prep.smem_bytes),
-                Launch(main, main.grid(b, sq, sk, p.nheads, p.nheads_k, *([dev.num_sms] if main.family == "bwd_ws" else [])),
-                       main.threads, main.smem_bytes),
+                Launch(main, main.grid(b, sq, sk, p.nheads, p.nheads_k), main.threads, main.smem_bytes),
                 Launch(last, last.grid(b, sq, sk, p.nheads, p.nheads_k) if last.kind == "bwd_dq"
                        else last.grid(b, sq, p.nheads, p.head_dim), last.threads, last.smem_bytes))
     # fp32 rows of LSE and D (and of the dQ accumulator), each sequence padded to `pad` rows;

@@ -2,19 +2,19 @@
 two trees (run it once with each on PYTHONPATH): no FlexAttention or SDPA, so a run takes seconds.
 
     python scripts/bench_mask_ab.py [--seqlen 8192 32768] [--reps 10] [--head-dim 128] [--deterministic]
-    python scripts/bench_mask_ab.py --trial fm_window dq_t persistent [--rounds 3] [--head-dim 128] [--deterministic]
-    python scripts/bench_mask_ab.py --trial fwd_persistent [--rounds 3] [--head-dim 128]
-    python scripts/bench_mask_ab.py --trial fwd_double_q [--rounds 3] [--head-dim 128]
+    python scripts/bench_mask_ab.py --trial fm_window dq_t [--rounds 3] [--head-dim 128] [--deterministic]
+    python scripts/bench_mask_ab.py --trial persistent [--rounds 3] [--head-dim 128]
+    python scripts/bench_mask_ab.py --trial double_q [--rounds 3] [--head-dim 128]
 
 Prints per family and length the TF/s on the kept pairs (bench mask's count) and the share of
 plain causal attention's TF/s at the same length and pass (#21 asks at least 85%). bf16, d = 128
 unless --head-dim says otherwise, 16 heads, batch 1, the masks bench mask builds (seed 0).
 ``--trial F ...``: in one process, forward + backward with the planned FlashMask bwd_ws variant
 against the same with the bool fields F flipped where they apply (bwd_ws.flipped), in rounds
-that alternate the two (the order rotated each round), and their ratio. ``--trial fwd_persistent``:
+that alternate the two (the order rotated each round), and their ratio. ``--trial persistent``:
 the same for the forward alone, the planned fwd_ws variant against it with persistent blocks
 flipped (on where it is off, off where it is on; where FwdWsVariant accepts it: 128-row tiles at
-d <= 128); ``--trial fwd_double_q`` likewise with two Q tiles flipped (persistent blocks only). Rows whose
+d <= 128); ``--trial double_q`` likewise with two Q tiles flipped (persistent blocks only). Rows whose
 trial variant is the planned one say "(the same kernel)": their ratio is the runs' noise."""
 import argparse
 import statistics
@@ -25,7 +25,7 @@ import torch
 from cuflash import bench
 from cuflash.kernels.bwd_ws import FLIPPABLE
 
-FWD_FLIPPABLE = {"fwd_persistent": "persistent", "fwd_double_q": "double_q"}  # the forward's (fwd_ws) fields, one at a time
+FWD_FLIPPABLE = ("persistent", "double_q")  # the forward's (fwd_ws) trial fields, one at a time
 
 
 def main():
@@ -79,7 +79,7 @@ def trial(a):
     planned = kernels.planned
 
     def flip_fwd(v):  # where the variant's own checks take the other choice
-        f = FWD_FLIPPABLE[a.trial[0]]
+        f = a.trial[0]
         try:
             return replace(v, **{f: not getattr(v, f)}, **({"double_q": False} if f == "persistent" else {}))
         except ValueError:

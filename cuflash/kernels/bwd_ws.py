@@ -38,7 +38,6 @@ DQ_T_BLOCK_M = 80                       # query rows per step of the dq_t varian
 # 2k 0.85 -> 0.90, d = 128 1k-2k 0.92 -> 0.87-0.89; BENCHMARKS.md)
 SPREAD_RUN = {64: 8, 128: 0, 256: 8}
 BARRIER_BYTES = 64         # K/V full, per Q/dO stage full and empty, dq_writer's full and empty: <= 7 of 8 bytes
-PERSISTENT_BARRIER_BYTES = 80  # persistent: also K/V empty and the staged dQ tile's row (8 bytes)
 STAGES = 2                 # Q/dO/LSE/D stages
 # Head dims without softcap and ALiBi together: at d = 64 a step's 128 query columns of S^T and
 # dP^T leave no registers for both (NVCC 13.0 spilled 4-16 B in half of those variants).
@@ -61,8 +60,6 @@ ALIBI_FIELDS = (("alibi_slopes", "const float*"), ("alibi_sb", "int"), ("alibi_s
 # Packed sequences (varlen): sequence b owns tokens cu_seqlens_q[b] .. of q and dout and
 # cu_seqlens_k[b] .. of k, v, dk and dv (appended after the score modifiers' fields).
 VARLEN_FIELDS = (("cu_seqlens_q", "const int*"), ("cu_seqlens_k", "const int*"))
-# Persistent blocks: the batch count (the units are key blocks x KV heads x batch).
-PERSISTENT_FIELDS = (("batch", "int"),)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,12 +134,6 @@ class BwdWsVariant(KernelVariant):
     # the next 32 steps at every step (and each step's tile twice more). The same steps in the
     # same order.
     fm_window: bool = False
-    # Persistent blocks (FlashAttention-3's): at most one block per SM, block x taking units (key
-    # block, KV head, batch) x, x + grid, ... of the one-block-per-unit launch order, so that the
-    # producer loads a unit's first Q/dO step and its K and V while the consumers finish the last
-    # unit (dK and dV staged over the dS^T and dQ tiles instead of K and V). Dense batches with
-    # the dQ writer's unordered adds, at d = 64 and at d = 128 with dq_t (room for the staging).
-    persistent: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -195,20 +186,15 @@ class BwdWsVariant(KernelVariant):
                              f"sequences; got {self.lpt!r}")
         if not isinstance(self.fm_window, bool) or self.fm_window and not self.flashmask:
             raise ValueError(f"fm_window must be a bool, True only with FlashMask; got {self.fm_window!r}")
-        if not isinstance(self.persistent, bool) or self.persistent and not (
-                self.dq_writer and not (self.dq_ordered or self.varlen) and (self.head_dim == 64 or self.dq_t)):
-            raise ValueError(f"persistent must be a bool, True only with the dQ writer's unordered adds on dense "
-                             f"batches, at head_dim 64 or with dq_t; got {self.persistent!r}")
 
     @functools.cached_property
     def params(self) -> ParamTable:
         """The common fields, then FlashMask's, softcap's, ALiBi's and varlen's where the variant
         has them."""
-        if not (self.softcap or self.alibi or self.varlen or self.persistent):
+        if not (self.softcap or self.alibi or self.varlen):
             return FLASHMASK_PARAMS if self.flashmask else PARAMS
-        return ParamTable("BwdWsParams", (FLASHMASK_PARAMS if self.flashmask else PARAMS).fields
-                          + SOFTCAP_FIELDS * self.softcap + ALIBI_FIELDS * self.alibi + VARLEN_FIELDS * self.varlen
-                          + PERSISTENT_FIELDS * self.persistent)
+        return ParamTable("BwdWsParams", PARAMS.fields + SOFTCAP_FIELDS * self.softcap + ALIBI_FIELDS * self.alibi
+                          + VARLEN_FIELDS * self.varlen)
 
     @property
     def block_m(self) -> int:
@@ -249,8 +235,7 @@ class BwdWsVariant(KernelVariant):
         bulk = (("_dqwriter" if self.dq_writer else "") + ("_dqearly" if self.dq_early else "")
                 + ("_ordered" if self.dq_ordered else "") + (f"_g{self.dq_groups}" if self.dq_groups > 1 else "")
                 + (f"_fm{self.flashmask}" if self.flashmask else "") + ("w" if self.fm_window else "")
-                + ("_lpt" if self.lpt else "") + ("_rot" if self.rotate else "") + ("_dqT" if self.dq_t else "")
-                + ("_persistent" if self.persistent else ""))
+                + ("_lpt" if self.lpt else "") + ("_rot" if self.rotate else "") + ("_dqT" if self.dq_t else ""))
         return f"{self.kind}_d{self.head_dim}_{self.dtype}_{mask}{bulk}_m{self.block_m}n{self.block_n}_sm{self.arch}"
 
     @property
@@ -274,11 +259,7 @@ class BwdWsVariant(KernelVariant):
         ds = self.block_n * self.block_m * 2 if self.dq or self.split_d else 0
         dq_stage = self.block_m * self.head_dim * 4 if self.dq_writer else 0
         return (2 * self.block_n * self.head_dim * 2 + 2 * STAGES * tile_q + (4 if self.split_d else 2) * ds
-                + 2 * STAGES * self.block_m * 4 + dq_stage + INFO_BYTES + self.barrier_bytes)
-
-    @property
-    def barrier_bytes(self) -> int:
-        return PERSISTENT_BARRIER_BYTES if self.persistent else BARRIER_BYTES
+                + 2 * STAGES * self.block_m * 4 + dq_stage + INFO_BYTES + BARRIER_BYTES)
 
     @property
     def zero_tail(self) -> bool:
@@ -287,16 +268,8 @@ class BwdWsVariant(KernelVariant):
         sequence's dQ, dK and dV)."""
         return self.varlen
 
-    def grid(self, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int,
-             num_sms: int = 0) -> tuple[int, int, int]:
-        """A block per key block, KV head and batch; persistent: one per SM (``num_sms``), or per
-        unit if fewer."""
-        units = (-(-seqlen_k // self.block_n), nheads_k, batch)
-        if not self.persistent:
-            return units
-        if num_sms < 1:
-            raise ValueError(f"a persistent grid needs the SM count, got num_sms={num_sms!r}")
-        return (max(1, min(units[0] * nheads_k * batch, num_sms)), 1, 1)
+    def grid(self, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int) -> tuple[int, int, int]:
+        return (-(-seqlen_k // self.block_n), nheads_k, batch)
 
     def constants(self) -> dict:
         return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, split_d=self.split_d,
@@ -305,9 +278,8 @@ class BwdWsVariant(KernelVariant):
                     dq_ordered=self.dq_ordered, dq_groups=self.dq_groups, flashmask=self.flashmask, rotate=self.rotate, overlap=self.overlap,
                     softcap=self.softcap, alibi=self.alibi, varlen=self.varlen, zero_tail=self.zero_tail, dq_t=self.dq_t,
                     lpt=self.lpt, lpt_bytes=LPT_BYTES, fm_window=self.fm_window, spread_run=SPREAD_RUN[self.head_dim],
-                    persistent=self.persistent,
                     producer_regs=PRODUCER_REGS, consumer_regs=MAX_CONSUMER_REGS, hang_trap_cycles=HANG_TRAP_CYCLES,
-                    info_bytes=INFO_BYTES, barrier_bytes=self.barrier_bytes, varlen_row_gap=VARLEN_ROW_GAP)
+                    info_bytes=INFO_BYTES, barrier_bytes=BARRIER_BYTES, varlen_row_gap=VARLEN_ROW_GAP)
 
 
 def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic: bool,
@@ -363,23 +335,18 @@ def planned(head_dim: int, dtype: str, causal: bool, local: bool, deterministic:
                         dq_t=dq_t, lpt=lpt, fm_window=fm_window)
 
 
-FLIPPABLE = ("fm_window", "dq_t", "persistent")
+FLIPPABLE = ("fm_window", "dq_t")
 
 
 def flipped(variant: BwdWsVariant, fields) -> BwdWsVariant:
     """A FlashMask ``variant`` with the bool fields named in ``fields`` (FLIPPABLE) flipped where
-    the flip gives a valid variant (dq_t: d = 128 with the dQ writer's unordered adds; persistent:
-    the dQ writer's unordered adds at d = 64, or at d = 128 with dq_t), else as it is: the other side
-    of an A/B trial against the planned variant."""
+    the flip gives a valid variant (dq_t: d = 128 with the dQ writer's unordered adds), else as it
+    is: the other side of an A/B trial against the planned variant."""
     if unknown := set(fields) - set(FLIPPABLE):
         raise ValueError(f"fields must be among {FLIPPABLE}, got {sorted(unknown)}")
-    v = variant
-    for f in fields if variant.flashmask else ():
-        try:
-            v = replace(v, **{f: not getattr(v, f)})
-        except ValueError:  # (not valid here: left as it is)
-            pass
-    return v
+    ok = {"fm_window": bool(variant.flashmask),
+          "dq_t": bool(variant.flashmask) and variant.head_dim == 128 and variant.dq_writer and not variant.dq_ordered}
+    return replace(variant, **{f: not getattr(variant, f) for f in fields if ok[f]})
 
 
 def dq_groups(head_dim: int, seqlen_k: int, seqlen_q: int = 0) -> int:

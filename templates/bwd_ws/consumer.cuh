@@ -6,7 +6,7 @@
     const int key_w = cw * 16, col_w = 0;  // this warp's first key inside the block, its first dK/dV column
 
     auto step = [&](int it, auto masked) {
-      const int j = {{ "j_walk++" if flashmask or walked or persistent else "it" }};  // the steps walked before this one: stage and phase
+      const int j = {{ "j_walk++" if flashmask or walked else "it" }};  // the steps walked before this one: stage and phase
       const int st = j % kStages;
       const int h = h0 + it / n_m, m0 = (blocks.lo + it % n_m) * kBlockM;
       const u32 q_st = sQ(st), do_st = sdO(st);
@@ -192,10 +192,6 @@
             *reinterpret_cast<float4*>(frag_word(tile, j, t)) = make_float4(dq[j][0], dq[j][1], dq[j][2], dq[j][3]);
 {%- endif %}
           fence_proxy_async();
-{%- if persistent %}
-          if (ctid == 0)  // the tile's first row in the accumulator, for the writer
-            *reinterpret_cast<volatile long long*>(dq_row) = (long long)b * nheads * head_rows + (long long)h * head_rows + m0;
-{%- endif %}
           mbar_arrive(bar_dq_full);
         } else {
           red_add_frag(dq_accum + (info_i64(sInfo, kInfoStats) + (long long)h * head_rows + m0) * kHeadDim + wg * 4096,
