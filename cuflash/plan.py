@@ -22,6 +22,10 @@ from .kernels.fwd import (DECODE_BLOCK_M, DECODE_MAX_ROWS, DECODE_WARPS, SPLIT_B
 
 DECODE_WIDE_SPLITS = 16  # more splits than this need four K/V tiles each (the merge's cost)
 MAX_SPLITS = 128
+# sm_90, up to this many keys: no split where the warp-specialised forward runs (one launch of
+# persistent blocks, each tile walking at most 4 K/V tiles of 128 keys, took 0.56-0.90x the time of
+# FA2's split and merge at 192-448 tokens, batch 1, d=128 on an H200: BENCHMARKS.md, "Short prefills")
+WS_NO_SPLIT_MAX_KEYS = 512
 MAX_GRID_X, MAX_GRID_YZ = 2**31 - 1, 65535  # CUDA's grid limits
 # The warp-specialised forward (kernels/fwd_ws.py) where it applies; CUFLASH_FWD_WS=0 keeps the
 # wgmma kernel instead (to compare the two, or to rule one out).
@@ -301,6 +305,13 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                    f"{DECODE_WIDE_SPLITS} splits at least four ({per_tiles}): "
                    + (f"{splits} splits" if splits > 1 else "no split")
                    + f" (FA2's rule would pick {fa2_splits}: heuristic='fa2').")
+    elif (p.heuristic == "cuflash" and dev.arch == 90 and p.seqlen_k <= WS_NO_SPLIT_MAX_KEYS
+          and fwd_tile(bucket, even, dev.arch, p.kv, local or p.softcap or p.alibi)[4] == "wgmma"
+          and _fwd_ws_blocker(p, even, bucket, pack) == ""):
+        splits = 1
+        why.append(f"sm_90 with at most {WS_NO_SPLIT_MAX_KEYS} keys: no split, the warp-specialised kernel's "
+                   f"persistent blocks in one launch (faster than a split and its merge on so few keys; "
+                   f"FA2's rule: heuristic='fa2').")
     else:
         splits, table = num_splits_heuristic(work, slots, n_blocks, max(1, min(MAX_SPLITS, MAX_GRID_YZ // p.batch)))
         head = (f"batch*heads*m_blocks = {p.batch}*{nh}*{m_blocks} = {work} blocks of 64 query rows "
