@@ -28,6 +28,7 @@ import os
 import torch
 
 import cuflash
+from cuflash import backward as backward_mod
 from cuflash import validate
 from cuflash.torch import ops
 
@@ -318,3 +319,203 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         softmax_scale=softmax_scale, num_splits=num_splits, return_lse=bool(return_softmax_lse),
         window_size=_window(window_size), softcap=_softcap(softcap), rotary_interleaved=rotary_interleaved,
         alibi_slopes=alibi_slopes)
+
+
+# ---------------------------------------------------------------------------------------------
+# flash-attn's private entry points, which libraries built on flash-attn call inside their own
+# autograd Functions (ring attention, context parallelism), and its extension module
+# (``flash_attn_gpu``, flash_attn_2_cuda's five functions with their positional arguments). No
+# autograd graph is recorded; the gradients go into the caller's dq, dk, dv.
+
+def _rng_state(q, seed, offset):
+    """flash-attn's rng_state: int64 (2,) on q's device holding the dropout's Philox seed and
+    offset (zeros without dropout). Filled on the device (no host copy to wait for); the host
+    values ride along on the tensor, so the backward does not read them back."""
+    rng = torch.zeros(2, dtype=torch.int64, device=q.device)
+    if seed is not None:
+        rng[0], rng[1] = ops._s64(seed), ops._s64(offset)
+        rng._cuflash_seed_offset = (seed, offset)
+    return rng
+
+
+def _seed_offset(dropout_p, rng_state):
+    """(seed, offset) of a backward with dropout from the forward's ``rng_state``: its host values
+    when it is this module's, else read back from the device (a synchronisation)."""
+    if not dropout_p:
+        return {}
+    if rng_state is None:
+        raise ValueError("rng_state is required with dropout_p > 0: the forward's (seed, offset) regenerate "
+                         "its dropout mask")
+    seed, offset = getattr(rng_state, "_cuflash_seed_offset", None) or map(ops._u64, rng_state.tolist())
+    return dict(dropout_p=dropout_p, seed=seed, offset=offset)
+
+
+def _no_generator(gen):
+    if gen is not None:
+        raise RuntimeError("flash-attn: the RNG `generator` argument is no longer supported and must be None; "
+                           "dropout (when enabled) uses the default CUDA generator.")
+
+
+def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                        alibi_slopes, return_softmax, *, out=None):
+    """flash-attn's ``_flash_attn_forward``: (out, softmax_lse (batch, nheads, seqlen_q), S_dmask,
+    rng_state), S_dmask as :func:`flash_attn_func` returns it with ``return_attn_probs`` (empty
+    without dropout), rng_state as flash-attn's (see _rng_state)."""
+    q, k, v = (_contiguous_last(x) for x in (q, k, v))
+    window, cap = _window((window_size_left, window_size_right)), _softcap(softcap)
+    seed, offset = _draw(validate.dropout_p(dropout_p), q, q.shape[0], True)
+    drop = {} if seed is None else dict(dropout_p=dropout_p, seed=seed, offset=offset)
+    o, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window, softcap=cap,
+                               alibi_slopes=alibi_slopes, return_lse=True, out=out, **drop)
+    mask = q.new_empty((0,))
+    if return_softmax and seed is not None:
+        b, sq, h, _ = q.shape
+        keep = _kernel_keep(q, k, dropout_p, seed, offset, (b, h, sq, k.shape[1]))
+        mask = _s_dmask(q, [(slice(None), q, k)], keep, causal, softmax_scale, window, cap, alibi_slopes,
+                        _get_block_size_n(q.device, q.shape[-1], True, causal))
+    return o, lse, mask, _rng_state(q, seed, offset)
+
+
+def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                               softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                               alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
+                               seqused_k=None, zero_tensors=False, num_splits=0, *, out=None):
+    """flash-attn's ``_flash_attn_varlen_forward``: (out, softmax_lse (nheads, total_q), S_dmask,
+    rng_state), as :func:`flash_attn_varlen_func` (``seqused_k`` with a ``block_table``);
+    ``zero_tensors`` is accepted (cuflash writes every output row). ``leftpad_k`` raises
+    NotImplementedError."""
+    if leftpad_k is not None:
+        _not_supported("leftpad_k in a varlen call", "flash_attn_with_kvcache's cache_leftpad serves dense caches")
+    if seqused_k is not None:
+        if block_table is None:
+            _not_supported("seqused_k without a block_table", "dense K/V rows of sequence b are "
+                           "cu_seqlens_k[b] to cu_seqlens_k[b + 1]; seqused_k needs a paged cache")
+        cu_seqlens_k = torch.nn.functional.pad(torch.cumsum(seqused_k, 0, dtype=torch.int32), (1, 0))
+    q, k, v = (_contiguous_last(x) for x in (q, k, v))
+    window, cap = _window((window_size_left, window_size_right)), _softcap(softcap)
+    batch = cu_seqlens_q.shape[0] - 1
+    seed, offset = _draw(validate.dropout_p(dropout_p), q, batch, True)
+    drop = {} if seed is None else dict(dropout_p=dropout_p, seed=seed, offset=offset)
+    o, lse = cuflash.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                      softmax_scale=softmax_scale, window_size=window, softcap=cap,
+                                      alibi_slopes=alibi_slopes, return_lse=True, num_splits=num_splits,
+                                      block_table=block_table, out=out, **drop)
+    mask = q.new_empty((0,))
+    if return_softmax and seed is not None:
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        seqs = [(slice(i, i + 1), q[None, cq[i]:cq[i + 1]], k[None, ck[i]:ck[i + 1]]) for i in range(batch)]
+        keep = _kernel_keep(q, k, dropout_p, seed, offset, (batch, q.shape[1], max_seqlen_q, max_seqlen_k),
+                            varlen=(cu_seqlens_q, cu_seqlens_k, cq, ck))
+        mask = _s_dmask(q, seqs, keep, causal, softmax_scale, window, cap, alibi_slopes,
+                        _get_block_size_n(q.device, q.shape[-1], True, causal))
+    return o, lse, mask, _rng_state(q, seed, offset)
+
+
+def _softmax_d(dout, out, rows):
+    """flash-attn's softmax_d, D = rowsum(dout * out) in float32: (batch, nheads, seqlen_q rounded up
+    to 128) for dense (batch, seqlen_q, nheads, d) operands; for packed (total_q, nheads, d) ones,
+    (nheads, total_q + 128 * batch) with sequence b's rows from cu_seqlens_q[b] + 128 b (``rows``:
+    (cu_seqlens_q, batch)). Padding is zero. Products and sums in float32 (no TF32), a few
+    thousand rows at a time so that the float32 temporaries stay small."""
+    flat_do, flat_o = dout.reshape(-1, *dout.shape[-2:]), out.reshape(-1, *out.shape[-2:])
+    step = max(1, (1 << 22) // (dout.shape[-2] * dout.shape[-1]))
+    d = torch.cat([(flat_do[i:i + step].float() * flat_o[i:i + step].float()).sum(-1)
+                   for i in range(0, flat_do.shape[0], step)]).reshape(dout.shape[:-1])
+    if rows is None:
+        b, sq, h = d.shape
+        return torch.nn.functional.pad(d.transpose(1, 2), (0, -(-sq // 128) * 128 - sq))
+    cu, batch = rows
+    total, h = d.shape
+    seq = torch.searchsorted(cu[1:].long(), torch.arange(total, device=d.device), right=True)
+    res = d.new_zeros((h, total + 128 * batch))
+    res[:, torch.arange(total, device=d.device) + 128 * seq] = d.t()
+    return res
+
+
+def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                         window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
+    """flash-attn's ``_flash_attn_backward``: the gradients into ``dq``, ``dk``, ``dv`` (each may be
+    None: then made and, as in flash-attn, not returned); returns softmax_d (_softmax_d). With
+    dropout, ``rng_state`` is the forward's."""
+    dout, q, k, v, out = (_contiguous_last(x) for x in (dout, q, k, v, out))
+    backward_mod.attention_backward(
+        dout, q, k, v, out, softmax_lse, causal=causal, softmax_scale=softmax_scale,
+        window_size=_window((window_size_left, window_size_right)), softcap=_softcap(softcap),
+        alibi_slopes=alibi_slopes, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
+        **_seed_offset(dropout_p, rng_state))
+    return _softmax_d(dout, out, None)
+
+
+def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left,
+                                window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
+                                zero_tensors=False):
+    """flash-attn's ``_flash_attn_varlen_backward``: as :func:`_flash_attn_backward` for packed
+    sequences; softmax_d (nheads, total_q + 128 * batch)."""
+    dout, q, k, v, out = (_contiguous_last(x) for x in (dout, q, k, v, out))
+    backward_mod.attention_varlen_backward(
+        dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+        softmax_scale=softmax_scale, window_size=_window((window_size_left, window_size_right)),
+        softcap=_softcap(softcap), alibi_slopes=alibi_slopes, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
+        **_seed_offset(dropout_p, rng_state))
+    return _softmax_d(dout, out, (cu_seqlens_q, cu_seqlens_q.shape[0] - 1))
+
+
+class _FlashAttnGpu:
+    """flash-attn's extension module (``flash_attn_gpu``, i.e. flash_attn_2_cuda): ``fwd``,
+    ``varlen_fwd``, ``bwd``, ``varlen_bwd`` and ``fwd_kvcache`` with its positional arguments and
+    results (lists), on the functions above. The retired ``generator`` slot must be None, as in
+    flash-attn 2.8.4 (a RuntimeError otherwise)."""
+
+    @staticmethod
+    def fwd(q, k, v, out, alibi_slopes, p_dropout, softmax_scale, is_causal, window_size_left, window_size_right,
+            softcap, return_softmax, gen=None):
+        _no_generator(gen)
+        return list(_flash_attn_forward(q, k, v, p_dropout, softmax_scale, is_causal, window_size_left,
+                                        window_size_right, softcap, alibi_slopes, return_softmax, out=out))
+
+    @staticmethod
+    def varlen_fwd(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table, alibi_slopes,
+                   max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, zero_tensors, is_causal, window_size_left,
+                   window_size_right, softcap, return_softmax, gen=None, num_splits=0):
+        _no_generator(gen)
+        return list(_flash_attn_varlen_forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, is_causal,
+            window_size_left, window_size_right, softcap, alibi_slopes, return_softmax, block_table, leftpad_k,
+            seqused_k, zero_tensors, num_splits, out=out))
+
+    @staticmethod
+    def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, p_dropout, softmax_scale, is_causal,
+            window_size_left, window_size_right, softcap, deterministic, gen=None, rng_state=None):
+        _no_generator(gen)
+        dq, dk, dv = (torch.empty_like(x) if g is None else g for g, x in ((dq, q), (dk, k), (dv, v)))
+        d = _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, p_dropout, softmax_scale, is_causal,
+                                 window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state)
+        return [dq, dk, dv, d]
+
+    @staticmethod
+    def varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                   max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, zero_tensors, is_causal, window_size_left,
+                   window_size_right, softcap, deterministic, gen=None, rng_state=None):
+        _no_generator(gen)
+        dq, dk, dv = (torch.empty_like(x) if g is None else g for g, x in ((dq, q), (dk, k), (dv, v)))
+        d = _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                        max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, is_causal,
+                                        window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
+                                        rng_state, zero_tensors)
+        return [dq, dk, dv, d]
+
+    @staticmethod
+    def fwd_kvcache(q, kcache, vcache, k, v, seqlens_k, rotary_cos, rotary_sin, cache_batch_idx, leftpad_k,
+                    block_table, alibi_slopes, out, softmax_scale, is_causal, window_size_left, window_size_right,
+                    softcap, is_rotary_interleaved, num_splits):
+        q, k, v = (_contiguous_last(x) for x in (q, k, v))
+        return list(cuflash.attention_with_kvcache(
+            q, kcache, vcache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=seqlens_k,
+            cache_batch_idx=cache_batch_idx, cache_leftpad=leftpad_k, block_table=block_table, causal=is_causal,
+            softmax_scale=softmax_scale, num_splits=num_splits, return_lse=True, out=out,
+            window_size=_window((window_size_left, window_size_right)), softcap=_softcap(softcap),
+            rotary_interleaved=is_rotary_interleaved, alibi_slopes=alibi_slopes))
+
+
+flash_attn_gpu = _FlashAttnGpu()
