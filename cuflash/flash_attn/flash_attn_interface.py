@@ -153,6 +153,36 @@ def _draw(dropout_p, q, batch, return_attn_probs):
     return ops._u64(seed), ops._u64(offset)
 
 
+def _dense_probs(q, k, dropout_p, seed, offset, causal, softmax_scale, window, cap, alibi_slopes):
+    """S_dmask of a dense call with dropout (the kernel's mask read back, the magnitudes computed)."""
+    b, sq, h, _ = q.shape
+    keep = _kernel_keep(q, k, dropout_p, seed, offset, (b, h, sq, k.shape[1]))
+    return _s_dmask(q, [(slice(None), q, k)], keep, causal, softmax_scale, window, cap, alibi_slopes,
+                    _get_block_size_n(q.device, q.shape[-1], True, causal))
+
+
+def _varlen_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seed, offset, causal,
+                  softmax_scale, window, cap, alibi_slopes):
+    """S_dmask of a packed call with dropout (reads cu_seqlens back to the host)."""
+    batch = cu_seqlens_q.shape[0] - 1
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    seqs = [(slice(i, i + 1), q[None, cq[i]:cq[i + 1]], k[None, ck[i]:ck[i + 1]]) for i in range(batch)]
+    keep = _kernel_keep(q, k, dropout_p, seed, offset, (batch, q.shape[1], max_seqlen_q, max_seqlen_k),
+                        varlen=(cu_seqlens_q, cu_seqlens_k, cq, ck))
+    return _s_dmask(q, seqs, keep, causal, softmax_scale, window, cap, alibi_slopes,
+                    _get_block_size_n(q.device, q.shape[-1], True, causal))
+
+
+def _seqused_offsets(seqused_k, block_table):
+    """cu_seqlens_k for vLLM's ``seqused_k`` (a paged sequence's keys are found through its block
+    table row: cuflash reads only the key counts, offset differences, from cu_seqlens_k, so the
+    counts' prefix sums serve); NotImplementedError without a block table."""
+    if block_table is None:
+        _not_supported("seqused_k without a block_table", "dense K/V rows of sequence b are "
+                       "cu_seqlens_k[b] to cu_seqlens_k[b + 1]; seqused_k needs a paged cache")
+    return torch.nn.functional.pad(torch.cumsum(seqused_k, 0, dtype=torch.int32), (1, 0))
+
+
 def _window(window_size):
     """flash-attn's window_size -> cuflash's (left, right): a pair of ints, given as a tuple, a
     list or a 2-element integer array or tensor in host memory (read without waiting for the
@@ -198,11 +228,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                         alibi_slopes=alibi_slopes, deterministic=deterministic,
                         return_lse=bool(return_attn_probs), **drop)
     if return_attn_probs and seed is not None:
-        b, sq, h, _ = q.shape
-        keep = _kernel_keep(q, k, dropout_p, seed, offset, (b, h, sq, k.shape[1]))
-        mask = _s_dmask(q, [(slice(None), q, k)], keep, causal, softmax_scale, window, cap, alibi_slopes,
-                        _get_block_size_n(q.device, q.shape[-1], True, causal))
-        return (*res, mask)
+        return (*res, _dense_probs(q, k, dropout_p, seed, offset, causal, softmax_scale, window, cap, alibi_slopes))
     return _with_probs(res, q) if return_attn_probs else res
 
 
@@ -247,12 +273,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     With dropout and ``return_attn_probs=True``, S_dmask reads cu_seqlens back to the host.
     """
     if seqused_k is not None:
-        if block_table is None:
-            _not_supported("seqused_k without a block_table", "dense K/V rows of sequence b are "
-                           "cu_seqlens_k[b] to cu_seqlens_k[b + 1]; seqused_k needs a paged cache")
-        # A paged sequence's keys are found through its block-table row: cuflash reads only the
-        # key counts (offset differences) from cu_seqlens_k, so the counts' prefix sums serve.
-        cu_seqlens_k = torch.nn.functional.pad(torch.cumsum(seqused_k, 0, dtype=torch.int32), (1, 0))
+        cu_seqlens_k = _seqused_offsets(seqused_k, block_table)
     q, k, v = (_contiguous_last(x) for x in (q, k, v))
     window, cap = _window(window_size), _softcap(softcap)
     batch = cu_seqlens_q.shape[0] - 1
@@ -264,13 +285,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                return_lse=bool(return_attn_probs or return_softmax_lse),
                                block_table=block_table, **({} if s_aux is None else {"sinks": s_aux}), **drop)
     if return_attn_probs and seed is not None:
-        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        seqs = [(slice(i, i + 1), q[None, cq[i]:cq[i + 1]], k[None, ck[i]:ck[i + 1]]) for i in range(batch)]
-        keep = _kernel_keep(q, k, dropout_p, seed, offset, (batch, q.shape[1], max_seqlen_q, max_seqlen_k),
-                            varlen=(cu_seqlens_q, cu_seqlens_k, cq, ck))
-        mask = _s_dmask(q, seqs, keep, causal, softmax_scale, window, cap, alibi_slopes,
-                        _get_block_size_n(q.device, q.shape[-1], True, causal))
-        return (*res, mask)
+        return (*res, _varlen_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seed,
+                                    offset, causal, softmax_scale, window, cap, alibi_slopes))
     return _with_probs(res, q) if return_attn_probs else res  # out, or (out, lse) for vLLM
 
 
@@ -367,12 +383,8 @@ def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_l
     drop = {} if seed is None else dict(dropout_p=dropout_p, seed=seed, offset=offset)
     o, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window, softcap=cap,
                                alibi_slopes=alibi_slopes, return_lse=True, out=out, **drop)
-    mask = q.new_empty((0,))
-    if return_softmax and seed is not None:
-        b, sq, h, _ = q.shape
-        keep = _kernel_keep(q, k, dropout_p, seed, offset, (b, h, sq, k.shape[1]))
-        mask = _s_dmask(q, [(slice(None), q, k)], keep, causal, softmax_scale, window, cap, alibi_slopes,
-                        _get_block_size_n(q.device, q.shape[-1], True, causal))
+    mask = (_dense_probs(q, k, dropout_p, seed, offset, causal, softmax_scale, window, cap, alibi_slopes)
+            if return_softmax and seed is not None else q.new_empty((0,)))
     return o, lse, mask, _rng_state(q, seed, offset)
 
 
@@ -387,10 +399,7 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     if leftpad_k is not None:
         _not_supported("leftpad_k in a varlen call", "flash_attn_with_kvcache's cache_leftpad serves dense caches")
     if seqused_k is not None:
-        if block_table is None:
-            _not_supported("seqused_k without a block_table", "dense K/V rows of sequence b are "
-                           "cu_seqlens_k[b] to cu_seqlens_k[b + 1]; seqused_k needs a paged cache")
-        cu_seqlens_k = torch.nn.functional.pad(torch.cumsum(seqused_k, 0, dtype=torch.int32), (1, 0))
+        cu_seqlens_k = _seqused_offsets(seqused_k, block_table)
     q, k, v = (_contiguous_last(x) for x in (q, k, v))
     window, cap = _window((window_size_left, window_size_right)), _softcap(softcap)
     batch = cu_seqlens_q.shape[0] - 1
@@ -400,14 +409,9 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                                       softmax_scale=softmax_scale, window_size=window, softcap=cap,
                                       alibi_slopes=alibi_slopes, return_lse=True, num_splits=num_splits,
                                       block_table=block_table, out=out, **drop)
-    mask = q.new_empty((0,))
-    if return_softmax and seed is not None:
-        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        seqs = [(slice(i, i + 1), q[None, cq[i]:cq[i + 1]], k[None, ck[i]:ck[i + 1]]) for i in range(batch)]
-        keep = _kernel_keep(q, k, dropout_p, seed, offset, (batch, q.shape[1], max_seqlen_q, max_seqlen_k),
-                            varlen=(cu_seqlens_q, cu_seqlens_k, cq, ck))
-        mask = _s_dmask(q, seqs, keep, causal, softmax_scale, window, cap, alibi_slopes,
-                        _get_block_size_n(q.device, q.shape[-1], True, causal))
+    mask = (_varlen_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seed, offset,
+                          causal, softmax_scale, window, cap, alibi_slopes)
+            if return_softmax and seed is not None else q.new_empty((0,)))
     return o, lse, mask, _rng_state(q, seed, offset)
 
 
