@@ -426,7 +426,7 @@ def _softmax_d(dout, out, rows):
     d = torch.cat([(flat_do[i:i + step].float() * flat_o[i:i + step].float()).sum(-1)
                    for i in range(0, flat_do.shape[0], step)]).reshape(dout.shape[:-1])
     if rows is None:
-        b, sq, h = d.shape
+        sq = d.shape[1]
         return torch.nn.functional.pad(d.transpose(1, 2), (0, -(-sq // 128) * 128 - sq))
     cu, batch = rows
     total, h = d.shape
@@ -468,8 +468,8 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
 class _FlashAttnGpu:
     """flash-attn's extension module (``flash_attn_gpu``, i.e. flash_attn_2_cuda): ``fwd``,
     ``varlen_fwd``, ``bwd``, ``varlen_bwd`` and ``fwd_kvcache`` with its positional arguments and
-    results (lists), on the functions above. The retired ``generator`` slot must be None, as in
-    flash-attn 2.8.4 (a RuntimeError otherwise)."""
+    results (lists), on the functions above. The retired ``generator`` slot must be None, as on
+    flash-attn's main branch (a RuntimeError otherwise)."""
 
     @staticmethod
     def fwd(q, k, v, out, alibi_slopes, p_dropout, softmax_scale, is_causal, window_size_left, window_size_right,
