@@ -22,10 +22,12 @@ from .kernels.fwd import (DECODE_BLOCK_M, DECODE_MAX_ROWS, DECODE_WARPS, SPLIT_B
 
 DECODE_WIDE_SPLITS = 16  # more splits than this need four K/V tiles each (the merge's cost)
 MAX_SPLITS = 128
-# sm_90, up to this many keys: no split where the warp-specialised forward runs (one launch of
-# persistent blocks, each tile walking at most 4 K/V tiles of 128 keys, took 0.56-0.90x the time of
-# FA2's split and merge at 192-448 tokens, batch 1, d=128 on an H200: BENCHMARKS.md, "Short prefills")
+# sm_90, dense prefills (no cache, no packed sequences, no window) of at least 128 queries and at
+# most this many keys: no split where the warp-specialised forward runs (one launch took 0.36-0.89x
+# the time of FA2's split and its merge on 65 of 66 batch-1 shapes of 192-512 tokens at d = 64, 128
+# and 256 on an H200: BENCHMARKS.md, "Short prefills")
 WS_NO_SPLIT_MAX_KEYS = 512
+WS_NO_SPLIT_MIN_QUERIES = 128
 MAX_GRID_X, MAX_GRID_YZ = 2**31 - 1, 65535  # CUDA's grid limits
 # The warp-specialised forward (kernels/fwd_ws.py) where it applies; CUFLASH_FWD_WS=0 keeps the
 # wgmma kernel instead (to compare the two, or to rule one out).
@@ -305,13 +307,14 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                    f"{DECODE_WIDE_SPLITS} splits at least four ({per_tiles}): "
                    + (f"{splits} splits" if splits > 1 else "no split")
                    + f" (FA2's rule would pick {fa2_splits}: heuristic='fa2').")
-    elif (p.heuristic == "cuflash" and dev.arch == 90 and p.seqlen_k <= WS_NO_SPLIT_MAX_KEYS
-          and fwd_tile(bucket, even, dev.arch, p.kv, local or p.softcap or p.alibi)[4] == "wgmma"
+    elif (p.heuristic == "cuflash" and dev.arch == 90 and p.kv == "dense" and not (p.varlen or local)
+          and p.seqlen_q >= WS_NO_SPLIT_MIN_QUERIES and p.seqlen_k <= WS_NO_SPLIT_MAX_KEYS
+          and fwd_tile(bucket, even, dev.arch, p.kv, p.softcap or p.alibi)[4] == "wgmma"
           and _fwd_ws_blocker(p, even, bucket, pack) == ""):
         splits = 1
-        why.append(f"sm_90 with at most {WS_NO_SPLIT_MAX_KEYS} keys: no split, the warp-specialised kernel's "
-                   f"persistent blocks in one launch (faster than a split and its merge on so few keys; "
-                   f"FA2's rule: heuristic='fa2').")
+        why.append(f"sm_90, a prefill of at least {WS_NO_SPLIT_MIN_QUERIES} queries and at most "
+                   f"{WS_NO_SPLIT_MAX_KEYS} keys: no split, the warp-specialised kernel in one launch (faster "
+                   f"than a split and its merge on so few keys; FA2's rule: heuristic='fa2').")
     else:
         splits, table = num_splits_heuristic(work, slots, n_blocks, max(1, min(MAX_SPLITS, MAX_GRID_YZ // p.batch)))
         head = (f"batch*heads*m_blocks = {p.batch}*{nh}*{m_blocks} = {work} blocks of 64 query rows "

@@ -78,12 +78,15 @@ def test_softmax_d_layouts():
     from cuflash.flash_attn.flash_attn_interface import _softmax_d
     g = torch.Generator().manual_seed(0)
     dout, out = torch.randn(2, 130, 3, 8, generator=g), torch.randn(2, 130, 3, 8, generator=g)
-    d = _softmax_d(dout, out, None)
-    want = (dout * out).sum(-1).transpose(1, 2)
+    d = _softmax_d(dout, out, None, 0.25)
+    want = 0.75 * (dout * out).sum(-1).transpose(1, 2)  # (flash-attn's: scaled by the keep probability)
     assert d.shape == (2, 3, 256) and torch.allclose(d[..., :130], want) and not d[..., 130:].any()
+    assert torch.equal(_softmax_d(dout[:, :0], out[:, :0], None, 0.0), torch.zeros(2, 3, 0))
+    strided = _softmax_d(dout.transpose(0, 1).contiguous().transpose(0, 1), out, None, 0.25)  # (views, no copy)
+    assert torch.equal(strided, d)
     cu = torch.tensor([0, 5, 5, 12], dtype=torch.int32)
     dout, out = torch.randn(12, 3, 8, generator=g), torch.randn(12, 3, 8, generator=g)
-    d = _softmax_d(dout, out, (cu, 3))
+    d = _softmax_d(dout, out, (cu, 3), 0.0)
     rows = (dout * out).sum(-1).t()
     assert d.shape == (3, 12 + 3 * 128)
     for b in range(3):
@@ -133,7 +136,7 @@ def test_gpu_dense_as_the_public_function(rng, causal, window, dropout_p):
     torch.manual_seed(7)
     out, lse, _, rng_state = fi._flash_attn_forward(q, k, v, dropout_p, window_size_left=window[0],
                                                     window_size_right=window[1], return_softmax=False, **kw)
-    assert out.grad_fn is None and lse.shape == (2, 8, 150) and rng_state.dtype == torch.int64
+    assert lse.shape == (2, 8, 150) and rng_state.dtype == torch.int64
     torch.manual_seed(7)
     ql, kl, vl = _leaf(q), _leaf(k), _leaf(v)
     ref, ref_lse, _ = flash_attn_func(ql, kl, vl, dropout_p, window_size=window, deterministic=True,
@@ -146,7 +149,7 @@ def test_gpu_dense_as_the_public_function(rng, causal, window, dropout_p):
                                     window_size_right=window[1], deterministic=True, rng_state=state, **kw)
         for g, want in zip(grads, (ql.grad, kl.grad, vl.grad)):
             assert torch.equal(g, want)
-        want_d = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+        want_d = (1 - dropout_p) * (dout.float() * out.float()).sum(-1).transpose(1, 2)
         assert torch.allclose(d[..., :150], want_d, rtol=1e-5, atol=1e-5) and not d[..., 150:].any()
     torch.manual_seed(7)
     res = fi.flash_attn_gpu.fwd(q, k, v, None, None, dropout_p, 0.2, causal, *window, 0.0, False, None)
@@ -179,7 +182,7 @@ def test_gpu_varlen_as_the_public_function(rng, dropout_p):
                                        rng_state)
     for g, want in zip(grads, (ql.grad, kl.grad, vl.grad)):
         assert torch.equal(g, want)
-    rows = (dout.float() * out.float()).sum(-1).t()
+    rows = (1 - dropout_p) * (dout.float() * out.float()).sum(-1).t()
     assert d.shape == (4, 201 + 3 * 128)
     assert torch.allclose(d[:, :70], rows[:, :70], rtol=1e-5, atol=1e-5)
     assert torch.allclose(d[:, 70 + 256:201 + 256], rows[:, 70:], rtol=1e-5, atol=1e-5)
@@ -187,6 +190,10 @@ def test_gpu_varlen_as_the_public_function(rng, dropout_p):
     res = fi.flash_attn_gpu.varlen_fwd(q, k, v, None, cu_q, cu_k, None, None, None, None, 131, 210, dropout_p, None,
                                        False, True, -1, -1, 0.0, False, None)
     assert torch.equal(res[0], out) and torch.equal(res[1], lse)
+    dq, dk, dv, _ = fi.flash_attn_gpu.varlen_bwd(dout, q, k, v, out, lse, None, None, None, cu_q, cu_k, None, 131, 210,
+                                                 dropout_p, None, False, True, -1, -1, 0.0, True, None,
+                                                 res[3].clone())
+    assert torch.equal(dq, ql.grad) and torch.equal(dk, kl.grad) and torch.equal(dv, vl.grad)
 
 
 @requires_gpu
@@ -205,6 +212,18 @@ def test_gpu_ring_of_two_chunks(rng):
     out = sum(o.float() * torch.exp(l - lse).transpose(1, 2)[..., None] for o, l, _, _ in parts).to(q.dtype)
     ok, err, bound = check_close(_np(out), _np(q), _np(k), _np(v), softmax_scale=0.125)
     assert ok, (err, bound)
+    # the backward as ring attention runs it: each chunk's gradients from the merged out and LSE
+    dout = _gpu(rng, 2, 256, 4, 64)
+    dq, dk, dv = torch.zeros_like(q), torch.empty_like(k), torch.empty_like(v)
+    for s in (0, 256):
+        dq_s = torch.empty_like(q)
+        fi._flash_attn_backward(dout, q, k[:, s:s + 256], v[:, s:s + 256], out, lse, dq_s, dk[:, s:s + 256],
+                                dv[:, s:s + 256], 0.0, 0.125, False, -1, -1, 0.0, None, False)
+        dq += dq_s
+    whole = [torch.empty_like(x) for x in (q, k, v)]
+    fi._flash_attn_backward(dout, q, k, v, out, lse, *whole, 0.0, 0.125, False, -1, -1, 0.0, None, False)
+    for got, want in zip((dq, dk, dv), whole):
+        assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
 
 
 @requires_gpu
@@ -212,10 +231,10 @@ def test_gpu_kvcache_entry(rng):
     import torch
     import cuflash
     from cuflash.flash_attn.flash_attn_interface import flash_attn_gpu
-    q, kc, vc = _gpu(rng, 2, 1, 8, 128), _gpu(rng, 2, 256, 2, 128), _gpu(rng, 2, 256, 2, 128)
+    q, kc, vc = _gpu(rng, 2, 5, 8, 128), _gpu(rng, 2, 256, 2, 128), _gpu(rng, 2, 256, 2, 128)
     lens = torch.tensor([17, 200], dtype=torch.int32, device="cuda")
     out, lse = flash_attn_gpu.fwd_kvcache(q, kc, vc, None, None, lens, None, None, None, None, None, None, None,
-                                          0.1, True, -1, -1, 0.0, True, 0)
+                                          0.1, True, 30, 0, 0.0, True, 0)
     want, want_lse = cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, softmax_scale=0.1, causal=True,
-                                                    return_lse=True)
+                                                    window_size=(30, 0), return_lse=True)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)

@@ -290,3 +290,22 @@ def test_forget_plans_drops_derived_caches(monkeypatch):
     plan_mod.forget_plans()
     assert not api._plans and not api._repeats and not backward._repeats
     assert plan_mod.make_plan.cache_info().currsize == plan_mod.make_backward_plan.cache_info().currsize == 0
+
+
+def test_short_dense_prefills_are_not_split_on_sm90():
+    """sm_90: a dense prefill of 128-512 queries over at most 512 keys runs fwd_ws in one launch
+    where FA2's rule would split; decode, KV caches, packed sequences, windows, shorter query
+    blocks, more keys, sm_80 and heuristic='fa2' keep their splits."""
+    from cuflash.plan import Problem, make_plan
+    h100, a100 = DeviceFacts(132, 90), DeviceFacts(108, 80)
+
+    def splits(sq=256, sk=256, dev=h100, **kw):
+        return make_plan(Problem(1, sq, sk, 32, 8, 128, "bf16", causal=True, **kw), dev)
+    p = splits()
+    assert p.num_splits == 1 and p.kernels[0].startswith("fwd_ws_") and "at most 512 keys" in p.reason
+    assert splits(heuristic="fa2").num_splits == 2
+    assert splits(dev=a100).num_splits == splits(dev=a100, heuristic="fa2").num_splits  # (sm_80: FA2's rule)
+    for kw in (dict(sq=32, sk=512, kv="cache"), dict(sq=64, sk=512), dict(varlen=True), dict(window=(64, 0)),
+               dict(sq=1, sk=4096), dict(sq=256, sk=4096)):
+        fa2 = splits(heuristic="fa2", **kw).num_splits
+        assert fa2 == 1 or splits(**kw).num_splits > 1, kw

@@ -20,8 +20,11 @@ the magnitudes are computed with PyTorch in float32 on q's device: meant for tes
 read cu_seqlens back to the host).
 
 What cuflash does not do yet raises NotImplementedError naming the argument, never ignoring it:
-the vLLM extra ``seqused_k`` without a ``block_table``. vLLM's ``s_aux`` (attention sinks) runs as
-``cuflash.torch.attention_varlen(..., sinks=s_aux)``.
+the vLLM extra ``seqused_k`` without a ``block_table``, and ``leftpad_k`` in the private varlen
+forward. vLLM's ``s_aux`` (attention sinks) runs as ``cuflash.torch.attention_varlen(...,
+sinks=s_aux)``. flash-attn's private entry points and its extension's functions (below; the
+differences are listed in docs/torch.md) accept ``zero_tensors`` without zeroing the rows past
+the last sequence.
 """
 import os
 
@@ -415,16 +418,21 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     return o, lse, mask, _rng_state(q, seed, offset)
 
 
-def _softmax_d(dout, out, rows):
-    """flash-attn's softmax_d, D = rowsum(dout * out) in float32: (batch, nheads, seqlen_q rounded up
-    to 128) for dense (batch, seqlen_q, nheads, d) operands; for packed (total_q, nheads, d) ones,
-    (nheads, total_q + 128 * batch) with sequence b's rows from cu_seqlens_q[b] + 128 b (``rows``:
-    (cu_seqlens_q, batch)). Padding is zero. Products and sums in float32 (no TF32), a few
-    thousand rows at a time so that the float32 temporaries stay small."""
-    flat_do, flat_o = dout.reshape(-1, *dout.shape[-2:]), out.reshape(-1, *out.shape[-2:])
-    step = max(1, (1 << 22) // (dout.shape[-2] * dout.shape[-1]))
-    d = torch.cat([(flat_do[i:i + step].float() * flat_o[i:i + step].float()).sum(-1)
-                   for i in range(0, flat_do.shape[0], step)]).reshape(dout.shape[:-1])
+def _softmax_d(dout, out, rows, dropout_p):
+    """flash-attn's softmax_d, D = (1 - dropout_p) rowsum(dout * out) in float32 (flash-attn keeps
+    it scaled by the keep probability): (batch, nheads, seqlen_q rounded up to 128) for dense
+    (batch, seqlen_q, nheads, d) operands; for packed (total_q, nheads, d) ones, (nheads, total_q +
+    128 * batch) with sequence b's rows from cu_seqlens_q[b] + 128 b (``rows``: (cu_seqlens_q,
+    batch)). Padding is zero. Products and sums in float32 (no TF32), taken over views of a few
+    million elements at a time, so that no operand is copied whole and the float32 temporaries
+    stay small."""
+    seq_dim = dout.dim() - 3  # (dense: each batch's rows in turn)
+    step = max(1, (1 << 24) // (dout.shape[-2] * dout.shape[-1]))
+    parts = [(dout[b][i:i + step].float() * out[b][i:i + step].float()).sum(-1) if seq_dim else
+             (dout[i:i + step].float() * out[i:i + step].float()).sum(-1)
+             for b in (range(dout.shape[0]) if seq_dim else [None]) for i in range(0, dout.shape[seq_dim], step)]
+    d = torch.cat(parts) if parts else dout.new_zeros((0, dout.shape[-2]), dtype=torch.float32)
+    d = d.reshape(dout.shape[:-1]) * (1.0 - dropout_p)
     if rows is None:
         sq = d.shape[1]
         return torch.nn.functional.pad(d.transpose(1, 2), (0, -(-sq // 128) * 128 - sq))
@@ -447,7 +455,7 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
         window_size=_window((window_size_left, window_size_right)), softcap=_softcap(softcap),
         alibi_slopes=alibi_slopes, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
         **_seed_offset(dropout_p, rng_state))
-    return _softmax_d(dout, out, None)
+    return _softmax_d(dout, out, None, dropout_p)
 
 
 def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
@@ -462,7 +470,7 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
         softmax_scale=softmax_scale, window_size=_window((window_size_left, window_size_right)),
         softcap=_softcap(softcap), alibi_slopes=alibi_slopes, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
         **_seed_offset(dropout_p, rng_state))
-    return _softmax_d(dout, out, (cu_seqlens_q, cu_seqlens_q.shape[0] - 1))
+    return _softmax_d(dout, out, (cu_seqlens_q, cu_seqlens_q.shape[0] - 1), dropout_p)
 
 
 class _FlashAttnGpu:
