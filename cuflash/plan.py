@@ -309,8 +309,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                    + f" (FA2's rule would pick {fa2_splits}: heuristic='fa2').")
     elif (p.heuristic == "cuflash" and dev.arch == 90 and p.kv == "dense" and not (p.varlen or local)
           and p.seqlen_q >= WS_NO_SPLIT_MIN_QUERIES and p.seqlen_k <= WS_NO_SPLIT_MAX_KEYS
-          and fwd_tile(bucket, even, dev.arch, p.kv, p.softcap or p.alibi)[4] == "wgmma"
-          and _fwd_ws_blocker(p, even, bucket, pack) == ""):
+          and _fwd_ws_blocker(p, even, bucket, pack) == ""):  # (fwd_ws's head dims all take wgmma tiles on sm_90)
         splits = 1
         why.append(f"sm_90, a prefill of at least {WS_NO_SPLIT_MIN_QUERIES} queries and at most "
                    f"{WS_NO_SPLIT_MAX_KEYS} keys: no split, the warp-specialised kernel in one launch (faster "
