@@ -35,7 +35,7 @@ def device_facts(device: int) -> DeviceFacts:
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None,
               num_splits=0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, startend_row_indices=None,
-              sinks=None, dropout_p=0.0, seed=None, offset=0):
+              sinks=None, dropout_p=0.0, seed=None, offset=0, q_descale=None, k_descale=None, v_descale=None):
     """Scaled dot-product attention with flash-attn's ``flash_attn_func`` semantics.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim), float16
@@ -66,7 +66,19 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     mask. A call uses the counters of offsets offset ... offset + batch * nheads - 1, so the next
     independent call should pass offset + reference.dropout_offset_increment(batch, nheads) (or a
     new seed). Not with a KV cache, num_splits > 1, sinks or startend_row_indices.
+
+    FP8 (FlashAttention-3's FP8 forward, sm_90 only): q, k, v float8_e4m3fn (PyTorch CUDA
+    tensors or CuPy arrays), head dim 128 or 256, full or causal, GQA, ``return_lse``; the scores
+    are (q . k) * q_descale * k_descale * softmax_scale and the output (P V) * v_descale, the
+    descales float32 (batch, nheads_k) arrays (a dim of 1 broadcasts; None: 1). The output is
+    bfloat16 (``out`` too); P is rounded to e4m3 for its product. Forward only; the other
+    options raise NotImplementedError. Each call also writes a transposed copy of V (one pass
+    over V, scratch of V's size).
     """
+    if q_descale is not None or k_descale is not None or v_descale is not None:
+        return _attention_fp8(q, k, v, causal, softmax_scale, return_lse, out, num_splits, window_size, softcap,
+                              alibi_slopes, startend_row_indices, sinks, dropout_p,
+                              (q_descale, k_descale, v_descale))
     sig = None if sinks is not None or not arrays.no_dropout(dropout_p, seed) else _signature(
         q, k, v, out, causal, softmax_scale, return_lse, num_splits, window_size, softcap, alibi_slopes,
         startend_row_indices, offset)
@@ -77,6 +89,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
             if res is not None:
                 return res
     qv, kv, vv = validate.view(q, "q"), validate.view(k, "k"), validate.view(v, "v")
+    if qv.dtype.startswith("float8"):
+        return _attention_fp8(q, k, v, causal, softmax_scale, return_lse, out, num_splits, window_size, softcap,
+                              alibi_slopes, startend_row_indices, sinks, dropout_p,
+                              (q_descale, k_descale, v_descale))
     validate.operands(qv, kv, vv)
     ov = None
     if out is not None:
@@ -105,6 +121,19 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
         return _host_result(res, qv, out, return_lse)
 
     return _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mods, sig, fm, sv, drop)
+
+
+def _attention_fp8(q, k, v, causal, softmax_scale, return_lse, out, num_splits, window_size, softcap, alibi_slopes,
+                   startend_row_indices, sinks, dropout_p, descales):
+    """attention's FP8 path (cuflash/fp8.py); descales with fp16/bf16 inputs are a TypeError."""
+    from .fp8 import attention_fp8
+    qv = validate.view(q, "q")
+    if not qv.dtype.startswith("float8"):
+        raise TypeError(f"q_descale, k_descale and v_descale apply to float8_e4m3fn q, k, v; q is {qv.dtype}")
+    return attention_fp8(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, out=out,
+                         num_splits=num_splits, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                         startend_row_indices=startend_row_indices, sinks=sinks, dropout_p=dropout_p,
+                         q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])
 
 
 def _host_result(res, qv, out, return_lse):

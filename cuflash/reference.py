@@ -30,7 +30,7 @@ from . import masks, validate
 
 __all__ = ["attention", "attention_varlen", "attention_backward", "attention_varlen_backward",
            "max_abs_err", "check_close", "philox4x32", "dropout_keep_mask", "dropout_threshold",
-           "dropout_offset_increment", "attention_probs"]
+           "dropout_offset_increment", "attention_probs", "attention_fp8"]
 
 _BUDGET = 1 << 22  # max float64 elements of one score block (32 MiB)
 _LOW_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16),
@@ -252,6 +252,49 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
     out = out.astype(a.out_dtype)
     lse_dtype = np.float64 if precision == "float64" else np.float32
     return (out, lse.astype(lse_dtype)) if return_lse else out
+
+
+def attention_fp8(q, k, v, *, causal=False, softmax_scale=None, q_descale=None, k_descale=None, v_descale=None,
+                  return_lse=False, precision="float64"):
+    """Reference of cuflash.attention's FP8 forward: q, k, v e4m3 arrays (ml_dtypes.float8_e4m3fn;
+    their values are used exactly), descales (batch, nheads_k) (a dim of 1 broadcasts; None: 1).
+    Scores (q . k) * q_descale * k_descale * softmax_scale, causal bottom-right, out = P V *
+    v_descale / l. ``precision="float64"``: all in float64, out float64; ``"same"`` mimics the
+    kernel: l from the unrounded p = exp(s - rowmax), p rounded to e4m3 for P V, out rounded to
+    bfloat16. Returns out, or (out, lse) (float64, natural log, +inf for rows that see no key)."""
+    if precision not in ("float64", "same"):
+        raise ValueError(f"precision must be 'float64' or 'same', got {precision!r}")
+    q64, k64, v64 = (np.asarray(x).astype(np.float64) for x in (q, k, v))
+    b, sq, h, d = q64.shape
+    sk, hk = k64.shape[1], k64.shape[2]
+    if k64.shape != (b, sk, hk, d) or v64.shape != k64.shape or h % hk:
+        raise ValueError(f"shapes q {q64.shape}, k {k64.shape}, v {v64.shape}: k and v alike, nheads a multiple of "
+                         "nheads_k")
+    scale = validate.scale(softmax_scale, d)
+    ones = np.ones((b, hk))
+    qd, kd, vd = (ones if x is None else np.broadcast_to(np.asarray(x, dtype=np.float64), (b, hk))
+                  for x in (q_descale, k_descale, v_descale))
+    out = np.zeros((b, sq, h, d))
+    lse = np.full((b, h, sq), np.inf)
+    visible = np.ones((sq, sk), dtype=bool)
+    if causal:
+        visible = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+    for bi in range(b):
+        for hi in range(h):
+            g = hi // (h // hk)
+            s = np.where(visible, (q64[bi, :, hi] @ k64[bi, :, g].T) * (scale * qd[bi, g] * kd[bi, g]), -np.inf)
+            m = s.max(axis=1, initial=-np.inf, keepdims=True)
+            m = np.where(np.isfinite(m), m, 0.0)
+            p = np.exp(s - m)
+            l = p.sum(axis=1, keepdims=True)
+            if precision == "same":
+                p = p.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                out[bi, :, hi] = np.where(l > 0, (p @ v64[bi, :, g]) * vd[bi, g] / l, 0.0)
+                lse[bi, hi] = np.where(l[:, 0] > 0, m[:, 0] + np.log(l[:, 0]), np.inf)
+    if precision == "same":
+        out = out.astype(ml_dtypes.bfloat16)
+    return (out, lse) if return_lse else out
 
 
 def apply_rotary(x, cos, sin, positions, interleaved=True):

@@ -8,6 +8,7 @@
 | ``bwd.py`` | ``bwd/`` | backward: prep (D, LSE), dK/dV(+dQ), deterministic dQ, dQ convert |
 | ``flashmask.py`` | ``flashmask/`` | FlashMask prep: per-key-block min and max of ``startend_row_indices`` |
 | ``fwd_ws.py`` | ``fwd_ws/`` | warp-specialised Hopper forward (TMA + mbarriers + wgmma, sm_90a); compiled and warmed up, not yet selected by the planner |
+| ``fwd_fp8.py`` | ``fwd_fp8/`` | FP8 (e4m3) Hopper forward (fwd_ws's design with k32 e4m3 products) and its V^T copy |
 
 A family module owns its keyword-only variant classes (the compile-time choices and the variant's
 name, template, threads and shared memory), its tile tables, and its kernels' parameter tables
@@ -25,7 +26,7 @@ HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
 DTYPES = ("fp16", "bf16")
 MIN_ARCH = 80  # cp.async and mma.sync with bf16
 MMAS = ("sync", "wgmma")  # warp-level mma.sync, or Hopper's warpgroup wgmma (sm_90a)
-FAMILIES = ("fwd", "combine", "append", "bwd", "fwd_ws", "bwd_ws", "flashmask")  # all_variants' default: every family
+FAMILIES = ("fwd", "combine", "append", "bwd", "fwd_ws", "bwd_ws", "flashmask", "fwd_fp8")  # all_variants' default: every family
 
 
 def head_dim_bucket(d: int) -> int:

@@ -441,7 +441,8 @@ def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
 # Tensor maps (host, CUDA driver)
 
 # cuda.h enum values (CUDA 12/13 driver API, unchanged since 12.0).
-CU_TENSOR_MAP_DATA_TYPE = {"fp16": 6, "bf16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
+CU_TENSOR_MAP_DATA_TYPE = {"fp16": 6, "bf16": 9, "e4m3": 0}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16 / _UINT8
+ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "e4m3": 1}
 CU_TENSOR_MAP_INTERLEAVE_NONE = 0
 CU_TENSOR_MAP_SWIZZLE_128B = 3
 CU_TENSOR_MAP_L2_PROMOTION = {0: 0, 64: 1, 128: 2, 256: 3}  # NONE, L2_64B, L2_128B, L2_256B
@@ -471,9 +472,10 @@ def _driver_encode():
 
 def encode_tensor_map(ptr: int, shape: tuple, strides: tuple, dtype: str, box_rows: int, *,
                       l2_promotion: int = 256, encode=None) -> bytes:
-    """The 128-byte CUtensorMap of a (batch, seqlen, heads, d) tensor of 2-byte elements at
-    device address ``ptr`` with element strides ``strides`` (the last one 1): a 4-D map with
-    dims (d, seqlen, heads, batch), byte strides (seqlen, heads, batch), boxes of 64 columns x
+    """The 128-byte CUtensorMap of a (batch, seqlen, heads, d) tensor of 2-byte elements (1-byte
+    for "e4m3") at device address ``ptr`` with element strides ``strides`` (the last one 1): a
+    4-D map with dims (d, seqlen, heads, batch), byte strides (seqlen, heads, batch), boxes of 128
+    bytes of columns (64 elements, or 128 e4m3) x
     ``box_rows`` rows x 1 head x 1 batch, the 128-byte swizzle, no interleave, L2 promotion
     ``l2_promotion`` bytes and zero fill out of bounds (so a tile past the sequence's end reads
     zeros). ``encode`` replaces the driver's cuTensorMapEncodeTiled (tests)."""
@@ -490,7 +492,7 @@ def encode_tensor_map(ptr: int, shape: tuple, strides: tuple, dtype: str, box_ro
             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, l2, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if rc:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {rc} (shape {shape}, strides {strides}, "
-                           f"{dtype}, box 64 x {box_rows})")
+                           f"{dtype}, box {BOX_COLS * 2 // ELEMENT_BYTES[dtype]} x {box_rows})")
     return ctypes.string_at(addr, TENSOR_MAP_BYTES)
 
 
@@ -508,9 +510,11 @@ def _encode_args(shape: tuple, strides: tuple, dtype: str, box_rows: int, l2_pro
         raise ValueError(f"the head dim must be contiguous (stride 1), got stride {sd}")
     if min(b, s, h, d) < 1 or max(b, s, h, d) > 1 << 31:
         raise ValueError(f"every dim must be in 1 .. 2^31, got {shape}")
-    if d % BOX_COLS:
-        raise ValueError(f"the head dim must be a multiple of {BOX_COLS}, got {d}")
-    byte_strides = (ss * 2, sh * 2, sb * 2)  # dims 1, 2, 3 (dim 0's stride is the element size)
+    elem = ELEMENT_BYTES[dtype]
+    box_cols = BOX_COLS * 2 // elem  # 128 bytes
+    if d % box_cols:
+        raise ValueError(f"the head dim must be a multiple of {box_cols}, got {d}")
+    byte_strides = (ss * elem, sh * elem, sb * elem)  # dims 1, 2, 3 (dim 0's stride is the element size)
     for st in byte_strides:
         if st <= 0 or st % 16 or st >= 1 << 40:
             raise ValueError(f"byte strides must be positive multiples of 16 below 2^40, got {byte_strides}")
@@ -519,7 +523,7 @@ def _encode_args(shape: tuple, strides: tuple, dtype: str, box_rows: int, l2_pro
     if l2_promotion not in CU_TENSOR_MAP_L2_PROMOTION:
         raise ValueError(f"l2_promotion must be one of {tuple(CU_TENSOR_MAP_L2_PROMOTION)}, got {l2_promotion}")
     return (CU_TENSOR_MAP_DATA_TYPE[dtype], (ctypes.c_uint64 * RANK)(d, s, h, b),
-            (ctypes.c_uint64 * (RANK - 1))(*byte_strides), (ctypes.c_uint32 * RANK)(BOX_COLS, box_rows, 1, 1),
+            (ctypes.c_uint64 * (RANK - 1))(*byte_strides), (ctypes.c_uint32 * RANK)(box_cols, box_rows, 1, 1),
             (ctypes.c_uint32 * RANK)(1, 1, 1, 1), CU_TENSOR_MAP_L2_PROMOTION[l2_promotion])
 
 

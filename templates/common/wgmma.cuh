@@ -74,3 +74,29 @@ __device__ __forceinline__ void {{ fn }}(float (&d)[{{ n // 8 }}][4], const u32 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 {% endmacro %}
+{#- FP8 (e4m3) products: m64 x n x k32, fp32 accumulators. Both operands must be K-major (8-bit
+    types have no transpose), so P V reads V^T (kernels/fwd_fp8.py). -#}
+{% macro wgmma_ss_e4m3_fn(fn, n) %}
+__device__ __forceinline__ void {{ fn }}(float (&d)[{{ n // 8 }}][4], u64 desc_a, u64 desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %{{ n // 2 + 2 }}, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n{{ n }}k32.f32.e4m3.e4m3 "
+      "{ {% for i in range(n // 2) %}%{{ i }}{{ ", " if not loop.last }}{% endfor %} }, "
+      "%{{ n // 2 }}, %{{ n // 2 + 1 }}, p, 1, 1;\n}\n"
+      : {% for i in range(n // 2) %}"+f"(d[{{ i // 4 }}][{{ i % 4 }}]){{ ", " if not loop.last }}{% endfor %}
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+{% endmacro %}
+{#- A (four registers of four e4m3 values: the m16n8k32 A fragment per warp) from registers. -#}
+{% macro wgmma_rs_e4m3_fn(fn, n) %}
+__device__ __forceinline__ void {{ fn }}(float (&d)[{{ n // 8 }}][4], const u32 (&a)[4], u64 desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %{{ n // 2 + 5 }}, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n{{ n }}k32.f32.e4m3.e4m3 "
+      "{ {% for i in range(n // 2) %}%{{ i }}{{ ", " if not loop.last }}{% endfor %} }, "
+      "{ %{{ n // 2 }}, %{{ n // 2 + 1 }}, %{{ n // 2 + 2 }}, %{{ n // 2 + 3 }} }, "
+      "%{{ n // 2 + 4 }}, p, 1, 1;\n}\n"
+      : {% for i in range(n // 2) %}"+f"(d[{{ i // 4 }}][{{ i % 4 }}]){{ ", " if not loop.last }}{% endfor %}
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+{% endmacro %}

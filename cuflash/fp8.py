@@ -1,0 +1,119 @@
+"""FP8 (e4m3) attention forward: cuflash.attention with float8_e4m3fn q, k, v (FlashAttention-3's
+FP8 forward, its descale arguments and its bf16 output).
+
+Checks every argument before any launch, then runs kernels/fwd_fp8.py (V^T copy, forward) on q's
+device and stream. Forward only: there is no FP8 backward (as in FlashAttention-3).
+"""
+from __future__ import annotations
+
+from . import arrays, validate
+
+FP8_DTYPES = ("float8_e4m3fn",)
+OUT_DTYPE = "bfloat16"
+
+
+def is_fp8(view) -> bool:
+    return view.dtype.startswith("float8")
+
+
+def _descale(x, name, b, hk, qv):
+    """A (batch, nheads_k) float32 descale on q's device (dims of 1 broadcast), or None."""
+    if x is None:
+        return None
+    dv = validate.view(x, name)
+    if dv.dtype != "float32":
+        raise TypeError(f"{name} must be float32, got {dv.dtype}")
+    if len(dv.shape) != 2 or dv.shape[0] not in (1, b) or dv.shape[1] not in (1, hk):
+        raise ValueError(f"{name} must have shape (batch, nheads_k) = ({b}, {hk}) (a dim of 1 broadcasts), "
+                         f"got {validate.shape_str(dv)}")
+    validate.same_place(("q", qv), (name, dv))
+    return dv
+
+
+def _unsupported(**given):
+    for name, (value, default) in given.items():
+        if value is not None and not (value is default or value == default):
+            raise NotImplementedError(f"{name} is not supported with float8_e4m3fn inputs (cuflash's FP8 forward "
+                                      f"has a causal mask, GQA and the descales; got {name}={validate.show(value)})")
+
+
+def attention_fp8(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None, num_splits=0,
+                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, startend_row_indices=None, sinks=None,
+                  dropout_p=0.0, q_descale=None, k_descale=None, v_descale=None):
+    """cuflash.attention's FP8 path (its docstring says what is supported)."""
+    qv, kv, vv = validate.view(q, "q"), validate.view(k, "k"), validate.view(v, "v")
+    for name, x in (("q", qv), ("k", kv), ("v", vv)):
+        if len(x.shape) != 4:
+            raise ValueError(f"{name} must have 4 dims (batch, seqlen, nheads, headdim); got shape {validate.shape_str(x)}")
+        if x.dtype not in FP8_DTYPES:
+            raise TypeError(f"{name} must be float8_e4m3fn like q (FP8 attention takes q, k and v in e4m3), "
+                            f"got {x.dtype}")
+    b, sq, h, d = qv.shape
+    sk, hk = kv.shape[1], kv.shape[2]
+    if kv.shape[0] != b:
+        raise ValueError(f"k must have q's batch size {b}, got shape {validate.shape_str(kv)}")
+    if tuple(vv.shape) != tuple(kv.shape):
+        raise ValueError(f"v must have k's shape {validate.shape_str(kv)}, got {validate.shape_str(vv)}")
+    if kv.shape[3] != d:
+        raise ValueError(f"k must have q's head dim {d}, got {kv.shape[3]}")
+    from .kernels.fwd_fp8 import HEAD_DIMS
+    if d not in HEAD_DIMS:
+        raise ValueError(f"FP8 attention takes head dims {' and '.join(map(str, HEAD_DIMS))}, got {d}")
+    if hk == 0 or h % hk:
+        raise ValueError(f"nheads ({h}) must be divisible by nheads_k ({hk})")
+    validate.sizes(*((f"q.shape[{i}]", n) for i, n in enumerate(qv.shape)),
+                   *((f"k.shape[{i}]", n) for i, n in enumerate(kv.shape)), ("batch * nheads * seqlen_q", b * h * sq))
+    for name, x in (("q", qv), ("k", kv), ("v", vv)):
+        if x.shape[3] > 1 and x.strides[3] != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim (stride 1), got strides {tuple(x.strides)}")
+    validate.same_place(("q", qv), ("k", kv), ("v", vv))
+    for name, x in (("q", qv), ("k", kv)):  # read by the TMA: 16-byte aligned rows
+        if x.ptr % 16 or any(s % 16 and n > 1 for s, n in zip(x.strides[:3], x.shape[:3])):
+            raise ValueError(f"{name} must start 16-byte aligned with batch, seqlen and head strides in multiples of "
+                             f"16 elements (FP8 operands are read by the TMA), got strides {tuple(x.strides)}")
+    scale = validate.scale(softmax_scale, d)
+    causal = validate.boolean(causal, "causal")
+    return_lse = validate.boolean(return_lse, "return_lse")
+    _unsupported(window_size=(tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size, (-1, -1)),
+                 softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None),
+                 startend_row_indices=(startend_row_indices, None), sinks=(sinks, None), dropout_p=(dropout_p, 0.0))
+    if validate.num_splits(num_splits) > 1:
+        raise NotImplementedError(f"num_splits > 1 is not supported with float8_e4m3fn inputs, got {num_splits}")
+    descales = tuple(_descale(x, n, b, hk, qv) for x, n in
+                     ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale")))
+    if qv.device < 0:
+        raise TypeError("FP8 attention takes device arrays (PyTorch CUDA tensors or CuPy arrays), got host arrays")
+    ov = None
+    if out is not None:
+        ov = validate.view(out, "out")
+        if ov.framework != qv.framework:
+            raise TypeError(f"out must be a {qv.framework} array like q, got a {ov.framework} array")
+        if tuple(ov.shape) != tuple(qv.shape):
+            raise ValueError(f"out must have q's shape {validate.shape_str(qv)}, got {validate.shape_str(ov)}")
+        if ov.dtype != OUT_DTYPE:
+            raise TypeError(f"out must be bfloat16 (FP8 attention's output), got {ov.dtype}")
+        validate.same_place(("q", qv), ("out", ov))
+        if ov.ptr % 16 or ov.strides[3] != 1 or any(s % 8 and n > 1 for s, n in zip(ov.strides[:3], ov.shape[:3])):
+            raise ValueError(f"out must start 16-byte aligned, contiguous in its last dim, with strides in multiples "
+                             f"of 8 elements, got strides {tuple(ov.strides)}")
+    from .api import device_facts
+    if device_facts(qv.device).arch != 90:
+        raise NotImplementedError(f"FP8 attention runs on sm_90 (Hopper) GPUs; GPU {qv.device} is "
+                                  f"sm_{device_facts(qv.device).arch}")
+
+    o = ov.array if ov is not None else arrays.empty_like_framework(qv, qv.shape, OUT_DTYPE)
+    ov = arrays.view(o, "out")
+    lse = arrays.empty_like_framework(qv, (b, h, sq), "float32") if return_lse else None
+    if b and sq and h:
+        from .kernels import fwd_fp8
+        if sk == 0:  # no key: O = 0, LSE = +inf (as the bf16 kernels give)
+            o[...] = 0
+            if lse is not None:
+                lse[...] = float("inf")
+        else:
+            with arrays.on_device(qv.device):
+                vt = arrays.empty_like_framework(qv, (b * hk * d * fwd_fp8.keys_pad(sk),), "uint8")
+                fwd_fp8.launch(qv, kv, vv, ov, arrays.device_ptr(lse) if lse is not None else 0, (h * sq, sq, 1),
+                               scale, causal, descales, arrays.device_ptr(vt), qv.device, arrays.stream_for(qv))
+    res = o if out is not None else arrays.hand_back(o, qv)
+    return (res, arrays.hand_back(lse, qv)) if return_lse else res

@@ -1,0 +1,207 @@
+"""FP8 (e4m3) forward for Hopper (templates/fwd_fp8/, sm_90a): fwd_ws's warp-specialised kernel
+with e4m3 wgmma products (k32) and FlashAttention-3's per-(batch, KV head) descales, out bf16.
+
+8-bit wgmma operands must both be K-major, so the product O += P V reads V^T: ``VtVariant``
+writes V transposed to (batch, heads_k, d, keys_pad) (keys_pad = seqlen_k rounded up to 128),
+its keys permuted within groups of 32 into the order in which P's accumulator fragment holds
+them (the templates say how), so P goes from the softmax to the product without shuffles. That
+copy is one pass over V (a few microseconds against a prefill's milliseconds), made per call.
+
+``run`` launches both on (batch, seqlen, heads, d) PyTorch float8_e4m3fn tensors; cuflash.attention
+calls it for e4m3 inputs.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from . import KernelVariant
+from .fwd_ws import MAX_CONSUMER_REGS, MAX_SMEM, PRODUCER_REGS, encode_tensor_map
+from .params import TENSOR_MAP_BYTES, ParamTable, strides  # noqa: F401  (TENSOR_MAP_BYTES: the maps' size)
+
+HEAD_DIMS = (128, 256)  # whole 128-byte rows of e4m3 (the 128-byte swizzle of Q and K tiles)
+BLOCK_M, STAGES = 128, 2
+KEY_PAD = 128  # V^T's key dim is padded to this (its TMA boxes are 128 keys wide)
+BARRIER_BYTES = 64
+
+PARAMS = ParamTable("FwdFp8Params", (
+    ("tma_q", "CUtensorMap"), ("tma_k", "CUtensorMap"), ("tma_vt", "CUtensorMap"),
+    ("o", "void*"), ("lse", "float*"),
+    *strides("o", "sb", "ss", "sh"), *strides("lse", "sb", "sh", "sr"),
+    ("q_descale", "const float*"), *strides("q_descale", "sb", "sh"),
+    ("k_descale", "const float*"), *strides("k_descale", "sb", "sh"),
+    ("v_descale", "const float*"), *strides("v_descale", "sb", "sh"),
+    ("seqlen_q", "int"), ("seqlen_k", "int"), ("ngroups", "int"),
+    ("scale_log2", "float"),
+))
+
+VT_PARAMS = ParamTable("VtParams", (
+    ("v", "const void*"), *strides("v", "sb", "ss", "sh"), ("vt", "void*"),
+    ("seqlen_k", "int"), ("heads_k", "int"), ("keys_pad", "int"),
+))
+
+
+@dataclass(frozen=True, kw_only=True)
+class FwdFp8Variant(KernelVariant):
+    """One FP8 forward kernel (``kind="fwd_fp8"``)."""
+
+    family = "fwd_fp8"
+    kind: ClassVar[str] = "fwd_fp8"
+    params: ClassVar[ParamTable] = PARAMS
+
+    head_dim: int
+    causal: bool = False
+    block_n: int = 128
+    stages: int = STAGES
+    overlap: bool = True
+    pingpong: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.arch != 90:
+            raise ValueError(f"fwd_fp8 is a Hopper kernel (sm_90a): arch must be 90, got {self.arch!r}")
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim!r}")
+        for f in ("causal", "overlap", "pingpong"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"{f} must be a bool, got {getattr(self, f)!r}")
+        if self.block_n not in (128, 256):
+            raise ValueError(f"block_n must be 128 or 256 (V^T tiles of 128-byte rows), got {self.block_n!r}")
+        if not isinstance(self.stages, int) or self.stages < 2:
+            raise ValueError(f"stages must be an int >= 2, got {self.stages!r}")
+        if self.smem_bytes > MAX_SMEM:
+            raise ValueError(f"{self.name} needs {self.smem_bytes} B of shared memory, more than {MAX_SMEM}")
+
+    @functools.cached_property
+    def name(self) -> str:
+        sched = ("_overlap" if self.overlap else "") + ("_pingpong" if self.pingpong else "")
+        return (f"fwd_fp8_d{self.head_dim}_e4m3_{'causal' if self.causal else 'full'}"
+                f"_m{BLOCK_M}n{self.block_n}s{self.stages}{sched}_sm{self.arch}")
+
+    @property
+    def template(self) -> str:
+        return "fwd_fp8/fwd_fp8.cu.j2"
+
+    @property
+    def target(self) -> str:
+        return "90a"
+
+    @property
+    def threads(self) -> int:
+        return 128 * 3  # the producer warpgroup, two consumer warpgroups
+
+    @property
+    def consumer_regs(self) -> int:
+        pool = 65536 // self.threads // 8 * 8 * self.threads
+        return min(MAX_CONSUMER_REGS, (pool - 128 * PRODUCER_REGS) // 256 // 8 * 8)
+
+    @property
+    def smem_bytes(self) -> int:
+        """Q, kStages K and V^T tiles (1-byte elements), the mbarriers."""
+        return (BLOCK_M + 2 * self.stages * self.block_n) * self.head_dim + BARRIER_BYTES
+
+    def grid(self, batch: int, seqlen_q: int, nheads: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_q / BLOCK_M), nheads, batch)
+
+    def constants(self) -> dict:
+        return dict(head_dim=self.head_dim, block_m=BLOCK_M, block_n=self.block_n, stages=self.stages,
+                    causal=self.causal, overlap=self.overlap, pingpong=self.pingpong,
+                    producer_regs=PRODUCER_REGS, consumer_regs=self.consumer_regs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class VtVariant(KernelVariant):
+    """V^T for the FP8 forward (``kind="fp8_vt"``): one block per (32 keys, KV head, batch)."""
+
+    family = "fwd_fp8"
+    kind: ClassVar[str] = "fp8_vt"
+    params: ClassVar[ParamTable] = VT_PARAMS
+
+    head_dim: int
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim!r}")
+
+    @functools.cached_property
+    def name(self) -> str:
+        return f"fp8_vt_d{self.head_dim}_sm{self.arch}"
+
+    @property
+    def template(self) -> str:
+        return "fwd_fp8/vt.cu.j2"
+
+    @property
+    def threads(self) -> int:
+        return self.head_dim
+
+    def grid(self, batch: int, seqlen_k: int, heads_k: int) -> tuple[int, int, int]:
+        return (keys_pad(seqlen_k) // 32, heads_k, batch)
+
+    def constants(self) -> dict:
+        return dict(head_dim=self.head_dim)
+
+
+def keys_pad(seqlen_k: int) -> int:
+    """V^T's key dim: seqlen_k rounded up to KEY_PAD."""
+    return max(1, math.ceil(seqlen_k / KEY_PAD)) * KEY_PAD
+
+
+def planned(head_dim: int, causal: bool, arch: int = 90) -> FwdFp8Variant:
+    """The variant the planner runs for e4m3 inputs of this head dim and mask."""
+    return FwdFp8Variant(head_dim=head_dim, causal=causal, arch=arch)
+
+
+def variants(arch: int, mods: bool = True) -> list[KernelVariant]:
+    """The FP8 kernels cuflash.attention can launch on ``arch`` (sm_90 only; ``mods`` has no effect: they
+    have no score modifiers)."""
+    if arch != 90:
+        return []
+    return ([planned(d, c, arch) for d in HEAD_DIMS for c in (False, True)]
+            + [VtVariant(head_dim=d, arch=arch) for d in HEAD_DIMS])
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch (GPU)
+
+_LOG2E = 1.4426950408889634
+
+
+def _descale_fields(name: str, x, b: int, hk: int) -> dict:
+    """A (batch, heads_k) float32 descale's pointer and strides (broadcast dims stride 0), or null."""
+    if x is None:
+        return {name: 0, f"{name}_sb": 0, f"{name}_sh": 0}
+    sb, sh = x.strides
+    return {name: x.ptr, f"{name}_sb": sb if x.shape[0] > 1 else 0, f"{name}_sh": sh if x.shape[1] > 1 else 0}
+
+
+def launch(qv, kv, vv, ov, lse_ptr: int, lse_strides: tuple, scale: float, causal: bool, descales: tuple,
+           vt_ptr: int, device: int, stream: int, variant: FwdFp8Variant | None = None):
+    """Both kernels on views (cuflash.arrays.View) already checked: q (b, sq, h, d), k, v (b, sk,
+    hk, d) e4m3 with contiguous last dims and 16-byte-aligned rows, o bf16 like q, ``vt_ptr`` a
+    scratch buffer of b * hk * d * keys_pad(sk) bytes, ``descales`` three (batch or 1, heads_k or
+    1) float32 views or None."""
+    from .. import compiler
+    b, sq, h, d = qv.shape
+    sk, hk = kv.shape[1], kv.shape[2]
+    kp = keys_pad(sk)
+    variant = variant or planned(d, causal)
+    vt_variant = VtVariant(head_dim=d, arch=90)
+    vt_kernel = compiler.get_kernel(vt_variant, device)
+    vt_kernel(vt_variant.grid(b, sk, hk), (vt_variant.threads,), stream, shared_mem=0,
+              v=vv.ptr, v_sb=vv.strides[0], v_ss=vv.strides[1], v_sh=vv.strides[2], vt=vt_ptr,
+              seqlen_k=sk, heads_k=hk, keys_pad=kp)
+    kernel = compiler.get_kernel(variant, device)
+    qd, kd, vd = descales
+    kernel(variant.grid(b, sq, h), (variant.threads,), stream, shared_mem=variant.smem_bytes,
+           tma_q=encode_tensor_map(qv.ptr, qv.shape, qv.strides, "e4m3", BLOCK_M),
+           tma_k=encode_tensor_map(kv.ptr, kv.shape, kv.strides, "e4m3", variant.block_n),
+           tma_vt=encode_tensor_map(vt_ptr, (b, d, hk, kp), (hk * d * kp, kp, d * kp, 1), "e4m3", d),
+           o=ov.ptr, lse=lse_ptr, o_sb=ov.strides[0], o_ss=ov.strides[1], o_sh=ov.strides[2],
+           lse_sb=lse_strides[0], lse_sh=lse_strides[1], lse_sr=lse_strides[2],
+           **_descale_fields("q_descale", qd, b, hk), **_descale_fields("k_descale", kd, b, hk),
+           **_descale_fields("v_descale", vd, b, hk),
+           seqlen_q=sq, seqlen_k=sk, ngroups=h // hk, scale_log2=scale * _LOG2E)
