@@ -106,7 +106,7 @@ def _selected(a, arch: int) -> list:
     if dims:
         variants = [v for v in variants if getattr(v, "head_dim", None) in dims or v.family == "append"]
     if a.dtype:
-        want = {"bfloat16": "bf16", "float16": "fp16"}[a.dtype]
+        want = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "e4m3"}[a.dtype]
         variants = [v for v in variants if getattr(v, "dtype", None) in (want, None, "")]
     return variants
 
@@ -352,7 +352,7 @@ def main(argv=None):
     e.add_argument("--nheads", type=SIZE, default=32)
     e.add_argument("--nheads-k", type=SIZE)
     e.add_argument("--head-dim", type=HEAD_DIM, default=128)
-    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float8_e4m3fn"])
     e.add_argument("--no-causal", action="store_true")
     e.add_argument("--num-splits", type=_int_in(0, 128), default=0)
     e.add_argument("--heuristic", default="cuflash", choices=["cuflash", "fa2"],
@@ -377,7 +377,7 @@ def main(argv=None):
                    help="compile afresh (no disk cache) and fail on register spills, stack or > 255 registers")
     w.add_argument("--preset", choices=sorted(PRESETS))
     w.add_argument("--head-dim", type=HEAD_DIM, nargs="+")
-    w.add_argument("--dtype", choices=["bfloat16", "float16"])
+    w.add_argument("--dtype", choices=["bfloat16", "float16", "float8_e4m3fn"])
     w.add_argument("--family", action="append", choices=list(FAMILIES),
                    help="only these kernel families (repeatable; default: all)")
 
@@ -409,7 +409,7 @@ def main(argv=None):
                "cache": cmd_cache, "bench": cmd_bench}[a.cmd]
     try:
         command(a)
-    except (ValueError, TypeError) as e:  # the library's argument checks: one line, no traceback
+    except (ValueError, TypeError, NotImplementedError) as e:  # the library's argument checks: one line, no traceback
         _fail(f"cuflash: error: {' '.join(str(e).split())}")
     except KeyboardInterrupt:
         _fail("cuflash: interrupted", 130)

@@ -67,8 +67,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     independent call should pass offset + reference.dropout_offset_increment(batch, nheads) (or a
     new seed). Not with a KV cache, num_splits > 1, sinks or startend_row_indices.
 
-    FP8 (FlashAttention-3's FP8 forward, sm_90 only): q, k, v float8_e4m3fn (PyTorch CUDA
-    tensors or CuPy arrays), head dim 128 or 256, full or causal, GQA, ``return_lse``; the scores
+    FP8 (FlashAttention-3's FP8 forward, sm_90 only): q, k, v float8_e4m3fn PyTorch CUDA tensors
+    (CuPy has no 8-bit float dtype), head dim 128 or 256, full or causal, GQA, ``return_lse``; the scores
     are (q . k) * q_descale * k_descale * softmax_scale and the output (P V) * v_descale, the
     descales float32 (batch, nheads_k) arrays (a dim of 1 broadcasts; None: 1). The output is
     bfloat16 (``out`` too); P is rounded to e4m3 for its product. Forward only; the other
@@ -92,7 +92,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     if qv.dtype.startswith("float8"):
         return _attention_fp8(q, k, v, causal, softmax_scale, return_lse, out, num_splits, window_size, softcap,
                               alibi_slopes, startend_row_indices, sinks, dropout_p,
-                              (q_descale, k_descale, v_descale))
+                              (q_descale, k_descale, v_descale), (qv, kv, vv))
     validate.operands(qv, kv, vv)
     ov = None
     if out is not None:
@@ -124,16 +124,16 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
 
 
 def _attention_fp8(q, k, v, causal, softmax_scale, return_lse, out, num_splits, window_size, softcap, alibi_slopes,
-                   startend_row_indices, sinks, dropout_p, descales):
+                   startend_row_indices, sinks, dropout_p, descales, views=None):
     """attention's FP8 path (cuflash/fp8.py); descales with fp16/bf16 inputs are a TypeError."""
     from .fp8 import attention_fp8
-    qv = validate.view(q, "q")
+    qv = views[0] if views else validate.view(q, "q")
     if not qv.dtype.startswith("float8"):
         raise TypeError(f"q_descale, k_descale and v_descale apply to float8_e4m3fn q, k, v; q is {qv.dtype}")
     return attention_fp8(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, out=out,
                          num_splits=num_splits, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                          startend_row_indices=startend_row_indices, sinks=sinks, dropout_p=dropout_p,
-                         q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])
+                         q_descale=descales[0], k_descale=descales[1], v_descale=descales[2], views=views)
 
 
 def _host_result(res, qv, out, return_lse):
@@ -653,6 +653,40 @@ def _plan_operands(q, k, v, dtype):
     return (validate.view(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
 
 
+FP8_NAMES = ("float8_e4m3fn",)
+
+
+def _plan_fp8(q, k, v, causal, softmax_scale, return_lse, num_splits, num_sms, arch, window_size, softcap,
+              alibi_slopes, backward, startend_row_indices, sinks, dropout_p, varlen, kv_cache):
+    """plan's answer for float8_e4m3fn operands (arrays, or shapes with dtype="float8_e4m3fn")."""
+    from . import fp8
+    shapes = []
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        shape = tuple(x) if isinstance(x, (tuple, list)) else tuple(validate.view(x, name).shape)
+        if len(shape) != 4 or not all(validate._is_int(n) and n >= 0 for n in shape):
+            raise ValueError(f"{name} must be a 4-dim (batch, seqlen, nheads, headdim) shape, got {shape}")
+        shapes.append(shape)
+    (b, sq, h, d), (_, sk, hk, _) = shapes[0], shapes[1]
+    if shapes[2] != shapes[1] or shapes[1][0] != b or shapes[1][3] != d or hk == 0 or h % hk:
+        raise ValueError(f"q {shapes[0]}, k {shapes[1]}, v {shapes[2]}: k and v alike, q's batch and head dim, "
+                         "nheads a multiple of nheads_k")
+    validate.scale(softmax_scale, d)
+    fp8._unsupported(window_size=(tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size,
+                                  (-1, -1)), softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None),
+                     startend_row_indices=(startend_row_indices, None), sinks=(sinks, None), dropout_p=(dropout_p, 0.0),
+                     backward=(backward, False), varlen=(varlen, False), kv_cache=(kv_cache, None))
+    if validate.num_splits(num_splits) > 1:
+        raise NotImplementedError(f"num_splits > 1 is not supported with float8_e4m3fn inputs, got {num_splits}")
+    arch = None if arch is None else validate.arch(arch)
+    if num_sms is None:
+        dev = device_facts(arrays.current_device())
+        facts = DeviceFacts(dev.num_sms, arch or dev.arch)
+    else:
+        facts = DeviceFacts(validate.num_sms(num_sms), arch or 90)
+    return fp8.make_plan(b, sq, sk, h, hk, d, validate.boolean(causal, "causal"),
+                         validate.boolean(return_lse, "return_lse"), facts)
+
+
 def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_splits=0,
          heuristic="cuflash", num_sms=None, arch=None, dtype="bfloat16", window_size=(-1, -1),
          softcap=0.0, alibi_slopes=None, backward=False, deterministic=False, startend_row_indices=None,
@@ -686,7 +720,13 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     q's: cache_batch_idx), with ``cache_leftpad=True`` when it has one; ``kv_cache="paged"`` with a
     block table of ``page_size``-row pages, k's seqlen then being the keys a sequence can hold
     (pages_per_seq * page_size; with ``varlen=True``, max_seqlen_k).
+
+    float8_e4m3fn operands (arrays, or shapes with ``dtype="float8_e4m3fn"``) give the plan of
+    attention's FP8 forward (sm_90 only; its other options raise NotImplementedError, as there).
     """
+    if dtype in FP8_NAMES or not isinstance(q, (tuple, list)) and str(getattr(q, "dtype", "")).endswith(FP8_NAMES):
+        return _plan_fp8(q, k, v, causal, softmax_scale, return_lse, num_splits, num_sms, arch, window_size, softcap,
+                         alibi_slopes, backward, startend_row_indices, sinks, dropout_p, varlen, kv_cache)
     dtype = validate.dtype_name(dtype)
     varlen, kv_source, page_size, leftpad = validate.plan_source(varlen, kv_cache, page_size, cache_leftpad,
                                                                  validate.boolean(backward, "backward"))

@@ -39,9 +39,10 @@ def _unsupported(**given):
 
 def attention_fp8(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None, num_splits=0,
                   window_size=(-1, -1), softcap=0.0, alibi_slopes=None, startend_row_indices=None, sinks=None,
-                  dropout_p=0.0, q_descale=None, k_descale=None, v_descale=None):
-    """cuflash.attention's FP8 path (its docstring says what is supported)."""
-    qv, kv, vv = validate.view(q, "q"), validate.view(k, "k"), validate.view(v, "v")
+                  dropout_p=0.0, q_descale=None, k_descale=None, v_descale=None, views=None):
+    """cuflash.attention's FP8 path (its docstring says what is supported); ``views``: q, k and v's
+    views when the caller has made them."""
+    qv, kv, vv = views or (validate.view(q, "q"), validate.view(k, "k"), validate.view(v, "v"))
     for name, x in (("q", qv), ("k", kv), ("v", vv)):
         if len(x.shape) != 4:
             raise ValueError(f"{name} must have 4 dims (batch, seqlen, nheads, headdim); got shape {validate.shape_str(x)}")
@@ -61,8 +62,9 @@ def attention_fp8(q, k, v, *, causal=False, softmax_scale=None, return_lse=False
         raise ValueError(f"FP8 attention takes head dims {' and '.join(map(str, HEAD_DIMS))}, got {d}")
     if hk == 0 or h % hk:
         raise ValueError(f"nheads ({h}) must be divisible by nheads_k ({hk})")
-    validate.sizes(*((f"q.shape[{i}]", n) for i, n in enumerate(qv.shape)),
-                   *((f"k.shape[{i}]", n) for i, n in enumerate(kv.shape)), ("batch * nheads * seqlen_q", b * h * sq))
+    if max(*qv.shape, *kv.shape, b * h * sq) > validate.MAX_SIZE:  # (the names are built only then)
+        validate.sizes(*((f"q.shape[{i}]", n) for i, n in enumerate(qv.shape)),
+                       *((f"k.shape[{i}]", n) for i, n in enumerate(kv.shape)), ("batch * nheads * seqlen_q", b * h * sq))
     for name, x in (("q", qv), ("k", kv), ("v", vv)):
         if x.shape[3] > 1 and x.strides[3] != 1:
             raise ValueError(f"{name} must be contiguous in its last dim (stride 1), got strides {tuple(x.strides)}")
@@ -82,7 +84,7 @@ def attention_fp8(q, k, v, *, causal=False, softmax_scale=None, return_lse=False
     descales = tuple(_descale(x, n, b, hk, qv) for x, n in
                      ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale")))
     if qv.device < 0:
-        raise TypeError("FP8 attention takes device arrays (PyTorch CUDA tensors or CuPy arrays), got host arrays")
+        raise TypeError("FP8 attention takes device arrays (PyTorch CUDA tensors), got host arrays")
     ov = None
     if out is not None:
         ov = validate.view(out, "out")
@@ -117,3 +119,29 @@ def attention_fp8(q, k, v, *, causal=False, softmax_scale=None, return_lse=False
                                scale, causal, descales, arrays.device_ptr(vt), qv.device, arrays.stream_for(qv))
     res = o if out is not None else arrays.hand_back(o, qv)
     return (res, arrays.hand_back(lse, qv)) if return_lse else res
+
+
+def make_plan(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, return_lse, facts):
+    """The plan of an FP8 call of these sizes on a device described by ``facts``: the V^T copy,
+    then the FP8 forward, and why."""
+    from .kernels import fwd_fp8
+    from .plan import Launch, Plan, Problem, cdiv
+    if head_dim not in fwd_fp8.HEAD_DIMS:
+        raise ValueError(f"FP8 attention takes head dims {' and '.join(map(str, fwd_fp8.HEAD_DIMS))}, got {head_dim}")
+    if facts.arch != 90:
+        raise NotImplementedError(f"FP8 attention runs on sm_90 (Hopper) GPUs, not sm_{facts.arch}")
+    problem = Problem(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, "e4m3", causal, return_lse, 1)
+    v, vt = fwd_fp8.planned(head_dim, causal), fwd_fp8.VtVariant(head_dim=head_dim, arch=90)
+    kp = fwd_fp8.keys_pad(seqlen_k)
+    scratch = batch * nheads_k * head_dim * kp
+    runs = batch and seqlen_q and nheads and seqlen_k
+    launches = (Launch(vt, vt.grid(batch, seqlen_k, nheads_k), vt.threads, 0),
+                Launch(v, v.grid(batch, seqlen_q, nheads), v.threads, v.smem_bytes)) if runs else ()
+    reason = (f"float8_e4m3fn inputs run the FP8 forward (FlashAttention-3's): first {vt.name} writes V^T "
+              f"({scratch} B of scratch: (batch, heads_k, d, {kp} keys), the keys of each group of 32 in the order "
+              f"P's accumulator fragment holds them, as 8-bit wgmma reads both operands K-major), then {v.name} "
+              f"runs {fwd_fp8.BLOCK_M}-row query tiles over {v.block_n}-key K/V tiles with e4m3 wgmma products "
+              f"(fp32 accumulators, P rounded to e4m3, bf16 out), never split (num_splits > 1 is not supported "
+              f"with e4m3)" if runs else "nothing to compute (an empty dim)")
+    return Plan(problem, facts, launches, 1, cdiv(seqlen_k, v.block_n), False, seqlen_q, nheads,
+                nheads // max(nheads_k, 1), causal, (-1, -1), scratch if runs else 0, (), reason)

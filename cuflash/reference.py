@@ -255,13 +255,17 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
 
 
 def attention_fp8(q, k, v, *, causal=False, softmax_scale=None, q_descale=None, k_descale=None, v_descale=None,
-                  return_lse=False, precision="float64"):
+                  return_lse=False, precision="float64", rescale_slack=0):
     """Reference of cuflash.attention's FP8 forward: q, k, v e4m3 arrays (ml_dtypes.float8_e4m3fn;
     their values are used exactly), descales (batch, nheads_k) (a dim of 1 broadcasts; None: 1).
     Scores (q . k) * q_descale * k_descale * softmax_scale, causal bottom-right, out = P V *
     v_descale / l. ``precision="float64"``: all in float64, out float64; ``"same"`` mimics the
-    kernel: l from the unrounded p = exp(s - rowmax), p rounded to e4m3 for P V, out rounded to
-    bfloat16. Returns out, or (out, lse) (float64, natural log, +inf for rows that see no key)."""
+    kernel's roundings: an online softmax over blocks of 128 keys walked from the last block down
+    (the kernel's order), p = exp(s - running max) rounded to e4m3 for P V, l summed from the
+    unrounded p, out rounded to bfloat16 (arithmetic otherwise in float64); with ``rescale_slack``
+    (the kernel variant's), a row's running maximum moves only when it grows by more than
+    2^rescale_slack. Returns out, or (out, lse) (float64, natural log, +inf for rows that see no
+    key)."""
     if precision not in ("float64", "same"):
         raise ValueError(f"precision must be 'float64' or 'same', got {precision!r}")
     q64, k64, v64 = (np.asarray(x).astype(np.float64) for x in (q, k, v))
@@ -283,14 +287,29 @@ def attention_fp8(q, k, v, *, causal=False, softmax_scale=None, q_descale=None, 
         for hi in range(h):
             g = hi // (h // hk)
             s = np.where(visible, (q64[bi, :, hi] @ k64[bi, :, g].T) * (scale * qd[bi, g] * kd[bi, g]), -np.inf)
-            m = s.max(axis=1, initial=-np.inf, keepdims=True)
-            m = np.where(np.isfinite(m), m, 0.0)
-            p = np.exp(s - m)
-            l = p.sum(axis=1, keepdims=True)
             if precision == "same":
-                p = p.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+                m, l, acc = np.full((sq, 1), -np.inf), np.zeros((sq, 1)), np.zeros((sq, d))
+                for j0 in range(-(-sk // 128) * 128 - 128, -1, -128):
+                    sj = s[:, j0:j0 + 128]
+                    m_new = np.maximum(m, sj.max(axis=1, keepdims=True))
+                    if rescale_slack:
+                        with np.errstate(invalid="ignore"):
+                            m_new = np.where(m_new - m <= rescale_slack * np.log(2), m, m_new)
+                    m_use = np.where(np.isfinite(m_new), m_new, 0.0)
+                    alpha = np.exp(np.where(np.isfinite(m), m - m_use, -np.inf))
+                    p = np.exp(sj - m_use)
+                    l = l * alpha + p.sum(axis=1, keepdims=True)
+                    acc = acc * alpha + p.astype(ml_dtypes.float8_e4m3fn).astype(np.float64) @ v64[bi, j0:j0 + 128, g]
+                    m = m_new
+                m = np.where(np.isfinite(m), m, 0.0)
+            else:
+                m = s.max(axis=1, initial=-np.inf, keepdims=True)
+                m = np.where(np.isfinite(m), m, 0.0)
+                p = np.exp(s - m)
+                l = p.sum(axis=1, keepdims=True)
+                acc = p @ v64[bi, :, g]
             with np.errstate(divide="ignore", invalid="ignore"):
-                out[bi, :, hi] = np.where(l > 0, (p @ v64[bi, :, g]) * vd[bi, g] / l, 0.0)
+                out[bi, :, hi] = np.where(l > 0, acc * vd[bi, g] / l, 0.0)
                 lse[bi, hi] = np.where(l[:, 0] > 0, m[:, 0] + np.log(l[:, 0]), np.inf)
     if precision == "same":
         out = out.astype(ml_dtypes.bfloat16)

@@ -613,7 +613,7 @@ def _apply(route, eager, func, op, args):
 
 def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, deterministic=False, return_lse=False, sinks=None, startend_row_indices=None,
-              dropout_p=0.0, seed=None, offset=None):
+              dropout_p=0.0, seed=None, offset=None, *, q_descale=None, k_descale=None, v_descale=None):
     """Differentiable :func:`cuflash.attention` for torch tensors, with flash-attn's
     ``flash_attn_func`` semantics.
 
@@ -640,7 +640,14 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
     op (backward: ``cuflash::attention_bwd``); eager calls that need gradients run the same
     bodies as a ``torch.autograd.Function`` (one that torch.func's grad, jacrev and the like
     accept while they are active; not vmap); others call :func:`cuflash.attention` directly.
+
+    float8_e4m3fn q, k, v (with the optional ``q_descale``, ``k_descale``, ``v_descale``) run
+    :func:`cuflash.attention`'s FP8 forward (bfloat16 out): forward only, so a call that would
+    record gradients raises NotImplementedError; not traced by torch.compile (a graph break).
     """
+    if q_descale is not None or k_descale is not None or v_descale is not None or q.dtype == torch.float8_e4m3fn:
+        return _attention_fp8(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse, sinks,
+                              startend_row_indices, dropout_p, (q_descale, k_descale, v_descale))
     window_left, window_right = _window(window_size)
     softcap = float(softcap or 0.0)
     dropout = _dropout_state(dropout_p, seed, offset, q.device, q.shape[0], q.shape[-2])
@@ -659,6 +666,19 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
             bool(deterministic), sinks, startend_row_indices) + (dropout if dropout[0] else ())
     out, lse = _apply(route, _EagerAttention, _FuncAttention, torch.ops.cuflash.attention_fwd, args)
     return (out, lse) if return_lse else out
+
+
+@torch.compiler.disable
+def _attention_fp8(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse, sinks,
+                   startend_row_indices, dropout_p, descales):
+    """attention's FP8 path: cuflash.attention's FP8 forward, refused where gradients would be recorded."""
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks)):
+        raise NotImplementedError("FP8 (float8_e4m3fn) attention is forward only: call it under torch.no_grad() or on "
+                                  "tensors that do not require grad")
+    return cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                             softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_lse, sinks=sinks,
+                             startend_row_indices=startend_row_indices, dropout_p=dropout_p, q_descale=descales[0],
+                             k_descale=descales[1], v_descale=descales[2])
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
