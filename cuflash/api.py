@@ -68,7 +68,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     new seed). Not with a KV cache, num_splits > 1, sinks or startend_row_indices.
 
     FP8 (FlashAttention-3's FP8 forward, sm_90 only): q, k, v float8_e4m3fn PyTorch CUDA tensors
-    (CuPy has no 8-bit float dtype), head dim 128 or 256, full or causal, GQA, ``return_lse``; the scores
+    (CuPy has no 8-bit float dtype), head dim 64, 128 or 256, full or causal, GQA, ``return_lse``; the scores
     are (q . k) * q_descale * k_descale * softmax_scale and the output (P V) * v_descale, the
     descales float32 (batch, nheads_k) arrays (a dim of 1 broadcasts; None: 1). The output is
     bfloat16 (``out`` too); P is rounded to e4m3 for its product. Forward only; the other
@@ -724,7 +724,8 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     float8_e4m3fn operands (arrays, or shapes with ``dtype="float8_e4m3fn"``) give the plan of
     attention's FP8 forward (sm_90 only; its other options raise NotImplementedError, as there).
     """
-    if dtype in FP8_NAMES or not isinstance(q, (tuple, list)) and str(getattr(q, "dtype", "")).endswith(FP8_NAMES):
+    if (isinstance(dtype, str) and dtype in FP8_NAMES
+            or not isinstance(q, (tuple, list)) and str(getattr(q, "dtype", "")).endswith(FP8_NAMES)):
         return _plan_fp8(q, k, v, causal, softmax_scale, return_lse, num_splits, num_sms, arch, window_size, softcap,
                          alibi_slopes, backward, startend_row_indices, sinks, dropout_p, varlen, kv_cache)
     dtype = validate.dtype_name(dtype)

@@ -12,8 +12,8 @@ FP8_DTYPES = ("float8_e4m3fn",)
 OUT_DTYPE = "bfloat16"
 
 
-def is_fp8(view) -> bool:
-    return view.dtype.startswith("float8")
+def _dims(dims) -> str:
+    return ", ".join(map(str, dims[:-1])) + f" and {dims[-1]}"
 
 
 def _descale(x, name, b, hk, qv):
@@ -59,7 +59,7 @@ def attention_fp8(q, k, v, *, causal=False, softmax_scale=None, return_lse=False
         raise ValueError(f"k must have q's head dim {d}, got {kv.shape[3]}")
     from .kernels.fwd_fp8 import HEAD_DIMS
     if d not in HEAD_DIMS:
-        raise ValueError(f"FP8 attention takes head dims {' and '.join(map(str, HEAD_DIMS))}, got {d}")
+        raise ValueError(f"FP8 attention takes head dims {_dims(HEAD_DIMS)}, got {d}")
     if hk == 0 or h % hk:
         raise ValueError(f"nheads ({h}) must be divisible by nheads_k ({hk})")
     if max(*qv.shape, *kv.shape, b * h * sq) > validate.MAX_SIZE:  # (the names are built only then)
@@ -127,7 +127,7 @@ def make_plan(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, ret
     from .kernels import fwd_fp8
     from .plan import Launch, Plan, Problem, cdiv
     if head_dim not in fwd_fp8.HEAD_DIMS:
-        raise ValueError(f"FP8 attention takes head dims {' and '.join(map(str, fwd_fp8.HEAD_DIMS))}, got {head_dim}")
+        raise ValueError(f"FP8 attention takes head dims {_dims(fwd_fp8.HEAD_DIMS)}, got {head_dim}")
     if facts.arch != 90:
         raise NotImplementedError(f"FP8 attention runs on sm_90 (Hopper) GPUs, not sm_{facts.arch}")
     problem = Problem(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, "e4m3", causal, return_lse, 1)

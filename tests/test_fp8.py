@@ -32,13 +32,13 @@ def test_variants_compile_clean(v):
 def test_variants_and_names():
     assert fwd_fp8.variants(80) == [] and fwd_fp8.variants(89) == []
     names = [v.name for v in fwd_fp8.variants(90)]
-    assert len(set(names)) == len(names) == 6
+    assert len(set(names)) == len(names) == 9
     for bad in (dict(lpt=True), dict(rescale_slack=9), dict(rescale_slack=True)):
         with pytest.raises(ValueError):
             FwdFp8Variant(head_dim=128, arch=90, **bad)
     assert fwd_fp8.planned(128, True).name == "fwd_fp8_d128_e4m3_causal_m128n128s2_overlap_pingpong_lpt_lazy_slack8_sm90"
     assert fwd_fp8.planned(256, False).name == "fwd_fp8_d256_e4m3_full_m128n128s2_overlap_pingpong_sm90"
-    for bad in (dict(head_dim=64), dict(head_dim=128, block_n=192), dict(head_dim=128, arch=80),
+    for bad in (dict(head_dim=96), dict(head_dim=128, block_n=192), dict(head_dim=128, arch=80),
                 dict(head_dim=128, causal=1), dict(head_dim=128, stages=1)):
         with pytest.raises(ValueError):
             FwdFp8Variant(**{"arch": 90, **bad})
@@ -150,7 +150,7 @@ def _same(q, k, v, causal=False, slack=None, **kw):
 
 @requires_sm90
 @requires_torch
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("b,sq,sk", SHAPES)
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2)])
@@ -226,9 +226,9 @@ def test_gpu_bad_arguments_leave_out_untouched():
         k, v, o = args.pop("k"), args.pop("v"), args.pop("out")
         with pytest.raises(exc, match=match):
             cuflash.attention(q, k, v, out=o, **args)
-    q64 = torch.zeros(1, 8, 2, 64, device="cuda").to(torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="head dims 128 and 256"):
-        cuflash.attention(q64, q64, q64)
+    q96 = torch.zeros(1, 8, 2, 96, device="cuda").to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="head dims 64, 128 and 256"):
+        cuflash.attention(q96, q96, q96)
     torch.cuda.synchronize()
     assert (out == 7).all()
 
@@ -286,8 +286,8 @@ def test_plan_of_fp8_shapes():
                        (dict(num_splits=4), NotImplementedError), (dict(arch=80), NotImplementedError)):
         with pytest.raises(exc):
             cuflash.plan(s, s, s, **kw, **extra)
-    with pytest.raises(ValueError, match="head dims 128 and 256"):
-        cuflash.plan((1, 64, 2, 64), (1, 64, 2, 64), (1, 64, 2, 64), **kw)
+    with pytest.raises(ValueError, match="head dims 64, 128 and 256"):
+        cuflash.plan((1, 64, 2, 80), (1, 64, 2, 80), (1, 64, 2, 80), **kw)
     with pytest.raises(ValueError, match="k and v alike"):
         cuflash.plan(s, s, (1, 64, 2, 256), **kw)
 
@@ -299,7 +299,7 @@ TRIALS = [dict(lazy_rescale=False, rescale_slack=0), dict(lazy_rescale=True), di
 @requires_sm90
 @requires_torch
 @pytest.mark.parametrize("trial", TRIALS, ids=lambda t: "-".join(f"{k}={v}" for k, v in t.items()))
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_trial_variants(trial, d, causal, rng, monkeypatch):
     """Variants measured against the planned one (scripts/bench_fp8.py --variants): within

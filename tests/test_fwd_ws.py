@@ -259,8 +259,8 @@ def test_tables_without_tensor_maps_keep_their_layout():
     from cuflash.kernels.params import _format
     tables = {v.params for arch in (80, 90) for v in all_variants(arch)}
     plain = [t for t in tables if all(c != "CUtensorMap" for _, c in t.fields)]
-    # the warp-specialised families' structs (one per feature set) hold tensor maps
-    assert {t.struct_name for t in tables if t not in plain} == {"FwdWsParams", "BwdWsParams"} and len(plain) >= 4
+    # the warp-specialised families' structs (one per feature set) and the FP8 forward's hold tensor maps
+    assert {t.struct_name for t in tables if t not in plain} == {"FwdWsParams", "BwdWsParams", "FwdFp8Params"} and len(plain) >= 4
     for t in plain:
         assert t.layout.format == "@" + "".join(_format(c) for _, c in t.fields) + "0q"
         assert "offsetof" not in t.cuda()

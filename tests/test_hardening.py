@@ -358,16 +358,18 @@ def test_warmup_reports_cached_kernels_apart(capsys, monkeypatch, cache):
 
 
 def test_warmup_dtype_filters_cover_every_variant():
-    """--dtype bfloat16 and --dtype float16 together select every variant (those without a dtype,
-    FlashMask's prep and the plain append, in both), so a sweep can be split by dtype."""
+    """--dtype bfloat16, float16 and float8_e4m3fn together select every variant (those without a
+    dtype, FlashMask's prep and the plain append, in each), so a sweep can be split by dtype; the
+    FP8 kernels only under float8_e4m3fn."""
     import argparse
     from cuflash.__main__ import _selected
     from cuflash.kernels import all_variants
     for arch in (80, 90):
         parts = [_selected(argparse.Namespace(family=None, preset=None, head_dim=None, dtype=dt), arch)
-                 for dt in ("bfloat16", "float16")]
-        assert set(parts[0]) | set(parts[1]) == set(all_variants(arch))
+                 for dt in ("bfloat16", "float16", "float8_e4m3fn")]
+        assert set(parts[0]) | set(parts[1]) | set(parts[2]) == set(all_variants(arch))
         assert {v.family for v in set(parts[0]) & set(parts[1])} == {"append", "flashmask"}
+        assert {v.family for v in set(parts[2]) - set(parts[0])} == ({"fwd_fp8"} if arch == 90 else set())
 
 
 def test_empty_plan_is_not_local():

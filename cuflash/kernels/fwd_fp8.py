@@ -21,7 +21,7 @@ from . import KernelVariant
 from .fwd_ws import LPT_BYTES, MAX_CONSUMER_REGS, MAX_SMEM, PRODUCER_REGS, tensor_map
 from .params import TENSOR_MAP_BYTES, ParamTable, strides  # noqa: F401  (TENSOR_MAP_BYTES: the maps' size)
 
-HEAD_DIMS = (128, 256)  # whole 128-byte rows of e4m3 (the 128-byte swizzle of Q and K tiles)
+HEAD_DIMS = (64, 128, 256)  # Q and K rows: 64 bytes (the 64-byte swizzle) or 128-byte blocks
 BLOCK_M, STAGES = 128, 2
 KEY_PAD = 128  # V^T's key dim is padded to this (its TMA boxes are 128 keys wide)
 BARRIER_BYTES = 64
@@ -172,10 +172,13 @@ def keys_pad(seqlen_k: int) -> int:
 
 
 def planned_fields(head_dim: int, causal: bool) -> dict:
-    """The planned variant's fields beyond head dim, mask and arch (H200, BENCHMARKS.md): at d=128
-    the rescale slack of 8 with the lazy rescale (+1 to +4% over exact rescaling), and causal
-    tiles in the LPT order (+2 to +5% from 8k keys); at d=256 the LPT order for causal tiles (+2 to
-    +10% at 2k-8k keys), and exact rescaling (the lazy one lost 2-8% there)."""
+    """The planned variant's fields beyond head dim, mask and arch (H200, BENCHMARKS.md): at d=64
+    the lazy rescale (+2 to +10% from 2k keys; the LPT order gained nothing); at d=128 the
+    rescale slack of 8 with the lazy rescale (+1 to +4% over exact rescaling), and causal tiles in
+    the LPT order (+2 to +5% from 8k keys); at d=256 the LPT order for causal tiles (+2 to +10% at
+    2k-8k keys), and exact rescaling (the lazy one lost 2-8% there)."""
+    if head_dim == 64:
+        return dict(lazy_rescale=True)
     if head_dim == 128:
         return dict(lazy_rescale=True, rescale_slack=8, lpt=causal)
     return dict(lpt=causal)
@@ -229,8 +232,8 @@ def launch(qv, kv, vv, ov, lse_ptr: int, lse_strides: tuple, scale: float, causa
     kernel = compiler.get_kernel(variant, device)
     qd, kd, vd = descales
     kernel(variant.grid(b, sq, h), (variant.threads,), stream, shared_mem=variant.smem_bytes,
-           tma_q=tensor_map(qv.ptr, tuple(qv.shape), tuple(qv.strides), BLOCK_M, "e4m3"),
-           tma_k=tensor_map(kv.ptr, tuple(kv.shape), tuple(kv.strides), variant.block_n, "e4m3"),
+           tma_q=tensor_map(qv.ptr, tuple(qv.shape), tuple(qv.strides), BLOCK_M, "e4m3", min(d, 128)),
+           tma_k=tensor_map(kv.ptr, tuple(kv.shape), tuple(kv.strides), variant.block_n, "e4m3", min(d, 128)),
            tma_vt=tensor_map(vt_ptr, (b, d, hk, kp), (hk * d * kp, kp, d * kp, 1), d, "e4m3"),
            o=ov.ptr, lse=lse_ptr, o_sb=ov.strides[0], o_ss=ov.strides[1], o_sh=ov.strides[2],
            lse_sb=lse_strides[0], lse_sh=lse_strides[1], lse_sr=lse_strides[2],

@@ -444,7 +444,7 @@ def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
 CU_TENSOR_MAP_DATA_TYPE = {"fp16": 6, "bf16": 9, "e4m3": 0}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16 / _UINT8
 ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "e4m3": 1}
 CU_TENSOR_MAP_INTERLEAVE_NONE = 0
-CU_TENSOR_MAP_SWIZZLE_128B = 3
+CU_TENSOR_MAP_SWIZZLE = {64: 2, 128: 3}  # CU_TENSOR_MAP_SWIZZLE_64B / _128B, by the box's row bytes
 CU_TENSOR_MAP_L2_PROMOTION = {0: 0, 64: 1, 128: 2, 256: 3}  # NONE, L2_64B, L2_128B, L2_256B
 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0  # out-of-bounds elements read as zeros
 RANK = 4  # (d, seqlen, heads, batch), innermost first
@@ -471,33 +471,34 @@ def _driver_encode():
 
 
 def encode_tensor_map(ptr: int, shape: tuple, strides: tuple, dtype: str, box_rows: int, *,
-                      l2_promotion: int = 256, encode=None) -> bytes:
+                      l2_promotion: int = 256, encode=None, box_bytes: int = 128) -> bytes:
     """The 128-byte CUtensorMap of a (batch, seqlen, heads, d) tensor of 2-byte elements (1-byte
     for "e4m3") at device address ``ptr`` with element strides ``strides`` (the last one 1): a
-    4-D map with dims (d, seqlen, heads, batch), byte strides (seqlen, heads, batch), boxes of 128
-    bytes of columns (64 elements, or 128 e4m3) x
+    4-D map with dims (d, seqlen, heads, batch), byte strides (seqlen, heads, batch), boxes of
+    ``box_bytes`` (128, or 64 with the 64-byte swizzle) of columns (64 elements, or 128 e4m3) x
     ``box_rows`` rows x 1 head x 1 batch, the 128-byte swizzle, no interleave, L2 promotion
     ``l2_promotion`` bytes and zero fill out of bounds (so a tile past the sequence's end reads
     zeros). ``encode`` replaces the driver's cuTensorMapEncodeTiled (tests)."""
     if ptr % 16:
         raise ValueError(f"the base address must be 16-byte aligned, got {ptr:#x}")
     code, global_dim, global_strides, box_dim, element_strides, l2 = _encode_args(
-        tuple(int(x) for x in shape), tuple(int(x) for x in strides), dtype, box_rows, l2_promotion)
+        tuple(int(x) for x in shape), tuple(int(x) for x in strides), dtype, box_rows, l2_promotion, box_bytes)
     # The driver writes the map to an address aligned to 64 bytes at least (cuda.h aligns the
     # type to 128): over-allocate and align.
     buf = ctypes.create_string_buffer(TENSOR_MAP_BYTES + 128)
     addr = ctypes.addressof(buf) + (-ctypes.addressof(buf) % 128)
     fn = encode or _driver_encode()
     rc = fn(addr, code, RANK, ptr, global_dim, global_strides, box_dim, element_strides,
-            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, l2, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE[box_bytes], l2, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if rc:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {rc} (shape {shape}, strides {strides}, "
-                           f"{dtype}, box {BOX_COLS * 2 // ELEMENT_BYTES[dtype]} x {box_rows})")
+                           f"{dtype}, box {box_bytes // ELEMENT_BYTES[dtype]} x {box_rows})")
     return ctypes.string_at(addr, TENSOR_MAP_BYTES)
 
 
 @functools.lru_cache(maxsize=256)
-def _encode_args(shape: tuple, strides: tuple, dtype: str, box_rows: int, l2_promotion: int) -> tuple:
+def _encode_args(shape: tuple, strides: tuple, dtype: str, box_rows: int, l2_promotion: int,
+                 box_bytes: int = 128) -> tuple:
     """encode_tensor_map's checked arguments apart from the address, as the driver takes them:
     (data type, dims, byte strides, box, element strides, L2 promotion). Remembered per shape, so
     a call on new buffers of a known shape (a training step's fresh activations) builds and
@@ -510,8 +511,10 @@ def _encode_args(shape: tuple, strides: tuple, dtype: str, box_rows: int, l2_pro
         raise ValueError(f"the head dim must be contiguous (stride 1), got stride {sd}")
     if min(b, s, h, d) < 1 or max(b, s, h, d) > 1 << 31:
         raise ValueError(f"every dim must be in 1 .. 2^31, got {shape}")
+    if box_bytes not in CU_TENSOR_MAP_SWIZZLE:
+        raise ValueError(f"box_bytes must be one of {tuple(CU_TENSOR_MAP_SWIZZLE)}, got {box_bytes}")
     elem = ELEMENT_BYTES[dtype]
-    box_cols = BOX_COLS * 2 // elem  # 128 bytes
+    box_cols = box_bytes // elem
     if d % box_cols:
         raise ValueError(f"the head dim must be a multiple of {box_cols}, got {d}")
     byte_strides = (ss * elem, sh * elem, sb * elem)  # dims 1, 2, 3 (dim 0's stride is the element size)
@@ -535,11 +538,11 @@ def tma_readable(view) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def tensor_map(ptr: int, shape: tuple, strides: tuple, box_rows: int, dtype: str) -> bytes:
+def tensor_map(ptr: int, shape: tuple, strides: tuple, box_rows: int, dtype: str, box_bytes: int = 128) -> bytes:
     """encode_tensor_map, remembered: a repeated call on the same buffers (a training loop's
     preallocated activations, a benchmark) skips the driver call. The map holds only the address,
     shape and strides, so a reused address with the same shape is the same map."""
-    return encode_tensor_map(ptr, shape, strides, dtype, box_rows)
+    return encode_tensor_map(ptr, shape, strides, dtype, box_rows, box_bytes=box_bytes)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,12 @@ __device__ __forceinline__ u64 wgmma_desc(u32 addr, u32 lbo, u32 sbo) {
   return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
 }
 
+// The same for a K-major tile of 64-byte rows in the 64-byte swizzle (e4m3 at head dim 64): SBO =
+// 512 (eight 64-byte rows), layout type 2.
+__device__ __forceinline__ u64 wgmma_desc_sw64(u32 addr, u32 sbo) {
+  return (u64)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((u64)(sbo >> 4) << 32) | (2ull << 62);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
