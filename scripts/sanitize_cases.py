@@ -1,7 +1,7 @@
 """Representative calls of every kernel family with odd shapes, for compute-sanitizer.
 
     bash scripts/sanitize.sh        # memcheck, racecheck and synccheck over these calls
-    python scripts/sanitize_cases.py flashmask   # the FlashMask calls alone
+    python scripts/sanitize_cases.py flashmask   # the FlashMask calls alone (fp8: the FP8 forward's)
 """
 import sys
 
@@ -30,6 +30,19 @@ def flashmask():
         for det in (False, True):  # atomic dQ; the ordered dQ writer, skipped tiles taking no turn
             fm_backward(torch.randn_like(o), q, k, v, o, lse, causal=causal, startend_row_indices=idx,
                         deterministic=det)
+
+
+def fp8():
+    """The FP8 forward (sm_90): every head dim, causal with sq > sk (rows that see no key) and sq < sk,
+    tails in both sequences and a V^T whose last group of 32 keys is partly past the keys, GQA,
+    descales with a broadcast dim, strided views of a packed qkv."""
+    for (b, sq, sk, h, hk, d, causal) in ((2, 300, 211, 4, 2, 64, True), (1, 113, 1000, 6, 2, 128, True),
+                                          (2, 129, 70, 2, 1, 256, False), (1, 1100, 1100, 8, 8, 128, True)):
+        q, k, v = (rnd(b, s, n, d).to(torch.float8_e4m3fn) for s, n in ((sq, h), (sk, hk), (sk, hk)))
+        cuflash.attention(q, k, v, causal=causal, return_lse=True, q_descale=torch.rand(1, hk, device="cuda") + 0.5,
+                          v_descale=torch.rand(b, hk, device="cuda") + 0.5)
+    qkv = rnd(2, 333, 6, 128).to(torch.float8_e4m3fn)
+    cuflash.attention(qkv[:, :, :4], qkv[:, :, 4:5], qkv[:, :, 5:], causal=True)
 
 
 def main():
@@ -66,6 +79,8 @@ def main():
         cuflash.attention(rnd(2, 700, 8, 128), rnd(2, 700, 2, 128), rnd(2, 700, 2, 128), causal=True,
                           window_size=(127, 0), sinks=sinks.bfloat16(), num_splits=1)
     flashmask()
+    if torch.cuda.get_device_capability() == (9, 0):
+        fp8()
     # split-KV (merge fused into the split kernel), with empty splits; decode tile (GQA packing)
     cuflash.attention(rnd(1, 3, 8, 128), rnd(1, 799, 2, 128), rnd(1, 799, 2, 128), causal=True, num_splits=128)
     cuflash.attention(rnd(2, 1, 28, 128), rnd(2, 339, 4, 128), rnd(2, 339, 4, 128), causal=True)
@@ -222,9 +237,10 @@ def main():
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["flashmask"]:  # that part alone
+    if sys.argv[1:] in (["flashmask"], ["fp8"]):  # that part alone
         torch.manual_seed(0)
-        flashmask()
+        {"flashmask": flashmask, "fp8": fp8}[sys.argv[1]]()
         torch.cuda.synchronize()
+        print(f"sanitize cases done ({sys.argv[1]})")
     else:
         main()

@@ -1,0 +1,211 @@
+"""FlashAttention-3's Python API (``flash_attn_interface``, the module of the ``flash_attn_3``
+wheel) on cuflash's kernels, for switching by changing an import:
+
+    from flash_attn_interface import flash_attn_func, flash_attn_varlen_func   # before
+    from cuflash.flash_attn3 import flash_attn_func, flash_attn_varlen_func    # after
+
+The functions keep FlashAttention-3's signatures, defaults and return conventions (``out``, or
+``(out, softmax_lse)`` with ``return_attn_probs=True`` / ``return_softmax_lse=True``). The dense,
+packed and qkv-packed functions are differentiable (cuflash.torch.attention /
+attention_varlen); ``flash_attn_with_kvcache`` is forward only, as in FlashAttention-3.
+
+- FP8: float8_e4m3fn q, k, v with ``q_descale``/``k_descale``/``v_descale`` ((batch, nheads_k)
+  float32) run cuflash's FP8 forward (sm_90; head dims 64, 128 and 256; full or causal; bf16
+  out; forward only) in flash_attn_func and flash_attn_qkvpacked_func.
+- A value head dim other than the query's (DeepSeek's 192 / 128; up to 512): V is padded with
+  zeros to q's head dim when narrower, and cut into pieces of q's head dim when wider (one
+  attention call per piece, each recomputing the scores), then the output is cut back: copies
+  and extra work that FlashAttention-3's own kernels do not need.
+- Performance hints with no cuflash counterpart are accepted and not used: ``pack_gqa`` (the
+  plan decides), ``num_splits`` of the differentiable functions (the plan decides; it is passed
+  on where cuflash takes it: flash_attn_with_kvcache) and ``scheduler_metadata`` of
+  :func:`get_scheduler_metadata` (which returns None: cuflash plans each call itself).
+- Not supported (NotImplementedError naming the argument): ``qv``, ``attention_chunk`` other than
+  0, ``sm_margin`` other than 0, ``seqused_q``, ``seqused_k`` without a paged cache, and in
+  flash_attn_with_kvcache ``cu_seqlens_q``, ``cu_seqlens_k_new``, ``rotary_seqlens``, ``qv`` and
+  the descales. :func:`flash_attn_combine` merges split partials with PyTorch operations (no
+  kernel of its own).
+"""
+from __future__ import annotations
+
+import torch
+
+import cuflash
+from cuflash.torch import ops
+
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_combine",
+           "flash_attn_with_kvcache", "get_scheduler_metadata"]
+
+
+def _refuse(**given):
+    """NotImplementedError for each argument that is set (not None, 0 or False)."""
+    for name, value in given.items():
+        if value is not None and not (value is False or isinstance(value, (int, float)) and value == 0):
+            raise NotImplementedError(f"{name} is not supported by cuflash's FlashAttention-3 API "
+                                      f"(got {name}={cuflash.validate.show(value)})")
+
+
+def _hints(num_splits, pack_gqa):
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise TypeError(f"num_splits must be an int >= 0, got {cuflash.validate.show(num_splits)}")
+    if pack_gqa not in (None, True, False):
+        raise TypeError(f"pack_gqa must be None or a bool, got {cuflash.validate.show(pack_gqa)}")
+
+
+def _window(window_size):
+    if window_size is None:
+        return (-1, -1)
+    left, right = window_size
+    return (int(left), int(right))
+
+
+def _pad_last(x, width):
+    """x zero-padded in its last dim to ``width`` (8-bit floats through a uint8 view)."""
+    pad = width - x.shape[-1]
+    if x.dtype == torch.float8_e4m3fn:
+        return torch.nn.functional.pad(x.view(torch.uint8), (0, pad)).view(torch.float8_e4m3fn)
+    return torch.nn.functional.pad(x, (0, pad))
+
+
+def _value_pieces(run, q, k, v, softmax_scale):
+    """``run(q, k, v, scale) -> (out, lse)`` with V's head dim made q's: V padded when narrower,
+    cut into pieces of q's head dim when wider (each piece's output concatenated; the LSE is the
+    scores', the same for every piece)."""
+    d, dv = q.shape[-1], v.shape[-1]
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    if dv == d:
+        return run(q, k, v, scale)
+    if dv < d:
+        out, lse = run(q, k, _pad_last(v, d), scale)
+        return out[..., :dv], lse
+    outs, lse = [], None
+    for j in range(0, dv, d):
+        piece = v[..., j:j + d]
+        out, lse = run(q, k, piece if piece.shape[-1] == d else _pad_last(piece, d), scale)
+        outs.append(out)
+    return torch.cat(outs, dim=-1)[..., :dv], lse
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
+                    v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
+                    pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
+    """FlashAttention-3's ``flash_attn_func``: q (batch, seqlen_q, nheads, d), k (batch, seqlen_k,
+    nheads_k, d), v (batch, seqlen_k, nheads_k, dv). Returns out (batch, seqlen_q, nheads, dv), or
+    (out, softmax_lse (batch, nheads, seqlen_q)) with ``return_attn_probs=True``."""
+    _refuse(qv=qv, attention_chunk=attention_chunk, sm_margin=sm_margin)
+    _hints(num_splits, pack_gqa)
+    window = _window(window_size)
+
+    def run(q, k, v, scale):
+        return ops.attention(q, k, v, causal=causal, softmax_scale=scale, window_size=window, softcap=softcap,
+                             deterministic=deterministic, return_lse=True, q_descale=q_descale,
+                             k_descale=k_descale, v_descale=v_descale)
+    out, lse = _value_pieces(run, q, k, v, softmax_scale)
+    return (out, lse) if return_attn_probs else out
+
+
+def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None,
+                              window_size=(-1, -1), attention_chunk=0, softcap=0.0, deterministic=False,
+                              num_heads_q=None, sm_margin=0, return_attn_probs=False):
+    """FlashAttention-3's ``flash_attn_qkvpacked_func``: qkv (batch, seqlen, 3, nheads, d), or
+    (batch, seqlen, nheads_q + 2 nheads_k, d) with ``num_heads_q``; split into q, k, v by views."""
+    if qkv.dim() == 5:
+        if qkv.shape[-3] != 3:
+            raise ValueError(f"qkv must be (batch, seqlen, 3, nheads, d), got shape {tuple(qkv.shape)}")
+        q, k, v = qkv.unbind(dim=-3)
+    elif qkv.dim() == 4:
+        if num_heads_q is None:
+            raise ValueError("a 4-dim qkv (batch, seqlen, nheads_q + 2 * nheads_k, d) needs num_heads_q")
+        hk = (qkv.shape[2] - num_heads_q) // 2
+        if hk < 1 or 2 * hk + num_heads_q != qkv.shape[2]:
+            raise ValueError(f"qkv's {qkv.shape[2]} heads are not num_heads_q ({num_heads_q}) + 2 * nheads_k")
+        q, k, v = qkv.split([num_heads_q, hk, hk], dim=-2)
+    else:
+        raise ValueError(f"qkv must have 4 or 5 dims, got shape {tuple(qkv.shape)}")
+    return flash_attn_func(q, k, v, softmax_scale, causal, None, q_descale, k_descale, v_descale, window_size,
+                           attention_chunk, softcap, 1, None, deterministic, sm_margin, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
+                           seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
+                           v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
+                           pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
+    """FlashAttention-3's ``flash_attn_varlen_func``: q (total_q, nheads, d), k (total_k, nheads_k,
+    d), v (total_k, nheads_k, dv), cu_seqlens int32 (batch + 1,). Returns out (total_q, nheads,
+    dv), or (out, softmax_lse (nheads, total_q)) with ``return_attn_probs=True``."""
+    _refuse(qv=qv, attention_chunk=attention_chunk, sm_margin=sm_margin, seqused_q=seqused_q,
+            seqused_k=seqused_k, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    _hints(num_splits, pack_gqa)
+    window = _window(window_size)
+
+    def run(q, k, v, scale):
+        return ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                    softmax_scale=scale, window_size=window, softcap=softcap,
+                                    deterministic=deterministic, return_lse=True)
+    out, lse = _value_pieces(run, q, k, v, softmax_scale)
+    return (out, lse) if return_attn_probs else out
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
+    """FlashAttention-3's ``flash_attn_combine``: merge the partial outputs of key splits.
+    out_partial float32 (num_splits, batch, seqlen, nheads, d), lse_partial float32 (num_splits,
+    batch, seqlen, nheads) -> (out (batch, seqlen, nheads, d) in ``out_dtype`` (default
+    float32), lse (batch, seqlen, nheads)); a split whose LSE is -inf adds nothing. PyTorch
+    operations (float32), written into ``out`` when given."""
+    if out_partial.dtype != torch.float32 or lse_partial.dtype != torch.float32:
+        raise TypeError(f"out_partial and lse_partial must be float32, got {out_partial.dtype} and {lse_partial.dtype}")
+    if out_partial.dim() != 5 or tuple(lse_partial.shape) != tuple(out_partial.shape[:4]):
+        raise ValueError(f"out_partial must be (num_splits, batch, seqlen, nheads, d) and lse_partial (num_splits, "
+                         f"batch, seqlen, nheads), got {tuple(out_partial.shape)} and {tuple(lse_partial.shape)}")
+    dtype = out_dtype or (out.dtype if out is not None else torch.float32)
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"out_dtype must be float32, float16 or bfloat16, got {dtype}")
+    if out is not None and (out.dtype != dtype or tuple(out.shape) != tuple(out_partial.shape[1:])):
+        raise ValueError(f"out must be {dtype} of shape {tuple(out_partial.shape[1:])}, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    lse = torch.logsumexp(lse_partial, dim=0)
+    weight = torch.exp(lse_partial - lse)
+    weight = torch.where(torch.isfinite(weight), weight, torch.zeros_like(weight))
+    merged = (weight.unsqueeze(-1) * out_partial).sum(0)
+    if out is None:
+        return merged.to(dtype), lse
+    out.copy_(merged)
+    return out, lse
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                            cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
+                            q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
+                            scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
+                            return_softmax_lse=False):
+    """FlashAttention-3's ``flash_attn_with_kvcache`` (forward only): new k, v appended to the
+    caches in place at ``cache_seqlens`` (rotated with ``rotary_cos``/``rotary_sin``), then q
+    attends to them; ``page_table`` is a paged cache's block table. Returns out, or (out,
+    softmax_lse) with ``return_softmax_lse=True``."""
+    _refuse(qv=qv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new, rotary_seqlens=rotary_seqlens,
+            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
+            sm_margin=sm_margin, scheduler_metadata=scheduler_metadata)
+    _hints(num_splits, pack_gqa)
+    if max_seqlen_q is not None and max_seqlen_q != q.shape[1]:
+        raise ValueError(f"max_seqlen_q ({max_seqlen_q}) must be q's seqlen ({q.shape[1]}) without cu_seqlens_q")
+    if v_cache.shape[-1] != q.shape[-1]:
+        raise NotImplementedError(f"a value head dim ({v_cache.shape[-1]}) other than the query's ({q.shape[-1]}) "
+                                  "is not supported by cuflash's flash_attn_with_kvcache")
+    res = cuflash.attention_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=page_table, causal=causal,
+        softmax_scale=softmax_scale, num_splits=num_splits, return_lse=bool(return_softmax_lse),
+        window_size=_window(window_size), softcap=float(softcap or 0.0), rotary_interleaved=rotary_interleaved)
+    return res
+
+
+def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+                           cache_seqlens, qkv_dtype=torch.bfloat16, headdim_v=None, cu_seqlens_q=None,
+                           cu_seqlens_k_new=None, cache_leftpad=None, page_size=None, max_seqlen_k_new=0,
+                           causal=False, window_size=(-1, -1), attention_chunk=0, has_softcap=False, num_splits=0,
+                           pack_gqa=None, sm_margin=0):
+    """FlashAttention-3's ``get_scheduler_metadata``: None, as cuflash plans each call itself
+    (``cuflash.plan`` says how); flash_attn_with_kvcache takes that None back."""
+    return None
