@@ -84,12 +84,14 @@ def _rand(*shape, dtype=torch.bfloat16, requires_grad=False):
 @requires_sm90
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_func_matches_cuflash_torch(causal):
-    """Same output, LSE and gradients as cuflash.torch.attention (the same kernels)."""
+    """Same output, LSE and gradients as cuflash.torch.attention (the same kernels; the deterministic
+    backward, so that the two gradients are bitwise comparable)."""
     import cuflash.torch as cft
     q, k, v = _rand(2, 300, 8, 128, requires_grad=True), _rand(2, 400, 2, 128, requires_grad=True), \
         _rand(2, 400, 2, 128, requires_grad=True)
-    out, lse = fa3.flash_attn_func(q, k, v, causal=causal, window_size=(-1, -1), return_attn_probs=True)
-    ref, ref_lse = cft.attention(q, k, v, causal=causal, return_lse=True)
+    out, lse = fa3.flash_attn_func(q, k, v, causal=causal, window_size=(-1, -1), deterministic=True,
+                                   return_attn_probs=True)
+    ref, ref_lse = cft.attention(q, k, v, causal=causal, deterministic=True, return_lse=True)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
     g = torch.randn_like(out)
     assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(out, (q, k, v), g),

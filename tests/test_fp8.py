@@ -313,7 +313,7 @@ def test_gpu_trial_variants(trial, d, causal, rng, monkeypatch):
     q, k, v = _inputs(torch, rng, 2, 700, 900, 4, 2, d, scale=2.0)
     planned = cuflash.attention(q, k, v, causal=causal)
     fields = {**fwd_fp8.planned_fields(d, causal), **trial}
-    fields["lpt"] = fields["lpt"] and causal
+    fields["lpt"] = fields.get("lpt", False) and causal
     monkeypatch.setattr(fwd_fp8, "planned", lambda hd, c, arch=90: FwdFp8Variant(head_dim=hd, causal=c, arch=arch,
                                                                               **fields))
     out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
