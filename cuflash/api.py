@@ -666,6 +666,9 @@ def _plan_fp8(q, k, v, causal, softmax_scale, return_lse, num_splits, num_sms, a
         if len(shape) != 4 or not all(validate._is_int(n) and n >= 0 for n in shape):
             raise ValueError(f"{name} must be a 4-dim (batch, seqlen, nheads, headdim) shape, got {shape}")
         shapes.append(shape)
+    for name, x in (("k", k), ("v", v)):
+        if not isinstance(x, (tuple, list)) and not str(getattr(x, "dtype", "")).endswith(FP8_NAMES):
+            raise TypeError(f"{name} must be float8_e4m3fn like q, got {getattr(x, 'dtype', type(x).__name__)}")
     (b, sq, h, d), (_, sk, hk, _) = shapes[0], shapes[1]
     if shapes[2] != shapes[1] or shapes[1][0] != b or shapes[1][3] != d or hk == 0 or h % hk:
         raise ValueError(f"q {shapes[0]}, k {shapes[1]}, v {shapes[2]}: k and v alike, q's batch and head dim, "

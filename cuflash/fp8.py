@@ -17,7 +17,9 @@ def _dims(dims) -> str:
 
 
 def _descale(x, name, b, hk, qv):
-    """A (batch, nheads_k) float32 descale on q's device (dims of 1 broadcast), or None."""
+    """A (batch, nheads_k) float32 descale on q's device (dims of 1 broadcast), or None. Its values
+    are read on the device (positive and finite, as scale factors are: not checked, which would
+    need a synchronisation)."""
     if x is None:
         return None
     dv = validate.view(x, name)
@@ -32,7 +34,8 @@ def _descale(x, name, b, hk, qv):
 
 def _unsupported(**given):
     for name, (value, default) in given.items():
-        if value is not None and not (value is default or value == default):
+        same = value is default or isinstance(value, (bool, int, float, tuple)) and value == default
+        if value is not None and not same:
             raise NotImplementedError(f"{name} is not supported with float8_e4m3fn inputs (cuflash's FP8 forward "
                                       f"has a causal mask, GQA and the descales; got {name}={validate.show(value)})")
 
@@ -69,10 +72,11 @@ def attention_fp8(q, k, v, *, causal=False, softmax_scale=None, return_lse=False
         if x.shape[3] > 1 and x.strides[3] != 1:
             raise ValueError(f"{name} must be contiguous in its last dim (stride 1), got strides {tuple(x.strides)}")
     validate.same_place(("q", qv), ("k", kv), ("v", vv))
-    for name, x in (("q", qv), ("k", kv)):  # read by the TMA: 16-byte aligned rows
-        if x.ptr % 16 or any(s % 16 and n > 1 for s, n in zip(x.strides[:3], x.shape[:3])):
-            raise ValueError(f"{name} must start 16-byte aligned with batch, seqlen and head strides in multiples of "
-                             f"16 elements (FP8 operands are read by the TMA), got strides {tuple(x.strides)}")
+    for name, x in (("q", qv), ("k", kv)):  # read by the TMA: 16-byte aligned rows, positive strides
+        if x.ptr % 16 or any(s <= 0 or s % 16 or s >= 1 << 40 for s in x.strides[:3]):
+            raise ValueError(f"{name} must start 16-byte aligned with positive batch, seqlen and head strides in "
+                             f"multiples of 16 elements (FP8 operands are read by the TMA), got strides "
+                             f"{tuple(x.strides)}")
     scale = validate.scale(softmax_scale, d)
     causal = validate.boolean(causal, "causal")
     return_lse = validate.boolean(return_lse, "return_lse")
@@ -88,6 +92,8 @@ def attention_fp8(q, k, v, *, causal=False, softmax_scale=None, return_lse=False
     ov = None
     if out is not None:
         ov = validate.view(out, "out")
+        if ov.framework == "dlpack":
+            raise TypeError("out must be a PyTorch tensor (written in place)")
         if ov.framework != qv.framework:
             raise TypeError(f"out must be a {qv.framework} array like q, got a {ov.framework} array")
         if tuple(ov.shape) != tuple(qv.shape):

@@ -24,7 +24,8 @@ from .params import TENSOR_MAP_BYTES, ParamTable, strides  # noqa: F401  (TENSOR
 HEAD_DIMS = (64, 128, 256)  # Q and K rows: 64 bytes (the 64-byte swizzle) or 128-byte blocks
 BLOCK_M, STAGES = 128, 2
 KEY_PAD = 128  # V^T's key dim is padded to this (its TMA boxes are 128 keys wide)
-BARRIER_BYTES = 64
+MAX_STAGES = 4
+BARRIER_BYTES = 8 * (1 + 4 * MAX_STAGES)  # Q full; per stage K/V full and empty (the template asserts it fits)
 
 PARAMS = ParamTable("FwdFp8Params", (
     ("tma_q", "CUtensorMap"), ("tma_k", "CUtensorMap"), ("tma_vt", "CUtensorMap"),
@@ -81,8 +82,8 @@ class FwdFp8Variant(KernelVariant):
             raise ValueError("lpt orders causal tiles: it needs causal=True")
         if self.block_n not in (128, 256):
             raise ValueError(f"block_n must be 128 or 256 (V^T tiles of 128-byte rows), got {self.block_n!r}")
-        if not isinstance(self.stages, int) or self.stages < 2:
-            raise ValueError(f"stages must be an int >= 2, got {self.stages!r}")
+        if not isinstance(self.stages, int) or isinstance(self.stages, bool) or not 2 <= self.stages <= MAX_STAGES:
+            raise ValueError(f"stages must be an int in 2..{MAX_STAGES}, got {self.stages!r}")
         if self.smem_bytes > MAX_SMEM:
             raise ValueError(f"{self.name} needs {self.smem_bytes} B of shared memory, more than {MAX_SMEM}")
 
@@ -123,7 +124,7 @@ class FwdFp8Variant(KernelVariant):
         return dict(head_dim=self.head_dim, block_m=BLOCK_M, block_n=self.block_n, stages=self.stages,
                     causal=self.causal, overlap=self.overlap, pingpong=self.pingpong, lpt=self.lpt,
                     lazy_rescale=self.lazy_rescale, rescale_slack=self.rescale_slack, lpt_bytes=LPT_BYTES,
-                    producer_regs=PRODUCER_REGS, consumer_regs=self.consumer_regs)
+                    producer_regs=PRODUCER_REGS, consumer_regs=self.consumer_regs, barrier_bytes=BARRIER_BYTES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,8 +176,8 @@ def planned_fields(head_dim: int, causal: bool) -> dict:
     """The planned variant's fields beyond head dim, mask and arch (H200, BENCHMARKS.md): at d=64
     the lazy rescale (+2 to +10% from 2k keys; the LPT order gained nothing); at d=128 the
     rescale slack of 8 with the lazy rescale (+1 to +4% over exact rescaling), and causal tiles in
-    the LPT order (+2 to +5% from 8k keys); at d=256 the LPT order for causal tiles (+2 to +10% at
-    2k-8k keys), and exact rescaling (the lazy one lost 2-8% there)."""
+    the LPT order (with both: causal -3 to +5%, +5% at 8k keys, +2% at 16k); at d=256 the LPT order
+    for causal tiles (+2 to +10% at 2k-8k keys), and exact rescaling (the lazy one lost 2-8%)."""
     if head_dim == 64:
         return dict(lazy_rescale=True)
     if head_dim == 128:

@@ -672,7 +672,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
 def _attention_fp8(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse, sinks,
                    startend_row_indices, dropout_p, descales):
     """attention's FP8 path: cuflash.attention's FP8 forward, refused where gradients would be recorded."""
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks)):
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks, *descales)):
         raise NotImplementedError("FP8 (float8_e4m3fn) attention is forward only: call it under torch.no_grad() or on "
                                   "tensors that do not require grad")
     return cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
