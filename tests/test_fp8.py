@@ -39,7 +39,7 @@ def test_variants_and_names():
             FwdFp8Variant(head_dim=128, arch=90, **bad)
     assert fwd_fp8.planned(128, True).name == "fwd_fp8_d128_e4m3_causal_m128n128s2_overlap_pingpong_lpt_lazy_slack8_sm90"
     assert fwd_fp8.planned(256, False).name == "fwd_fp8_d256_e4m3_full_m128n128s2_overlap_pingpong_sm90"
-    for bad in (dict(head_dim=96), dict(head_dim=128, block_n=192), dict(head_dim=128, arch=80),
+    for bad in (dict(head_dim=96), dict(head_dim=128, block_n=256), dict(head_dim=128, arch=80),
                 dict(head_dim=128, causal=1), dict(head_dim=128, stages=1), dict(head_dim=128, stages=5),
                 dict(head_dim=256, stages=4)):
         with pytest.raises(ValueError):
