@@ -1,8 +1,9 @@
 """The FP8 (e4m3) forward against cuflash's bf16 forward and SDPA's cuDNN backend (bf16), or FP8
 kernel variants against each other, in one process (needs an sm_90 GPU and PyTorch).
 
-    python scripts/bench_fp8.py [--head-dim 128 256] [--json F]
+    python scripts/bench_fp8.py [--head-dim 128 256] [--json F] [--plot F.png]
     python scripts/bench_fp8.py --variants [--head-dim 128]
+    python scripts/bench_fp8.py --from-json F --plot F.png     # a plot of saved rows (no GPU)
 
 Model dim 2048 (16 heads at d = 128, 8 at d = 256), batch x seqlen 16 x 1k ... 1 x 16k, full and
 causal; bf16 inputs cast to e4m3 for the FP8 calls (no descales). Each shape: the implementations
@@ -12,16 +13,39 @@ the planned FwdFp8Variant's fields overridden by each of VARIANTS in turn."""
 import argparse
 import json
 
-import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
-import cuflash
-from cuflash.kernels import fwd_fp8
-
 SHAPES = ((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384))
 VARIANTS = {"planned": {}, "lazy": dict(lazy_rescale=True), "lazy slack8": dict(lazy_rescale=True, rescale_slack=8),
             "lpt": dict(lpt=True), "lpt lazy slack8": dict(lpt=True, lazy_rescale=True, rescale_slack=8),
             "3 stages": dict(stages=3), "no ping-pong": dict(pingpong=False)}
+
+
+LABELS = {"fp8": "cuflash FP8 (e4m3)", "bf16": "cuflash bf16", "cudnn bf16": "SDPA cuDNN bf16"}
+
+
+def plot(rows, path):
+    """TF/s against tokens per sequence, a panel per head dim and mask, a line per implementation."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = sorted({(r["d"], r["causal"]) for r in rows})
+    ncol = 2
+    fig, axes = plt.subplots((len(panels) + 1) // ncol, ncol, figsize=(10, 3.4 * ((len(panels) + 1) // ncol)),
+                             squeeze=False)
+    for ax, (d, causal) in zip(axes.flat, panels):
+        rs = sorted((r for r in rows if (r["d"], r["causal"]) == (d, causal)), key=lambda r: r["seqlen"])
+        for impl in rs[0]["tflops"]:
+            ax.plot([r["seqlen"] for r in rs], [r["tflops"][impl] for r in rs], marker="o", label=LABELS.get(impl, impl))
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"d={d} {'causal' if causal else 'full'} (batch x seqlen = 16k tokens)")
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def median_ms(fn, reps=10, calls=10):
@@ -71,7 +95,19 @@ def main():
     ap.add_argument("--head-dim", type=int, nargs="+", default=[128, 256])
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--plot", help="a PNG of TF/s per shape (matplotlib)")
+    ap.add_argument("--from-json", help="plot the rows of a saved --json file instead of measuring")
     a = ap.parse_args()
+    if a.from_json:
+        with open(a.from_json) as f:
+            plot(json.load(f)["rows"], a.plot or a.from_json.removesuffix(".json") + ".png")
+        return
+    global torch, fwd_fp8  # (median_ms, host_us and with_variant use them)
+    import torch  # (measuring needs a GPU, PyTorch and cuflash)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import cuflash
+    from cuflash.kernels import fwd_fp8
     rows = []
     q, k, v = (torch.randn(1, 128, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
@@ -106,6 +142,8 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    if a.plot:
+        plot(rows, a.plot)
 
 
 if __name__ == "__main__":
