@@ -113,9 +113,9 @@ def empty_like_framework(v: View, shape, dtype: str):
 
 
 def _cupy_dtype(dtype: str):
-    if dtype == "bfloat16" or dtype.startswith("float8"):
+    if dtype == "bfloat16":
         import ml_dtypes
-        return np.dtype(getattr(ml_dtypes, dtype))
+        return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(dtype)
 
 

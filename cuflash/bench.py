@@ -1265,9 +1265,13 @@ def write_results(rows, path):
         wr.writerows(rows)
 
 
-def plot(rows, kind, path):
-    """TFLOP/s (prefill, jax) or TB/s (decode) vs sequence length, one line per implementation;
-    for mask, bars per mask family (_plot_mask)."""
+PLOT_IMPLS = ("cuflash", "flash", "cudnn", "cuflash_jax", "xla", "cuflash_torch")
+
+
+def plot(rows, kind, path, impls=PLOT_IMPLS):
+    """TFLOP/s (prefill, jax) or TB/s (decode) vs sequence length, one line per implementation
+    (the rows' ``<impl>_tflops`` / ``<impl>_tbps`` for each of ``impls`` they have); for mask,
+    bars per mask family (_plot_mask)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -1291,7 +1295,7 @@ def plot(rows, kind, path):
     fig, axes = plt.subplots(nrow, ncol, figsize=(5 * ncol, 3.6 * nrow), squeeze=False)
     for ax, (title, rs) in zip(axes.flat, groups.items()):
         rs = sorted(rs, key=lambda r: r[x])
-        for impl in ("cuflash", "flash", "cudnn", "cuflash_jax", "xla", "cuflash_torch"):
+        for impl in impls:
             pts = [(r[x], r.get(f"{impl}_{unit}")) for r in rs if r.get(f"{impl}_{unit}") is not None]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=impl.replace("_", "."))

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 import cuflash
+from cuflash.flash_attn.flash_attn_interface import _softcap, _window
 from cuflash.torch import ops
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_combine",
@@ -50,13 +51,6 @@ def _hints(num_splits, pack_gqa):
         raise TypeError(f"num_splits must be an int >= 0, got {cuflash.validate.show(num_splits)}")
     if pack_gqa not in (None, True, False):
         raise TypeError(f"pack_gqa must be None or a bool, got {cuflash.validate.show(pack_gqa)}")
-
-
-def _window(window_size):
-    if window_size is None:
-        return (-1, -1)
-    left, right = window_size
-    return (int(left), int(right))
 
 
 def _pad_last(x, width):
@@ -97,7 +91,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     window = _window(window_size)
 
     def run(q, k, v, scale):
-        return ops.attention(q, k, v, causal=causal, softmax_scale=scale, window_size=window, softcap=softcap,
+        return ops.attention(q, k, v, causal=causal, softmax_scale=scale, window_size=window, softcap=_softcap(softcap),
                              deterministic=deterministic, return_lse=True, q_descale=q_descale,
                              k_descale=k_descale, v_descale=v_descale)
     out, lse = _value_pieces(run, q, k, v, softmax_scale)
@@ -140,7 +134,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     def run(q, k, v, scale):
         return ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                                    softmax_scale=scale, window_size=window, softcap=softcap,
+                                    softmax_scale=scale, window_size=window, softcap=_softcap(softcap),
                                     deterministic=deterministic, return_lse=True)
     out, lse = _value_pieces(run, q, k, v, softmax_scale)
     return (out, lse) if return_attn_probs else out
@@ -197,7 +191,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=page_table, causal=causal,
         softmax_scale=softmax_scale, num_splits=num_splits, return_lse=bool(return_softmax_lse),
-        window_size=_window(window_size), softcap=float(softcap or 0.0), rotary_interleaved=rotary_interleaved)
+        window_size=_window(window_size), softcap=_softcap(softcap), rotary_interleaved=rotary_interleaved)
     return res
 
 

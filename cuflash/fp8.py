@@ -46,32 +46,16 @@ def attention_fp8(q, k, v, *, causal=False, softmax_scale=None, return_lse=False
     """cuflash.attention's FP8 path (its docstring says what is supported); ``views``: q, k and v's
     views when the caller has made them."""
     qv, kv, vv = views or (validate.view(q, "q"), validate.view(k, "k"), validate.view(v, "v"))
-    for name, x in (("q", qv), ("k", kv), ("v", vv)):
-        if len(x.shape) != 4:
-            raise ValueError(f"{name} must have 4 dims (batch, seqlen, nheads, headdim); got shape {validate.shape_str(x)}")
+    for name, x in (("q", qv), ("k", kv), ("v", vv)):  # (before operands: its message is for fp16/bf16)
         if x.dtype not in FP8_DTYPES:
             raise TypeError(f"{name} must be float8_e4m3fn like q (FP8 attention takes q, k and v in e4m3), "
                             f"got {x.dtype}")
+    validate.operands(qv, kv, vv, dtypes=FP8_DTYPES)
     b, sq, h, d = qv.shape
     sk, hk = kv.shape[1], kv.shape[2]
-    if kv.shape[0] != b:
-        raise ValueError(f"k must have q's batch size {b}, got shape {validate.shape_str(kv)}")
-    if tuple(vv.shape) != tuple(kv.shape):
-        raise ValueError(f"v must have k's shape {validate.shape_str(kv)}, got {validate.shape_str(vv)}")
-    if kv.shape[3] != d:
-        raise ValueError(f"k must have q's head dim {d}, got {kv.shape[3]}")
     from .kernels.fwd_fp8 import HEAD_DIMS
     if d not in HEAD_DIMS:
         raise ValueError(f"FP8 attention takes head dims {_dims(HEAD_DIMS)}, got {d}")
-    if hk == 0 or h % hk:
-        raise ValueError(f"nheads ({h}) must be divisible by nheads_k ({hk})")
-    if max(*qv.shape, *kv.shape, b * h * sq) > validate.MAX_SIZE:  # (the names are built only then)
-        validate.sizes(*((f"q.shape[{i}]", n) for i, n in enumerate(qv.shape)),
-                       *((f"k.shape[{i}]", n) for i, n in enumerate(kv.shape)), ("batch * nheads * seqlen_q", b * h * sq))
-    for name, x in (("q", qv), ("k", kv), ("v", vv)):
-        if x.shape[3] > 1 and x.strides[3] != 1:
-            raise ValueError(f"{name} must be contiguous in its last dim (stride 1), got strides {tuple(x.strides)}")
-    validate.same_place(("q", qv), ("k", kv), ("v", vv))
     for name, x in (("q", qv), ("k", kv)):  # read by the TMA: 16-byte aligned rows, positive strides
         if x.ptr % 16 or any(s <= 0 or s % 16 or s >= 1 << 40 for s in x.strides[:3]):
             raise ValueError(f"{name} must start 16-byte aligned with positive batch, seqlen and head strides in "
@@ -92,16 +76,8 @@ def attention_fp8(q, k, v, *, causal=False, softmax_scale=None, return_lse=False
     ov = None
     if out is not None:
         ov = validate.view(out, "out")
-        if ov.framework == "dlpack":
-            raise TypeError("out must be a PyTorch tensor (written in place)")
-        if ov.framework != qv.framework:
-            raise TypeError(f"out must be a {qv.framework} array like q, got a {ov.framework} array")
-        if tuple(ov.shape) != tuple(qv.shape):
-            raise ValueError(f"out must have q's shape {validate.shape_str(qv)}, got {validate.shape_str(ov)}")
-        if ov.dtype != OUT_DTYPE:
-            raise TypeError(f"out must be bfloat16 (FP8 attention's output), got {ov.dtype}")
-        validate.same_place(("q", qv), ("out", ov))
-        if ov.ptr % 16 or ov.strides[3] != 1 or any(s % 8 and n > 1 for s, n in zip(ov.strides[:3], ov.shape[:3])):
+        validate.out(ov, qv, out, dtype=OUT_DTYPE)
+        if ov.ptr % 16 or any(s % 8 and n > 1 for s, n in zip(ov.strides[:3], ov.shape[:3])):
             raise ValueError(f"out must start 16-byte aligned, contiguous in its last dim, with strides in multiples "
                              f"of 8 elements, got strides {tuple(ov.strides)}")
     from .api import device_facts

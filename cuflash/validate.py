@@ -98,16 +98,17 @@ def _last_dim_contiguous(x, name, what="contiguous in its last dim (stride 1)"):
         raise ValueError(f"{name} must be {what}, got strides {tuple(x.strides)}")
 
 
-def operands(q, k, v, same_batch=True, names=("q", "k", "v")):
+def operands(q, k, v, same_batch=True, names=("q", "k", "v"), dtypes=SUPPORTED_DTYPES):
     """Rank, dtype, shape, size, layout and placement rules shared by every entry point (views
     of 4 dims: varlen calls pass their packed arrays seen as batches). A KV cache's batch dim may
-    differ from q's (cache_batch_idx, pages): ``same_batch=False``."""
+    differ from q's (cache_batch_idx, pages): ``same_batch=False``. ``dtypes``: q's accepted dtypes
+    (the FP8 path checks its own first and passes them)."""
     nq, nk, nv = names
     for name, x in ((nq, q), (nk, k), (nv, v)):
         if len(x.shape) != 4:
             raise ValueError(f"{name} must have 4 dims (batch, seqlen, nheads, headdim); "
                              f"got shape {shape_str(x)}")
-    if q.dtype not in SUPPORTED_DTYPES:
+    if q.dtype not in dtypes:
         raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}; cast it first "
                         "(e.g. q.to(torch.bfloat16) or q.astype(cupy.float16))")
     for name, x in ((nk, k), (nv, v)):
@@ -135,9 +136,9 @@ def operands(q, k, v, same_batch=True, names=("q", "k", "v")):
     same_place((nq, q), (nk, k), (nv, v))
 
 
-def out(o, q, original=None):
+def out(o, q, original=None, dtype=None):
     """A caller's ``out`` view for ``q``; ``original`` is the object the caller passed (host
-    ``out`` must be a writable ndarray)."""
+    ``out`` must be a writable ndarray); ``dtype``: out's dtype when it is not q's (FP8's bf16)."""
     if o.framework == "dlpack":
         raise TypeError("out must be a PyTorch, CuPy or NumPy array (arrays written in place); "
                         f"got {_type(o.array[0])}")
@@ -148,7 +149,9 @@ def out(o, q, original=None):
         raise TypeError(f"out in host memory must be a writable NumPy array, got {_type(original)}")
     if tuple(o.shape) != tuple(q.shape):
         raise ValueError(f"out must have q's shape {shape_str(q)}, got {shape_str(o)}")
-    if o.dtype != q.dtype:
+    if dtype is not None and o.dtype != dtype:
+        raise TypeError(f"out must be {dtype}, got {o.dtype}")
+    if dtype is None and o.dtype != q.dtype:
         raise TypeError(f"out must have q's dtype {q.dtype}, got {o.dtype}")
     same_place(("q", q), ("out", o))
     _last_dim_contiguous(o, "out", "contiguous in its last dim")

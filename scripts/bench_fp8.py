@@ -19,33 +19,16 @@ VARIANTS = {"planned": {}, "lazy": dict(lazy_rescale=True), "lazy slack8": dict(
             "3 stages": dict(stages=3), "no ping-pong": dict(pingpong=False)}
 
 
-LABELS = {"fp8": "cuflash FP8 (e4m3)", "bf16": "cuflash bf16", "cudnn bf16": "SDPA cuDNN bf16"}
-
-
 def plot(rows, path):
-    """TF/s against tokens per sequence, a panel per head dim and mask, a line per implementation."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    panels = sorted({(r["d"], r["causal"]) for r in rows})
-    ncol = 2
-    fig, axes = plt.subplots((len(panels) + 1) // ncol, ncol, figsize=(10, 3.4 * ((len(panels) + 1) // ncol)),
-                             squeeze=False)
-    for ax, (d, causal) in zip(axes.flat, panels):
-        rs = sorted((r for r in rows if (r["d"], r["causal"]) == (d, causal)), key=lambda r: r["seqlen"])
-        for impl in rs[0]["tflops"]:
-            ax.plot([r["seqlen"] for r in rs], [r["tflops"][impl] for r in rs], marker="o", label=LABELS.get(impl, impl))
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"d={d} {'causal' if causal else 'full'} (batch x seqlen = 16k tokens)")
-        ax.set_xlabel("seqlen")
-        ax.set_ylabel("TFLOP/s")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    for ax in list(axes.flat)[len(panels):]:
-        ax.set_visible(False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    """TF/s against tokens per sequence, a panel per head dim and mask (cuflash.bench.plot)."""
+    from cuflash import bench
+    flat = [dict(dtype="e4m3 vs bf16", d=r["d"], causal=r["causal"], seqlen=r["seqlen"],
+                 **{f"{IMPLS[n]}_tflops": t for n, t in r["tflops"].items()}) for r in rows]
+    bench.plot(flat, "prefill", path, impls=tuple(IMPLS.values()))
+
+
+# The implementations' names in the rows -> their line labels in the plot.
+IMPLS = {"fp8": "cuflash_fp8", "bf16": "cuflash_bf16", "cudnn bf16": "sdpa_cudnn_bf16"}
 
 
 def median_ms(fn, reps=10, calls=10):

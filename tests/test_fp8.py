@@ -335,3 +335,39 @@ def test_gpu_trial_variants(trial, d, causal, rng, monkeypatch):
     assert np.abs(lse.cpu().numpy() - lse64).max() < 0.05
     if fields.get("rescale_slack", 0) == fwd_fp8.planned_fields(d, causal).get("rescale_slack", 0):
         assert torch.equal(out, planned)
+
+
+def test_argument_checks_before_any_launch(fake_views):
+    """The FP8 path's checks on hand-made device views (no GPU): each bad argument raises naming
+    itself before anything is allocated or launched."""
+    from conftest import fake_view
+    import cuflash
+    q = fake_view(0, (1, 8, 2, 128), "float8_e4m3fn")
+    ok = dict(k=q, v=q)
+    cases = [
+        (dict(k=fake_view(0, (1, 8, 2, 128), "bfloat16")), TypeError, "k must be float8_e4m3fn"),
+        (dict(k=fake_view(0, (3, 8, 2, 128), "float8_e4m3fn")), ValueError, "k must have q's batch size"),
+        (dict(v=fake_view(0, (1, 9, 2, 128), "float8_e4m3fn")), ValueError, "v must have k's shape"),
+        (dict(k=fake_view(0, (1, 8, 3, 128), "float8_e4m3fn"), v=fake_view(0, (1, 8, 3, 128), "float8_e4m3fn")),
+         ValueError, "divisible by nheads_k"),
+        (dict(q_descale=fake_view(0, (1, 3), "float32")), ValueError, r"q_descale must have shape \(batch, nheads_k\)"),
+        (dict(v_descale=fake_view(0, (1, 2), "float16")), TypeError, "v_descale must be float32"),
+        (dict(window_size=(4, 4)), NotImplementedError, "window_size"),
+        (dict(num_splits=2), NotImplementedError, "num_splits"),
+        (dict(out=fake_view(0, (1, 8, 2, 128), "float16")), TypeError, "out must be bfloat16"),
+        (dict(out=fake_view(0, (1, 8, 2, 64), "bfloat16")), ValueError, "out must have q's shape"),
+        (dict(out=fake_view(0, (1, 8, 2, 128), "bfloat16", strides=(2048, 256, 128, 1), ptr=(1 << 20) + 8)),
+         ValueError, "out must start 16-byte aligned"),
+    ]
+    for extra, exc, match in cases:
+        args = dict(ok, **extra)
+        with pytest.raises(exc, match=match):
+            cuflash.attention(q, args.pop("k"), args.pop("v"), **args)
+    odd = fake_view(0, (1, 8, 2, 128), "float8_e4m3fn", strides=(17, 256, 128, 1))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        cuflash.attention(odd, q, q)
+    q96 = fake_view(0, (1, 8, 2, 96), "float8_e4m3fn")
+    with pytest.raises(ValueError, match="head dims 64, 128 and 256"):
+        cuflash.attention(q96, q96, q96)
+    with pytest.raises(ValueError, match="contiguous in its last dim"):
+        cuflash.attention(fake_view(0, (1, 8, 2, 128), "float8_e4m3fn", strides=(4096, 512, 256, 2)), q, q)

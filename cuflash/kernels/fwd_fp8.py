@@ -19,7 +19,7 @@ from typing import ClassVar
 
 from . import KernelVariant
 from .fwd_ws import LPT_BYTES, MAX_CONSUMER_REGS, MAX_SMEM, PRODUCER_REGS, tensor_map
-from .params import TENSOR_MAP_BYTES, ParamTable, strides  # noqa: F401  (TENSOR_MAP_BYTES: the maps' size)
+from .params import ParamTable, strides
 
 HEAD_DIMS = (64, 128, 256)  # Q and K rows: 64 bytes (the 64-byte swizzle) or 128-byte blocks
 BLOCK_M, STAGES = 128, 2
@@ -206,7 +206,7 @@ def variants(arch: int, mods: bool = True) -> list[KernelVariant]:
 _LOG2E = 1.4426950408889634
 
 
-def _descale_fields(name: str, x, b: int, hk: int) -> dict:
+def _descale_fields(name: str, x) -> dict:
     """A (batch, heads_k) float32 descale's pointer and strides (broadcast dims stride 0), or null."""
     if x is None:
         return {name: 0, f"{name}_sb": 0, f"{name}_sh": 0}
@@ -215,7 +215,7 @@ def _descale_fields(name: str, x, b: int, hk: int) -> dict:
 
 
 def launch(qv, kv, vv, ov, lse_ptr: int, lse_strides: tuple, scale: float, causal: bool, descales: tuple,
-           vt_ptr: int, device: int, stream: int, variant: FwdFp8Variant | None = None):
+           vt_ptr: int, device: int, stream: int):
     """Both kernels on views (cuflash.arrays.View) already checked: q (b, sq, h, d), k, v (b, sk,
     hk, d) e4m3 with contiguous last dims and 16-byte-aligned rows, o bf16 like q, ``vt_ptr`` a
     scratch buffer of b * hk * d * keys_pad(sk) bytes, ``descales`` three (batch or 1, heads_k or
@@ -224,7 +224,7 @@ def launch(qv, kv, vv, ov, lse_ptr: int, lse_strides: tuple, scale: float, causa
     b, sq, h, d = qv.shape
     sk, hk = kv.shape[1], kv.shape[2]
     kp = keys_pad(sk)
-    variant = variant or planned(d, causal)
+    variant = planned(d, causal)
     vt_variant = _vt_variant(d)
     vt_kernel = compiler.get_kernel(vt_variant, device)
     vt_kernel(vt_variant.grid(b, sk, hk), (vt_variant.threads,), stream, shared_mem=0,
@@ -238,6 +238,5 @@ def launch(qv, kv, vv, ov, lse_ptr: int, lse_strides: tuple, scale: float, causa
            tma_vt=tensor_map(vt_ptr, (b, d, hk, kp), (hk * d * kp, kp, d * kp, 1), d, "e4m3"),
            o=ov.ptr, lse=lse_ptr, o_sb=ov.strides[0], o_ss=ov.strides[1], o_sh=ov.strides[2],
            lse_sb=lse_strides[0], lse_sh=lse_strides[1], lse_sr=lse_strides[2],
-           **_descale_fields("q_descale", qd, b, hk), **_descale_fields("k_descale", kd, b, hk),
-           **_descale_fields("v_descale", vd, b, hk),
+           **_descale_fields("q_descale", qd), **_descale_fields("k_descale", kd), **_descale_fields("v_descale", vd),
            seqlen_q=sq, seqlen_k=sk, ngroups=h // hk, scale_log2=scale * _LOG2E)
