@@ -35,7 +35,8 @@ def device_facts(device: int) -> DeviceFacts:
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None,
               num_splits=0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, startend_row_indices=None,
-              sinks=None, dropout_p=0.0, seed=None, offset=0, q_descale=None, k_descale=None, v_descale=None):
+              sinks=None, dropout_p=0.0, seed=None, offset=0, q_descale=None, k_descale=None, v_descale=None,
+              attention_chunk=0):
     """Scaled dot-product attention with flash-attn's ``flash_attn_func`` semantics.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim), float16
@@ -50,6 +51,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     (-1 = unbounded; causal sets right = 0). ``softcap > 0``: scores become
     softcap * tanh(score / softcap). ``alibi_slopes``: float32 (nheads,) or (batch, nheads),
     adding -slope * |i + sk - sq - j| to the scores.
+    ``attention_chunk=c > 0`` (FlashAttention-3's, Llama 4's chunked attention): query i sees
+    only the keys of its chunk, positions c * floor((i + sk - sq) / c) to that + c - 1, within
+    the causal mask or window; forward only (cuflash.torch refuses it where gradients are
+    needed), not with startend_row_indices.
     ``startend_row_indices``: a FlashMask mask (cuflash.masks), int32 (batch, 1 or nheads_k or
     nheads, seqlen_k, n) in q's framework and on its device (NumPy with NumPy q); not with a
     window, ALiBi, sinks or num_splits > 1.
@@ -76,12 +81,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     over V, scratch of V's size).
     """
     if q_descale is not None or k_descale is not None or v_descale is not None:
+        _no_fp8_chunk(attention_chunk)
         return _attention_fp8(q, k, v, causal, softmax_scale, return_lse, out, num_splits, window_size, softcap,
                               alibi_slopes, startend_row_indices, sinks, dropout_p,
                               (q_descale, k_descale, v_descale))
     sig = None if sinks is not None or not arrays.no_dropout(dropout_p, seed) else _signature(
         q, k, v, out, causal, softmax_scale, return_lse, num_splits, window_size, softcap, alibi_slopes,
-        startend_row_indices, offset)
+        startend_row_indices, offset, attention_chunk)
     if sig is not None:
         repeat = arrays.repeat_lookup(_repeats, sig)
         if repeat is not None:
@@ -90,6 +96,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
                 return res
     qv, kv, vv = validate.view(q, "q"), validate.view(k, "k"), validate.view(v, "v")
     if qv.dtype.startswith("float8"):
+        _no_fp8_chunk(attention_chunk)
         return _attention_fp8(q, k, v, causal, softmax_scale, return_lse, out, num_splits, window_size, softcap,
                               alibi_slopes, startend_row_indices, sinks, dropout_p,
                               (q_descale, k_descale, v_descale), (qv, kv, vv))
@@ -105,6 +112,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     mods = validate.mods(window_size, softcap, alibi_slopes, qv.shape[0], qv.shape[2], qv, scale)
     sv = validate.sinks(sinks, qv.shape[2], qv)
     drop = validate.dropout(dropout_p, seed, offset, num_splits, sv, startend_row_indices)
+    chunk = validate.attention_chunk(attention_chunk)
+    validate.chunk_alone(chunk, startend_row_indices=startend_row_indices is not None)
     fm = None
     if startend_row_indices is not None:
         fm = validate.flashmask(startend_row_indices, qv, kv, causal, num_splits, mods, sv is not None)
@@ -117,10 +126,17 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
                         window_size=mods[0], softcap=mods[1],
                         alibi_slopes=None if mods[2] is None else dev_array(mods[2]),
                         startend_row_indices=None if fm is None else dev_array(fm),
-                        sinks=None if sv is None else dev_array(sv), **validate.dropout_kwargs(drop))
+                        sinks=None if sv is None else dev_array(sv), attention_chunk=chunk,
+                        **validate.dropout_kwargs(drop))
         return _host_result(res, qv, out, return_lse)
 
-    return _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mods, sig, fm, sv, drop)
+    return _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mods, sig, fm, sv, drop, chunk)
+
+
+def _no_fp8_chunk(attention_chunk):
+    if validate.attention_chunk(attention_chunk):
+        from . import fp8
+        fp8._unsupported(attention_chunk=(attention_chunk, 0))
 
 
 def _attention_fp8(q, k, v, causal, softmax_scale, return_lse, out, num_splits, window_size, softcap, alibi_slopes,
@@ -176,7 +192,7 @@ def _sink_arg(sv):
 
 
 def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mods, sig=None, fm=None, sv=None,
-                      drop=None):
+                      drop=None, chunk=0):
     b, sq, h, d = qv.shape
     sk, hk = kv.shape[1], kv.shape[2]
     o_view, lse_arr = _outputs(qv, ov, return_lse)
@@ -197,7 +213,7 @@ def _attention_device(qv, kv, vv, ov, causal, scale, return_lse, num_splits, mod
                window, cap > 0, alibi is not None, sv is not None)
     recipe = _launch(problem, qv, *qk, kernel_out, lse_arr, scale, softcap=cap,
                      alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0), fm=fm, sinks=_sink_arg(sv),
-                     dropout=drop)
+                     dropout=drop, chunk=chunk)
     if not direct_out:
         o_view.array[...] = kernel_out.array[..., :d]
     elif sig is not None and all(in_place) and drop is None:  # read in place: the next such call can skip to here
@@ -216,7 +232,7 @@ _repeats: dict = cached_on_plans({})  # signature (see _signature) -> _Repeat
 
 
 def _signature(q, k, v, out, causal, softmax_scale, return_lse, num_splits, window_size, softcap,
-               alibi_slopes, startend_row_indices=None, offset=0):
+               alibi_slopes, startend_row_indices=None, offset=0, attention_chunk=0):
     """Everything the checks, the plan and the launch arguments of an ``attention`` call on
     PyTorch CUDA tensors depend on, except the data pointers (arrays.repeat_signature); None for
     other calls (ALiBi included). Calls with one signature pass the same checks and launch the
@@ -225,7 +241,7 @@ def _signature(q, k, v, out, causal, softmax_scale, return_lse, num_splits, wind
     if alibi_slopes is not None:
         return None
     return arrays.repeat_signature((q, k, v, out, startend_row_indices), window_size,
-                                   (causal, softmax_scale, return_lse, num_splits, softcap, offset))
+                                   (causal, softmax_scale, return_lse, num_splits, softcap, offset, attention_chunk))
 
 
 class _Repeat(NamedTuple):
@@ -278,19 +294,19 @@ _plans: dict = cached_on_plans({})
 
 
 def _plan_for(fields: tuple, device: int, kv: str = "dense", varlen: bool = False, flashmask=(0, 0),
-              leftpad: bool = False, dropout: bool = False, page_size: int = 0):
+              leftpad: bool = False, dropout: bool = False, page_size: int = 0, chunk: int = 0):
     """The plan of a call, cached on the call's fields (so a repeated shape builds no Problem);
     ``flashmask`` is (bound columns, heads) of startend_row_indices, or (0, 0); ``leftpad``: a
     contiguous cache with cache_leftpad; ``dropout``: attention dropout; ``page_size``: a paged
-    cache's rows per page."""
-    key = (fields, device, kv, varlen, flashmask, leftpad, dropout, page_size)
+    cache's rows per page; ``chunk``: attention_chunk."""
+    key = (fields, device, kv, varlen, flashmask, leftpad, dropout, page_size, chunk)
     plan = _plans.get(key)
     if plan is None:
         (b, sq, sk, h, hk, d, dtype, causal, return_lse, num_splits, window, softcap, alibi, sinks) = fields
         problem = Problem(b, sq, sk, h, hk, d, dtype, causal, return_lse, num_splits, kv=kv,
                           window=window, softcap=softcap, alibi=alibi, varlen=varlen, flashmask=flashmask[0],
                           flashmask_heads=flashmask[1], sinks=sinks, leftpad=leftpad, dropout=dropout,
-                          page_size=page_size)
+                          page_size=page_size, chunk=chunk)
         if len(_plans) > 4096:
             _plans.clear()
         plan = _plans[key] = make_plan(problem, device_facts(device))
@@ -298,13 +314,14 @@ def _plan_for(fields: tuple, device: int, kv: str = "dense", varlen: bool = Fals
 
 
 def _launch(problem, like, q, k, v, o, lse_arr, scale, kv="dense", varlen_kv=False, fm=None, leftpad_kv=False,
-            **extra):
+            chunk=0, **extra):
     """Plan ``problem`` (the tuple of Problem's first fields, see _plan_for) and launch it on
     ``like``'s stream; ``extra`` goes to launch.prepare (cache, softcap, ALiBi and varlen
     arguments); ``fm`` is the view of FlashMask's startend_row_indices or None. Returns the
     prepared launch (its Recipe)."""
     plan = _plan_for(problem, like.device, kv, varlen_kv, (fm.shape[3], fm.shape[1]) if fm is not None else (0, 0),
-                     leftpad_kv, extra.get("dropout") is not None, extra.get("page_size", 0) if kv == "paged" else 0)
+                     leftpad_kv, extra.get("dropout") is not None, extra.get("page_size", 0) if kv == "paged" else 0,
+                     chunk)
     dev = like.device
     stream = arrays.stream_for(like)
     lse_ptr = arrays.device_ptr(lse_arr) if lse_arr is not None else 0
@@ -327,7 +344,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                            causal=False, softmax_scale=None, num_splits=0, return_lse=False, out=None,
                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
-                           sinks=None):
+                           sinks=None, attention_chunk=0):
     """Decode/append attention over a KV cache, with flash-attn's ``flash_attn_with_kvcache``
     semantics.
 
@@ -350,8 +367,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
     (GPT-NeoX) when False. Any head dim from 1 to 256, contiguous or paged. Device arrays are the
     caller's contract, as in flash-attn (lengths must fit the cache and pages must exist); the
     kernels never read past a block table nor write past a cache's capacity whatever they say.
-    ``window_size``, ``softcap``, ``alibi_slopes`` and ``sinks`` are those of :func:`attention`,
-    aligned per sequence.
+    ``window_size``, ``softcap``, ``alibi_slopes``, ``sinks`` and ``attention_chunk`` are those of
+    :func:`attention`, aligned per sequence.
     """
     qv = validate.view(q, "q")
     kc, vc = validate.view(k_cache, "k_cache"), validate.view(v_cache, "v_cache")
@@ -374,6 +391,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
     num_splits = validate.num_splits(num_splits)
     window, softcap, alibi, alibi_sb = validate.mods(window_size, softcap, alibi_slopes, b, h, qv, scale)
     sv = validate.sinks(sinks, h, qv)
+    chunk = validate.attention_chunk(attention_chunk)
 
     paged = block_table is not None
     if paged:
@@ -453,7 +471,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
         elif unaligned and sq:
             q_in = _padded(qv, d_pad)
         if s_new or (rotary is not None and sq):
-            rowwise = _rotary_rowwise(causal, window, sq, alibi is not None, capacity)
+            rowwise = _rotary_rowwise(causal, window, sq, alibi is not None, capacity) or chunk > 0
             with arrays.on_device(qv.device):
                 launch.append_kv(kn, vn, kc, vc, seqlens_ptr, seqlen0, batch_idx, table, page_size, capacity,
                                  arrays.stream_for(qv), qv.device, device_facts(qv.device).arch,
@@ -469,7 +487,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
                     cache=(seqlens_ptr, batch_idx, *table), seqlen_k=seqlen_k_arg, page_size=page_size,
                     softcap=softcap, alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0),
                     sinks=_sink_arg(sv), pages_per_seq=bt.shape[1] if paged else 0,
-                    leftpad=leftpad.ptr if leftpad is not None else 0)
+                    leftpad=leftpad.ptr if leftpad is not None else 0, chunk=chunk)
             if not direct_out:
                 o_view.array[...] = kernel_out.array[..., :d]
         del held
@@ -550,7 +568,7 @@ def _rotary_rowwise(causal, window, seqlen_q, alibi, capacity) -> bool:
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                      alibi_slopes=None, return_lse=False, num_splits=0, block_table=None, out=None,
-                     sinks=None, dropout_p=0.0, seed=None, offset=0):
+                     sinks=None, dropout_p=0.0, seed=None, offset=0, attention_chunk=0):
     """Attention over packed variable-length sequences, with flash-attn's
     ``flash_attn_varlen_func`` semantics.
 
@@ -571,7 +589,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             and max_seqlen_q.__class__ is int and max_seqlen_k.__class__ is int):
         sig = arrays.repeat_signature((q, k, v, out, cu_seqlens_q, cu_seqlens_k), window_size,
                                       ("varlen", max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse,
-                                       num_splits, softcap, offset))
+                                       num_splits, softcap, offset, attention_chunk))
         repeat = arrays.repeat_lookup(_repeats, sig)
         if repeat is not None:
             res = repeat(q, k, v, out, cu_seqlens_q, cu_seqlens_k)
@@ -592,6 +610,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     window, cap, alibi, alibi_sb = validate.mods(window_size, softcap, alibi_slopes, batch, h, qv, scale)
     sv = validate.sinks(sinks, h, qv)
     drop = validate.dropout(dropout_p, seed, offset, num_splits, sv, None)
+    chunk = validate.attention_chunk(attention_chunk)
     if drop is not None and paged:
         raise ValueError("dropout_p > 0 cannot be combined with block_table (a paged KV cache): dropout is for "
                          "training, where flash-attn has no KV cache")
@@ -603,7 +622,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                max_sq, max_sk, causal=causal, softmax_scale=scale, window_size=window,
                                softcap=cap, alibi_slopes=dev_array(alibi), return_lse=return_lse,
                                num_splits=num_splits, block_table=dev_array(bt) if paged else None,
-                               sinks=dev_array(sv), **validate.dropout_kwargs(drop))
+                               sinks=dev_array(sv), attention_chunk=chunk, **validate.dropout_kwargs(drop))
         return _host_result(res, qv, out, return_lse)
 
     o_view, lse_arr = _outputs(qv, ov, return_lse)
@@ -629,7 +648,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     in_place = all(x.ptr == y.ptr for x, y in ((q4, qv), (k4, kv), (v4, vv)))
     recipe = _launch(problem, qv, q4, k4, v4, kernel_out, lse_arr, scale, kv="paged" if paged else "dense",
                      varlen_kv=True, softcap=cap, alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0),
-                     varlen=(cq.ptr, ck.ptr, total_q, kv.shape[0]), sinks=_sink_arg(sv), dropout=drop, **extra)
+                     varlen=(cq.ptr, ck.ptr, total_q, kv.shape[0]), sinks=_sink_arg(sv), dropout=drop, chunk=chunk,
+                     **extra)
     if not direct_out:
         o_view.array[...] = kernel_out.array[..., :d]
     elif sig is not None and in_place:  # read in place: the next such call can skip to here
@@ -693,7 +713,8 @@ def _plan_fp8(q, k, v, causal, softmax_scale, return_lse, num_splits, num_sms, a
 def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_splits=0,
          heuristic="cuflash", num_sms=None, arch=None, dtype="bfloat16", window_size=(-1, -1),
          softcap=0.0, alibi_slopes=None, backward=False, deterministic=False, startend_row_indices=None,
-         sinks=None, dropout_p=0.0, varlen=False, kv_cache=None, page_size=None, cache_leftpad=False):
+         sinks=None, dropout_p=0.0, varlen=False, kv_cache=None, page_size=None, cache_leftpad=False,
+         attention_chunk=0):
     """The plan ``attention(q, k, v, ...)`` would run: kernels, tiles, grids, splits and why; with
     ``backward=True``, the plan of its backward (``attention_backward(..., deterministic=...)``).
 
@@ -704,8 +725,8 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     seqlen_q or nheads 0) gives a plan that launches nothing. ``heuristic``:
     "cuflash" (default; decode splits tuned for cuflash's kernels) or "fa2" (FlashAttention-2's
     ``num_splits_heuristic``, to see what FA2 would do). ``window_size``, ``softcap``,
-    ``alibi_slopes`` and ``sinks`` (each of the last two an array, a shape tuple, or True) are
-    those of :func:`attention`; a plan with sinks takes the kernels and tiles of the call
+    ``alibi_slopes``, ``sinks`` (each of the last two an array, a shape tuple, or True) and
+    ``attention_chunk`` are those of :func:`attention`; a plan with sinks takes the kernels and tiles of the call
     without them and says how the sink joins the softmax. ``dropout_p`` > 0: the plan of a
     call with dropout (the standard kernel, never split; no fwd_ws or bwd_ws, the reason says why).
 
@@ -729,6 +750,7 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
     """
     if (isinstance(dtype, str) and dtype in FP8_NAMES
             or not isinstance(q, (tuple, list)) and str(getattr(q, "dtype", "")).endswith(FP8_NAMES)):
+        _no_fp8_chunk(attention_chunk)
         return _plan_fp8(q, k, v, causal, softmax_scale, return_lse, num_splits, num_sms, arch, window_size, softcap,
                          alibi_slopes, backward, startend_row_indices, sinks, dropout_p, varlen, kv_cache)
     dtype = validate.dtype_name(dtype)
@@ -752,6 +774,8 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
         sinks = validate.Shape((h,) if sinks is True else sinks, "float32", "sinks")
     sv = validate.sinks(sinks, h, qv)
     dropout = validate.dropout_p(dropout_p) > 0
+    chunk = validate.attention_chunk(attention_chunk)
+    validate.chunk_alone(chunk, startend_row_indices=startend_row_indices is not None)
     fm = None
     if startend_row_indices is not None:
         fm = startend_row_indices
@@ -771,7 +795,7 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, num_spl
                       deterministic=deterministic, sinks=sv is not None, dropout=dropout,
                       flashmask=fm.shape[3] if fm is not None else 0,
                       flashmask_heads=fm.shape[1] if fm is not None else 0, varlen=varlen, kv=kv_source,
-                      page_size=page_size, leftpad=leftpad)
+                      page_size=page_size, leftpad=leftpad, chunk=chunk)
     result = empty_plan(problem, facts) or (make_backward_plan if backward else make_plan)(problem, facts)
     if fm is not None:
         result = with_flashmask(result, fm.shape, fm.array if fm.framework == "numpy" else None)

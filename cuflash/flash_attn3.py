@@ -20,8 +20,10 @@ attention_varlen); ``flash_attn_with_kvcache`` is forward only, as in FlashAtten
   plan decides), ``num_splits`` of the differentiable functions (the plan decides; it is passed
   on where cuflash takes it: flash_attn_with_kvcache) and ``scheduler_metadata`` of
   :func:`get_scheduler_metadata` (which returns None: cuflash plans each call itself).
-- Not supported (NotImplementedError naming the argument): ``qv``, ``attention_chunk`` other than
-  0, ``sm_margin`` other than 0, ``seqused_q``, ``seqused_k`` without a paged cache, and in
+- ``attention_chunk`` (chunked attention) runs in every function, forward only as in
+  FlashAttention-3 (whose backward ignores it): a backward through a chunked output raises
+  NotImplementedError.
+- Not supported (NotImplementedError naming the argument): ``qv``, ``sm_margin`` other than 0, ``seqused_q``, ``seqused_k`` without a paged cache, and in
   flash_attn_with_kvcache ``cu_seqlens_q``, ``cu_seqlens_k_new``, ``rotary_seqlens``, ``qv`` and
   the descales. :func:`flash_attn_combine` merges split partials with PyTorch operations (no
   kernel of its own).
@@ -86,14 +88,14 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     """FlashAttention-3's ``flash_attn_func``: q (batch, seqlen_q, nheads, d), k (batch, seqlen_k,
     nheads_k, d), v (batch, seqlen_k, nheads_k, dv). Returns out (batch, seqlen_q, nheads, dv), or
     (out, softmax_lse (batch, nheads, seqlen_q)) with ``return_attn_probs=True``."""
-    _refuse(qv=qv, attention_chunk=attention_chunk, sm_margin=sm_margin)
+    _refuse(qv=qv, sm_margin=sm_margin)
     _hints(num_splits, pack_gqa)
     window = _window(window_size)
 
     def run(q, k, v, scale):
         return ops.attention(q, k, v, causal=causal, softmax_scale=scale, window_size=window, softcap=_softcap(softcap),
                              deterministic=deterministic, return_lse=True, q_descale=q_descale,
-                             k_descale=k_descale, v_descale=v_descale)
+                             k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk)
     out, lse = _value_pieces(run, q, k, v, softmax_scale)
     return (out, lse) if return_attn_probs else out
 
@@ -127,15 +129,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """FlashAttention-3's ``flash_attn_varlen_func``: q (total_q, nheads, d), k (total_k, nheads_k,
     d), v (total_k, nheads_k, dv), cu_seqlens int32 (batch + 1,). Returns out (total_q, nheads,
     dv), or (out, softmax_lse (nheads, total_q)) with ``return_attn_probs=True``."""
-    _refuse(qv=qv, attention_chunk=attention_chunk, sm_margin=sm_margin, seqused_q=seqused_q,
-            seqused_k=seqused_k, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    _refuse(qv=qv, sm_margin=sm_margin, seqused_q=seqused_q, seqused_k=seqused_k, q_descale=q_descale,
+            k_descale=k_descale, v_descale=v_descale)
     _hints(num_splits, pack_gqa)
     window = _window(window_size)
 
     def run(q, k, v, scale):
         return ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                     softmax_scale=scale, window_size=window, softcap=_softcap(softcap),
-                                    deterministic=deterministic, return_lse=True)
+                                    deterministic=deterministic, return_lse=True, attention_chunk=attention_chunk)
     out, lse = _value_pieces(run, q, k, v, softmax_scale)
     return (out, lse) if return_attn_probs else out
 
@@ -179,8 +181,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     attends to them; ``page_table`` is a paged cache's block table. Returns out, or (out,
     softmax_lse) with ``return_softmax_lse=True``."""
     _refuse(qv=qv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new, rotary_seqlens=rotary_seqlens,
-            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
-            sm_margin=sm_margin, scheduler_metadata=scheduler_metadata)
+            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, sm_margin=sm_margin,
+            scheduler_metadata=scheduler_metadata)
     _hints(num_splits, pack_gqa)
     if max_seqlen_q is not None and max_seqlen_q != q.shape[1]:
         raise ValueError(f"max_seqlen_q ({max_seqlen_q}) must be q's seqlen ({q.shape[1]}) without cu_seqlens_q")
@@ -191,7 +193,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=page_table, causal=causal,
         softmax_scale=softmax_scale, num_splits=num_splits, return_lse=bool(return_softmax_lse),
-        window_size=_window(window_size), softcap=_softcap(softcap), rotary_interleaved=rotary_interleaved)
+        window_size=_window(window_size), softcap=_softcap(softcap), rotary_interleaved=rotary_interleaved,
+        attention_chunk=attention_chunk)
     return res
 
 

@@ -230,7 +230,7 @@ def prepare(plan: Plan, q, k, v, o, softmax_scale: float, device: int, cache=NO_
         seqlens_k=seqlens_ptr, kv_batch_idx=batch_idx_ptr, block_table=table_ptr, cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k, alibi_slopes=alibi[0], **_flashmask_fields(plan, flashmask),
         **_sink_fields(plan, sinks), **_cache_fields(main.variant, pages_per_seq, leftpad),
-        **dropout_fields(main.variant, dropout))
+        **dropout_fields(main.variant, dropout), **({"attention_chunk": plan.chunk_eff} if main.variant.chunk else {}))
     split = splits(plan)
     rows = p.batch * plan.nheads_eff * plan.seqlen_q_eff
     n_o = plan.num_splits * rows * main.variant.head_dim if split else 0
@@ -375,7 +375,8 @@ def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int, flash
         seqlen_k=p.seqlen_k if seqlen_k is None else seqlen_k,
         ngroups=p.nheads // p.nheads_k, nheads=p.nheads, batch=p.batch, scale_log2=post * _LOG2E,
         **_flashmask_fields(plan, flashmask), **_sink_fields(plan, sinks), **({"tile_counter": 0} if w.persistent else {}),
-        **(dict(zip(("window_left", "window_right"), plan.window_eff)) if w.local else {}), **mods)
+        **(dict(zip(("window_left", "window_right"), plan.window_eff)) if w.local else {}),
+        **({"attention_chunk": plan.chunk_eff} if w.chunk else {}), **mods)
     early, smem = _early_smem(plan, main)
     tiles = (math.ceil(p.seqlen_q / w.block_m) * p.nheads * p.batch, 1, 1) if w.persistent else None
     return Recipe(plan, kernel, main.grid, (main.threads, 1, 1), smem, values[5:], False, {}, 0, 0, 0, early,

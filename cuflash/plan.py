@@ -81,6 +81,7 @@ class Problem:
     leftpad: bool = False  # a contiguous KV cache whose sequences start at row cache_leftpad[b]
     dropout: bool = False  # attention dropout on P (the probability, seed and offset are launch arguments)
     page_size: int = 0     # a paged cache's rows per page (0: not known, or not paged)
+    chunk: int = 0         # chunked attention (attention_chunk): keys in the query's chunk of this many, 0 = none
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class Plan:
     efficiency: tuple[tuple[int, float | None], ...]  # (splits, wave efficiency or None if ineligible)
     reason: str
     backward: bool = False  # the launches compute the gradients of the problem's forward
+    chunk_eff: int = 0      # attention_chunk as launched (0 where every query's chunk holds every key)
 
     @functools.cached_property
     def memo(self) -> dict:
@@ -132,6 +134,7 @@ class Plan:
     def __str__(self) -> str:
         p = self.problem
         extras = "".join([f" window={p.window}" if p.window != (-1, -1) else "",
+                          f" attention_chunk={p.chunk}" if p.chunk else "",
                           " softcap" if p.softcap else "", " alibi" if p.alibi else "",
                           " sinks" if p.sinks else "", " dropout" if p.dropout else "",
                           " varlen (max lengths)" if p.varlen else ""])
@@ -194,14 +197,26 @@ def effective_window(causal: bool, window: tuple[int, int], seqlen_q: int, seqle
     return (left, right)
 
 
-def band_tiles(rows: int, window: tuple[int, int], seqlen_q: int, seqlen_k: int, bn: int) -> int:
-    """Most K/V tiles of bn keys that a block of ``rows`` query rows can see under ``window``."""
+def band_tiles(rows: int, window: tuple[int, int], seqlen_q: int, seqlen_k: int, bn: int, chunk: int = 0) -> int:
+    """Most K/V tiles of bn keys that a block of ``rows`` query rows can see under ``window``
+    (and chunks of ``chunk`` keys: the rows' chunks span at most rows - 1 + chunk keys)."""
     n = cdiv(seqlen_k, bn)
+    if chunk:
+        n = max(1, min(n, cdiv(min(rows, seqlen_q) - 1 + chunk, bn) + 1))
     left, right = window
     if left < 0:
         return n
     span = min(rows, seqlen_q) + left + (right if right >= 0 else max(seqlen_q - 1, 0))
     return max(1, min(n, cdiv(span, bn) + 1))
+
+
+def effective_chunk(p: "Problem") -> int:
+    """attention_chunk as launched: 0 when every query's chunk holds every key (dense batches whose
+    queries all sit at key positions 0 ... chunk - 1 or later in one chunk: seqlen_k <= chunk and
+    seqlen_k >= seqlen_q), as FlashAttention-3 runs it otherwise."""
+    if p.chunk and p.kv == "dense" and not p.varlen and p.seqlen_q <= p.seqlen_k <= p.chunk:
+        return 0
+    return p.chunk
 
 
 _derived: list = []  # clear() of each cache kept on plans (cached_on_plans)
@@ -239,16 +254,24 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
     if p.flashmask:
         return _flashmask_plan(p, dev)
     window = effective_window(p.causal, p.window, p.seqlen_q, p.seqlen_k)
-    causal = window[0] < 0 and window[1] == 0  # FA2: causal is the window (-1, 0)
-    local = window != (-1, -1) and not causal
+    chunk = effective_chunk(p)
+    causal = window[0] < 0 and window[1] == 0 and not chunk  # FA2: causal is the window (-1, 0)
+    local = (window != (-1, -1) and not causal) or chunk > 0
+    if p.chunk:
+        why.append(f"attention_chunk={p.chunk}: " + (
+            f"each query sees only the keys of its chunk (key positions c * floor((i + sk - sq) / c) and the "
+            f"{p.chunk - 1} after), within its {'causal ' if p.causal else ''}band, so the band kernels run with "
+            "each tile walking only the K/V blocks of its rows' chunks." if chunk else
+            f"every query's chunk holds all {p.seqlen_k} keys: no chunk mask."))
     if p.window != (-1, -1):
         why.append(f"window {p.window} " + (f"runs as a local band {window}: K/V tiles outside it are "
                                              "never loaded." if local else
                                              "hides no key beyond " + ("the causal mask." if causal else
                                                                        "the sequence: no window mask.")))
     # FA2's seqlen_q/ngroups swap: one query per head, several heads per KV head -> rows. Not
-    # with a window or ALiBi, whose masks and biases depend on the query position and head.
-    pack = p.seqlen_q == 1 and ngroups > 1 and not local and not p.alibi and not p.dropout
+    # with ALiBi, whose biases depend on the head; a window or chunk masks every row as the one
+    # query (the standard kernel's row_step).
+    pack = p.seqlen_q == 1 and ngroups > 1 and not p.alibi and not p.dropout
     sq, nh, ng = (ngroups, p.nheads_k, 1) if pack else (p.seqlen_q, p.nheads, ngroups)
     if pack:
         why.append(f"seqlen_q=1 with {ngroups} query heads per KV head: each KV head's query heads "
@@ -265,7 +288,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
     bn = split_block_n(p.head_dim)
     n_blocks = cdiv(p.seqlen_k, bn)
     if p.heuristic == "cuflash":
-        n_blocks = band_tiles(SPLIT_BLOCK_M, window, p.seqlen_q, p.seqlen_k, bn)
+        n_blocks = band_tiles(SPLIT_BLOCK_M, window, p.seqlen_q, p.seqlen_k, bn, chunk)
     m_blocks = cdiv(sq, 64)
     work = p.batch * nh * m_blocks
     slots = 2 * dev.num_sms
@@ -293,7 +316,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         # Decode: about one block per SM, each split walking at least two 64-key tiles.
         fa2_splits, _ = num_splits_heuristic(work, slots, cdiv(p.seqlen_k, bn))  # FA2 counts every block
         dbn = decode_tile(bucket)[1]
-        d_blocks = band_tiles(DECODE_BLOCK_M, window, p.seqlen_q, p.seqlen_k, dbn)
+        d_blocks = band_tiles(DECODE_BLOCK_M, window, p.seqlen_q, p.seqlen_k, dbn, chunk)
         d_work = p.batch * nh * cdiv(sq, DECODE_BLOCK_M)
         # At least two tiles per split; beyond 16 splits at least four: the merge reads every
         # split's partials, so more splits must each bring more keys (BENCHMARKS.md, decode splits).
@@ -332,7 +355,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                        "(FA2's num_splits_heuristic).")
 
     launches = []
-    mods = dict(local=local, softcap=p.softcap, alibi=p.alibi, sinks=p.sinks, leftpad=p.leftpad,
+    mods = dict(local=local, chunk=chunk > 0, softcap=p.softcap, alibi=p.alibi, sinks=p.sinks, leftpad=p.leftpad,
                 kv_unaligned=p.kv != "dense" and p.head_dim % 8 != 0)
     if p.leftpad:
         why.append("cache_leftpad: each sequence's keys start at its cache_leftpad row.")
@@ -362,7 +385,8 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         if ws == "":
             v = fwd_ws.planned(bucket, p.dtype, causal, sq, dev.arch, seqlen_k=p.seqlen_k, local=local,
                                softcap=p.softcap, alibi=p.alibi, varlen=p.varlen, cache=p.kv == "cache",
-                               leftpad=p.leftpad, paged=p.kv == "paged", sinks=p.sinks, page_size=p.page_size)
+                               leftpad=p.leftpad, paged=p.kv == "paged", sinks=p.sinks, page_size=p.page_size,
+                               chunk=chunk > 0)
             why.append(f"sm_90: the warp-specialised kernel (fwd_ws, sm_90a): a producer warpgroup loads Q and "
                        f"K/V tiles of {v.block_n} keys {'(Q by TMA)' if v.gather else 'by TMA'} into {v.stages} "
                        f"stages on mbarriers; "
@@ -402,8 +426,9 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
         nbps, workspace = 0, 0
     else:
         bm, bn, warps, stages = decode_tile(bucket) if decode else (
-            SPLIT_BLOCK_M, split_tile_n(bucket, local, p.softcap, p.alibi, p.kv, mods["kv_unaligned"]), SPLIT_WARPS, 1)
-        n_blocks = band_tiles(bm, window, p.seqlen_q, p.seqlen_k, bn)  # in the kernel's own K/V blocks
+            SPLIT_BLOCK_M, split_tile_n(bucket, local, p.softcap, p.alibi, p.kv, mods["kv_unaligned"], chunk > 0),
+            SPLIT_WARPS, 1)
+        n_blocks = band_tiles(bm, window, p.seqlen_q, p.seqlen_k, bn, chunk)  # in the kernel's own K/V blocks
         nbps = cdiv(n_blocks, splits)
         v = FwdVariant(kind="fwd_split", head_dim=bucket, dtype=p.dtype, causal=causal, even_head_dim=even,
                        block_m=bm, block_n=bn, warps=warps, arch=dev.arch, stages=stages, kv=p.kv, **mods)
@@ -420,7 +445,7 @@ def make_plan(p: Problem, dev: DeviceFacts) -> Plan:
                    "where no counter buffer can be made (a first call inside a CUDA graph capture).")
     check_grids(launches)
     return Plan(p, dev, tuple(launches), max(splits, 1), nbps, pack, sq, nh, ng, causal, window,
-                workspace, table, " ".join(why))
+                workspace, table, " ".join(why), chunk_eff=chunk)
 
 
 def _flashmask_plan(p: Problem, dev: DeviceFacts) -> Plan:
@@ -479,7 +504,7 @@ def _flashmask_plan(p: Problem, dev: DeviceFacts) -> Plan:
 def _flashmask_rejects(p: Problem) -> None:
     """A ValueError naming what a FlashMask problem (forward or backward) cannot be combined with."""
     for bad, what in ((p.window != (-1, -1), f"window_size={p.window}"), (p.alibi, "alibi_slopes"),
-                      (p.sinks, "sinks (attention sinks)"),
+                      (p.sinks, "sinks (attention sinks)"), (p.chunk, f"attention_chunk={p.chunk}"),
                       (p.num_splits > 1, f"num_splits={p.num_splits}"), (p.kv != "dense", "a KV cache"),
                       (p.varlen, "varlen (packed) sequences")):
         if bad:
@@ -573,6 +598,9 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     window = effective_window(p.causal, p.window, p.seqlen_q, p.seqlen_k)
     causal = window[0] < 0 and window[1] == 0
     local = window != (-1, -1) and not causal
+    if effective_chunk(p):
+        raise NotImplementedError(f"attention_chunk={p.chunk} has no backward in cuflash (the forward runs it, as "
+                                  "FlashAttention-3's does); its backward kernels have no chunk mask yet")
     _dropout_rejects(p)
     if p.flashmask:
         _flashmask_rejects(p)

@@ -85,8 +85,9 @@ class _Args:
     the ALiBi slopes as float64 (batch, nheads) or None."""
 
     def __init__(self, q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, precision,
-                 startend_row_indices=None, sinks=None, dropout=None, batch0=0):
+                 startend_row_indices=None, sinks=None, dropout=None, batch0=0, chunk=0):
         self.q, self.k, self.v = np.asarray(q), np.asarray(k), np.asarray(v)
+        self.chunk = validate.attention_chunk(chunk)
         slopes = None if alibi_slopes is None else np.asarray(alibi_slopes, dtype=np.float64)
         _validate(self.q, self.k, self.v, slopes)
         batch, sq, nheads, d = self.q.shape
@@ -138,7 +139,7 @@ class _Args:
                     i1 = min(sq, i0 + rows)
                     qg = q[b, i0:i1, hs].astype(np.float64).transpose(1, 0, 2)  # (G, r, d)
                     s, dcap = _scores(qg, kg, self.scale, self.softcap, slopes, i0, i1, sq, sk,
-                                      self.left, self.right, self._flashmask(b, g, hs, i0, i1))
+                                      self.left, self.right, self._flashmask(b, g, hs, i0, i1), self.chunk)
                     yield b, g, hs, i0, i1, qg, kg, vg, s, dcap
 
     def sink(self, hs):
@@ -157,10 +158,11 @@ class _Args:
         return masks.to_dense(x[b:b + 1, heads], self.q.shape[1], self.causal, rows=(i0, i1))[0]
 
 
-def _scores(qg, kg, scale, softcap, slopes, i0, i1, sq, sk, left, right, masked=None):
+def _scores(qg, kg, scale, softcap, slopes, i0, i1, sq, sk, left, right, masked=None, chunk=0):
     """Masked scores (G, r, sk) of query rows i0:i1 of a KV head's group, and the softcap's
     derivative d(softcap * t) / d(scale * q.k) = 1 - t^2 (1.0 without a softcap). ``masked``
-    (True = masked, broadcast to (G, r, sk)) hides more entries (FlashMask)."""
+    (True = masked, broadcast to (G, r, sk)) hides more entries (FlashMask); ``chunk`` > 0 hides
+    the keys outside each row's chunk (attention_chunk)."""
     s = np.matmul(qg, kg.T) * scale
     dcap = 1.0
     if softcap > 0:
@@ -175,6 +177,9 @@ def _scores(qg, kg, scale, softcap, slopes, i0, i1, sq, sk, left, right, masked=
         visible &= j >= diag - left
     if right >= 0:
         visible &= j <= diag + right
+    if chunk:
+        start = diag - diag % chunk  # floor to the chunk (Python's % is non-negative for chunk > 0)
+        visible &= (j >= start) & (j < start + chunk)
     if masked is not None:
         visible = visible & ~masked
     return np.where(visible, s, -np.inf), dcap
@@ -222,7 +227,8 @@ def _output(p, l, vg, rnd, rp=1.0):
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
               window_size=(-1, -1), softcap=0.0, alibi_slopes=None, precision="float64",
-              startend_row_indices=None, sinks=None, dropout_p=0.0, seed=None, offset=0, batch0=0):
+              startend_row_indices=None, sinks=None, dropout_p=0.0, seed=None, offset=0, batch0=0,
+              attention_chunk=0):
     """Reference attention; returns out (like q) or (out, lse) with lse (batch, nheads, seqlen_q).
 
     Arguments follow cuflash.attention's rules: ``causal`` a bool, ``softmax_scale`` None or a
@@ -236,9 +242,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
     probabilities P after the softmax and scales the kept ones by 1 / (1 - dropout_p), as
     flash-attn does: out = (P Z / (1 - dropout_p)) v with the mask Z regenerated from (seed,
     offset, batch0 + b, h, i, j); the LSE is the softmax's (dropout does not change it).
+    ``attention_chunk`` = c > 0: row i sees only keys c * floor((i + sk - sq) / c) ... + c - 1 (within
+    its causal mask or window), as FlashAttention-3's attention_chunk.
     """
     a = _Args(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, precision,
-              startend_row_indices, sinks, _dropout_tuple(dropout_p, seed, offset), batch0)
+              startend_row_indices, sinks, _dropout_tuple(dropout_p, seed, offset), batch0, attention_chunk)
     batch, sq, nheads, d = a.q.shape
     out = np.zeros((batch, sq, nheads, d), dtype=np.float64)
     lse = np.full((batch, nheads, sq), np.inf, dtype=np.float64)
@@ -394,7 +402,7 @@ def _sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, precision, mod
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softmax_scale=None,
                      return_lse=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     precision="float64", sinks=None, dropout_p=0.0, seed=None, offset=0):
+                     precision="float64", sinks=None, dropout_p=0.0, seed=None, offset=0, attention_chunk=0):
     """Reference for packed variable-length batches (flash-attn's ``flash_attn_varlen_func``).
 
     q is (total_q, nheads, d), k and v (total_k, nheads_k, d); sequence b holds rows
@@ -413,7 +421,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softm
     for b, (qs, ks, s) in enumerate(seqs):
         o, l = attention(q[None, qs], k[None, ks], v[None, ks], return_lse=True, alibi_slopes=s,
                          precision=precision, sinks=sinks, dropout_p=dropout_p, seed=seed, offset=offset,
-                         batch0=b, **mods)
+                         batch0=b, attention_chunk=attention_chunk, **mods)
         out[qs], lse[:, qs] = o[0], l[0]
     return (out, lse) if return_lse else out
 

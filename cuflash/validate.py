@@ -340,6 +340,24 @@ def num_splits(n):
     return int(n)
 
 
+def attention_chunk(x):
+    """FlashAttention-3's ``attention_chunk``: an int >= 0 (0: none); with c > 0 query i sees only
+    the keys of its chunk, positions [c * floor((i + sk - sq) / c), + c), within its mask."""
+    if not _is_int(x):
+        raise TypeError(f"attention_chunk must be an int, got {_type(x)}")
+    if not 0 <= x <= MAX_SIZE:
+        raise ValueError(f"attention_chunk must be 0 (none) or a chunk length in keys, in [1, {MAX_SIZE}], got {x}")
+    return int(x)
+
+
+def chunk_alone(chunk, **others):
+    """ValueError naming attention_chunk and the first of ``others`` (name=given) that is given:
+    the options a chunked call cannot take."""
+    for name, given in others.items():
+        if chunk and given:
+            raise ValueError(f"attention_chunk cannot be combined with {name}, got attention_chunk={chunk}")
+
+
 def _real(x, name):
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {_type(x)}")

@@ -68,8 +68,9 @@ def test_decode_window_splits(rng, window):
     q, k, v = torch_inputs(rng, 1, 1, 20000, 28, 4, 128, "bfloat16")
     plan = cuflash.plan(q, k, v, causal=True, window_size=window)
     assert "local" in plan.kernels[0]
-    # (4095, 0): 65 tiles of 64 keys over 4 splits; (100, 100): 3 tiles, too few to split
-    assert plan.num_splits == (4 if window == (4095, 0) else 1), str(plan)
+    # (4095, 0): 65 tiles of 64 keys over 13 splits (4 blocks of the 7 query heads of a KV head
+    # packed as rows); (100, 100): 3 tiles, too few to split
+    assert plan.pack_gqa and plan.num_splits == (13 if window == (4095, 0) else 1), str(plan)
     out, lse = cuflash.attention(q, k, v, causal=True, window_size=window, return_lse=True)
     args = [to_np(x) for x in (q, k, v)]
     ref, ref_lse = reference.attention(*args, causal=True, window_size=window, return_lse=True)

@@ -148,13 +148,14 @@ def test_alibi_prevents_gqa_packing():
     assert "seqlen_q/ngroups swap" not in p.reason
 
 
-def test_window_prevents_gqa_packing():
+def test_window_keeps_gqa_packing():
     # window (1024, 0), one query: (1024, -1); the band is 1 + 1024 keys -> ceil(1025/64) + 1 = 18
-    # tiles; min(132 // 28 = 4, 18 // 2 = 9) = 4 splits, ceil(18 / 4) = 5 tiles each (4 used)
+    # tiles; 4 packed blocks of 7 rows: min(132 // 4 = 33, max(18 // 4, min(18 // 2, 16)) = 9) = 9
+    # splits of 2 tiles. Every packed row is the one query, so the band masks them alike.
     p = plan(DEC_Q, DEC_KV, window_size=(1024, 0))
     assert p.window_eff == (1024, -1) and p.local
-    assert not p.pack_gqa and (p.seqlen_q_eff, p.nheads_eff, p.ngroups_eff) == (1, 28, 7)
-    assert p.num_splits == 4 and p.n_blocks_per_split == 5
+    assert p.pack_gqa and (p.seqlen_q_eff, p.nheads_eff, p.ngroups_eff) == (7, 4, 1)
+    assert p.num_splits == 9 and p.n_blocks_per_split == 2
     assert p.kernels[0] == "fwd_split_d128_bf16_local_m16n64w4s3_sm90"
     assert "18 K/V tiles of 64 keys" in p.reason and "get none" not in p.reason
 
@@ -174,19 +175,19 @@ SW_Q, SW_KV = (1, 1, 28, 128), (1, 32768, 4, 128)  # 32k keys: 512 tiles of 64, 
 
 def test_sliding_window_decode_splits_over_the_band():
     # window (4095, 0), one query -> (4095, -1): 1 + 4095 = 4096 keys, at most 64 + 1 = 65 tiles
-    # of 64. 28 unpacked heads: min(132 // 28 = 4, max(65 // 4, min(65 // 2, 16)) = 16) = 4 splits;
-    # ceil(65/4) = 17 tiles each. Without the window the same call packs and splits 32 ways over
-    # 512 tiles (min(33, max(128, 16)) = 33, normalised to 32 splits of 16 tiles).
+    # of 64. 4 packed blocks (7 query heads per KV head as rows): min(132 // 4 = 33,
+    # max(65 // 4, min(65 // 2, 16)) = 16) = 16, normalised to 13 splits of 5 tiles. Without the
+    # window the same call splits 32 ways over 512 tiles (min(33, max(128, 16)) = 33 -> 32 of 16).
     p = plan(SW_Q, SW_KV, window_size=(4095, 0))
-    assert p.window_eff == (4095, -1) and not p.pack_gqa
-    assert p.num_splits == 4 and p.n_blocks_per_split == 17
+    assert p.window_eff == (4095, -1) and p.pack_gqa
+    assert p.num_splits == 13 and p.n_blocks_per_split == 5
     assert p.n_blocks_per_split * p.num_splits < 512 // 4
     assert p.kernels == ("fwd_split_d128_bf16_local_m16n64w4s3_sm90", "combine_d128_bf16_sm90")
-    assert p.launches[0].grid == (1, 28, 4) and p.launches[1].grid == (7, 1, 1)
-    assert p.workspace_bytes == 4 * 28 * (128 + 1) * 4
-    for frag in ("runs as a local band (4095, -1)", "28 block(s) of 16 query rows", "65 K/V tiles of 64 keys",
-                 "one block per SM (4)", "at least two and beyond 16 splits at least four (16)", "4 splits",
-                 "Each split walks 17 K/V block(s) of 64 keys"):
+    assert p.launches[0].grid == (1, 4, 13) and p.launches[1].grid == (7, 1, 1)
+    assert p.workspace_bytes == 13 * 28 * (128 + 1) * 4
+    for frag in ("runs as a local band (4095, -1)", "4 block(s) of 16 query rows", "65 K/V tiles of 64 keys",
+                 "one block per SM (33)", "at least two and beyond 16 splits at least four (16)", "13 splits",
+                 "Each split walks 5 K/V block(s) of 64 keys"):
         assert frag in p.reason, frag
     assert p.efficiency == ()  # cuflash's decode rule has no wave table
     full = plan(SW_Q, SW_KV)
@@ -195,16 +196,15 @@ def test_sliding_window_decode_splits_over_the_band():
 
 def test_sliding_window_decode_fa2_counts_every_block():
     # FA2's rule sees all ceil(32768 / 128) = 256 blocks: up to min(128, 264, 256) = 128 splits.
-    # 28 blocks: efficiency 28s/264 for s <= 9 (s = 8: 0.848, s = 9: 0.955); no eligible count
-    # beats 0.998 (the nearest are 47 and 113 splits, both ineligible), so 8 is within 85%.
+    # 4 packed blocks: efficiency 4s/264 up to s = 66; 64 splits (0.970) is the smallest within 85%
+    # of the best eligible count's.
     p = plan(SW_Q, SW_KV, window_size=(4095, 0), heuristic="fa2")
-    assert p.num_splits == 8 and len(p.efficiency) == 128
-    assert dict(p.efficiency)[8] == pytest.approx(8 * 28 / 264)
-    assert dict(p.efficiency)[47] is None and dict(p.efficiency)[113] is None
+    assert p.num_splits == 64 and len(p.efficiency) == 128
+    assert dict(p.efficiency)[64] == pytest.approx(64 * 4 / 264)
     assert "block_n=128 gives 256 K/V blocks" in p.reason
-    assert "8 is the smallest eligible split count" in p.reason
-    # the kernel still walks only the band: ceil(65 / 8) = 9 tiles of 64 per split
-    assert p.n_blocks_per_split == 9 and p.launches[0].grid == (1, 28, 8)
+    assert "64 is the smallest eligible split count" in p.reason
+    # the kernel still walks only the band: ceil(65 / 64) = 2 tiles of 64 per split, 31 splits none
+    assert p.n_blocks_per_split == 2 and p.launches[0].grid == (1, 4, 64)
     assert p.kernels == ("fwd_split_d128_bf16_local_m16n64w4s3_sm90", "combine_d128_bf16_sm90")
 
 
@@ -236,7 +236,7 @@ def test_causal_window_decode_is_local():
     # causal with a left edge: right 0 -> -1 for one query, left 4095 kept
     p = plan(SW_Q, SW_KV, causal=True, window_size=(4095, -1))
     assert p.window_eff == (4095, -1) and p.local and not p.causal_eff
-    assert p.num_splits == 4 and p.kernels[0] == "fwd_split_d128_bf16_local_m16n64w4s3_sm90"
+    assert p.pack_gqa and p.num_splits == 13 and p.kernels[0] == "fwd_split_d128_bf16_local_m16n64w4s3_sm90"
 
 
 # ---------------------------------------------------------------------------------------------

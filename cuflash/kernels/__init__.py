@@ -104,11 +104,11 @@ class KernelVariant:
 def tile_name(kind: str, head_dim: int, dtype: str, *, causal: bool, local: bool, softcap: bool,
               alibi: bool, even_head_dim: bool, mma: str, kv: str, block_m: int, block_n: int,
               warps: int, stages: int, arch: int, flashmask: int = 0, sinks: bool = False,
-              leftpad: bool = False, kv_unaligned: bool = False, dropout: bool = False) -> str:
+              leftpad: bool = False, kv_unaligned: bool = False, dropout: bool = False, chunk: bool = False) -> str:
     """The name of a tiled attention kernel (forward or backward): kind, bucket, dtype, mask,
     score modifiers (attention sinks included), column predicates, product, K/V source, tile and
     arch."""
-    mask = "local" if local else ("causal" if causal else "full")
+    mask = ("chunk" if chunk else "local") if local else ("causal" if causal else "full")
     mods = ("_softcap" if softcap else "") + ("_alibi" if alibi else "")
     even = "" if even_head_dim else "_dpred"
     layout = "" if mma == "sync" else f"_{mma}"

@@ -80,15 +80,15 @@ def split_block_n(d: int) -> int:
 
 
 def split_tile_n(bucket: int, local: bool = False, softcap: bool = False, alibi: bool = False,
-                 kv: str = "dense", unaligned: bool = False) -> int:
+                 kv: str = "dense", unaligned: bool = False, chunk: bool = False) -> int:
     """Keys per K/V tile of the split-KV kernel (outside decode): FA2's block_n, but at most 64
     (32 above d = 128) where its registers spill at FA2's tile: a window with softcap and ALiBi
     together, or a window with either of them over a paged cache (block-table lookups); and at
-    most 128 when the cache's rows are read element by element (``unaligned``), whose 256-key
-    tiles at d = 64 spill."""
+    most 128 when the cache's rows are read element by element (``unaligned``) or the band is
+    cut into chunks (``chunk``), whose 256-key tiles at d = 64 spill."""
     heavy = local and ((softcap and alibi) or (kv == "paged" and (softcap or alibi)))
     n = (64 if bucket <= 128 else 32) if heavy else split_block_n(bucket)
-    return min(n, 128) if unaligned else n
+    return min(n, 128) if unaligned or chunk else n
 
 
 PARAMS = ParamTable("FwdParams", (
@@ -134,16 +134,19 @@ LEFTPAD_FIELDS = (("kv_leftpad", "const int*"),)
 # the 16-bit keep threshold and 1 / (1 - dropout_p) (templates/common/dropout.cuh).
 DROPOUT_FIELDS = (("dropout_seed", "long long"), ("dropout_offset", "long long"), ("dropout_keep", "int"),
                   ("dropout_scale", "float"))
+# Chunk variants (chunked attention on a local band) take the chunk's length in keys.
+CHUNK_FIELDS = (("attention_chunk", "int"),)
 
 
 @functools.lru_cache(maxsize=None)
-def _params(flashmask: bool, sinks: bool, paged: bool, leftpad: bool, dropout: bool = False) -> ParamTable:
+def _params(flashmask: bool, sinks: bool, paged: bool, leftpad: bool, dropout: bool = False,
+            chunk: bool = False) -> ParamTable:
     """The struct of a variant: PARAMS with the optional field groups before the trailing data
     pointers, in a fixed order (so each combination has one layout)."""
     if flashmask:
         return FLASHMASK_PARAMS
     extra = (SINK_FIELDS if sinks else ()) + (PAGED_FIELDS if paged else ()) + (LEFTPAD_FIELDS if leftpad else ())
-    extra += DROPOUT_FIELDS if dropout else ()
+    extra += (DROPOUT_FIELDS if dropout else ()) + (CHUNK_FIELDS if chunk else ())
     if not extra:
         return PARAMS
     return ParamTable("FwdParams", PARAMS.fields[:-DATA_TAIL] + extra + PARAMS.fields[-DATA_TAIL:])
@@ -174,6 +177,7 @@ class FwdVariant(KernelVariant):
     leftpad: bool = False     # a contiguous cache whose sequences start at row cache_leftpad[b]
     kv_unaligned: bool = False  # cache/paged K/V read element by element (head dims not a multiple of 8)
     dropout: bool = False     # attention dropout on P (templates/common/dropout.cuh)
+    chunk: bool = False       # chunked attention on a local band (the chunk length is a launch argument)
 
     def __post_init__(self):
         super().__post_init__()
@@ -207,13 +211,15 @@ class FwdVariant(KernelVariant):
             # (its warps split the keys), no FlashMask or sinks (not combined in flash-attn either).
             raise ValueError("a dropout variant is a standard kernel (kind 'fwd', not the decode tile) over dense "
                              f"K/V with no FlashMask and no sinks; got {self}")
+        if self.chunk and not self.local:
+            raise ValueError(f"a chunk variant is a local (band) kernel, got {self}")
         if self.kv_unaligned and (self.kv == "dense" or self.even_head_dim or self.decode):
             raise ValueError("an unaligned-K/V variant reads a cache or paged cache whose head dim is below its "
                              f"bucket (not the decode tile); got {self}")
 
     @property
     def params(self) -> ParamTable:
-        return _params(bool(self.flashmask), self.sinks, self.kv == "paged", self.leftpad, self.dropout)
+        return _params(bool(self.flashmask), self.sinks, self.kv == "paged", self.leftpad, self.dropout, self.chunk)
 
     @functools.cached_property
     def name(self) -> str:
@@ -222,7 +228,7 @@ class FwdVariant(KernelVariant):
                          mma=self.mma, kv=self.kv, block_m=self.block_m, block_n=self.block_n,
                          warps=self.warps, stages=self.stages, arch=self.arch, flashmask=self.flashmask,
                          sinks=self.sinks, leftpad=self.leftpad, kv_unaligned=self.kv_unaligned,
-                         dropout=self.dropout)
+                         dropout=self.dropout, chunk=self.chunk)
 
     @property
     def template(self) -> str:
@@ -262,7 +268,7 @@ class FwdVariant(KernelVariant):
                     alibi=self.alibi, split=self.kind == "fwd_split", bf16=self.dtype == "bf16",
                     even_head_dim=self.even_head_dim, kv_cache=self.kv != "dense", paged=self.kv == "paged",
                     swizzle=self.swizzled, split_n=self.decode, flashmask=self.flashmask, sinks=self.sinks,
-                    leftpad=self.leftpad, kv_unaligned=self.kv_unaligned, dropout=self.dropout)
+                    leftpad=self.leftpad, kv_unaligned=self.kv_unaligned, dropout=self.dropout, chunk=self.chunk)
 
 
 MASKS = ((False, False), (True, False), (False, True))  # (causal, local)

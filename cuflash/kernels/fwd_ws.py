@@ -53,8 +53,10 @@ PARAMS = ParamTable("FwdWsParams", (
 # Persistent blocks: a zeroed int32 that hands out tiles (each launch leaves it zeroed), or null;
 # the last field (launch.fire puts the stream's counter there).
 PERSISTENT_FIELDS = (("tile_counter", "int*"),)
-# A sliding window: its left and right sizes as the plan launches them (plan.window_eff).
+# A sliding window: its left and right sizes as the plan launches them (plan.window_eff); chunk
+# variants (chunked attention on the band) take the chunk's length too (block_info.cuh's Band).
 LOCAL_FIELDS = (("window_left", "int"), ("window_right", "int"))
+CHUNK_FIELDS = (("attention_chunk", "int"),)
 # Softcap: the scores become tanh(s * softcap_scale) (softcap_scale = scale / softcap; scale_log2
 # is then softcap * log2 e). ALiBi: slope alibi_slopes[b * alibi_sb + h] * alibi_scale (in the
 # raw scores' units). Varlen: sequence b owns rows cu_seqlens_q[b] .. of q and o and rows
@@ -89,6 +91,8 @@ class FwdWsVariant(KernelVariant):
     # A sliding window (bottom-right aligned, as the other forward kernels): the walk covers the
     # K/V blocks inside the band, masking those on its edges.
     local: bool = False
+    # Chunked attention on the band (attention_chunk; local only): each row sees only its chunk.
+    chunk: bool = False
     block_m: int = BLOCK_M
     block_n: int = BLOCK_N
     stages: int = STAGES
@@ -148,7 +152,7 @@ class FwdWsVariant(KernelVariant):
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for f in ("causal", "local", "overlap", "pingpong", "turn_softmax", "persistent", "double_q", "softcap",
+        for f in ("causal", "local", "chunk", "overlap", "pingpong", "turn_softmax", "persistent", "double_q", "softcap",
                   "alibi", "varlen", "cache", "leftpad", "paged", "gather", "sinks"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be a bool, got {getattr(self, f)!r}")
@@ -193,13 +197,15 @@ class FwdWsVariant(KernelVariant):
                              f"thread), got paged={self.paged}, block_n={self.block_n}")
         if self.leftpad and not self.cache:
             raise ValueError("leftpad needs cache (a contiguous KV cache)")
+        if self.chunk and not self.local:
+            raise ValueError("chunk needs local (chunked attention runs on the band's masks)")
         if self.sinks and self.flashmask:
             raise ValueError(f"sinks exclude flashmask, got flashmask={self.flashmask!r}")
 
     @functools.cached_property
     def params(self) -> ParamTable:
         """The common fields, then each feature's own (the tile counter last: launch.fire sets it)."""
-        return ParamTable("FwdWsParams", PARAMS.fields + LOCAL_FIELDS * self.local
+        return ParamTable("FwdWsParams", PARAMS.fields + LOCAL_FIELDS * self.local + CHUNK_FIELDS * self.chunk
                           + FLASHMASK_FIELDS * bool(self.flashmask) + SOFTCAP_FIELDS * self.softcap
                           + ALIBI_FIELDS * self.alibi + VARLEN_FIELDS * self.varlen + CACHE_FIELDS * self.cache
                           + LEFTPAD_FIELDS * self.leftpad + PAGED_FIELDS * self.paged + SINK_FIELDS * self.sinks
@@ -207,7 +213,7 @@ class FwdWsVariant(KernelVariant):
 
     @functools.cached_property
     def name(self) -> str:
-        mask = "local" if self.local else "causal" if self.causal else "full"
+        mask = ("chunk" if self.chunk else "local") if self.local else "causal" if self.causal else "full"
         sched = ("_overlap" if self.overlap else "") + ("_pingpong" if self.pingpong else "") + (
             "_smturn" if self.turn_softmax else "") + ("_persistent" if self.persistent else "") + (
             "_2q" if self.double_q else "") + (f"_fm{self.flashmask}" if self.flashmask else "")
@@ -308,7 +314,8 @@ class FwdWsVariant(KernelVariant):
 
     def constants(self) -> dict:
         return dict(head_dim=self.head_dim, block_m=self.block_m, block_n=self.block_n, stages=self.stages,
-                    causal=self.causal, local=self.local, bf16=self.dtype == "bf16", overlap=self.overlap,
+                    causal=self.causal, local=self.local, chunk=self.chunk, bf16=self.dtype == "bf16",
+                    overlap=self.overlap,
                     pingpong=self.pingpong, turn_softmax=self.turn_softmax,
                     persistent=self.persistent, own_o=self.own_o, double_q=self.double_q, flashmask=self.flashmask,
                     softcap=self.softcap, alibi=self.alibi, varlen=self.varlen, cache=self.cache,
@@ -378,13 +385,14 @@ def persistent_max_keys(head_dim: int, causal: bool, turn_softmax: bool = False)
 def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 90,
             flashmask: int = 0, seqlen_k: int | None = None, local: bool = False, softcap: bool = False,
             alibi: bool = False, varlen: bool = False, cache: bool = False, leftpad: bool = False,
-            paged: bool = False, sinks: bool = False, page_size: int = 0) -> FwdWsVariant:
+            paged: bool = False, sinks: bool = False, page_size: int = 0, chunk: bool = False) -> FwdWsVariant:
     """The variant the planner runs for a problem with these head dim, dtype, mask, queries and
     keys (default: as many as queries; ``flashmask``: FlashMask's bound columns per key, 0 = none;
     ``local``: a sliding window, on the causal tiles, one block per query tile; ``softcap``,
     ``alibi``: score modifiers; ``varlen``: packed sequences, seqlen_q and seqlen_k their maxima;
     ``cache``, ``leftpad``: a contiguous KV cache, seqlen_k its capacity; ``paged``: a paged one;
-    varlen and caches take one block per query tile; ``sinks``: attention sinks)."""
+    varlen and caches take one block per query tile; ``sinks``: attention sinks; ``chunk``:
+    chunked attention on the local band)."""
     # d=64 causal with FlashMask, or with softcap or ALiBi: 128-row tiles at any length (in the
     # 192-row tile's 160 registers per consumer thread, NVRTC 13.0 spills the causal FlashMask walk
     # and some softcap/ALiBi variants).
@@ -409,7 +417,8 @@ def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 
         # memory): +1.4 to +2.9% from 2k keys up (BENCHMARKS.md; dense, and so packed sequences,
         # caches and sinks); causal and persistent, no gain; FlashMask not measured.
         tile = dict(tile, stages=3)
-    return FwdWsVariant(head_dim=head_dim, dtype=dtype, causal=causal, local=local, arch=arch, flashmask=flashmask,
+    return FwdWsVariant(head_dim=head_dim, dtype=dtype, causal=causal, local=local, chunk=chunk, arch=arch,
+                        flashmask=flashmask,
                         persistent=persistent, double_q=double_q, softcap=softcap, alibi=alibi, varlen=varlen,
                         cache=cache, leftpad=leftpad, paged=paged, gather=gather, sinks=sinks, **tile)
 

@@ -613,7 +613,8 @@ def _apply(route, eager, func, op, args):
 
 def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, deterministic=False, return_lse=False, sinks=None, startend_row_indices=None,
-              dropout_p=0.0, seed=None, offset=None, *, q_descale=None, k_descale=None, v_descale=None):
+              dropout_p=0.0, seed=None, offset=None, *, q_descale=None, k_descale=None, v_descale=None,
+              attention_chunk=0):
     """Differentiable :func:`cuflash.attention` for torch tensors, with flash-attn's
     ``flash_attn_func`` semantics.
 
@@ -644,7 +645,16 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
     float8_e4m3fn q, k, v (with the optional ``q_descale``, ``k_descale``, ``v_descale``) run
     :func:`cuflash.attention`'s FP8 forward (bfloat16 out): forward only, so a call that would
     record gradients raises NotImplementedError; not traced by torch.compile (a graph break).
+    ``attention_chunk`` > 0 (chunked attention, as :func:`cuflash.attention`) is forward only too: a
+    backward through its output raises NotImplementedError; not traced by torch.compile.
     """
+    if attention_chunk.__class__ is not int or attention_chunk:
+        return _forward_only(cuflash.attention, (q, k, v), causal=causal, softmax_scale=softmax_scale,
+                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                             return_lse=return_lse, sinks=sinks, startend_row_indices=startend_row_indices,
+                             dropout_p=dropout_p, seed=seed, offset=0 if offset is None else offset,
+                             q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                             attention_chunk=attention_chunk)
     if q_descale is not None or k_descale is not None or v_descale is not None or q.dtype == torch.float8_e4m3fn:
         return _attention_fp8(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse, sinks,
                               startend_row_indices, dropout_p, (q_descale, k_descale, v_descale))
@@ -668,6 +678,34 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
     return (out, lse) if return_lse else out
 
 
+class _ForwardOnly(torch.autograd.Function):
+    """A forward with no backward (chunked attention): the output is recorded in the graph so that
+    a backward through it raises, instead of leaving the inputs' gradients silently wrong."""
+
+    @staticmethod
+    def forward(ctx, fn, kw, q, k, v, sinks):
+        res = fn(q, k, v, **kw)
+        if isinstance(res, tuple):
+            ctx.mark_non_differentiable(res[1])
+        return res
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError("attention_chunk > 0 (chunked attention) has no backward in cuflash (its forward "
+                                  "runs as FlashAttention-3's does); train with attention_chunk=0 or a FlashMask mask "
+                                  "(startend_row_indices) holding the chunks")
+
+
+@torch.compiler.disable
+def _forward_only(fn, qkv, **kw):
+    """A call of ``fn`` (cuflash.attention or attention_varlen) with attention_chunk: where
+    gradients would be recorded, its output's backward raises (cuflash has no chunked backward)."""
+    sinks = kw.get("sinks")
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (*qkv, sinks)):
+        return _ForwardOnly.apply(fn, kw, *qkv, sinks)
+    return fn(*qkv, **kw)
+
+
 @torch.compiler.disable
 def _attention_fp8(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse, sinks,
                    startend_row_indices, dropout_p, descales):
@@ -684,7 +722,7 @@ def _attention_fp8(q, k, v, causal, softmax_scale, window_size, softcap, alibi_s
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                      deterministic=False, return_lse=False, block_table=None, sinks=None, dropout_p=0.0, seed=None,
-                     offset=None):
+                     offset=None, *, attention_chunk=0):
     """Differentiable :func:`cuflash.attention_varlen` (flash-attn's ``flash_attn_varlen_func``).
 
     q: (total_q, nheads, d); k, v: (total_k, nheads_k, d) (or a paged cache with
@@ -695,7 +733,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     total_q).
     ``dropout_p``, ``seed``, ``offset`` as in :func:`attention` (sequence b is batch b of the
     mask; the generator's offset advances by batch * nheads; not with ``block_table``).
+    ``attention_chunk`` > 0: chunked attention per sequence, forward only (as :func:`attention`).
     """
+    if attention_chunk.__class__ is not int or attention_chunk:
+        return _forward_only(lambda q, k, v, **kw: cuflash.attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw), (q, k, v),
+            causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+            alibi_slopes=alibi_slopes, return_lse=return_lse, block_table=block_table, sinks=sinks,
+            dropout_p=dropout_p, seed=seed, offset=0 if offset is None else offset, attention_chunk=attention_chunk)
     window_left, window_right = _window(window_size)
     softcap = float(softcap or 0.0)
     batch = max(cu_seqlens_q.shape[0] - 1, 0) if hasattr(cu_seqlens_q, "shape") else 0

@@ -88,6 +88,13 @@ __device__ __forceinline__ Band make_band(int seqlen_q, int seqlen_k, int window
   return band;
 }
 
+// Chunked attention (FlashAttention-3's attention_chunk, Llama 4's chunked layers), on a local
+// band: query i sees only the keys of its chunk, the `len` keys from chunk_start(i + off, len)
+// (mask.cuh), off = seqlen_k - seqlen_q. len = 0: no chunk (kernels without one never make it).
+struct Chunk {
+  int len, off;
+};
+
 // The block ranges below are built in place by a constructor: returned by value, a struct of
 // four ints goes through memory and the kernels' loops get other code from NVVM. kHasUpper: the
 // band has an upper edge that depends on the row (causal or a window); kIsLocal: a window, so a
@@ -96,16 +103,27 @@ __device__ __forceinline__ Band make_band(int seqlen_q, int seqlen_k, int window
 // K/V blocks (kBlockN keys each) that the kBlockM query rows from m0 see: [lo, hi), blocks
 // outside it are never loaded. Blocks >= full hold the sequence's tail or cross the band's upper
 // edge, blocks < left (kIsLocal) cross its lower edge: both need a mask, the ones between none.
-// With kSplit (a split-KV partial) only `count` blocks from lo + first are walked. The kernels write the walk over these blocks out themselves: a loop inside an inlined helper
+// With kSplit (a split-KV partial) only `count` blocks from lo + first are walked. With a chunk
+// (local only) each row's band is cut to its chunk: rows' bands and chunks both move right with
+// the row, so the first row bounds lo and full and the last one hi and left, as without. The
+// kernels write the walk over these blocks out themselves: a loop inside an inlined helper
 // gets other loop code (induction variables, registers) from NVVM.
 template <int kBlockM, int kBlockN, bool kHasUpper, bool kIsLocal, bool kSplit = false>
 struct KvBlocks {
   int lo, hi, full, left;
 
-  __device__ __forceinline__ KvBlocks(int m0, int seqlen_k, Band band, int first = 0, int count = 0) {
+  __device__ __forceinline__ KvBlocks(int m0, int seqlen_k, Band band, int first = 0, int count = 0,
+                                      Chunk chunk = Chunk{0, 0}) {
     hi = cdiv(seqlen_k, kBlockN);
     if constexpr (kHasUpper) hi = min(hi, cdiv(max(0, m0 + kBlockM + band.diag), kBlockN));
     lo = kIsLocal ? max(0, (m0 + band.diag_lo) / kBlockN) : 0;
+    int first_start = 0, last_start = 0;  // the chunks of the first and last rows
+    if (kIsLocal && chunk.len > 0) {
+      first_start = chunk_start(m0 + chunk.off, chunk.len);
+      last_start = chunk_start(m0 + kBlockM - 1 + chunk.off, chunk.len);
+      hi = min(hi, cdiv(max(0, last_start + chunk.len), kBlockN));
+      lo = max(lo, max(0, first_start) / kBlockN);
+    }
     if constexpr (kSplit) {
       lo += first;
       hi = min(hi, lo + count);
@@ -113,6 +131,10 @@ struct KvBlocks {
     full = seqlen_k / kBlockN;
     if constexpr (kHasUpper) full = min(full, max(0, m0 + band.diag + 1) / kBlockN);
     left = kIsLocal ? cdiv(m0 + kBlockM - 1 + band.diag_lo, kBlockN) : 0;
+    if (kIsLocal && chunk.len > 0) {
+      full = min(full, max(0, first_start + chunk.len) / kBlockN);
+      left = max(left, cdiv(last_start, kBlockN));
+    }
   }
 };
 
