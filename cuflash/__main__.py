@@ -14,6 +14,7 @@ PRESETS = {
     "llama2-7b": (32, 32, 128),
     "mistral-7b": (32, 8, 128),
     "gemma2-9b": (16, 8, 256),
+    "llama4-scout": (40, 8, 128),  # its chunked layers: --attention-chunk 8192
 }
 
 
@@ -41,11 +42,11 @@ def cmd_explain(a):
         p = cuflash.plan(q, kv, kv, causal=not a.no_causal, num_sms=a.num_sms, arch=a.arch,
                          num_splits=a.num_splits, dtype=a.dtype, heuristic=a.heuristic,
                          backward=a.backward, deterministic=a.deterministic, varlen=a.varlen,
-                         kv_cache=a.kv_cache, page_size=a.page_size, cache_leftpad=a.cache_leftpad)
-        label = f"{a.preset}: " if a.preset else ""
-        if a.seqlen_k is None:
-            label += f"{a.prompt}-token prompt + {sk - a.prompt} new tokens (seqlen_k={sk})"
-        print(f"== {label or f'seqlen_k={sk}'}")
+                         kv_cache=a.kv_cache, page_size=a.page_size, cache_leftpad=a.cache_leftpad,
+                         window_size=tuple(a.window), attention_chunk=a.attention_chunk)
+        what = (f"{a.prompt}-token prompt + {sk - a.prompt} new tokens (seqlen_k={sk})" if a.seqlen_k is None
+                else f"seqlen_k={sk}")
+        print(f"== {a.preset + ': ' if a.preset else ''}{what}")
         print(p)
         print()
 
@@ -367,6 +368,9 @@ def main(argv=None):
                    help="a KV cache (attention_with_kvcache) of seqlen_k rows per sequence")
     e.add_argument("--page-size", type=SIZE, help="with --kv-cache paged: rows per page")
     e.add_argument("--cache-leftpad", action="store_true", help="with --kv-cache contiguous: cache_leftpad")
+    e.add_argument("--window", type=_int_in(-1), nargs=2, default=[-1, -1], metavar=("LEFT", "RIGHT"),
+                   help="window_size (-1: unbounded)")
+    e.add_argument("--attention-chunk", type=SIZE, default=0, help="chunked attention: keys per chunk (0: none)")
 
     sub.add_parser("info", help="GPU, versions and cache")
 

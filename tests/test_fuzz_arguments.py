@@ -237,7 +237,7 @@ def test_hostile_arguments(reach, monkeypatch, entry):
 CLI_OPTIONS = {
     "explain": ["--preset", "--batch", "--seqlen-q", "--seqlen-k", "--prompt", "--new-tokens", "--nheads",
                 "--nheads-k", "--head-dim", "--dtype", "--num-splits", "--heuristic", "--num-sms", "--arch",
-                "--no-causal"],
+                "--no-causal", "--window", "--attention-chunk"],
     "warmup": ["--arch", "--preset", "--head-dim", "--dtype"],
 }
 CLI_VALUES = ["-1", "0", "1", "2", "3", "7", "64", "129", "300", "2147483648", "1e3", "1.5", "x", "", "nan",
