@@ -334,6 +334,9 @@ def test_gpu_torch_forward_only():
     _check(out.detach(), q.detach(), k.detach(), v.detach(), causal=True, attention_chunk=128)
     with pytest.raises(NotImplementedError, match="no backward"):
         out.sum().backward()
+    short = ct.attention(q, k, v, causal=True, attention_chunk=500)  # the chunk holds every key: no mask
+    short.sum().backward()
+    assert torch.equal(short, ct.attention(q, k, v, causal=True)) and q.grad is not None
 
 
 @requires_gpu

@@ -646,8 +646,13 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
     :func:`cuflash.attention`'s FP8 forward (bfloat16 out): forward only, so a call that would
     record gradients raises NotImplementedError; not traced by torch.compile (a graph break).
     ``attention_chunk`` > 0 (chunked attention, as :func:`cuflash.attention`) is forward only too: a
-    backward through its output raises NotImplementedError; not traced by torch.compile.
+    backward through its output raises NotImplementedError; not traced by torch.compile. (A chunk
+    that holds every key, seqlen_q <= seqlen_k <= attention_chunk, is no mask: such calls run as
+    without it, gradients included.)
     """
+    if (attention_chunk.__class__ is int and attention_chunk > 0 and q.dim() == 4 and k.dim() == 4
+            and q.shape[1] <= k.shape[1] <= attention_chunk):
+        attention_chunk = 0  # every query's chunk holds every key: plain attention, with its backward
     if attention_chunk.__class__ is not int or attention_chunk:
         return _forward_only(cuflash.attention, (q, k, v), causal=causal, softmax_scale=softmax_scale,
                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
