@@ -650,10 +650,11 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
     that holds every key, seqlen_q <= seqlen_k <= attention_chunk, is no mask: such calls run as
     without it, gradients included.)
     """
-    if (attention_chunk.__class__ is int and attention_chunk > 0 and q.dim() == 4 and k.dim() == 4
+    # (isinstance, not __class__: torch.compile's tracer folds it for the default 0)
+    if (_int_arg(attention_chunk) and attention_chunk > 0 and q.dim() == 4 and k.dim() == 4
             and q.shape[1] <= k.shape[1] <= attention_chunk):
         attention_chunk = 0  # every query's chunk holds every key: plain attention, with its backward
-    if attention_chunk.__class__ is not int or attention_chunk:
+    if not (_int_arg(attention_chunk) and attention_chunk == 0):
         return _forward_only(cuflash.attention, (q, k, v), causal=causal, softmax_scale=softmax_scale,
                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                              return_lse=return_lse, sinks=sinks, startend_row_indices=startend_row_indices,
@@ -681,6 +682,10 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
             bool(deterministic), sinks, startend_row_indices) + (dropout if dropout[0] else ())
     out, lse = _apply(route, _EagerAttention, _FuncAttention, torch.ops.cuflash.attention_fwd, args)
     return (out, lse) if return_lse else out
+
+
+def _int_arg(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class _ForwardOnly(torch.autograd.Function):
@@ -740,7 +745,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     mask; the generator's offset advances by batch * nheads; not with ``block_table``).
     ``attention_chunk`` > 0: chunked attention per sequence, forward only (as :func:`attention`).
     """
-    if attention_chunk.__class__ is not int or attention_chunk:
+    if not (_int_arg(attention_chunk) and attention_chunk == 0):
         return _forward_only(lambda q, k, v, **kw: cuflash.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw), (q, k, v),
             causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
