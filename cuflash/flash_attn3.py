@@ -23,7 +23,8 @@ attention_varlen); ``flash_attn_with_kvcache`` is forward only, as in FlashAtten
 - ``attention_chunk`` (chunked attention) runs in every function, forward only as in
   FlashAttention-3 (whose backward ignores it): a backward through a chunked output raises
   NotImplementedError.
-- Not supported (NotImplementedError naming the argument): ``qv``, ``sm_margin`` other than 0, ``seqused_q``, ``seqused_k`` without a paged cache, and in
+- Not supported (NotImplementedError naming the argument): ``qv``, ``sm_margin`` other than 0,
+  ``seqused_q``, ``seqused_k`` without a paged cache, and in
   flash_attn_with_kvcache ``cu_seqlens_q``, ``cu_seqlens_k_new``, ``rotary_seqlens``, ``qv`` and
   the descales. :func:`flash_attn_combine` merges split partials with PyTorch operations (no
   kernel of its own).

@@ -54,7 +54,7 @@ PARAMS = ParamTable("FwdWsParams", (
 # the last field (launch.fire puts the stream's counter there).
 PERSISTENT_FIELDS = (("tile_counter", "int*"),)
 # A sliding window: its left and right sizes as the plan launches them (plan.window_eff); chunk
-# variants (chunked attention on the band) take the chunk's length too (block_info.cuh's Band).
+# variants (chunked attention on the band) take the chunk's length too (block_info.cuh's Chunk).
 LOCAL_FIELDS = (("window_left", "int"), ("window_right", "int"))
 CHUNK_FIELDS = (("attention_chunk", "int"),)
 # Softcap: the scores become tanh(s * softcap_scale) (softcap_scale = scale / softcap; scale_log2
