@@ -199,11 +199,16 @@ def effective_window(causal: bool, window: tuple[int, int], seqlen_q: int, seqle
 
 def band_tiles(rows: int, window: tuple[int, int], seqlen_q: int, seqlen_k: int, bn: int, chunk: int = 0) -> int:
     """Most K/V tiles of bn keys that a block of ``rows`` query rows can see under ``window``
-    (and chunks of ``chunk`` keys: the rows' chunks span at most rows - 1 + chunk keys)."""
+    (and chunks of ``chunk`` keys: rows spanning r positions touch at most cdiv(r - 1, chunk) + 1
+    whole chunks, and with a right edge see at most r - 1 + right + chunk keys)."""
     n = cdiv(seqlen_k, bn)
-    if chunk:
-        n = max(1, min(n, cdiv(min(rows, seqlen_q) - 1 + chunk, bn) + 1))
     left, right = window
+    if chunk:
+        r = min(rows, seqlen_q)
+        span = (cdiv(r - 1, chunk) + 1) * chunk
+        if right >= 0:
+            span = min(span, r + right + chunk - 1)
+        n = max(1, min(n, cdiv(span, bn) + 1))
     if left < 0:
         return n
     span = min(rows, seqlen_q) + left + (right if right >= 0 else max(seqlen_q - 1, 0))

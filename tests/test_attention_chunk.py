@@ -199,6 +199,24 @@ def _kv_blocks(m0, bm, bn, sq, sk, diag, diag_lo, c):
     return lo, hi, full, left
 
 
+@pytest.mark.parametrize("sq, sk", [(300, 2000), (1000, 1000), (64, 3000)])
+@pytest.mark.parametrize("c", [1, 46, 100, 500])
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (200, -1)), (False, (-1, 40))])
+def test_split_block_count_covers_every_walk(sq, sk, c, causal, window):
+    """The split kernel walks band_tiles' count from each block's lo: it must cover [lo, hi)."""
+    left_w, right_w = window
+    right_w = 0 if causal else right_w
+    off = sk - sq
+    diag = sk if right_w < 0 else off + right_w
+    diag_lo = off - left_w if left_w >= 0 else -(1 << 30)
+    eff = planmod.effective_window(causal, window, sq, sk)
+    for bm, bn in ((64, 128), (64, 64), (16, 64)):
+        n = planmod.band_tiles(bm, eff, sq, sk, bn, c)
+        for m0 in range(0, sq, bm):
+            lo, hi, _, _ = _kv_blocks(m0, bm, bn, sq, sk, diag, diag_lo, c)
+            assert hi - lo <= n, (bm, bn, m0, lo, hi, n)
+
+
 @pytest.mark.parametrize("sq, sk", [(300, 300), (77, 300), (300, 77), (1, 500), (129, 1000)])
 @pytest.mark.parametrize("c", [1, 7, 64, 100, 128, 200, 1000])
 @pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (30, 40)), (True, (90, -1))])
