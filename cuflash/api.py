@@ -53,8 +53,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     adding -slope * |i + sk - sq - j| to the scores.
     ``attention_chunk=c > 0`` (FlashAttention-3's, Llama 4's chunked attention): query i sees
     only the keys of its chunk, positions c * floor((i + sk - sq) / c) to that + c - 1, within
-    the causal mask or window; forward only (in cuflash.torch a backward through a chunked
-    output raises), not with startend_row_indices.
+    the causal mask or window; not with startend_row_indices. (No backward kernel takes it:
+    cuflash.torch differentiates a chunked call as packed sequences, one per chunk.)
     ``startend_row_indices``: a FlashMask mask (cuflash.masks), int32 (batch, 1 or nheads_k or
     nheads, seqlen_k, n) in q's framework and on its device (NumPy with NumPy q); not with a
     window, ALiBi, sinks or num_splits > 1.

@@ -20,9 +20,8 @@ attention_varlen); ``flash_attn_with_kvcache`` is forward only, as in FlashAtten
   plan decides), ``num_splits`` of the differentiable functions (the plan decides; it is passed
   on where cuflash takes it: flash_attn_with_kvcache) and ``scheduler_metadata`` of
   :func:`get_scheduler_metadata` (which returns None: cuflash plans each call itself).
-- ``attention_chunk`` (chunked attention) runs in every function, forward only as in
-  FlashAttention-3 (whose backward ignores it): a backward through a chunked output raises
-  NotImplementedError.
+- ``attention_chunk`` (chunked attention) runs in every function; where FlashAttention-3's
+  backward ignores it, cuflash's differentiates through the chunk (cuflash.torch.attention's rule).
 - Not supported (NotImplementedError naming the argument): ``qv``, ``sm_margin`` other than 0,
   ``seqused_q``, ``seqused_k`` without a paged cache, and in
   flash_attn_with_kvcache ``cu_seqlens_q``, ``cu_seqlens_k_new``, ``rotary_seqlens``, ``qv`` and

@@ -218,10 +218,12 @@ def band_tiles(rows: int, window: tuple[int, int], seqlen_q: int, seqlen_k: int,
 def effective_chunk(p: "Problem") -> int:
     """attention_chunk as launched: 0 when every query's chunk holds every key (dense batches whose
     queries all sit at key positions 0 ... chunk - 1 or later in one chunk: seqlen_k <= chunk and
-    seqlen_k >= seqlen_q), as FlashAttention-3 runs it otherwise."""
+    seqlen_k >= seqlen_q), as FlashAttention-3 runs it otherwise, at most seqlen_k: a chunk of every
+    key sees what any larger one sees (rows before the first key see none either way), and the
+    kernels' chunk arithmetic (positions plus the chunk) then stays within int."""
     if p.chunk and p.kv == "dense" and not p.varlen and p.seqlen_q <= p.seqlen_k <= p.chunk:
         return 0
-    return p.chunk
+    return min(p.chunk, max(p.seqlen_k, 1))
 
 
 _derived: list = []  # clear() of each cache kept on plans (cached_on_plans)
@@ -604,8 +606,8 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     causal = window[0] < 0 and window[1] == 0
     local = window != (-1, -1) and not causal
     if effective_chunk(p):
-        raise NotImplementedError(f"attention_chunk={p.chunk} has no backward in cuflash (the forward runs it, as "
-                                  "FlashAttention-3's does); its backward kernels have no chunk mask yet")
+        raise NotImplementedError(f"attention_chunk={p.chunk} has no backward kernel in cuflash; cuflash.torch "
+                                  "differentiates chunked calls as packed sequences, one per chunk (the varlen backward)")
     _dropout_rejects(p)
     if p.flashmask:
         _flashmask_rejects(p)

@@ -428,9 +428,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softm
 
 def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, precision="float64", startend_row_indices=None,
-                       sinks=None, dropout_p=0.0, seed=None, offset=0, batch0=0):
+                       sinks=None, dropout_p=0.0, seed=None, offset=0, batch0=0, attention_chunk=0):
     """Reference gradients (dq, dk, dv) of :func:`attention` (same masking, FlashMask's
-    ``startend_row_indices`` included, score and argument rules) for the output gradient
+    ``startend_row_indices`` and ``attention_chunk`` included, score and argument rules) for the output gradient
     ``dout`` (shaped like q); with ``sinks``, (dq, dk, dv, dsinks).
 
     With s the scores after softcap and ALiBi, P = exp(s - lse) (0 where masked and on rows
@@ -456,7 +456,7 @@ def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, windo
     gradients' largest; scripts/bwd_rounding_study.py measures it.)
     """
     a = _Args(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, precision,
-              startend_row_indices, sinks, _dropout_tuple(dropout_p, seed, offset), batch0)
+              startend_row_indices, sinks, _dropout_tuple(dropout_p, seed, offset), batch0, attention_chunk)
     grads = _backward(a, dout)
     out = tuple(g.astype(a.out_dtype) for g in grads[:3])
     return out if sinks is None else (*out, _sink_grad(grads[3], sinks, precision))
@@ -500,7 +500,7 @@ def _backward(a, dout):
 def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False,
                               softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                               alibi_slopes=None, precision="float64", sinks=None, dropout_p=0.0, seed=None,
-                              offset=0):
+                              offset=0, attention_chunk=0):
     """Reference gradients (dq, dk, dv) of :func:`attention_varlen` for packed sequences: q, dout
     (total_q, nheads, d), k, v (total_k, nheads_k, d); every sequence is differentiated on its
     own (causal and windows aligned per sequence). Rows of k and v outside every sequence get
@@ -519,7 +519,7 @@ def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, caus
     drop = _dropout_tuple(dropout_p, seed, offset)
     for b, (qs, ks, s) in enumerate(seqs):
         g = _backward(_Args(q[None, qs], k[None, ks], v[None, ks], causal, softmax_scale, window_size, softcap, s,
-                            precision, sinks=sinks, dropout=drop, batch0=b), dout[None, qs])
+                            precision, sinks=sinks, dropout=drop, batch0=b, chunk=attention_chunk), dout[None, qs])
         for out, x, sl in zip(grads, g, (qs, ks, ks)):
             out[sl] = x[0]
         if dsinks is not None:

@@ -4,7 +4,7 @@ causal mask or window. The reference's mask against FlashAttention-3's own formu
 checks, the plans, the band kernels' block rule written out on the host, and (on a GPU) every
 forward path against the float64 reference: dense (the warp-specialised kernel and the standard
 one), split and decode tiles, packed sequences, KV caches (contiguous and paged), cuflash.torch
-(forward only: a backward raises) and cuflash.flash_attn3."""
+and cuflash.flash_attn3 (gradients: test_chunk_backward.py)."""
 import importlib
 
 import numpy as np
@@ -113,6 +113,7 @@ def test_plan_drops_a_chunk_that_holds_every_key():
     assert p.kernels == _plan(0, causal=True).kernels
     assert _plan(999, causal=True).chunk_eff == 999
     assert _plan(1000, q=(2, 1001, 8, 128), sk=1000).chunk_eff == 1000  # rows before the first key: a chunk of their own
+    assert _plan(2**31 - 1024, q=(2, 1001, 8, 128), sk=1000).chunk_eff == 1000  # as launched: at most the keys
     assert _plan(1000, causal=True, kv_cache="contiguous").chunk_eff == 1000  # per-sequence lengths unknown
 
 
@@ -287,6 +288,19 @@ def test_gpu_other_head_dims_splits_and_softcap(rng, d, dtype, num_splits):
 
 @requires_gpu
 @requires_torch
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_chunk_near_int_max(rng, causal):
+    """A chunk near 2**31 with rows before the first key (seqlen_q > seqlen_k): those rows see no
+    key, the others every key (the chunk's arithmetic must not overflow)."""
+    import torch
+    q, k, v = _inputs(rng, 1, 1100, 1000, 4, 2, 64)
+    out = torch.full_like(q, float("nan"))
+    cuflash.attention(q, k, v, causal=causal, attention_chunk=2**31 - 1024, out=out)
+    _check(out, q, k, v, causal=causal, attention_chunk=2**31 - 1024)
+
+
+@requires_gpu
+@requires_torch
 @pytest.mark.parametrize("b, sq, sk, h, hk, d, c, num_splits", [
     (1, 300, 2000, 1, 1, 128, 46, 0), (1, 300, 2000, 1, 1, 128, 46, 5), (2, 1000, 1000, 8, 2, 64, 500, 2),
     (2, 1000, 1000, 8, 2, 64, 300, 3), (1, 129, 3000, 4, 4, 128, 100, 7)])
@@ -356,17 +370,18 @@ def test_gpu_kvcache(rng, mode, sq):
 
 @requires_gpu
 @requires_torch
-def test_gpu_torch_forward_only():
+def test_gpu_torch_chunk_and_no_op_chunk():
+    """cuflash.torch: without gradients the chunk kernels (as cuflash.attention); a chunk that
+    holds every key runs as no chunk (bitwise), gradients included. (Gradients with a chunk:
+    test_chunk_backward.py.)"""
     import torch
     import cuflash.torch as ct
     rng = np.random.default_rng(3)
     q, k, v = (t.requires_grad_() for t in _inputs(rng, 2, 500, 500, 4, 4, 64))
-    out = ct.attention(q, k, v, causal=True, attention_chunk=128)
     with torch.no_grad():
-        assert torch.equal(out, ct.attention(q, k, v, causal=True, attention_chunk=128))
-    _check(out.detach(), q.detach(), k.detach(), v.detach(), causal=True, attention_chunk=128)
-    with pytest.raises(NotImplementedError, match="no backward"):
-        out.sum().backward()
+        out = ct.attention(q, k, v, causal=True, attention_chunk=128)
+    assert torch.equal(out, cuflash.attention(q.detach(), k.detach(), v.detach(), causal=True, attention_chunk=128))
+    _check(out, q.detach(), k.detach(), v.detach(), causal=True, attention_chunk=128)
     short = ct.attention(q, k, v, causal=True, attention_chunk=500)  # the chunk holds every key: no mask
     short.sum().backward()
     assert torch.equal(short, ct.attention(q, k, v, causal=True)) and q.grad is not None

@@ -12,7 +12,7 @@ from torch.autograd import forward_ad as _forward_ad
 import cuflash
 import cuflash.backward
 from cuflash import api, arrays
-from cuflash.plan import cached_on_plans
+from cuflash.plan import cached_on_plans, cdiv
 
 from . import node as _node
 from . import plans
@@ -645,22 +645,28 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
     float8_e4m3fn q, k, v (with the optional ``q_descale``, ``k_descale``, ``v_descale``) run
     :func:`cuflash.attention`'s FP8 forward (bfloat16 out): forward only, so a call that would
     record gradients raises NotImplementedError; not traced by torch.compile (a graph break).
-    ``attention_chunk`` > 0 (chunked attention, as :func:`cuflash.attention`) is forward only too: a
-    backward through its output raises NotImplementedError; not traced by torch.compile. (A chunk
-    that holds every key, seqlen_q <= seqlen_k <= attention_chunk, is no mask: such calls run as
-    without it, gradients included.)
+    ``attention_chunk`` > 0 (chunked attention, as :func:`cuflash.attention`): without gradients to
+    record, cuflash.attention's chunk kernels; with them, the call as packed sequences (each
+    sequence cut at its chunks' first keys with the queries of each chunk) through
+    :func:`attention_varlen`'s forward and backward, the lse given back as (batch, nheads,
+    seqlen_q); dropout then draws the mask of those pieces (piece p as batch p). Not traced by
+    torch.compile (a graph break). A chunk that holds every key (seqlen_q <= seqlen_k <=
+    attention_chunk) is no mask: such calls run as without it.
     """
     # (isinstance, not __class__: torch.compile's tracer folds it for the default 0)
-    if (_int_arg(attention_chunk) and attention_chunk > 0 and q.dim() == 4 and k.dim() == 4
-            and q.shape[1] <= k.shape[1] <= attention_chunk):
-        attention_chunk = 0  # every query's chunk holds every key: plain attention, with its backward
     if not (_int_arg(attention_chunk) and attention_chunk == 0):
-        return _forward_only(cuflash.attention, (q, k, v), causal=causal, softmax_scale=softmax_scale,
-                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                             return_lse=return_lse, sinks=sinks, startend_row_indices=startend_row_indices,
-                             dropout_p=dropout_p, seed=seed, offset=0 if offset is None else offset,
-                             q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                             attention_chunk=attention_chunk)
+        kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                  alibi_slopes=alibi_slopes, deterministic=deterministic, return_lse=return_lse, sinks=sinks,
+                  dropout_p=dropout_p, seed=seed, offset=offset, attention_chunk=attention_chunk)
+        if (q_descale is not None or k_descale is not None or v_descale is not None
+                or startend_row_indices is not None or q.dtype == torch.float8_e4m3fn):
+            return _attention_fp8(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse,
+                                  sinks, startend_row_indices, dropout_p, (q_descale, k_descale, v_descale),
+                                  attention_chunk)  # (its checks name what a chunk cannot take)
+        if not (_int_arg(attention_chunk) and attention_chunk > 0 and q.dim() == 4 and k.dim() == 4
+                and q.shape[1] <= k.shape[1] <= attention_chunk):
+            return _chunked(q, k, v, None, **kw)
+        attention_chunk = 0  # every query's chunk holds every key: plain attention
     if q_descale is not None or k_descale is not None or v_descale is not None or q.dtype == torch.float8_e4m3fn:
         return _attention_fp8(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse, sinks,
                               startend_row_indices, dropout_p, (q_descale, k_descale, v_descale))
@@ -688,38 +694,107 @@ def _int_arg(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-class _ForwardOnly(torch.autograd.Function):
-    """A forward with no backward (chunked attention): the output is recorded in the graph so that
-    a backward through it raises, instead of leaving the inputs' gradients silently wrong."""
-
-    @staticmethod
-    def forward(ctx, fn, kw, q, k, v, sinks):
-        res = fn(q, k, v, **kw)
-        if isinstance(res, tuple):
-            ctx.mark_non_differentiable(res[1])
-        return res
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise NotImplementedError("attention_chunk > 0 (chunked attention) has no backward in cuflash (its forward "
-                                  "runs as FlashAttention-3's does); train with attention_chunk=0 or a FlashMask mask "
-                                  "(startend_row_indices) holding the chunks")
-
-
 @torch.compiler.disable
-def _forward_only(fn, qkv, **kw):
-    """A call of ``fn`` (cuflash.attention or attention_varlen) with attention_chunk: where
-    gradients would be recorded, its output's backward raises (cuflash has no chunked backward)."""
-    sinks = kw.get("sinks")
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (*qkv, sinks)):
-        return _ForwardOnly.apply(fn, kw, *qkv, sinks)
-    return fn(*qkv, **kw)
+def _chunked(q, k, v, varlen, *, causal, softmax_scale, window_size, softcap, alibi_slopes, deterministic,
+             return_lse, sinks, dropout_p, seed, offset, attention_chunk, block_table=None):
+    """attention / attention_varlen with attention_chunk > 0. Without gradients to record: the
+    chunk kernels of cuflash.attention(_varlen). Otherwise as packed sequences (cuflash has no
+    chunk mask in its backward kernels): every sequence cut at its chunks' first keys, with the
+    queries of each chunk, through the differentiable attention_varlen, forward and backward.
+    Causal masks, windows and ALiBi are bottom-right aligned per piece exactly as per chunk (each
+    piece's last query sits at its last key's position), so the two agree up to rounding.
+    ``varlen``: None (dense (batch, seqlen, nheads, d) operands) or (cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k)."""
+    chunk = cuflash.validate.attention_chunk(attention_chunk)
+    grads = torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in (q, k, v, sinks))
+    kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+              alibi_slopes=alibi_slopes, return_lse=return_lse, sinks=sinks, attention_chunk=chunk)
+    if not grads or block_table is not None:  # (a paged cache: forward only, as without a chunk)
+        batch = q.shape[0] if varlen is None else max(varlen[0].shape[0] - 1, 0)
+        dropout = _dropout_state(dropout_p, seed, offset, q.device, batch, q.shape[-2])
+        if dropout[0]:
+            kw.update(dropout_p=dropout[0], seed=_u64(dropout[1]), offset=_u64(dropout[2]))
+        if varlen is None:
+            return cuflash.attention(q, k, v, **kw)
+        return cuflash.attention_varlen(q, k, v, *varlen, block_table=block_table, **kw)
+    # The checks of the call as given first (the pieces' would name other shapes)
+    if varlen is None:
+        qv, kv, vv = (cuflash.validate.view(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+        cuflash.validate.operands(qv, kv, vv)
+        batch = qv.shape[0]
+    else:
+        qv, _, _, _, _, _, batch, _, _ = cuflash.validate.varlen(q, k, v, *varlen, None)
+    cuflash.validate.mods(window_size, softcap, alibi_slopes, batch, qv.shape[-2], qv,
+                          cuflash.validate.scale(softmax_scale, qv.shape[-1]))
+    cu_q, cu_k, max_q, max_k, pieces = _chunk_pieces(q, k, varlen, chunk)
+    if alibi_slopes is not None and alibi_slopes.dim() == 2:  # (batch, nheads): each piece its sequence's
+        alibi_slopes = alibi_slopes.repeat_interleave(pieces, dim=0)
+    flat = (lambda x: x.reshape(-1, *x.shape[2:])) if varlen is None else (lambda x: x)
+    out, lse = attention_varlen(flat(q), flat(k), flat(v), cu_q, cu_k, max_q, max_k, causal=causal,
+                                softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                                alibi_slopes=alibi_slopes, deterministic=deterministic, return_lse=True,
+                                sinks=sinks, dropout_p=dropout_p, seed=seed, offset=offset)
+    if varlen is None:  # (h, b * sq) -> (b, h, sq), as the dense call returns it
+        out = out.view(q.shape[:-1] + out.shape[-1:])
+        lse = lse.view(lse.shape[0], q.shape[0], q.shape[1]).transpose(0, 1).contiguous()
+    return (out, lse) if return_lse else out
+
+
+_pieces_cache: dict = {}
+
+
+def _chunk_pieces(q, k, varlen, chunk):
+    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, pieces per sequence) of chunked
+    attention as packed sequences. Sequence b (seqlen_q sq, seqlen_k sk) becomes M + 1 pieces,
+    M = cdiv(max_seqlen_k, c): first the queries before its first key (key position i + sk - sq
+    < 0; no keys, as no chunk of theirs holds one), then for m = 0 ... M - 1 the keys
+    [m c, min((m + 1) c, sk)) with the queries whose position lies in that range. Pieces may be
+    empty. Dense calls: built on the host once per shape; packed ones: on the device (no sync)."""
+    if varlen is None:
+        b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+        key = (q.device, b, sq, sk, chunk)
+        hit = _pieces_cache.get(key)
+        if hit is None:
+            c = min(chunk, max(sk, 1))
+            ends = torch.arange(0, cdiv(sk, c) + 1, dtype=torch.int64) * c
+            q_end = torch.clamp(ends - (sk - sq), 0, sq)
+            k_end = torch.clamp(ends, max=sk)
+            steps = torch.arange(b, dtype=torch.int64)[:, None]
+            cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), (steps * sq + q_end).flatten()])
+            cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), (steps * sk + k_end).flatten()])
+            if len(_pieces_cache) > 256:
+                _pieces_cache.clear()
+            hit = _pieces_cache[key] = (cu_q.to(torch.int32).to(q.device), cu_k.to(torch.int32).to(q.device),
+                                        int(torch.diff(q_end, prepend=q_end[:1] * 0).max()), min(c, sk),
+                                        len(ends))
+        return hit
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = varlen
+    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    c = min(chunk, max(max_seqlen_k, 1))
+    ends = torch.arange(0, cdiv(max_seqlen_k, c) + 1, dtype=torch.int64,
+                        device=cu_seqlens_q.device) * c
+    cq, ck = cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64)
+    sq, sk = (cq[1:] - cq[:-1])[:, None], (ck[1:] - ck[:-1])[:, None]
+    q_end = torch.minimum(torch.clamp(ends - (sk - sq), min=0), sq)
+    k_end = torch.minimum(ends, sk)
+    cu_q = torch.cat([cq[:1], (cq[:-1, None] + q_end).flatten()]).to(torch.int32)
+    cu_k = torch.cat([ck[:1], (ck[:-1, None] + k_end).flatten()]).to(torch.int32)
+    # Pieces after the first hold at most c queries; the first (queries before the first key)
+    # exists only where a sequence has more queries than keys, which the same cu_seqlens rule out.
+    same = cu_seqlens_q is cu_seqlens_k and max_seqlen_q == max_seqlen_k
+    return cu_q, cu_k, min(max_seqlen_q, c) if same else max_seqlen_q, min(max_seqlen_k, c), len(ends)
 
 
 @torch.compiler.disable
 def _attention_fp8(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse, sinks,
-                   startend_row_indices, dropout_p, descales):
-    """attention's FP8 path: cuflash.attention's FP8 forward, refused where gradients would be recorded."""
+                   startend_row_indices, dropout_p, descales, attention_chunk=0):
+    """attention's FP8 path: cuflash.attention's FP8 forward, refused where gradients would be
+    recorded (and, with attention_chunk, the chunk's own refusals of FP8 and FlashMask)."""
+    if attention_chunk:
+        cuflash.validate.attention_chunk(attention_chunk)
+        cuflash.validate.chunk_alone(attention_chunk, startend_row_indices=startend_row_indices is not None)
+        if any(x is not None for x in descales) or q.dtype == torch.float8_e4m3fn:
+            cuflash.fp8._unsupported(attention_chunk=(attention_chunk, 0))
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks, *descales)):
         raise NotImplementedError("FP8 (float8_e4m3fn) attention is forward only: call it under torch.no_grad() or on "
                                   "tensors that do not require grad")
@@ -743,14 +818,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     total_q).
     ``dropout_p``, ``seed``, ``offset`` as in :func:`attention` (sequence b is batch b of the
     mask; the generator's offset advances by batch * nheads; not with ``block_table``).
-    ``attention_chunk`` > 0: chunked attention per sequence, forward only (as :func:`attention`).
+    ``attention_chunk`` > 0: chunked attention per sequence (as :func:`attention`; with gradients,
+    each sequence's chunks as packed sequences of their own).
     """
     if not (_int_arg(attention_chunk) and attention_chunk == 0):
-        return _forward_only(lambda q, k, v, **kw: cuflash.attention_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw), (q, k, v),
-            causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-            alibi_slopes=alibi_slopes, return_lse=return_lse, block_table=block_table, sinks=sinks,
-            dropout_p=dropout_p, seed=seed, offset=0 if offset is None else offset, attention_chunk=attention_chunk)
+        return _chunked(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), causal=causal,
+                        softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                        alibi_slopes=alibi_slopes, deterministic=deterministic, return_lse=return_lse, sinks=sinks,
+                        dropout_p=dropout_p, seed=seed, offset=offset, attention_chunk=attention_chunk,
+                        block_table=block_table)
     window_left, window_right = _window(window_size)
     softcap = float(softcap or 0.0)
     batch = max(cu_seqlens_q.shape[0] - 1, 0) if hasattr(cu_seqlens_q, "shape") else 0

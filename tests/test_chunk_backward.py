@@ -1,0 +1,272 @@
+"""Chunked attention with gradients (cuflash.torch): a call that records gradients runs as packed
+sequences, each sequence cut at its chunks' first keys with the queries of each chunk
+(cuflash.torch.ops._chunk_pieces), through attention_varlen's forward and backward. On the CPU:
+the pieces give the chunk's mask exactly (the float64 reference's forward, LSE and gradients over
+the pieces against its own chunk mask, dense and packed, queries before the first key and empty
+sequences included). On a GPU: outputs and gradients against the float64 reference with the
+chunk (flash-attn's rule), deterministic and not, with GQA, windows, softcap, ALiBi, sinks and
+dropout, dense and packed."""
+import numpy as np
+import pytest
+
+import cuflash
+from conftest import requires_gpu, requires_torch
+
+CASES = [(1, 7, 7, 3), (3, 5, 13, 4), (2, 13, 5, 4), (2, 1, 9, 4), (1, 9, 9, 20), (2, 16, 3, 1), (2, 40, 40, 8),
+         (1, 33, 70, 16), (3, 70, 33, 16), (1, 64, 64, 64), (2, 0, 9, 4), (2, 9, 0, 4)]
+MASKS = [(False, (-1, -1)), (True, (-1, -1)), (False, (2, 1)), (True, (3, -1)), (False, (-1, 2))]
+
+
+def _pieces_np(q, k, varlen, c):
+    from cuflash.torch import ops
+    cu_q, cu_k, max_q, max_k, pieces = ops._chunk_pieces(q, k, varlen, c)
+    cu_q, cu_k = cu_q.cpu().numpy(), cu_k.cpu().numpy()
+    assert np.all(np.diff(cu_q) >= 0) and np.all(np.diff(cu_k) >= 0)
+    assert np.diff(cu_q).max(initial=0) <= max_q and np.diff(cu_k).max(initial=0) <= max_k
+    return cu_q, cu_k, pieces
+
+
+@requires_torch
+@pytest.mark.parametrize("b, sq, sk, c", CASES)
+@pytest.mark.parametrize("causal, window", MASKS)
+def test_pieces_give_the_chunk_mask(b, sq, sk, c, causal, window):
+    """Dense operands: the reference over the pieces (forward, LSE, gradients) equals the
+    reference with attention_chunk."""
+    import torch
+    rng = np.random.default_rng(sq * 1000 + sk * 10 + c)
+    h, hk, d = 4, 2, 8
+    q, k, v, do = (rng.standard_normal(s) for s in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d), (b, sq, h, d)))
+    slopes = rng.uniform(0.1, 1.0, (b, h))
+    cu_q, cu_k, pieces = _pieces_np(torch.from_numpy(q), torch.from_numpy(k), None, c)
+    kw = dict(causal=causal, window_size=window, softcap=5.0)
+    want, lse_want = cuflash.reference.attention(q, k, v, attention_chunk=c, return_lse=True, alibi_slopes=slopes,
+                                                 **kw)
+    flat = lambda x: x.reshape(-1, *x.shape[2:])
+    slopes_p = np.repeat(slopes, pieces, axis=0)
+    got, lse = cuflash.reference.attention_varlen(flat(q), flat(k), flat(v), cu_q, cu_k, return_lse=True,
+                                                  alibi_slopes=slopes_p, **kw)
+    np.testing.assert_allclose(got.reshape(q.shape), want, atol=1e-12)
+    lse = lse.reshape(h, b, sq).transpose(1, 0, 2)
+    assert np.array_equal(np.isinf(lse), np.isinf(lse_want))
+    np.testing.assert_allclose(lse[np.isfinite(lse)], lse_want[np.isfinite(lse_want)], atol=1e-12)
+    g_want = cuflash.reference.attention_backward(do, q, k, v, attention_chunk=c, alibi_slopes=slopes, **kw)
+    g = cuflash.reference.attention_varlen_backward(flat(do), flat(q), flat(k), flat(v), cu_q, cu_k,
+                                                    alibi_slopes=slopes_p, **kw)
+    for x, y in zip(g, g_want):
+        np.testing.assert_allclose(x.reshape(y.shape), y, atol=1e-12)
+
+
+@requires_torch
+@pytest.mark.parametrize("c", [1, 3, 8, 50])
+@pytest.mark.parametrize("causal, window", MASKS)
+@pytest.mark.parametrize("same", [False, True])
+def test_packed_pieces_give_the_chunk_mask(c, causal, window, same):
+    """Packed sequences (empty ones, more queries than keys and fewer), pieces made on the
+    device side without a sync: the reference over the pieces equals its chunk mask per sequence.
+    With the same cu_seqlens for queries and keys the pieces hold at most c queries."""
+    import torch
+    rng = np.random.default_rng(c)
+    lens_k = [30, 0, 9, 17, 1, 40]
+    lens_q = lens_k if same else [30, 0, 12, 5, 1, 0]
+    cu_q_in = torch.tensor(np.cumsum([0] + lens_q), dtype=torch.int32)
+    cu_k_in = cu_q_in if same else torch.tensor(np.cumsum([0] + lens_k), dtype=torch.int32)
+    h, hk, d = 2, 1, 8
+    q, k, v = (rng.standard_normal(s) for s in ((sum(lens_q), h, d), (sum(lens_k), hk, d), (sum(lens_k), hk, d)))
+    do = rng.standard_normal(q.shape)
+    varlen = (cu_q_in, cu_k_in, max(lens_q), max(lens_k))
+    from cuflash.torch import ops
+    _, _, max_q, max_k, _ = ops._chunk_pieces(torch.from_numpy(q), torch.from_numpy(k), varlen, c)
+    if same:
+        assert max_q <= c and max_k <= c
+    cu_q, cu_k, _ = _pieces_np(torch.from_numpy(q), torch.from_numpy(k), varlen, c)
+    kw = dict(causal=causal, window_size=window)
+    cq, ck = cu_q_in.numpy(), cu_k_in.numpy()
+    want = cuflash.reference.attention_varlen(q, k, v, cq, ck, attention_chunk=c, **kw)
+    got = cuflash.reference.attention_varlen(q, k, v, cu_q, cu_k, **kw)
+    np.testing.assert_allclose(got, want, atol=1e-12)
+    g_want = cuflash.reference.attention_varlen_backward(do, q, k, v, cq, ck, attention_chunk=c, **kw)
+    g = cuflash.reference.attention_varlen_backward(do, q, k, v, cu_q, cu_k, **kw)
+    for x, y in zip(g, g_want):
+        np.testing.assert_allclose(x, y, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: cuflash.torch with gradients against the float64 reference, buffers poisoned where given
+
+def _leaves(rng, b, sq, sk, h, hk, d, dtype="bfloat16"):
+    from test_gpu_forward import torch_inputs
+    return [t.requires_grad_() for t in torch_inputs(rng, b, sq, sk, h, hk, d, dtype)]
+
+
+def _check_all(out, grads, do, q, k, v, **kw):
+    from test_gpu_forward import check
+    from test_gpu_backward import check_grads
+    check(out.detach(), q.detach(), k.detach(), v.detach(), **kw)
+    causal = kw.pop("causal", False)
+    check_grads(grads, do, q.detach(), k.detach(), v.detach(), causal, **kw)
+
+
+@requires_gpu
+@requires_torch
+@pytest.mark.parametrize("sq, sk", [(1000, 1000), (700, 1500), (1500, 700)])
+@pytest.mark.parametrize("c", [128, 300])
+@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (-1, -1)), (False, (200, 50))])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gpu_dense_gradients(rng, sq, sk, c, causal, window, d, deterministic):
+    import torch
+    import cuflash.torch as ct
+    q, k, v = _leaves(rng, 2, sq, sk, 8, 2, d)
+    out, lse = ct.attention(q, k, v, causal=causal, window_size=window, attention_chunk=c,
+                            deterministic=deterministic, return_lse=True)
+    assert out.shape == q.shape and out.is_contiguous() and lse.shape == (2, 8, sq) and lse.is_contiguous()
+    with torch.no_grad():  # the chunk kernels: the same result up to rounding
+        direct, lse_direct = ct.attention(q, k, v, causal=causal, window_size=window, attention_chunk=c,
+                                          return_lse=True)
+    assert (out - direct).abs().max().item() <= 2e-2
+    fin = torch.isfinite(lse_direct)
+    assert torch.equal(fin, torch.isfinite(lse)) and (lse - lse_direct)[fin].abs().max().item() < 1e-3
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    if deterministic:
+        assert all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(
+            ct.attention(q, k, v, causal=causal, window_size=window, attention_chunk=c, deterministic=True),
+            (q, k, v), do)))
+    _check_all(out, grads, do, q, k, v, causal=causal, window_size=window, attention_chunk=c)
+
+
+@requires_gpu
+@requires_torch
+@pytest.mark.parametrize("mod", ["softcap", "alibi", "alibi_batch", "sinks", "qkv_packed"])
+def test_gpu_gradients_with_modifiers(rng, mod):
+    import torch
+    import cuflash.torch as ct
+    b, s, h, hk, d, c = 2, 900, 6, 3, 128, 256
+    kw = dict(causal=True, attention_chunk=c)
+    if mod == "qkv_packed":  # views of one (b, s, 3, h, d) tensor, as flash_attn_qkvpacked_func takes them
+        from test_gpu_forward import torch_inputs
+        qkv = torch.stack(torch_inputs(rng, b, s, s, h, h, d, "bfloat16"), dim=2).requires_grad_()
+        q, k, v = qkv.unbind(2)
+    else:
+        q, k, v = _leaves(rng, b, s, s, h, hk, d)
+    if mod == "softcap":
+        kw["softcap"] = 15.0
+    elif mod.startswith("alibi"):
+        kw["alibi_slopes"] = torch.rand((b, h) if mod == "alibi_batch" else (h,), device="cuda") * 0.2
+    sinks = torch.randn(h, device="cuda", requires_grad=True) if mod == "sinks" else None
+    out = ct.attention(q, k, v, sinks=sinks, **kw)
+    do = torch.randn_like(out)
+    leaves = (qkv,) if mod == "qkv_packed" else (q, k, v) + ((sinks,) if sinks is not None else ())
+    grads = torch.autograd.grad(out, leaves, do)
+    if mod == "qkv_packed":
+        grads = grads[0].unbind(2)
+    qd, kd, vd = (x.detach() for x in (q, k, v))
+    from test_gpu_forward import check, to_np
+    np_kw = {n: (to_np(x) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
+    extra = {} if sinks is None else {"sinks": to_np(sinks.detach())}
+    check(out.detach(), qd, kd, vd, **np_kw, **extra)
+    args = [to_np(x) for x in (do, qd, kd, vd)]
+    ref64 = cuflash.reference.attention_backward(*args, **np_kw, **extra)
+    same = cuflash.reference.attention_backward(*args, precision="same", **np_kw, **extra)
+    from test_gpu_backward import _compare
+    _compare(grads[:3], ref64[:3], same[:3], mod)
+    if sinks is not None:
+        err = abs(grads[3].cpu().double().numpy() - ref64[3]).max()
+        assert err <= 3 * abs(same[3].astype(np.float64) - ref64[3]).max() + 1e-3, err
+
+
+@requires_gpu
+@requires_torch
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("same", [False, True])
+def test_gpu_packed_gradients(rng, causal, same):
+    import torch
+    import cuflash.torch as ct
+    from test_gpu_forward import to_np
+    lens_k = [300, 1, 0, 900, 77, 513]
+    lens_q = lens_k if same else [300, 1, 0, 700, 100, 513]
+    cq = torch.tensor(np.cumsum([0] + lens_q), dtype=torch.int32, device="cuda")
+    ck = cq if same else torch.tensor(np.cumsum([0] + lens_k), dtype=torch.int32, device="cuda")
+    q, k, v = (t[0].detach().requires_grad_() for t in _leaves(rng, 1, sum(lens_q), sum(lens_k), 6, 2, 128))
+    out = ct.attention_varlen(q, k, v, cq, ck, max(lens_q), max(lens_k), causal=causal, attention_chunk=128)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    args = [to_np(x.detach()) for x in (q, k, v)] + [cq.cpu().numpy(), ck.cpu().numpy()]
+    want = cuflash.reference.attention_varlen(*args, causal=causal, attention_chunk=128)
+    same_out = cuflash.reference.attention_varlen(*args, causal=causal, attention_chunk=128, precision="same")
+    err = np.abs(to_np(out.detach()).astype(np.float64) - want).max()
+    assert err <= 2 * np.abs(same_out.astype(np.float64) - want).max() + 1e-5
+    ref64 = cuflash.reference.attention_varlen_backward(to_np(do), *args, causal=causal, attention_chunk=128)
+    same_g = cuflash.reference.attention_varlen_backward(to_np(do), *args, causal=causal, attention_chunk=128,
+                                                         precision="same")
+    from test_gpu_backward import _compare
+    _compare(grads, ref64, same_g, f"packed causal={causal}")
+
+
+@requires_gpu
+@requires_torch
+def test_gpu_dropout_gradients(rng):
+    """Dropout with a chunk and gradients draws the mask of the pieces as packed sequences
+    (sequence p of the mask = piece p): output and gradients against the reference over the same
+    pieces and seed; the same seed repeats them, the generator's offset moves past the pieces."""
+    import torch
+    import cuflash.torch as ct
+    from cuflash.torch import ops
+    from test_gpu_forward import to_np
+    b, s, h, d, c = 2, 600, 4, 64, 200
+    q, k, v = _leaves(rng, b, s, s, h, h, d)
+    out = ct.attention(q, k, v, causal=True, attention_chunk=c, dropout_p=0.2, seed=1234, offset=8)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    again = ct.attention(q, k, v, causal=True, attention_chunk=c, dropout_p=0.2, seed=1234, offset=8)
+    assert torch.equal(out, again)
+    cu_q, cu_k, _, _, _ = ops._chunk_pieces(q, k, None, c)
+    flat = lambda x: to_np(x.detach()).reshape(-1, h, d)
+    args = [flat(q), flat(k), flat(v), cu_q.cpu().numpy(), cu_k.cpu().numpy()]
+    kw = dict(causal=True, dropout_p=0.2, seed=1234, offset=8)
+    want = cuflash.reference.attention_varlen(*args, **kw)
+    same = cuflash.reference.attention_varlen(*args, precision="same", **kw)
+    err = np.abs(flat(out).astype(np.float64) - want).max()
+    assert err <= 2 * np.abs(same.astype(np.float64) - want).max() + 1e-5
+    ref64 = cuflash.reference.attention_varlen_backward(flat(do), *args, **kw)
+    same_g = cuflash.reference.attention_varlen_backward(flat(do), *args, precision="same", **kw)
+    from test_gpu_backward import _compare
+    _compare([g.reshape(-1, h, d) for g in grads], ref64, same_g, "dropout")
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    before = gen.get_offset()
+    ct.attention(q, k, v, causal=True, attention_chunk=c, dropout_p=0.2)
+    assert gen.get_offset() - before == cuflash.reference.dropout_offset_increment(len(cu_q) - 1, h)
+
+
+@requires_gpu
+@requires_torch
+def test_gpu_errors_before_any_work(rng):
+    import torch
+    import cuflash.torch as ct
+    q, k, v = _leaves(rng, 2, 300, 300, 4, 2, 64)
+    with pytest.raises(ValueError, match="startend_row_indices"):
+        ct.attention(q, k, v, attention_chunk=64,
+                     startend_row_indices=torch.zeros(2, 1, 300, 1, dtype=torch.int32, device="cuda"))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        ct.attention(q, k, v, attention_chunk=64, alibi_slopes=torch.zeros(3, 4, device="cuda"))
+    with pytest.raises(ValueError, match="k"):
+        ct.attention(q, k[:1], v[:1], attention_chunk=64)
+    with pytest.raises(TypeError, match="attention_chunk"):
+        ct.attention(q, k, v, attention_chunk=64.0)
+
+
+@requires_gpu
+@requires_torch
+def test_gpu_flash_attn3_gradients(rng):
+    """cuflash.flash_attn3 with attention_chunk differentiates through the chunk (FlashAttention-3's
+    own backward ignores it): its gradients are cuflash.torch's, bitwise (deterministic)."""
+    import torch
+    import cuflash.torch as ct
+    from cuflash import flash_attn3
+    q, k, v = _leaves(rng, 2, 500, 500, 4, 2, 128)
+    do = torch.randn_like(q)
+    a = torch.autograd.grad(flash_attn3.flash_attn_func(q, k, v, causal=True, attention_chunk=200,
+                                                               deterministic=True), (q, k, v), do)
+    b = torch.autograd.grad(ct.attention(q, k, v, causal=True, attention_chunk=200, deterministic=True),
+                            (q, k, v), do)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
