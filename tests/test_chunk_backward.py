@@ -270,3 +270,29 @@ def test_gpu_flash_attn3_gradients(rng):
     b = torch.autograd.grad(ct.attention(q, k, v, causal=True, attention_chunk=200, deterministic=True),
                             (q, k, v), do)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@requires_torch
+def test_shape_errors_name_the_arguments():
+    """Checked on the call as given, before any piece is made (CPU tensors: shapes only)."""
+    import torch
+    from cuflash.torch import ops
+    q, k = torch.zeros(2, 30, 4, 8), torch.zeros(2, 30, 2, 8)
+    chk = lambda q, k, v, varlen=None, alibi=None: ops._check_chunked_shapes(q, k, v, varlen, (-1, -1), 0.0, alibi,
+                                                                             None)
+    chk(q, k, k)
+    with pytest.raises(ValueError, match="k"):
+        chk(q, k[:1], k[:1])
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        chk(q, k, k, alibi=torch.zeros(3, 4))
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    flat = lambda x: x.reshape(-1, *x.shape[2:])
+    chk(flat(q), flat(k), flat(k), (cu, cu, 20, 20))
+    with pytest.raises(TypeError, match="cu_seqlens_k"):
+        chk(flat(q), flat(k), flat(k), (cu, cu.long(), 20, 20))
+    with pytest.raises(ValueError, match="same length"):
+        chk(flat(q), flat(k), flat(k), (cu, cu[:2], 20, 20))
+    with pytest.raises(TypeError, match="max_seqlen_q"):
+        chk(flat(q), flat(k), flat(k), (cu, cu, 20.0, 20))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        chk(flat(q), flat(k), flat(k), (cu, cu, 20, 20), alibi=torch.zeros(3, 4))

@@ -25,9 +25,10 @@ requires_transformers = pytest.mark.skipif(not _has("transformers"),
 # ---------------------------------------------------------------------------------------------
 # A float64 PyTorch reference with flash-attn semantics (CPU or GPU), standing in for the kernels
 
-def _scores(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks=None):
+def _scores(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks=None, attention_chunk=0):
     """float64 (b, h, sq, sk) probabilities, lse, visibility and tanh(s/softcap) (flash-attn
-    semantics: masks aligned bottom-right); K/V heads repeated for GQA. ``sinks`` (h,): one more
+    semantics: masks aligned bottom-right; ``attention_chunk`` c: keys in the query's chunk of c
+    positions only); K/V heads repeated for GQA. ``sinks`` (h,): one more
     column per row in the softmax, with no value (the lse includes it)."""
     import torch
     b, sq, h, d = q.shape
@@ -51,6 +52,9 @@ def _scores(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes, sin
         vis &= j >= i - left
     if right >= 0:
         vis &= j <= i + right
+    if attention_chunk:
+        start = i - i % attention_chunk  # (torch's % is non-negative for a positive divisor)
+        vis &= (j >= start) & (j < start + attention_chunk)
     s = s.masked_fill(~vis, float("-inf"))
     if sinks is not None:
         col = sinks.double()[None, :, None, None].expand(b, h, sq, 1)
@@ -62,10 +66,10 @@ def _scores(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes, sin
 
 
 def ref_attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                  alibi_slopes=None, sinks=None):
+                  alibi_slopes=None, sinks=None, attention_chunk=0):
     """(out like q's dtype, lse float32 (b, h, sq)); layout (b, s, h, d)."""
     import torch
-    p, lse, _, _ = _scores(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks)
+    p, lse, _, _ = _scores(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, attention_chunk)
     vf = v.double().repeat_interleave(q.shape[2] // v.shape[2], dim=2)
     return torch.einsum("bhqk,bkhd->bqhd", p, vf).to(q.dtype), lse.float()
 
@@ -715,25 +719,44 @@ def test_hf_dropout_with_sinks_is_refused(monkeypatch):
 
 
 @requires_torch
-def test_hf_chunked_attention_beyond_a_chunk_is_refused(ref_kernels):
-    """Llama 4's chunked attention (config.attention_chunk_size): below a chunk of keys it is
-    causal attention and runs; from a chunk on, a clear error before any kernel, not attention
-    across chunks."""
+@pytest.mark.parametrize("padded", [False, True])
+def test_hf_chunked_attention(ref_kernels, padded):
+    """Llama 4's chunked attention (config.attention_chunk_size, on the layers that
+    config.layer_types calls chunked): below a chunk of keys causal attention; from a chunk on,
+    a call whose keys are its own queries runs with attention_chunk (chunks counted from each
+    sequence's first token, past left padding), output and gradients; a call with earlier keys
+    (a cache) is refused before any kernel, not attention across chunks; a full-attention layer
+    of the same config attends over every key."""
     import types
     import torch
     from cuflash.torch.hf import hf_attention_forward
-    module = types.SimpleNamespace(config=types.SimpleNamespace(attention_chunk_size=4), is_causal=True)
-    q, k, v = (_cpu(1, 2, 3, 8, seed=s) for s in range(3))  # (batch, heads, seqlen, d)
-    out, _ = hf_attention_forward(module, q, k, v, None, scaling=0.3)
-    want, _ = ref_attention(*(x.transpose(1, 2) for x in (q, k, v)), True, 0.3)
-    torch.testing.assert_close(out, want)
+    cfg = types.SimpleNamespace(attention_chunk_size=4, layer_types=["chunked_attention", "full_attention"])
+    chunked, full = (types.SimpleNamespace(config=cfg, layer_idx=i, is_causal=True) for i in (0, 1))
+    for n in (3, 4, 6, 11):
+        q, k, v = (_cpu(2, 2, n, 8, seed=s, grad=True) for s in range(3))  # (batch, heads, seqlen, d)
+        mask = None
+        if padded:  # batch 1 left-padded by 2 tokens
+            mask = torch.ones(2, n, dtype=torch.long)
+            mask[1, :2] = 0
+        out, _ = hf_attention_forward(chunked, q, k, v, mask, scaling=0.3)
+        for b in range(2):
+            pad = 2 if padded and b == 1 else 0
+            x = [t[b:b + 1, :, pad:].transpose(1, 2) for t in (q, k, v)]
+            want, _ = ref_attention(*x, True, 0.3, attention_chunk=4)
+            torch.testing.assert_close(out[b:b + 1, pad:], want)
+            if b == 0:
+                g = torch.autograd.grad(out[0].sum(), (q, k, v))
+                gw = torch.autograd.grad(want.sum(), (q, k, v))
+                for a, w in zip(g, gw):
+                    torch.testing.assert_close(a[:1], w[:1])
+        out_full, _ = hf_attention_forward(full, q, k, v, None, scaling=0.3)
+        torch.testing.assert_close(out_full, ref_attention(*(t.transpose(1, 2) for t in (q, k, v)), True, 0.3)[0])
     calls = len(ref_kernels)
-    for n in (4, 6):
-        q, k, v = (_cpu(1, 2, n, 8, seed=s) for s in range(3))
-        with pytest.raises(NotImplementedError, match="attention_chunk_size=4"):
-            hf_attention_forward(module, q, k, v, None, scaling=0.3)
-    with pytest.raises(NotImplementedError, match="over 6 keys"):  # a padding mask counts its keys
-        hf_attention_forward(module, q[:, :, :1], k, v, torch.ones(1, 6, dtype=torch.bool), scaling=0.3)
+    q, k, v = (_cpu(1, 2, 6, 8, seed=s) for s in range(3))
+    with pytest.raises(NotImplementedError, match="over 6 keys with 1 new tokens"):  # a padding mask counts its keys
+        hf_attention_forward(chunked, q[:, :, :1], k, v, torch.ones(1, 6, dtype=torch.bool), scaling=0.3)
+    with pytest.raises(NotImplementedError, match="attention_chunk_size=4"):
+        hf_attention_forward(chunked, q[:, :, 3:], k, v, None, scaling=0.3)
     assert len(ref_kernels) == calls
 
 
@@ -786,9 +809,11 @@ def test_hf_bart_padded_encoder_matches_sdpa(ref_kernels, dec_len):
 @requires_torch
 @requires_transformers
 def test_hf_llama4_chunked_attention(ref_kernels):
-    """A tiny Llama 4 text model (every layer chunked, chunks of 8 tokens): below a chunk its
-    logits match SDPA's; a longer input, or a decode step that reaches a chunk's worth of keys
-    (its layers' caches keep 7 tokens), is refused rather than attending across chunks."""
+    """A tiny Llama 4 text model (chunks of 8 tokens; layer 1 of 2 full attention, as Llama 4's
+    NoPE layers): below a chunk and on a longer first input (batched, left-padded) its logits
+    match SDPA's, and so do a training step's gradients; a decode step that reaches a chunk's
+    worth of keys (its chunked layers' caches keep 7 tokens) is refused rather than attending
+    across chunks."""
     import torch
     import transformers
     if not hasattr(transformers, "Llama4TextConfig"):
@@ -800,19 +825,31 @@ def test_hf_llama4_chunked_attention(ref_kernels):
     for attn in ("cuFlash", "sdpa"):  # a config each: the model keeps its implementation there
         cfg = Llama4TextConfig(vocab_size=128, hidden_size=64, intermediate_size=64, intermediate_size_mlp=64,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
-                               attention_chunk_size=8, initializer_range=0.1)
+                               attention_chunk_size=8, initializer_range=0.1, no_rope_layers=[1, 0])
         torch.manual_seed(0)
         models.append(Llama4ForCausalLM._from_config(cfg, attn_implementation=attn, dtype=torch.float64).eval())
     assert models[0].config._attn_implementation == "cuFlash"
+    assert models[0].config.layer_types == ["chunked_attention", "full_attention"]
     ids = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         first = models[0](ids, use_cache=True)
         torch.testing.assert_close(first.logits, models[1](ids).logits)
         assert ref_kernels  # cuflash ran
-        with pytest.raises(NotImplementedError, match="attention_chunk_size=8"):
-            models[0](torch.randint(1, 128, (1, 12)))
+        long = torch.randint(1, 128, (2, 21), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones_like(long)
+        mask[1, :5] = 0  # left padding
+        got, want = (m(long, attention_mask=mask).logits for m in models)
+        torch.testing.assert_close(got[0], want[0])
+        torch.testing.assert_close(got[1, 5:], want[1, 5:])
         with pytest.raises(NotImplementedError, match="over 8 keys"):  # the 8th token: 7 cached + 1
             models[0](ids[:, :1], past_key_values=first.past_key_values)
+    grads = []
+    for m in models:
+        m.train().zero_grad()
+        m(long[:1], labels=long[:1]).loss.backward()
+        grads.append([p.grad for p in m.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
 
 
 def _load_example():

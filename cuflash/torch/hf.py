@@ -122,15 +122,19 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     sk = key.shape[2]
     # Llama 4's chunked layers see only the keys of their own chunk of attention_chunk_size
     # tokens: a mask that the flash-style mask function (register_transformers) does not pass on.
-    # Below that many keys it is causal attention; from it on, refuse rather than attend across
-    # chunks. (A chunked layer's cache keeps chunk - 1 tokens, so a decode step past a chunk
-    # boundary sees exactly `chunk` keys: the positions themselves do not reach this function.)
-    chunk = getattr(getattr(module, "config", None), "attention_chunk_size", None)
+    # Below that many keys it is causal attention. From it on, a call whose keys are its own
+    # queries (no cache before them: training, a first prefill) runs with attention_chunk, the
+    # chunks counted from each sequence's first token (transformers counts them past the left
+    # padding too); other calls are refused rather than attending across chunks (a chunked
+    # layer's cache keeps chunk - 1 tokens, so a decode step past a chunk boundary sees exactly
+    # `chunk` keys: their positions do not reach this function).
+    chunk = _layer_chunk(module)
     seen = attention_mask.shape[-1] if attention_mask is not None else sk  # (not a static cache's length)
-    if chunk and seen >= chunk:
+    if chunk and seen >= chunk and sq != seen:
         raise NotImplementedError(f"cuflash backend: chunked attention (config.attention_chunk_size={chunk}) "
-                                  f"over {seen} keys is not supported; sequences of fewer than {chunk} tokens "
-                                  "run as plain causal attention, which is the same")
+                                  f"over {seen} keys with {sq} new tokens is not supported (the layer's cache "
+                                  f"does not say where a chunk starts); calls without a cache (training, a first "
+                                  f"prefill) and sequences of fewer than {chunk} tokens run")
     if query.dtype == torch.float32:  # as transformers' flash backend: run in the autocast dtype
         dev = query.device.type
         if torch.is_autocast_enabled(dev):
@@ -150,6 +154,8 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     det = bool(kwargs.get("deterministic") or False)
     feats = dict(causal=causal, softmax_scale=scaling, window_size=window, softcap=cap,
                  deterministic=det)
+    if chunk and seen >= chunk:
+        feats["attention_chunk"] = chunk
     if kwargs.get("s_aux") is not None:  # attention sinks (gpt-oss), one logit per query head
         feats["sinks"] = kwargs["s_aux"]
     if dropout:  # transformers passes the module's attention_dropout in training, 0.0 in eval
@@ -210,6 +216,19 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
 
     out = attention(q, k, v, **feats)
     return _crop((out, None), v_head_dim)
+
+
+def _layer_chunk(module) -> int:
+    """config.attention_chunk_size where the module's layer is chunked (config.layer_types says
+    "chunked_attention" at its layer_idx; without those, any module of such a config), else 0."""
+    config = getattr(module, "config", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    if not chunk:
+        return 0
+    types, idx = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if types is not None and isinstance(idx, int) and 0 <= idx < len(types):
+        return int(chunk) if types[idx] == "chunked_attention" else 0
+    return int(chunk)
 
 
 def _fwd_kwargs(kwargs):

@@ -717,15 +717,7 @@ def _chunked(q, k, v, varlen, *, causal, softmax_scale, window_size, softcap, al
         if varlen is None:
             return cuflash.attention(q, k, v, **kw)
         return cuflash.attention_varlen(q, k, v, *varlen, block_table=block_table, **kw)
-    # The checks of the call as given first (the pieces' would name other shapes)
-    if varlen is None:
-        qv, kv, vv = (cuflash.validate.view(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-        cuflash.validate.operands(qv, kv, vv)
-        batch = qv.shape[0]
-    else:
-        qv, _, _, _, _, _, batch, _, _ = cuflash.validate.varlen(q, k, v, *varlen, None)
-    cuflash.validate.mods(window_size, softcap, alibi_slopes, batch, qv.shape[-2], qv,
-                          cuflash.validate.scale(softmax_scale, qv.shape[-1]))
+    _check_chunked_shapes(q, k, v, varlen, window_size, softcap, alibi_slopes, softmax_scale)
     cu_q, cu_k, max_q, max_k, pieces = _chunk_pieces(q, k, varlen, chunk)
     if alibi_slopes is not None and alibi_slopes.dim() == 2:  # (batch, nheads): each piece its sequence's
         alibi_slopes = alibi_slopes.repeat_interleave(pieces, dim=0)
@@ -738,6 +730,31 @@ def _chunked(q, k, v, varlen, *, causal, softmax_scale, window_size, softcap, al
         out = out.view(q.shape[:-1] + out.shape[-1:])
         lse = lse.view(lse.shape[0], q.shape[0], q.shape[1]).transpose(0, 1).contiguous()
     return (out, lse) if return_lse else out
+
+
+def _check_chunked_shapes(q, k, v, varlen, window_size, softcap, alibi_slopes, softmax_scale):
+    """The checks on the shapes of a chunked call as given, before its pieces are made (the call
+    on the pieces checks dtypes, strides and placement, with the same messages, but would name
+    the pieces' shapes)."""
+    shape = lambda x, n: cuflash.validate.Shape(tuple(x.shape), str(x.dtype).rsplit(".", 1)[-1], n)
+    if varlen is None:
+        qs, ks, vs = shape(q, "q"), shape(k, "k"), shape(v, "v")
+        batch = qs.shape[0]
+    else:
+        qs, ks, vs = (shape(x.unsqueeze(0) if x.dim() == 3 else x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+        for name, cu in (("cu_seqlens_q", varlen[0]), ("cu_seqlens_k", varlen[1])):
+            if not isinstance(cu, Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 1:
+                raise TypeError(f"{name} must be a 1-D int32 tensor of batch + 1 offsets, got "
+                                f"{cuflash.validate.show(cu)}")
+        if varlen[0].shape != varlen[1].shape:
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                             f"{varlen[0].shape[0]} and {varlen[1].shape[0]}")
+        cuflash.validate.max_seqlen(varlen[2], "max_seqlen_q", qs.shape[1], "total_q")
+        cuflash.validate.max_seqlen(varlen[3], "max_seqlen_k", ks.shape[1], "total_k")
+        batch = varlen[0].shape[0] - 1
+    cuflash.validate.operands(qs, ks, vs, dtypes=(qs.dtype,))
+    cuflash.validate.mods(window_size, softcap, None if alibi_slopes is None else shape(alibi_slopes, "alibi_slopes"),
+                          batch, qs.shape[2], qs, cuflash.validate.scale(softmax_scale, qs.shape[3]))
 
 
 _pieces_cache: dict = {}
