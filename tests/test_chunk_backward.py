@@ -296,3 +296,48 @@ def test_shape_errors_name_the_arguments():
         chk(flat(q), flat(k), flat(k), (cu, cu, 20.0, 20))
     with pytest.raises(ValueError, match="alibi_slopes"):
         chk(flat(q), flat(k), flat(k), (cu, cu, 20, 20), alibi=torch.zeros(3, 4))
+
+
+@requires_gpu
+@requires_torch
+def test_gpu_hf_llama4_chunked_layers():
+    """A small Llama 4 text model (chunks of 128 tokens, every other layer full attention) on the
+    GPU in bfloat16, 2 x 600 tokens, one sequence left-padded: the cuflash backend's logits and a
+    training step's loss and gradients against SDPA's (transformers' own chunked mask)."""
+    import importlib.util
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("needs transformers (optional dependency)")
+    import torch
+    import transformers
+    if not hasattr(transformers, "Llama4TextConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Llama 4")
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+    import cuflash.torch as ct
+    ct.register_transformers()
+    models = []
+    for attn in ("cuFlash", "sdpa"):
+        cfg = Llama4TextConfig(vocab_size=512, hidden_size=256, intermediate_size=256, intermediate_size_mlp=256,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=4,
+                               attention_chunk_size=128, no_rope_layer_interval=2, initializer_range=0.05,
+                               num_local_experts=1)
+        torch.manual_seed(0)
+        models.append(Llama4ForCausalLM._from_config(cfg, attn_implementation=attn, dtype=torch.bfloat16).cuda())
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 512, (2, 600), generator=g).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0
+    with torch.no_grad():
+        a, b = (m.eval()(ids, attention_mask=mask).logits.float() for m in models)
+    keep = mask.bool()
+    err = (a - b)[keep].abs().max().item()
+    assert err < 0.05 * b[keep].abs().max().item(), err
+    grads, losses = [], []
+    for m in models:
+        m.train().zero_grad()
+        loss = m(ids[:1], labels=ids[:1]).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.float().flatten() for p in m.parameters() if p.grad is not None]))
+    assert abs(losses[0] - losses[1]) < 1e-2 * abs(losses[1])
+    cos = torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0).item()
+    assert cos > 0.99, cos

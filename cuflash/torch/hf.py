@@ -220,14 +220,17 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
 
 def _layer_chunk(module) -> int:
     """config.attention_chunk_size where the module's layer is chunked (config.layer_types says
-    "chunked_attention" at its layer_idx; without those, any module of such a config), else 0."""
+    "chunked_attention" at its layer_idx; without layer_types, Llama 4's rule: the layers with
+    RoPE, config.no_rope_layers[idx] == 1; without either, any module of such a config), else 0."""
     config = getattr(module, "config", None)
     chunk = getattr(config, "attention_chunk_size", None)
     if not chunk:
         return 0
-    types, idx = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
-    if types is not None and isinstance(idx, int) and 0 <= idx < len(types):
-        return int(chunk) if types[idx] == "chunked_attention" else 0
+    idx = getattr(module, "layer_idx", None)
+    for name, chunked in (("layer_types", "chunked_attention"), ("no_rope_layers", 1)):
+        marks = getattr(config, name, None)
+        if marks is not None and isinstance(idx, int) and 0 <= idx < len(marks):
+            return int(chunk) if marks[idx] == chunked else 0
     return int(chunk)
 
 
