@@ -125,7 +125,8 @@ def test_gpu_dense_gradients(rng, sq, sk, c, causal, window, d, deterministic):
                                           return_lse=True)
     assert (out - direct).abs().max().item() <= 2e-2
     fin = torch.isfinite(lse_direct)
-    assert torch.equal(fin, torch.isfinite(lse)) and (lse - lse_direct)[fin].abs().max().item() < 1e-3
+    assert torch.equal(torch.isposinf(lse_direct), torch.isposinf(lse)) and torch.equal(fin, torch.isfinite(lse))
+    assert (lse - lse_direct)[fin].abs().max().item() < 1e-3
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), do)
     if deterministic:
@@ -219,7 +220,9 @@ def test_gpu_dropout_gradients(rng):
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), do)
     again = ct.attention(q, k, v, causal=True, attention_chunk=c, dropout_p=0.2, seed=1234, offset=8)
-    assert torch.equal(out, again)
+    with torch.no_grad():  # the same mask without gradients (activation checkpointing's recompute)
+        no_grad = ct.attention(q, k, v, causal=True, attention_chunk=c, dropout_p=0.2, seed=1234, offset=8)
+    assert torch.equal(out, again) and torch.equal(out, no_grad)
     cu_q, cu_k, _, _, _ = ops._chunk_pieces(q, k, None, c)
     flat = lambda x: to_np(x.detach()).reshape(-1, h, d)
     args = [flat(q), flat(k), flat(v), cu_q.cpu().numpy(), cu_k.cpu().numpy()]
@@ -240,6 +243,26 @@ def test_gpu_dropout_gradients(rng):
 
 @requires_gpu
 @requires_torch
+def test_gpu_paged_cache_is_forward_only(rng):
+    """A chunked call on a paged cache (block_table) where gradients are recorded: the output as
+    without them, and a backward through it raises (no silently missing gradient)."""
+    import torch
+    import cuflash.torch as ct
+    q = _leaves(rng, 1, 20, 20, 4, 2, 64)[0][0]
+    kc, vc = (torch.randn(4, 256, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device="cuda")
+    cq = torch.tensor([0, 10, 20], dtype=torch.int32, device="cuda")
+    ck = torch.tensor([0, 512, 1000], dtype=torch.int32, device="cuda")
+    out = ct.attention_varlen(q, kc, vc, cq, ck, 10, 512, causal=True, block_table=table, attention_chunk=100)
+    with torch.no_grad():
+        assert torch.equal(out, ct.attention_varlen(q, kc, vc, cq, ck, 10, 512, causal=True, block_table=table,
+                                                    attention_chunk=100))
+    with pytest.raises(NotImplementedError, match="block_table"):
+        out.sum().backward()
+
+
+@requires_gpu
+@requires_torch
 def test_gpu_errors_before_any_work(rng):
     import torch
     import cuflash.torch as ct
@@ -249,8 +272,13 @@ def test_gpu_errors_before_any_work(rng):
                      startend_row_indices=torch.zeros(2, 1, 300, 1, dtype=torch.int32, device="cuda"))
     with pytest.raises(ValueError, match="alibi_slopes"):
         ct.attention(q, k, v, attention_chunk=64, alibi_slopes=torch.zeros(3, 4, device="cuda"))
-    with pytest.raises(ValueError, match="k"):
-        ct.attention(q, k[:1], v[:1], attention_chunk=64)
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    before = gen.get_offset()
+    with pytest.raises(ValueError, match="batch"):
+        ct.attention(q, k[:1], v[:1], attention_chunk=64, dropout_p=0.1)
+    with pytest.raises(ValueError, match="sinks"):
+        ct.attention(q, k, v, attention_chunk=64, dropout_p=0.1, sinks=torch.zeros(4, device="cuda"))
+    assert gen.get_offset() == before
     with pytest.raises(TypeError, match="attention_chunk"):
         ct.attention(q, k, v, attention_chunk=64.0)
 
@@ -278,11 +306,13 @@ def test_shape_errors_name_the_arguments():
     import torch
     from cuflash.torch import ops
     q, k = torch.zeros(2, 30, 4, 8), torch.zeros(2, 30, 2, 8)
-    chk = lambda q, k, v, varlen=None, alibi=None: ops._check_chunked_shapes(q, k, v, varlen, (-1, -1), 0.0, alibi,
-                                                                             None)
-    chk(q, k, k)
-    with pytest.raises(ValueError, match="k"):
+    chk = lambda q, k, v, varlen=None, alibi=None, sinks=None: ops._check_chunked_shapes(
+        q, k, v, varlen, (-1, -1), 0.0, alibi, None, sinks)
+    chk(q, k, k, sinks=torch.zeros(4))
+    with pytest.raises(ValueError, match="batch"):
         chk(q, k[:1], k[:1])
+    with pytest.raises(ValueError, match="sinks"):
+        chk(q, k, k, sinks=torch.zeros(3))
     with pytest.raises(ValueError, match="alibi_slopes"):
         chk(q, k, k, alibi=torch.zeros(3, 4))
     cu = torch.tensor([0, 10, 30], dtype=torch.int32)
@@ -296,6 +326,54 @@ def test_shape_errors_name_the_arguments():
         chk(flat(q), flat(k), flat(k), (cu, cu, 20.0, 20))
     with pytest.raises(ValueError, match="alibi_slopes"):
         chk(flat(q), flat(k), flat(k), (cu, cu, 20, 20), alibi=torch.zeros(3, 4))
+
+
+@requires_torch
+def test_too_many_pieces_name_the_chunk():
+    """A chunk so small that the pieces outgrow one launch: a ValueError naming attention_chunk,
+    before anything is made (meta tensors: no memory)."""
+    import torch
+    from cuflash.torch import ops
+    q, k = torch.empty(2, 10, 1, 8, device="meta"), torch.empty(2, 200_000, 1, 8, device="meta")
+    with pytest.raises(ValueError, match="attention_chunk=1 with gradients"):
+        ops._chunk_pieces(q, k, None, 1)
+    assert ops._chunk_pieces(q, k, None, 8)[4] == 25_001
+
+
+@requires_torch
+def test_chunked_glue_against_the_reference(monkeypatch):
+    """_chunked's own steps on the CPU (the packed-sequence call replaced by the float64
+    reference): the pieces, ALiBi's (batch, nheads) slopes repeated per piece, the output's shape
+    and the lse's (batch, nheads, seqlen_q) layout, against the reference with the chunk."""
+    import torch
+    from cuflash.torch import ops
+    calls = []
+
+    def varlen_ref(q, k, v, cu_q, cu_k, max_q, max_k, *, alibi_slopes=None, return_lse=False, sinks=None,
+                   deterministic=False, dropout_p=0.0, seed=None, offset=None, **kw):
+        calls.append((cu_q.shape[0] - 1, max_q, max_k))
+        assert np.diff(cu_q.numpy()).max() <= max_q and np.diff(cu_k.numpy()).max() <= max_k
+        o, l = cuflash.reference.attention_varlen(q.detach().numpy(), k.numpy(), v.numpy(), cu_q.numpy(), cu_k.numpy(),
+                                                  alibi_slopes=None if alibi_slopes is None else alibi_slopes.numpy(),
+                                                  return_lse=True, **kw)
+        return torch.from_numpy(o), torch.from_numpy(l)
+    monkeypatch.setattr(ops, "attention_varlen", varlen_ref)
+    rng = np.random.default_rng(0)
+    for b, sq, sk, c in [(2, 50, 50, 16), (3, 30, 70, 20), (2, 70, 30, 8)]:
+        q, k, v = (torch.from_numpy(rng.standard_normal(s)) for s in ((b, sq, 4, 8), (b, sk, 2, 8), (b, sk, 2, 8)))
+        slopes = torch.from_numpy(rng.uniform(0.1, 1, (b, 4)).astype(np.float32))
+        kw = dict(causal=sq <= sk, window_size=(-1, -1), softcap=0.0, softmax_scale=None)
+        out, lse = ops._chunked(q.requires_grad_(), k, v, None, alibi_slopes=slopes, deterministic=False,
+                                return_lse=True, sinks=None, dropout_p=0.0, seed=None, offset=None,
+                                attention_chunk=c, **kw)
+        want, lse_want = cuflash.reference.attention(q.detach().numpy(), k.numpy(), v.numpy(), attention_chunk=c,
+                                                     alibi_slopes=slopes.numpy(), return_lse=True, **kw)
+        assert out.shape == q.shape and lse.shape == (b, 4, sq) and lse.is_contiguous()
+        np.testing.assert_allclose(out.numpy(), want, atol=1e-12)
+        assert np.array_equal(np.isposinf(lse.numpy()), np.isposinf(lse_want))
+        fin = np.isfinite(lse_want)
+        np.testing.assert_allclose(lse.numpy()[fin], lse_want[fin], atol=1e-12)
+        assert calls[-1][0] == b * (-(-sk // c) + 1)
 
 
 @requires_gpu

@@ -12,7 +12,8 @@ from torch.autograd import forward_ad as _forward_ad
 import cuflash
 import cuflash.backward
 from cuflash import api, arrays
-from cuflash.plan import cached_on_plans, cdiv
+from cuflash.plan import MAX_GRID_YZ, cached_on_plans, cdiv
+from cuflash.validate import INT32_MAX
 
 from . import node as _node
 from . import plans
@@ -646,11 +647,11 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
     :func:`cuflash.attention`'s FP8 forward (bfloat16 out): forward only, so a call that would
     record gradients raises NotImplementedError; not traced by torch.compile (a graph break).
     ``attention_chunk`` > 0 (chunked attention, as :func:`cuflash.attention`): without gradients to
-    record, cuflash.attention's chunk kernels; with them, the call as packed sequences (each
-    sequence cut at its chunks' first keys with the queries of each chunk) through
+    record or dropout, cuflash.attention's chunk kernels; otherwise the call as packed sequences
+    (each sequence cut at its chunks' first keys with the queries of each chunk) through
     :func:`attention_varlen`'s forward and backward, the lse given back as (batch, nheads,
-    seqlen_q); dropout then draws the mask of those pieces (piece p as batch p). Not traced by
-    torch.compile (a graph break). A chunk that holds every key (seqlen_q <= seqlen_k <=
+    seqlen_q); dropout draws the mask of those pieces (piece p as batch p), with or without
+    gradients. Not traced by torch.compile (a graph break). A chunk that holds every key (seqlen_q <= seqlen_k <=
     attention_chunk) is no mask: such calls run as without it.
     """
     # (isinstance, not __class__: torch.compile's tracer folds it for the default 0)
@@ -697,31 +698,39 @@ def _int_arg(x) -> bool:
 @torch.compiler.disable
 def _chunked(q, k, v, varlen, *, causal, softmax_scale, window_size, softcap, alibi_slopes, deterministic,
              return_lse, sinks, dropout_p, seed, offset, attention_chunk, block_table=None):
-    """attention / attention_varlen with attention_chunk > 0. Without gradients to record: the
-    chunk kernels of cuflash.attention(_varlen). Otherwise as packed sequences (cuflash has no
-    chunk mask in its backward kernels): every sequence cut at its chunks' first keys, with the
-    queries of each chunk, through the differentiable attention_varlen, forward and backward.
-    Causal masks, windows and ALiBi are bottom-right aligned per piece exactly as per chunk (each
-    piece's last query sits at its last key's position), so the two agree up to rounding.
+    """attention / attention_varlen with attention_chunk > 0. Without gradients to record and
+    without dropout: the chunk kernels of cuflash.attention(_varlen). Otherwise as packed
+    sequences (cuflash has no chunk mask in its backward kernels): every sequence cut at its
+    chunks' first keys, with the queries of each chunk (_chunk_pieces), through the differentiable
+    attention_varlen, forward and backward. Causal masks, windows and ALiBi are bottom-right
+    aligned per piece exactly as per chunk (each piece's last query sits at its last key's
+    position), so the two agree up to rounding. Dropout always takes the pieces, so that its mask
+    (piece p as batch p) does not depend on whether gradients are recorded (activation
+    checkpointing recomputes a forward with them). A paged cache (block_table) is forward only.
     ``varlen``: None (dense (batch, seqlen, nheads, d) operands) or (cu_seqlens_q, cu_seqlens_k,
     max_seqlen_q, max_seqlen_k)."""
     chunk = cuflash.validate.attention_chunk(attention_chunk)
     grads = torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in (q, k, v, sinks))
+    drop = cuflash.validate.dropout_p(dropout_p)
     kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
               alibi_slopes=alibi_slopes, return_lse=return_lse, sinks=sinks, attention_chunk=chunk)
-    if not grads or block_table is not None:  # (a paged cache: forward only, as without a chunk)
-        batch = q.shape[0] if varlen is None else max(varlen[0].shape[0] - 1, 0)
-        dropout = _dropout_state(dropout_p, seed, offset, q.device, batch, q.shape[-2])
-        if dropout[0]:
-            kw.update(dropout_p=dropout[0], seed=_u64(dropout[1]), offset=_u64(dropout[2]))
-        if varlen is None:
-            return cuflash.attention(q, k, v, **kw)
-        return cuflash.attention_varlen(q, k, v, *varlen, block_table=block_table, **kw)
-    _check_chunked_shapes(q, k, v, varlen, window_size, softcap, alibi_slopes, softmax_scale)
+    if block_table is not None:  # (dropout is refused there)
+        fn = lambda q, k, v, sinks: cuflash.attention_varlen(q, k, v, *varlen, block_table=block_table,
+                                                             dropout_p=dropout_p, **dict(kw, sinks=sinks))
+        return _ForwardOnly.apply(fn, q, k, v, sinks) if grads else fn(q, k, v, sinks)
+    if not grads and not drop:
+        return cuflash.attention(q, k, v, **kw) if varlen is None else cuflash.attention_varlen(q, k, v, *varlen, **kw)
+    _check_chunked_shapes(q, k, v, varlen, window_size, softcap, alibi_slopes, softmax_scale, sinks)
+    if drop and seed is None and offset is not None:  # (before the generator moves)
+        raise ValueError("offset needs seed: without seed both come from the default CUDA generator")
+    if drop and sinks is not None:
+        raise ValueError("dropout_p > 0 cannot be combined with sinks (attention sinks)")
+    if drop and seed is not None:
+        cuflash.validate.seed_offset(seed, 0 if offset is None else offset, True)
     cu_q, cu_k, max_q, max_k, pieces = _chunk_pieces(q, k, varlen, chunk)
     if alibi_slopes is not None and alibi_slopes.dim() == 2:  # (batch, nheads): each piece its sequence's
         alibi_slopes = alibi_slopes.repeat_interleave(pieces, dim=0)
-    flat = (lambda x: x.reshape(-1, *x.shape[2:])) if varlen is None else (lambda x: x)
+    flat = (lambda x: x.flatten(0, 1)) if varlen is None else (lambda x: x)
     out, lse = attention_varlen(flat(q), flat(k), flat(v), cu_q, cu_k, max_q, max_k, causal=causal,
                                 softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                                 alibi_slopes=alibi_slopes, deterministic=deterministic, return_lse=True,
@@ -732,7 +741,23 @@ def _chunked(q, k, v, varlen, *, causal, softmax_scale, window_size, softcap, al
     return (out, lse) if return_lse else out
 
 
-def _check_chunked_shapes(q, k, v, varlen, window_size, softcap, alibi_slopes, softmax_scale):
+class _ForwardOnly(torch.autograd.Function):
+    """A forward whose backward raises (a chunked call on a paged cache): recorded so that a
+    backward through it fails instead of leaving the inputs' gradients silently short."""
+
+    @staticmethod
+    def forward(ctx, fn, q, k, v, sinks):
+        res = fn(q, k, v, sinks)
+        if isinstance(res, tuple):
+            ctx.mark_non_differentiable(res[1])
+        return res
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError("attention_varlen with a block_table (a paged KV cache) has no backward")
+
+
+def _check_chunked_shapes(q, k, v, varlen, window_size, softcap, alibi_slopes, softmax_scale, sinks):
     """The checks on the shapes of a chunked call as given, before its pieces are made (the call
     on the pieces checks dtypes, strides and placement, with the same messages, but would name
     the pieces' shapes)."""
@@ -755,51 +780,46 @@ def _check_chunked_shapes(q, k, v, varlen, window_size, softcap, alibi_slopes, s
     cuflash.validate.operands(qs, ks, vs, dtypes=(qs.dtype,))
     cuflash.validate.mods(window_size, softcap, None if alibi_slopes is None else shape(alibi_slopes, "alibi_slopes"),
                           batch, qs.shape[2], qs, cuflash.validate.scale(softmax_scale, qs.shape[3]))
-
-
-_pieces_cache: dict = {}
+    if sinks is not None:
+        cuflash.validate.sinks(shape(sinks, "sinks"), qs.shape[2])
 
 
 def _chunk_pieces(q, k, varlen, chunk):
     """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, pieces per sequence) of chunked
-    attention as packed sequences. Sequence b (seqlen_q sq, seqlen_k sk) becomes M + 1 pieces,
-    M = cdiv(max_seqlen_k, c): first the queries before its first key (key position i + sk - sq
-    < 0; no keys, as no chunk of theirs holds one), then for m = 0 ... M - 1 the keys
-    [m c, min((m + 1) c, sk)) with the queries whose position lies in that range. Pieces may be
-    empty. Dense calls: built on the host once per shape; packed ones: on the device (no sync)."""
+    attention as packed sequences, made on the device (no sync, no host copy: capturable).
+    Sequence b (seqlen_q sq, seqlen_k sk) becomes M + 1 pieces, M = cdiv(max_seqlen_k, c): first
+    the queries before its first key (key position i + sk - sq < 0; no keys, as no chunk of theirs
+    holds one), then for m = 0 ... M - 1 the keys [m c, min((m + 1) c, sk)) with the queries whose
+    position lies in that range. Pieces may be empty. max_seqlen_k must bound every sequence's keys
+    (flash-attn's contract: with a smaller one, pieces would miss rows)."""
     if varlen is None:
         b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
-        key = (q.device, b, sq, sk, chunk)
-        hit = _pieces_cache.get(key)
-        if hit is None:
-            c = min(chunk, max(sk, 1))
-            ends = torch.arange(0, cdiv(sk, c) + 1, dtype=torch.int64) * c
-            q_end = torch.clamp(ends - (sk - sq), 0, sq)
-            k_end = torch.clamp(ends, max=sk)
-            steps = torch.arange(b, dtype=torch.int64)[:, None]
-            cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), (steps * sq + q_end).flatten()])
-            cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), (steps * sk + k_end).flatten()])
-            if len(_pieces_cache) > 256:
-                _pieces_cache.clear()
-            hit = _pieces_cache[key] = (cu_q.to(torch.int32).to(q.device), cu_k.to(torch.int32).to(q.device),
-                                        int(torch.diff(q_end, prepend=q_end[:1] * 0).max()), min(c, sk),
-                                        len(ends))
-        return hit
+        steps = torch.arange(b + 1, dtype=torch.int32, device=q.device)
+        varlen = (steps * sq, steps * sk, sq, sk)
+        lead = max(0, sq - sk)  # the most queries before a sequence's first key
+    else:  # the same cu_seqlens for queries and keys: none (else not known without a sync)
+        lead = 0 if varlen[0] is varlen[1] and int(varlen[2]) == int(varlen[3]) else int(varlen[2])
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = varlen
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     c = min(chunk, max(max_seqlen_k, 1))
-    ends = torch.arange(0, cdiv(max_seqlen_k, c) + 1, dtype=torch.int64,
-                        device=cu_seqlens_q.device) * c
+    per_seq = cdiv(max_seqlen_k, c) + 1
+    batch = cu_seqlens_q.shape[0] - 1
+    max_q = min(max_seqlen_q, max(c, lead))
+    if batch * per_seq > MAX_GRID_YZ or batch * per_seq * max(max_q, 1) * q.shape[-2] > INT32_MAX:
+        raise ValueError(f"attention_chunk={chunk} with gradients or dropout runs each sequence's chunks as "
+                         f"sequences of their own: {batch} x {per_seq} pieces of up to {max_q} queries, beyond "
+                         f"what one launch takes (at most {MAX_GRID_YZ} pieces and {INT32_MAX} rows x heads); use "
+                         "a larger chunk or fewer sequences per call" + (
+                             ", or pass one cu_seqlens tensor for queries and keys when they are the same"
+                             if lead else ""))
+    ends = torch.arange(per_seq, dtype=torch.int64, device=cu_seqlens_q.device) * c
     cq, ck = cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64)
     sq, sk = (cq[1:] - cq[:-1])[:, None], (ck[1:] - ck[:-1])[:, None]
     q_end = torch.minimum(torch.clamp(ends - (sk - sq), min=0), sq)
     k_end = torch.minimum(ends, sk)
     cu_q = torch.cat([cq[:1], (cq[:-1, None] + q_end).flatten()]).to(torch.int32)
     cu_k = torch.cat([ck[:1], (ck[:-1, None] + k_end).flatten()]).to(torch.int32)
-    # Pieces after the first hold at most c queries; the first (queries before the first key)
-    # exists only where a sequence has more queries than keys, which the same cu_seqlens rule out.
-    same = cu_seqlens_q is cu_seqlens_k and max_seqlen_q == max_seqlen_k
-    return cu_q, cu_k, min(max_seqlen_q, c) if same else max_seqlen_q, min(max_seqlen_k, c), len(ends)
+    return cu_q, cu_k, max_q, min(max_seqlen_k, c), per_seq
 
 
 @torch.compiler.disable
