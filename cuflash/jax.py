@@ -31,7 +31,7 @@ except ImportError as e:  # JAX before 0.6.1
                       f"this is JAX {jax.__version__}") from e
 
 from cuflash import api, arrays, backward, compiler, launch, validate
-from cuflash.plan import Problem, make_backward_plan, make_plan
+from cuflash.plan import Problem, chunk_pieces, make_backward_plan, make_plan
 
 __all__ = ["attention", "attention_varlen"]
 
@@ -65,15 +65,17 @@ class _Call(NamedTuple):
 # Entry points
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, deterministic=False):
+              alibi_slopes=None, deterministic=False, attention_chunk=0):
     """:func:`cuflash.attention` for JAX arrays, usable under ``jax.jit``, ``jax.grad``
     (a ``jax.custom_vjp`` running cuflash's backward kernels), ``jax.checkpoint`` and ``jax.vmap``.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim), float16 or
     bfloat16 on a CUDA GPU. The options are static Python values, with cuflash.attention's
     meaning; ``alibi_slopes`` is a float32 array (nheads,) or (batch, nheads) and gets no
-    gradient; ``deterministic=True`` makes the backward bitwise repeatable. Returns out, shaped
-    like q.
+    gradient; ``deterministic=True`` makes the backward bitwise repeatable. ``attention_chunk``
+    (a static int, cuflash.attention's chunked attention) runs, forward and backward, as packed
+    sequences: each sequence cut at its chunks' first keys with the queries of each chunk
+    (cuflash.plan.chunk_pieces; the same attention). Returns out, shaped like q.
     """
     qs, ks, vs = _shapes((q, "q"), (k, "k"), (v, "v"))
     validate.operands(qs, ks, vs)
@@ -81,14 +83,21 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     sk, hk = ks.shape[1], ks.shape[2]
     call = _check(qs, b, sq, sk, h, hk, causal, softmax_scale, window_size, softcap, alibi_slopes,
                   deterministic, None)
+    chunk = validate.attention_chunk(attention_chunk)
     if 0 in (b, sq, h, sk):
         return jnp.zeros(q.shape, q.dtype)
+    if chunk and not sq <= sk <= chunk:  # (a chunk that holds every key is no mask)
+        steps = jnp.arange(b + 1, dtype=jnp.int32)
+        out = _chunked((q, k, v), (steps * sq, steps * sk, sq, sk), max(0, sq - sk), chunk, alibi_slopes,
+                       dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                            deterministic=deterministic))
+        return out.reshape(q.shape)
     return _run(call, d, q, k, v, () if alibi_slopes is None else (alibi_slopes,))
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     deterministic=False):
+                     deterministic=False, attention_chunk=0):
     """:func:`cuflash.attention_varlen` (dense K/V) for JAX arrays, usable under ``jax.jit`` and
     ``jax.grad`` like :func:`attention`.
 
@@ -96,7 +105,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     ``cu_seqlens_k``: int32 arrays (batch + 1,), read by the kernels on the device (they may be
     traced values); ``max_seqlen_q``, ``max_seqlen_k``: static ints that size the grid. As in
     flash-attn, well-formed offsets under the maxima, ending at total_q and total_k, are the
-    caller's contract. Returns out (total_q, nheads, headdim).
+    caller's contract. ``attention_chunk``: chunked attention per sequence (as :func:`attention`).
+    Returns out (total_q, nheads, headdim).
     """
     qs, ks, vs, cq, ck = _shapes((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
                                  (cu_seqlens_k, "cu_seqlens_k"))
@@ -107,10 +117,35 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                     total_q + backward.VARLEN_ROW_GAP * batch))
     call = _check(qs, batch, max_sq, max_sk, h, ks.shape[1], causal, softmax_scale, window_size, softcap,
                   alibi_slopes, deterministic, total_q)
+    chunk = validate.attention_chunk(attention_chunk)
     if 0 in (batch, total_q, h, max_sq, max_sk):
         return jnp.zeros(q.shape, q.dtype)
+    if chunk:  # (queries before a sequence's first key: none where one cu_seqlens serves both)
+        lead = 0 if cu_seqlens_q is cu_seqlens_k and max_sq == max_sk else max_sq
+        return _chunked((q, k, v), (cu_seqlens_q, cu_seqlens_k, max_sq, max_sk), lead, chunk, alibi_slopes,
+                        dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                             deterministic=deterministic))
     extra = (() if alibi_slopes is None else (alibi_slopes,)) + (cu_seqlens_q, cu_seqlens_k)
     return _run(call, d, q, k, v, extra)
+
+
+def _chunked(qkv, varlen, lead, chunk, alibi_slopes, kw):
+    """Chunked attention as packed sequences through attention_varlen, forward and backward: the
+    pieces of cuflash.plan.chunk_pieces, their cu_seqlens computed on the device from ``varlen``
+    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k; q, k, v flattened to rows)."""
+    q, k, v = (x.reshape(-1, *x.shape[-2:]) for x in qkv)
+    cu_q, cu_k, max_sq, max_sk = varlen
+    c, per_seq, max_q, max_k = chunk_pieces(cu_q.shape[0] - 1, max_sq, max_sk, chunk, lead, q.shape[1])
+    ends = jnp.arange(per_seq, dtype=jnp.int32) * c  # (at most max_seqlen_k + c: within int32)
+    cu_q, cu_k = jnp.asarray(cu_q, jnp.int32), jnp.asarray(cu_k, jnp.int32)
+    sq, sk = (cu_q[1:] - cu_q[:-1])[:, None], (cu_k[1:] - cu_k[:-1])[:, None]
+    q_end = jnp.minimum(jnp.maximum(ends - (sk - sq), 0), sq)
+    k_end = jnp.minimum(ends, sk)
+    pieces_q = jnp.concatenate([cu_q[:1], (cu_q[:-1, None] + q_end).reshape(-1)])
+    pieces_k = jnp.concatenate([cu_k[:1], (cu_k[:-1, None] + k_end).reshape(-1)])
+    if alibi_slopes is not None and alibi_slopes.ndim == 2:  # (batch, nheads): each piece its sequence's
+        alibi_slopes = jnp.repeat(alibi_slopes, per_seq, axis=0)
+    return attention_varlen(q, k, v, pieces_q, pieces_k, max_q, max_k, alibi_slopes=alibi_slopes, **kw)
 
 
 def _shapes(*named):

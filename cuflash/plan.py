@@ -215,6 +215,30 @@ def band_tiles(rows: int, window: tuple[int, int], seqlen_q: int, seqlen_k: int,
     return max(1, min(n, cdiv(span, bn) + 1))
 
 
+def chunk_pieces(batch: int, max_seqlen_q: int, max_seqlen_k: int, chunk: int, lead: int,
+                 nheads: int) -> tuple[int, int, int, int]:
+    """(c, pieces per sequence, max_seqlen_q, max_seqlen_k of a piece) of chunked attention run as
+    packed sequences, the way cuflash.torch and cuflash.jax differentiate it (the backward kernels
+    have no chunk mask): sequence b (sq queries, sk keys) becomes, first, its queries before its
+    first key (position i + sk - sq < 0: no key, as no chunk of theirs holds one), then for m = 0
+    ... cdiv(max_seqlen_k, c) - 1 the keys [m c, min((m + 1) c, sk)) with the queries whose
+    position lies there. Each piece's last query sits at its last key's position, so causal
+    masks, windows and ALiBi align as within the chunk. ``lead``: at most how many queries come
+    before a sequence's first key. c = min(chunk, max_seqlen_k) (a chunk of every key sees what a
+    larger one does). A ValueError naming attention_chunk where the pieces outgrow one launch."""
+    c = min(chunk, max(max_seqlen_k, 1))
+    per_seq = cdiv(max_seqlen_k, c) + 1
+    max_q = min(max_seqlen_q, max(c, lead))
+    if batch * per_seq > MAX_GRID_YZ or batch * per_seq * max(max_q, 1) * nheads > 2**31 - 1:
+        raise ValueError(f"attention_chunk={chunk} with gradients or dropout runs each sequence's chunks as "
+                         f"sequences of their own: {batch} x {per_seq} pieces of up to {max_q} queries, beyond "
+                         f"what one launch takes (at most {MAX_GRID_YZ} pieces and {2**31 - 1} rows x heads); "
+                         "use a larger chunk or fewer sequences per call" + (
+                             ", or pass one cu_seqlens array for queries and keys when they are the same"
+                             if lead else ""))
+    return c, per_seq, max_q, min(max_seqlen_k, c)
+
+
 def effective_chunk(p: "Problem") -> int:
     """attention_chunk as launched: 0 when every query's chunk holds every key (dense batches whose
     queries all sit at key positions 0 ... chunk - 1 or later in one chunk: seqlen_k <= chunk and

@@ -161,6 +161,50 @@ def test_varlen_under_jit(numpy_kernels, rng):
         np.testing.assert_allclose(np64(g), r, rtol=5e-3, atol=5e-3)
 
 
+@pytest.mark.parametrize("sq, sk, c", [(20, 20, 6), (9, 13, 4), (13, 9, 4), (1, 13, 4)])
+@pytest.mark.parametrize("mods", [dict(causal=True), dict(causal=False), dict(causal=False, window_size=(3, 2)),
+                                  dict(causal=True, alibi=True)])
+def test_chunk_under_jit(numpy_kernels, rng, sq, sk, c, mods):
+    """attention_chunk: forward and gradients (as packed sequences, one per chunk) against the
+    reference with the chunk."""
+    mods = dict(mods)
+    b, h, hk, d = 2, 4, 2, 16
+    q, k, v, w = arr(rng, b, sq, h, d), arr(rng, b, sk, hk, d), arr(rng, b, sk, hk, d), arr(rng, b, sq, h, d)
+    extra = {}
+    if mods.pop("alibi", False):
+        extra["alibi_slopes"] = jnp.asarray(rng.random((b, h), dtype=np.float32))
+    f = lambda q, k, v: cj.attention(q, k, v, attention_chunk=c, **mods, **extra)  # noqa: E731
+    out = jax.jit(f)(q, k, v)
+    ref_kw = dict(mods, attention_chunk=c, **{n: np.asarray(a) for n, a in extra.items()})
+    args = [np.asarray(x) for x in (q, k, v)]
+    assert out.shape == q.shape and out.dtype == q.dtype
+    np.testing.assert_allclose(np64(out), reference.attention(*args, **ref_kw), rtol=2e-3, atol=2e-3)
+    loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * w)  # noqa: E731
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    for g, r in zip(grads, reference.attention_backward(np.asarray(w), *args, **ref_kw)):
+        np.testing.assert_allclose(np64(g), r, rtol=5e-3, atol=5e-3)
+
+
+@pytest.mark.parametrize("same", [False, True])
+def test_varlen_chunk_under_jit(numpy_kernels, rng, same):
+    lens_k = [7, 3, 0, 11]
+    lens_q = lens_k if same else [5, 0, 1, 14]
+    cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    ck = cq if same else np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    d = 24
+    q, k, v = arr(rng, cq[-1], 4, d), arr(rng, ck[-1], 2, d), arr(rng, ck[-1], 2, d)
+    w = arr(rng, cq[-1], 4, d)
+    mods = dict(causal=not same, attention_chunk=3)
+    f = lambda q, k, v, cq, ck: cj.attention_varlen(q, k, v, cq, ck, max(lens_q), max(lens_k), **mods)  # noqa: E731
+    out = jax.jit(f)(q, k, v, cq, ck)
+    args = [np.asarray(x) for x in (q, k, v)]
+    np.testing.assert_allclose(np64(out), reference.attention_varlen(*args, cq, ck, **mods), rtol=2e-3, atol=2e-3)
+    loss = lambda q, k, v: jnp.sum(f(q, k, v, cq, ck).astype(jnp.float32) * w)  # noqa: E731
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    for g, r in zip(grads, reference.attention_varlen_backward(np.asarray(w), *args, cq, ck, **mods)):
+        np.testing.assert_allclose(np64(g), r, rtol=5e-3, atol=5e-3)
+
+
 def test_vmap(numpy_kernels, rng):
     q, k, v = arr(rng, 3, 1, 5, 2, 8), arr(rng, 1, 6, 2, 8), arr(rng, 1, 6, 2, 8)
     out = jax.jit(jax.vmap(lambda q: cj.attention(q, k, v, causal=True)))(q)
@@ -433,6 +477,22 @@ GPU_SHAPES = [(2, 113, 203, 4, 2, 64), (1, 256, 256, 4, 4, 128), (2, 77, 77, 2, 
 @pytest.mark.parametrize("b,sq,sk,h,hk,d", GPU_SHAPES)
 def test_gpu_forward_and_grads(rng, mods, dtype, b, sq, sk, h, hk, d):
     q, k, v, w, mods, ref_mods = _gpu_case(rng, mods, b, sq, sk, h, hk, d, dtype)
+    out = jax.jit(lambda q, k, v: cj.attention(q, k, v, **mods))(q, k, v)
+    _check_forward(out, q, k, v, **ref_mods)
+    loss = lambda q, k, v: jnp.sum(cj.attention(q, k, v, **mods).astype(jnp.float32) * w)  # noqa: E731
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    args = [np.asarray(x) for x in (w, q, k, v)]
+    _check_grads(grads, reference.attention_backward(*args, **ref_mods),
+                 reference.attention_backward(*args, precision="same", **ref_mods), ref_mods)
+
+
+@requires_jax_gpu
+@pytest.mark.parametrize("mods", [MODS[0], MODS[1], MODS[3], MODS[4]])
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,c", [(2, 600, 600, 4, 2, 64, 128), (1, 300, 700, 4, 4, 128, 200),
+                                             (2, 500, 260, 2, 1, 128, 100)])
+def test_gpu_chunk_forward_and_grads(rng, mods, b, sq, sk, h, hk, d, c):
+    q, k, v, w, mods, ref_mods = _gpu_case(rng, mods, b, sq, sk, h, hk, d, "bfloat16")
+    mods["attention_chunk"] = ref_mods["attention_chunk"] = c
     out = jax.jit(lambda q, k, v: cj.attention(q, k, v, **mods))(q, k, v)
     _check_forward(out, q, k, v, **ref_mods)
     loss = lambda q, k, v: jnp.sum(cj.attention(q, k, v, **mods).astype(jnp.float32) * w)  # noqa: E731

@@ -12,8 +12,7 @@ from torch.autograd import forward_ad as _forward_ad
 import cuflash
 import cuflash.backward
 from cuflash import api, arrays
-from cuflash.plan import MAX_GRID_YZ, cached_on_plans, cdiv
-from cuflash.validate import INT32_MAX
+from cuflash.plan import cached_on_plans, chunk_pieces
 
 from . import node as _node
 from . import plans
@@ -786,11 +785,8 @@ def _check_chunked_shapes(q, k, v, varlen, window_size, softcap, alibi_slopes, s
 
 def _chunk_pieces(q, k, varlen, chunk):
     """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, pieces per sequence) of chunked
-    attention as packed sequences, made on the device (no sync, no host copy: capturable).
-    Sequence b (seqlen_q sq, seqlen_k sk) becomes M + 1 pieces, M = cdiv(max_seqlen_k, c): first
-    the queries before its first key (key position i + sk - sq < 0; no keys, as no chunk of theirs
-    holds one), then for m = 0 ... M - 1 the keys [m c, min((m + 1) c, sk)) with the queries whose
-    position lies in that range. Pieces may be empty. max_seqlen_k must bound every sequence's keys
+    attention as packed sequences (cuflash.plan.chunk_pieces), made on the device (no sync, no
+    host copy: capturable). Pieces may be empty. max_seqlen_k must bound every sequence's keys
     (flash-attn's contract: with a smaller one, pieces would miss rows)."""
     if varlen is None:
         b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
@@ -800,18 +796,8 @@ def _chunk_pieces(q, k, varlen, chunk):
     else:  # the same cu_seqlens for queries and keys: none (else not known without a sync)
         lead = 0 if varlen[0] is varlen[1] and int(varlen[2]) == int(varlen[3]) else int(varlen[2])
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = varlen
-    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
-    c = min(chunk, max(max_seqlen_k, 1))
-    per_seq = cdiv(max_seqlen_k, c) + 1
-    batch = cu_seqlens_q.shape[0] - 1
-    max_q = min(max_seqlen_q, max(c, lead))
-    if batch * per_seq > MAX_GRID_YZ or batch * per_seq * max(max_q, 1) * q.shape[-2] > INT32_MAX:
-        raise ValueError(f"attention_chunk={chunk} with gradients or dropout runs each sequence's chunks as "
-                         f"sequences of their own: {batch} x {per_seq} pieces of up to {max_q} queries, beyond "
-                         f"what one launch takes (at most {MAX_GRID_YZ} pieces and {INT32_MAX} rows x heads); use "
-                         "a larger chunk or fewer sequences per call" + (
-                             ", or pass one cu_seqlens tensor for queries and keys when they are the same"
-                             if lead else ""))
+    c, per_seq, max_q, max_k = chunk_pieces(cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k), chunk,
+                                            lead, q.shape[-2])
     ends = torch.arange(per_seq, dtype=torch.int64, device=cu_seqlens_q.device) * c
     cq, ck = cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64)
     sq, sk = (cq[1:] - cq[:-1])[:, None], (ck[1:] - ck[:-1])[:, None]
@@ -819,7 +805,7 @@ def _chunk_pieces(q, k, varlen, chunk):
     k_end = torch.minimum(ends, sk)
     cu_q = torch.cat([cq[:1], (cq[:-1, None] + q_end).flatten()]).to(torch.int32)
     cu_k = torch.cat([ck[:1], (ck[:-1, None] + k_end).flatten()]).to(torch.int32)
-    return cu_q, cu_k, max_q, min(max_seqlen_k, c), per_seq
+    return cu_q, cu_k, max_q, max_k, per_seq
 
 
 @torch.compiler.disable
