@@ -128,6 +128,21 @@ def test_backward_plan_is_refused():
         _plan(256, causal=True, backward=True)
 
 
+def test_chunk_pieces_rule():
+    """The packed-sequence pieces that cuflash.torch and cuflash.jax differentiate: a leading piece
+    and cdiv(max_seqlen_k, c) chunks per sequence, at most c queries each beyond the lead, c cut
+    to the keys; too many for one launch is an error naming attention_chunk."""
+    from cuflash.plan import chunk_pieces
+    assert chunk_pieces(2, 1000, 1000, 128, 0, 8) == (128, 9, 128, 128)
+    assert chunk_pieces(2, 1100, 1000, 128, 100, 8) == (128, 9, 128, 128)
+    assert chunk_pieces(2, 1100, 1000, 128, 300, 8) == (128, 9, 300, 128)
+    assert chunk_pieces(3, 50, 40, 10**6, 10, 8) == (40, 2, 40, 40)
+    with pytest.raises(ValueError, match="attention_chunk=1 with gradients"):
+        chunk_pieces(2, 10, 100_000, 1, 0, 8)
+    with pytest.raises(ValueError, match="one cu_seqlens"):
+        chunk_pieces(4000, 2**20, 2**20, 65536, 2**20, 32)
+
+
 def _chunk_sample():
     """The chunk variants that plans launch for a spread of calls: sm_80 and sm_90, head dims 64,
     128, 256 (and 96: mma.sync only), prefill, decode and split, dense, packed, cached and paged."""
