@@ -381,7 +381,9 @@ def test_chunked_glue_against_the_reference(monkeypatch):
 def test_gpu_hf_llama4_chunked_layers():
     """A small Llama 4 text model (chunks of 128 tokens, every other layer full attention) on the
     GPU in bfloat16, 2 x 600 tokens, one sequence left-padded: the cuflash backend's logits and a
-    training step's loss and gradients against SDPA's (transformers' own chunked mask)."""
+    training step's loss and gradients against SDPA's (transformers' own chunked mask); greedy
+    generation with a cache across two chunk boundaries, each step's logits against SDPA's over
+    the whole generated sequence."""
     import importlib.util
     if importlib.util.find_spec("transformers") is None:
         pytest.skip("needs transformers (optional dependency)")
@@ -419,3 +421,12 @@ def test_gpu_hf_llama4_chunked_layers():
     assert abs(losses[0] - losses[1]) < 1e-2 * abs(losses[1])
     cos = torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0).item()
     assert cos > 0.99, cos
+    with torch.no_grad():
+        prompt = ids[:1, :200]
+        gen = models[0].eval().generate(prompt, max_new_tokens=120, do_sample=False, pad_token_id=0, eos_token_id=None,
+                                        output_logits=True, return_dict_in_generate=True)
+        full = models[1].eval()(gen.sequences).logits.float()
+    steps = torch.stack(gen.logits, dim=1)[0].float()  # (new tokens, vocab): step t predicts token 200 + t
+    want = full[0, 199:199 + steps.shape[0]]
+    err = (steps - want).abs().max().item()
+    assert err < 0.05 * want.abs().max().item(), err

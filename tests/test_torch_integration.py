@@ -811,8 +811,9 @@ def test_hf_bart_padded_encoder_matches_sdpa(ref_kernels, dec_len):
 def test_hf_llama4_chunked_attention(ref_kernels):
     """A tiny Llama 4 text model (chunks of 8 tokens; layer 1 of 2 full attention, as Llama 4's
     NoPE layers): below a chunk and on a longer first input (batched, left-padded) its logits
-    match SDPA's, and so do a training step's gradients; a decode step that reaches a chunk's
-    worth of keys (its chunked layers' caches keep 7 tokens) is refused rather than attending
+    match SDPA's, and so do a training step's gradients and a greedy generation past several
+    chunks (its chunked layers' caches keep 7 tokens; each step gets its chunk's keys from the
+    mask function); several new tokens over such a cache are refused rather than attending
     across chunks."""
     import torch
     import transformers
@@ -841,8 +842,15 @@ def test_hf_llama4_chunked_attention(ref_kernels):
         got, want = (m(long, attention_mask=mask).logits for m in models)
         torch.testing.assert_close(got[0], want[0])
         torch.testing.assert_close(got[1, 5:], want[1, 5:])
-        with pytest.raises(NotImplementedError, match="over 8 keys"):  # the 8th token: 7 cached + 1
-            models[0](ids[:, :1], past_key_values=first.past_key_values)
+        step = models[0](ids[:, :1], past_key_values=first.past_key_values)  # the 8th token: 7 cached + 1
+        with pytest.raises(NotImplementedError, match="over 9 keys with 2 new tokens"):
+            models[0](ids[:, :2], past_key_values=step.past_key_values)
+        gen = [m.generate(long, attention_mask=mask, max_new_tokens=19, do_sample=False, pad_token_id=0,
+                          eos_token_id=None, output_logits=True, return_dict_in_generate=True) for m in models]
+        assert torch.equal(gen[0].sequences, gen[1].sequences)
+        for a, b in zip(gen[0].logits, gen[1].logits):
+            torch.testing.assert_close(a[0], b[0])
+            torch.testing.assert_close(a[1], b[1])
     grads = []
     for m in models:
         m.train().zero_grad()

@@ -128,13 +128,17 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     # padding too); other calls are refused rather than attending across chunks (a chunked
     # layer's cache keeps chunk - 1 tokens, so a decode step past a chunk boundary sees exactly
     # `chunk` keys: their positions do not reach this function).
+    # A one-token step with a cache gets the exact row of keys it sees from the mask function
+    # (_chunk_mask: the chunk's keys, padding included), and runs on that key mask.
     chunk = _layer_chunk(module)
     seen = attention_mask.shape[-1] if attention_mask is not None else sk  # (not a static cache's length)
-    if chunk and seen >= chunk and sq != seen:
+    chunk_rows = sq == 1 and getattr(attention_mask, "_cuflash_key_rows", False)
+    if chunk and seen >= chunk and sq != seen and not chunk_rows:
         raise NotImplementedError(f"cuflash backend: chunked attention (config.attention_chunk_size={chunk}) "
                                   f"over {seen} keys with {sq} new tokens is not supported (the layer's cache "
                                   f"does not say where a chunk starts); calls without a cache (training, a first "
-                                  f"prefill) and sequences of fewer than {chunk} tokens run")
+                                  f"prefill), one-token steps (with the mask function of register_transformers) "
+                                  f"and sequences of fewer than {chunk} tokens run")
     if query.dtype == torch.float32:  # as transformers' flash backend: run in the autocast dtype
         dev = query.device.type
         if torch.is_autocast_enabled(dev):
@@ -154,7 +158,7 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     det = bool(kwargs.get("deterministic") or False)
     feats = dict(causal=causal, softmax_scale=scaling, window_size=window, softcap=cap,
                  deterministic=det)
-    if chunk and seen >= chunk:
+    if chunk and seen >= chunk and sq == seen:
         feats["attention_chunk"] = chunk
     if kwargs.get("s_aux") is not None:  # attention sinks (gpt-oss), one logit per query head
         feats["sinks"] = kwargs["s_aux"]
@@ -234,6 +238,28 @@ def _layer_chunk(module) -> int:
     return int(chunk)
 
 
+def _chunk_mask(*args, **kwargs):
+    """transformers' mask function for cuflash: its flash-attention one (None without padding,
+    else the 2D padding mask), except for a one-token step of a chunked layer (local_size =
+    config.attention_chunk_size), whose row of visible keys (its chunk's, padding included) it
+    returns as a 2D (batch, kv_length) key mask, tagged for hf_attention_forward. The row is
+    transformers' own sdpa mask for that step (its chunk rule, left padding and cache offsets)."""
+    from transformers.masking_utils import flash_attention_mask, sdpa_mask
+    if args:  # (transformers passes keywords; anything else gets its flash mask)
+        return flash_attention_mask(*args, **kwargs)
+    config, local = kwargs.get("config"), kwargs.get("local_size")
+    q_length = kwargs.get("q_length")
+    if q_length is None and kwargs.get("cache_position") is not None:
+        q_length = kwargs["cache_position"].shape[0]
+    chunk = getattr(config, "attention_chunk_size", None)
+    if q_length != 1 or not chunk or local != chunk:
+        return flash_attention_mask(**kwargs)
+    rows = sdpa_mask(**dict(kwargs, allow_is_causal_skip=False, use_vmap=False))
+    rows = rows[:, 0, -1, :]  # (batch, kv_length): True where the step sees the key
+    rows._cuflash_key_rows = True
+    return rows
+
+
 def _fwd_kwargs(kwargs):
     return {n: x for n, x in kwargs.items() if n not in ("sliding_window", "softcap")}
 
@@ -249,7 +275,7 @@ HF_NAME = "cuFlash"
 def register_transformers(name: str = HF_NAME) -> str:
     """Register cuflash as the transformers attention implementation ``name`` (default
     ``"cuFlash"``), with transformers' flash-attention mask function (None without padding, else
-    a 2D padding mask). Then ``from_pretrained(..., attn_implementation="cuFlash")`` or
+    a 2D padding mask; a chunked layer's one-token step gets its row of visible keys). Then ``from_pretrained(..., attn_implementation="cuFlash")`` or
     ``model.set_attn_implementation("cuFlash")``. Returns ``name``.
 
     The name must not contain the lowercase substring "flash": transformers takes any such
@@ -261,7 +287,7 @@ def register_transformers(name: str = HF_NAME) -> str:
                          f"'flash' as flash-attn builds and tries to load one for {name!r}; "
                          f"register cuflash under another name (default {HF_NAME!r})")
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.masking_utils import AttentionMaskInterface
     AttentionInterface.register(name, hf_attention_forward)
-    AttentionMaskInterface.register(name, flash_attention_mask)
+    AttentionMaskInterface.register(name, _chunk_mask)
     return name
