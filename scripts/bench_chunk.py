@@ -30,6 +30,22 @@ def chunk_pairs(s, c):
     return full * c * (c + 1) // 2 + rest * (rest + 1) // 2
 
 
+def timed(calls, reps, what):
+    """(ms per call, errors) of time_interleaved over ``calls``, after each one's first call
+    (compiles) run one by one and timed for the log; a call that raises is left out."""
+    errors = {}
+    for name, (fn, ins) in calls.items():
+        t1 = time.perf_counter()
+        try:
+            fn(*ins[0])
+            torch.cuda.synchronize()
+        except Exception as e:
+            errors[name] = e
+        print(f"  {what}{name}: first call {time.perf_counter() - t1:.1f} s", file=sys.stderr, flush=True)
+    calls = {n: c_ for n, c_ in calls.items() if n not in errors}
+    return bench.time_interleaved(calls, warmup=3, reps=reps, errors=errors), errors
+
+
 def prefill_rows(seqlens, c, h, hk, d, reps, sdpa_max):
     import cuflash
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -64,18 +80,8 @@ def prefill_rows(seqlens, c, h, hk, d, reps, sdpa_max):
                 with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
                     return torch.nn.functional.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=dense)
             calls["sdpa dense mask"] = (sdpa, wide)
-        errors = {}
         t0 = time.perf_counter()
-        for name, (fn, ins) in calls.items():  # the first calls (compiles) one by one, timed for the log
-            t1 = time.perf_counter()
-            try:
-                fn(*ins[0])
-                torch.cuda.synchronize()
-            except Exception as e:
-                errors[name] = e
-            print(f"  {name}: first call {time.perf_counter() - t1:.1f} s", file=sys.stderr, flush=True)
-        calls = {n: c_ for n, c_ in calls.items() if n not in errors}
-        ms = bench.time_interleaved(calls, warmup=3, reps=reps, errors=errors)
+        ms, errors = timed(calls, reps, "")
         print(f"  timed in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         q, k, v = sets[0]
         ref = cuflash.attention(q, k, v, causal=True, attention_chunk=c).float()
@@ -121,17 +127,7 @@ def train_rows(seqlens, c, h, hk, d, reps):
             "flex": (step(lambda q, k, v: flex(t(q), t(k), t(v), block_mask=block, enable_gqa=True).transpose(1, 2)),
                      sets),
         }
-        errors = {}
-        for name, (fn, ins) in calls.items():
-            t1 = time.perf_counter()
-            try:
-                fn(*ins[0])
-                torch.cuda.synchronize()
-            except Exception as e:
-                errors[name] = e
-            print(f"  train {s} {name}: first call {time.perf_counter() - t1:.1f} s", file=sys.stderr, flush=True)
-        calls = {n: c_ for n, c_ in calls.items() if n not in errors}
-        ms = bench.time_interleaved(calls, warmup=3, reps=reps, errors=errors)
+        ms, errors = timed(calls, reps, f"train {s} ")
         q, k, v, do = sets[0]
         g = torch.autograd.grad(ct.attention(q, k, v, causal=True, attention_chunk=c), (q, k, v), do)
         gf = torch.autograd.grad(flex(t(q), t(k), t(v), block_mask=block, enable_gqa=True).transpose(1, 2),

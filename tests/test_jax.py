@@ -476,7 +476,11 @@ GPU_SHAPES = [(2, 113, 203, 4, 2, 64), (1, 256, 256, 4, 4, 128), (2, 77, 77, 2, 
 @pytest.mark.parametrize("mods,dtype", [(m, "bfloat16") for m in MODS] + [(MODS[1], "float16")])
 @pytest.mark.parametrize("b,sq,sk,h,hk,d", GPU_SHAPES)
 def test_gpu_forward_and_grads(rng, mods, dtype, b, sq, sk, h, hk, d):
-    q, k, v, w, mods, ref_mods = _gpu_case(rng, mods, b, sq, sk, h, hk, d, dtype)
+    _check_forward_and_grads(*_gpu_case(rng, mods, b, sq, sk, h, hk, d, dtype))
+
+
+def _check_forward_and_grads(q, k, v, w, mods, ref_mods):
+    """cuflash.jax.attention under jit and grad against the reference (flash-attn's rule)."""
     out = jax.jit(lambda q, k, v: cj.attention(q, k, v, **mods))(q, k, v)
     _check_forward(out, q, k, v, **ref_mods)
     loss = lambda q, k, v: jnp.sum(cj.attention(q, k, v, **mods).astype(jnp.float32) * w)  # noqa: E731
@@ -493,13 +497,7 @@ def test_gpu_forward_and_grads(rng, mods, dtype, b, sq, sk, h, hk, d):
 def test_gpu_chunk_forward_and_grads(rng, mods, b, sq, sk, h, hk, d, c):
     q, k, v, w, mods, ref_mods = _gpu_case(rng, mods, b, sq, sk, h, hk, d, "bfloat16")
     mods["attention_chunk"] = ref_mods["attention_chunk"] = c
-    out = jax.jit(lambda q, k, v: cj.attention(q, k, v, **mods))(q, k, v)
-    _check_forward(out, q, k, v, **ref_mods)
-    loss = lambda q, k, v: jnp.sum(cj.attention(q, k, v, **mods).astype(jnp.float32) * w)  # noqa: E731
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-    args = [np.asarray(x) for x in (w, q, k, v)]
-    _check_grads(grads, reference.attention_backward(*args, **ref_mods),
-                 reference.attention_backward(*args, precision="same", **ref_mods), ref_mods)
+    _check_forward_and_grads(q, k, v, w, mods, ref_mods)
 
 
 @requires_jax_gpu
