@@ -813,8 +813,8 @@ def test_hf_llama4_chunked_attention(ref_kernels):
     NoPE layers): below a chunk and on a longer first input (batched, left-padded) its logits
     match SDPA's, and so do a training step's gradients and a greedy generation past several
     chunks (its chunked layers' caches keep 7 tokens; each step gets its chunk's keys from the
-    mask function); several new tokens over such a cache are refused rather than attending
-    across chunks."""
+    mask function); several new tokens over such a cache run through SDPA with transformers' mask
+    (not attending across chunks)."""
     import torch
     import transformers
     if not hasattr(transformers, "Llama4TextConfig"):
@@ -842,9 +842,12 @@ def test_hf_llama4_chunked_attention(ref_kernels):
         got, want = (m(long, attention_mask=mask).logits for m in models)
         torch.testing.assert_close(got[0], want[0])
         torch.testing.assert_close(got[1, 5:], want[1, 5:])
-        step = models[0](ids[:, :1], past_key_values=first.past_key_values)  # the 8th token: 7 cached + 1
-        with pytest.raises(NotImplementedError, match="over 9 keys with 2 new tokens"):
-            models[0](ids[:, :2], past_key_values=step.past_key_values)
+        # a one-token step (the 8th token: 7 cached + 1) and then two tokens over the chunked cache
+        # (transformers' 4D mask through SDPA), as SDPA's own
+        caches = [m(ids, use_cache=True).past_key_values for m in models]
+        for new in (ids[:, :1], ids[:, 1:3]):
+            got, want = (m(new, past_key_values=c) for m, c in zip(models, caches))
+            torch.testing.assert_close(got.logits, want.logits)
         gen = [m.generate(long, attention_mask=mask, max_new_tokens=19, do_sample=False, pad_token_id=0,
                           eos_token_id=None, output_logits=True, return_dict_in_generate=True) for m in models]
         assert torch.equal(gen[0].sequences, gen[1].sequences)

@@ -129,11 +129,13 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     # layer's cache keeps chunk - 1 tokens, so a decode step past a chunk boundary sees exactly
     # `chunk` keys: their positions do not reach this function).
     # A one-token step with a cache gets the exact row of keys it sees from the mask function
-    # (_chunk_mask: the chunk's keys, padding included), and runs on that key mask.
+    # (_chunk_mask: the chunk's keys, padding included), and runs on that key mask; several new
+    # tokens over a cache get transformers' 4D chunked mask, which runs through SDPA below.
     chunk = _layer_chunk(module)
     seen = attention_mask.shape[-1] if attention_mask is not None else sk  # (not a static cache's length)
-    chunk_rows = sq == 1 and getattr(attention_mask, "_cuflash_key_rows", False)
-    if chunk and seen >= chunk and sq != seen and not chunk_rows:
+    exact = getattr(attention_mask, "_cuflash_key_rows", False) or (attention_mask is not None
+                                                                    and attention_mask.dim() == 4)
+    if chunk and seen >= chunk and sq != seen and not exact:
         raise NotImplementedError(f"cuflash backend: chunked attention (config.attention_chunk_size={chunk}) "
                                   f"over {seen} keys with {sq} new tokens is not supported (the layer's cache "
                                   f"does not say where a chunk starts); calls without a cache (training, a first "
@@ -240,10 +242,12 @@ def _layer_chunk(module) -> int:
 
 def _chunk_mask(*args, **kwargs):
     """transformers' mask function for cuflash: its flash-attention one (None without padding,
-    else the 2D padding mask), except for a one-token step of a chunked layer (local_size =
-    config.attention_chunk_size), whose row of visible keys (its chunk's, padding included) it
-    returns as a 2D (batch, kv_length) key mask, tagged for hf_attention_forward. The row is
-    transformers' own sdpa mask for that step (its chunk rule, left padding and cache offsets)."""
+    else the 2D padding mask), except on a chunked layer (local_size =
+    config.attention_chunk_size) over a cache: a one-token step gets its row of visible keys
+    (its chunk's, padding included) as a 2D (batch, kv_length) key mask, tagged for
+    hf_attention_forward; several new tokens get the 4D (batch, 1, q_length, kv_length) mask (run
+    through PyTorch SDPA: cuflash cannot place chunks over a cache whose keys do not start at
+    position 0). Both are transformers' own sdpa mask (its chunk rule, left padding, offsets)."""
     from transformers.masking_utils import flash_attention_mask, sdpa_mask
     if args:  # (transformers passes keywords; anything else gets its flash mask)
         return flash_attention_mask(*args, **kwargs)
@@ -252,10 +256,13 @@ def _chunk_mask(*args, **kwargs):
     if q_length is None and kwargs.get("cache_position") is not None:
         q_length = kwargs["cache_position"].shape[0]
     chunk = getattr(config, "attention_chunk_size", None)
-    if q_length != 1 or not chunk or local != chunk:
+    over_cache = kwargs.get("kv_offset", 0) > 0 or kwargs.get("kv_length", q_length) != q_length
+    if not chunk or local != chunk or not (q_length == 1 or over_cache):
         return flash_attention_mask(**kwargs)
-    rows = sdpa_mask(**dict(kwargs, allow_is_causal_skip=False, use_vmap=False))
-    rows = rows[:, 0, -1, :]  # (batch, kv_length): True where the step sees the key
+    mask = sdpa_mask(**dict(kwargs, allow_is_causal_skip=False, use_vmap=False))
+    if q_length != 1:
+        return mask
+    rows = mask[:, 0, -1, :]  # (batch, kv_length): True where the step sees the key
     rows._cuflash_key_rows = True
     return rows
 
