@@ -105,7 +105,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     ``cu_seqlens_k``: int32 arrays (batch + 1,), read by the kernels on the device (they may be
     traced values); ``max_seqlen_q``, ``max_seqlen_k``: static ints that size the grid. As in
     flash-attn, well-formed offsets under the maxima, ending at total_q and total_k, are the
-    caller's contract. ``attention_chunk``: chunked attention per sequence (as :func:`attention`).
+    caller's contract. ``attention_chunk``: chunked attention per sequence (as :func:`attention`);
+    passing the same array object as both cu_seqlens (inside the traced function: two arguments
+    of a jitted function are two tracers) tells it that no sequence has more queries than keys,
+    which keeps its pieces small.
     Returns out (total_q, nheads, headdim).
     """
     qs, ks, vs, cq, ck = _shapes((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),

@@ -382,8 +382,8 @@ def test_gpu_hf_llama4_chunked_layers():
     """A small Llama 4 text model (chunks of 128 tokens, every other layer full attention) on the
     GPU in bfloat16, 2 x 600 tokens, one sequence left-padded: the cuflash backend's logits and a
     training step's loss and gradients against SDPA's (transformers' own chunked mask); greedy
-    generation with a cache across two chunk boundaries, each step's logits against SDPA's over
-    the whole generated sequence."""
+    generation with a cache across a chunk boundary (200 -> 320 tokens), each step's logits
+    against SDPA's over the whole generated sequence."""
     import importlib.util
     if importlib.util.find_spec("transformers") is None:
         pytest.skip("needs transformers (optional dependency)")

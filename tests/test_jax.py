@@ -186,7 +186,8 @@ def test_chunk_under_jit(numpy_kernels, rng, sq, sk, c, mods):
 
 
 @pytest.mark.parametrize("same", [False, True])
-def test_varlen_chunk_under_jit(numpy_kernels, rng, same):
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_chunk_under_jit(numpy_kernels, rng, same, causal):
     lens_k = [7, 3, 0, 11]
     lens_q = lens_k if same else [5, 0, 1, 14]
     cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
@@ -194,7 +195,7 @@ def test_varlen_chunk_under_jit(numpy_kernels, rng, same):
     d = 24
     q, k, v = arr(rng, cq[-1], 4, d), arr(rng, ck[-1], 2, d), arr(rng, ck[-1], 2, d)
     w = arr(rng, cq[-1], 4, d)
-    mods = dict(causal=not same, attention_chunk=3)
+    mods = dict(causal=causal, attention_chunk=3)
     f = lambda q, k, v, cq, ck: cj.attention_varlen(q, k, v, cq, ck, max(lens_q), max(lens_k), **mods)  # noqa: E731
     out = jax.jit(f)(q, k, v, cq, ck)
     args = [np.asarray(x) for x in (q, k, v)]

@@ -842,9 +842,9 @@ def test_hf_llama4_chunked_attention(ref_kernels):
         got, want = (m(long, attention_mask=mask).logits for m in models)
         torch.testing.assert_close(got[0], want[0])
         torch.testing.assert_close(got[1, 5:], want[1, 5:])
-        # a one-token step (the 8th token: 7 cached + 1) and then two tokens over the chunked cache
-        # (transformers' 4D mask through SDPA), as SDPA's own
-        caches = [m(ids, use_cache=True).past_key_values for m in models]
+        # after a 9-token prompt, a one-token step (position 9, chunk 1: its row of keys) and then
+        # two tokens over the chunked cache (transformers' 4D mask through SDPA), as SDPA's own
+        caches = [m(long[:1, :9], use_cache=True).past_key_values for m in models]
         for new in (ids[:, :1], ids[:, 1:3]):
             got, want = (m(new, past_key_values=c) for m, c in zip(models, caches))
             torch.testing.assert_close(got.logits, want.logits)
@@ -861,6 +861,63 @@ def test_hf_llama4_chunked_attention(ref_kernels):
         grads.append([p.grad for p in m.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+
+
+def _tiny_llama4_pair(chunk=8, no_rope=(1, 0)):
+    """Tiny Llama 4 text models (float64) with the cuflash backend and with SDPA, same weights."""
+    import torch
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+    import cuflash.torch as ct
+    ct.register_transformers()
+    models = []
+    for attn in ("cuFlash", "sdpa"):
+        cfg = Llama4TextConfig(vocab_size=128, hidden_size=64, intermediate_size=64, intermediate_size_mlp=64,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
+                               attention_chunk_size=chunk, initializer_range=0.1, no_rope_layers=list(no_rope))
+        torch.manual_seed(0)
+        models.append(Llama4ForCausalLM._from_config(cfg, attn_implementation=attn, dtype=torch.float64).eval())
+    return models
+
+
+@requires_torch
+@requires_transformers
+@pytest.mark.parametrize("case", ["static", "static_padded", "static_short", "static_short_padded", "right_padded",
+                                  "batch1", "short_prompt", "long_padding", "all_ones"])
+@pytest.mark.parametrize("no_rope", [(1, 0), (1, 1)])
+def test_hf_llama4_generation_cases(ref_kernels, case, no_rope):
+    """Greedy generation across chunk boundaries (chunks of 8) in the ways transformers runs it:
+    static caches (with and without a padding mask: their empty slots are no keys), left and
+    right padding, one sequence, a prompt shorter than a chunk: tokens and logits as SDPA's."""
+    import torch
+    import transformers
+    if not hasattr(transformers, "Llama4TextConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Llama 4")
+    models = _tiny_llama4_pair(no_rope=no_rope)
+    ids = torch.randint(1, 128, (2, 21), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    kw = dict(cache_implementation="static") if case.startswith("static") else {}
+    if case in ("static", "batch1"):
+        mask = None
+    if case == "batch1":
+        ids = ids[:1]
+    if case.startswith("static_short") or case == "short_prompt":
+        ids, mask = ids[:, :5], (None if case == "static_short" else torch.tensor([[1] * 5, [0, 0, 1, 1, 1]]))
+    if case == "right_padded":
+        mask = torch.ones_like(ids)
+        mask[1, -3:] = 0
+    if case == "long_padding":
+        mask[1, :13] = 0
+    if case == "all_ones":
+        mask = torch.ones_like(ids)
+    with torch.no_grad():
+        gen = [m.generate(ids, attention_mask=mask, max_new_tokens=19, do_sample=False, pad_token_id=0,
+                          eos_token_id=None, output_logits=True, return_dict_in_generate=True, **kw) for m in models]
+    rows = slice(0, 1) if case == "right_padded" else slice(None)  # (as flash-attn's backends, cuflash
+    # gives padded query rows zeros, where SDPA attends from them: right padding's next token differs)
+    assert torch.equal(gen[0].sequences[rows], gen[1].sequences[rows])
+    for a, b in zip(gen[0].logits, gen[1].logits):
+        torch.testing.assert_close(a[rows], b[rows])
 
 
 def _load_example():

@@ -133,8 +133,8 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     # tokens over a cache get transformers' 4D chunked mask, which runs through SDPA below.
     chunk = _layer_chunk(module)
     seen = attention_mask.shape[-1] if attention_mask is not None else sk  # (not a static cache's length)
-    exact = getattr(attention_mask, "_cuflash_key_rows", False) or (attention_mask is not None
-                                                                    and attention_mask.dim() == 4)
+    exact = getattr(attention_mask, "_cuflash_exact", False) or (attention_mask is not None
+                                                                 and attention_mask.dim() == 4)
     if chunk and seen >= chunk and sq != seen and not exact:
         raise NotImplementedError(f"cuflash backend: chunked attention (config.attention_chunk_size={chunk}) "
                                   f"over {seen} keys with {sq} new tokens is not supported (the layer's cache "
@@ -162,6 +162,8 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
                  deterministic=det)
     if chunk and seen >= chunk and sq == seen:
         feats["attention_chunk"] = chunk
+    if getattr(attention_mask, "_cuflash_none", False):  # (every key of the first chunk: no mask)
+        attention_mask = None
     if kwargs.get("s_aux") is not None:  # attention sinks (gpt-oss), one logit per query head
         feats["sinks"] = kwargs["s_aux"]
     if dropout:  # transformers passes the module's attention_dropout in training, 0.0 in eval
@@ -177,9 +179,10 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     position_ids = kwargs.get("position_ids")
 
     if attention_mask is not None and attention_mask.dim() != 2:
+        why = ("several new tokens over a chunked layer's cache (cuflash counts chunks from its first key)"
+               if getattr(attention_mask, "_cuflash_chunks", False) else "a prepared 4D attention mask is not supported")
         return _crop(_sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling,
-                                    sliding_window, cap, causal, _fwd_kwargs(kwargs),
-                                    "a prepared 4D attention mask is not supported"), v_head_dim)
+                                    sliding_window, cap, causal, _fwd_kwargs(kwargs), why), v_head_dim)
 
     if attention_mask is not None:  # padding: unpad, run varlen, pad back
         mask = attention_mask
@@ -242,29 +245,55 @@ def _layer_chunk(module) -> int:
 
 def _chunk_mask(*args, **kwargs):
     """transformers' mask function for cuflash: its flash-attention one (None without padding,
-    else the 2D padding mask), except on a chunked layer (local_size =
-    config.attention_chunk_size) over a cache: a one-token step gets its row of visible keys
-    (its chunk's, padding included) as a 2D (batch, kv_length) key mask, tagged for
-    hf_attention_forward; several new tokens get the 4D (batch, 1, q_length, kv_length) mask (run
-    through PyTorch SDPA: cuflash cannot place chunks over a cache whose keys do not start at
-    position 0). Both are transformers' own sdpa mask (its chunk rule, left padding, offsets)."""
+    else the 2D padding mask; a static cache's slots past the tokens seen masked when no
+    attention_mask says so), except on a chunked layer (local_size =
+    config.attention_chunk_size) whose queries reach past the first chunk, over a cache: a
+    one-token step gets its row of visible keys (its chunk's, padding included) as a 2D
+    (batch, kv_length) key mask; several new tokens get the 4D (batch, 1, q_length, kv_length)
+    mask (run through PyTorch SDPA: cuflash cannot place chunks over a cache whose keys do not
+    start at position 0). Both are transformers' own sdpa mask (its chunk rule, left padding,
+    offsets). A chunked layer's masks that need no chunk cut (those rows; any mask while every
+    position lies in the first chunk, None given as all keys) are tagged ``_cuflash_exact`` for
+    hf_attention_forward."""
     from transformers.masking_utils import flash_attention_mask, sdpa_mask
     if args:  # (transformers passes keywords; anything else gets its flash mask)
         return flash_attention_mask(*args, **kwargs)
     config, local = kwargs.get("config"), kwargs.get("local_size")
-    q_length = kwargs.get("q_length")
-    if q_length is None and kwargs.get("cache_position") is not None:
-        q_length = kwargs["cache_position"].shape[0]
+    q_length, q_offset = kwargs.get("q_length"), kwargs.get("q_offset", 0)
+    kv_offset, kv_length = kwargs.get("kv_offset", 0), kwargs.get("kv_length", q_length)
     chunk = getattr(config, "attention_chunk_size", None)
-    over_cache = kwargs.get("kv_offset", 0) > 0 or kwargs.get("kv_length", q_length) != q_length
-    if not chunk or local != chunk or not (q_length == 1 or over_cache):
-        return flash_attention_mask(**kwargs)
-    mask = sdpa_mask(**dict(kwargs, allow_is_causal_skip=False, use_vmap=False))
-    if q_length != 1:
-        return mask
-    rows = mask[:, 0, -1, :]  # (batch, kv_length): True where the step sees the key
-    rows._cuflash_key_rows = True
-    return rows
+    chunked = bool(chunk) and local == chunk and isinstance(q_length, int)
+    # (q_offset may be a tensor (static caches): then not known to lie in the first chunk)
+    first_chunk = chunked and isinstance(q_offset, int) and q_offset + q_length <= chunk  # (padding moves chunks later)
+    if chunked and not first_chunk and (q_length == 1 or kv_offset > 0 or kv_length != q_length):
+        mask = sdpa_mask(**dict(kwargs, allow_is_causal_skip=False))
+        if q_length != 1:
+            mask._cuflash_chunks = True
+            return mask
+        rows = mask[:, 0, -1, :]  # (batch, kv_length): True where the step sees the key
+        rows._cuflash_exact = True
+        return rows
+    mask = flash_attention_mask(**kwargs)
+    if (mask is None and kwargs.get("attention_mask") is None and isinstance(kv_offset, int) and kv_offset == 0
+            and isinstance(q_length, int) and isinstance(kv_length, int) and kv_length > q_length
+            and not (isinstance(q_offset, int) and q_offset + q_length >= kv_length)):
+        # A static cache: its slots past the tokens seen are no keys. As transformers' flash
+        # masks, a mask of the tokens seen, whose length cuts the keys; where that count is a
+        # device tensor (q_offset), a one-token step's key mask over every slot, and several
+        # tokens transformers' 4D mask (through SDPA: counting the slots would need a sync).
+        b, dev = kwargs.get("batch_size", 1), kwargs.get("device")
+        if isinstance(q_offset, int):
+            mask = torch.ones(b, q_offset + q_length, dtype=torch.bool, device=dev)
+        elif q_length == 1:
+            mask = (torch.arange(kv_length, device=dev) < q_offset + q_length).repeat(b, 1)  # (contiguous: tags stay)
+        else:
+            return sdpa_mask(**dict(kwargs, allow_is_causal_skip=False))
+    if first_chunk:
+        if mask is None:
+            mask = torch.ones(kwargs.get("batch_size", 1), kv_length, dtype=torch.bool, device=kwargs.get("device"))
+            mask._cuflash_none = True
+        mask._cuflash_exact = True
+    return mask
 
 
 def _fwd_kwargs(kwargs):
