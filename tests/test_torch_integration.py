@@ -910,9 +910,14 @@ def test_hf_llama4_generation_cases(ref_kernels, case, no_rope):
         mask[1, :13] = 0
     if case == "all_ones":
         mask = torch.ones_like(ids)
+    run = lambda m: m.generate(ids, attention_mask=mask, max_new_tokens=19, do_sample=False, pad_token_id=0,  # noqa
+                               eos_token_id=None, output_logits=True, return_dict_in_generate=True, **kw)
     with torch.no_grad():
-        gen = [m.generate(ids, attention_mask=mask, max_new_tokens=19, do_sample=False, pad_token_id=0,
-                          eos_token_id=None, output_logits=True, return_dict_in_generate=True, **kw) for m in models]
+        try:
+            want = run(models[1])
+        except TypeError as e:  # (transformers 5.17's static-cache generation of Llama 4 fails with SDPA too)
+            pytest.skip(f"transformers {transformers.__version__} cannot run this with SDPA: {e}")
+        gen = [run(models[0]), want]
     rows = slice(0, 1) if case == "right_padded" else slice(None)  # (as flash-attn's backends, cuflash
     # gives padded query rows zeros, where SDPA attends from them: right padding's next token differs)
     assert torch.equal(gen[0].sequences[rows], gen[1].sequences[rows])
