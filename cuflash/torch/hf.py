@@ -121,16 +121,14 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     b, h, sq, d = query.shape
     sk = key.shape[2]
     # Llama 4's chunked layers see only the keys of their own chunk of attention_chunk_size
-    # tokens: a mask that the flash-style mask function (register_transformers) does not pass on.
-    # Below that many keys it is causal attention. From it on, a call whose keys are its own
-    # queries (no cache before them: training, a first prefill) runs with attention_chunk, the
-    # chunks counted from each sequence's first token (transformers counts them past the left
-    # padding too); other calls are refused rather than attending across chunks (a chunked
-    # layer's cache keeps chunk - 1 tokens, so a decode step past a chunk boundary sees exactly
-    # `chunk` keys: their positions do not reach this function).
-    # A one-token step with a cache gets the exact row of keys it sees from the mask function
-    # (_chunk_mask: the chunk's keys, padding included), and runs on that key mask; several new
-    # tokens over a cache get transformers' 4D chunked mask, which runs through SDPA below.
+    # tokens. A call whose keys are its own queries (no cache before them: training, a first
+    # prefill) runs with attention_chunk, the chunks counted from each sequence's first token
+    # (as transformers counts them past left padding). Over a cache, the positions do not reach
+    # this function (a chunked layer's cache keeps chunk - 1 tokens), so the mask function
+    # (_chunk_mask) says what a step sees: a one-token step's row of keys, transformers' 4D mask
+    # for several tokens (through SDPA below), or a mask tagged as needing no chunk cut while
+    # every position lies in the first chunk. Any other call over `chunk` keys or more is
+    # refused rather than attending across chunks.
     chunk = _layer_chunk(module)
     seen = attention_mask.shape[-1] if attention_mask is not None else sk  # (not a static cache's length)
     exact = getattr(attention_mask, "_cuflash_exact", False) or (attention_mask is not None
@@ -311,7 +309,8 @@ HF_NAME = "cuFlash"
 def register_transformers(name: str = HF_NAME) -> str:
     """Register cuflash as the transformers attention implementation ``name`` (default
     ``"cuFlash"``), with transformers' flash-attention mask function (None without padding, else
-    a 2D padding mask; a chunked layer's one-token step gets its row of visible keys). Then ``from_pretrained(..., attn_implementation="cuFlash")`` or
+    a 2D padding mask; _chunk_mask says what else chunked layers and static caches get). Then
+    ``from_pretrained(..., attn_implementation="cuFlash")`` or
     ``model.set_attn_implementation("cuFlash")``. Returns ``name``.
 
     The name must not contain the lowercase substring "flash": transformers takes any such
