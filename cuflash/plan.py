@@ -230,8 +230,8 @@ def chunk_pieces(batch: int, max_seqlen_q: int, max_seqlen_k: int, chunk: int, l
     per_seq = cdiv(max_seqlen_k, c) + 1
     max_q = min(max_seqlen_q, max(c, lead))
     if batch * per_seq > MAX_GRID_YZ or batch * per_seq * max(max_q, 1) * nheads > 2**31 - 1:
-        raise ValueError(f"attention_chunk={chunk} with gradients or dropout runs each sequence's chunks as "
-                         f"sequences of their own: {batch} x {per_seq} pieces of up to {max_q} queries, beyond "
+        raise ValueError(f"attention_chunk={chunk} as packed sequences (cuflash.torch with gradients or dropout, "
+                         f"cuflash.jax) runs each sequence's chunks as sequences of their own: {batch} x {per_seq} pieces of up to {max_q} queries, beyond "
                          f"what one launch takes (at most {MAX_GRID_YZ} pieces and {2**31 - 1} rows x heads); "
                          "use a larger chunk or fewer sequences per call" + (
                              ", or pass one cu_seqlens array for queries and keys when they are the same"

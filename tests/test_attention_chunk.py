@@ -137,7 +137,7 @@ def test_chunk_pieces_rule():
     assert chunk_pieces(2, 1100, 1000, 128, 100, 8) == (128, 9, 128, 128)
     assert chunk_pieces(2, 1100, 1000, 128, 300, 8) == (128, 9, 300, 128)
     assert chunk_pieces(3, 50, 40, 10**6, 10, 8) == (40, 2, 40, 40)
-    with pytest.raises(ValueError, match="attention_chunk=1 with gradients"):
+    with pytest.raises(ValueError, match="attention_chunk=1 as packed sequences"):
         chunk_pieces(2, 10, 100_000, 1, 0, 8)
     with pytest.raises(ValueError, match="one cu_seqlens"):
         chunk_pieces(4000, 2**20, 2**20, 65536, 2**20, 32)
