@@ -620,6 +620,20 @@ def backward_kernels(bucket: int, dtype: str, causal: bool, deterministic: bool,
     return bwd.kernels(bucket, dtype, causal, deterministic, arch, local, softcap, alibi, flashmask, dropout)
 
 
+def _chunk_backward(p: Problem, dev: DeviceFacts) -> Plan:
+    """The backward of a chunked call as cuflash.torch and cuflash.jax run it (no backward kernel
+    takes a chunk): the varlen backward of its pieces (chunk_pieces), the reason saying so."""
+    lead = p.seqlen_q if p.varlen else max(0, p.seqlen_q - p.seqlen_k)
+    c, per_seq, max_q, max_k = chunk_pieces(p.batch, p.seqlen_q, p.seqlen_k, p.chunk, lead, p.nheads)
+    plan = make_backward_plan(replace(p, batch=p.batch * per_seq, seqlen_q=max_q, seqlen_k=max_k, varlen=True,
+                                      chunk=0), dev)
+    why = (f"attention_chunk={p.chunk}: no backward kernel takes a chunk, so cuflash.torch and cuflash.jax run the "
+           f"call, forward and backward, as packed sequences: each of the {p.batch} sequence(s) cut into {per_seq} "
+           f"pieces (its queries before its first key, then one per chunk of {c} keys with the queries whose "
+           f"positions lie in it), at most {max_q} queries and {max_k} keys each; this is the plan of their backward. ")
+    return replace(plan, reason=why + plan.reason)
+
+
 @functools.lru_cache(maxsize=1024)
 def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     """The backward of ``p``'s forward: FlashAttention-2's algorithm in three kernels, with the
@@ -630,8 +644,7 @@ def make_backward_plan(p: Problem, dev: DeviceFacts) -> Plan:
     causal = window[0] < 0 and window[1] == 0
     local = window != (-1, -1) and not causal
     if effective_chunk(p):
-        raise NotImplementedError(f"attention_chunk={p.chunk} has no backward kernel in cuflash; cuflash.torch "
-                                  "differentiates chunked calls as packed sequences, one per chunk (the varlen backward)")
+        return _chunk_backward(p, dev)
     _dropout_rejects(p)
     if p.flashmask:
         _flashmask_rejects(p)

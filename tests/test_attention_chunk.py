@@ -123,9 +123,19 @@ def test_decode_splits_count_the_chunk_tiles():
     assert chunked.n_blocks_per_split * chunked.num_splits <= planmod.cdiv(1024, 64) + 2 < whole.n_blocks_per_split * whole.num_splits
 
 
-def test_backward_plan_is_refused():
-    with pytest.raises(NotImplementedError, match="attention_chunk=256 has no backward"):
-        _plan(256, causal=True, backward=True)
+def test_backward_plan_is_the_pieces():
+    """The backward plan of a chunked call is the varlen backward of its pieces (as cuflash.torch
+    and cuflash.jax run it), the reason saying so; a chunk that holds every key is no mask."""
+    p = _plan(256, causal=True, backward=True)  # q (2, 1000, 8, 128), 1000 keys: 2 x 5 pieces
+    pieces_k = (2 * 5, 256, 2, 128)
+    want = cuflash.plan((2 * 5, 256, 8, 128), pieces_k, pieces_k, causal=True, backward=True, varlen=True,
+                        num_sms=132, arch=90)
+    assert p.kernels == want.kernels and p.backward and p.problem.chunk == 0 and p.problem.varlen
+    assert p.reason.startswith("attention_chunk=256: no backward kernel takes a chunk") and "2 sequence(s) cut into 5" in p.reason
+    assert _plan(1000, causal=True, backward=True).kernels == _plan(0, causal=True, backward=True).kernels
+    # (by shapes, a varlen plan cannot tell that queries and keys share their cu_seqlens: the
+    # pieces are sized for max_seqlen_q queries, as when they do not)
+    assert _plan(256, causal=True, backward=True, varlen=True).problem.seqlen_q == 1000
 
 
 def test_chunk_pieces_rule():
