@@ -31,7 +31,7 @@ except ImportError as e:  # JAX before 0.6.1
                       f"this is JAX {jax.__version__}") from e
 
 from cuflash import api, arrays, backward, compiler, launch, validate
-from cuflash.plan import Problem, chunk_pieces, make_backward_plan, make_plan
+from cuflash.plan import Problem, chunk_piece_bounds, chunk_pieces, make_backward_plan, make_plan
 
 __all__ = ["attention", "attention_varlen"]
 
@@ -140,12 +140,7 @@ def _chunked(qkv, varlen, lead, chunk, alibi_slopes, kw):
     cu_q, cu_k, max_sq, max_sk = varlen
     c, per_seq, max_q, max_k = chunk_pieces(cu_q.shape[0] - 1, max_sq, max_sk, chunk, lead, q.shape[1])
     ends = jnp.arange(per_seq, dtype=jnp.int32) * c  # (at most max_seqlen_k + c: within int32)
-    cu_q, cu_k = jnp.asarray(cu_q, jnp.int32), jnp.asarray(cu_k, jnp.int32)
-    sq, sk = (cu_q[1:] - cu_q[:-1])[:, None], (cu_k[1:] - cu_k[:-1])[:, None]
-    q_end = jnp.minimum(jnp.maximum(ends - (sk - sq), 0), sq)
-    k_end = jnp.minimum(ends, sk)
-    pieces_q = jnp.concatenate([cu_q[:1], (cu_q[:-1, None] + q_end).reshape(-1)])
-    pieces_k = jnp.concatenate([cu_k[:1], (cu_k[:-1, None] + k_end).reshape(-1)])
+    pieces_q, pieces_k = chunk_piece_bounds(jnp, jnp.asarray(cu_q, jnp.int32), jnp.asarray(cu_k, jnp.int32), ends)
     if alibi_slopes is not None and alibi_slopes.ndim == 2:  # (batch, nheads): each piece its sequence's
         alibi_slopes = jnp.repeat(alibi_slopes, per_seq, axis=0)
     return attention_varlen(q, k, v, pieces_q, pieces_k, max_q, max_k, alibi_slopes=alibi_slopes, **kw)

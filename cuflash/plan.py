@@ -239,6 +239,18 @@ def chunk_pieces(batch: int, max_seqlen_q: int, max_seqlen_k: int, chunk: int, l
     return c, per_seq, max_q, min(max_seqlen_k, c)
 
 
+def chunk_piece_bounds(xp, cu_q, cu_k, ends):
+    """cu_seqlens (queries, keys) of chunk_pieces' pieces, from a packed batch's int32 cu_seqlens
+    and ``ends`` = int32 (0, c, 2c, ..., (pieces per sequence - 1) c), in ``xp`` (torch or
+    jax.numpy; on the arrays' device, no sync): piece m of a sequence ends at key min(m c, sk) and
+    at the first query whose position (i + sk - sq) reaches it. Values stay below total + c."""
+    sq, sk = (cu_q[1:] - cu_q[:-1])[:, None], (cu_k[1:] - cu_k[:-1])[:, None]
+    q_end = xp.minimum((ends - (sk - sq)).clip(min=0), sq)
+    k_end = xp.minimum(ends, sk)
+    return (xp.concatenate([cu_q[:1], (cu_q[:-1, None] + q_end).reshape(-1)]),
+            xp.concatenate([cu_k[:1], (cu_k[:-1, None] + k_end).reshape(-1)]))
+
+
 def effective_chunk(p: "Problem") -> int:
     """attention_chunk as launched: 0 when every query's chunk holds every key (dense batches whose
     queries all sit at key positions 0 ... chunk - 1 or later in one chunk: seqlen_k <= chunk and

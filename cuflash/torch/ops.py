@@ -12,7 +12,7 @@ from torch.autograd import forward_ad as _forward_ad
 import cuflash
 import cuflash.backward
 from cuflash import api, arrays
-from cuflash.plan import cached_on_plans, chunk_pieces
+from cuflash.plan import cached_on_plans, chunk_piece_bounds, chunk_pieces
 
 from . import node as _node
 from . import plans
@@ -655,9 +655,6 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
     """
     # (isinstance, not __class__: torch.compile's tracer folds it for the default 0)
     if not (_int_arg(attention_chunk) and attention_chunk == 0):
-        kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                  alibi_slopes=alibi_slopes, deterministic=deterministic, return_lse=return_lse, sinks=sinks,
-                  dropout_p=dropout_p, seed=seed, offset=offset, attention_chunk=attention_chunk)
         if (q_descale is not None or k_descale is not None or v_descale is not None
                 or startend_row_indices is not None or q.dtype == torch.float8_e4m3fn):
             return _attention_fp8(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse,
@@ -665,7 +662,10 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
                                   attention_chunk)  # (its checks name what a chunk cannot take)
         if not (_int_arg(attention_chunk) and attention_chunk > 0 and q.dim() == 4 and k.dim() == 4
                 and q.shape[1] <= k.shape[1] <= attention_chunk):
-            return _chunked(q, k, v, None, **kw)
+            return _chunked(q, k, v, None, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                            softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+                            return_lse=return_lse, sinks=sinks, dropout_p=dropout_p, seed=seed, offset=offset,
+                            attention_chunk=attention_chunk)
         attention_chunk = 0  # every query's chunk holds every key: plain attention
     if q_descale is not None or k_descale is not None or v_descale is not None or q.dtype == torch.float8_e4m3fn:
         return _attention_fp8(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse, sinks,
@@ -798,14 +798,8 @@ def _chunk_pieces(q, k, varlen, chunk):
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = varlen
     c, per_seq, max_q, max_k = chunk_pieces(cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k), chunk,
                                             lead, q.shape[-2])
-    ends = torch.arange(per_seq, dtype=torch.int64, device=cu_seqlens_q.device) * c
-    cq, ck = cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64)
-    sq, sk = (cq[1:] - cq[:-1])[:, None], (ck[1:] - ck[:-1])[:, None]
-    q_end = torch.minimum(torch.clamp(ends - (sk - sq), min=0), sq)
-    k_end = torch.minimum(ends, sk)
-    cu_q = torch.cat([cq[:1], (cq[:-1, None] + q_end).flatten()]).to(torch.int32)
-    cu_k = torch.cat([ck[:1], (ck[:-1, None] + k_end).flatten()]).to(torch.int32)
-    return cu_q, cu_k, max_q, max_k, per_seq
+    ends = torch.arange(per_seq, dtype=torch.int32, device=cu_seqlens_q.device) * c
+    return (*chunk_piece_bounds(torch, cu_seqlens_q, cu_seqlens_k, ends), max_q, max_k, per_seq)
 
 
 @torch.compiler.disable
@@ -814,10 +808,10 @@ def _attention_fp8(q, k, v, causal, softmax_scale, window_size, softcap, alibi_s
     """attention's FP8 path: cuflash.attention's FP8 forward, refused where gradients would be
     recorded (and, with attention_chunk, the chunk's own refusals of FP8 and FlashMask)."""
     if attention_chunk:
-        cuflash.validate.attention_chunk(attention_chunk)
-        cuflash.validate.chunk_alone(attention_chunk, startend_row_indices=startend_row_indices is not None)
+        cuflash.validate.chunk_alone(cuflash.validate.attention_chunk(attention_chunk),
+                                     startend_row_indices=startend_row_indices is not None)
         if any(x is not None for x in descales) or q.dtype == torch.float8_e4m3fn:
-            cuflash.fp8._unsupported(attention_chunk=(attention_chunk, 0))
+            api._no_fp8_chunk(attention_chunk)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks, *descales)):
         raise NotImplementedError("FP8 (float8_e4m3fn) attention is forward only: call it under torch.no_grad() or on "
                                   "tensors that do not require grad")
