@@ -344,7 +344,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                            causal=False, softmax_scale=None, num_splits=0, return_lse=False, out=None,
                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
-                           sinks=None, attention_chunk=0):
+                           sinks=None, attention_chunk=0, rotary_seqlens=None):
     """Decode/append attention over a KV cache, with flash-attn's ``flash_attn_with_kvcache``
     semantics.
 
@@ -364,7 +364,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
     before they are written, and q's at the same positions when causal or local, else all at
     cache_seqlens[b] (the caller's q is not modified: a rotated copy is attended);
     ``rotary_interleaved``: pairs (0, 1), (2, 3) ... (GPT-J) when True, (i, i + rotary_dim / 2)
-    (GPT-NeoX) when False. Any head dim from 1 to 256, contiguous or paged. Device arrays are the
+    (GPT-NeoX) when False. ``rotary_seqlens`` (FlashAttention-3's): int32 (batch,) device array,
+    the rotary positions then start at rotary_seqlens[b] instead of cache_seqlens[b] (the rows
+    are still written at cache_seqlens[b] ...); not read without rotary tables. Any head dim from 1 to 256, contiguous or paged. Device arrays are the
     caller's contract, as in flash-attn (lengths must fit the cache and pages must exist); the
     kernels never read past a block table nor write past a cache's capacity whatever they say.
     ``window_size``, ``softcap``, ``alibi_slopes``, ``sinks`` and ``attention_chunk`` are those of
@@ -433,6 +435,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
         if cache_seqlens is None:
             raise ValueError("cache_seqlens is required when appending k and v")
     rotary = _rotary(rotary_cos, rotary_sin, rotary_interleaved, k is not None, qv, d, capacity)
+    ro_seqlens = (validate.int32_vector(rotary_seqlens, "rotary_seqlens", b, qv).ptr
+                  if rotary_seqlens is not None else 0)
 
     seqlen0 = 0
     if cache_seqlens is None:
@@ -475,7 +479,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
             with arrays.on_device(qv.device):
                 launch.append_kv(kn, vn, kc, vc, seqlens_ptr, seqlen0, batch_idx, table, page_size, capacity,
                                  arrays.stream_for(qv), qv.device, device_facts(qv.device).arch,
-                                 rotary=None if rotary is None else (*rotary, qv, q_in, rowwise))
+                                 rotary=None if rotary is None else (*rotary, qv, q_in, rowwise),
+                                 ro_seqlens_ptr=ro_seqlens)
         if sq:
             direct_out = not unaligned
             kernel_out = o_view if direct_out else arrays.view(

@@ -11,7 +11,10 @@ attention_varlen); ``flash_attn_with_kvcache`` is forward only, as in FlashAtten
 
 - FP8: float8_e4m3fn q, k, v with ``q_descale``/``k_descale``/``v_descale`` ((batch, nheads_k)
   float32) run cuflash's FP8 forward (sm_90; head dims 64, 128 and 256; full or causal; bf16
-  out; forward only) in flash_attn_func and flash_attn_qkvpacked_func.
+  out; forward only) in flash_attn_func and flash_attn_qkvpacked_func. The FP8 calls that kernel
+  does not take (a window, softcap, attention_chunk, other head dims, flash_attn_varlen_func)
+  attend to bfloat16 copies of q, k and v times their descales (what FlashAttention-3 computes,
+  without P rounded to e4m3): new tensors of twice the inputs' bytes and no FP8 speed-up.
 - A value head dim other than the query's (DeepSeek's 192 / 128; up to 512): V is padded with
   zeros to q's head dim when narrower, and cut into pieces of q's head dim when wider (one
   attention call per piece, each recomputing the scores), then the output is cut back: copies
@@ -22,9 +25,11 @@ attention_varlen); ``flash_attn_with_kvcache`` is forward only, as in FlashAtten
   :func:`get_scheduler_metadata` (which returns None: cuflash plans each call itself).
 - ``attention_chunk`` (chunked attention) runs in every function; where FlashAttention-3's
   backward ignores it, cuflash's differentiates through the chunk (cuflash.torch.attention's rule).
-- Not supported (NotImplementedError naming the argument): ``qv``, ``sm_margin`` other than 0,
-  ``seqused_q``, ``seqused_k`` without a paged cache, and in
-  flash_attn_with_kvcache ``cu_seqlens_q``, ``cu_seqlens_k_new``, ``rotary_seqlens``, ``qv`` and
+- ``seqused_q`` / ``seqused_k`` of flash_attn_varlen_func: each sequence cut into three packed
+  sequences (the used queries over the used keys, the rest over nothing) on the device, no copy
+  of q, k or v and no sync (cuflash.plan.seqused_bounds).
+- Not supported (NotImplementedError naming the argument): ``qv``, ``sm_margin`` other than 0, and in
+  flash_attn_with_kvcache ``cu_seqlens_q``, ``cu_seqlens_k_new``, ``qv`` and
   the descales. :func:`flash_attn_combine` merges split partials with PyTorch operations (no
   kernel of its own).
 """
@@ -33,7 +38,7 @@ from __future__ import annotations
 import torch
 
 import cuflash
-from cuflash.flash_attn.flash_attn_interface import _softcap, _window
+from cuflash.flash_attn.flash_attn_interface import _seqused, _softcap, _window
 from cuflash.torch import ops
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_combine",
@@ -82,6 +87,37 @@ def _value_pieces(run, q, k, v, softmax_scale):
     return torch.cat(outs, dim=-1)[..., :dv], lse
 
 
+def _fp8_kernel_runs(q, v, window, softcap, attention_chunk):
+    """Whether cuflash's FP8 forward takes this call (else: _dequantized)."""
+    from cuflash.kernels.fwd_fp8 import HEAD_DIMS
+    return (q.shape[-1] in HEAD_DIMS and v.shape[-1] == q.shape[-1] and tuple(window) == (-1, -1)
+            and not _softcap(softcap) and not attention_chunk)
+
+
+def _dequantized(x, descale, name, nheads_k, batch, seq=None):
+    """float8_e4m3fn x times its descale, as bfloat16 (a new tensor): what FlashAttention-3 attends
+    to, for the calls cuflash's FP8 forward does not take. x dense (batch, seqlen, heads, d), or
+    packed (total, heads, d) with ``seq``, each token's sequence; descale float32 (batch, nheads_k)
+    (a dim of 1 broadcasts) or None."""
+    if x.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"q, k and v must all be float8_e4m3fn, got {x.dtype}")
+    y = x.to(torch.float32)
+    if descale is not None:
+        if (not isinstance(descale, torch.Tensor) or descale.dtype != torch.float32 or descale.dim() != 2
+                or descale.shape[0] not in (1, batch) or descale.shape[1] not in (1, nheads_k)
+                or descale.device != x.device):
+            raise ValueError(f"{name} must be float32 (batch, nheads_k) = ({batch}, {nheads_k}) on {x.device} (a dim "
+                             f"of 1 broadcasts), got {cuflash.validate.show(descale)}")
+        per_head = descale.repeat_interleave(x.shape[-2] // nheads_k, dim=1) if descale.shape[1] > 1 else descale
+        y = y * (per_head[:, None, :, None] if seq is None else per_head[seq.clamp(max=descale.shape[0] - 1)][:, :, None])
+    return y.to(torch.bfloat16)
+
+
+def _dequantized_qkv(q, k, v, descales, batch, seqs=(None, None)):
+    return [_dequantized(x, s, n, k.shape[-2], batch, seq) for x, s, n, seq in
+            zip((q, k, v), descales, ("q_descale", "k_descale", "v_descale"), (seqs[0], seqs[1], seqs[1]))]
+
+
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
                     v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
                     pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
@@ -91,6 +127,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     _refuse(qv=qv, sm_margin=sm_margin)
     _hints(num_splits, pack_gqa)
     window = _window(window_size)
+    if q.dtype == torch.float8_e4m3fn and not _fp8_kernel_runs(q, v, window, softcap, attention_chunk):
+        q, k, v = _dequantized_qkv(q, k, v, (q_descale, k_descale, v_descale), q.shape[0])
+        q_descale = k_descale = v_descale = None
 
     def run(q, k, v, scale):
         return ops.attention(q, k, v, causal=causal, softmax_scale=scale, window_size=window, softcap=_softcap(softcap),
@@ -127,12 +166,21 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
                            pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
     """FlashAttention-3's ``flash_attn_varlen_func``: q (total_q, nheads, d), k (total_k, nheads_k,
-    d), v (total_k, nheads_k, dv), cu_seqlens int32 (batch + 1,). Returns out (total_q, nheads,
-    dv), or (out, softmax_lse (nheads, total_q)) with ``return_attn_probs=True``."""
-    _refuse(qv=qv, sm_margin=sm_margin, seqused_q=seqused_q, seqused_k=seqused_k, q_descale=q_descale,
-            k_descale=k_descale, v_descale=v_descale)
+    d), v (total_k, nheads_k, dv), cu_seqlens int32 (batch + 1,). ``seqused_q`` / ``seqused_k``
+    int32 (batch,): sequence b uses only the first seqused_q[b] / seqused_k[b] of its tokens (the
+    other query rows get 0 and LSE +inf; the unused tokens get no gradient). Returns out (total_q,
+    nheads, dv), or (out, softmax_lse (nheads, total_q)) with ``return_attn_probs=True``."""
+    _refuse(qv=qv, sm_margin=sm_margin)
     _hints(num_splits, pack_gqa)
     window = _window(window_size)
+    if q.dtype == torch.float8_e4m3fn or any(x is not None for x in (q_descale, k_descale, v_descale)):
+        if q.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"q_descale, k_descale and v_descale apply to float8_e4m3fn q, k, v; q is {q.dtype}")
+        seqs = [torch.searchsorted(cu[1:], torch.arange(x.shape[0], dtype=cu.dtype, device=x.device), right=True)
+                for cu, x in ((cu_seqlens_q, q), (cu_seqlens_k, k))]
+        q, k, v = _dequantized_qkv(q, k, v, (q_descale, k_descale, v_descale), cu_seqlens_q.shape[0] - 1, seqs)
+    if seqused_q is not None or seqused_k is not None:
+        cu_seqlens_q, cu_seqlens_k = _seqused(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
 
     def run(q, k, v, scale):
         return ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
@@ -177,12 +225,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                             scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
                             return_softmax_lse=False):
     """FlashAttention-3's ``flash_attn_with_kvcache`` (forward only): new k, v appended to the
-    caches in place at ``cache_seqlens`` (rotated with ``rotary_cos``/``rotary_sin``), then q
-    attends to them; ``page_table`` is a paged cache's block table. Returns out, or (out,
+    caches in place at ``cache_seqlens`` (rotated with ``rotary_cos``/``rotary_sin`` at positions
+    from ``rotary_seqlens``, default ``cache_seqlens``), then q attends to them; ``page_table`` is
+    a paged cache's block table. Returns out, or (out,
     softmax_lse) with ``return_softmax_lse=True``."""
-    _refuse(qv=qv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new, rotary_seqlens=rotary_seqlens,
-            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, sm_margin=sm_margin,
-            scheduler_metadata=scheduler_metadata)
+    _refuse(qv=qv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new, q_descale=q_descale,
+            k_descale=k_descale, v_descale=v_descale, sm_margin=sm_margin, scheduler_metadata=scheduler_metadata)
     _hints(num_splits, pack_gqa)
     if max_seqlen_q is not None and max_seqlen_q != q.shape[1]:
         raise ValueError(f"max_seqlen_q ({max_seqlen_q}) must be q's seqlen ({q.shape[1]}) without cu_seqlens_q")
@@ -194,7 +242,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=page_table, causal=causal,
         softmax_scale=softmax_scale, num_splits=num_splits, return_lse=bool(return_softmax_lse),
         window_size=_window(window_size), softcap=_softcap(softcap), rotary_interleaved=rotary_interleaved,
-        attention_chunk=attention_chunk)
+        attention_chunk=attention_chunk, rotary_seqlens=rotary_seqlens)
     return res
 
 

@@ -441,14 +441,16 @@ def run(plan: Plan, q, k, v, o, lse_ptr: int, workspace, softmax_scale: float, s
 
 
 def append_kv(k_new, v_new, k_cache, v_cache, seqlens_ptr: int, seqlen0: int, batch_idx_ptr: int,
-              table, page_size: int, capacity: int, stream, device: int, arch: int, rotary=None):
+              table, page_size: int, capacity: int, stream, device: int, arch: int, rotary=None,
+              ro_seqlens_ptr: int = 0):
     """Write new K/V rows into the caches at each sequence's current length (views in), dropping
     rows at or past ``capacity``. ``rotary`` is None or (cos view, sin view, interleaved, q view,
-    q_rot view, q_rowwise): K is rotated before it is written, and Q into q_rot, in the same launch."""
+    q_rot view, q_rowwise): K is rotated before it is written, and Q into q_rot, in the same launch,
+    at positions from ``ro_seqlens_ptr`` (int32 per sequence) where not 0, else the cache's."""
     b, s_new, hk, d = k_new.shape
     vec = d % 8 == 0 and all(validate_aligned(x) for x in (k_new, v_new, k_cache, v_cache))
     rot = dict(rotary_cos=0, rotary_sin=0, rotary_dim=0, seqlen_ro=0, q=0, q_rot=0, seqlen_q=0, nheads=0,
-               q_rowwise=0, **stride_values("q", (0, 0, 0)), **stride_values("qr", (0, 0, 0)))
+               q_rowwise=0, ro_seqlens=0, **stride_values("q", (0, 0, 0)), **stride_values("qr", (0, 0, 0)))
     q_items = 0
     kind = ""
     if rotary is not None:
@@ -456,6 +458,7 @@ def append_kv(k_new, v_new, k_cache, v_cache, seqlens_ptr: int, seqlen0: int, ba
         kind = "interleaved" if interleaved else "neox"
         rot.update(rotary_cos=cos.ptr, rotary_sin=sin.ptr, rotary_dim=2 * cos.shape[1], seqlen_ro=cos.shape[0],
                    q=q.ptr, q_rot=q_rot.ptr, seqlen_q=q.shape[1], nheads=q.shape[2], q_rowwise=int(rowwise),
+                   ro_seqlens=ro_seqlens_ptr,
                    **stride_values("q", _strides(q, False, 1)), **stride_values("qr", _strides(q_rot, False, 1)))
         q_items = q.shape[0] * q.shape[1] * q.shape[2] * -(-d // 8)
     variant = AppendVariant(kv="paged" if page_size else "cache", rotary=kind,

@@ -251,6 +251,23 @@ def chunk_piece_bounds(xp, cu_q, cu_k, ends):
             xp.concatenate([cu_k[:1], (cu_k[:-1, None] + k_end).reshape(-1)]))
 
 
+def seqused_bounds(xp, cu_q, cu_k, used_q=None, used_k=None):
+    """cu_seqlens (queries, keys) of a packed batch whose sequence b uses only its first
+    ``used_q[b]`` query and ``used_k[b]`` key tokens (FlashAttention-3's seqused_q / seqused_k;
+    None: all of them), as three sequences per sequence, in ``xp`` (torch or jax.numpy; on the
+    arrays' device, no sync): the used queries over the used keys, then the unused queries over no
+    key (their output 0), then no query over the unused keys (their gradients 0). The tokens keep
+    their rows; counts are clamped to [0, the sequence's length], so the bounds stay monotone."""
+    def split(cu, used):
+        start, end = cu[:-1], cu[1:]
+        mid = end if used is None else start + xp.minimum(used.clip(min=0), end - start)
+        return start, mid, end
+    qa, qb, qc = split(cu_q, used_q)
+    ka, kb, kc = split(cu_k, used_k)
+    return (xp.concatenate([xp.stack([qa, qb, qc], 1).reshape(-1), cu_q[-1:]]),
+            xp.concatenate([xp.stack([ka, kb, kb], 1).reshape(-1), cu_k[-1:]]))
+
+
 def effective_chunk(p: "Problem") -> int:
     """attention_chunk as launched: 0 when every query's chunk holds every key (dense batches whose
     queries all sit at key positions 0 ... chunk - 1 or later in one chunk: seqlen_k <= chunk and

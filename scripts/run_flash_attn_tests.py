@@ -2,9 +2,13 @@
 
     python scripts/run_flash_attn_tests.py PATH/TO/flash-attention/tests/test_flash_attn.py \
         [--per-test 120] [--seed 0] [-n 16] [-- extra pytest arguments]
+    python scripts/run_flash_attn_tests.py PATH/TO/flash-attention/hopper/test_flash_attn.py ...
 
 The file is copied into a temporary directory with every ``from flash_attn`` / ``import
-flash_attn`` line pointed at ``cuflash.flash_attn`` and nothing else changed. flash-attn's file
+flash_attn`` line pointed at ``cuflash.flash_attn`` and every ``flash_attn_interface`` import
+(FlashAttention-3's module, which ``hopper/test_flash_attn.py`` tests) at ``cuflash.flash_attn3``,
+and nothing else changed; the modules beside it that it imports by name (``hopper/``'s
+``padding.py`` and ``test_util.py``) are copied the same way. flash-attn's file
 parametrises about half a million cases (2.8.3), so a seeded sample of at most ``--per-test``
 cases of each test function runs (all of a function with fewer; ``--per-test 0`` runs them all).
 The sample is split over ``-n`` pytest processes (shard k runs the sample's cases k, k + n, ...):
@@ -52,13 +56,32 @@ def pytest_collection_modifyitems(config, items):
 
 
 def rewrite(source: str) -> str:
-    """flash-attn's imports -> cuflash.flash_attn's; every other line unchanged."""
+    """flash-attn's imports -> cuflash.flash_attn's, FlashAttention-3's flash_attn_interface ->
+    cuflash.flash_attn3; every other line unchanged."""
+    source = re.sub(r"^(\s*)(from|import) flash_attn_interface\b", r"\1\2 cuflash.flash_attn3", source, flags=re.M)
     return re.sub(r"^(\s*)(from|import) flash_attn\b", r"\1\2 cuflash.flash_attn", source, flags=re.M)
+
+
+def copy_with_siblings(test_file: pathlib.Path, dest: pathlib.Path):
+    """The test file, rewritten, into dest, with the modules beside it that it (or they) import
+    by name, rewritten the same way."""
+    todo, done = [test_file], set()
+    while todo:
+        f = todo.pop()
+        if f.name in done:
+            continue
+        done.add(f.name)
+        text = rewrite(f.read_text())
+        (dest / f.name).write_text(text)
+        for name in re.findall(r"^\s*(?:from|import) (\w+)\b", text, flags=re.M):
+            if (f.parent / f"{name}.py").is_file():
+                todo.append(f.parent / f"{name}.py")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("test_file", type=pathlib.Path, help="flash-attn's tests/test_flash_attn.py")
+    ap.add_argument("test_file", type=pathlib.Path,
+                    help="flash-attn's tests/test_flash_attn.py or hopper/test_flash_attn.py")
     ap.add_argument("--per-test", type=int, default=120, help="cases per test function (0: all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-dir", type=pathlib.Path, help="keep each shard's pytest log here (shardK.log)")
@@ -76,7 +99,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="cuflash-fa-tests-") as d:
         d = pathlib.Path(d)
-        (d / a.test_file.name).write_text(rewrite(a.test_file.read_text()))
+        copy_with_siblings(a.test_file, d)
         (d / "conftest.py").write_text(CONFTEST.format(per_test=a.per_test, seed=a.seed))
         path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         procs = []

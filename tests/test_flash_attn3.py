@@ -40,8 +40,13 @@ def test_refused_arguments_name_themselves():
     for kw, name in ((dict(qv=q), "qv"), (dict(sm_margin=4), "sm_margin")):
         with pytest.raises(NotImplementedError, match=name):
             fa3.flash_attn_func(q, q, q, **kw)
-    with pytest.raises(NotImplementedError, match="seqused_q"):
-        fa3.flash_attn_varlen_func(q[0], q[0], q[0], None, None, 4, 4, seqused_q=torch.zeros(1))
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(TypeError, match="seqused_q must be an int32"):
+        fa3.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, seqused_q=torch.zeros(1))
+    with pytest.raises(ValueError, match=r"seqused_k must have shape \(batch,\) = \(1,\)"):
+        fa3.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, seqused_k=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(TypeError, match="cu_seqlens_k must be a 1-dim int32"):
+        fa3.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu.long(), 4, 4, seqused_k=torch.ones(1, dtype=torch.int32))
     with pytest.raises(NotImplementedError, match="cu_seqlens_q"):
         fa3.flash_attn_with_kvcache(q, q, q, cu_seqlens_q=torch.zeros(2))
     with pytest.raises(TypeError, match="num_splits"):
@@ -49,6 +54,85 @@ def test_refused_arguments_name_themselves():
     with pytest.raises(ValueError, match="num_heads_q"):
         fa3.flash_attn_qkvpacked_func(torch.zeros(1, 4, 6, 64))
     assert fa3.get_scheduler_metadata(1, 1, 128, 8, 8, 128, torch.zeros(1)) is None
+
+
+def test_fp8_dequantized_copies():
+    """The FP8 calls the FP8 kernel does not take attend to bf16 copies of x * descale: per KV head
+    (a query head takes its group's), per sequence when packed, dims of 1 broadcast; bad descales
+    raise naming themselves."""
+    fp8 = torch.float8_e4m3fn
+    assert fa3._fp8_kernel_runs(torch.zeros(1, 1, 1, 128), torch.zeros(1, 1, 1, 128), (-1, -1), 0.0, 0)
+    assert not fa3._fp8_kernel_runs(torch.zeros(1, 1, 1, 96), torch.zeros(1, 1, 1, 96), (-1, -1), 0.0, 0)
+    assert not fa3._fp8_kernel_runs(torch.zeros(1, 1, 1, 64), torch.zeros(1, 1, 1, 64), (3, 0), 0.0, 0)
+    assert not fa3._fp8_kernel_runs(torch.zeros(1, 1, 1, 64), torch.zeros(1, 1, 1, 64), (-1, -1), 5.0, 0)
+    assert not fa3._fp8_kernel_runs(torch.zeros(1, 1, 1, 64), torch.zeros(1, 1, 1, 64), (-1, -1), 0.0, 7)
+    q = (torch.randn(2, 3, 4, 8) * 4).to(fp8)
+    k = (torch.randn(2, 5, 2, 8) * 4).to(fp8)
+    qd, kd = torch.rand(2, 2) + 0.5, torch.rand(1, 1) + 0.5
+    dq, dk, dv = fa3._dequantized_qkv(q, k, k, (qd, kd, None), 2)
+    want_q = q.float() * qd.repeat_interleave(2, dim=1)[:, None, :, None]
+    assert dq.dtype == torch.bfloat16 and torch.equal(dq, want_q.bfloat16())
+    assert torch.equal(dk, (k.float() * kd).bfloat16()) and torch.equal(dv, k.float().bfloat16())
+    seq = torch.tensor([0, 0, 1, 1, 1])  # packed: tokens 0-1 of sequence 0, 2-4 of sequence 1
+    packed = q[0].repeat(2, 1, 1)[:5]
+    pq = fa3._dequantized(packed, qd, "q_descale", 2, 2, seq)
+    per_tok = qd.repeat_interleave(2, dim=1)[seq]
+    assert torch.equal(pq, (packed.float() * per_tok[:, :, None]).bfloat16())
+    with pytest.raises(ValueError, match="k_descale must be float32"):
+        fa3._dequantized_qkv(q, k, k, (None, torch.ones(3, 2), None), 2)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        fa3._dequantized_qkv(q, k.float(), k, (None, None, None), 2)
+
+
+def _seqused_reference(q, k, v, cu_q, cu_k, used_q, used_k, dout, causal, window):
+    """Forward and gradients of sequences that use their first used_q[b] / used_k[b] tokens, from
+    the float64 reference over the used tokens alone; zeros elsewhere."""
+    from cuflash import reference
+    out, dq, dk, dv = (np.zeros(x.shape) for x in (q, q, k, v))
+    lse = np.full((q.shape[1], q.shape[0]), np.inf)
+    for b in range(len(cu_q) - 1):
+        qs = slice(cu_q[b], cu_q[b] + min(max(used_q[b], 0), cu_q[b + 1] - cu_q[b]))
+        ks = slice(cu_k[b], cu_k[b] + min(max(used_k[b], 0), cu_k[b + 1] - cu_k[b]))
+        if qs.stop == qs.start:
+            continue
+        one_q = np.array([0, qs.stop - qs.start], np.int32)
+        one_k = np.array([0, ks.stop - ks.start], np.int32)
+        kw = dict(causal=causal, window_size=window)
+        out[qs], lse[:, qs] = reference.attention_varlen(q[qs], k[ks], v[ks], one_q, one_k, return_lse=True, **kw)
+        dq[qs], dk_b, dv_b = reference.attention_varlen_backward(dout[qs], q[qs], k[ks], v[ks], one_q, one_k, **kw)
+        dk[ks], dv[ks] = dk_b, dv_b
+    return out, lse, dq, dk, dv
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (5, 2))])
+def test_seqused_cut_matches_used_tokens(causal, window):
+    """plan.seqused_bounds' three sequences per sequence give, through the float64 varlen
+    reference, the used tokens' attention and gradients exactly and zeros for every unused token,
+    counts past a sequence's length or below 0 clamped; empty sequences included."""
+    from cuflash import reference
+    from cuflash.plan import seqused_bounds
+    rng = np.random.default_rng(0)
+    lens_q, lens_k = [7, 0, 12, 5, 9], [9, 4, 3, 0, 20]
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    used_q = np.array([4, 0, 12, 7, 1], np.int32)   # 7 > 5: clamped
+    used_k = np.array([9, 2, 1, -3, 13], np.int32)  # -3: none
+    h, hk, d = 4, 2, 16
+    q, dout = rng.standard_normal((2, cu_q[-1], h, d))
+    k, v = rng.standard_normal((2, cu_k[-1], hk, d))
+    pq, pk = seqused_bounds(torch, torch.from_numpy(cu_q), torch.from_numpy(cu_k), torch.from_numpy(used_q),
+                            torch.from_numpy(used_k))
+    assert pq.dtype == torch.int32 and pk.dtype == torch.int32 and len(pq) == len(pk) == 3 * len(lens_q) + 1
+    assert bool((pq[1:] >= pq[:-1]).all()) and bool((pk[1:] >= pk[:-1]).all())
+    assert pq[-1] == cu_q[-1] and pk[-1] == cu_k[-1]
+    pq, pk = pq.numpy(), pk.numpy()
+    kw = dict(causal=causal, window_size=window)
+    out, lse = reference.attention_varlen(q, k, v, pq, pk, return_lse=True, **kw)
+    dq, dk, dv = reference.attention_varlen_backward(dout, q, k, v, pq, pk, **kw)
+    want = _seqused_reference(q, k, v, cu_q, cu_k, used_q, used_k, dout, causal, window)
+    for got, ref in zip((out, lse, dq, dk, dv), want):
+        np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+    assert (out[cu_q[0] + 4:cu_q[1]] == 0).all() and (dk[cu_k[4] + 13:] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -140,6 +224,41 @@ def test_gpu_fp8_with_descales():
 
 
 @requires_sm90
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_varlen_seqused_against_reference(causal, d):
+    """flash_attn_varlen_func with seqused_q / seqused_k (FlashAttention-3's test passes both on
+    every call): output, LSE and gradients of the used tokens within flash-attn's rule of the
+    float64 reference over the used tokens alone; the unused query rows 0 (LSE +inf) and the
+    unused tokens' gradients 0; the caller's cu_seqlens and counts untouched."""
+    from cuflash import reference
+    torch.manual_seed(d + causal)
+    lens_q, lens_k = [300, 1, 0, 129, 77], [257, 300, 5, 129, 500]
+    used_q = torch.tensor([290, 1, 0, 64, 70], dtype=torch.int32, device="cuda")
+    used_k = torch.tensor([200, 0, 5, 129, 13], dtype=torch.int32, device="cuda")
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32, device="cuda")
+    saved = [x.clone() for x in (cu_q, cu_k, used_q, used_k)]
+    q = _rand(int(cu_q[-1]), 6, d, requires_grad=True)
+    k, v = _rand(int(cu_k[-1]), 2, d, requires_grad=True), _rand(int(cu_k[-1]), 2, d, requires_grad=True)
+    out, lse = fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), seqused_q=used_q,
+                                          seqused_k=used_k, causal=causal, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    assert all(torch.equal(a, b) for a, b in zip((cu_q, cu_k, used_q, used_k), saved))
+    f64 = [x.detach().double().cpu().numpy() for x in (q, k, v, dout)]
+    host = [x.cpu().numpy() for x in (cu_q, cu_k, used_q, used_k)]
+    want = _seqused_reference(*f64[:3], *host, f64[3], causal, (-1, -1))
+    for name, got, ref in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), want):
+        got = got.detach().double().cpu().numpy()
+        finite = np.isfinite(ref)
+        assert (np.isfinite(got) == finite).all(), name
+        tol = 2e-2 if name in ("out", "lse") else 6e-2
+        np.testing.assert_allclose(got[finite], ref[finite], rtol=0, atol=tol, err_msg=name)
+        assert (got[~finite] == ref[~finite]).all(), name
+
+
+@requires_sm90
 def test_gpu_varlen_and_kvcache():
     """flash_attn_varlen_func is cuflash.torch.attention_varlen; flash_attn_with_kvcache appends to
     a paged cache through page_table and attends as cuflash.attention_with_kvcache does."""
@@ -161,3 +280,77 @@ def test_gpu_varlen_and_kvcache():
                                                   causal=True, return_lse=True)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse) and torch.equal(kp, kp2) and torch.equal(vp, vp2)
     np.testing.assert_array_equal(lens.cpu().numpy(), [10, 200, 0])  # (the caller's lengths are not moved)
+
+
+def _rotate_neox(x, cos, sin, pos):
+    """x (batch, s, heads, d) rotated in its first 2 * cos.shape[1] columns at positions pos
+    (batch, s), GPT-NeoX halves, in float32 (flash-attn's rotary arithmetic)."""
+    r = cos.shape[1]
+    c, s = cos.float()[pos][:, :, None], sin.float()[pos][:, :, None]
+    x1, x2, rest = x[..., :r].float(), x[..., r:2 * r].float(), x[..., 2 * r:]
+    return torch.cat([(x1 * c - x2 * s).to(x.dtype), (x1 * s + x2 * c).to(x.dtype), rest], dim=-1)
+
+
+@requires_sm90
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_kvcache_rotary_seqlens(causal):
+    """flash_attn_with_kvcache's rotary_seqlens: new keys written at cache_seqlens[b] + i but
+    rotated at rotary_seqlens[b] + i, q at rotary_seqlens[b] (+ i when causal); the same call
+    with rotary_seqlens = cache_seqlens is the call without it, bitwise."""
+    import cuflash
+    torch.manual_seed(causal)
+    b, cap, hk, h, d, s_new = 3, 256, 2, 8, 128, 4
+    cos_sin = torch.rand(cap, 32, device="cuda") * 6.3
+    cos, sin = torch.cos(cos_sin).bfloat16(), torch.sin(cos_sin).bfloat16()
+    lens = torch.tensor([0, 100, 250], dtype=torch.int32, device="cuda")
+    ro = torch.tensor([7, 3, 200], dtype=torch.int32, device="cuda")
+    q, kn, vn = _rand(b, s_new, h, d), _rand(b, s_new, hk, d), _rand(b, s_new, hk, d)
+    kc, vc = _rand(b, cap, hk, d), _rand(b, cap, hk, d)
+    kc1, vc1, kc2, vc2, kc3, vc3 = kc.clone(), vc.clone(), kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    kw = dict(rotary_cos=cos, rotary_sin=sin, causal=causal, rotary_interleaved=False, return_softmax_lse=True)
+    out, lse = fa3.flash_attn_with_kvcache(q, kc1, vc1, kn, vn, cache_seqlens=lens, rotary_seqlens=ro, **kw)
+    # the same attention with q and the new keys rotated by hand and no rotary tables
+    steps = torch.arange(s_new, device="cuda")
+    pos = (ro.long()[:, None] + steps).clamp(max=cap - 1)
+    q_pos = pos if causal else ro.long()[:, None].expand(b, s_new)
+    kn_rot = _rotate_neox(kn, cos, sin, pos)
+    ref, ref_lse = cuflash.attention_with_kvcache(_rotate_neox(q, cos, sin, q_pos), kc2, vc2, kn_rot, vn,
+                                                  cache_seqlens=lens, causal=causal, return_lse=True)
+    for j in range(b):
+        n = min(s_new, cap - int(lens[j]))
+        rows = slice(int(lens[j]), int(lens[j]) + n)
+        torch.testing.assert_close(kc1[j, rows], kn_rot[j, :n], atol=1e-2, rtol=1e-2)
+        assert torch.equal(vc1[j, rows], vn[j, :n])
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=0)
+    # rotary_seqlens = cache_seqlens: the call without it
+    same = fa3.flash_attn_with_kvcache(q, kc3, vc3, kn, vn, cache_seqlens=lens, rotary_seqlens=lens.clone(), **kw)
+    plain = fa3.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), kn, vn, cache_seqlens=lens, **kw)
+    assert torch.equal(same[0], plain[0]) and torch.equal(same[1], plain[1])
+
+
+@requires_sm90
+@pytest.mark.parametrize("case", ["window", "softcap", "chunk", "d96", "varlen"])
+def test_gpu_fp8_beyond_the_fp8_kernel(case):
+    """FP8 calls that the FP8 forward does not take (FlashAttention-3's test file makes them:
+    random chunks, windows, softcap, head dims 96/192, packed sequences) run on the dequantized
+    inputs: within bf16's error of the float64 reference of q * q_descale, ... ."""
+    from cuflash import reference
+    torch.manual_seed(len(case))
+    d = 96 if case == "d96" else 128
+    b, s, h, hk = 2, 300, 4, 2
+    q, k, v = ((torch.randn(b, s, n, d, device="cuda") * 2).to(torch.float8_e4m3fn) for n in (h, hk, hk))
+    qd, kd, vd = (torch.rand(b, hk, device="cuda") + 0.5 for _ in range(3))
+    kw = dict(window_size=(40, 3)) if case == "window" else dict(softcap=15.0) if case == "softcap" else \
+        dict(attention_chunk=77) if case == "chunk" else {}
+    deq = [x.float().cpu().double().numpy() * dd.repeat_interleave(x.shape[2] // hk, 1).cpu().double().numpy()[:, None, :, None]
+           for x, dd in ((q, qd), (k, kd), (v, vd))]
+    if case == "varlen":
+        cu = torch.tensor([0, s, 2 * s], dtype=torch.int32, device="cuda")
+        out = fa3.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, s, s, causal=True,
+                                         q_descale=qd, k_descale=kd, v_descale=vd).reshape(b, s, h, d)
+    else:
+        out = fa3.flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, **kw)
+    ref = reference.attention(*deq, causal=True, **kw)
+    assert out.dtype == torch.bfloat16
+    np.testing.assert_allclose(out.float().cpu().numpy(), ref, rtol=0, atol=4e-2 * float(np.abs(ref).max()))

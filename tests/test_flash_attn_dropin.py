@@ -291,13 +291,21 @@ def test_dropout_is_passed_on(recorded, name):
     assert len(recorded) == 2 and "dropout_p" not in recorded[1][2]
 
 
-def test_varlen_vllm_extras_not_supported(recorded):
+def test_dense_seqused_k_cuts_sequences(recorded):
+    """vLLM's seqused_k with dense K/V: sequence b attends to the first seqused_k[b] keys of its
+    cu_seqlens_k rows (plan.seqused_bounds' three sequences per sequence, on the tensors' device);
+    with dropout it raises before anything runs."""
     import torch
     from cuflash.flash_attn import flash_attn_varlen_func
-    q, cu = _cpu(3, 2, 8), torch.tensor([0, 3], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="seqused_k without a block_table"):
-        flash_attn_varlen_func(q, q, q, cu, cu, 3, 3, seqused_k=torch.tensor([2], dtype=torch.int32))
-    assert not recorded
+    q, k = _cpu(5, 2, 8), _cpu(7, 2, 8)
+    cu_q, cu_k = torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([0, 4, 7], dtype=torch.int32)
+    flash_attn_varlen_func(q, k, k, cu_q, cu_k, 3, 4, seqused_k=torch.tensor([2, 9], dtype=torch.int32))
+    (_, args, _), = recorded
+    assert args[3].tolist() == [0, 3, 3, 3, 5, 5, 5] and args[4].tolist() == [0, 2, 2, 4, 7, 7, 7]
+    assert args[5:7] == (3, 4) and cu_q.tolist() == [0, 3, 5]
+    with pytest.raises(NotImplementedError, match="seqused_k with dense K/V and dropout"):
+        flash_attn_varlen_func(q, k, k, cu_q, cu_k, 3, 4, 0.1, seqused_k=torch.tensor([2, 9], dtype=torch.int32))
+    assert len(recorded) == 1
 
 
 def test_varlen_s_aux_is_sinks(recorded):

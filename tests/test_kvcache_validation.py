@@ -37,6 +37,8 @@ CASES = {
     "seqlens_negative": (dict(cache_seqlens=-1), ValueError, ["cache_seqlens must be >= 0", "-1"]),
     "seqlens_dtype": (dict(cache_seqlens=dev((B,), "int64")), TypeError, ["cache_seqlens must be int32", "int64"]),
     "seqlens_shape": (dict(cache_seqlens=dev((B + 1,), "int32")), ValueError, ["cache_seqlens", "(2,)", "(3,)"]),
+    "rotary_seqlens_dtype": (dict(rotary_seqlens=dev((B,), "int64")), TypeError, ["rotary_seqlens must be int32", "int64"]),
+    "rotary_seqlens_shape": (dict(rotary_seqlens=dev((B + 1,), "int32")), ValueError, ["rotary_seqlens", "(2,)", "(3,)"]),
     "batch_idx_dtype": (dict(k_cache=dev((4, 128, 2, D)), v_cache=dev((4, 128, 2, D)), cache_batch_idx=dev((B,), "int64")), TypeError, ["cache_batch_idx must be int32"]),
     "table_dtype": (dict(k_cache=dev(PAGED), v_cache=dev(PAGED), block_table=dev(TABLE, "int64")), ValueError, ["block_table must be int32", "int64"]),
     "table_shape": (dict(k_cache=dev(PAGED), v_cache=dev(PAGED), block_table=dev((B + 1, 8), "int32")), ValueError, ["block_table", "(2, pages_per_seq)", "(3, 8)"]),

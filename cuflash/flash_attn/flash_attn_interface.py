@@ -20,8 +20,8 @@ the magnitudes are computed with PyTorch in float32 on q's device: meant for tes
 read cu_seqlens back to the host).
 
 What cuflash does not do yet raises NotImplementedError naming the argument, never ignoring it:
-the vLLM extra ``seqused_k`` without a ``block_table``, and ``leftpad_k`` in the private varlen
-forward. vLLM's ``s_aux`` (attention sinks) runs as ``cuflash.torch.attention_varlen(...,
+the vLLM extra ``seqused_k`` with dense K/V in the private varlen forward or with dropout, and
+``leftpad_k`` in the private varlen forward. vLLM's ``s_aux`` (attention sinks) runs as ``cuflash.torch.attention_varlen(...,
 sinks=s_aux)``. flash-attn's private entry points and its extension's functions (below; the
 differences are listed in docs/torch.md) accept ``zero_tensors`` without zeroing the rows past
 the last sequence.
@@ -33,6 +33,7 @@ import torch
 import cuflash
 from cuflash import backward as backward_mod
 from cuflash import validate
+from cuflash.plan import seqused_bounds
 from cuflash.torch import ops
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
@@ -177,13 +178,34 @@ def _varlen_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
 
 
 def _seqused_offsets(seqused_k, block_table):
-    """cu_seqlens_k for vLLM's ``seqused_k`` (a paged sequence's keys are found through its block
-    table row: cuflash reads only the key counts, offset differences, from cu_seqlens_k, so the
-    counts' prefix sums serve); NotImplementedError without a block table."""
-    if block_table is None:
-        _not_supported("seqused_k without a block_table", "dense K/V rows of sequence b are "
-                       "cu_seqlens_k[b] to cu_seqlens_k[b + 1]; seqused_k needs a paged cache")
+    """cu_seqlens_k for vLLM's ``seqused_k`` with a paged cache (a paged sequence's keys are found
+    through its block table row: cuflash reads only the key counts, offset differences, from
+    cu_seqlens_k, so the counts' prefix sums serve)."""
     return torch.nn.functional.pad(torch.cumsum(seqused_k, 0, dtype=torch.int32), (1, 0))
+
+
+def _seqused(cu_seqlens_q, cu_seqlens_k, seqused_q=None, seqused_k=None):
+    """(cu_seqlens_q, cu_seqlens_k) of packed sequences that use only their first seqused_q[b]
+    queries and seqused_k[b] keys (None: all), as cuflash.plan.seqused_bounds cuts them: three
+    sequences per sequence, computed on the device (no sync). Unused query rows get 0, unused
+    keys no gradient."""
+    for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or x.dim() != 1 or x.shape[0] < 1:
+            raise TypeError(f"{name} must be a 1-dim int32 tensor (batch + 1,), got {validate.show(x)}")
+    batch = cu_seqlens_q.shape[0] - 1
+    if cu_seqlens_k.shape[0] != batch + 1:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got {batch + 1} and "
+                         f"{cu_seqlens_k.shape[0]}")
+    for name, x in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.int32:
+            raise TypeError(f"{name} must be an int32 tensor (batch,), got {validate.show(x)}")
+        if tuple(x.shape) != (batch,):
+            raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {tuple(x.shape)}")
+        if x.device != cu_seqlens_q.device:
+            raise ValueError(f"{name} must be on cu_seqlens_q's device {cu_seqlens_q.device}, got {x.device}")
+    return seqused_bounds(torch, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
 
 
 def _window(window_size):
@@ -268,15 +290,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     empty S_dmask) with ``return_attn_probs=True``.
 
     Keyword-only extras from vLLM's fork (not in upstream flash-attn 2.8): ``seqused_k`` int32
-    (batch,) key counts of a paged cache (then ``cu_seqlens_k`` is not read and may be None; a
-    dense K/V with ``seqused_k`` raises NotImplementedError), ``return_softmax_lse=True``
+    (batch,) key counts: of a paged cache (then ``cu_seqlens_k`` is not read and may be None), or,
+    with dense K/V, the keys sequence b uses, the first seqused_k[b] of its cu_seqlens_k rows
+    (cut as FlashAttention-3's seqused_k, see cuflash.flash_attn3), ``return_softmax_lse=True``
     returning (out, softmax_lse), and ``s_aux``, attention sinks: (nheads,) float32, bfloat16 or
     float16, one logit per query head joining each row's softmax as a column with no value
     (vLLM's semantics; softmax_lse includes it; differentiable here, vLLM's is not).
     With dropout and ``return_attn_probs=True``, S_dmask reads cu_seqlens back to the host.
     """
-    if seqused_k is not None:
+    if seqused_k is not None and block_table is not None:
         cu_seqlens_k = _seqused_offsets(seqused_k, block_table)
+    elif seqused_k is not None:
+        if dropout_p:
+            _not_supported("seqused_k with dense K/V and dropout", "the dropout mask is drawn per sequence")
+        cu_seqlens_q, cu_seqlens_k = _seqused(cu_seqlens_q, cu_seqlens_k, None, seqused_k)
     q, k, v = (_contiguous_last(x) for x in (q, k, v))
     window, cap = _window(window_size), _softcap(softcap)
     batch = cu_seqlens_q.shape[0] - 1
@@ -402,6 +429,9 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     if leftpad_k is not None:
         _not_supported("leftpad_k in a varlen call", "flash_attn_with_kvcache's cache_leftpad serves dense caches")
     if seqused_k is not None:
+        if block_table is None:
+            _not_supported("seqused_k without a block_table in _flash_attn_varlen_forward",
+                           "flash_attn_varlen_func takes it with dense K/V")
         cu_seqlens_k = _seqused_offsets(seqused_k, block_table)
     q, k, v = (_contiguous_last(x) for x in (q, k, v))
     window, cap = _window((window_size_left, window_size_right)), _softcap(softcap)

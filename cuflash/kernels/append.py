@@ -27,6 +27,7 @@ PARAMS = ParamTable("AppendParams", (
     ("rotary_cos", "const u16*"), ("rotary_sin", "const u16*"), ("rotary_dim", "int"), ("seqlen_ro", "int"),
     ("q", "const u16*"), ("q_rot", "u16*"), *strides("q", "sb", "ss", "sh"), *strides("qr", "sb", "ss", "sh"),
     ("seqlen_q", "int"), ("nheads", "int"), ("q_rowwise", "int"),
+    ("ro_seqlens", "const int*"),  # rotary positions' start per sequence (null: the cache position's)
 ))
 
 
