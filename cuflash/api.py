@@ -344,7 +344,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                            causal=False, softmax_scale=None, num_splits=0, return_lse=False, out=None,
                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
-                           sinks=None, attention_chunk=0, rotary_seqlens=None):
+                           sinks=None, attention_chunk=0, rotary_seqlens=None, cu_seqlens_k_new=None):
     """Decode/append attention over a KV cache, with flash-attn's ``flash_attn_with_kvcache``
     semantics.
 
@@ -366,7 +366,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
     ``rotary_interleaved``: pairs (0, 1), (2, 3) ... (GPT-J) when True, (i, i + rotary_dim / 2)
     (GPT-NeoX) when False. ``rotary_seqlens`` (FlashAttention-3's): int32 (batch,) device array,
     the rotary positions then start at rotary_seqlens[b] instead of cache_seqlens[b] (the rows
-    are still written at cache_seqlens[b] ...); not read without rotary tables. Any head dim from 1 to 256, contiguous or paged. Device arrays are the
+    are still written at cache_seqlens[b] ...); not read without rotary tables.
+    ``cu_seqlens_k_new`` (FlashAttention-3's): int32 (batch + 1,) device array; new k, v are then
+    packed (total_new, nheads_k, d), sequence b's rows cu_seqlens_k_new[b] ... appended at
+    cache_seqlens[b] ..., and it attends to cache_seqlens[b] + its own new rows (counted on the
+    device, no sync). Any head dim from 1 to 256, contiguous or paged. Device arrays are the
     caller's contract, as in flash-attn (lengths must fit the cache and pages must exist); the
     kernels never read past a block table nor write past a cache's capacity whatever they say.
     ``window_size``, ``softcap``, ``alibi_slopes``, ``sinks`` and ``attention_chunk`` are those of
@@ -419,19 +423,29 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
     s_new = 0
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
+    cu_new = None
+    if cu_seqlens_k_new is not None:
+        if k is None:
+            raise ValueError("cu_seqlens_k_new needs new k and v (packed (total_new, nheads_k, d)) to append")
+        cu_new = validate.int32_vector(cu_seqlens_k_new, "cu_seqlens_k_new", b + 1, qv, "(batch + 1,)")
     if k is not None:
         kn, vn = validate.view(k, "k"), validate.view(v, "v")
-        s_new = kn.shape[1] if len(kn.shape) == 4 else -1
-        want = (b, s_new, hk, d)
+        packed = cu_new is not None
+        rows = (kn.shape[0] if len(kn.shape) == 3 else -1) if packed else (kn.shape[1] if len(kn.shape) == 4 else -1)
+        want, dims = ((rows, hk, d), "(total_new, nheads_k, d)") if packed else ((b, rows, hk, d),
+                                                                              "(batch, seqlen_new, nheads_k, d)")
         for name, x in (("k", kn), ("v", vn)):
             if tuple(x.shape) != want or x.dtype != qv.dtype:
-                raise ValueError(f"{name} must be {qv.dtype} of shape (batch, seqlen_new, nheads_k, d) = "
-                                 f"{want}, got {x.dtype} {validate.shape_str(x)}")
-            if (not unaligned and not _aligned(x)) or (d > 1 and x.strides[3] != 1):
+                raise ValueError(f"{name} must be {qv.dtype} of shape {dims} = {want}, got {x.dtype} "
+                                 f"{validate.shape_str(x)}")
+            rows_ok = _aligned(x) if not packed else x.ptr % 16 == 0 and all(
+                st % 8 == 0 or n <= 1 for st, n in zip(x.strides[:2], x.shape[:2]))
+            if (not unaligned and not rows_ok) or (d > 1 and x.strides[-1] != 1):
                 raise ValueError(f"{name} must be contiguous in its last dim and 16-byte aligned, "
                                  f"got strides {tuple(x.strides)}")
             validate.same_place(("q", qv), (name, x))
-        validate.sizes(("k.shape[1] (seqlen_new)", s_new))
+        validate.sizes(("k.shape[0] (total_new)" if packed else "k.shape[1] (seqlen_new)", rows))
+        s_new = 0 if packed else rows
         if cache_seqlens is None:
             raise ValueError("cache_seqlens is required when appending k and v")
     rotary = _rotary(rotary_cos, rotary_sin, rotary_interleaved, k is not None, qv, d, capacity)
@@ -474,13 +488,19 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
             q_in = arrays.view(arrays.empty_like_framework(qv, (b, sq, h, d_pad), qv.dtype), "q_rot")
         elif unaligned and sq:
             q_in = _padded(qv, d_pad)
-        if s_new or (rotary is not None and sq):
+        packed = None
+        if cu_new is not None:  # the append counts each sequence's keys (seqlens_out) for the attention
+            held_lens = arrays.empty_like_framework(qv, (b,), "int32")
+            packed = (b, cu_new.ptr, arrays.device_ptr(held_lens))
+        if s_new or packed or (rotary is not None and sq):
             rowwise = _rotary_rowwise(causal, window, sq, alibi is not None, capacity) or chunk > 0
             with arrays.on_device(qv.device):
                 launch.append_kv(kn, vn, kc, vc, seqlens_ptr, seqlen0, batch_idx, table, page_size, capacity,
                                  arrays.stream_for(qv), qv.device, device_facts(qv.device).arch,
                                  rotary=None if rotary is None else (*rotary, qv, q_in, rowwise),
-                                 ro_seqlens_ptr=ro_seqlens)
+                                 ro_seqlens_ptr=ro_seqlens, packed=packed)
+        if packed:
+            seqlens_ptr, seqlen_k_arg = packed[2], 0
         if sq:
             direct_out = not unaligned
             kernel_out = o_view if direct_out else arrays.view(

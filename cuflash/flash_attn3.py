@@ -28,9 +28,11 @@ attention_varlen); ``flash_attn_with_kvcache`` is forward only, as in FlashAtten
 - ``seqused_q`` / ``seqused_k`` of flash_attn_varlen_func: each sequence cut into three packed
   sequences (the used queries over the used keys, the rest over nothing) on the device, no copy
   of q, k or v and no sync (cuflash.plan.seqused_bounds).
+- ``flash_attn_with_kvcache`` with ``cu_seqlens_q`` (packed queries): a dense call on a copy of q
+  padded in front to ``max_seqlen_q`` rows (q rotated by PyTorch operations, with the new keys),
+  its rows gathered back; ``cu_seqlens_k_new`` (packed new keys) is cuflash.attention_with_kvcache's.
 - Not supported (NotImplementedError naming the argument): ``qv``, ``sm_margin`` other than 0, and in
-  flash_attn_with_kvcache ``cu_seqlens_q``, ``cu_seqlens_k_new``, ``qv`` and
-  the descales. :func:`flash_attn_combine` merges split partials with PyTorch operations (no
+  flash_attn_with_kvcache the descales (FP8 caches). :func:`flash_attn_combine` merges split partials with PyTorch operations (no
   kernel of its own).
 """
 from __future__ import annotations
@@ -227,23 +229,82 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     """FlashAttention-3's ``flash_attn_with_kvcache`` (forward only): new k, v appended to the
     caches in place at ``cache_seqlens`` (rotated with ``rotary_cos``/``rotary_sin`` at positions
     from ``rotary_seqlens``, default ``cache_seqlens``), then q attends to them; ``page_table`` is
-    a paged cache's block table. Returns out, or (out,
-    softmax_lse) with ``return_softmax_lse=True``."""
-    _refuse(qv=qv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new, q_descale=q_descale,
-            k_descale=k_descale, v_descale=v_descale, sm_margin=sm_margin, scheduler_metadata=scheduler_metadata)
+    a paged cache's block table. ``cu_seqlens_k_new``: k, v packed (total_new, nheads_k, d).
+    ``cu_seqlens_q`` (with ``max_seqlen_q``): q packed (total_q, nheads, d), each sequence's
+    queries aligned to the end of its keys as in the dense call; run as a dense call on a copy of
+    q padded in front to max_seqlen_q rows (q rotated by PyTorch operations), its rows gathered
+    back. Returns out, or (out, softmax_lse) with ``return_softmax_lse=True`` (varlen:
+    softmax_lse (nheads, total_q))."""
+    _refuse(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, sm_margin=sm_margin,
+            scheduler_metadata=scheduler_metadata)
     _hints(num_splits, pack_gqa)
-    if max_seqlen_q is not None and max_seqlen_q != q.shape[1]:
-        raise ValueError(f"max_seqlen_q ({max_seqlen_q}) must be q's seqlen ({q.shape[1]}) without cu_seqlens_q")
     if v_cache.shape[-1] != q.shape[-1]:
         raise NotImplementedError(f"a value head dim ({v_cache.shape[-1]}) other than the query's ({q.shape[-1]}) "
                                   "is not supported by cuflash's flash_attn_with_kvcache")
-    res = cuflash.attention_with_kvcache(
-        q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
-        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=page_table, causal=causal,
-        softmax_scale=softmax_scale, num_splits=num_splits, return_lse=bool(return_softmax_lse),
-        window_size=_window(window_size), softcap=_softcap(softcap), rotary_interleaved=rotary_interleaved,
-        attention_chunk=attention_chunk, rotary_seqlens=rotary_seqlens)
-    return res
+    kw = dict(cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=page_table, causal=causal,
+              softmax_scale=softmax_scale, num_splits=num_splits, return_lse=bool(return_softmax_lse),
+              window_size=_window(window_size), softcap=_softcap(softcap), attention_chunk=attention_chunk,
+              cu_seqlens_k_new=cu_seqlens_k_new)
+    if cu_seqlens_q is None:
+        if max_seqlen_q is not None and max_seqlen_q != q.shape[1]:
+            raise ValueError(f"max_seqlen_q ({max_seqlen_q}) must be q's seqlen ({q.shape[1]}) without cu_seqlens_q")
+        return cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                                              cache_seqlens=cache_seqlens, rotary_interleaved=rotary_interleaved,
+                                              rotary_seqlens=rotary_seqlens, **kw)
+    return _kvcache_varlen_q(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_seqlens,
+                             cu_seqlens_q, max_seqlen_q, rotary_interleaved, page_table, kw)
+
+
+def _kvcache_varlen_q(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, rotary_seqlens, cu_seqlens_q, max_seqlen_q,
+                      interleaved, page_table, kw):
+    """flash_attn_with_kvcache with packed queries: rotated (PyTorch operations, with the new
+    keys, at rotary_seqlens or cache_seqlens), padded in front to (batch, max_seqlen_q) rows so
+    that each sequence's last query is the dense call's last row, attended, gathered back."""
+    from cuflash.flash_attn.layers.rotary import apply_rotary_emb
+    if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.dim() != 1 \
+            or cu_seqlens_q.shape[0] < 1 or cu_seqlens_q.device != q.device:
+        raise TypeError(f"cu_seqlens_q must be a 1-dim int32 tensor (batch + 1,) on q's device {q.device}, got "
+                        f"{cuflash.validate.show(cu_seqlens_q)}")
+    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+        raise TypeError(f"max_seqlen_q must be an int >= 0 with cu_seqlens_q, got {cuflash.validate.show(max_seqlen_q)}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be (total_q, nheads, d) with cu_seqlens_q, got shape {tuple(q.shape)}")
+    batch, total, dev = cu_seqlens_q.shape[0] - 1, q.shape[0], q.device
+    tokens = torch.arange(total, dtype=torch.int32, device=dev)
+    seq = torch.searchsorted(cu_seqlens_q[1:], tokens, right=True)
+    lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    seq_c = seq.clamp(max=max(batch - 1, 0))
+    row = max_seqlen_q - lens[seq_c] + tokens - cu_seqlens_q[seq_c]
+    valid = (seq < batch) & (row >= 0) & (row < max_seqlen_q)
+    # tokens outside every sequence (or past max_seqlen_q) go to a spare batch row, never read
+    seq_w, row_w = torch.where(valid, seq, batch), row.clamp(0, max(max_seqlen_q - 1, 0))
+    if cos is not None or sin is not None:
+        if k is None:
+            raise ValueError("rotary_cos and rotary_sin need new k and v to append (as in flash-attn, the rotation "
+                             "is applied to the appended keys and to q)")
+        if cache_seqlens is None or isinstance(cache_seqlens, int):
+            cache_seqlens = torch.full((batch,), cache_seqlens or 0, dtype=torch.int32, device=dev)
+        start = rotary_seqlens if rotary_seqlens is not None else cache_seqlens
+        capacity = k_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
+        if cuflash.api._rotary_rowwise(kw["causal"], kw["window_size"], max_seqlen_q, False, capacity) or \
+                kw["attention_chunk"]:
+            q = apply_rotary_emb(q, cos, sin, interleaved, seqlen_offsets=start, cu_seqlens=cu_seqlens_q,
+                                 max_seqlen=max_seqlen_q)
+        else:  # every query at the cache's end
+            q = apply_rotary_emb(q.unsqueeze(1), cos, sin, interleaved, seqlen_offsets=start[seq_c]).squeeze(1)
+        packed = kw["cu_seqlens_k_new"] is not None
+        k = apply_rotary_emb(k, cos, sin, interleaved, seqlen_offsets=start,
+                             **(dict(cu_seqlens=kw["cu_seqlens_k_new"], max_seqlen=k.shape[0]) if packed else {}))
+    dense = q.new_zeros((batch + 1, max_seqlen_q) + tuple(q.shape[1:]))
+    dense[seq_w, row_w] = q
+    res = cuflash.attention_with_kvcache(dense[:batch], k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, **kw)
+    out, lse = res if kw["return_lse"] else (res, None)
+    gathered = out[seq_c, row_w] if batch else q.new_zeros(q.shape)
+    out = torch.where(valid[:, None, None], gathered, torch.zeros((), dtype=out.dtype, device=dev))
+    if lse is None:
+        return out
+    lse = lse[seq_c, :, row_w] if batch else q.new_zeros((total, q.shape[1]), dtype=torch.float32)
+    return out, torch.where(valid[:, None], lse, float("inf")).transpose(0, 1).contiguous()
 
 
 def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,

@@ -442,13 +442,23 @@ def run(plan: Plan, q, k, v, o, lse_ptr: int, workspace, softmax_scale: float, s
 
 def append_kv(k_new, v_new, k_cache, v_cache, seqlens_ptr: int, seqlen0: int, batch_idx_ptr: int,
               table, page_size: int, capacity: int, stream, device: int, arch: int, rotary=None,
-              ro_seqlens_ptr: int = 0):
+              ro_seqlens_ptr: int = 0, packed=None):
     """Write new K/V rows into the caches at each sequence's current length (views in), dropping
     rows at or past ``capacity``. ``rotary`` is None or (cos view, sin view, interleaved, q view,
     q_rot view, q_rowwise): K is rotated before it is written, and Q into q_rot, in the same launch,
-    at positions from ``ro_seqlens_ptr`` (int32 per sequence) where not 0, else the cache's."""
-    b, s_new, hk, d = k_new.shape
-    vec = d % 8 == 0 and all(validate_aligned(x) for x in (k_new, v_new, k_cache, v_cache))
+    at positions from ``ro_seqlens_ptr`` (int32 per sequence) where not 0, else the cache's.
+    ``packed``: None (k_new, v_new (batch, seqlen_new, nheads_k, d)), or (batch, cu_new pointer,
+    seqlens_out pointer) for packed (total_new, nheads_k, d) rows, sequence b's from cu_new[b],
+    the lengths after the append written to seqlens_out."""
+    if packed is None:
+        b, s_new, hk, d = k_new.shape
+        kn_st, vn_st, cu_new, seqlens_out = _strides(k_new, False, 1), _strides(v_new, False, 1), 0, 0
+    else:
+        (s_new, hk, d), (b, cu_new, seqlens_out) = k_new.shape, packed
+        kn_st, vn_st = (0, *k_new.strides[:2]), (0, *v_new.strides[:2])
+    rows_aligned = lambda x, st: x.ptr % 16 == 0 and all(s % 8 == 0 or n <= 1 for s, n in zip(st, (b, s_new, hk)))
+    vec = (d % 8 == 0 and validate_aligned(k_cache) and validate_aligned(v_cache)
+           and rows_aligned(k_new, kn_st) and rows_aligned(v_new, vn_st))
     rot = dict(rotary_cos=0, rotary_sin=0, rotary_dim=0, seqlen_ro=0, q=0, q_rot=0, seqlen_q=0, nheads=0,
                q_rowwise=0, ro_seqlens=0, **stride_values("q", (0, 0, 0)), **stride_values("qr", (0, 0, 0)))
     q_items = 0
@@ -463,17 +473,17 @@ def append_kv(k_new, v_new, k_cache, v_cache, seqlens_ptr: int, seqlen0: int, ba
         q_items = q.shape[0] * q.shape[1] * q.shape[2] * -(-d // 8)
     variant = AppendVariant(kv="paged" if page_size else "cache", rotary=kind,
                             dtype=arrays.DTYPE_NAMES[k_new.dtype] if kind else "", arch=arch)
-    items = b * s_new * hk * -(-d // 8) + q_items
+    items = max((1 if packed else b) * s_new * hk * -(-d // 8) + q_items, b if packed else 0)
     if items == 0:
         return
     compiler.get_kernel(variant, device)(
         variant.grid(items), (variant.threads,), stream,
         k_new=k_new.ptr, v_new=v_new.ptr, k_cache=k_cache.ptr, v_cache=v_cache.ptr,
-        **stride_values("kn", _strides(k_new, False, 1)), **stride_values("vn", _strides(v_new, False, 1)),
+        **stride_values("kn", kn_st), **stride_values("vn", vn_st),
         **stride_values("kc", _strides(k_cache, False, 1)), **stride_values("vc", _strides(v_cache, False, 1)),
         batch=b, seqlen_new=s_new, nheads_k=hk, head_dim=d, seqlens=seqlens_ptr, seqlen0=seqlen0,
         kv_batch_idx=batch_idx_ptr, block_table=table[0], block_table_stride=table[1], page_size=page_size,
-        capacity=capacity, vec=int(vec), **rot)
+        capacity=capacity, vec=int(vec), cu_new=cu_new, seqlens_out=seqlens_out, **rot)
 
 
 def validate_aligned(x) -> bool:

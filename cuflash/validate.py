@@ -231,13 +231,14 @@ def block_table(table, batch, q):
     return bt
 
 
-def int32_vector(x, name, length, q):
-    """The view of a contiguous int32 (length,) array on q's place (cache_seqlens, cache_batch_idx)."""
+def int32_vector(x, name, length, q, dims="(batch,)"):
+    """The view of a contiguous int32 (length,) array on q's place (cache_seqlens, cache_batch_idx);
+    ``dims`` names the shape in messages."""
     v = view(x, name)
     if v.dtype != "int32":
         raise TypeError(f"{name} must be int32, got {v.dtype}")
     if tuple(v.shape) != (length,):
-        raise ValueError(f"{name} must have shape (batch,) = ({length},), got {shape_str(v)}")
+        raise ValueError(f"{name} must have shape {dims} = ({length},), got {shape_str(v)}")
     if len(v.strides) and length > 1 and v.strides[0] != 1:
         raise ValueError(f"{name} must be contiguous, got strides {tuple(v.strides)}")
     same_place(("q", q), (name, v))

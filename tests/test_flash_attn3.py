@@ -47,8 +47,10 @@ def test_refused_arguments_name_themselves():
         fa3.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, seqused_k=torch.zeros(2, dtype=torch.int32))
     with pytest.raises(TypeError, match="cu_seqlens_k must be a 1-dim int32"):
         fa3.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu.long(), 4, 4, seqused_k=torch.ones(1, dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match="cu_seqlens_q"):
-        fa3.flash_attn_with_kvcache(q, q, q, cu_seqlens_q=torch.zeros(2))
+    with pytest.raises(TypeError, match="cu_seqlens_q must be a 1-dim int32"):
+        fa3.flash_attn_with_kvcache(q[0], q, q, cu_seqlens_q=torch.zeros(2), max_seqlen_q=4)
+    with pytest.raises(TypeError, match="max_seqlen_q must be an int"):
+        fa3.flash_attn_with_kvcache(q[0], q, q, cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32))
     with pytest.raises(TypeError, match="num_splits"):
         fa3.flash_attn_func(q, q, q, num_splits=-1)
     with pytest.raises(ValueError, match="num_heads_q"):
@@ -82,6 +84,32 @@ def test_fp8_dequantized_copies():
         fa3._dequantized_qkv(q, k, k, (None, torch.ones(3, 2), None), 2)
     with pytest.raises(TypeError, match="float8_e4m3fn"):
         fa3._dequantized_qkv(q, k.float(), k, (None, None, None), 2)
+
+
+def test_kvcache_packed_queries_pad_and_gather(monkeypatch):
+    """flash_attn_with_kvcache with cu_seqlens_q (CPU, the kernel call faked): q padded in front to
+    max_seqlen_q rows per sequence, the dense call's rows gathered back to the tokens (LSE as
+    (nheads, total_q)), tokens past the last sequence 0 / +inf, the other arguments passed on."""
+    import cuflash
+    seen = {}
+
+    def fake(q, k_cache, v_cache, k=None, v=None, **kw):
+        seen.update(q=q.clone(), kw=kw)
+        rows = torch.arange(q.shape[1], dtype=torch.float32)
+        return q * 2, rows.expand(q.shape[0], q.shape[2], q.shape[1]) + 100 * torch.arange(q.shape[0])[:, None, None]
+    monkeypatch.setattr(cuflash, "attention_with_kvcache", fake)
+    cu = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+    q = torch.randn(6, 3, 8)  # token 5 is past the last sequence
+    out, lse = fa3.flash_attn_with_kvcache(q, torch.zeros(3, 16, 1, 8), torch.zeros(3, 16, 1, 8), cu_seqlens_q=cu,
+                                           max_seqlen_q=4, causal=True, return_softmax_lse=True, num_splits=2)
+    dense = seen["q"]
+    assert dense.shape == (3, 4, 3, 8)
+    assert torch.equal(dense[0, 2:], q[0:2]) and (dense[0, :2] == 0).all() and (dense[1] == 0).all()
+    assert torch.equal(dense[2, 1:], q[2:5]) and (dense[2, :1] == 0).all()
+    assert torch.equal(out[:5], 2 * q[:5]) and (out[5] == 0).all()
+    assert lse.shape == (3, 6)
+    assert lse[0].tolist() == [2, 3, 201, 202, 203, float("inf")]
+    assert seen["kw"]["causal"] and seen["kw"]["num_splits"] == 2 and seen["kw"]["return_lse"]
 
 
 def _seqused_reference(q, k, v, cu_q, cu_k, used_q, used_k, dout, causal, window):
@@ -354,3 +382,48 @@ def test_gpu_fp8_beyond_the_fp8_kernel(case):
     ref = reference.attention(*deq, causal=True, **kw)
     assert out.dtype == torch.bfloat16
     np.testing.assert_allclose(out.float().cpu().numpy(), ref, rtol=0, atol=4e-2 * float(np.abs(ref).max()))
+
+
+@requires_sm90
+@pytest.mark.parametrize("causal,rotary", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("paged", [False, True])
+def test_gpu_kvcache_packed_queries_and_keys(causal, rotary, paged):
+    """flash_attn_with_kvcache with cu_seqlens_q and cu_seqlens_k_new (FlashAttention-3's varlen
+    decode/append): each sequence's output, LSE and cache rows as the dense call of that sequence
+    alone gives them; cache rows outside the appended ones untouched."""
+    torch.manual_seed(2 * causal + rotary + 4 * paged)
+    b, cap, hk, h, d = 4, 512, 2, 6, 128
+    lens_q, lens_new = [3, 1, 0, 7], [5, 1, 0, 7]
+    cache_lens = torch.tensor([10, 0, 300, 100], dtype=torch.int32, device="cuda")
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_new)]), dtype=torch.int32, device="cuda")
+    q, kn, vn = _rand(sum(lens_q), h, d), _rand(sum(lens_new), hk, d), _rand(sum(lens_new), hk, d)
+    angle = torch.rand(cap, 32, device="cuda") * 6.3
+    cos, sin = (torch.cos(angle).bfloat16(), torch.sin(angle).bfloat16()) if rotary else (None, None)
+    if paged:
+        kc, vc = _rand(4 * b, 128, hk, d), _rand(4 * b, 128, hk, d)
+        table = torch.randperm(4 * b, dtype=torch.int32, device="cuda").reshape(b, 4)
+    else:
+        kc, vc, table = _rand(b, cap, hk, d), _rand(b, cap, hk, d), None
+    k1, v1 = kc.clone(), vc.clone()
+    kw = dict(causal=causal, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False, return_softmax_lse=True)
+    out, lse = fa3.flash_attn_with_kvcache(q, k1, v1, kn, vn, cache_seqlens=cache_lens, page_table=table,
+                                           cu_seqlens_q=cu_q, cu_seqlens_k_new=cu_k, max_seqlen_q=max(lens_q), **kw)
+    assert out.shape == q.shape and lse.shape == (h, q.shape[0])
+    k2, v2 = kc.clone(), vc.clone()
+    for j in range(b):
+        if lens_new[j] == 0:
+            continue
+        qs, ks = slice(int(cu_q[j]), int(cu_q[j + 1])), slice(int(cu_k[j]), int(cu_k[j + 1]))
+        one = dict(kw, rotary_cos=cos, rotary_sin=sin)
+        if paged:
+            o, l = fa3.flash_attn_with_kvcache(q[qs][None], k2, v2, kn[ks][None], vn[ks][None],
+                                               cache_seqlens=cache_lens[j:j + 1], page_table=table[j:j + 1], **one)
+        else:
+            o, l = fa3.flash_attn_with_kvcache(q[qs][None], k2[j:j + 1], v2[j:j + 1], kn[ks][None], vn[ks][None],
+                                               cache_seqlens=cache_lens[j:j + 1], **one)
+        if lens_q[j]:
+            torch.testing.assert_close(out[qs], o[0], atol=2e-2, rtol=0)
+            torch.testing.assert_close(lse[:, qs], l[0], atol=2e-2, rtol=0)
+    torch.testing.assert_close(k1, k2, atol=1e-2, rtol=1e-2)  # (rotations in PyTorch and in the kernel)
+    assert torch.equal(v1, v2)

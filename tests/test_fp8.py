@@ -262,8 +262,8 @@ def test_keys_pad():
 @requires_sm90
 @requires_torch
 def test_gpu_torch_ops_forward_only(rng):
-    """cuflash.torch.attention runs the FP8 forward (descales passed on) and refuses to record
-    gradients."""
+    """cuflash.torch.attention runs the FP8 forward (descales passed on); where gradients are
+    recorded, the same output, whose backward raises (FlashAttention-3's FP8 is forward only)."""
     import torch
     import cuflash
     import cuflash.torch as cft
@@ -272,10 +272,11 @@ def test_gpu_torch_ops_forward_only(rng):
     out, lse = cft.attention(q, k, v, causal=True, return_lse=True, v_descale=vd)
     ref, ref_lse = cuflash.attention(q, k, v, causal=True, return_lse=True, v_descale=vd)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    qg = q.detach().requires_grad_()
+    out_g = cft.attention(qg, k, v, causal=True, v_descale=vd)
+    assert torch.equal(out_g, out) and out_g.requires_grad
     with pytest.raises(NotImplementedError, match="forward only"):
-        cft.attention(q.detach().requires_grad_(), k, v)
-    with pytest.raises(NotImplementedError, match="forward only"):
-        cft.attention(q, k, v, v_descale=vd.requires_grad_())
+        out_g.float().sum().backward()
 
 
 def test_plan_of_fp8_shapes():

@@ -28,6 +28,10 @@ PARAMS = ParamTable("AppendParams", (
     ("q", "const u16*"), ("q_rot", "u16*"), *strides("q", "sb", "ss", "sh"), *strides("qr", "sb", "ss", "sh"),
     ("seqlen_q", "int"), ("nheads", "int"), ("q_rowwise", "int"),
     ("ro_seqlens", "const int*"),  # rotary positions' start per sequence (null: the cache position's)
+    # packed new rows (cu_new non-null): k_new/v_new rows cu_new[b] ... cu_new[b + 1] - 1 are
+    # sequence b's (seqlen_new: the rows), and seqlens_out[b] gets sequence b's cache length
+    # after the append
+    ("cu_new", "const int*"), ("seqlens_out", "int*"),
 ))
 
 

@@ -643,8 +643,9 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
     accept while they are active; not vmap); others call :func:`cuflash.attention` directly.
 
     float8_e4m3fn q, k, v (with the optional ``q_descale``, ``k_descale``, ``v_descale``) run
-    :func:`cuflash.attention`'s FP8 forward (bfloat16 out): forward only, so a call that would
-    record gradients raises NotImplementedError; not traced by torch.compile (a graph break).
+    :func:`cuflash.attention`'s FP8 forward (bfloat16 out): forward only, so where gradients are
+    recorded the output's backward raises NotImplementedError (as FlashAttention-3's); not traced
+    by torch.compile (a graph break).
     ``attention_chunk`` > 0 (chunked attention, as :func:`cuflash.attention`): without gradients to
     record or dropout, cuflash.attention's chunk kernels; otherwise the call as packed sequences
     (each sequence cut at its chunks' first keys with the queries of each chunk) through
@@ -716,7 +717,8 @@ def _chunked(q, k, v, varlen, *, causal, softmax_scale, window_size, softcap, al
     if block_table is not None:  # (dropout is refused there)
         fn = lambda q, k, v, sinks: cuflash.attention_varlen(q, k, v, *varlen, block_table=block_table,
                                                              dropout_p=dropout_p, **dict(kw, sinks=sinks))
-        return _ForwardOnly.apply(fn, q, k, v, sinks) if grads else fn(q, k, v, sinks)
+        why = "attention_varlen with a block_table (a paged KV cache) has no backward"
+        return _ForwardOnly.apply(why, fn, q, k, v, sinks) if grads else fn(q, k, v, sinks)
     if not grads and not drop:
         return cuflash.attention(q, k, v, **kw) if varlen is None else cuflash.attention_varlen(q, k, v, *varlen, **kw)
     _check_chunked_shapes(q, k, v, varlen, window_size, softcap, alibi_slopes, softmax_scale, sinks)
@@ -741,11 +743,13 @@ def _chunked(q, k, v, varlen, *, causal, softmax_scale, window_size, softcap, al
 
 
 class _ForwardOnly(torch.autograd.Function):
-    """A forward whose backward raises (a chunked call on a paged cache): recorded so that a
-    backward through it fails instead of leaving the inputs' gradients silently short."""
+    """A forward whose backward raises NotImplementedError(why) (a call on a paged cache, FP8):
+    recorded so that a backward through it fails instead of leaving the inputs' gradients
+    silently short."""
 
     @staticmethod
-    def forward(ctx, fn, q, k, v, sinks):
+    def forward(ctx, why, fn, q, k, v, sinks):
+        ctx.why = why
         res = fn(q, k, v, sinks)
         if isinstance(res, tuple):
             ctx.mark_non_differentiable(res[1])
@@ -753,7 +757,7 @@ class _ForwardOnly(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        raise NotImplementedError("attention_varlen with a block_table (a paged KV cache) has no backward")
+        raise NotImplementedError(ctx.why)
 
 
 def _check_chunked_shapes(q, k, v, varlen, window_size, softcap, alibi_slopes, softmax_scale, sinks):
@@ -805,20 +809,22 @@ def _chunk_pieces(q, k, varlen, chunk):
 @torch.compiler.disable
 def _attention_fp8(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse, sinks,
                    startend_row_indices, dropout_p, descales, attention_chunk=0):
-    """attention's FP8 path: cuflash.attention's FP8 forward, refused where gradients would be
-    recorded (and, with attention_chunk, the chunk's own refusals of FP8 and FlashMask)."""
+    """attention's FP8 path: cuflash.attention's FP8 forward; where gradients are recorded, an
+    output whose backward raises (FlashAttention-3's FP8 is forward only too). With
+    attention_chunk, the chunk's own refusals of FP8 and FlashMask."""
     if attention_chunk:
         cuflash.validate.chunk_alone(cuflash.validate.attention_chunk(attention_chunk),
                                      startend_row_indices=startend_row_indices is not None)
         if any(x is not None for x in descales) or q.dtype == torch.float8_e4m3fn:
             api._no_fp8_chunk(attention_chunk)
+    def fn(q, k, v, sinks):
+        return cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                 softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_lse, sinks=sinks,
+                                 startend_row_indices=startend_row_indices, dropout_p=dropout_p,
+                                 q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks, *descales)):
-        raise NotImplementedError("FP8 (float8_e4m3fn) attention is forward only: call it under torch.no_grad() or on "
-                                  "tensors that do not require grad")
-    return cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                             softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_lse, sinks=sinks,
-                             startend_row_indices=startend_row_indices, dropout_p=dropout_p, q_descale=descales[0],
-                             k_descale=descales[1], v_descale=descales[2])
+        return _ForwardOnly.apply("FP8 (float8_e4m3fn) attention is forward only (no backward)", fn, q, k, v, sinks)
+    return fn(q, k, v, sinks)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
