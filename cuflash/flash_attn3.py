@@ -14,7 +14,8 @@ attention_varlen); ``flash_attn_with_kvcache`` is forward only, as in FlashAtten
   out; forward only) in flash_attn_func and flash_attn_qkvpacked_func. The FP8 calls that kernel
   does not take (a window, softcap, attention_chunk, other head dims, flash_attn_varlen_func)
   attend to bfloat16 copies of q, k and v times their descales (what FlashAttention-3 computes,
-  without P rounded to e4m3): new tensors of twice the inputs' bytes and no FP8 speed-up.
+  without P rounded to e4m3): float32 intermediates of four times each input's bytes, then bf16
+  copies of twice, and no FP8 speed-up; forward only, as the FP8 kernel.
 - A value head dim other than the query's (DeepSeek's 192 / 128; up to 512): V is padded with
   zeros to q's head dim when narrower, and cut into pieces of q's head dim when wider (one
   attention call per piece, each recomputing the scores), then the output is cut back: copies
@@ -96,28 +97,41 @@ def _fp8_kernel_runs(q, v, window, softcap, attention_chunk):
             and not _softcap(softcap) and not attention_chunk)
 
 
-def _dequantized(x, descale, name, nheads_k, batch, seq=None):
-    """float8_e4m3fn x times its descale, as bfloat16 (a new tensor): what FlashAttention-3 attends
-    to, for the calls cuflash's FP8 forward does not take. x dense (batch, seqlen, heads, d), or
-    packed (total, heads, d) with ``seq``, each token's sequence; descale float32 (batch, nheads_k)
-    (a dim of 1 broadcasts) or None."""
-    if x.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"q, k and v must all be float8_e4m3fn, got {x.dtype}")
-    y = x.to(torch.float32)
-    if descale is not None:
-        if (not isinstance(descale, torch.Tensor) or descale.dtype != torch.float32 or descale.dim() != 2
-                or descale.shape[0] not in (1, batch) or descale.shape[1] not in (1, nheads_k)
-                or descale.device != x.device):
-            raise ValueError(f"{name} must be float32 (batch, nheads_k) = ({batch}, {nheads_k}) on {x.device} (a dim "
-                             f"of 1 broadcasts), got {cuflash.validate.show(descale)}")
-        per_head = descale.repeat_interleave(x.shape[-2] // nheads_k, dim=1) if descale.shape[1] > 1 else descale
-        y = y * (per_head[:, None, :, None] if seq is None else per_head[seq.clamp(max=descale.shape[0] - 1)][:, :, None])
-    return y.to(torch.bfloat16)
-
-
 def _dequantized_qkv(q, k, v, descales, batch, seqs=(None, None)):
-    return [_dequantized(x, s, n, k.shape[-2], batch, seq) for x, s, n, seq in
-            zip((q, k, v), descales, ("q_descale", "k_descale", "v_descale"), (seqs[0], seqs[1], seqs[1]))]
+    """float8_e4m3fn q, k, v times their descales, as bfloat16 copies: what FlashAttention-3 attends
+    to, for the calls cuflash's FP8 forward does not take. Dense (batch, seqlen, heads, d), or
+    packed (total, heads, d) with ``seqs`` (each q token's and each k token's sequence); descales
+    float32 (batch, nheads_k) (a dim of 1 broadcasts) or None; query head h takes its KV head's.
+    Everything is checked before the first copy; the copies record no gradients."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"q, k and v must all be float8_e4m3fn, got {name} {x.dtype}")
+    h, hk = q.shape[-2], k.shape[-2]
+    if hk == 0 or h % hk or v.shape[-2] != hk:
+        raise ValueError(f"nheads ({h}) must be a multiple of k's and v's nheads_k ({hk}, {v.shape[-2]})")
+    for name, x in zip(("q_descale", "k_descale", "v_descale"), descales):
+        if x is not None and (not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() != 2
+                              or x.shape[0] not in (1, batch) or x.shape[1] not in (1, hk) or x.device != q.device):
+            raise ValueError(f"{name} must be float32 (batch, nheads_k) = ({batch}, {hk}) on {q.device} (a dim of 1 "
+                             f"broadcasts), got {cuflash.validate.show(x)}")
+    outs = []
+    with torch.no_grad():
+        for x, scale, seq in zip((q, k, v), descales, (seqs[0], seqs[1], seqs[1])):
+            y = x.to(torch.float32)
+            if scale is not None:
+                per_head = scale.repeat_interleave(x.shape[-2] // hk, dim=1) if scale.shape[1] > 1 else scale
+                y *= (per_head[:, None, :, None] if seq is None else
+                      per_head[seq.clamp(max=scale.shape[0] - 1)][:, :, None])
+            outs.append(y.to(torch.bfloat16))
+    return outs
+
+
+def _forward_only(fn, *inputs):
+    """fn(*inputs); where gradients are recorded, through an autograd node whose backward raises
+    (FlashAttention-3's FP8 is forward only)."""
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
+        return ops._ForwardOnly.apply("FP8 (float8_e4m3fn) attention is forward only (no backward)", fn, *inputs)
+    return fn(*inputs)
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
@@ -129,15 +143,19 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     _refuse(qv=qv, sm_margin=sm_margin)
     _hints(num_splits, pack_gqa)
     window = _window(window_size)
-    if q.dtype == torch.float8_e4m3fn and not _fp8_kernel_runs(q, v, window, softcap, attention_chunk):
-        q, k, v = _dequantized_qkv(q, k, v, (q_descale, k_descale, v_descale), q.shape[0])
-        q_descale = k_descale = v_descale = None
+    given = (q_descale, k_descale, v_descale)
+    copies = q.dtype == torch.float8_e4m3fn and not _fp8_kernel_runs(q, v, window, softcap, attention_chunk)
+    descales = (None,) * 3 if copies else given  # (bf16 copies carry their descales)
 
     def run(q, k, v, scale):
         return ops.attention(q, k, v, causal=causal, softmax_scale=scale, window_size=window, softcap=_softcap(softcap),
-                             deterministic=deterministic, return_lse=True, q_descale=q_descale,
-                             k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk)
-    out, lse = _value_pieces(run, q, k, v, softmax_scale)
+                             deterministic=deterministic, return_lse=True, q_descale=descales[0],
+                             k_descale=descales[1], v_descale=descales[2], attention_chunk=attention_chunk)
+    if copies:
+        out, lse = _forward_only(lambda q, k, v, *ds: _value_pieces(run, *_dequantized_qkv(q, k, v, ds, q.shape[0]),
+                                                                    softmax_scale), q, k, v, *given)
+    else:
+        out, lse = _value_pieces(run, q, k, v, softmax_scale)
     return (out, lse) if return_attn_probs else out
 
 
@@ -168,19 +186,23 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
                            pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
     """FlashAttention-3's ``flash_attn_varlen_func``: q (total_q, nheads, d), k (total_k, nheads_k,
-    d), v (total_k, nheads_k, dv), cu_seqlens int32 (batch + 1,). ``seqused_q`` / ``seqused_k``
-    int32 (batch,): sequence b uses only the first seqused_q[b] / seqused_k[b] of its tokens (the
-    other query rows get 0 and LSE +inf; the unused tokens get no gradient). Returns out (total_q,
-    nheads, dv), or (out, softmax_lse (nheads, total_q)) with ``return_attn_probs=True``."""
+    d), v (total_k, nheads_k, dv), cu_seqlens int32 (batch + 1,); or, with ``cu_seqlens_q`` /
+    ``cu_seqlens_k`` None, q / k and v batched (batch, seqlen, heads, d) (with seqused). ``seqused_q``
+    / ``seqused_k`` int32 (batch,): sequence b uses only the first seqused_q[b] / seqused_k[b] of
+    its tokens (the other query rows get 0 and LSE +inf, the unused tokens no gradient, where
+    max_seqlen_q / max_seqlen_k cover cu_seqlens' lengths). Returns out (total_q, nheads, dv), or
+    (out, softmax_lse (nheads, total_q)) with ``return_attn_probs=True`` (batched q: out (batch,
+    seqlen_q, nheads, dv), softmax_lse (batch, nheads, seqlen_q))."""
     _refuse(qv=qv, sm_margin=sm_margin)
     _hints(num_splits, pack_gqa)
     window = _window(window_size)
-    if q.dtype == torch.float8_e4m3fn or any(x is not None for x in (q_descale, k_descale, v_descale)):
-        if q.dtype != torch.float8_e4m3fn:
-            raise TypeError(f"q_descale, k_descale and v_descale apply to float8_e4m3fn q, k, v; q is {q.dtype}")
-        seqs = [torch.searchsorted(cu[1:], torch.arange(x.shape[0], dtype=cu.dtype, device=x.device), right=True)
-                for cu, x in ((cu_seqlens_q, q), (cu_seqlens_k, k))]
-        q, k, v = _dequantized_qkv(q, k, v, (q_descale, k_descale, v_descale), cu_seqlens_q.shape[0] - 1, seqs)
+    batched_q = cu_seqlens_q is None
+    if batched_q:
+        cu_seqlens_q, q, max_seqlen_q = _batched_as_packed(q, "q", max_seqlen_q)
+    if cu_seqlens_k is None:
+        cu_seqlens_k, k, max_seqlen_k = _batched_as_packed(k, "k", max_seqlen_k)
+        v = v.flatten(0, 1) if v.dim() == 4 else v
+    given_cu = (cu_seqlens_q, cu_seqlens_k)  # (the caller's sequences: the descales' and the output's batch)
     if seqused_q is not None or seqused_k is not None:
         cu_seqlens_q, cu_seqlens_k = _seqused(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
 
@@ -188,8 +210,34 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                     softmax_scale=scale, window_size=window, softcap=_softcap(softcap),
                                     deterministic=deterministic, return_lse=True, attention_chunk=attention_chunk)
-    out, lse = _value_pieces(run, q, k, v, softmax_scale)
+    descales = (q_descale, k_descale, v_descale)
+    if q.dtype == torch.float8_e4m3fn or any(x is not None for x in descales):
+        if q.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"q_descale, k_descale and v_descale apply to float8_e4m3fn q, k, v; q is {q.dtype}")
+        def dequantized(q, k, v, *ds):  # each token's sequence, for its descale
+            seqs = [torch.searchsorted(cu[1:], torch.arange(x.shape[0], dtype=cu.dtype, device=x.device), right=True)
+                    for cu, x in zip(given_cu, (q, k))]
+            return _value_pieces(run, *_dequantized_qkv(q, k, v, ds, given_cu[0].shape[0] - 1, seqs), softmax_scale)
+        out, lse = _forward_only(dequantized, q, k, v, *descales)
+    else:
+        out, lse = _value_pieces(run, q, k, v, softmax_scale)
+    if batched_q:
+        b = given_cu[0].shape[0] - 1
+        out = out.unflatten(0, (b, -1))
+        lse = lse.unflatten(1, (b, -1)).transpose(0, 1)
     return (out, lse) if return_attn_probs else out
+
+
+def _batched_as_packed(x, name, max_seqlen):
+    """A batched (batch, seqlen, heads, d) operand of flash_attn_varlen_func without cu_seqlens:
+    (cu_seqlens (batch + 1,) int32 on its device, x as (batch * seqlen, heads, d), seqlen)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        raise ValueError(f"{name} must be (batch, seqlen, heads, d) when cu_seqlens_{name} is None, got "
+                         f"{cuflash.validate.show(x)}")
+    b, s = x.shape[:2]
+    if max_seqlen is not None and max_seqlen != s:
+        raise ValueError(f"max_seqlen_{name} ({max_seqlen}) must be {name}'s seqlen ({s}) when cu_seqlens_{name} is None")
+    return torch.arange(b + 1, dtype=torch.int32, device=x.device) * s, x.flatten(0, 1), s
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
@@ -260,7 +308,6 @@ def _kvcache_varlen_q(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, rotary
     """flash_attn_with_kvcache with packed queries: rotated (PyTorch operations, with the new
     keys, at rotary_seqlens or cache_seqlens), padded in front to (batch, max_seqlen_q) rows so
     that each sequence's last query is the dense call's last row, attended, gathered back."""
-    from cuflash.flash_attn.layers.rotary import apply_rotary_emb
     if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.dim() != 1 \
             or cu_seqlens_q.shape[0] < 1 or cu_seqlens_q.device != q.device:
         raise TypeError(f"cu_seqlens_q must be a 1-dim int32 tensor (batch + 1,) on q's device {q.device}, got "
@@ -278,23 +325,34 @@ def _kvcache_varlen_q(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, rotary
     valid = (seq < batch) & (row >= 0) & (row < max_seqlen_q)
     # tokens outside every sequence (or past max_seqlen_q) go to a spare batch row, never read
     seq_w, row_w = torch.where(valid, seq, batch), row.clamp(0, max(max_seqlen_q - 1, 0))
-    if cos is not None or sin is not None:
-        if k is None:
-            raise ValueError("rotary_cos and rotary_sin need new k and v to append (as in flash-attn, the rotation "
-                             "is applied to the appended keys and to q)")
-        if cache_seqlens is None or isinstance(cache_seqlens, int):
-            cache_seqlens = torch.full((batch,), cache_seqlens or 0, dtype=torch.int32, device=dev)
-        start = rotary_seqlens if rotary_seqlens is not None else cache_seqlens
+    if cos is not None or sin is not None:  # (checked as attention_with_kvcache checks them)
+        qv = cuflash.validate.view(q, "q")
         capacity = k_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
-        if cuflash.api._rotary_rowwise(kw["causal"], kw["window_size"], max_seqlen_q, False, capacity) or \
-                kw["attention_chunk"]:
-            q = apply_rotary_emb(q, cos, sin, interleaved, seqlen_offsets=start, cu_seqlens=cu_seqlens_q,
-                                 max_seqlen=max_seqlen_q)
-        else:  # every query at the cache's end
-            q = apply_rotary_emb(q.unsqueeze(1), cos, sin, interleaved, seqlen_offsets=start[seq_c]).squeeze(1)
-        packed = kw["cu_seqlens_k_new"] is not None
-        k = apply_rotary_emb(k, cos, sin, interleaved, seqlen_offsets=start,
-                             **(dict(cu_seqlens=kw["cu_seqlens_k_new"], max_seqlen=k.shape[0]) if packed else {}))
+        cos, sin, interleaved = cuflash.api._rotary(cos, sin, interleaved, k is not None, qv, q.shape[-1], capacity)
+        cos, sin = cos.array, sin.array
+        if cache_seqlens is None or isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+            cache_seqlens = torch.full((batch,), cache_seqlens or 0, dtype=torch.int32, device=dev)
+        elif not (isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.is_cuda):  # a host array
+            host = torch.as_tensor(cache_seqlens)
+            if host.is_floating_point() or host.is_complex() or host.dtype == torch.bool or tuple(host.shape) != (batch,):
+                raise ValueError(f"cache_seqlens must be integers of shape (batch,) = ({batch},), got "
+                                 f"{cuflash.validate.show(cache_seqlens)}")
+            cache_seqlens = host.to(device=dev, dtype=torch.int32)
+        cuflash.validate.int32_vector(cache_seqlens, "cache_seqlens", batch, qv)
+        if rotary_seqlens is not None:
+            cuflash.validate.int32_vector(rotary_seqlens, "rotary_seqlens", batch, qv)
+        start = cache_seqlens if rotary_seqlens is None else rotary_seqlens
+        rowwise = cuflash.api._rotary_rowwise(kw["causal"], kw["window_size"], max_seqlen_q, False, capacity) or \
+            kw["attention_chunk"]
+        q = _rotated(q, cos, sin, interleaved, start[seq_c] + (tokens - cu_seqlens_q[seq_c] if rowwise else 0))
+        cu_new = kw["cu_seqlens_k_new"]
+        if cu_new is not None:  # packed new keys: each row's sequence and index in it
+            rows = torch.arange(k.shape[0], dtype=torch.int32, device=dev)
+            seq_k = torch.searchsorted(cu_new[1:], rows, right=True).clamp(max=max(batch - 1, 0))
+            k = _rotated(k, cos, sin, interleaved, start[seq_k] + rows - cu_new[seq_k])
+        else:
+            pos = start[:, None] + torch.arange(k.shape[1], dtype=torch.int32, device=dev)
+            k = _rotated(k.flatten(0, 1), cos, sin, interleaved, pos.flatten()).unflatten(0, k.shape[:2])
     dense = q.new_zeros((batch + 1, max_seqlen_q) + tuple(q.shape[1:]))
     dense[seq_w, row_w] = q
     res = cuflash.attention_with_kvcache(dense[:batch], k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, **kw)
@@ -305,6 +363,22 @@ def _kvcache_varlen_q(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, rotary
         return out
     lse = lse[seq_c, :, row_w] if batch else q.new_zeros((total, q.shape[1]), dtype=torch.float32)
     return out, torch.where(valid[:, None], lse, float("inf")).transpose(0, 1).contiguous()
+
+
+def _rotated(x, cos, sin, interleaved, pos):
+    """x (rows, heads, d) with its first 2 * cos.shape[1] columns rotated at positions pos (rows,),
+    clamped to the tables' rows: the append kernel's arithmetic (float32, then x's dtype)."""
+    half = cos.shape[1]
+    pos = pos.long().clamp(0, cos.shape[0] - 1)
+    c, s = cos[pos].float()[:, None, :], sin[pos].float()[:, None, :]
+    xf = x[..., :2 * half].float()
+    if interleaved:  # pairs (2f, 2f + 1)
+        a, b = xf[..., 0::2], xf[..., 1::2]
+        rot = torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
+    else:            # pairs (f, f + half)
+        a, b = xf[..., :half], xf[..., half:]
+        rot = torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+    return torch.cat([rot.to(x.dtype), x[..., 2 * half:]], dim=-1)
 
 
 def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,

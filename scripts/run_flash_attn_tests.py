@@ -58,6 +58,10 @@ def pytest_collection_modifyitems(config, items):
 def rewrite(source: str) -> str:
     """flash-attn's imports -> cuflash.flash_attn's, FlashAttention-3's flash_attn_interface ->
     cuflash.flash_attn3; every other line unchanged."""
+    # (a bare module import keeps its name: ``import flash_attn_interface`` binds the same name)
+    source = re.sub(r"^(\s*)import (flash_attn_interface|flash_attn)\s*$",
+                    lambda m: f"{m[1]}import cuflash.{'flash_attn3' if m[2] == 'flash_attn_interface' else m[2]} as {m[2]}",
+                    source, flags=re.M)
     source = re.sub(r"^(\s*)(from|import) flash_attn_interface\b", r"\1\2 cuflash.flash_attn3", source, flags=re.M)
     return re.sub(r"^(\s*)(from|import) flash_attn\b", r"\1\2 cuflash.flash_attn", source, flags=re.M)
 

@@ -75,15 +75,20 @@ def test_fp8_dequantized_copies():
     want_q = q.float() * qd.repeat_interleave(2, dim=1)[:, None, :, None]
     assert dq.dtype == torch.bfloat16 and torch.equal(dq, want_q.bfloat16())
     assert torch.equal(dk, (k.float() * kd).bfloat16()) and torch.equal(dv, k.float().bfloat16())
-    seq = torch.tensor([0, 0, 1, 1, 1])  # packed: tokens 0-1 of sequence 0, 2-4 of sequence 1
-    packed = q[0].repeat(2, 1, 1)[:5]
-    pq = fa3._dequantized(packed, qd, "q_descale", 2, 2, seq)
-    per_tok = qd.repeat_interleave(2, dim=1)[seq]
-    assert torch.equal(pq, (packed.float() * per_tok[:, :, None]).bfloat16())
+    seq_q = torch.tensor([0, 0, 1, 1, 1, 1])  # packed: tokens 0-1 of sequence 0, 2-5 of sequence 1 (5: past it)
+    seq_k = torch.tensor([1, 1, 1])
+    pq, pk, _ = fa3._dequantized_qkv(q[0].repeat(2, 1, 1), k[0, :3], k[0, :3], (qd, kd, None), 2, (seq_q, seq_k))
+    per_tok = qd.repeat_interleave(2, dim=1)[seq_q.clamp(max=1)]
+    assert torch.equal(pq, (q[0].repeat(2, 1, 1).float() * per_tok[:, :, None]).bfloat16())
+    assert torch.equal(pk, (k[0, :3].float() * kd).bfloat16())
     with pytest.raises(ValueError, match="k_descale must be float32"):
         fa3._dequantized_qkv(q, k, k, (None, torch.ones(3, 2), None), 2)
     with pytest.raises(TypeError, match="float8_e4m3fn"):
         fa3._dequantized_qkv(q, k.float(), k, (None, None, None), 2)
+    with pytest.raises(ValueError, match="nheads"):
+        fa3._dequantized_qkv(q[:, :, :3], k, k, (None, None, None), 2)
+    # the copies record no gradients: FP8 is forward only
+    assert not fa3._dequantized_qkv(q.requires_grad_(), k, k, (None, None, None), 2)[0].requires_grad
 
 
 def test_kvcache_packed_queries_pad_and_gather(monkeypatch):
@@ -427,3 +432,61 @@ def test_gpu_kvcache_packed_queries_and_keys(causal, rotary, paged):
             torch.testing.assert_close(lse[:, qs], l[0], atol=2e-2, rtol=0)
     torch.testing.assert_close(k1, k2, atol=1e-2, rtol=1e-2)  # (rotations in PyTorch and in the kernel)
     assert torch.equal(v1, v2)
+
+
+def test_varlen_batched_operands_and_fp8_forward_only(monkeypatch):
+    """flash_attn_varlen_func without cu_seqlens takes batched q / k, v (FlashAttention-3's
+    seqused with batched tensors): packed views with cu_seqlens = arange * seqlen, the output and
+    LSE shaped back; an FP8 call through bf16 copies records a node whose backward raises (CPU,
+    the kernels faked)."""
+    calls = []
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+        calls.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k, q.dtype))
+        lse = torch.arange(q.shape[0], dtype=torch.float32).expand(q.shape[1], -1)
+        return q.float().to(torch.bfloat16) * 1, lse
+    monkeypatch.setattr(fa3.ops, "attention_varlen", varlen)
+    q, k = torch.randn(2, 3, 4, 8), torch.randn(2, 5, 2, 8)
+    out, lse = fa3.flash_attn_varlen_func(q, k, k, None, None, None, None, seqused_k=torch.tensor([5, 2],
+                                          dtype=torch.int32), return_attn_probs=True)
+    (cu_q, cu_k, max_q, max_k, _), = calls
+    assert cu_q == [0, 3, 3, 3, 6, 6, 6] and cu_k == [0, 5, 5, 5, 7, 7, 10] and (max_q, max_k) == (3, 5)
+    assert out.shape == (2, 3, 4, 8) and torch.equal(out.float(), q.bfloat16().float())
+    assert lse.shape == (2, 4, 3) and lse[1, 0].tolist() == [3, 4, 5]
+    with pytest.raises(ValueError, match="max_seqlen_q .4. must be q's seqlen .3."):
+        fa3.flash_attn_varlen_func(q, k, k, None, None, 4, None)
+    q8 = (torch.randn(6, 4, 8) * 4).to(torch.float8_e4m3fn).requires_grad_()
+    k8 = (torch.randn(10, 2, 8) * 4).to(torch.float8_e4m3fn)
+    cu = torch.tensor([0, 3, 6], dtype=torch.int32)
+    out = fa3.flash_attn_varlen_func(q8, k8, k8, cu, torch.tensor([0, 5, 10], dtype=torch.int32), 3, 5,
+                                     q_descale=torch.full((2, 2), 0.5))
+    assert calls[-1][4] == torch.bfloat16 and out.requires_grad
+    torch.testing.assert_close(out.float(), (q8.detach().float() * 0.5).bfloat16().float())
+    with pytest.raises(NotImplementedError, match="forward only"):
+        out.float().sum().backward()
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_packed_query_rotation(interleaved, monkeypatch):
+    """The packed-query KV-cache path rotates q and the new keys as flash-attn's apply_rotary_emb
+    does (float32 arithmetic), positions past the tables clamped to their last row as the append
+    kernel does; the rotary arguments are checked as attention_with_kvcache checks them."""
+    import cuflash
+    from cuflash.flash_attn.layers.rotary import apply_rotary_emb
+    torch.manual_seed(interleaved)
+    x = torch.randn(7, 3, 16).bfloat16()
+    angle = torch.rand(10, 4) * 6.3
+    cos, sin = torch.cos(angle).bfloat16(), torch.sin(angle).bfloat16()
+    pos = torch.tensor([0, 3, 9, 2, 2, 5, 1])
+    want = apply_rotary_emb(x.unsqueeze(1), cos, sin, interleaved, seqlen_offsets=pos).squeeze(1)
+    assert torch.equal(fa3._rotated(x, cos, sin, interleaved, pos), want)
+    assert torch.equal(fa3._rotated(x, cos, sin, interleaved, pos + 40)[2], fa3._rotated(x, cos, sin, interleaved, pos)[2])
+    monkeypatch.setattr(cuflash, "attention_with_kvcache", lambda q, *a, **kw: (q, None))
+    cu = torch.tensor([0, 2], dtype=torch.int32)
+    q, kc = torch.randn(2, 3, 16).bfloat16(), torch.zeros(1, 10, 1, 16).bfloat16()
+    kn = torch.zeros(1, 1, 1, 16).bfloat16()
+    with pytest.raises(ValueError, match="rotary_cos and rotary_sin must be given together"):
+        fa3.flash_attn_with_kvcache(q, kc, kc, kn, kn, rotary_cos=cos, cache_seqlens=1, cu_seqlens_q=cu, max_seqlen_q=2)
+    with pytest.raises(TypeError, match="rotary_cos must have q's dtype"):
+        fa3.flash_attn_with_kvcache(q, kc, kc, kn, kn, rotary_cos=cos.float(), rotary_sin=sin.float(), cache_seqlens=1,
+                                    cu_seqlens_q=cu, max_seqlen_q=2)

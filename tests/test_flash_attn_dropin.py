@@ -303,6 +303,10 @@ def test_dense_seqused_k_cuts_sequences(recorded):
     (_, args, _), = recorded
     assert args[3].tolist() == [0, 3, 3, 3, 5, 5, 5] and args[4].tolist() == [0, 2, 2, 4, 7, 7, 7]
     assert args[5:7] == (3, 4) and cu_q.tolist() == [0, 3, 5]
+    slopes = torch.tensor([[1.0, 2.0], [3.0, 4.0]])  # (batch, nheads): each sequence's three pieces take its row
+    flash_attn_varlen_func(q, k, k, cu_q, cu_k, 3, 4, alibi_slopes=slopes, seqused_k=torch.tensor([2, 9], dtype=torch.int32))
+    assert recorded[-1][2]["alibi_slopes"].tolist() == [[1.0, 2.0]] * 3 + [[3.0, 4.0]] * 3
+    recorded.pop()
     with pytest.raises(NotImplementedError, match="seqused_k with dense K/V and dropout"):
         flash_attn_varlen_func(q, k, k, cu_q, cu_k, 3, 4, 0.1, seqused_k=torch.tensor([2, 9], dtype=torch.int32))
     assert len(recorded) == 1

@@ -277,6 +277,9 @@ def test_gpu_torch_ops_forward_only(rng):
     assert torch.equal(out_g, out) and out_g.requires_grad
     with pytest.raises(NotImplementedError, match="forward only"):
         out_g.float().sum().backward()
+    out_d = cft.attention(q, k, v, causal=True, v_descale=vd.clone().requires_grad_())  # a descale alone
+    with pytest.raises(NotImplementedError, match="forward only"):
+        out_d.float().sum().backward()
 
 
 def test_plan_of_fp8_shapes():

@@ -187,8 +187,10 @@ def _seqused_offsets(seqused_k, block_table):
 def _seqused(cu_seqlens_q, cu_seqlens_k, seqused_q=None, seqused_k=None):
     """(cu_seqlens_q, cu_seqlens_k) of packed sequences that use only their first seqused_q[b]
     queries and seqused_k[b] keys (None: all), as cuflash.plan.seqused_bounds cuts them: three
-    sequences per sequence, computed on the device (no sync). Unused query rows get 0, unused
-    keys no gradient."""
+    sequences per sequence (so per-sequence arguments repeat three times, and the batch limits of
+    the grid apply to 3 * batch), computed on the device (no sync). Unused query rows get 0,
+    unused keys no gradient, where max_seqlen_q / max_seqlen_k cover the cu_seqlens lengths (as
+    flash-attn asks)."""
     for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or x.dim() != 1 or x.shape[0] < 1:
             raise TypeError(f"{name} must be a 1-dim int32 tensor (batch + 1,), got {validate.show(x)}")
@@ -304,6 +306,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if dropout_p:
             _not_supported("seqused_k with dense K/V and dropout", "the dropout mask is drawn per sequence")
         cu_seqlens_q, cu_seqlens_k = _seqused(cu_seqlens_q, cu_seqlens_k, None, seqused_k)
+        if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() == 2:  # (batch, nheads): per sequence
+            alibi_slopes = alibi_slopes.repeat_interleave(3, dim=0)
     q, k, v = (_contiguous_last(x) for x in (q, k, v))
     window, cap = _window(window_size), _softcap(softcap)
     batch = cu_seqlens_q.shape[0] - 1

@@ -748,9 +748,9 @@ class _ForwardOnly(torch.autograd.Function):
     silently short."""
 
     @staticmethod
-    def forward(ctx, why, fn, q, k, v, sinks):
+    def forward(ctx, why, fn, *inputs):
         ctx.why = why
-        res = fn(q, k, v, sinks)
+        res = fn(*inputs)
         if isinstance(res, tuple):
             ctx.mark_non_differentiable(res[1])
         return res
@@ -823,7 +823,8 @@ def _attention_fp8(q, k, v, causal, softmax_scale, window_size, softcap, alibi_s
                                  startend_row_indices=startend_row_indices, dropout_p=dropout_p,
                                  q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks, *descales)):
-        return _ForwardOnly.apply("FP8 (float8_e4m3fn) attention is forward only (no backward)", fn, q, k, v, sinks)
+        why = "FP8 (float8_e4m3fn) attention is forward only (no backward)"
+        return _ForwardOnly.apply(why, lambda q, k, v, sinks, *_: fn(q, k, v, sinks), q, k, v, sinks, *descales)
     return fn(q, k, v, sinks)
 
 
