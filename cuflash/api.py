@@ -488,19 +488,19 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
             q_in = arrays.view(arrays.empty_like_framework(qv, (b, sq, h, d_pad), qv.dtype), "q_rot")
         elif unaligned and sq:
             q_in = _padded(qv, d_pad)
-        packed = None
+        packed_rows = None
         if cu_new is not None:  # the append counts each sequence's keys (seqlens_out) for the attention
             held_lens = arrays.empty_like_framework(qv, (b,), "int32")
-            packed = (b, cu_new.ptr, arrays.device_ptr(held_lens))
-        if s_new or packed or (rotary is not None and sq):
+            packed_rows = (b, cu_new.ptr, arrays.device_ptr(held_lens))
+        if s_new or packed_rows or (rotary is not None and sq):
             rowwise = _rotary_rowwise(causal, window, sq, alibi is not None, capacity) or chunk > 0
             with arrays.on_device(qv.device):
                 launch.append_kv(kn, vn, kc, vc, seqlens_ptr, seqlen0, batch_idx, table, page_size, capacity,
                                  arrays.stream_for(qv), qv.device, device_facts(qv.device).arch,
                                  rotary=None if rotary is None else (*rotary, qv, q_in, rowwise),
-                                 ro_seqlens_ptr=ro_seqlens, packed=packed)
-        if packed:
-            seqlens_ptr, seqlen_k_arg = packed[2], 0
+                                 ro_seqlens_ptr=ro_seqlens, packed=packed_rows)
+        if packed_rows:
+            seqlens_ptr, seqlen_k_arg = packed_rows[2], 0
         if sq:
             direct_out = not unaligned
             kernel_out = o_view if direct_out else arrays.view(

@@ -33,8 +33,8 @@ attention_varlen); ``flash_attn_with_kvcache`` is forward only, as in FlashAtten
   padded in front to ``max_seqlen_q`` rows (q rotated by PyTorch operations, with the new keys),
   its rows gathered back; ``cu_seqlens_k_new`` (packed new keys) is cuflash.attention_with_kvcache's.
 - Not supported (NotImplementedError naming the argument): ``qv``, ``sm_margin`` other than 0, and in
-  flash_attn_with_kvcache the descales (FP8 caches). :func:`flash_attn_combine` merges split partials with PyTorch operations (no
-  kernel of its own).
+  flash_attn_with_kvcache the descales (FP8 caches). :func:`flash_attn_combine` merges split
+  partials with PyTorch operations (no kernel of its own).
 """
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def _value_pieces(run, q, k, v, softmax_scale):
 
 
 def _fp8_kernel_runs(q, v, window, softcap, attention_chunk):
-    """Whether cuflash's FP8 forward takes this call (else: _dequantized)."""
+    """Whether cuflash's FP8 forward takes this call (else: bf16 copies, _dequantized_qkv)."""
     from cuflash.kernels.fwd_fp8 import HEAD_DIMS
     return (q.shape[-1] in HEAD_DIMS and v.shape[-1] == q.shape[-1] and tuple(window) == (-1, -1)
             and not _softcap(softcap) and not attention_chunk)
