@@ -208,10 +208,15 @@ def test_gpu_ring_of_two_chunks(rng):
     q, k, v = _gpu(rng, 2, 256, 4, 64), _gpu(rng, 2, 512, 4, 64), _gpu(rng, 2, 512, 4, 64)
     parts = [fi._flash_attn_forward(q, k[:, s:s + 256], v[:, s:s + 256], 0.0, 0.125, False, -1, -1, 0.0, None, False)
              for s in (0, 256)]
+    for (o, _, _, _), s in zip(parts, (0, 256)):  # each chunk: flash-attn's rule
+        ok, err, bound = check_close(_np(o), _np(q), _np(k[:, s:s + 256]), _np(v[:, s:s + 256]), softmax_scale=0.125)
+        assert ok, (s, err, bound)
     lse = torch.logaddexp(parts[0][1], parts[1][1])
     out = sum(o.float() * torch.exp(l - lse).transpose(1, 2)[..., None] for o, l, _, _ in parts).to(q.dtype)
     ok, err, bound = check_close(_np(out), _np(q), _np(k), _np(v), softmax_scale=0.125)
-    assert ok, (err, bound)
+    # the merge rounds each chunk's output to bf16 before adding them (weights summing to 1): one
+    # more rounding, at most 2^-9 max |v|, than the rule's single call makes
+    assert err <= bound + 2.0 ** -9 * float(np.abs(_np(v).astype(np.float32)).max()), (err, bound)
     # the backward as ring attention runs it: each chunk's gradients from the merged out and LSE
     dout = _gpu(rng, 2, 256, 4, 64)
     dq, dk, dv = torch.zeros_like(q), torch.empty_like(k), torch.empty_like(v)
