@@ -126,12 +126,10 @@ def _dequantized_qkv(q, k, v, descales, batch, seqs=(None, None)):
     return outs
 
 
-def _forward_only(fn, *inputs):
-    """fn(*inputs); where gradients are recorded, through an autograd node whose backward raises
-    (FlashAttention-3's FP8 is forward only)."""
-    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
-        return ops._ForwardOnly.apply("FP8 (float8_e4m3fn) attention is forward only (no backward)", fn, *inputs)
-    return fn(*inputs)
+def _sequence_of(cu_seqlens, rows):
+    """Each of ``rows`` packed rows' sequence (int64 (rows,); rows past the last sequence get batch)."""
+    return torch.searchsorted(cu_seqlens[1:], torch.arange(rows, dtype=cu_seqlens.dtype, device=cu_seqlens.device),
+                              right=True)
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
@@ -152,7 +150,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
                              deterministic=deterministic, return_lse=True, q_descale=descales[0],
                              k_descale=descales[1], v_descale=descales[2], attention_chunk=attention_chunk)
     if copies:
-        out, lse = _forward_only(lambda q, k, v, *ds: _value_pieces(run, *_dequantized_qkv(q, k, v, ds, q.shape[0]),
+        out, lse = ops.forward_only(ops.FP8_FORWARD_ONLY, lambda q, k, v, *ds: _value_pieces(run, *_dequantized_qkv(q, k, v, ds, q.shape[0]),
                                                                     softmax_scale), q, k, v, *given)
     else:
         out, lse = _value_pieces(run, q, k, v, softmax_scale)
@@ -215,10 +213,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if q.dtype != torch.float8_e4m3fn:
             raise TypeError(f"q_descale, k_descale and v_descale apply to float8_e4m3fn q, k, v; q is {q.dtype}")
         def dequantized(q, k, v, *ds):  # each token's sequence, for its descale
-            seqs = [torch.searchsorted(cu[1:], torch.arange(x.shape[0], dtype=cu.dtype, device=x.device), right=True)
-                    for cu, x in zip(given_cu, (q, k))]
+            seqs = [_sequence_of(cu, x.shape[0]) for cu, x in zip(given_cu, (q, k))]
             return _value_pieces(run, *_dequantized_qkv(q, k, v, ds, given_cu[0].shape[0] - 1, seqs), softmax_scale)
-        out, lse = _forward_only(dequantized, q, k, v, *descales)
+        out, lse = ops.forward_only(ops.FP8_FORWARD_ONLY, dequantized, q, k, v, *descales)
     else:
         out, lse = _value_pieces(run, q, k, v, softmax_scale)
     if batched_q:
@@ -318,7 +315,7 @@ def _kvcache_varlen_q(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, rotary
         raise ValueError(f"q must be (total_q, nheads, d) with cu_seqlens_q, got shape {tuple(q.shape)}")
     batch, total, dev = cu_seqlens_q.shape[0] - 1, q.shape[0], q.device
     tokens = torch.arange(total, dtype=torch.int32, device=dev)
-    seq = torch.searchsorted(cu_seqlens_q[1:], tokens, right=True)
+    seq = _sequence_of(cu_seqlens_q, total)
     lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     seq_c = seq.clamp(max=max(batch - 1, 0))
     row = max_seqlen_q - lens[seq_c] + tokens - cu_seqlens_q[seq_c]
@@ -348,7 +345,7 @@ def _kvcache_varlen_q(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, rotary
         cu_new = kw["cu_seqlens_k_new"]
         if cu_new is not None:  # packed new keys: each row's sequence and index in it
             rows = torch.arange(k.shape[0], dtype=torch.int32, device=dev)
-            seq_k = torch.searchsorted(cu_new[1:], rows, right=True).clamp(max=max(batch - 1, 0))
+            seq_k = _sequence_of(cu_new, k.shape[0]).clamp(max=max(batch - 1, 0))
             k = _rotated(k, cos, sin, interleaved, start[seq_k] + rows - cu_new[seq_k])
         else:
             pos = start[:, None] + torch.arange(k.shape[1], dtype=torch.int32, device=dev)
@@ -367,18 +364,11 @@ def _kvcache_varlen_q(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, rotary
 
 def _rotated(x, cos, sin, interleaved, pos):
     """x (rows, heads, d) with its first 2 * cos.shape[1] columns rotated at positions pos (rows,),
-    clamped to the tables' rows: the append kernel's arithmetic (float32, then x's dtype)."""
-    half = cos.shape[1]
+    clamped to the tables' rows as the append kernel clamps them (apply_rotary_emb's arithmetic:
+    float32, then x's dtype)."""
+    from cuflash.flash_attn.layers.rotary import apply_rotary_emb
     pos = pos.long().clamp(0, cos.shape[0] - 1)
-    c, s = cos[pos].float()[:, None, :], sin[pos].float()[:, None, :]
-    xf = x[..., :2 * half].float()
-    if interleaved:  # pairs (2f, 2f + 1)
-        a, b = xf[..., 0::2], xf[..., 1::2]
-        rot = torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
-    else:            # pairs (f, f + half)
-        a, b = xf[..., :half], xf[..., half:]
-        rot = torch.cat([a * c - b * s, b * c + a * s], dim=-1)
-    return torch.cat([rot.to(x.dtype), x[..., 2 * half:]], dim=-1)
+    return apply_rotary_emb(x.unsqueeze(1), cos, sin, interleaved, seqlen_offsets=pos).squeeze(1)
 
 
 def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,

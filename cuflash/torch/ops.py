@@ -717,8 +717,8 @@ def _chunked(q, k, v, varlen, *, causal, softmax_scale, window_size, softcap, al
     if block_table is not None:  # (dropout is refused there)
         fn = lambda q, k, v, sinks: cuflash.attention_varlen(q, k, v, *varlen, block_table=block_table,
                                                              dropout_p=dropout_p, **dict(kw, sinks=sinks))
-        why = "attention_varlen with a block_table (a paged KV cache) has no backward"
-        return _ForwardOnly.apply(why, fn, q, k, v, sinks) if grads else fn(q, k, v, sinks)
+        return forward_only("attention_varlen with a block_table (a paged KV cache) has no backward", fn, q, k, v,
+                            sinks)
     if not grads and not drop:
         return cuflash.attention(q, k, v, **kw) if varlen is None else cuflash.attention_varlen(q, k, v, *varlen, **kw)
     _check_chunked_shapes(q, k, v, varlen, window_size, softcap, alibi_slopes, softmax_scale, sinks)
@@ -758,6 +758,16 @@ class _ForwardOnly(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         raise NotImplementedError(ctx.why)
+
+
+FP8_FORWARD_ONLY = "FP8 (float8_e4m3fn) attention is forward only (no backward)"
+
+
+def forward_only(why, fn, *inputs):
+    """fn(*inputs); where gradients are recorded for an input, through _ForwardOnly(why)."""
+    if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in inputs):
+        return _ForwardOnly.apply(why, fn, *inputs)
+    return fn(*inputs)
 
 
 def _check_chunked_shapes(q, k, v, varlen, window_size, softcap, alibi_slopes, softmax_scale, sinks):
@@ -822,10 +832,7 @@ def _attention_fp8(q, k, v, causal, softmax_scale, window_size, softcap, alibi_s
                                  softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_lse, sinks=sinks,
                                  startend_row_indices=startend_row_indices, dropout_p=dropout_p,
                                  q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks, *descales)):
-        why = "FP8 (float8_e4m3fn) attention is forward only (no backward)"
-        return _ForwardOnly.apply(why, lambda q, k, v, sinks, *_: fn(q, k, v, sinks), q, k, v, sinks, *descales)
-    return fn(q, k, v, sinks)
+    return forward_only(FP8_FORWARD_ONLY, lambda q, k, v, sinks, *_: fn(q, k, v, sinks), q, k, v, sinks, *descales)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
