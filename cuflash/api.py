@@ -297,7 +297,7 @@ def _plan_for(fields: tuple, device: int, kv: str = "dense", varlen: bool = Fals
               leftpad: bool = False, dropout: bool = False, page_size: int = 0, chunk: int = 0):
     """The plan of a call, cached on the call's fields (so a repeated shape builds no Problem);
     ``flashmask`` is (bound columns, heads) of startend_row_indices, or (0, 0); ``leftpad``: a
-    contiguous cache with cache_leftpad; ``dropout``: attention dropout; ``page_size``: a paged
+    KV cache with cache_leftpad; ``dropout``: attention dropout; ``page_size``: a paged
     cache's rows per page; ``chunk``: attention_chunk."""
     key = (fields, device, kv, varlen, flashmask, leftpad, dropout, page_size, chunk)
     plan = _plans.get(key)
@@ -349,8 +349,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
     semantics.
 
     q: (batch, seqlen_q, nheads, d). k_cache, v_cache: (batch_cache, capacity, nheads_k, d), or
-    paged (num_pages, page_size, nheads_k, d) with ``block_table`` int32 (batch, pages_per_seq)
-    and page_size a multiple of 16. New k, v (batch, seqlen_new, nheads_k, d) are written into
+    paged (num_pages, page_size, nheads_k, d) with ``block_table`` int32 (batch, pages_per_seq),
+    pages of any number of rows. New k, v (batch, seqlen_new, nheads_k, d) are written into
     the caches in place at positions cache_seqlens[b] ..., then each sequence attends to its
     cache_seqlens[b] + seqlen_new keys (causal: aligned bottom-right per sequence).
     ``cache_seqlens``: an int, an int32 device array (batch,), a host integer array (batch,)
@@ -358,7 +358,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
     caches. ``cache_batch_idx``: int32 (batch,) rows of a contiguous cache to use.
     ``cache_leftpad``: int32 (batch,) device array: sequence b's cache starts at row
     cache_leftpad[b] (rows before it are ignored; cache_seqlens[b] still counts from row 0, so it
-    attends to cache_seqlens[b] + seqlen_new - cache_leftpad[b] keys); contiguous caches only.
+    attends to cache_seqlens[b] + seqlen_new - cache_leftpad[b] keys); in a paged cache, rows of
+    the sequence as the block table lays it out (FlashAttention-3's).
     ``rotary_cos``, ``rotary_sin`` (seqlen_ro, rotary_dim / 2) in q's dtype, seqlen_ro >= the
     capacity: with new k, its first rotary_dim columns are rotated at positions cache_seqlens[b] + i
     before they are written, and q's at the same positions when causal or local, else all at
@@ -403,11 +404,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
     if paged:
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx cannot be combined with block_table (a paged cache)")
-        if cache_leftpad is not None:
-            raise ValueError("cache_leftpad cannot be combined with block_table (a paged cache), as in flash-attn")
         bt = validate.block_table(block_table, b, qv)
-        if cap == 0 or cap % 16:
-            raise ValueError(f"page size (k_cache.shape[1]) must be a positive multiple of 16, got {cap}")
+        if cap == 0:
+            raise ValueError(f"page size (k_cache.shape[1]) must be positive, got {cap}")
         page_size, capacity, table = cap, bt.shape[1] * cap, (bt.ptr, bt.strides[0])
         validate.sizes(("pages_per_seq * page_size (the cache's capacity)", capacity))
         where = f" (block_table's pages_per_seq * page_size = {bt.shape[1]} * {cap})"

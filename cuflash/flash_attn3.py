@@ -32,8 +32,10 @@ attention_varlen); ``flash_attn_with_kvcache`` is forward only, as in FlashAtten
 - ``flash_attn_with_kvcache`` with ``cu_seqlens_q`` (packed queries): a dense call on a copy of q
   padded in front to ``max_seqlen_q`` rows (q rotated by PyTorch operations, with the new keys),
   its rows gathered back; ``cu_seqlens_k_new`` (packed new keys) is cuflash.attention_with_kvcache's.
-- Not supported (NotImplementedError naming the argument): ``qv``, ``sm_margin`` other than 0, and in
-  flash_attn_with_kvcache the descales (FP8 caches). :func:`flash_attn_combine` merges split
+- ``flash_attn_with_kvcache`` over float8_e4m3fn caches: bfloat16 copies of q, the caches and the
+  new k, v, the descales folded into q and the output, the caches' rows rewritten from the copies
+  (whole-cache copies on each call: correct, not fast).
+- Not supported (NotImplementedError naming the argument): ``qv`` and ``sm_margin`` other than 0. :func:`flash_attn_combine` merges split
   partials with PyTorch operations (no kernel of its own).
 """
 from __future__ import annotations
@@ -106,24 +108,39 @@ def _dequantized_qkv(q, k, v, descales, batch, seqs=(None, None)):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dtype != torch.float8_e4m3fn:
             raise TypeError(f"q, k and v must all be float8_e4m3fn, got {name} {x.dtype}")
-    h, hk = q.shape[-2], k.shape[-2]
-    if hk == 0 or h % hk or v.shape[-2] != hk:
-        raise ValueError(f"nheads ({h}) must be a multiple of k's and v's nheads_k ({hk}, {v.shape[-2]})")
-    for name, x in zip(("q_descale", "k_descale", "v_descale"), descales):
-        if x is not None and (not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() != 2
-                              or x.shape[0] not in (1, batch) or x.shape[1] not in (1, hk) or x.device != q.device):
-            raise ValueError(f"{name} must be float32 (batch, nheads_k) = ({batch}, {hk}) on {q.device} (a dim of 1 "
-                             f"broadcasts), got {cuflash.validate.show(x)}")
+    hk = k.shape[-2]
+    _check_descales(q, hk, v.shape[-2], descales, batch)
     outs = []
     with torch.no_grad():
         for x, scale, seq in zip((q, k, v), descales, (seqs[0], seqs[1], seqs[1])):
             y = x.to(torch.float32)
             if scale is not None:
-                per_head = scale.repeat_interleave(x.shape[-2] // hk, dim=1) if scale.shape[1] > 1 else scale
-                y *= (per_head[:, None, :, None] if seq is None else
-                      per_head[seq.clamp(max=scale.shape[0] - 1)][:, :, None])
+                y *= _per_row_head(scale, x.shape[-2] // hk, seq)
             outs.append(y.to(torch.bfloat16))
     return outs
+
+
+def _check_descales(q, hk, hv, descales, batch):
+    """ValueError unless q's heads are a multiple of the KV heads (hk, hv) and each descale is None
+    or float32 (batch, nheads_k) on q's device (a dim of 1 broadcasts)."""
+    h = q.shape[-2]
+    if hk == 0 or h % hk or hv != hk:
+        raise ValueError(f"nheads ({h}) must be a multiple of k's and v's nheads_k ({hk}, {hv})")
+    for name, x in zip(("q_descale", "k_descale", "v_descale"), descales):
+        if x is not None and (not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() != 2
+                              or x.shape[0] not in (1, batch) or x.shape[1] not in (1, hk) or x.device != q.device):
+            raise ValueError(f"{name} must be float32 (batch, nheads_k) = ({batch}, {hk}) on {q.device} (a dim of 1 "
+                             f"broadcasts), got {cuflash.validate.show(x)}")
+
+
+def _per_row_head(scale, group, seq):
+    """A (batch, nheads_k) descale as a factor of a dense (batch, seqlen, heads, d) tensor (``seq``
+    None) or a packed (total, heads, d) one whose rows belong to sequences ``seq``: query head h
+    takes KV head h // group's."""
+    per_head = scale.repeat_interleave(group, dim=1) if scale.shape[1] > 1 else scale
+    if seq is None:
+        return per_head[:, None, :, None]
+    return per_head[seq.clamp(max=scale.shape[0] - 1)][:, :, None]
 
 
 def _sequence_of(cu_seqlens, rows):
@@ -280,9 +297,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     q padded in front to max_seqlen_q rows (q rotated by PyTorch operations), its rows gathered
     back. Returns out, or (out, softmax_lse) with ``return_softmax_lse=True`` (varlen:
     softmax_lse (nheads, total_q))."""
-    _refuse(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, sm_margin=sm_margin,
-            scheduler_metadata=scheduler_metadata)
+    _refuse(qv=qv, sm_margin=sm_margin, scheduler_metadata=scheduler_metadata)
     _hints(num_splits, pack_gqa)
+    if torch.float8_e4m3fn in (q.dtype, k_cache.dtype, v_cache.dtype):
+        def run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin):
+            return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, None, rotary_cos, rotary_sin, cache_seqlens,
+                                           cache_batch_idx, cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new,
+                                           max_seqlen_q, rotary_seqlens, None, None, None, softmax_scale, causal,
+                                           window_size, attention_chunk, softcap, rotary_interleaved, None,
+                                           num_splits, pack_gqa, 0, return_softmax_lse)
+        return _fp8_kvcache(run, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, (q_descale, k_descale, v_descale),
+                            cu_seqlens_q)
+    _refuse(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    if page_table is not None and cache_batch_idx is not None:
+        page_table, cache_batch_idx = _table_rows(page_table, cache_batch_idx, q), None
     if v_cache.shape[-1] != q.shape[-1]:
         raise NotImplementedError(f"a value head dim ({v_cache.shape[-1]}) other than the query's ({q.shape[-1]}) "
                                   "is not supported by cuflash's flash_attn_with_kvcache")
@@ -298,6 +326,54 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                                               rotary_seqlens=rotary_seqlens, **kw)
     return _kvcache_varlen_q(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_seqlens,
                              cu_seqlens_q, max_seqlen_q, rotary_interleaved, page_table, kw)
+
+
+def _table_rows(page_table, cache_batch_idx, q):
+    """FlashAttention-3's cache_batch_idx with a page table: sequence b reads the table's row
+    cache_batch_idx[b], so the rows are gathered on the device (batch x pages_per_seq int32; no
+    sync) and the call takes them as its block table."""
+    for name, x in (("page_table", page_table), ("cache_batch_idx", cache_batch_idx)):
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or x.device != q.device:
+            raise TypeError(f"{name} must be an int32 tensor on q's device {q.device}, got {cuflash.validate.show(x)}")
+    if page_table.dim() != 2 or cache_batch_idx.dim() != 1:
+        raise ValueError(f"page_table must be (batch_cache, pages_per_seq) and cache_batch_idx (batch,), got shapes "
+                         f"{tuple(page_table.shape)} and {tuple(cache_batch_idx.shape)}")
+    return page_table.index_select(0, cache_batch_idx)
+
+
+def _fp8_kvcache(run, q, k_cache, v_cache, k, v, cos, sin, descales, cu_seqlens_q):
+    """flash_attn_with_kvcache over float8_e4m3fn caches: ``run`` (the bfloat16 call) on bfloat16
+    copies of q, the caches and the new k, v (e4m3 values are exact in bfloat16), q times its and
+    k's descales, the output times v's (the scores and the softmax are those of the descaled
+    values), then the caches' e4m3 rows rewritten from the copies (the appended rows rounded to
+    e4m3, the others unchanged: they round-trip exactly). The output is bfloat16, as
+    FlashAttention-3's. Whole-cache copies on each call: correct, not fast."""
+    e4m3 = torch.float8_e4m3fn
+    given = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)) + ((("k", k), ("v", v)) if k is not None else ())
+    for name, x in given:
+        if x.dtype != e4m3:
+            raise TypeError(f"an FP8 KV cache needs q, k_cache, v_cache (and k, v) all float8_e4m3fn, got {name} "
+                            f"{x.dtype}")
+    packed = cu_seqlens_q is not None
+    batch = cu_seqlens_q.shape[0] - 1 if packed else q.shape[0]
+    hk = k_cache.shape[-2]
+    _check_descales(q, hk, v_cache.shape[-2], descales, batch)
+    seq = _sequence_of(cu_seqlens_q, q.shape[0]) if packed else None
+    bf16 = torch.bfloat16
+    with torch.no_grad():
+        q_in = q.to(bf16)
+        if descales[0] is not None or descales[1] is not None:
+            qk = (descales[0] if descales[0] is not None else 1.0) * (descales[1] if descales[1] is not None else 1.0)
+            q_in = (q.to(torch.float32) * _per_row_head(qk, q.shape[-2] // hk, seq)).to(bf16)
+        kc, vc = k_cache.to(bf16), v_cache.to(bf16)
+        res = run(q_in, kc, vc, *(None if x is None else x.to(bf16) for x in (k, v, cos, sin)))
+        out = res[0] if isinstance(res, tuple) else res
+        if descales[2] is not None:
+            out.mul_(_per_row_head(descales[2], q.shape[-2] // hk, seq))
+        if k is not None:
+            k_cache.copy_(kc)
+            v_cache.copy_(vc)
+    return res
 
 
 def _kvcache_varlen_q(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, rotary_seqlens, cu_seqlens_q, max_seqlen_q,

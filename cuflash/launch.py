@@ -364,7 +364,7 @@ def _prepare_ws(plan: Plan, q, k, v, o, softmax_scale: float, device: int, flash
                              f"and the block table's column count, got page_size={page_size}, "
                              f"pages_per_seq={pages_per_seq}")
         mods.update(seqlens_k=cache[0], block_table=cache[2], block_table_stride=cache[3], page_size=page_size,
-                    pages_per_seq=pages_per_seq)
+                    pages_per_seq=pages_per_seq, **_cache_fields(w, 0, leftpad))
     if w.gather:
         mods.update({f"{x}_{d}": st for x, view in (("k", k), ("v", v))
                      for d, st in zip(("sp", "ss", "sh"), view.strides[:3])}, k_pages=0, v_pages=0)

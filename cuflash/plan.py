@@ -78,7 +78,7 @@ class Problem:
     flashmask: int = 0     # FlashMask: bound columns per key of startend_row_indices (1, 2 or 4), 0 = none
     flashmask_heads: int = 0  # heads of startend_row_indices (1, nheads_k or nheads)
     sinks: bool = False    # attention sinks: a logit per query head joins each row's softmax
-    leftpad: bool = False  # a contiguous KV cache whose sequences start at row cache_leftpad[b]
+    leftpad: bool = False  # a KV cache whose sequences start at row cache_leftpad[b]
     dropout: bool = False  # attention dropout on P (the probability, seed and offset are launch arguments)
     page_size: int = 0     # a paged cache's rows per page (0: not known, or not paged)
     chunk: int = 0         # chunked attention (attention_chunk): keys in the query's chunk of this many, 0 = none

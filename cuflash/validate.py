@@ -280,8 +280,8 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tabl
     bt = None
     if paged:
         bt = block_table(table, batch, qv)
-        if kv.shape[1] == 0 or kv.shape[1] % 16:
-            raise ValueError(f"page size (k.shape[1]) must be a positive multiple of 16, got {kv.shape[1]}")
+        if kv.shape[1] == 0:
+            raise ValueError(f"page size (k.shape[1]) must be positive, got {kv.shape[1]}")
         k_limit, k_what = bt.shape[1] * kv.shape[1], "pages_per_seq * page_size"
     else:
         k_limit, k_what = kv.shape[0], "total_k"
@@ -581,23 +581,23 @@ KV_CACHES = {None: "dense", "contiguous": "cache", "paged": "paged"}
 def plan_source(varlen, kv_cache, page_size, cache_leftpad, backward):
     """cuflash.plan's K/V source: (varlen, Problem.kv, page_size, leftpad). ``kv_cache`` None,
     "contiguous" (attention_with_kvcache without a block table) or "paged" (with one; then
-    ``page_size``, rows per page: a positive multiple of 16); ``cache_leftpad`` only with a
-    contiguous cache; ``varlen`` (attention_varlen) with dense K/V or a paged cache; no backward
-    over a cache."""
+    ``page_size``, rows per page: any positive count); ``cache_leftpad`` only with a cache
+    (attention_with_kvcache's); ``varlen`` (attention_varlen) with dense K/V or a paged cache; no
+    backward over a cache."""
     varlen = boolean(varlen, "varlen")
     leftpad = boolean(cache_leftpad, "cache_leftpad")
     if not (kv_cache is None or isinstance(kv_cache, str)) or kv_cache not in KV_CACHES:
         raise ValueError(f"kv_cache must be None, 'contiguous' or 'paged', got {show(kv_cache)}")
     kv = KV_CACHES[kv_cache]
     if kv == "paged":
-        if not _is_int(page_size) or page_size < 16 or page_size % 16:
-            raise ValueError(f"page_size must be a positive multiple of 16 with kv_cache='paged', got "
-                             f"{show(page_size)}")
+        if not _is_int(page_size) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int with kv_cache='paged', got {show(page_size)}")
     elif page_size is not None:
         raise ValueError(f"page_size goes with kv_cache='paged', got page_size={show(page_size)} and "
                          f"kv_cache={show(kv_cache)}")
-    if leftpad and kv != "cache":
-        raise ValueError(f"cache_leftpad goes with kv_cache='contiguous', got kv_cache={show(kv_cache)}")
+    if leftpad and (kv == "dense" or varlen):
+        raise ValueError(f"cache_leftpad goes with kv_cache='contiguous' or 'paged' and varlen=False, got "
+                         f"kv_cache={show(kv_cache)}, varlen={varlen}")
     if varlen and kv == "cache":
         raise ValueError("varlen=True cannot be combined with kv_cache='contiguous': packed sequences read dense "
                          "K/V or a paged cache (attention_varlen's block_table)")

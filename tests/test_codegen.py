@@ -33,12 +33,13 @@ def test_variant_set_and_unique_names():
     # + 6 buckets x 2 dtypes x
     # (2 with and without sinks x 3 masks (full, causal, local) x 4 score modifiers (none, softcap,
     #  ALiBi, both) x (3 K/V sources x {fwd, fwd_split} x (2 even + 1 decode tile)
-    #  + cache_leftpad: {fwd, fwd_split} x (2 even + 1 decode tile)
-    #  + unaligned K/V (cache, cache_leftpad, paged) x {fwd, fwd_split}, predicated head dim only)
+    #  + cache_leftpad (cache, paged): {fwd, fwd_split} x (2 even + 1 decode tile)
+    #  + unaligned K/V (cache, paged, with or without cache_leftpad) x {fwd, fwd_split}, predicated
+    #    head dim only)
     #  + 1 combine + FlashMask: 2 masks (full, causal) x 2 n x 2 softcap x 2 even
     #  + dropout: 3 masks x 4 score modifiers x 2 even, standard kernel over dense K/V)
-    assert len(VARIANTS) == 10 + 6 * 2 * (2 * 3 * 4 * (3 * 2 * 3 + 2 * 3 + 3 * 2) + 1 + 2 * 2 * 2 * 2 + 3 * 4 * 2)
-    assert len(all_variants(90, mods=False)) == 10 + 6 * 2 * (2 * (3 * 2 * 3 + 2 * 3 + 3 * 2) + 1)
+    assert len(VARIANTS) == 10 + 6 * 2 * (2 * 3 * 4 * (3 * 2 * 3 + 2 * 2 * 3 + 4 * 2) + 1 + 2 * 2 * 2 * 2 + 3 * 4 * 2)
+    assert len(all_variants(90, mods=False)) == 10 + 6 * 2 * (2 * (3 * 2 * 3 + 2 * 2 * 3 + 4 * 2) + 1)
     names = [v.name for v in VARIANTS]
     assert len(set(names)) == len(names)
     assert len(set(VARIANTS)) == len(VARIANTS)

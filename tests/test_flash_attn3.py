@@ -117,6 +117,57 @@ def test_kvcache_packed_queries_pad_and_gather(monkeypatch):
     assert seen["kw"]["causal"] and seen["kw"]["num_splits"] == 2 and seen["kw"]["return_lse"]
 
 
+def test_fp8_kvcache_through_bf16_copies(monkeypatch):
+    """float8_e4m3fn caches (CPU, the kernel call faked): the bf16 call sees q times q_descale *
+    k_descale of its KV head, the caches and new k, v as their exact bf16 values; its output is
+    multiplied by v_descale; the e4m3 caches are rewritten from the copies the call appended to
+    (untouched rows unchanged); mixed dtypes and bad descales are refused before any work."""
+    import cuflash
+    seen = {}
+
+    def fake(q, k_cache, v_cache, k=None, v=None, **kw):
+        seen.update(q=q.clone(), dtypes=(k_cache.dtype, v_cache.dtype, k.dtype, v.dtype), kw=kw)
+        k_cache[:, 3] = k[:, 0]  # the append
+        v_cache[:, 3] = v[:, 0]
+        return torch.ones(q.shape, dtype=torch.bfloat16), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+    monkeypatch.setattr(cuflash, "attention_with_kvcache", fake)
+    e4 = torch.float8_e4m3fn
+    f8 = lambda *s: (torch.randn(*s) * 3).to(e4)  # noqa: E731
+    q, kc, vc, kn, vn = f8(2, 1, 4, 8), f8(2, 6, 2, 8), f8(2, 6, 2, 8), f8(2, 1, 2, 8), f8(2, 1, 2, 8)
+    before = kc.clone()
+    qd, kd, vd = torch.tensor([[0.5, 2.0], [1.0, 4.0]]), torch.tensor([[2.0, 0.25]]), torch.tensor([[3.0], [0.5]])
+    out, lse = fa3.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=3, q_descale=qd, k_descale=kd,
+                                           v_descale=vd, causal=True, return_softmax_lse=True)
+    assert seen["dtypes"] == (torch.bfloat16,) * 4 and seen["kw"]["causal"]
+    per_head = (qd * kd).repeat_interleave(2, dim=1)  # query heads 0, 1 -> KV head 0; 2, 3 -> 1
+    torch.testing.assert_close(seen["q"].float(), (q.float() * per_head[:, None, :, None]).bfloat16().float())
+    assert out.dtype == torch.bfloat16 and torch.equal(out[0].float(), torch.full((1, 4, 8), 3.0))
+    assert torch.equal(out[1].float(), torch.full((1, 4, 8), 0.5)) and lse.shape == (2, 4, 1)
+    assert torch.equal(kc[:, 3], kn[:, 0]) and torch.equal(vc[:, 3], vn[:, 0])
+    assert torch.equal(kc[:, :3], before[:, :3]) and torch.equal(kc[:, 4:], before[:, 4:])
+    with pytest.raises(TypeError, match="all float8_e4m3fn, got k_cache torch.bfloat16"):
+        fa3.flash_attn_with_kvcache(q, kc.bfloat16(), vc, cache_seqlens=3)
+    with pytest.raises(ValueError, match="v_descale must be float32"):
+        fa3.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=3, v_descale=torch.ones(3, 2))
+    with pytest.raises(NotImplementedError, match="k_descale"):
+        fa3.flash_attn_with_kvcache(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), k_descale=kd)
+
+
+def test_kvcache_batch_idx_picks_page_table_rows(monkeypatch):
+    """FlashAttention-3's cache_batch_idx with a page_table (CPU, the kernel call faked): sequence
+    b reads the table's row cache_batch_idx[b]; bad types are refused before the call."""
+    import cuflash
+    seen = {}
+    monkeypatch.setattr(cuflash, "attention_with_kvcache", lambda q, kc, vc, k=None, v=None, **kw: seen.update(kw))
+    table = torch.arange(12, dtype=torch.int32).reshape(4, 3)
+    idx = torch.tensor([2, 0], dtype=torch.int32)
+    q, cache = torch.zeros(2, 1, 2, 8), torch.zeros(12, 16, 1, 8)
+    fa3.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=5, page_table=table, cache_batch_idx=idx)
+    assert torch.equal(seen["block_table"], table[[2, 0]]) and seen["cache_batch_idx"] is None
+    with pytest.raises(TypeError, match="cache_batch_idx must be an int32 tensor"):
+        fa3.flash_attn_with_kvcache(q, cache, cache, page_table=table, cache_batch_idx=idx.long())
+
+
 def _seqused_reference(q, k, v, cu_q, cu_k, used_q, used_k, dout, causal, window):
     """Forward and gradients of sequences that use their first used_q[b] / used_k[b] tokens, from
     the float64 reference over the used tokens alone; zeros elsewhere."""
@@ -490,3 +541,48 @@ def test_packed_query_rotation(interleaved, monkeypatch):
     with pytest.raises(TypeError, match="rotary_cos must have q's dtype"):
         fa3.flash_attn_with_kvcache(q, kc, kc, kn, kn, rotary_cos=cos.float(), rotary_sin=sin.float(), cache_seqlens=1,
                                     cu_seqlens_q=cu, max_seqlen_q=2)
+
+
+@requires_sm90
+@pytest.mark.parametrize("paged,packed", [(False, False), (True, False), (True, True)])
+def test_gpu_fp8_kvcache(paged, packed):
+    """float8_e4m3fn caches (FlashAttention-3's FP8 KV cache) with descales, rotary new keys, and
+    when paged pages of 4 rows with a cache_leftpad: the bf16 output of the bf16 call on the e4m3
+    values with the descales applied by hand, the same LSE, and the new rows appended to the e4m3
+    caches (the other rows untouched); packed queries too."""
+    torch.manual_seed(11 + paged + 2 * packed)
+    e4 = torch.float8_e4m3fn
+    b, hk, h, d, cap, s_new, page = 3, 2, 6, 128, 256, 3, 4
+    f8 = lambda *s: (torch.randn(*s, device="cuda") * 2).to(e4)  # noqa: E731
+    if paged:
+        kc, vc = f8(b * cap // page + 5, page, hk, d), f8(b * cap // page + 5, page, hk, d)
+        table = torch.randperm(b * cap // page + 5, device="cuda")[:b * cap // page].reshape(b, -1).int()
+        leftpad = torch.tensor([5, 0, 99], dtype=torch.int32, device="cuda")
+    else:
+        kc, vc, table, leftpad = f8(b, cap, hk, d), f8(b, cap, hk, d), None, None
+    q, kn, vn = f8(b, s_new, h, d), f8(b, s_new, hk, d), f8(b, s_new, hk, d)
+    ds = [torch.rand(b, hk, device="cuda") + 0.5 for _ in range(3)]
+    angle = torch.rand(cap, 32, device="cuda") * 6.3
+    kw = dict(cache_seqlens=torch.tensor([250, 0, 100], dtype=torch.int32, device="cuda"), cache_leftpad=leftpad,
+              page_table=table, causal=True, rotary_cos=torch.cos(angle).bfloat16(),
+              rotary_sin=torch.sin(angle).bfloat16(), return_softmax_lse=True)
+    k8, v8 = kc.clone(), vc.clone()
+    extra = dict(cu_seqlens_q=torch.arange(0, b * s_new + 1, s_new, dtype=torch.int32, device="cuda"),
+                 max_seqlen_q=s_new) if packed else {}
+    out, lse = fa3.flash_attn_with_kvcache(q.reshape(b * s_new, h, d) if packed else q, k8, v8, kn, vn,
+                                           q_descale=ds[0], k_descale=ds[1], v_descale=ds[2], **kw, **extra)
+    assert out.dtype == torch.bfloat16
+    g = h // hk
+    qb = (q.float() * (ds[0] * ds[1]).repeat_interleave(g, 1)[:, None, :, None]).bfloat16()
+    kb, vb = kc.bfloat16(), vc.bfloat16()
+    o, l = fa3.flash_attn_with_kvcache(qb, kb, vb, kn.bfloat16(), vn.bfloat16(), **kw)
+    o = (o.float() * ds[2].repeat_interleave(g, 1)[:, None, :, None]).bfloat16()
+    if packed:
+        l = l.permute(1, 0, 2).reshape(h, b * s_new)
+    torch.testing.assert_close(out.reshape(o.shape).float(), o.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, l, atol=2e-2, rtol=0)
+    assert torch.equal(v8, vb.to(e4))
+    if packed:  # (the packed path rotates the new keys with PyTorch operations: within an e4m3 unit)
+        torch.testing.assert_close(k8.float(), kb.to(e4).float(), atol=0.07, rtol=0.07)
+    else:
+        assert torch.equal(k8, kb.to(e4))

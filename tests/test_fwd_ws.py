@@ -58,13 +58,14 @@ def test_variants_of_each_arch():
     # leftpad): every combination on every mask's planned tiles (d=64 with softcap or ALiBi: 128
     # rows), varlen and caches never persistent; FlashMask with softcap
     sources = {(False, False, False, False), (True, False, False, False), (False, True, False, False),
-               (False, True, True, False), (False, False, False, True)}
+               (False, True, True, False), (False, False, False, True), (False, False, True, True)}
     assert {(v.softcap, v.alibi, v.varlen, v.cache, v.leftpad, v.paged, v.sinks) for v in modded} == {
         (c, a, *src, k) for c in (False, True) for a in (False, True) for src in sources
         for k in (False, True)} - {(False,) * 7}
     assert {v.local for v in modded} == {False, True} and {v.causal for v in modded} == {False, True}
     assert all(v.block_m == 128 for v in modded if v.head_dim == 64 and (v.softcap or v.alibi))
     assert not any((v.varlen or v.cache or v.paged) and v.persistent for v in modded)
+    assert all(v.gather for v in modded if v.paged and v.leftpad)
     assert {v.flashmask for v in modded if v.softcap} == {0, 1, 2, 4} and not any(v.flashmask and v.alibi for v in modded)
     for v in modded:
         tags = [t for t, on in (("_softcap", v.softcap), ("_alibi", v.alibi), ("_varlen", v.varlen),
@@ -1017,7 +1018,7 @@ def test_gpu_kvcache_chunk_runs_fwd_ws(rng, fired, d, mode, causal, window, soft
 @requires_sm90
 @requires_torch
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("page", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("page", [1, 16, 24, 32, 64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_paged_kvcache_chunk(rng, fired, d, page, causal):
     """A chunk of 256 new tokens appended to paged caches (pages in random order): fwd_ws where the

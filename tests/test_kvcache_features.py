@@ -86,8 +86,6 @@ BAD = {
                                TypeError, "rotary_interleaved must be a bool"),
     "leftpad_dtype": (dict(cache_leftpad=dev((B,), "int64")), TypeError, "cache_leftpad must be int32, got int64"),
     "leftpad_shape": (dict(cache_leftpad=dev((B + 1,), "int32")), ValueError, "cache_leftpad must have shape (batch,) = (2,)"),
-    "leftpad_paged": (dict(k_cache=dev(PAGED), v_cache=dev(PAGED), block_table=dev(TABLE, "int32"),
-                           cache_leftpad=dev((B,), "int32")), ValueError, "cache_leftpad cannot be combined with block_table"),
     "paged_int_overflow": (dict(k_cache=dev(PAGED), v_cache=dev(PAGED), block_table=dev(TABLE, "int32"), k=dev(NEW),
                                 v=dev(NEW), cache_seqlens=128), ValueError,
                            "cache_seqlens + seqlen_new must fit the cache: 128 + 1 > capacity 128 (block_table's "
@@ -126,8 +124,6 @@ def test_kvcache_features_pass_validation(fake_views, kw, d):
     kw = {n: sized(v) if hasattr(v, "ptr") else v for n, v in kw.items()}
     for kc in (dev(CACHE[:3] + (d,)), dev(PAGED[:3] + (d,))):
         extra = dict(block_table=dev(TABLE, "int32")) if kc.shape[0] == 20 else {}
-        if extra and "cache_leftpad" in kw:
-            continue
         with pytest.raises(AssertionError, match="validation passed"):
             cuflash.attention_with_kvcache(dev(Q[:3] + (d,)), kc, kc, **kw, **extra)
 
@@ -175,8 +171,10 @@ def test_non_feature_variants_render_without_the_feature_code():
     assert "const int k_lead = kv_leftpad[b];" in lp and "((long long)n * kBlockN + k_lead) * ss" in lp
     pg = render(FwdVariant(kv="paged", kv_unaligned=True, **base))
     assert "min(k_rows.len, pages_per_seq * page_size)" in pg and "load_tile_paged_unaligned<" in pg
-    with pytest.raises(ValueError, match="leftpad variant reads a contiguous cache"):
-        FwdVariant(kv="paged", leftpad=True, **base)
+    plp = render(FwdVariant(kv="paged", leftpad=True, **base))
+    assert "page_size, sb, ss, n * kBlockN + k_lead," in plp and "k_rows.len -= k_lead;" in plp
+    with pytest.raises(ValueError, match="leftpad variant reads a KV cache"):
+        FwdVariant(kv="dense", leftpad=True, **base)
     with pytest.raises(ValueError, match="unaligned-K/V variant"):
         FwdVariant(kv="dense", kv_unaligned=True, **base)
 
@@ -332,11 +330,42 @@ def test_gpu_any_head_dim(rng, d, page, causal, s_new):
 
 @requires_gpu
 @requires_torch
-def test_gpu_varlen_paged_head_dim_59(rng):
+@pytest.mark.parametrize("page", [1, 3, 4, 24, 128])
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("leftpad", [False, True])
+@pytest.mark.parametrize("d,s_new,splits", [(64, 3, 0), (128, 1, 3), (59, 2, 0), (128, 200, 1)])
+def test_gpu_any_page_size_and_paged_leftpad(rng, page, mask, leftpad, d, s_new, splits):
+    """Pages of any number of rows (one-row pages included) with or without cache_leftpad (paged,
+    as in FlashAttention-3): the new rows land at cache_seqlens[b] + i through the block table,
+    every other row is untouched, and each sequence attends to its rows cache_leftpad[b] ... on
+    each kernel path (the decode tile with forced splits, the standard kernel, head dim 59 read
+    element by element, and on sm_90 a chunk of 200 new tokens in the warp-specialised forward,
+    gathered row by row), against the float64 reference."""
+    import torch
+    from test_gpu_forward import to_np
+    cap = 384 if s_new < 200 else 768  # (whole pages of every size)
+    q, kc, vc, kn, vn, old, kw, rows, lp = _case(rng, s_new=s_new, d=d, cap=cap, page=page, h=6, hk=2,
+                                                 leftpad=leftpad)
+    before = kc.clone()
+    out = torch.full_like(q, float("nan"))
+    res = cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=torch.from_numpy(old.astype(np.int32)).cuda(),
+                                         out=out, num_splits=splits, **MASKS[mask], **kw)
+    assert res is out
+    for i in range(q.shape[0]):
+        o = int(old[i])
+        assert torch.equal(rows(kc, i, o + s_new)[o:], kn[i]) and torch.equal(rows(vc, i, o + s_new)[o:], vn[i])
+        assert torch.equal(rows(kc, i, o), rows(before, i, o))
+    _check_out(out, to_np(q), kc, vc, rows, old + s_new, lp if leftpad else np.zeros_like(old), **MASKS[mask])
+
+
+@requires_gpu
+@requires_torch
+@pytest.mark.parametrize("page", [16, 1, 4])
+def test_gpu_varlen_paged_head_dim_59(rng, page):
     import torch
     from test_gpu_forward import to_np
     from cuflash.reference import check_close
-    q, kc, vc, _, _, old, kw, rows, _ = _case(rng, s_new=4, d=59, cap=256, page=16)
+    q, kc, vc, _, _, old, kw, rows, _ = _case(rng, s_new=4, d=59, cap=256, page=page)
     lens = old + 4
     qp = q.reshape(-1, *q.shape[2:])
     cu_q = torch.arange(0, q.shape[0] * 4 + 1, 4, dtype=torch.int32, device="cuda")

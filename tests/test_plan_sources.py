@@ -71,10 +71,14 @@ def test_reasons_on_hopper():
 @pytest.mark.parametrize("kw,exc,match", [
     (dict(kv_cache="cache"), ValueError, "kv_cache must be None, 'contiguous' or 'paged', got 'cache'"),
     (dict(kv_cache=True), ValueError, "kv_cache must be None, 'contiguous' or 'paged', got True"),
-    (dict(kv_cache="paged"), ValueError, "page_size must be a positive multiple of 16 with kv_cache='paged', got None"),
-    (dict(kv_cache="paged", page_size=24), ValueError, "page_size must be a positive multiple of 16"),
+    (dict(kv_cache="paged"), ValueError, "page_size must be a positive int with kv_cache='paged', got None"),
+    (dict(kv_cache="paged", page_size=0), ValueError, "page_size must be a positive int"),
+    (dict(kv_cache="paged", page_size=2.0), ValueError, "page_size must be a positive int"),
     (dict(page_size=256), ValueError, "page_size goes with kv_cache='paged', got page_size=256 and kv_cache=None"),
-    (dict(cache_leftpad=True), ValueError, "cache_leftpad goes with kv_cache='contiguous', got kv_cache=None"),
+    (dict(cache_leftpad=True), ValueError, "cache_leftpad goes with kv_cache='contiguous' or 'paged' and varlen=False, "
+                                           "got kv_cache=None"),
+    (dict(cache_leftpad=True, kv_cache="paged", page_size=16, varlen=True), ValueError,
+     "cache_leftpad goes with kv_cache='contiguous' or 'paged' and varlen=False, got kv_cache='paged', varlen=True"),
     (dict(varlen=True, kv_cache="contiguous"), ValueError, "varlen=True cannot be combined with kv_cache='contiguous'"),
     (dict(kv_cache="contiguous", backward=True), ValueError, "backward=True has no KV cache"),
     (dict(varlen=1), TypeError, "varlen"),
@@ -93,4 +97,4 @@ def test_explain_takes_the_sources(capsys):
     assert "Packed sequences" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.main(["explain", "--kv-cache", "paged"])
-    assert "page_size must be a positive multiple of 16" in capsys.readouterr().err
+    assert "page_size must be a positive int" in capsys.readouterr().err

@@ -106,8 +106,8 @@ CASES = {
                     ["block_table must be int32 of shape (2, pages_per_seq), got int32 (3, 4)"]),
     "table_not_contiguous": (paged(block_table=i32(TABLE, strides=(1, 2))), ValueError,
                              ["block_table rows must be contiguous, got strides (1, 2)"]),
-    "page_size_24": (paged(k=dev((20, 24, HK, D)), v=dev((20, 24, HK, D))), ValueError,
-                     ["page size (k.shape[1]) must be a positive multiple of 16, got 24"]),
+    "page_size_0": (paged(k=dev((20, 0, HK, D)), v=dev((20, 0, HK, D))), ValueError,
+                    ["page size (k.shape[1]) must be positive, got 0"]),
     # max_seqlen_q / max_seqlen_k
     "max_q_float": (dict(max_seqlen_q=6.0), TypeError, ["max_seqlen_q must be an int, got float"]),
     "max_q_bool": (dict(max_seqlen_q=True), TypeError, ["max_seqlen_q must be an int, got bool"]),

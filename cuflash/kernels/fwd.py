@@ -126,8 +126,8 @@ SINK_PARAMS = ParamTable("FwdParams", PARAMS.fields[:-DATA_TAIL] + SINK_FIELDS +
 SINK_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}  # sinks_dtype (templates/common/sinks.cuh)
 # Paged variants take the block table's column count too (after the sink fields, before the
 # trailing data pointers): the kernel never reads a page index past it, whatever the key counts
-# on the device say. Leftpad variants (a contiguous cache) take cache_leftpad: sequence b's keys
-# start at cache row kv_leftpad[b].
+# on the device say. Leftpad variants (a KV cache) take cache_leftpad: sequence b's keys start at
+# its cache row kv_leftpad[b] (found through the block table in a paged cache).
 PAGED_FIELDS = (("pages_per_seq", "int"),)
 LEFTPAD_FIELDS = (("kv_leftpad", "const int*"),)
 # Dropout variants take the call's Philox seed and offset (64-bit words, as two's complement),
@@ -174,7 +174,7 @@ class FwdVariant(KernelVariant):
     mma: str = "sync"         # products: warp-level mma.sync, or Hopper's warpgroup wgmma (sm_90a)
     flashmask: int = 0        # FlashMask bound columns per key (cuflash.masks), 0 = none
     sinks: bool = False       # attention sinks: each row's softmax starts from its head's sink logit
-    leftpad: bool = False     # a contiguous cache whose sequences start at row cache_leftpad[b]
+    leftpad: bool = False     # a KV cache whose sequences start at row cache_leftpad[b]
     kv_unaligned: bool = False  # cache/paged K/V read element by element (head dims not a multiple of 8)
     dropout: bool = False     # attention dropout on P (templates/common/dropout.cuh)
     chunk: bool = False       # chunked attention on a local band (the chunk length is a launch argument)
@@ -204,8 +204,8 @@ class FwdVariant(KernelVariant):
             raise ValueError("a FlashMask variant is a standard kernel (kind 'fwd', not the decode tile) over dense "
                              f"K/V with no window, no ALiBi and no sinks; got {self}")
 
-        if self.leftpad and self.kv != "cache":
-            raise ValueError(f"a leftpad variant reads a contiguous cache (kv 'cache'), as in flash-attn; got {self}")
+        if self.leftpad and self.kv == "dense":
+            raise ValueError(f"a leftpad variant reads a KV cache (kv 'cache' or 'paged'); got {self}")
         if self.dropout and (self.kind != "fwd" or self.kv != "dense" or self.decode or self.flashmask or self.sinks):
             # Dropout is for training: no KV cache, no split (flash-attn's rule), no decode tile
             # (its warps split the keys), no FlashMask or sinks (not combined in flash-attn either).
@@ -299,9 +299,9 @@ def variants(arch: int, mods: bool = True) -> list[FwdVariant]:
                                 for kind in KINDS:
                                     out.append(FwdVariant(kind=kind, even_head_dim=even, kv=kv, block_m=bm,
                                                           block_n=bn, warps=w, stages=st, **m))
-    # KV-cache features: cache_leftpad on contiguous caches; element-wise K/V loads for cache and
-    # paged variants below their bucket (head dims that are not a multiple of 8).
-    out += [replace(v, leftpad=True) for v in out if v.kv == "cache"]
+    # KV-cache features: cache_leftpad on contiguous and paged caches; element-wise K/V loads for
+    # cache and paged variants below their bucket (head dims that are not a multiple of 8).
+    out += [replace(v, leftpad=True) for v in out if v.kv != "dense"]
     out += [replace(v, kv_unaligned=True, block_n=split_tile_n(v.head_dim, v.local, v.softcap, v.alibi, v.kv, True)
                     if v.kind == "fwd_split" else
                     unaligned_leftpad_tile((v.block_m, v.block_n, v.warps, v.stages, v.mma))[1] if v.leftpad

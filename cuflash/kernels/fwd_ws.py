@@ -139,7 +139,8 @@ class FwdWsVariant(KernelVariant):
     paged: bool = False
     # Paged: the producer warpgroup's 128 threads gather each K/V tile's rows with cp.async instead
     # of TMA boxes per page (FlashAttention-3's path for pages the TMA cannot read whole tiles of):
-    # any page size, one copy instruction per 16 bytes rather than per page and 64 columns.
+    # any page size and cache_leftpad (``leftpad``), one copy instruction per 16 bytes rather than
+    # per page and 64 columns.
     gather: bool = False
     # Attention sinks (fwd.py's SINK_FIELDS): each row's softmax starts from its head's sink logit.
     sinks: bool = False
@@ -195,8 +196,9 @@ class FwdWsVariant(KernelVariant):
         if self.gather and not (self.paged and self.block_n <= 128):
             raise ValueError(f"gather needs paged (a paged KV cache) and block_n <= 128 (a row per producer "
                              f"thread), got paged={self.paged}, block_n={self.block_n}")
-        if self.leftpad and not self.cache:
-            raise ValueError("leftpad needs cache (a contiguous KV cache)")
+        if self.leftpad and not (self.cache or self.gather):
+            raise ValueError(f"leftpad needs cache (a contiguous KV cache) or gather (a paged one's rows looked up "
+                             f"one by one), got cache={self.cache}, gather={self.gather}")
         if self.chunk and not self.local:
             raise ValueError("chunk needs local (chunked attention runs on the band's masks)")
         if self.sinks and self.flashmask:
@@ -396,7 +398,7 @@ def planned(head_dim: int, dtype: str, causal: bool, seqlen_q: int, arch: int = 
     # d=64 causal with FlashMask, or with softcap or ALiBi: 128-row tiles at any length (in the
     # 192-row tile's 160 registers per consumer thread, NVRTC 13.0 spills the causal FlashMask walk
     # and some softcap/ALiBi variants).
-    gather = paged and gathers(page_size, head_dim)
+    gather = paged and (leftpad or gathers(page_size, head_dim))  # (a leftpad shifts rows off the pages' boxes)
     # (Gathered pages: the producer's 40 registers leave three consumer warpgroups too few.)
     keys = seqlen_q if seqlen_k is None else seqlen_k
     plain = not (flashmask or local or softcap or alibi or varlen or cache or paged or sinks)
@@ -436,9 +438,10 @@ def variants(arch: int, mods: bool = True) -> list[FwdWsVariant]:
     if not mods:
         return list(dict.fromkeys(dense))
     # Every mask (full, causal, local) with every combination of softcap, ALiBi and sinks, on dense
-    # batches, packed sequences, contiguous KV caches (with or without a leftpad) and paged ones.
+    # batches, packed sequences, contiguous KV caches (with or without a leftpad) and paged ones
+    # (with or without a leftpad).
     sources = (dict(), dict(varlen=True), dict(cache=True), dict(cache=True, leftpad=True), dict(paged=True),
-               dict(paged=True, page_size=16))  # (pages of 16: gathered)
+               dict(paged=True, page_size=16), dict(paged=True, leftpad=True))  # (pages of 16, a leftpad: gathered)
     modded = [planned(d, dt, c, sq, arch, seqlen_k=sk, local=loc, softcap=cap, alibi=ali, sinks=snk, **src)
               for d in HEAD_DIMS for dt in DTYPES for c, loc in ((False, False), (True, False), (False, True))
               for sq, sk in shapes for cap in (False, True) for ali in (False, True) for snk in (False, True)
