@@ -35,7 +35,11 @@ attention_varlen); ``flash_attn_with_kvcache`` is forward only, as in FlashAtten
 - ``flash_attn_with_kvcache`` over float8_e4m3fn caches: bfloat16 copies of q, the caches and the
   new k, v, the descales folded into q and the output, the caches' rows rewritten from the copies
   (whole-cache copies on each call: correct, not fast).
-- Not supported (NotImplementedError naming the argument): ``qv`` and ``sm_margin`` other than 0. :func:`flash_attn_combine` merges split
+- ``qv`` (MLA's absorbed query: scores q.k + qv.v) in flash_attn_func and flash_attn_varlen_func:
+  float32 PyTorch operations holding the whole score matrix (differentiable; correct, not fast;
+  cu_seqlens read on the host).
+- Not supported (NotImplementedError naming the argument): ``sm_margin`` other than 0, ``qv`` in
+  flash_attn_with_kvcache and with FP8 inputs. :func:`flash_attn_combine` merges split
   partials with PyTorch operations (no kernel of its own).
 """
 from __future__ import annotations
@@ -154,10 +158,15 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
                     pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
     """FlashAttention-3's ``flash_attn_func``: q (batch, seqlen_q, nheads, d), k (batch, seqlen_k,
     nheads_k, d), v (batch, seqlen_k, nheads_k, dv). Returns out (batch, seqlen_q, nheads, dv), or
-    (out, softmax_lse (batch, nheads, seqlen_q)) with ``return_attn_probs=True``."""
-    _refuse(qv=qv, sm_margin=sm_margin)
+    (out, softmax_lse (batch, nheads, seqlen_q)) with ``return_attn_probs=True``. ``qv`` (batch,
+    seqlen_q, nheads, dv): scores q.k + qv.v (MLA's absorbed query), in PyTorch operations."""
+    _refuse(sm_margin=sm_margin)
     _hints(num_splits, pack_gqa)
     window = _window(window_size)
+    if qv is not None:
+        _check_qv(q, v, qv, (q_descale, k_descale, v_descale))
+        out, lse = _qv_attention(q, k, v, qv, softmax_scale, causal, window, _softcap(softcap), attention_chunk)
+        return (out, lse) if return_attn_probs else out
     given = (q_descale, k_descale, v_descale)
     copies = q.dtype == torch.float8_e4m3fn and not _fp8_kernel_runs(q, v, window, softcap, attention_chunk)
     descales = (None,) * 3 if copies else given  # (bf16 copies carry their descales)
@@ -207,13 +216,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     its tokens (the other query rows get 0 and LSE +inf, the unused tokens no gradient, where
     max_seqlen_q / max_seqlen_k cover cu_seqlens' lengths). Returns out (total_q, nheads, dv), or
     (out, softmax_lse (nheads, total_q)) with ``return_attn_probs=True`` (batched q: out (batch,
-    seqlen_q, nheads, dv), softmax_lse (batch, nheads, seqlen_q))."""
-    _refuse(qv=qv, sm_margin=sm_margin)
+    seqlen_q, nheads, dv), softmax_lse (batch, nheads, seqlen_q)). ``qv`` (total_q, nheads, dv):
+    scores q.k + qv.v (MLA's absorbed query), in PyTorch operations per sequence (cu_seqlens read
+    on the host: a sync)."""
+    _refuse(sm_margin=sm_margin)
     _hints(num_splits, pack_gqa)
     window = _window(window_size)
     batched_q = cu_seqlens_q is None
     if batched_q:
         cu_seqlens_q, q, max_seqlen_q = _batched_as_packed(q, "q", max_seqlen_q)
+        qv = qv.flatten(0, 1) if qv is not None and qv.dim() == 4 else qv
     if cu_seqlens_k is None:
         cu_seqlens_k, k, max_seqlen_k = _batched_as_packed(k, "k", max_seqlen_k)
         v = v.flatten(0, 1) if v.dim() == 4 else v
@@ -226,7 +238,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                     softmax_scale=scale, window_size=window, softcap=_softcap(softcap),
                                     deterministic=deterministic, return_lse=True, attention_chunk=attention_chunk)
     descales = (q_descale, k_descale, v_descale)
-    if q.dtype == torch.float8_e4m3fn or any(x is not None for x in descales):
+    if qv is not None:
+        _check_qv(q, v, qv, descales)
+        out, lse = _qv_attention_varlen(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window,
+                                        _softcap(softcap), attention_chunk)
+    elif q.dtype == torch.float8_e4m3fn or any(x is not None for x in descales):
         if q.dtype != torch.float8_e4m3fn:
             raise TypeError(f"q_descale, k_descale and v_descale apply to float8_e4m3fn q, k, v; q is {q.dtype}")
         def dequantized(q, k, v, *ds):  # each token's sequence, for its descale
@@ -240,6 +256,68 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out = out.unflatten(0, (b, -1))
         lse = lse.unflatten(1, (b, -1)).transpose(0, 1)
     return (out, lse) if return_attn_probs else out
+
+
+def _check_qv(q, v, qv, descales):
+    """qv must be q's dtype and place, shaped as q with v's head dim; FP8 has no qv (as in FA3)."""
+    if q.dtype == torch.float8_e4m3fn or any(x is not None for x in descales):
+        raise NotImplementedError("qv with float8_e4m3fn inputs (descales) is not supported (nor in FlashAttention-3)")
+    want = (*q.shape[:-1], v.shape[-1])
+    if not isinstance(qv, torch.Tensor) or qv.dtype != q.dtype or tuple(qv.shape) != want or qv.device != q.device:
+        raise ValueError(f"qv must be {q.dtype} of shape {want} (q's, with v's head dim) on {q.device}, got "
+                         f"{cuflash.validate.show(qv)}")
+
+
+def _qv_attention(q, k, v, qv, scale, causal, window, softcap, chunk):
+    """FlashAttention-3's qv (MLA's absorbed query) on dense (batch, seqlen, heads, ·) operands:
+    softmax(scale * (q.k + qv.v)) v with flash-attn's masks (bottom-right causal band, window,
+    attention_chunk) and softcap, in float32 PyTorch operations (differentiable; the score matrix
+    is held whole: correct, not fast). scale defaults to (d + dv) ** -0.5. Returns (out in q's
+    dtype, lse (batch, heads, seqlen_q): +inf where a row sees no key)."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    if hk == 0 or h % hk or v.shape[2] != hk:
+        raise ValueError(f"nheads ({h}) must be a multiple of k's and v's nheads_k ({hk}, {v.shape[2]})")
+    scale = (d + v.shape[-1]) ** -0.5 if scale is None else scale
+    f = torch.float32
+    kf, vf = (x.to(f).repeat_interleave(h // hk, dim=2) for x in (k, v))
+    s = (torch.einsum("bqhd,bkhd->bhqk", q.to(f), kf) + torch.einsum("bqhd,bkhd->bhqk", qv.to(f), vf)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    row = torch.arange(sq, device=q.device)[:, None] + (sk - sq)  # the key aligned with each query
+    col = torch.arange(sk, device=q.device)[None]
+    left, right = window[0], 0 if causal else window[1]
+    seen = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if left >= 0:
+        seen &= col >= row - left
+    if right >= 0:
+        seen &= col <= row + right
+    if chunk:
+        start = row - row % chunk
+        seen &= (col >= start) & (col < start + chunk)
+    s = s.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    empty = torch.isneginf(lse)
+    p = torch.exp(s - torch.where(empty, 0.0, lse)[..., None])  # (a row that sees no key: all 0)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vf).to(q.dtype)
+    return out, torch.where(empty, float("inf"), lse)
+
+
+def _qv_attention_varlen(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, scale, causal, window, softcap, chunk):
+    """_qv_attention per packed sequence (cu_seqlens read on the host); rows past the last
+    sequence get 0 and LSE +inf. Returns (out (total_q, heads, dv), lse (heads, total_q))."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for i in range(len(cq) - 1):
+        qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        o, l = _qv_attention(q[qs][None], k[ks][None], v[ks][None], qv[qs][None], scale, causal, window, softcap,
+                             chunk)
+        outs.append(o[0])
+        lses.append(l[0])
+    rest = q.shape[0] - (cq[-1] if cq else 0)
+    outs.append(q.new_zeros(rest, q.shape[1], v.shape[-1]))
+    lses.append(torch.full((q.shape[1], rest), float("inf"), device=q.device))
+    return torch.cat(outs), torch.cat(lses, dim=1)
 
 
 def _batched_as_packed(x, name, max_seqlen):
@@ -297,8 +375,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     q padded in front to max_seqlen_q rows (q rotated by PyTorch operations), its rows gathered
     back. Returns out, or (out, softmax_lse) with ``return_softmax_lse=True`` (varlen:
     softmax_lse (nheads, total_q))."""
-    _refuse(qv=qv, sm_margin=sm_margin, scheduler_metadata=scheduler_metadata)
+    _refuse(qv=qv, sm_margin=sm_margin)
     _hints(num_splits, pack_gqa)
+    if scheduler_metadata is not None and not isinstance(scheduler_metadata, torch.Tensor):
+        raise TypeError(f"scheduler_metadata must be None or a tensor (a hint cuflash does not need), got "
+                        f"{cuflash.validate.show(scheduler_metadata)}")
     if torch.float8_e4m3fn in (q.dtype, k_cache.dtype, v_cache.dtype):
         def run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin):
             return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, None, rotary_cos, rotary_sin, cache_seqlens,

@@ -37,9 +37,10 @@ def test_value_pieces_pad_and_cut():
 
 def test_refused_arguments_name_themselves():
     q = torch.zeros(1, 4, 2, 64)
-    for kw, name in ((dict(qv=q), "qv"), (dict(sm_margin=4), "sm_margin")):
-        with pytest.raises(NotImplementedError, match=name):
-            fa3.flash_attn_func(q, q, q, **kw)
+    with pytest.raises(NotImplementedError, match="sm_margin"):
+        fa3.flash_attn_func(q, q, q, sm_margin=4)
+    with pytest.raises(NotImplementedError, match="qv"):
+        fa3.flash_attn_with_kvcache(q, q, q, qv=q)
     cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(TypeError, match="seqused_q must be an int32"):
         fa3.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, seqused_q=torch.zeros(1))
@@ -155,17 +156,61 @@ def test_fp8_kvcache_through_bf16_copies(monkeypatch):
 
 def test_kvcache_batch_idx_picks_page_table_rows(monkeypatch):
     """FlashAttention-3's cache_batch_idx with a page_table (CPU, the kernel call faked): sequence
-    b reads the table's row cache_batch_idx[b]; bad types are refused before the call."""
+    b reads the table's row cache_batch_idx[b]; bad types are refused before the call; a
+    scheduler_metadata tensor is accepted and not used."""
     import cuflash
     seen = {}
     monkeypatch.setattr(cuflash, "attention_with_kvcache", lambda q, kc, vc, k=None, v=None, **kw: seen.update(kw))
     table = torch.arange(12, dtype=torch.int32).reshape(4, 3)
     idx = torch.tensor([2, 0], dtype=torch.int32)
     q, cache = torch.zeros(2, 1, 2, 8), torch.zeros(12, 16, 1, 8)
-    fa3.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=5, page_table=table, cache_batch_idx=idx)
+    fa3.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=5, page_table=table, cache_batch_idx=idx,
+                                scheduler_metadata=torch.zeros(4, dtype=torch.int32))  # (a hint, not used)
     assert torch.equal(seen["block_table"], table[[2, 0]]) and seen["cache_batch_idx"] is None
+    with pytest.raises(TypeError, match="scheduler_metadata must be None or a tensor"):
+        fa3.flash_attn_with_kvcache(q, cache, cache, scheduler_metadata="auto")
     with pytest.raises(TypeError, match="cache_batch_idx must be an int32 tensor"):
         fa3.flash_attn_with_kvcache(q, cache, cache, page_table=table, cache_batch_idx=idx.long())
+
+
+@pytest.mark.parametrize("causal,window,softcap,chunk", [(False, (-1, -1), 0.0, 0), (True, (-1, -1), 0.0, 0),
+                                                         (False, (3, 1), 5.0, 0), (True, (-1, -1), 0.0, 4)])
+@pytest.mark.parametrize("sq,sk", [(5, 9), (9, 5)])
+def test_qv_against_the_reference(causal, window, softcap, chunk, sq, sk):
+    """qv (CPU): the scores q.k + qv.v are those of q' = [q, qv] against k' = [k, v] (the float64
+    reference, V zero-padded to q''s width), with GQA, masks, softcap and rows that see no key (0,
+    LSE +inf); the packed form per sequence, rows past the last sequence 0 / +inf; gradients
+    flow to q, k, v and qv; bad qv is refused."""
+    from cuflash import reference
+    gen = torch.Generator().manual_seed(sq + 3 * causal + chunk)
+    b, h, hk, d, dv = 2, 4, 2, 8, 16
+    q, qv = torch.randn(b, sq, h, d, generator=gen), torch.randn(b, sq, h, dv, generator=gen)
+    k, v = torch.randn(b, sk, hk, d, generator=gen), torch.randn(b, sk, hk, dv, generator=gen)
+    for x in (q, qv, k, v):
+        x.requires_grad_()
+    out, lse = fa3.flash_attn_func(q, k, v, causal=causal, qv=qv, window_size=window, softcap=softcap,
+                                   attention_chunk=chunk, return_attn_probs=True)
+    qq, kk = torch.cat([q, qv], -1).detach().double().numpy(), torch.cat([k, v], -1).detach().double().numpy()
+    vv = torch.nn.functional.pad(v, (0, d)).detach().double().numpy()
+    ref, ref_lse = reference.attention(qq, kk, vv, causal=causal, window_size=window, softcap=softcap,
+                                       attention_chunk=chunk, softmax_scale=(d + dv) ** -0.5, return_lse=True)
+    np.testing.assert_allclose(out.detach().numpy(), ref[..., :dv], atol=1e-5)
+    np.testing.assert_allclose(lse.detach().numpy(), ref_lse, atol=1e-5)
+    out.sum().backward()
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, qv, k, v))
+    cu_q = torch.tensor([0, sq, 2 * sq], dtype=torch.int32)
+    cu_k = torch.tensor([0, sk, 2 * sk], dtype=torch.int32)
+    packed = lambda x, extra=0: torch.cat([x.detach().flatten(0, 1), torch.zeros(extra, *x.shape[2:])])  # noqa: E731
+    o2, l2 = fa3.flash_attn_varlen_func(packed(q, 1), packed(k), packed(v), cu_q, cu_k, sq, sk, causal=causal,
+                                        qv=packed(qv, 1), window_size=window, softcap=softcap, attention_chunk=chunk,
+                                        return_attn_probs=True)
+    torch.testing.assert_close(o2[:-1], out.detach().flatten(0, 1))
+    torch.testing.assert_close(l2[:, :-1], lse.detach().transpose(0, 1).flatten(1))
+    assert (o2[-1] == 0).all() and torch.isinf(l2[:, -1]).all()
+    with pytest.raises(ValueError, match="qv must be torch.float32 of shape"):
+        fa3.flash_attn_func(q, k, v, qv=qv[..., :4])
+    with pytest.raises(NotImplementedError, match="qv with float8_e4m3fn"):
+        fa3.flash_attn_func(q, k, v, qv=qv, q_descale=torch.ones(2, 2))
 
 
 def _seqused_reference(q, k, v, cu_q, cu_k, used_q, used_k, dout, causal, window):
