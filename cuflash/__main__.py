@@ -367,7 +367,7 @@ def main(argv=None):
     e.add_argument("--kv-cache", choices=["contiguous", "paged"],
                    help="a KV cache (attention_with_kvcache) of seqlen_k rows per sequence")
     e.add_argument("--page-size", type=SIZE, help="with --kv-cache paged: rows per page")
-    e.add_argument("--cache-leftpad", action="store_true", help="with --kv-cache contiguous: cache_leftpad")
+    e.add_argument("--cache-leftpad", action="store_true", help="with --kv-cache contiguous or paged: cache_leftpad")
     e.add_argument("--window", type=_int_in(-1), nargs=2, default=[-1, -1], metavar=("LEFT", "RIGHT"),
                    help="window_size (-1: unbounded)")
     e.add_argument("--attention-chunk", type=SIZE, default=0, help="chunked attention: keys per chunk (0: none)")

@@ -380,6 +380,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     if scheduler_metadata is not None and not isinstance(scheduler_metadata, torch.Tensor):
         raise TypeError(f"scheduler_metadata must be None or a tensor (a hint cuflash does not need), got "
                         f"{cuflash.validate.show(scheduler_metadata)}")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together")
+    if cu_seqlens_q is not None:
+        _check_cu_seqlens_q(cu_seqlens_q, q)
+    if page_table is not None and cache_batch_idx is not None:
+        page_table, cache_batch_idx = _table_rows(page_table, cache_batch_idx, q, cu_seqlens_q), None
     if torch.float8_e4m3fn in (q.dtype, k_cache.dtype, v_cache.dtype):
         def run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin):
             return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, None, rotary_cos, rotary_sin, cache_seqlens,
@@ -387,11 +393,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                                            max_seqlen_q, rotary_seqlens, None, None, None, softmax_scale, causal,
                                            window_size, attention_chunk, softcap, rotary_interleaved, None,
                                            num_splits, pack_gqa, 0, return_softmax_lse)
+        appended = (cache_seqlens, cache_batch_idx, page_table, cu_seqlens_k_new)
         return _fp8_kvcache(run, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, (q_descale, k_descale, v_descale),
-                            cu_seqlens_q)
+                            cu_seqlens_q, appended)
     _refuse(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
-    if page_table is not None and cache_batch_idx is not None:
-        page_table, cache_batch_idx = _table_rows(page_table, cache_batch_idx, q), None
     if v_cache.shape[-1] != q.shape[-1]:
         raise NotImplementedError(f"a value head dim ({v_cache.shape[-1]}) other than the query's ({q.shape[-1]}) "
                                   "is not supported by cuflash's flash_attn_with_kvcache")
@@ -409,25 +414,68 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                              cu_seqlens_q, max_seqlen_q, rotary_interleaved, page_table, kw)
 
 
-def _table_rows(page_table, cache_batch_idx, q):
+def _check_cu_seqlens_q(cu_seqlens_q, q):
+    if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.dim() != 1 \
+            or cu_seqlens_q.shape[0] < 1 or cu_seqlens_q.device != q.device:
+        raise TypeError(f"cu_seqlens_q must be a 1-dim int32 tensor (batch + 1,) on q's device {q.device}, got "
+                        f"{cuflash.validate.show(cu_seqlens_q)}")
+
+
+def _table_rows(page_table, cache_batch_idx, q, cu_seqlens_q):
     """FlashAttention-3's cache_batch_idx with a page table: sequence b reads the table's row
     cache_batch_idx[b], so the rows are gathered on the device (batch x pages_per_seq int32; no
-    sync) and the call takes them as its block table."""
+    sync) and the call takes them as its block table. Indices are the caller's contract (as the
+    other device arrays): they are clamped to the table's rows, never read past it."""
     for name, x in (("page_table", page_table), ("cache_batch_idx", cache_batch_idx)):
         if not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or x.device != q.device:
             raise TypeError(f"{name} must be an int32 tensor on q's device {q.device}, got {cuflash.validate.show(x)}")
-    if page_table.dim() != 2 or cache_batch_idx.dim() != 1:
-        raise ValueError(f"page_table must be (batch_cache, pages_per_seq) and cache_batch_idx (batch,), got shapes "
-                         f"{tuple(page_table.shape)} and {tuple(cache_batch_idx.shape)}")
-    return page_table.index_select(0, cache_batch_idx)
+    batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+    if page_table.dim() != 2 or page_table.shape[0] == 0 or tuple(cache_batch_idx.shape) != (batch,):
+        raise ValueError(f"page_table must be (batch_cache, pages_per_seq) and cache_batch_idx (batch,) = ({batch},), "
+                         f"got shapes {tuple(page_table.shape)} and {tuple(cache_batch_idx.shape)}")
+    return page_table.index_select(0, cache_batch_idx.clamp(0, page_table.shape[0] - 1))
 
 
-def _fp8_kvcache(run, q, k_cache, v_cache, k, v, cos, sin, descales, cu_seqlens_q):
+def _appended_rows(k_cache, k, appended):
+    """Where the call appends the new keys k: (cache rows, rows in them) of sequence b's new row i
+    at position cache_seqlens[b] + i, through the block table when paged, those within the
+    capacity only (as the append kernel writes them). One sync (the positions' mask)."""
+    cache_seqlens, batch_idx, table, cu_new = appended
+    dev = k_cache.device
+    if cu_new is not None:
+        batch = cu_new.shape[0] - 1
+        seq = _sequence_of(cu_new, k.shape[0])
+        inside = seq < batch
+        seq = seq.clamp(max=max(batch - 1, 0))
+        i = torch.arange(k.shape[0], device=dev) - cu_new[seq]
+    else:
+        batch, s_new = k.shape[:2]
+        seq = torch.arange(batch, device=dev).repeat_interleave(s_new)
+        i = torch.arange(s_new, device=dev).repeat(batch)
+        inside = torch.ones_like(seq, dtype=torch.bool)
+    if isinstance(cache_seqlens, int):
+        start = torch.full((max(batch, 1),), cache_seqlens, device=dev)
+    else:
+        start = torch.as_tensor(cache_seqlens).to(dev, torch.int64)
+    pos = start[seq] + i
+    if table is not None:
+        page = k_cache.shape[1]
+        inside &= (pos >= 0) & (pos < table.shape[1] * page)
+        col = (pos // page).clamp(0, table.shape[1] - 1)
+        rows, at = table[seq, col].long(), pos % page
+    else:
+        inside &= (pos >= 0) & (pos < k_cache.shape[1])
+        rows, at = (batch_idx[seq].long() if batch_idx is not None else seq), pos
+    return rows[inside], at[inside]
+
+
+def _fp8_kvcache(run, q, k_cache, v_cache, k, v, cos, sin, descales, cu_seqlens_q, appended):
     """flash_attn_with_kvcache over float8_e4m3fn caches: ``run`` (the bfloat16 call) on bfloat16
     copies of q, the caches and the new k, v (e4m3 values are exact in bfloat16), q times its and
     k's descales, the output times v's (the scores and the softmax are those of the descaled
-    values), then the caches' e4m3 rows rewritten from the copies (the appended rows rounded to
-    e4m3, the others unchanged: they round-trip exactly). The output is bfloat16, as
+    values), then the rows the call appended (_appended_rows of ``appended``: cache_seqlens,
+    cache_batch_idx, page_table, cu_seqlens_k_new) written back to the e4m3 caches, rounded (the
+    attention saw them before that rounding); no other row is written. The output is bfloat16, as
     FlashAttention-3's. Whole-cache copies on each call: correct, not fast."""
     e4m3 = torch.float8_e4m3fn
     given = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)) + ((("k", k), ("v", v)) if k is not None else ())
@@ -452,8 +500,9 @@ def _fp8_kvcache(run, q, k_cache, v_cache, k, v, cos, sin, descales, cu_seqlens_
         if descales[2] is not None:
             out.mul_(_per_row_head(descales[2], q.shape[-2] // hk, seq))
         if k is not None:
-            k_cache.copy_(kc)
-            v_cache.copy_(vc)
+            rows, at = _appended_rows(k_cache, k, appended)
+            k_cache[rows, at] = kc[rows, at].to(e4m3)
+            v_cache[rows, at] = vc[rows, at].to(e4m3)
     return res
 
 
@@ -462,10 +511,6 @@ def _kvcache_varlen_q(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, rotary
     """flash_attn_with_kvcache with packed queries: rotated (PyTorch operations, with the new
     keys, at rotary_seqlens or cache_seqlens), padded in front to (batch, max_seqlen_q) rows so
     that each sequence's last query is the dense call's last row, attended, gathered back."""
-    if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.dim() != 1 \
-            or cu_seqlens_q.shape[0] < 1 or cu_seqlens_q.device != q.device:
-        raise TypeError(f"cu_seqlens_q must be a 1-dim int32 tensor (batch + 1,) on q's device {q.device}, got "
-                        f"{cuflash.validate.show(cu_seqlens_q)}")
     if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
         raise TypeError(f"max_seqlen_q must be an int >= 0 with cu_seqlens_q, got {cuflash.validate.show(max_seqlen_q)}")
     if q.dim() != 3:

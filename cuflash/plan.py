@@ -586,9 +586,10 @@ def _dropout_rejects(p: Problem) -> None:
 def _fwd_ws_pages(v, page_size: int) -> str:
     """How fwd_ws variant ``v`` reads a paged cache's pages of ``page_size`` rows (the plan's reason)."""
     if v.gather:
+        why = ("a leftpad shifts the rows off the pages' TMA boxes" if v.leftpad else
+               "as FlashAttention-3 does for pages the TMA cannot read whole tiles of")
         return (f"the producer warpgroup's 128 threads gather each K/V tile's rows from pages of {page_size} rows "
-                f"(looked up in the block table) with 16-byte cp.async copies, as FlashAttention-3 does for pages "
-                f"the TMA cannot read whole tiles of (one block per query tile).")
+                f"(looked up in the block table) with 16-byte cp.async copies, {why} (one block per query tile).")
     if page_size >= v.block_n:
         return (f"the K/V tensor maps are the page pool's; the producer looks each tile's page up in the block "
                 f"table (pages of {page_size} rows hold whole tiles; one block per query tile).")

@@ -146,6 +146,10 @@ def test_fp8_kvcache_through_bf16_copies(monkeypatch):
     assert torch.equal(out[1].float(), torch.full((1, 4, 8), 0.5)) and lse.shape == (2, 4, 1)
     assert torch.equal(kc[:, 3], kn[:, 0]) and torch.equal(vc[:, 3], vn[:, 0])
     assert torch.equal(kc[:, :3], before[:, :3]) and torch.equal(kc[:, 4:], before[:, 4:])
+    with pytest.raises(ValueError, match="k and v must be given together"):
+        fa3.flash_attn_with_kvcache(q, kc, vc, kn, None, cache_seqlens=3)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be a 1-dim int32 tensor"):
+        fa3.flash_attn_with_kvcache(q[:, 0], kc, vc, cu_seqlens_q=[0, 1, 2], max_seqlen_q=1)
     with pytest.raises(TypeError, match="all float8_e4m3fn, got k_cache torch.bfloat16"):
         fa3.flash_attn_with_kvcache(q, kc.bfloat16(), vc, cache_seqlens=3)
     with pytest.raises(ValueError, match="v_descale must be float32"):
@@ -171,6 +175,10 @@ def test_kvcache_batch_idx_picks_page_table_rows(monkeypatch):
         fa3.flash_attn_with_kvcache(q, cache, cache, scheduler_metadata="auto")
     with pytest.raises(TypeError, match="cache_batch_idx must be an int32 tensor"):
         fa3.flash_attn_with_kvcache(q, cache, cache, page_table=table, cache_batch_idx=idx.long())
+    with pytest.raises(ValueError, match=r"cache_batch_idx \(batch,\) = \(2,\), got shapes \(4, 3\) and \(3,\)"):
+        fa3.flash_attn_with_kvcache(q, cache, cache, page_table=table, cache_batch_idx=idx.repeat(2)[:3])
+    fa3.flash_attn_with_kvcache(q, cache, cache, page_table=table, cache_batch_idx=torch.tensor([9, -1], dtype=torch.int32))
+    assert torch.equal(seen["block_table"], table[[3, 0]])  # (out-of-range rows: clamped, never read past)
 
 
 @pytest.mark.parametrize("causal,window,softcap,chunk", [(False, (-1, -1), 0.0, 0), (True, (-1, -1), 0.0, 0),
@@ -589,13 +597,15 @@ def test_packed_query_rotation(interleaved, monkeypatch):
 
 
 @requires_sm90
-@pytest.mark.parametrize("paged,packed", [(False, False), (True, False), (True, True)])
-def test_gpu_fp8_kvcache(paged, packed):
-    """float8_e4m3fn caches (FlashAttention-3's FP8 KV cache) with descales, rotary new keys, and
-    when paged pages of 4 rows with a cache_leftpad: the bf16 output of the bf16 call on the e4m3
-    values with the descales applied by hand, the same LSE, and the new rows appended to the e4m3
-    caches (the other rows untouched); packed queries too."""
-    torch.manual_seed(11 + paged + 2 * packed)
+@pytest.mark.parametrize("paged,packed,rotary", [(False, False, True), (True, False, True), (True, True, True),
+                                                 (False, False, False), (True, False, False)])
+def test_gpu_fp8_kvcache(paged, packed, rotary):
+    """float8_e4m3fn caches (FlashAttention-3's FP8 KV cache) with descales, new keys (rotated or
+    not), and when paged pages of 4 rows with a cache_leftpad: the bf16 output of the bf16 call on
+    the e4m3 values with the descales applied by hand, the same LSE, the new rows appended to the
+    e4m3 caches (the other rows untouched); packed queries too; without rotary, against float64
+    attention of the descaled e4m3 values."""
+    torch.manual_seed(11 + paged + 2 * packed + 4 * rotary)
     e4 = torch.float8_e4m3fn
     b, hk, h, d, cap, s_new, page = 3, 2, 6, 128, 256, 3, 4
     f8 = lambda *s: (torch.randn(*s, device="cuda") * 2).to(e4)  # noqa: E731
@@ -608,9 +618,10 @@ def test_gpu_fp8_kvcache(paged, packed):
     q, kn, vn = f8(b, s_new, h, d), f8(b, s_new, hk, d), f8(b, s_new, hk, d)
     ds = [torch.rand(b, hk, device="cuda") + 0.5 for _ in range(3)]
     angle = torch.rand(cap, 32, device="cuda") * 6.3
-    kw = dict(cache_seqlens=torch.tensor([250, 0, 100], dtype=torch.int32, device="cuda"), cache_leftpad=leftpad,
-              page_table=table, causal=True, rotary_cos=torch.cos(angle).bfloat16(),
-              rotary_sin=torch.sin(angle).bfloat16(), return_softmax_lse=True)
+    lens = torch.tensor([250, 0, 100], dtype=torch.int32, device="cuda")
+    kw = dict(cache_seqlens=lens, cache_leftpad=leftpad, page_table=table, causal=True, return_softmax_lse=True,
+              rotary_cos=torch.cos(angle).bfloat16() if rotary else None,
+              rotary_sin=torch.sin(angle).bfloat16() if rotary else None)
     k8, v8 = kc.clone(), vc.clone()
     extra = dict(cu_seqlens_q=torch.arange(0, b * s_new + 1, s_new, dtype=torch.int32, device="cuda"),
                  max_seqlen_q=s_new) if packed else {}
@@ -631,3 +642,16 @@ def test_gpu_fp8_kvcache(paged, packed):
         torch.testing.assert_close(k8.float(), kb.to(e4).float(), atol=0.07, rtol=0.07)
     else:
         assert torch.equal(k8, kb.to(e4))
+    if rotary:
+        return
+    for i in range(b):  # float64: softmax(d^-0.5 (q qd)(k kd)^T) (v vd) over rows leftpad ... len + s_new
+        n, lead = int(lens[i]) + s_new, int(leftpad[i]) if paged else 0
+        j = torch.arange(lead, n, device="cuda")
+        ks, vs = ((c[table[i][j // page].long(), j % page] if paged else c[i, j]).double() for c in (k8, v8))
+        ks, vs = ks * ds[1][i][None, :, None].double(), vs * ds[2][i][None, :, None].double()
+        qs = q[i].double() * ds[0][i].repeat_interleave(g)[None, :, None].double()
+        sc = torch.einsum("qhd,khd->hqk", qs, ks.repeat_interleave(g, 1)) * d ** -0.5
+        sc = sc.masked_fill(torch.arange(n - lead, device="cuda")[None] > torch.arange(n - lead - s_new, n - lead,
+                                                                                      device="cuda")[:, None], -torch.inf)
+        ref = torch.einsum("hqk,khd->qhd", torch.softmax(sc, -1), vs.repeat_interleave(g, 1))
+        torch.testing.assert_close(out[i].double(), ref, atol=3e-2, rtol=3e-2)

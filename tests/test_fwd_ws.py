@@ -65,7 +65,8 @@ def test_variants_of_each_arch():
     assert {v.local for v in modded} == {False, True} and {v.causal for v in modded} == {False, True}
     assert all(v.block_m == 128 for v in modded if v.head_dim == 64 and (v.softcap or v.alibi))
     assert not any((v.varlen or v.cache or v.paged) and v.persistent for v in modded)
-    assert all(v.gather for v in modded if v.paged and v.leftpad)
+    assert fwd_ws.planned(128, "bf16", True, 256, paged=True, leftpad=True, page_size=256).gather  # (a leftpad)
+    assert not fwd_ws.planned(128, "bf16", True, 256, paged=True, page_size=256).gather
     assert {v.flashmask for v in modded if v.softcap} == {0, 1, 2, 4} and not any(v.flashmask and v.alibi for v in modded)
     for v in modded:
         tags = [t for t, on in (("_softcap", v.softcap), ("_alibi", v.alibi), ("_varlen", v.varlen),

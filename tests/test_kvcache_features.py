@@ -334,23 +334,33 @@ def test_gpu_any_head_dim(rng, d, page, causal, s_new):
 @pytest.mark.parametrize("mask", sorted(MASKS))
 @pytest.mark.parametrize("leftpad", [False, True])
 @pytest.mark.parametrize("d,s_new,splits", [(64, 3, 0), (128, 1, 3), (59, 2, 0), (128, 200, 1)])
-def test_gpu_any_page_size_and_paged_leftpad(rng, page, mask, leftpad, d, s_new, splits):
+def test_gpu_any_page_size_and_paged_leftpad(rng, monkeypatch, page, mask, leftpad, d, s_new, splits):
     """Pages of any number of rows (one-row pages included) with or without cache_leftpad (paged,
-    as in FlashAttention-3): the new rows land at cache_seqlens[b] + i through the block table,
-    every other row is untouched, and each sequence attends to its rows cache_leftpad[b] ... on
-    each kernel path (the decode tile with forced splits, the standard kernel, head dim 59 read
-    element by element, and on sm_90 a chunk of 200 new tokens in the warp-specialised forward,
-    gathered row by row), against the float64 reference."""
+    as in FlashAttention-3; one sequence's leftpad hides all its keys): the new rows land at
+    cache_seqlens[b] + i through the block table, every other row is untouched, and each sequence
+    attends to its rows cache_leftpad[b] ... on each kernel path (the decode tile with forced
+    splits, the standard kernel, head dim 59 read element by element, and on sm_90 a chunk of 200
+    new tokens in the warp-specialised forward, gathered row by row where pages are small or
+    there is a leftpad), against the float64 reference."""
     import torch
     from test_gpu_forward import to_np
+    from cuflash import launch
+    from cuflash.kernels import fwd_ws
+    fired, fire = [], launch.fire
+    monkeypatch.setattr(launch, "fire", lambda r, *a, **k: fired.append(r.kernel.name) or fire(r, *a, **k))
     cap = 384 if s_new < 200 else 768  # (whole pages of every size)
     q, kc, vc, kn, vn, old, kw, rows, lp = _case(rng, s_new=s_new, d=d, cap=cap, page=page, h=6, hk=2,
                                                  leftpad=leftpad)
+    if leftpad:
+        lp[1] = old[1] + s_new  # no key left
+        kw["cache_leftpad"] = torch.from_numpy(lp).cuda()
     before = kc.clone()
     out = torch.full_like(q, float("nan"))
     res = cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=torch.from_numpy(old.astype(np.int32)).cuda(),
                                          out=out, num_splits=splits, **MASKS[mask], **kw)
     assert res is out
+    if s_new == 200 and torch.cuda.get_device_capability() == (9, 0):
+        assert fired[-1].startswith("fwd_ws_") and ("_gather" in fired[-1]) == (leftpad or fwd_ws.gathers(page, d))
     for i in range(q.shape[0]):
         o = int(old[i])
         assert torch.equal(rows(kc, i, o + s_new)[o:], kn[i]) and torch.equal(rows(vc, i, o + s_new)[o:], vn[i])

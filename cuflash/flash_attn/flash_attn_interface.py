@@ -431,7 +431,7 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     ``zero_tensors`` is accepted (cuflash writes every output row). ``leftpad_k`` raises
     NotImplementedError."""
     if leftpad_k is not None:
-        _not_supported("leftpad_k in a varlen call", "flash_attn_with_kvcache's cache_leftpad serves dense caches")
+        _not_supported("leftpad_k in a varlen call", "flash_attn_with_kvcache's cache_leftpad serves KV caches")
     if seqused_k is not None:
         if block_table is None:
             _not_supported("seqused_k without a block_table in _flash_attn_varlen_forward",
