@@ -644,12 +644,13 @@ def test_gpu_fp8_kvcache(paged, packed, rotary):
         assert torch.equal(k8, kb.to(e4))
     if rotary:
         return
-    for i in range(b):  # float64: softmax(d^-0.5 (q qd)(k kd)^T) (v vd) over rows leftpad ... len + s_new
+    for i in range(b):  # float64: softmax(d^-0.5 (q qd kd) k^T) (v vd) over rows leftpad ... len + s_new,
+        # q qd kd rounded to bf16 as the kernel reads it (the scores of q qd . k kd; a bf16 input)
         n, lead = int(lens[i]) + s_new, int(leftpad[i]) if paged else 0
         j = torch.arange(lead, n, device="cuda")
         ks, vs = ((c[table[i][j // page].long(), j % page] if paged else c[i, j]).double() for c in (k8, v8))
-        ks, vs = ks * ds[1][i][None, :, None].double(), vs * ds[2][i][None, :, None].double()
-        qs = q[i].double() * ds[0][i].repeat_interleave(g)[None, :, None].double()
+        vs = vs * ds[2][i][None, :, None].double()
+        qs = (q[i].float() * (ds[0][i] * ds[1][i]).repeat_interleave(g)[None, :, None]).bfloat16().double()
         sc = torch.einsum("qhd,khd->hqk", qs, ks.repeat_interleave(g, 1)) * d ** -0.5
         sc = sc.masked_fill(torch.arange(n - lead, device="cuda")[None] > torch.arange(n - lead - s_new, n - lead,
                                                                                       device="cuda")[:, None], -torch.inf)
