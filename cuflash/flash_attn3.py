@@ -38,8 +38,11 @@ attention_varlen); ``flash_attn_with_kvcache`` is forward only, as in FlashAtten
 - ``qv`` (MLA's absorbed query: scores q.k + qv.v) in flash_attn_func and flash_attn_varlen_func:
   float32 PyTorch operations holding the whole score matrix (differentiable; correct, not fast;
   cu_seqlens read on the host).
-- Not supported (NotImplementedError naming the argument): ``sm_margin`` other than 0, ``qv`` in
-  flash_attn_with_kvcache and with FP8 inputs. :func:`flash_attn_combine` merges split
+  In flash_attn_with_kvcache (MLA decode over a latent cache: v_cache may be wider than k_cache):
+  the new rows written with PyTorch operations, then the same arithmetic over each sequence's
+  cache rows gathered at the whole capacity; no rotary tables there.
+- Not supported (NotImplementedError naming the argument): ``sm_margin`` other than 0, ``qv`` with
+  FP8 inputs or (in flash_attn_with_kvcache) rotary tables. :func:`flash_attn_combine` merges split
   partials with PyTorch operations (no kernel of its own).
 """
 from __future__ import annotations
@@ -274,8 +277,37 @@ def _qv_attention(q, k, v, qv, scale, causal, window, softcap, chunk):
     attention_chunk) and softcap, in float32 PyTorch operations (differentiable; the score matrix
     is held whole: correct, not fast). scale defaults to (d + dv) ** -0.5. Returns (out in q's
     dtype, lse (batch, heads, seqlen_q): +inf where a row sees no key)."""
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    sq, sk = q.shape[1], k.shape[1]
+    one = torch.ones(1, dtype=torch.int64, device=q.device)
+    seen = _seen(sq, sk, one * sk, one * 0, causal, window, chunk)
+    return _qv_core(q, k, v, qv, scale, softcap, seen)
+
+
+def _seen(sq, sk, lengths, leads, causal, window, chunk):
+    """Which keys each query sees, (batch, 1, sq, sk): sequence b's keys leads[b] ... lengths[b] - 1
+    of sk rows, its last query aligned with its last key (bottom-right), flash-attn's causal band
+    or window and attention_chunk counted from leads[b] (cache_leftpad)."""
+    dev = lengths.device
+    col = torch.arange(sk, device=dev)[None, None]
+    lengths, leads = lengths[:, None, None], leads[:, None, None]
+    row = lengths - sq + torch.arange(sq, device=dev)[None, :, None]  # the key aligned with each query
+    seen = (col >= leads) & (col < lengths)
+    left, right = window[0], 0 if causal else window[1]
+    if left >= 0:
+        seen = seen & (col >= row - left)
+    if right >= 0:
+        seen = seen & (col <= row + right)
+    if chunk:
+        start = row - (row - leads) % chunk
+        seen = seen & (col >= start) & (col < start + chunk)
+    return seen[:, None]
+
+
+def _qv_core(q, k, v, qv, scale, softcap, seen):
+    """softmax(scale * (q.k + qv.v)) v over dense (batch, seqlen, heads, ·) operands where ``seen``
+    (broadcast to (batch, heads, sq, sk)), in float32 PyTorch operations; (out in q's dtype, lse
+    (batch, heads, sq): +inf where a row sees no key)."""
+    d, h, hk = q.shape[-1], q.shape[2], k.shape[2]
     if hk == 0 or h % hk or v.shape[2] != hk:
         raise ValueError(f"nheads ({h}) must be a multiple of k's and v's nheads_k ({hk}, {v.shape[2]})")
     scale = (d + v.shape[-1]) ** -0.5 if scale is None else scale
@@ -284,23 +316,67 @@ def _qv_attention(q, k, v, qv, scale, causal, window, softcap, chunk):
     s = (torch.einsum("bqhd,bkhd->bhqk", q.to(f), kf) + torch.einsum("bqhd,bkhd->bhqk", qv.to(f), vf)) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    row = torch.arange(sq, device=q.device)[:, None] + (sk - sq)  # the key aligned with each query
-    col = torch.arange(sk, device=q.device)[None]
-    left, right = window[0], 0 if causal else window[1]
-    seen = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
-    if left >= 0:
-        seen &= col >= row - left
-    if right >= 0:
-        seen &= col <= row + right
-    if chunk:
-        start = row - row % chunk
-        seen &= (col >= start) & (col < start + chunk)
     s = s.masked_fill(~seen, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     empty = torch.isneginf(lse)
     p = torch.exp(s - torch.where(empty, 0.0, lse)[..., None])  # (a row that sees no key: all 0)
     out = torch.einsum("bhqk,bkhd->bqhd", p, vf).to(q.dtype)
     return out, torch.where(empty, float("inf"), lse)
+
+
+def _qv_kvcache(q, k_cache, v_cache, k, v, qv, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
+                cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, scale, causal, window, softcap, chunk, return_lse):
+    """flash_attn_with_kvcache with qv (MLA's absorbed query; v_cache may be wider than k_cache, as
+    MLA's latent cache): new k, v written at cache_seqlens[b] + i with PyTorch operations
+    (_appended_rows: one sync), then _qv_core over each sequence's cache rows gathered at the
+    cache's whole capacity (copies of every sequence's rows: correct, not fast), its keys
+    cache_leftpad[b] ... cache_seqlens[b] + its new keys, queries aligned bottom-right (packed
+    queries through the front-padded layout of _front_padded)."""
+    packed = cu_seqlens_q is not None
+    batch, dev = (cu_seqlens_q.shape[0] - 1) if packed else q.shape[0], q.device
+    _check_qv(q, v_cache, qv, ())
+    paged = page_table is not None
+    cap = page_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    hk, d, dv = k_cache.shape[-2], k_cache.shape[-1], v_cache.shape[-1]
+    if v_cache.shape[:-1] != k_cache.shape[:-1] or v_cache.dtype != k_cache.dtype or k_cache.dtype != q.dtype \
+            or q.shape[-1] != d:
+        raise ValueError(f"k_cache and v_cache must be q's dtype {q.dtype} with the same (pages or batch, rows, "
+                         f"nheads_k) and q's head dim {q.shape[-1]} in k_cache, got {cuflash.validate.show(k_cache)} "
+                         f"and {cuflash.validate.show(v_cache)}")
+    new = torch.zeros(batch, dtype=torch.int64, device=dev)
+    if k is not None:
+        lead_dims = k.shape[:1] if cu_seqlens_k_new is not None else (batch, k.shape[1] if k.dim() == 4 else -1)
+        for name, x, width in (("k", k, d), ("v", v, dv)):
+            if tuple(x.shape) != (*lead_dims, hk, width) or x.dtype != q.dtype:
+                raise ValueError(f"{name} must be {q.dtype} of shape {(*lead_dims, hk, width)}, got "
+                                 f"{cuflash.validate.show(x)}")
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens is required when appending k and v")
+        rows, at, src = _appended_rows(k_cache, k, (cache_seqlens, cache_batch_idx, page_table, cu_seqlens_k_new))
+        k_cache[rows, at] = k.reshape(-1, hk, d)[src]
+        v_cache[rows, at] = v.reshape(-1, hk, dv)[src]
+        new += (cu_seqlens_k_new[1:] - cu_seqlens_k_new[:-1]) if cu_seqlens_k_new is not None else k.shape[1]
+    if cache_seqlens is None:
+        lengths = torch.full((batch,), cap, dtype=torch.int64, device=dev)
+    else:
+        lengths = (torch.as_tensor(cache_seqlens).to(dev, torch.int64) + new).clamp(max=cap)
+    leads = cache_leftpad.to(torch.int64) if cache_leftpad is not None else torch.zeros_like(lengths)
+    if paged:
+        keys, values = (c[page_table.long()].flatten(1, 2) for c in (k_cache, v_cache))
+    else:
+        rows = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(batch, device=dev)
+        keys, values = k_cache[rows], v_cache[rows]
+    if packed:
+        seq_c, row_w, valid, seq_w = _front_padded(cu_seqlens_q, q.shape[0], max_seqlen_q)
+        dq, dqv = (x.new_zeros((batch + 1, max_seqlen_q) + tuple(x.shape[1:])) for x in (q, qv))
+        dq[seq_w, row_w], dqv[seq_w, row_w] = q, qv
+        q, qv = dq[:batch], dqv[:batch]
+    seen = _seen(q.shape[1], cap, lengths, leads, causal, window, chunk)
+    out, lse = _qv_core(q, keys, values, qv, scale, softcap, seen)
+    if packed:
+        out = torch.where(valid[:, None, None], out[seq_c, row_w], torch.zeros((), dtype=out.dtype, device=dev))
+        lse = torch.where(valid[:, None], lse[seq_c, :, row_w], float("inf")).transpose(0, 1).contiguous()
+    return (out, lse) if return_lse else out
 
 
 def _qv_attention_varlen(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, scale, causal, window, softcap, chunk):
@@ -375,7 +451,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     q padded in front to max_seqlen_q rows (q rotated by PyTorch operations), its rows gathered
     back. Returns out, or (out, softmax_lse) with ``return_softmax_lse=True`` (varlen:
     softmax_lse (nheads, total_q))."""
-    _refuse(qv=qv, sm_margin=sm_margin)
+    _refuse(sm_margin=sm_margin)
     _hints(num_splits, pack_gqa)
     if scheduler_metadata is not None and not isinstance(scheduler_metadata, torch.Tensor):
         raise TypeError(f"scheduler_metadata must be None or a tensor (a hint cuflash does not need), got "
@@ -386,6 +462,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         _check_cu_seqlens_q(cu_seqlens_q, q)
     if page_table is not None and cache_batch_idx is not None:
         page_table, cache_batch_idx = _table_rows(page_table, cache_batch_idx, q, cu_seqlens_q), None
+    if qv is not None:
+        _refuse(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, rotary_cos=rotary_cos,
+                rotary_sin=rotary_sin)
+        if packed_q := cu_seqlens_q is not None:
+            if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+                raise TypeError(f"max_seqlen_q must be an int >= 0 with cu_seqlens_q, got "
+                                f"{cuflash.validate.show(max_seqlen_q)}")
+        if q.dim() != (3 if packed_q else 4):
+            raise ValueError(f"q must be {'(total_q, nheads, d)' if packed_q else '(batch, seqlen_q, nheads, d)'}, "
+                             f"got shape {tuple(q.shape)}")
+        return _qv_kvcache(q, k_cache, v_cache, k, v, qv, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
+                           cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, softmax_scale, causal, _window(window_size),
+                           _softcap(softcap), attention_chunk, return_softmax_lse)
     if torch.float8_e4m3fn in (q.dtype, k_cache.dtype, v_cache.dtype):
         def run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin):
             return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, None, rotary_cos, rotary_sin, cache_seqlens,
@@ -439,7 +528,8 @@ def _table_rows(page_table, cache_batch_idx, q, cu_seqlens_q):
 def _appended_rows(k_cache, k, appended):
     """Where the call appends the new keys k: (cache rows, rows in them) of sequence b's new row i
     at position cache_seqlens[b] + i, through the block table when paged, those within the
-    capacity only (as the append kernel writes them). One sync (the positions' mask)."""
+    capacity only (as the append kernel writes them), and the rows of k (flattened to (rows,
+    heads, d)) that go there. One sync (the positions' mask)."""
     cache_seqlens, batch_idx, table, cu_new = appended
     dev = k_cache.device
     if cu_new is not None:
@@ -466,7 +556,7 @@ def _appended_rows(k_cache, k, appended):
     else:
         inside &= (pos >= 0) & (pos < k_cache.shape[1])
         rows, at = (batch_idx[seq].long() if batch_idx is not None else seq), pos
-    return rows[inside], at[inside]
+    return rows[inside], at[inside], torch.arange(seq.shape[0], device=dev)[inside]
 
 
 def _fp8_kvcache(run, q, k_cache, v_cache, k, v, cos, sin, descales, cu_seqlens_q, appended):
@@ -500,7 +590,7 @@ def _fp8_kvcache(run, q, k_cache, v_cache, k, v, cos, sin, descales, cu_seqlens_
         if descales[2] is not None:
             out.mul_(_per_row_head(descales[2], q.shape[-2] // hk, seq))
         if k is not None:
-            rows, at = _appended_rows(k_cache, k, appended)
+            rows, at, _ = _appended_rows(k_cache, k, appended)
             k_cache[rows, at] = kc[rows, at].to(e4m3)
             v_cache[rows, at] = vc[rows, at].to(e4m3)
     return res
@@ -517,13 +607,7 @@ def _kvcache_varlen_q(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, rotary
         raise ValueError(f"q must be (total_q, nheads, d) with cu_seqlens_q, got shape {tuple(q.shape)}")
     batch, total, dev = cu_seqlens_q.shape[0] - 1, q.shape[0], q.device
     tokens = torch.arange(total, dtype=torch.int32, device=dev)
-    seq = _sequence_of(cu_seqlens_q, total)
-    lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    seq_c = seq.clamp(max=max(batch - 1, 0))
-    row = max_seqlen_q - lens[seq_c] + tokens - cu_seqlens_q[seq_c]
-    valid = (seq < batch) & (row >= 0) & (row < max_seqlen_q)
-    # tokens outside every sequence (or past max_seqlen_q) go to a spare batch row, never read
-    seq_w, row_w = torch.where(valid, seq, batch), row.clamp(0, max(max_seqlen_q - 1, 0))
+    seq_c, row_w, valid, seq_w = _front_padded(cu_seqlens_q, total, max_seqlen_q)
     if cos is not None or sin is not None:  # (checked as attention_with_kvcache checks them)
         qv = cuflash.validate.view(q, "q")
         capacity = k_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
@@ -562,6 +646,22 @@ def _kvcache_varlen_q(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, rotary
         return out
     lse = lse[seq_c, :, row_w] if batch else q.new_zeros((total, q.shape[1]), dtype=torch.float32)
     return out, torch.where(valid[:, None], lse, float("inf")).transpose(0, 1).contiguous()
+
+
+def _front_padded(cu_seqlens_q, total, max_seqlen_q):
+    """Each of ``total`` packed query tokens' place in a (batch + 1, max_seqlen_q) layout padded in
+    front (each sequence's last query on the last row, so that causal masks, windows and chunks
+    align as in a dense call): (its sequence clamped to the batch, its row, whether it has one,
+    the batch row it is written to: tokens outside every sequence or past max_seqlen_q go to the
+    spare row ``batch``, never read)."""
+    batch, dev = cu_seqlens_q.shape[0] - 1, cu_seqlens_q.device
+    tokens = torch.arange(total, dtype=torch.int32, device=dev)
+    seq = _sequence_of(cu_seqlens_q, total)
+    lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    seq_c = seq.clamp(max=max(batch - 1, 0))
+    row = max_seqlen_q - lens[seq_c] + tokens - cu_seqlens_q[seq_c]
+    valid = (seq < batch) & (row >= 0) & (row < max_seqlen_q)
+    return seq_c, row.clamp(0, max(max_seqlen_q - 1, 0)), valid, torch.where(valid, seq, batch)
 
 
 def _rotated(x, cos, sin, interleaved, pos):

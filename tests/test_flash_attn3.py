@@ -39,8 +39,6 @@ def test_refused_arguments_name_themselves():
     q = torch.zeros(1, 4, 2, 64)
     with pytest.raises(NotImplementedError, match="sm_margin"):
         fa3.flash_attn_func(q, q, q, sm_margin=4)
-    with pytest.raises(NotImplementedError, match="qv"):
-        fa3.flash_attn_with_kvcache(q, q, q, qv=q)
     cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(TypeError, match="seqused_q must be an int32"):
         fa3.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, seqused_q=torch.zeros(1))
@@ -219,6 +217,56 @@ def test_qv_against_the_reference(causal, window, softcap, chunk, sq, sk):
         fa3.flash_attn_func(q, k, v, qv=qv[..., :4])
     with pytest.raises(NotImplementedError, match="qv with float8_e4m3fn"):
         fa3.flash_attn_func(q, k, v, qv=qv, q_descale=torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_qv_kvcache_against_the_dense_qv(paged):
+    """flash_attn_with_kvcache with qv (CPU: MLA decode over a latent cache wider than the rope
+    cache): packed new keys appended at cache_seqlens[b] + i (through the page table, or the rows
+    cache_batch_idx picks), every other row untouched, and each packed query sequence's output and
+    LSE those of flash_attn_func's qv over its keys cache_leftpad[b] ... (causal, bottom-right)."""
+    gen = torch.Generator().manual_seed(5 + paged)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    b, h, hk, d, dv, page, cap = 3, 4, 1, 8, 16, 4, 16
+    lens_q, lens_new, old, lead = [2, 1, 3], [2, 0, 3], [5, 0, 9], [2, 0, 3]
+    if paged:
+        kc, vc = rnd(b * cap // page + 2, page, hk, d), rnd(b * cap // page + 2, page, hk, dv)
+        table = torch.randperm(b * cap // page + 2, generator=gen)[:b * cap // page].reshape(b, -1).int()
+        extra = dict(page_table=table)
+        rows = lambda c, i, n: c[table[i][torch.arange(n) // page].long(), torch.arange(n) % page]  # noqa: E731
+    else:
+        kc, vc = rnd(b + 2, cap, hk, d), rnd(b + 2, cap, hk, dv)
+        idx = torch.tensor([3, 0, 4], dtype=torch.int32)
+        extra = dict(cache_batch_idx=idx)
+        rows = lambda c, i, n: c[int(idx[i]), :n]  # noqa: E731
+    k0, v0 = kc.clone(), vc.clone()
+    cu = lambda n: torch.tensor(np.concatenate([[0], np.cumsum(n)]), dtype=torch.int32)  # noqa: E731
+    q, qv = rnd(sum(lens_q), h, d), rnd(sum(lens_q), h, dv)
+    kn, vn = rnd(sum(lens_new), hk, d), rnd(sum(lens_new), hk, dv)
+    out, lse = fa3.flash_attn_with_kvcache(q, kc, vc, kn, vn, qv=qv, cache_seqlens=torch.tensor(old, dtype=torch.int32),
+                                           cache_leftpad=torch.tensor(lead, dtype=torch.int32), cu_seqlens_q=cu(lens_q),
+                                           cu_seqlens_k_new=cu(lens_new), max_seqlen_q=3, causal=True,
+                                           return_softmax_lse=True, **extra)
+    assert out.shape == (sum(lens_q), h, dv) and lse.shape == (h, sum(lens_q))
+    cq, ck = cu(lens_q), cu(lens_new)
+    for i in range(b):
+        n = old[i] + lens_new[i]
+        assert torch.equal(rows(kc, i, n)[old[i]:], kn[ck[i]:ck[i + 1]])
+        assert torch.equal(rows(vc, i, n)[old[i]:], vn[ck[i]:ck[i + 1]])
+        assert torch.equal(rows(kc, i, old[i]), rows(k0, i, old[i]))
+        ks, vs = rows(kc, i, n)[lead[i]:], rows(vc, i, n)[lead[i]:]
+        qs = slice(int(cq[i]), int(cq[i + 1]))
+        o, l = fa3.flash_attn_func(q[qs][None], ks[None], vs[None], qv=qv[qs][None], causal=True, return_attn_probs=True)
+        torch.testing.assert_close(out[qs], o[0])
+        torch.testing.assert_close(lse[:, qs], l[0])
+    untouched = torch.ones(kc.shape[:2], dtype=torch.bool)
+    for i in range(b):
+        j = torch.arange(old[i], old[i] + lens_new[i])
+        untouched[(table[i][j // page].long(), j % page) if paged else (int(idx[i]), j)] = False
+    assert torch.equal(kc[untouched], k0[untouched]) and torch.equal(vc[untouched], v0[untouched])
+    with pytest.raises(NotImplementedError, match="rotary_cos"):
+        fa3.flash_attn_with_kvcache(q, kc, vc, qv=qv, rotary_cos=torch.ones(16, 2), rotary_sin=torch.ones(16, 2),
+                                    cu_seqlens_q=cu(lens_q), max_seqlen_q=3, **extra)
 
 
 def _seqused_reference(q, k, v, cu_q, cu_k, used_q, used_k, dout, causal, window):
