@@ -219,32 +219,35 @@ def test_qv_against_the_reference(causal, window, softcap, chunk, sq, sk):
         fa3.flash_attn_func(q, k, v, qv=qv, q_descale=torch.ones(2, 2))
 
 
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=requires_sm90)])
 @pytest.mark.parametrize("paged", [False, True])
-def test_qv_kvcache_against_the_dense_qv(paged):
+def test_qv_kvcache_against_the_dense_qv(paged, dev):
     """flash_attn_with_kvcache with qv (CPU: MLA decode over a latent cache wider than the rope
     cache): packed new keys appended at cache_seqlens[b] + i (through the page table, or the rows
     cache_batch_idx picks), every other row untouched, and each packed query sequence's output and
     LSE those of flash_attn_func's qv over its keys cache_leftpad[b] ... (causal, bottom-right)."""
     gen = torch.Generator().manual_seed(5 + paged)
-    rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(dev)  # noqa: E731
     b, h, hk, d, dv, page, cap = 3, 4, 1, 8, 16, 4, 16
     lens_q, lens_new, old, lead = [2, 1, 3], [2, 0, 3], [5, 0, 9], [2, 0, 3]
     if paged:
         kc, vc = rnd(b * cap // page + 2, page, hk, d), rnd(b * cap // page + 2, page, hk, dv)
-        table = torch.randperm(b * cap // page + 2, generator=gen)[:b * cap // page].reshape(b, -1).int()
+        table = torch.randperm(b * cap // page + 2, generator=gen)[:b * cap // page].reshape(b, -1).int().to(dev)
         extra = dict(page_table=table)
-        rows = lambda c, i, n: c[table[i][torch.arange(n) // page].long(), torch.arange(n) % page]  # noqa: E731
+        rows = lambda c, i, n: c[table[i][torch.arange(n, device=dev) // page].long(),  # noqa: E731
+                                 torch.arange(n, device=dev) % page]
     else:
         kc, vc = rnd(b + 2, cap, hk, d), rnd(b + 2, cap, hk, dv)
-        idx = torch.tensor([3, 0, 4], dtype=torch.int32)
+        idx = torch.tensor([3, 0, 4], dtype=torch.int32, device=dev)
         extra = dict(cache_batch_idx=idx)
         rows = lambda c, i, n: c[int(idx[i]), :n]  # noqa: E731
     k0, v0 = kc.clone(), vc.clone()
-    cu = lambda n: torch.tensor(np.concatenate([[0], np.cumsum(n)]), dtype=torch.int32)  # noqa: E731
+    cu = lambda n: torch.tensor(np.concatenate([[0], np.cumsum(n)]), dtype=torch.int32, device=dev)  # noqa: E731
     q, qv = rnd(sum(lens_q), h, d), rnd(sum(lens_q), h, dv)
     kn, vn = rnd(sum(lens_new), hk, d), rnd(sum(lens_new), hk, dv)
-    out, lse = fa3.flash_attn_with_kvcache(q, kc, vc, kn, vn, qv=qv, cache_seqlens=torch.tensor(old, dtype=torch.int32),
-                                           cache_leftpad=torch.tensor(lead, dtype=torch.int32), cu_seqlens_q=cu(lens_q),
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)  # noqa: E731
+    out, lse = fa3.flash_attn_with_kvcache(q, kc, vc, kn, vn, qv=qv, cache_seqlens=i32(old),
+                                           cache_leftpad=i32(lead), cu_seqlens_q=cu(lens_q),
                                            cu_seqlens_k_new=cu(lens_new), max_seqlen_q=3, causal=True,
                                            return_softmax_lse=True, **extra)
     assert out.shape == (sum(lens_q), h, dv) and lse.shape == (h, sum(lens_q))
@@ -259,13 +262,13 @@ def test_qv_kvcache_against_the_dense_qv(paged):
         o, l = fa3.flash_attn_func(q[qs][None], ks[None], vs[None], qv=qv[qs][None], causal=True, return_attn_probs=True)
         torch.testing.assert_close(out[qs], o[0])
         torch.testing.assert_close(lse[:, qs], l[0])
-    untouched = torch.ones(kc.shape[:2], dtype=torch.bool)
+    untouched = torch.ones(kc.shape[:2], dtype=torch.bool, device=dev)
     for i in range(b):
-        j = torch.arange(old[i], old[i] + lens_new[i])
+        j = torch.arange(old[i], old[i] + lens_new[i], device=dev)
         untouched[(table[i][j // page].long(), j % page) if paged else (int(idx[i]), j)] = False
     assert torch.equal(kc[untouched], k0[untouched]) and torch.equal(vc[untouched], v0[untouched])
     with pytest.raises(NotImplementedError, match="rotary_cos"):
-        fa3.flash_attn_with_kvcache(q, kc, vc, qv=qv, rotary_cos=torch.ones(16, 2), rotary_sin=torch.ones(16, 2),
+        fa3.flash_attn_with_kvcache(q, kc, vc, qv=qv, rotary_cos=rnd(16, 2), rotary_sin=rnd(16, 2),
                                     cu_seqlens_q=cu(lens_q), max_seqlen_q=3, **extra)
 
 
