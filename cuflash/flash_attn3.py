@@ -33,8 +33,8 @@ attention_varlen); ``flash_attn_with_kvcache`` is forward only, as in FlashAtten
   padded in front to ``max_seqlen_q`` rows (q rotated by PyTorch operations, with the new keys),
   its rows gathered back; ``cu_seqlens_k_new`` (packed new keys) is cuflash.attention_with_kvcache's.
 - ``flash_attn_with_kvcache`` over float8_e4m3fn caches: bfloat16 copies of q, the caches and the
-  new k, v, the descales folded into q and the output, the caches' rows rewritten from the copies
-  (whole-cache copies on each call: correct, not fast).
+  new k, v, the descales folded into q and the output, the appended rows written back to the e4m3
+  caches (whole-cache copies on each call: correct, not fast).
 - ``qv`` (MLA's absorbed query: scores q.k + qv.v) in flash_attn_func and flash_attn_varlen_func:
   float32 PyTorch operations holding the whole score matrix (differentiable; correct, not fast;
   cu_seqlens read on the host).
@@ -343,6 +343,9 @@ def _qv_kvcache(q, k_cache, v_cache, k, v, qv, cache_seqlens, cache_batch_idx, c
         raise ValueError(f"k_cache and v_cache must be q's dtype {q.dtype} with the same (pages or batch, rows, "
                          f"nheads_k) and q's head dim {q.shape[-1]} in k_cache, got {cuflash.validate.show(k_cache)} "
                          f"and {cuflash.validate.show(v_cache)}")
+    if not paged and cache_batch_idx is None and k_cache.shape[0] != batch:
+        raise ValueError(f"k_cache must have q's batch size {batch} (or pass cache_batch_idx), got "
+                         f"{cuflash.validate.show(k_cache)}")
     new = torch.zeros(batch, dtype=torch.int64, device=dev)
     if k is not None:
         lead_dims = k.shape[:1] if cu_seqlens_k_new is not None else (batch, k.shape[1] if k.dim() == 4 else -1)
