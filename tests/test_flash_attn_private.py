@@ -71,6 +71,18 @@ def test_generator_slot_must_be_none():
         flash_attn_gpu.varlen_bwd(*[None] * 12, 1, 1, 0.0, 1.0, False, True, -1, -1, 0.0, False, bad, None)
 
 
+def test_paged_varlen_refuses_splits_as_flash_attn():
+    """num_splits > 1 with a block table in _flash_attn_varlen_forward: flash-attn's RuntimeError
+    (also a ValueError), before anything is read."""
+    import torch
+    from cuflash.flash_attn.flash_attn_interface import FlashAttnCheckError, _flash_attn_varlen_forward
+    x = torch.zeros(4, 1, 8)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="num_splits > 1 is not supported for varlen paged KV") as caught:
+        _flash_attn_varlen_forward(x, x, x, cu, cu, 4, 4, 0.0, 1.0, False, block_table=torch.zeros(1, 1), num_splits=2)
+    assert isinstance(caught.value, ValueError) and issubclass(FlashAttnCheckError, RuntimeError)
+
+
 def test_softmax_d_layouts():
     """Dense: (batch, nheads, seqlen_q rounded up to 128); packed: (nheads, total_q + 128 batch),
     sequence b's rows from cu_seqlens_q[b] + 128 b; zero padding."""

@@ -430,9 +430,11 @@ def test_gpu_dropin_rotary_and_leftpad_pass_through(rng):
 @pytest.mark.parametrize("append", [False, True])
 def test_gpu_paged_capacity(rng, append):
     """flash-attn's test_flash_attn_kvcache_paged_block_table_bounds: lengths past what the block
-    table holds raise when known on the host (int, host array), before anything is written; on
-    the device they are clamped in the kernels (no page index past the table is read, no row past
-    the capacity written). At capacity, without new keys, runs."""
+    table holds raise when known on the host (int, host array), before anything is written; a
+    CUDA cache_seqlens is read back by the drop-in as flash-attn does (an error that is both a
+    ValueError and flash-attn's RuntimeError, nothing written); cuflash's own call never reads it:
+    the kernels clamp (no page index past the table is read, no row past the capacity written).
+    At capacity, without new keys, runs."""
     import torch
     from cuflash.flash_attn import flash_attn_with_kvcache
     from test_gpu_forward import to_np
@@ -449,9 +451,12 @@ def test_gpu_paged_capacity(rng, append):
         with pytest.raises(ValueError, match="block_table"):
             cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, block_table=table, out=out)
         assert torch.isnan(out).all() and torch.equal(kc, before[0]) and torch.equal(vc, before[1])
-    # on the device: no error, the kernels clamp to the table's capacity
-    res = flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=torch.full((1,), over, dtype=torch.int32,
-                                                                              device="cuda"), block_table=table)
+    dev_lens = torch.full((1,), over, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="block_table") as caught:
+        flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=dev_lens, block_table=table)
+    assert isinstance(caught.value, ValueError) and torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    # cuflash's own call on the device: no error, the kernels clamp to the table's capacity
+    res = cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=dev_lens, block_table=table)
     torch.cuda.synchronize()
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])  # the row past the capacity was dropped
     from cuflash.reference import check_close

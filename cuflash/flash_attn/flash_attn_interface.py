@@ -48,6 +48,31 @@ def _not_supported(what, hint):
     raise NotImplementedError(f"{what} is not supported by cuflash yet ({hint})")
 
 
+class FlashAttnCheckError(ValueError, RuntimeError):
+    """A bad argument that flash-attn refuses with a RuntimeError (its TORCH_CHECKs) and cuflash
+    with a ValueError: both, so that either ``except`` catches it."""
+
+
+def _paged_capacity_check(q, k, k_cache, cache_seqlens, block_table):
+    """flash-attn's check that a paged cache's CUDA ``cache_seqlens`` (+ the new keys) fit what the
+    block table addresses: read back from the device (a synchronisation, as in flash-attn; not
+    while a CUDA graph is being captured, where the kernels' clamp to the table stands alone).
+    Host-known lengths are checked by cuflash.attention_with_kvcache itself."""
+    if (block_table is None or not isinstance(cache_seqlens, torch.Tensor) or not cache_seqlens.is_cuda
+            or cache_seqlens.numel() == 0 or torch.cuda.is_current_stream_capturing()):
+        return
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or k_cache.dim() != 4:
+        return  # (cuflash.attention_with_kvcache names the bad argument)
+    new = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
+    capacity = block_table.shape[1] * k_cache.shape[1]
+    longest = int(cache_seqlens.max()) + new
+    if longest > capacity:
+        raise FlashAttnCheckError(
+            f"Paged KV cache: max(cache_seqlens){' + seqlen_new' if new else ''} (= {longest}) exceeds the capacity "
+            f"addressable by block_table (pages_per_seq * page_size = {block_table.shape[1]} * {k_cache.shape[1]} = "
+            f"{capacity})")
+
+
 # flash-attn's switch to its Triton kernels on AMD GPUs; cuflash has no such path.
 USE_TRITON_ROCM = os.getenv("FLASH_ATTENTION_TRITON_AMD_ENABLE", "FALSE") == "TRUE"
 
@@ -359,9 +384,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ``cache_seqlens`` (rotated by ``rotary_cos``/``rotary_sin`` when given, q then attending
     rotated too), then q attends to the caches (from ``cache_leftpad`` on, when given). Returns
     out, or (out, softmax_lse) with ``return_softmax_lse=True``. Lengths past a block table's
-    capacity raise a ValueError when cuflash can see them on the host (an int, a NumPy array or a
-    CPU tensor); flash-attn reads a device ``cache_seqlens`` back to check it (a synchronisation),
-    cuflash does not: its kernels clamp to the table instead."""
+    capacity raise a ValueError (host lengths: an int, a NumPy array or a CPU tensor) or, for a
+    CUDA ``cache_seqlens``, FlashAttnCheckError (a ValueError and flash-attn's RuntimeError) after
+    reading it back as flash-attn does (a synchronisation; skipped while a CUDA graph is
+    captured: the kernels clamp to the table)."""
+    _paged_capacity_check(q, k, k_cache, cache_seqlens, block_table)
     q, k, v = (_contiguous_last(x) for x in (q, k, v))
     return cuflash.attention_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
@@ -429,9 +456,12 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     """flash-attn's ``_flash_attn_varlen_forward``: (out, softmax_lse (nheads, total_q), S_dmask,
     rng_state), as :func:`flash_attn_varlen_func` (``seqused_k`` with a ``block_table``);
     ``zero_tensors`` is accepted (cuflash writes every output row). ``leftpad_k`` raises
-    NotImplementedError."""
+    NotImplementedError; ``num_splits > 1`` with a ``block_table`` FlashAttnCheckError, as
+    flash-attn refuses it."""
     if leftpad_k is not None:
         _not_supported("leftpad_k in a varlen call", "flash_attn_with_kvcache's cache_leftpad serves KV caches")
+    if block_table is not None and num_splits > 1:  # (flash-attn's rule, kept for its callers)
+        raise FlashAttnCheckError(f"num_splits > 1 is not supported for varlen paged KV, got num_splits={num_splits}")
     if seqused_k is not None:
         if block_table is None:
             _not_supported("seqused_k without a block_table in _flash_attn_varlen_forward",
