@@ -585,6 +585,7 @@ class _FlashAttnGpu:
     def fwd_kvcache(q, kcache, vcache, k, v, seqlens_k, rotary_cos, rotary_sin, cache_batch_idx, leftpad_k,
                     block_table, alibi_slopes, out, softmax_scale, is_causal, window_size_left, window_size_right,
                     softcap, is_rotary_interleaved, num_splits):
+        _paged_capacity_check(q, k, kcache, seqlens_k, block_table)
         q, k, v = (_contiguous_last(x) for x in (q, k, v))
         return list(cuflash.attention_with_kvcache(
             q, kcache, vcache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=seqlens_k,
