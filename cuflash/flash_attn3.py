@@ -167,8 +167,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     _hints(num_splits, pack_gqa)
     window = _window(window_size)
     if qv is not None:
-        _check_qv(q, v, qv, (q_descale, k_descale, v_descale))
-        out, lse = _qv_attention(q, k, v, qv, softmax_scale, causal, window, _softcap(softcap), attention_chunk)
+        _check_qv(q, k, v, qv, (q_descale, k_descale, v_descale))
+        scale, chunk = _qv_options(q, softmax_scale, attention_chunk)
+        out, lse = _qv_attention(q, k, v, qv, scale, causal, window, _softcap(softcap), chunk)
         return (out, lse) if return_attn_probs else out
     given = (q_descale, k_descale, v_descale)
     copies = q.dtype == torch.float8_e4m3fn and not _fp8_kernel_runs(q, v, window, softcap, attention_chunk)
@@ -242,9 +243,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                     deterministic=deterministic, return_lse=True, attention_chunk=attention_chunk)
     descales = (q_descale, k_descale, v_descale)
     if qv is not None:
-        _check_qv(q, v, qv, descales)
-        out, lse = _qv_attention_varlen(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window,
-                                        _softcap(softcap), attention_chunk)
+        _check_qv(q, k, v, qv, descales, same_batch=False)
+        scale, chunk = _qv_options(q, softmax_scale, attention_chunk)
+        out, lse = _qv_attention_varlen(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, scale, causal, window,
+                                        _softcap(softcap), chunk)
     elif q.dtype == torch.float8_e4m3fn or any(x is not None for x in descales):
         if q.dtype != torch.float8_e4m3fn:
             raise TypeError(f"q_descale, k_descale and v_descale apply to float8_e4m3fn q, k, v; q is {q.dtype}")
@@ -261,14 +263,29 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return (out, lse) if return_attn_probs else out
 
 
-def _check_qv(q, v, qv, descales):
-    """qv must be q's dtype and place, shaped as q with v's head dim; FP8 has no qv (as in FA3)."""
+def _check_qv(q, k, v, qv, descales, same_batch=True):
+    """The operands of a qv call: q, k, v, qv tensors of q's dtype and place; k with q's head dim
+    (and, ``same_batch``, q's batch: dense calls), v with k's leading dims; qv shaped as q with v's
+    head dim. FP8 has no qv (nor in FlashAttention-3)."""
     if q.dtype == torch.float8_e4m3fn or any(x is not None for x in descales):
         raise NotImplementedError("qv with float8_e4m3fn inputs (descales) is not supported (nor in FlashAttention-3)")
+    for name, x in (("q", q), ("k", k), ("v", v), ("qv", qv)):
+        if not isinstance(x, torch.Tensor) or x.dtype != q.dtype or x.device != q.device or x.dim() != q.dim():
+            raise ValueError(f"{name} must be a {q.dim()}-dim {q.dtype} tensor on {q.device} (q's), got "
+                             f"{cuflash.validate.show(x)}")
+    if k.shape[-1] != q.shape[-1] or v.shape[:-1] != k.shape[:-1] or same_batch and k.shape[0] != q.shape[0]:
+        raise ValueError(f"k must have q's head dim {q.shape[-1]}{' and batch' if same_batch else ''} and v k's leading "
+                         f"dims, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     want = (*q.shape[:-1], v.shape[-1])
-    if not isinstance(qv, torch.Tensor) or qv.dtype != q.dtype or tuple(qv.shape) != want or qv.device != q.device:
-        raise ValueError(f"qv must be {q.dtype} of shape {want} (q's, with v's head dim) on {q.device}, got "
-                         f"{cuflash.validate.show(qv)}")
+    if tuple(qv.shape) != want:
+        raise ValueError(f"qv must have shape {want} (q's, with v's head dim), got {tuple(qv.shape)}")
+
+
+def _qv_options(q, softmax_scale, chunk):
+    """softmax_scale (None: (d + dv) ** -0.5, chosen later) and attention_chunk, checked as cuflash
+    checks them."""
+    scale = None if softmax_scale is None else cuflash.validate.scale(softmax_scale, q.shape[-1])
+    return scale, cuflash.validate.attention_chunk(chunk)
 
 
 def _qv_attention(q, k, v, qv, scale, causal, window, softcap, chunk):
@@ -334,24 +351,45 @@ def _qv_kvcache(q, k_cache, v_cache, k, v, qv, cache_seqlens, cache_batch_idx, c
     queries through the front-padded layout of _front_padded)."""
     packed = cu_seqlens_q is not None
     batch, dev = (cu_seqlens_q.shape[0] - 1) if packed else q.shape[0], q.device
-    _check_qv(q, v_cache, qv, ())
-    paged = page_table is not None
-    cap = page_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(x, torch.Tensor) or x.dtype != q.dtype or x.device != q.device or x.dim() != 4:
+            raise ValueError(f"{name} must be a 4-dim {q.dtype} tensor on {q.device} (q's), got "
+                             f"{cuflash.validate.show(x)}")
     hk, d, dv = k_cache.shape[-2], k_cache.shape[-1], v_cache.shape[-1]
-    if v_cache.shape[:-1] != k_cache.shape[:-1] or v_cache.dtype != k_cache.dtype or k_cache.dtype != q.dtype \
-            or q.shape[-1] != d:
-        raise ValueError(f"k_cache and v_cache must be q's dtype {q.dtype} with the same (pages or batch, rows, "
-                         f"nheads_k) and q's head dim {q.shape[-1]} in k_cache, got {cuflash.validate.show(k_cache)} "
-                         f"and {cuflash.validate.show(v_cache)}")
-    if not paged and cache_batch_idx is None and k_cache.shape[0] != batch:
+    if v_cache.shape[:-1] != k_cache.shape[:-1] or q.shape[-1] != d:
+        raise ValueError(f"k_cache must have q's head dim {q.shape[-1]} and v_cache k_cache's leading dims, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if not isinstance(qv, torch.Tensor) or qv.dtype != q.dtype or qv.device != q.device \
+            or tuple(qv.shape) != (*q.shape[:-1], dv):
+        raise ValueError(f"qv must be {q.dtype} of shape {(*q.shape[:-1], dv)} (q's, with v_cache's head dim) on "
+                         f"{q.device}, got {cuflash.validate.show(qv)}")
+    vectors = (("cache_leftpad", cache_leftpad, (batch,)), ("cache_batch_idx", cache_batch_idx, (batch,)),
+               ("cu_seqlens_k_new", cu_seqlens_k_new, (batch + 1,)), ("page_table", page_table, (batch, None)),
+               ("cache_seqlens", None if isinstance(cache_seqlens, int) else cache_seqlens, (batch,)))
+    for name, x, shape in vectors:
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or x.device != q.device:
+            raise TypeError(f"{name} must be an int32 tensor on q's device {q.device}, got {cuflash.validate.show(x)}")
+        if x.dim() != len(shape) or any(n is not None and n != m for n, m in zip(shape, x.shape)):
+            raise ValueError(f"{name} must have shape {shape} (None: any), got {tuple(x.shape)}")
+    if isinstance(cache_seqlens, bool) or isinstance(cache_seqlens, int) and cache_seqlens < 0:
+        raise TypeError(f"cache_seqlens must be an int >= 0 or an int32 tensor, got {cuflash.validate.show(cache_seqlens)}")
+    paged = page_table is not None
+    if paged:  # (device indices are the caller's contract: clamped, never read past the pool)
+        page_table = page_table.clamp(0, k_cache.shape[0] - 1)
+    elif cache_batch_idx is not None:
+        cache_batch_idx = cache_batch_idx.clamp(0, k_cache.shape[0] - 1)
+    elif k_cache.shape[0] != batch:
         raise ValueError(f"k_cache must have q's batch size {batch} (or pass cache_batch_idx), got "
                          f"{cuflash.validate.show(k_cache)}")
+    cap = page_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     new = torch.zeros(batch, dtype=torch.int64, device=dev)
     if k is not None:
         lead_dims = k.shape[:1] if cu_seqlens_k_new is not None else (batch, k.shape[1] if k.dim() == 4 else -1)
         for name, x, width in (("k", k, d), ("v", v, dv)):
-            if tuple(x.shape) != (*lead_dims, hk, width) or x.dtype != q.dtype:
-                raise ValueError(f"{name} must be {q.dtype} of shape {(*lead_dims, hk, width)}, got "
+            if tuple(x.shape) != (*lead_dims, hk, width) or x.dtype != q.dtype or x.device != q.device:
+                raise ValueError(f"{name} must be {q.dtype} of shape {(*lead_dims, hk, width)} on {q.device}, got "
                                  f"{cuflash.validate.show(x)}")
         if cache_seqlens is None:
             raise ValueError("cache_seqlens is required when appending k and v")
@@ -385,7 +423,15 @@ def _qv_kvcache(q, k_cache, v_cache, k, v, qv, cache_seqlens, cache_batch_idx, c
 def _qv_attention_varlen(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, scale, causal, window, softcap, chunk):
     """_qv_attention per packed sequence (cu_seqlens read on the host); rows past the last
     sequence get 0 and LSE +inf. Returns (out (total_q, heads, dv), lse (heads, total_q))."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 1:
+            raise TypeError(f"{name} must be a 1-dim int32 tensor (batch + 1,), got {cuflash.validate.show(cu)}")
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for name, offsets, total in (("cu_seqlens_q", cq, q.shape[0]), ("cu_seqlens_k", ck, k.shape[0])):
+        if len(offsets) != len(cq) or offsets[0] != 0 or any(a > b for a, b in zip(offsets, offsets[1:])) \
+                or offsets[-1] > total:
+            raise ValueError(f"{name} must be {len(cq)} non-decreasing offsets from 0 to at most {total} (with qv "
+                             f"they are read on the host), got {offsets}")
     outs, lses = [], []
     for i in range(len(cq) - 1):
         qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
@@ -468,13 +514,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     if qv is not None:
         _refuse(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, rotary_cos=rotary_cos,
                 rotary_sin=rotary_sin)
+        if torch.float8_e4m3fn in (q.dtype, k_cache.dtype, v_cache.dtype):
+            raise NotImplementedError("qv with float8_e4m3fn inputs is not supported (nor in FlashAttention-3)")
         if packed_q := cu_seqlens_q is not None:
             if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
                 raise TypeError(f"max_seqlen_q must be an int >= 0 with cu_seqlens_q, got "
                                 f"{cuflash.validate.show(max_seqlen_q)}")
-        if q.dim() != (3 if packed_q else 4):
+        elif max_seqlen_q is not None and max_seqlen_q != q.shape[1]:
+            raise ValueError(f"max_seqlen_q ({max_seqlen_q}) must be q's seqlen ({q.shape[1]}) without cu_seqlens_q")
+        if not isinstance(q, torch.Tensor) or q.dim() != (3 if packed_q else 4):
             raise ValueError(f"q must be {'(total_q, nheads, d)' if packed_q else '(batch, seqlen_q, nheads, d)'}, "
-                             f"got shape {tuple(q.shape)}")
+                             f"got {cuflash.validate.show(q)}")
+        softmax_scale, attention_chunk = _qv_options(q, softmax_scale, attention_chunk)
         return _qv_kvcache(q, k_cache, v_cache, k, v, qv, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
                            cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, softmax_scale, causal, _window(window_size),
                            _softcap(softcap), attention_chunk, return_softmax_lse)

@@ -213,19 +213,29 @@ def test_qv_against_the_reference(causal, window, softcap, chunk, sq, sk):
     torch.testing.assert_close(o2[:-1], out.detach().flatten(0, 1))
     torch.testing.assert_close(l2[:, :-1], lse.detach().transpose(0, 1).flatten(1))
     assert (o2[-1] == 0).all() and torch.isinf(l2[:, -1]).all()
-    with pytest.raises(ValueError, match="qv must be torch.float32 of shape"):
+    with pytest.raises(ValueError, match=r"qv must have shape \(2, \d+, 4, 16\)"):
         fa3.flash_attn_func(q, k, v, qv=qv[..., :4])
+    with pytest.raises(ValueError, match="k must have q's head dim 8 and batch"):
+        fa3.flash_attn_func(q, k[:1], v[:1], qv=qv)
+    with pytest.raises(ValueError, match="attention_chunk"):
+        fa3.flash_attn_func(q, k, v, qv=qv, attention_chunk=-2)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be 3 non-decreasing offsets from 0"):
+        fa3.flash_attn_varlen_func(packed(q, 1), packed(k), packed(v), cu_q + 1, cu_k, sq, sk, qv=packed(qv, 1))
     with pytest.raises(NotImplementedError, match="qv with float8_e4m3fn"):
         fa3.flash_attn_func(q, k, v, qv=qv, q_descale=torch.ones(2, 2))
 
 
 @pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=requires_sm90)])
 @pytest.mark.parametrize("paged", [False, True])
-def test_qv_kvcache_against_the_dense_qv(paged, dev):
-    """flash_attn_with_kvcache with qv (CPU: MLA decode over a latent cache wider than the rope
-    cache): packed new keys appended at cache_seqlens[b] + i (through the page table, or the rows
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(window_size=(2, 1), attention_chunk=3)])
+def test_qv_kvcache_against_the_reference(paged, dev, mask):
+    """flash_attn_with_kvcache with qv (MLA decode over a latent cache wider than the rope cache):
+    packed new keys appended at cache_seqlens[b] + i (through the page table, or the rows
     cache_batch_idx picks), every other row untouched, and each packed query sequence's output and
-    LSE those of flash_attn_func's qv over its keys cache_leftpad[b] ... (causal, bottom-right)."""
+    LSE the float64 reference's of [q, qv] . [k, v] over its keys cache_leftpad[b] ... (masks
+    aligned bottom-right, the chunk counted from the leftpad); bad arguments refused before any
+    row is written."""
+    from cuflash import reference
     gen = torch.Generator().manual_seed(5 + paged)
     rnd = lambda *shape: torch.randn(*shape, generator=gen).to(dev)  # noqa: E731
     b, h, hk, d, dv, page, cap = 3, 4, 1, 8, 16, 4, 16
@@ -248,8 +258,8 @@ def test_qv_kvcache_against_the_dense_qv(paged, dev):
     i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)  # noqa: E731
     out, lse = fa3.flash_attn_with_kvcache(q, kc, vc, kn, vn, qv=qv, cache_seqlens=i32(old),
                                            cache_leftpad=i32(lead), cu_seqlens_q=cu(lens_q),
-                                           cu_seqlens_k_new=cu(lens_new), max_seqlen_q=3, causal=True,
-                                           return_softmax_lse=True, **extra)
+                                           cu_seqlens_k_new=cu(lens_new), max_seqlen_q=3, return_softmax_lse=True,
+                                           **mask, **extra)
     assert out.shape == (sum(lens_q), h, dv) and lse.shape == (h, sum(lens_q))
     cq, ck = cu(lens_q), cu(lens_new)
     for i in range(b):
@@ -259,9 +269,12 @@ def test_qv_kvcache_against_the_dense_qv(paged, dev):
         assert torch.equal(rows(kc, i, old[i]), rows(k0, i, old[i]))
         ks, vs = rows(kc, i, n)[lead[i]:], rows(vc, i, n)[lead[i]:]
         qs = slice(int(cq[i]), int(cq[i + 1]))
-        o, l = fa3.flash_attn_func(q[qs][None], ks[None], vs[None], qv=qv[qs][None], causal=True, return_attn_probs=True)
-        torch.testing.assert_close(out[qs], o[0])
-        torch.testing.assert_close(lse[:, qs], l[0])
+        f64 = lambda x: x.detach().double().cpu().numpy()[None]  # noqa: E731
+        o, l = reference.attention(f64(torch.cat([q[qs], qv[qs]], -1)), f64(torch.cat([ks, vs], -1)),
+                                   f64(torch.nn.functional.pad(vs, (0, d))), softmax_scale=(d + dv) ** -0.5,
+                                   return_lse=True, **mask)
+        np.testing.assert_allclose(out[qs].cpu().numpy(), o[0, ..., :dv], atol=1e-5)
+        np.testing.assert_allclose(lse[:, qs].cpu().numpy(), l[0], atol=1e-5)
     untouched = torch.ones(kc.shape[:2], dtype=torch.bool, device=dev)
     for i in range(b):
         j = torch.arange(old[i], old[i] + lens_new[i], device=dev)
@@ -270,6 +283,16 @@ def test_qv_kvcache_against_the_dense_qv(paged, dev):
     with pytest.raises(NotImplementedError, match="rotary_cos"):
         fa3.flash_attn_with_kvcache(q, kc, vc, qv=qv, rotary_cos=rnd(16, 2), rotary_sin=rnd(16, 2),
                                     cu_seqlens_q=cu(lens_q), max_seqlen_q=3, **extra)
+    k1 = kc.clone()
+    call = dict(cache_seqlens=i32(old), cu_seqlens_q=cu(lens_q), cu_seqlens_k_new=cu(lens_new), max_seqlen_q=3, **extra)
+    for bad, err, match in ((dict(cache_leftpad=i32([0, 0])), ValueError, "cache_leftpad must have shape"),
+                            (dict(cache_seqlens=i32(old).long()), TypeError, "cache_seqlens must be an int32"),
+                            (dict(cu_seqlens_k_new=cu([1, 1])), ValueError, "cu_seqlens_k_new must have shape"),
+                            (dict(attention_chunk=-2), ValueError, "attention_chunk"),
+                            (dict(softmax_scale="a"), TypeError, "softmax_scale")):
+        with pytest.raises(err, match=match):
+            fa3.flash_attn_with_kvcache(q, kc, vc, kn, vn, qv=qv, **{**call, **bad})
+        assert torch.equal(kc, k1)
 
 
 def _seqused_reference(q, k, v, cu_q, cu_k, used_q, used_k, dout, causal, window):
