@@ -246,8 +246,12 @@ CLI_VALUES = ["-1", "0", "1", "2", "3", "7", "64", "129", "300", "2147483648", "
 
 
 def test_hostile_command_lines(monkeypatch, capsys):
-    """explain and warmup with random options and values (warmup's compiles are stubbed out)."""
+    """explain and warmup with random options and values (warmup's compiles, and its build of the
+    C++ autograd node where PyTorch is installed, are stubbed out: that build prints its progress
+    on stderr the first time)."""
+    import cuflash.__main__ as cli
     monkeypatch.setattr(compiler, "warmup", lambda variants, progress=None: ([], list(variants)))
+    monkeypatch.setattr(cli, "_warmup_torch_node", lambda: None)
     rng = np.random.default_rng(18 + SEED)
     for i in range(300):
         cmd = str(rng.choice(sorted(CLI_OPTIONS)))
