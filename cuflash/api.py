@@ -437,9 +437,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
             if tuple(x.shape) != want or x.dtype != qv.dtype:
                 raise ValueError(f"{name} must be {qv.dtype} of shape {dims} = {want}, got {x.dtype} "
                                  f"{validate.shape_str(x)}")
-            rows_ok = _aligned(x) if not packed else x.ptr % 16 == 0 and all(
-                st % 8 == 0 or n <= 1 for st, n in zip(x.strides[:2], x.shape[:2]))
-            if (not unaligned and not rows_ok) or (d > 1 and x.strides[-1] != 1):
+            if (not unaligned and not _aligned(x)) or (d > 1 and x.strides[-1] != 1):
                 raise ValueError(f"{name} must be contiguous in its last dim and 16-byte aligned, "
                                  f"got strides {tuple(x.strides)}")
             validate.same_place(("q", qv), (name, x))

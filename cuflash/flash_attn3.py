@@ -408,15 +408,12 @@ def _qv_kvcache(q, k_cache, v_cache, k, v, qv, cache_seqlens, cache_batch_idx, c
         rows = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(batch, device=dev)
         keys, values = k_cache[rows], v_cache[rows]
     if packed:
-        seq_c, row_w, valid, seq_w = _front_padded(cu_seqlens_q, q.shape[0], max_seqlen_q)
-        dq, dqv = (x.new_zeros((batch + 1, max_seqlen_q) + tuple(x.shape[1:])) for x in (q, qv))
-        dq[seq_w, row_w], dqv[seq_w, row_w] = q, qv
-        q, qv = dq[:batch], dqv[:batch]
+        layout = _front_padded(cu_seqlens_q, q.shape[0], max_seqlen_q)
+        q, qv = (_padded_rows(x, layout, batch, max_seqlen_q) for x in (q, qv))
     seen = _seen(q.shape[1], cap, lengths, leads, causal, window, chunk)
     out, lse = _qv_core(q, keys, values, qv, scale, softcap, seen)
     if packed:
-        out = torch.where(valid[:, None, None], out[seq_c, row_w], torch.zeros((), dtype=out.dtype, device=dev))
-        lse = torch.where(valid[:, None], lse[seq_c, :, row_w], float("inf")).transpose(0, 1).contiguous()
+        out, lse = _packed_rows(out, lse, layout, batch)
     return (out, lse) if return_lse else out
 
 
@@ -507,8 +504,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                         f"{cuflash.validate.show(scheduler_metadata)}")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
-    if cu_seqlens_q is not None:
-        _check_cu_seqlens_q(cu_seqlens_q, q)
+    _check_query_layout(q, cu_seqlens_q, max_seqlen_q)
     if page_table is not None and cache_batch_idx is not None:
         page_table, cache_batch_idx = _table_rows(page_table, cache_batch_idx, q, cu_seqlens_q), None
     if qv is not None:
@@ -516,15 +512,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                 rotary_sin=rotary_sin)
         if torch.float8_e4m3fn in (q.dtype, k_cache.dtype, v_cache.dtype):
             raise NotImplementedError("qv with float8_e4m3fn inputs is not supported (nor in FlashAttention-3)")
-        if packed_q := cu_seqlens_q is not None:
-            if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
-                raise TypeError(f"max_seqlen_q must be an int >= 0 with cu_seqlens_q, got "
-                                f"{cuflash.validate.show(max_seqlen_q)}")
-        elif max_seqlen_q is not None and max_seqlen_q != q.shape[1]:
-            raise ValueError(f"max_seqlen_q ({max_seqlen_q}) must be q's seqlen ({q.shape[1]}) without cu_seqlens_q")
-        if not isinstance(q, torch.Tensor) or q.dim() != (3 if packed_q else 4):
-            raise ValueError(f"q must be {'(total_q, nheads, d)' if packed_q else '(batch, seqlen_q, nheads, d)'}, "
-                             f"got {cuflash.validate.show(q)}")
+        if cu_seqlens_q is None and q.dim() != 4:
+            raise ValueError(f"q must be (batch, seqlen_q, nheads, d), got {cuflash.validate.show(q)}")
         softmax_scale, attention_chunk = _qv_options(q, softmax_scale, attention_chunk)
         return _qv_kvcache(q, k_cache, v_cache, k, v, qv, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
                            cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, softmax_scale, causal, _window(window_size),
@@ -548,8 +537,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
               window_size=_window(window_size), softcap=_softcap(softcap), attention_chunk=attention_chunk,
               cu_seqlens_k_new=cu_seqlens_k_new)
     if cu_seqlens_q is None:
-        if max_seqlen_q is not None and max_seqlen_q != q.shape[1]:
-            raise ValueError(f"max_seqlen_q ({max_seqlen_q}) must be q's seqlen ({q.shape[1]}) without cu_seqlens_q")
         return cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                                               cache_seqlens=cache_seqlens, rotary_interleaved=rotary_interleaved,
                                               rotary_seqlens=rotary_seqlens, **kw)
@@ -557,11 +544,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                              cu_seqlens_q, max_seqlen_q, rotary_interleaved, page_table, kw)
 
 
-def _check_cu_seqlens_q(cu_seqlens_q, q):
+def _check_query_layout(q, cu_seqlens_q, max_seqlen_q):
+    """flash_attn_with_kvcache's q: dense (max_seqlen_q None or q's seqlen), or packed (total_q,
+    nheads, d) with an int32 cu_seqlens_q (batch + 1,) on q's device and an int max_seqlen_q."""
+    if cu_seqlens_q is None:
+        if max_seqlen_q is not None and max_seqlen_q != q.shape[1]:
+            raise ValueError(f"max_seqlen_q ({max_seqlen_q}) must be q's seqlen ({q.shape[1]}) without cu_seqlens_q")
+        return
     if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.dim() != 1 \
             or cu_seqlens_q.shape[0] < 1 or cu_seqlens_q.device != q.device:
         raise TypeError(f"cu_seqlens_q must be a 1-dim int32 tensor (batch + 1,) on q's device {q.device}, got "
                         f"{cuflash.validate.show(cu_seqlens_q)}")
+    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+        raise TypeError(f"max_seqlen_q must be an int >= 0 with cu_seqlens_q, got {cuflash.validate.show(max_seqlen_q)}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be (total_q, nheads, d) with cu_seqlens_q, got shape {tuple(q.shape)}")
 
 
 def _table_rows(page_table, cache_batch_idx, q, cu_seqlens_q):
@@ -631,7 +628,7 @@ def _fp8_kvcache(run, q, k_cache, v_cache, k, v, cos, sin, descales, cu_seqlens_
     batch = cu_seqlens_q.shape[0] - 1 if packed else q.shape[0]
     hk = k_cache.shape[-2]
     _check_descales(q, hk, v_cache.shape[-2], descales, batch)
-    seq = _sequence_of(cu_seqlens_q, q.shape[0]) if packed else None
+    seq = _sequence_of(cu_seqlens_q, q.shape[0]) if packed and any(x is not None for x in descales) else None
     bf16 = torch.bfloat16
     with torch.no_grad():
         q_in = q.to(bf16)
@@ -655,13 +652,10 @@ def _kvcache_varlen_q(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, rotary
     """flash_attn_with_kvcache with packed queries: rotated (PyTorch operations, with the new
     keys, at rotary_seqlens or cache_seqlens), padded in front to (batch, max_seqlen_q) rows so
     that each sequence's last query is the dense call's last row, attended, gathered back."""
-    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
-        raise TypeError(f"max_seqlen_q must be an int >= 0 with cu_seqlens_q, got {cuflash.validate.show(max_seqlen_q)}")
-    if q.dim() != 3:
-        raise ValueError(f"q must be (total_q, nheads, d) with cu_seqlens_q, got shape {tuple(q.shape)}")
     batch, total, dev = cu_seqlens_q.shape[0] - 1, q.shape[0], q.device
     tokens = torch.arange(total, dtype=torch.int32, device=dev)
-    seq_c, row_w, valid, seq_w = _front_padded(cu_seqlens_q, total, max_seqlen_q)
+    layout = _front_padded(cu_seqlens_q, total, max_seqlen_q)
+    seq_c = layout[0]
     if cos is not None or sin is not None:  # (checked as attention_with_kvcache checks them)
         qv = cuflash.validate.view(q, "q")
         capacity = k_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
@@ -690,16 +684,9 @@ def _kvcache_varlen_q(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, rotary
         else:
             pos = start[:, None] + torch.arange(k.shape[1], dtype=torch.int32, device=dev)
             k = _rotated(k.flatten(0, 1), cos, sin, interleaved, pos.flatten()).unflatten(0, k.shape[:2])
-    dense = q.new_zeros((batch + 1, max_seqlen_q) + tuple(q.shape[1:]))
-    dense[seq_w, row_w] = q
-    res = cuflash.attention_with_kvcache(dense[:batch], k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, **kw)
-    out, lse = res if kw["return_lse"] else (res, None)
-    gathered = out[seq_c, row_w] if batch else q.new_zeros(q.shape)
-    out = torch.where(valid[:, None, None], gathered, torch.zeros((), dtype=out.dtype, device=dev))
-    if lse is None:
-        return out
-    lse = lse[seq_c, :, row_w] if batch else q.new_zeros((total, q.shape[1]), dtype=torch.float32)
-    return out, torch.where(valid[:, None], lse, float("inf")).transpose(0, 1).contiguous()
+    res = cuflash.attention_with_kvcache(_padded_rows(q, layout, batch, max_seqlen_q), k_cache, v_cache, k, v,
+                                         cache_seqlens=cache_seqlens, **kw)
+    return _packed_rows(*(res if kw["return_lse"] else (res, None)), layout, batch)
 
 
 def _front_padded(cu_seqlens_q, total, max_seqlen_q):
@@ -716,6 +703,29 @@ def _front_padded(cu_seqlens_q, total, max_seqlen_q):
     row = max_seqlen_q - lens[seq_c] + tokens - cu_seqlens_q[seq_c]
     valid = (seq < batch) & (row >= 0) & (row < max_seqlen_q)
     return seq_c, row.clamp(0, max(max_seqlen_q - 1, 0)), valid, torch.where(valid, seq, batch)
+
+
+def _padded_rows(x, layout, batch, max_seqlen_q):
+    """Packed (total, heads, ·) rows in _front_padded's dense (batch, max_seqlen_q, heads, ·)
+    layout (zeros elsewhere)."""
+    _, row_w, _, seq_w = layout
+    dense = x.new_zeros((batch + 1, max_seqlen_q) + tuple(x.shape[1:]))
+    dense[seq_w, row_w] = x
+    return dense[:batch]
+
+
+def _packed_rows(out, lse, layout, batch):
+    """A dense call's out (batch, max_seqlen_q, heads, dv) and lse (batch, heads, max_seqlen_q) or
+    None back at the packed tokens of _front_padded's ``layout``: (out (total, heads, dv), lse
+    (heads, total)) or out alone; tokens outside every sequence get 0 and LSE +inf."""
+    seq_c, row_w, valid, _ = layout
+    total, heads, dev = valid.shape[0], out.shape[2], valid.device
+    gathered = out[seq_c, row_w] if batch else out.new_zeros((total,) + tuple(out.shape[2:]))
+    out = torch.where(valid[:, None, None], gathered, torch.zeros((), dtype=out.dtype, device=dev))
+    if lse is None:
+        return out
+    lse = lse[seq_c, :, row_w] if batch else torch.zeros((total, heads), dtype=torch.float32, device=dev)
+    return out, torch.where(valid[:, None], lse, float("inf")).transpose(0, 1).contiguous()
 
 
 def _rotated(x, cos, sin, interleaved, pos):

@@ -6,7 +6,7 @@ import os
 from dataclasses import replace
 from typing import NamedTuple
 
-from . import arrays, compiler
+from . import arrays, compiler, validate
 from .kernels import fwd, fwd_ws
 from .kernels.append import AppendVariant
 from .kernels.params import stride_values
@@ -456,9 +456,7 @@ def append_kv(k_new, v_new, k_cache, v_cache, seqlens_ptr: int, seqlen0: int, ba
     else:
         (s_new, hk, d), (b, cu_new, seqlens_out) = k_new.shape, packed
         kn_st, vn_st = (0, *k_new.strides[:2]), (0, *v_new.strides[:2])
-    rows_aligned = lambda x, st: x.ptr % 16 == 0 and all(s % 8 == 0 or n <= 1 for s, n in zip(st, (b, s_new, hk)))
-    vec = (d % 8 == 0 and validate_aligned(k_cache) and validate_aligned(v_cache)
-           and rows_aligned(k_new, kn_st) and rows_aligned(v_new, vn_st))
+    vec = d % 8 == 0 and all(validate.aligned(x) for x in (k_new, v_new, k_cache, v_cache))
     rot = dict(rotary_cos=0, rotary_sin=0, rotary_dim=0, seqlen_ro=0, q=0, q_rot=0, seqlen_q=0, nheads=0,
                q_rowwise=0, ro_seqlens=0, **stride_values("q", (0, 0, 0)), **stride_values("qr", (0, 0, 0)))
     q_items = 0
@@ -486,8 +484,3 @@ def append_kv(k_new, v_new, k_cache, v_cache, seqlens_ptr: int, seqlen0: int, ba
         capacity=capacity, vec=int(vec), cu_new=cu_new, seqlens_out=seqlens_out, **rot)
 
 
-def validate_aligned(x) -> bool:
-    """Every (batch, row, head) row of view x starts on a 16-byte boundary."""
-    st, sh = x.strides, x.shape
-    return (x.ptr % 16 == 0 and (st[0] % 8 == 0 or sh[0] <= 1) and (st[1] % 8 == 0 or sh[1] <= 1)
-            and (st[2] % 8 == 0 or sh[2] <= 1))

@@ -202,10 +202,9 @@ def lse(x, shape, layout, q, producer):
 
 
 def aligned(x) -> bool:
-    """16-byte loads need an aligned base and batch/seq/head strides in multiples of 8 elements."""
-    st, sh = x.strides, x.shape
-    return (x.ptr % 16 == 0 and (st[0] % 8 == 0 or sh[0] <= 1) and (st[1] % 8 == 0 or sh[1] <= 1)
-            and (st[2] % 8 == 0 or sh[2] <= 1))
+    """16-byte loads need an aligned base and every stride but the last (batch/seq/head, or a packed
+    view's token/head) in multiples of 8 elements."""
+    return x.ptr % 16 == 0 and all(st % 8 == 0 or n <= 1 for st, n in zip(x.strides[:-1], x.shape[:-1]))
 
 
 def batched(x, batch, max_len):

@@ -22,9 +22,9 @@ read cu_seqlens back to the host).
 What cuflash does not do yet raises NotImplementedError naming the argument, never ignoring it:
 the vLLM extra ``seqused_k`` with dense K/V in the private varlen forward or with dropout, and
 ``leftpad_k`` in the private varlen forward. vLLM's ``s_aux`` (attention sinks) runs as
-``cuflash.torch.attention_varlen(..., sinks=s_aux)``. flash-attn's private entry points and its extension's functions (below; the
-differences are listed in docs/torch.md) accept ``zero_tensors`` without zeroing the rows past
-the last sequence.
+``cuflash.torch.attention_varlen(..., sinks=s_aux)``. flash-attn's private entry points and its
+extension's functions (below; the differences are listed in docs/torch.md) accept
+``zero_tensors`` without zeroing the rows past the last sequence.
 """
 import os
 
