@@ -459,7 +459,9 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
     out_partial float32 (num_splits, batch, seqlen, nheads, d), lse_partial float32 (num_splits,
     batch, seqlen, nheads) -> (out (batch, seqlen, nheads, d) in ``out_dtype`` (default
     float32), lse (batch, seqlen, nheads)); a split whose LSE is -inf adds nothing. PyTorch
-    operations (float32), written into ``out`` when given."""
+    operations (float32), written into ``out`` when given; the splits are added one at a time
+    into one float32 accumulator, so that no temporary of the partials' size is made (they can
+    be most of a GPU's memory)."""
     if out_partial.dtype != torch.float32 or lse_partial.dtype != torch.float32:
         raise TypeError(f"out_partial and lse_partial must be float32, got {out_partial.dtype} and {lse_partial.dtype}")
     if out_partial.dim() != 5 or tuple(lse_partial.shape) != tuple(out_partial.shape[:4]):
@@ -472,9 +474,11 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
         raise ValueError(f"out must be {dtype} of shape {tuple(out_partial.shape[1:])}, got {out.dtype} "
                          f"{tuple(out.shape)}")
     lse = torch.logsumexp(lse_partial, dim=0)
-    weight = torch.exp(lse_partial - lse)
+    weight = torch.exp(lse_partial - lse).unsqueeze(-1)
     weight = torch.where(torch.isfinite(weight), weight, torch.zeros_like(weight))
-    merged = (weight.unsqueeze(-1) * out_partial).sum(0)
+    merged = out_partial.new_zeros(out_partial.shape[1:])
+    for s in range(out_partial.shape[0]):  # (a split of weight 0 adds nothing, NaN partials included)
+        merged += torch.where(weight[s] != 0, weight[s] * out_partial[s], 0.0)
     if out is None:
         return merged.to(dtype), lse
     out.copy_(merged)

@@ -361,6 +361,9 @@ def test_combine_against_its_definition(dtype):
     assert out.dtype == dtype and out.shape == (b, n, h, d) and lse.shape == (b, n, h)
     assert (lse.double() - lse_ref).abs().max() < 1e-5
     assert (out.double() - ref).abs().max() <= 2 * (ref.to(dtype).double() - ref).abs().max() + 1e-5
+    out_partial[s // 2:, :1] = float("nan")  # splits of LSE -inf add nothing, whatever they hold
+    out, _ = fa3.flash_attn_combine(out_partial, lse_partial, out_dtype=dtype)
+    assert (out.double() - ref).abs().max() <= 2 * (ref.to(dtype).double() - ref).abs().max() + 1e-5
     lse_partial[:, 1] = -float("inf")  # a row every split left empty: 0, LSE -inf
     out, lse = fa3.flash_attn_combine(out_partial, lse_partial)
     assert (out[1] == 0).all() and torch.isinf(lse[1]).all()
