@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import arrays, launch
+from . import arrays, fp8, launch
 from . import validate
 from .plan import DeviceFacts, Problem, cached_on_plans, empty_plan, make_backward_plan, make_plan, with_flashmask
 
@@ -80,7 +80,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     options raise NotImplementedError. Each call also writes a transposed copy of V (one pass
     over V, scratch of V's size).
     """
-    if q_descale is not None or k_descale is not None or v_descale is not None:
+    if q_descale is not None or k_descale is not None or v_descale is not None or fp8.is_e4m3(q):
         _no_fp8_chunk(attention_chunk)
         return _attention_fp8(q, k, v, causal, softmax_scale, return_lse, out, num_splits, window_size, softcap,
                               alibi_slopes, startend_row_indices, sinks, dropout_p,
@@ -142,14 +142,14 @@ def _no_fp8_chunk(attention_chunk):
 def _attention_fp8(q, k, v, causal, softmax_scale, return_lse, out, num_splits, window_size, softcap, alibi_slopes,
                    startend_row_indices, sinks, dropout_p, descales, views=None):
     """attention's FP8 path (cuflash/fp8.py); descales with fp16/bf16 inputs are a TypeError."""
-    from .fp8 import attention_fp8
-    qv = views[0] if views else validate.view(q, "q")
-    if not qv.dtype.startswith("float8"):
+    qv = views[0] if views else None if fp8.is_e4m3(q) else validate.view(q, "q")
+    if qv is not None and not qv.dtype.startswith("float8"):
         raise TypeError(f"q_descale, k_descale and v_descale apply to float8_e4m3fn q, k, v; q is {qv.dtype}")
-    return attention_fp8(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, out=out,
-                         num_splits=num_splits, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                         startend_row_indices=startend_row_indices, sinks=sinks, dropout_p=dropout_p,
-                         q_descale=descales[0], k_descale=descales[1], v_descale=descales[2], views=views)
+    return fp8.attention_fp8(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, out=out,
+                             num_splits=num_splits, window_size=window_size, softcap=softcap,
+                             alibi_slopes=alibi_slopes, startend_row_indices=startend_row_indices, sinks=sinks,
+                             dropout_p=dropout_p, q_descale=descales[0], k_descale=descales[1],
+                             v_descale=descales[2], views=views)
 
 
 def _host_result(res, qv, out, return_lse):

@@ -34,7 +34,8 @@ attention_varlen); ``flash_attn_with_kvcache`` is forward only, as in FlashAtten
   its rows gathered back; ``cu_seqlens_k_new`` (packed new keys) is cuflash.attention_with_kvcache's.
 - ``flash_attn_with_kvcache`` over float8_e4m3fn caches: bfloat16 copies of q, the caches and the
   new k, v, the descales folded into q and the output, the appended rows written back to the e4m3
-  caches (whole-cache copies on each call: correct, not fast).
+  caches (copies of the rows a call can read, batch x (the longest sequence) rows, on each call:
+  correct, not fast).
 - ``qv`` (MLA's absorbed query: scores q.k + qv.v) in flash_attn_func and flash_attn_varlen_func:
   float32 PyTorch operations holding the whole score matrix (differentiable; correct, not fast;
   cu_seqlens read on the host).
@@ -523,7 +524,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                            cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, softmax_scale, causal, _window(window_size),
                            _softcap(softcap), attention_chunk, return_softmax_lse)
     if torch.float8_e4m3fn in (q.dtype, k_cache.dtype, v_cache.dtype):
-        def run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin):
+        def run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, page_table):
             return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, None, rotary_cos, rotary_sin, cache_seqlens,
                                            cache_batch_idx, cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new,
                                            max_seqlen_q, rotary_seqlens, None, None, None, softmax_scale, causal,
@@ -585,8 +586,17 @@ def _appended_rows(k_cache, k, appended):
     at position cache_seqlens[b] + i, through the block table when paged, those within the
     capacity only (as the append kernel writes them), and the rows of k (flattened to (rows,
     heads, d)) that go there. One sync (the positions' mask)."""
-    cache_seqlens, batch_idx, table, cu_new = appended
-    dev = k_cache.device
+    seq, pos, inside = _append_positions(k, appended, k_cache.device)
+    rows, at, fits = _cache_slots(k_cache, seq, pos, appended[2], appended[1])
+    inside &= fits
+    return rows[inside], at[inside], torch.arange(seq.shape[0], device=k_cache.device)[inside]
+
+
+def _append_positions(k, appended, dev):
+    """(sequence, position) of each new key row of k (dense (batch, s_new, ...) or packed by
+    cu_seqlens_k_new), and whether it belongs to a sequence (packed rows past the last one
+    do not)."""
+    cache_seqlens, _, _, cu_new = appended
     if cu_new is not None:
         batch = cu_new.shape[0] - 1
         seq = _sequence_of(cu_new, k.shape[0])
@@ -602,16 +612,58 @@ def _appended_rows(k_cache, k, appended):
         start = torch.full((max(batch, 1),), cache_seqlens, device=dev)
     else:
         start = torch.as_tensor(cache_seqlens).to(dev, torch.int64)
-    pos = start[seq] + i
+    return seq, start[seq] + i, inside
+
+
+def _cache_slots(cache, seq, pos, table, batch_idx):
+    """(cache rows, rows in them) of sequence ``seq``'s position ``pos`` (through the block table
+    when paged, else the cache's batch row batch_idx[seq] or seq), and whether the position is
+    within the cache's capacity."""
     if table is not None:
-        page = k_cache.shape[1]
-        inside &= (pos >= 0) & (pos < table.shape[1] * page)
+        page = cache.shape[1]
+        fits = (pos >= 0) & (pos < table.shape[1] * page)
         col = (pos // page).clamp(0, table.shape[1] - 1)
-        rows, at = table[seq, col].long(), pos % page
-    else:
-        inside &= (pos >= 0) & (pos < k_cache.shape[1])
-        rows, at = (batch_idx[seq].long() if batch_idx is not None else seq), pos
-    return rows[inside], at[inside], torch.arange(seq.shape[0], device=dev)[inside]
+        return table[seq, col].long(), pos % page, fits
+    fits = (pos >= 0) & (pos < cache.shape[1])
+    return (batch_idx[seq].long() if batch_idx is not None else seq), pos, fits
+
+
+def _fp8_cache_window(k_cache, v_cache, k, appended):
+    """bfloat16 copies of the e4m3 cache rows the call can read, and the cache_batch_idx and
+    page_table that address them: the first L rows of each sequence, L = max(cache_seqlens) plus
+    the new rows (one sync to read it; the capacity when cache_seqlens is None or not a
+    sequence of ints), of the sequence's batch row or of the pages its block-table row lists (in
+    table order, so that a copy never spans more than batch x L rows however large the page pool).
+    Arguments of types the call refuses get whole-cache copies: the call's checks then name them."""
+    cache_seqlens, batch_idx, table, cu_new = appended
+    bf16 = torch.bfloat16
+    tensors_ok = all(x is None or isinstance(x, torch.Tensor) and not x.is_floating_point()
+                     and x.device == k_cache.device for x in (batch_idx, table))
+    if not tensors_ok or (table is not None and table.dim() != 2):
+        return k_cache.to(bf16), v_cache.to(bf16), batch_idx, table
+    cap = table.shape[1] * k_cache.shape[1] if table is not None else k_cache.shape[1]
+    n_new = 0 if k is None else k.shape[0] if cu_new is not None else k.shape[1]
+    length = cap
+    try:
+        if isinstance(cache_seqlens, int):
+            length = cache_seqlens + n_new
+        elif cache_seqlens is not None:
+            lens = torch.as_tensor(cache_seqlens)
+            if not lens.is_floating_point() and lens.numel():
+                length = int(lens.max()) + n_new
+    except (TypeError, ValueError, RuntimeError):  # (the call's own checks say what is wrong)
+        pass
+    length = max(1, min(length, cap))
+    if table is None:
+        rows = k_cache[:, :length]
+        if batch_idx is not None:
+            idx = batch_idx.clamp(0, k_cache.shape[0] - 1).long()
+            return rows[idx].to(bf16), v_cache[:, :length][idx].to(bf16), None, None
+        return rows.to(bf16), v_cache[:, :length].to(bf16), None, None
+    cols = -(-length // k_cache.shape[1])
+    pages = table[:, :cols].clamp(0, k_cache.shape[0] - 1).long().flatten()
+    copy_table = torch.arange(pages.shape[0], dtype=torch.int32, device=k_cache.device).view(table.shape[0], cols)
+    return k_cache[pages].to(bf16), v_cache[pages].to(bf16), None, copy_table
 
 
 def _fp8_kvcache(run, q, k_cache, v_cache, k, v, cos, sin, descales, cu_seqlens_q, appended):
@@ -621,7 +673,8 @@ def _fp8_kvcache(run, q, k_cache, v_cache, k, v, cos, sin, descales, cu_seqlens_
     values), then the rows the call appended (_appended_rows of ``appended``: cache_seqlens,
     cache_batch_idx, page_table, cu_seqlens_k_new) written back to the e4m3 caches, rounded (the
     attention saw them before that rounding); no other row is written. The output is bfloat16, as
-    FlashAttention-3's. Whole-cache copies on each call: correct, not fast."""
+    FlashAttention-3's. Copies of the rows the call can read on each call (_fp8_cache_window):
+    correct, not fast."""
     e4m3 = torch.float8_e4m3fn
     given = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)) + ((("k", k), ("v", v)) if k is not None else ())
     for name, x in given:
@@ -639,15 +692,19 @@ def _fp8_kvcache(run, q, k_cache, v_cache, k, v, cos, sin, descales, cu_seqlens_
         if descales[0] is not None or descales[1] is not None:
             qk = (descales[0] if descales[0] is not None else 1.0) * (descales[1] if descales[1] is not None else 1.0)
             q_in = (q.to(torch.float32) * _per_row_head(qk, q.shape[-2] // hk, seq)).to(bf16)
-        kc, vc = k_cache.to(bf16), v_cache.to(bf16)
-        res = run(q_in, kc, vc, *(None if x is None else x.to(bf16) for x in (k, v, cos, sin)))
+        kc, vc, copy_idx, copy_table = _fp8_cache_window(k_cache, v_cache, k, appended)
+        res = run(q_in, kc, vc, *(None if x is None else x.to(bf16) for x in (k, v, cos, sin)), copy_idx, copy_table)
         out = res[0] if isinstance(res, tuple) else res
         if descales[2] is not None:
             out.mul_(_per_row_head(descales[2], q.shape[-2] // hk, seq))
-        if k is not None:
-            rows, at, _ = _appended_rows(k_cache, k, appended)
-            k_cache[rows, at] = kc[rows, at].to(e4m3)
-            v_cache[rows, at] = vc[rows, at].to(e4m3)
+        if k is not None:  # the appended rows, from the copies to the caches
+            seq_new, pos, inside = _append_positions(k, appended, k_cache.device)
+            rows, at, fits = _cache_slots(k_cache, seq_new, pos, appended[2], appended[1])
+            rows_c, at_c, fits_c = _cache_slots(kc, seq_new, pos, copy_table, copy_idx)
+            inside &= fits & fits_c
+            rows, at, rows_c, at_c = rows[inside], at[inside], rows_c[inside], at_c[inside]
+            k_cache[rows, at] = kc[rows_c, at_c].to(e4m3)
+            v_cache[rows, at] = vc[rows_c, at_c].to(e4m3)
     return res
 
 

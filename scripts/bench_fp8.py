@@ -11,6 +11,7 @@ timed in three alternating rounds (CUDA events around 10 back-to-back calls, med
 after 3 warm-up calls), the best round kept; TF/s counts 4 b h s^2 d (halved causal). ``--variants``: cuflash.attention with
 the planned FwdFp8Variant's fields overridden by each of VARIANTS in turn."""
 import argparse
+import functools
 import json
 
 SHAPES = ((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384))
@@ -65,8 +66,10 @@ def host_us(fn, calls=200):
 def with_variant(fields, fn):
     """fn() with fwd_fp8.planned giving the planned variant with ``fields`` overridden."""
     planned = fwd_fp8.planned
-    fwd_fp8.planned = lambda d, c, arch=90: fwd_fp8.FwdFp8Variant(
-        head_dim=d, causal=c, arch=arch, **{**dict(fwd_fp8.planned_fields(d, c)), **fields})
+    # (one object per (d, causal), as the planner's: repeated calls check that the variant they
+    # kept is the planned one, so that both sides of an A/B take the same repeated-call path)
+    fwd_fp8.planned = functools.lru_cache(maxsize=None)(lambda d, c, arch=90: fwd_fp8.FwdFp8Variant(
+        head_dim=d, causal=c, arch=arch, **{**dict(fwd_fp8.planned_fields(d, c)), **fields}))
     try:
         return fn()
     finally:

@@ -156,6 +156,53 @@ def test_fp8_kvcache_through_bf16_copies(monkeypatch):
         fa3.flash_attn_with_kvcache(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), k_descale=kd)
 
 
+def test_fp8_kvcache_copies_only_the_rows_it_reads(monkeypatch):
+    """float8_e4m3fn paged caches (CPU, the kernel call faked as the append kernel and a reader):
+    the bf16 call gets copies of the pages each block-table row lists up to the longest sequence
+    plus its new rows (max(cache_seqlens) + s_new rows: 2 pages of 4 here, not the 40-page pool)
+    with a table addressing them; the appended rows reach the right rows of the pool, every other
+    row of it untouched. A contiguous cache with cache_batch_idx: its batch rows, that many rows."""
+    import cuflash
+    seen = {}
+
+    def fake(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, cache_batch_idx=None, **kw):
+        seen.update(shape=tuple(k_cache.shape), table=block_table, idx=cache_batch_idx)
+        for b in range(k.shape[0]):
+            for i in range(k.shape[1]):
+                pos = int(cache_seqlens[b]) + i
+                if block_table is None:
+                    k_cache[b, pos], v_cache[b, pos] = k[b, i], v[b, i]
+                else:
+                    page = k_cache.shape[1]
+                    k_cache[block_table[b, pos // page], pos % page] = k[b, i]
+                    v_cache[block_table[b, pos // page], pos % page] = v[b, i]
+        return torch.zeros(q.shape, dtype=torch.bfloat16)
+    monkeypatch.setattr(cuflash, "attention_with_kvcache", fake)
+    e4 = torch.float8_e4m3fn
+    f8 = lambda *s: (torch.randn(*s) * 3).to(e4)  # noqa: E731
+    pool_k, pool_v = f8(40, 4, 2, 8), f8(40, 4, 2, 8)
+    table = torch.tensor([[7, 3, 30, 31], [12, 0, 33, 34]], dtype=torch.int32)
+    lens = torch.tensor([5, 2], dtype=torch.int32)
+    q, kn, vn = f8(2, 2, 4, 8), f8(2, 2, 2, 8), f8(2, 2, 2, 8)
+    k0, v0 = pool_k.clone(), pool_v.clone()
+    fa3.flash_attn_with_kvcache(q, pool_k, pool_v, kn, vn, cache_seqlens=lens, page_table=table)
+    assert seen["shape"] == (4, 4, 2, 8) and seen["table"].tolist() == [[0, 1], [2, 3]] and seen["idx"] is None
+    want_k, want_v = k0.clone(), v0.clone()
+    for b, i in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        pos = int(lens[b]) + i
+        want_k[table[b, pos // 4], pos % 4], want_v[table[b, pos // 4], pos % 4] = kn[b, i], vn[b, i]
+    assert torch.equal(pool_k.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(pool_v.view(torch.uint8), want_v.view(torch.uint8))
+    cache_k, cache_v = f8(5, 16, 2, 8), f8(5, 16, 2, 8)
+    c0 = cache_k.clone()
+    idx = torch.tensor([4, 1], dtype=torch.int32)
+    fa3.flash_attn_with_kvcache(q, cache_k, cache_v, kn, vn, cache_seqlens=lens, cache_batch_idx=idx)
+    assert seen["shape"] == (2, 7, 2, 8) and seen["idx"] is None and seen["table"] is None
+    want = c0.clone()
+    want[4, 5:7], want[1, 2:4] = kn[0], kn[1]
+    assert torch.equal(cache_k.view(torch.uint8), want.view(torch.uint8))
+
+
 def test_kvcache_batch_idx_picks_page_table_rows(monkeypatch):
     """FlashAttention-3's cache_batch_idx with a page_table (CPU, the kernel call faked): sequence
     b reads the table's row cache_batch_idx[b]; bad types are refused before the call; a
@@ -671,6 +718,34 @@ def test_packed_query_rotation(interleaved, monkeypatch):
     with pytest.raises(TypeError, match="rotary_cos must have q's dtype"):
         fa3.flash_attn_with_kvcache(q, kc, kc, kn, kn, rotary_cos=cos.float(), rotary_sin=sin.float(), cache_seqlens=1,
                                     cu_seqlens_q=cu, max_seqlen_q=2)
+
+
+@requires_sm90
+def test_gpu_fp8_kvcache_large_pool():
+    """An FP8 paged cache whose page pool is far larger than what the call reads (a serving
+    engine's pool): the call copies the listed pages up to the longest sequence, not the pool
+    (the memory it allocates stays under the pool's bf16 size / 16), its output is the bf16
+    call's on the dequantized pool, and the appended rows land in the pool."""
+    torch.manual_seed(5)
+    e4 = torch.float8_e4m3fn
+    n_pages, page, hk, h, d, b = 8192, 16, 8, 16, 128, 2
+    pool_k = (torch.randn(n_pages, page, hk, d, device="cuda") * 2).to(e4)
+    pool_v = (torch.randn(n_pages, page, hk, d, device="cuda") * 2).to(e4)
+    table = torch.randperm(n_pages, device="cuda")[:b * 64].reshape(b, 64).int()
+    lens = torch.tensor([300, 77], dtype=torch.int32, device="cuda")
+    q, kn, vn = ((torch.randn(b, 1, n, d, device="cuda") * 2).to(e4) for n in (h, hk, hk))
+    kb, vb = pool_k.bfloat16(), pool_v.bfloat16()
+    want = fa3.flash_attn_with_kvcache(q.bfloat16(), kb, vb, kn.bfloat16(), vn.bfloat16(), cache_seqlens=lens,
+                                       page_table=table, causal=True)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fa3.flash_attn_with_kvcache(q, pool_k, pool_v, kn, vn, cache_seqlens=lens, page_table=table, causal=True)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < kb.numel() * 2 * 2 // 16
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(pool_k.view(torch.uint8), kb.to(e4).view(torch.uint8))
+    assert torch.equal(pool_v.view(torch.uint8), vb.to(e4).view(torch.uint8))
 
 
 @requires_sm90

@@ -192,6 +192,44 @@ def test_gpu_against_reference(d, causal, b, sq, sk, heads, descale, rng):
 
 @requires_sm90
 @requires_torch
+@pytest.mark.parametrize("given_out", [False, True])
+def test_gpu_repeated_calls(given_out, rng, monkeypatch):
+    """A call of a signature seen before takes the repeated-call path (no argument view is made)
+    and computes, on new tensors, descales and outputs of the same layout, what the general path
+    computes (bitwise; the general path after cuflash.plan.forget_plans, which empties the
+    repeat table); a pointer the TMA cannot read takes the general path, whose error it gets."""
+    import torch
+    import cuflash
+    from cuflash import fp8, plan
+    b, sq, sk, h, hk, d = 2, 130, 260, 4, 2, 128
+    ds = lambda: {n: torch.from_numpy(rng.uniform(0.25, 2.0, (b, hk))).float().cuda()  # noqa: E731
+                  for n in ("q_descale", "k_descale", "v_descale")}
+    new_out = lambda: torch.full((b, sq, h, d), float("nan"), dtype=torch.bfloat16, device="cuda")  # noqa: E731
+    call = lambda q, k, v, kw: cuflash.attention(q, k, v, causal=True, return_lse=True,  # noqa: E731
+                                                 out=new_out() if given_out else None, **kw)
+    call(*_inputs(torch, rng, b, sq, sk, h, hk, d), ds())
+    assert len(fp8._repeats) >= 1
+    runs = [(_inputs(torch, rng, b, sq, sk, h, hk, d), ds()) for _ in range(3)]
+    with monkeypatch.context() as m:
+        m.setattr(fp8.validate, "view", lambda *a: pytest.fail("the repeated call made a view"))
+        repeated = [call(*qkv, kw) for qkv, kw in runs]
+    plan.forget_plans()
+    for (qkv, kw), (out, lse) in zip(runs, repeated):
+        want, want_lse = call(*qkv, kw)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+        f64 = reference.attention_fp8(*map(_np, qkv), causal=True, **{n: x.cpu().numpy() for n, x in kw.items()})
+        same = _same(*qkv, True, **{n: x.cpu().numpy() for n, x in kw.items()})
+        err = reference.max_abs_err(out.float().cpu().numpy(), f64)
+        assert err <= 2 * reference.max_abs_err(same, f64) + 1e-5
+    q, k, v = runs[0][0]
+    raw = torch.empty(q.numel() + 16, dtype=torch.uint8, device="cuda")
+    q1 = raw[1:1 + q.numel()].view(torch.float8_e4m3fn).view(q.shape)  # q's layout, not 16-byte aligned
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        call(q1, k, v, runs[0][1])
+
+
+@requires_sm90
+@requires_torch
 def test_gpu_strided_and_gqa_views(rng):
     """q, k, v as views of packed qkv (strided heads and rows), MQA; default scale and output."""
     import torch

@@ -15,11 +15,11 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from . import KernelVariant
 from .fwd_ws import LPT_BYTES, MAX_CONSUMER_REGS, MAX_SMEM, PRODUCER_REGS, tensor_map
-from .params import ParamTable, strides
+from .params import TENSOR_MAP_BYTES, ParamTable, strides
 
 HEAD_DIMS = (64, 128, 256)  # Q and K rows: 64 bytes (the 64-byte swizzle) or 128-byte blocks
 BLOCK_M, STAGES = 128, 2
@@ -214,29 +214,64 @@ def _descale_fields(name: str, x) -> dict:
     return {name: x.ptr, f"{name}_sb": sb if x.shape[0] > 1 else 0, f"{name}_sh": sh if x.shape[1] > 1 else 0}
 
 
-def launch(qv, kv, vv, ov, lse_ptr: int, lse_strides: tuple, scale: float, causal: bool, descales: tuple,
-           vt_ptr: int, device: int, stream: int):
-    """Both kernels on views (cuflash.arrays.View) already checked: q (b, sq, h, d), k, v (b, sk,
-    hk, d) e4m3 with contiguous last dims and 16-byte-aligned rows, o bf16 like q, ``vt_ptr`` a
-    scratch buffer of b * hk * d * keys_pad(sk) bytes, ``descales`` three (batch or 1, heads_k or
-    1) float32 views or None."""
+class Recipe(NamedTuple):
+    """An FP8 call's two launches (V^T copy, forward) with every argument but the data pointers
+    worked out: what a repeated call with the same shapes, strides and options reuses (fire)."""
+    variant: FwdFp8Variant
+    vt_kernel: object
+    vt_grid: tuple
+    vt_block: tuple
+    vt_values: tuple   # VtParams' fields in order (v and vt given to fire)
+    kernel: object
+    grid: tuple
+    block: tuple
+    smem: int
+    values: tuple      # FwdFp8Params' fields in order (the maps, o, lse and descale pointers given to fire)
+    maps: tuple        # (shape, strides, box rows, box bytes) of Q's, K's and V^T's tensor maps
+    vt_bytes: int      # V^T's scratch: b * hk * d * keys_pad(sk) bytes
+
+
+_DESCALES = tuple(PARAMS.index(n) for n in ("q_descale", "k_descale", "v_descale"))
+_NO_MAP = bytes(TENSOR_MAP_BYTES)
+
+
+def prepare(qv, kv, vv, ov, lse_strides: tuple, scale: float, causal: bool, descales: tuple, device: int) -> Recipe:
+    """The launches on views (cuflash.arrays.View) already checked: q (b, sq, h, d), k, v (b, sk,
+    hk, d) e4m3 with contiguous last dims and 16-byte-aligned rows, o bf16 like q, ``descales``
+    three (batch or 1, heads_k or 1) float32 views or None (their strides; pointers go to fire)."""
     from .. import compiler
     b, sq, h, d = qv.shape
     sk, hk = kv.shape[1], kv.shape[2]
     kp = keys_pad(sk)
-    variant = planned(d, causal)
-    vt_variant = _vt_variant(d)
-    vt_kernel = compiler.get_kernel(vt_variant, device)
-    vt_kernel(vt_variant.grid(b, sk, hk), (vt_variant.threads,), stream, shared_mem=0,
-              v=vv.ptr, v_sb=vv.strides[0], v_ss=vv.strides[1], v_sh=vv.strides[2], vt=vt_ptr,
-              seqlen_k=sk, heads_k=hk, keys_pad=kp)
-    kernel = compiler.get_kernel(variant, device)
+    variant, vt_variant = planned(d, causal), _vt_variant(d)
     qd, kd, vd = descales
-    kernel(variant.grid(b, sq, h), (variant.threads,), stream, shared_mem=variant.smem_bytes,
-           tma_q=tensor_map(qv.ptr, tuple(qv.shape), tuple(qv.strides), BLOCK_M, "e4m3", min(d, 128)),
-           tma_k=tensor_map(kv.ptr, tuple(kv.shape), tuple(kv.strides), variant.block_n, "e4m3", min(d, 128)),
-           tma_vt=tensor_map(vt_ptr, (b, d, hk, kp), (hk * d * kp, kp, d * kp, 1), d, "e4m3"),
-           o=ov.ptr, lse=lse_ptr, o_sb=ov.strides[0], o_ss=ov.strides[1], o_sh=ov.strides[2],
-           lse_sb=lse_strides[0], lse_sh=lse_strides[1], lse_sr=lse_strides[2],
-           **_descale_fields("q_descale", qd), **_descale_fields("k_descale", kd), **_descale_fields("v_descale", vd),
-           seqlen_q=sq, seqlen_k=sk, ngroups=h // hk, scale_log2=scale * _LOG2E)
+    vt_values = VT_PARAMS.values(v=0, v_sb=vv.strides[0], v_ss=vv.strides[1], v_sh=vv.strides[2], vt=0, seqlen_k=sk,
+                                 heads_k=hk, keys_pad=kp)
+    values = PARAMS.values(
+        tma_q=_NO_MAP, tma_k=_NO_MAP, tma_vt=_NO_MAP, o=0, lse=0,
+        o_sb=ov.strides[0], o_ss=ov.strides[1], o_sh=ov.strides[2],
+        lse_sb=lse_strides[0], lse_sh=lse_strides[1], lse_sr=lse_strides[2],
+        **_descale_fields("q_descale", qd), **_descale_fields("k_descale", kd), **_descale_fields("v_descale", vd),
+        seqlen_q=sq, seqlen_k=sk, ngroups=h // hk, scale_log2=scale * _LOG2E)
+    maps = ((tuple(qv.shape), tuple(qv.strides), BLOCK_M, min(d, 128)),
+            (tuple(kv.shape), tuple(kv.strides), variant.block_n, min(d, 128)),
+            ((b, d, hk, kp), (hk * d * kp, kp, d * kp, 1), d, 128))
+    return Recipe(variant, compiler.get_kernel(vt_variant, device), (*vt_variant.grid(b, sk, hk),),
+                  (vt_variant.threads, 1, 1), vt_values, compiler.get_kernel(variant, device),
+                  (*variant.grid(b, sq, h),), (variant.threads, 1, 1), variant.smem_bytes, values, maps,
+                  b * hk * d * kp)
+
+
+def fire(r: Recipe, stream: int, q: int, k: int, v: int, o: int, lse: int, vt: int, descales: tuple) -> None:
+    """Launch a prepared FP8 call on ``stream`` (a raw pointer) for these data pointers; ``vt``:
+    r.vt_bytes of scratch; ``descales``: the three descale pointers (0 for none)."""
+    vt_values = (v, *r.vt_values[1:4], vt, *r.vt_values[5:])
+    r.vt_kernel.launch(r.vt_grid, r.vt_block, 0, stream, vt_values)
+    mq, mk, mv = r.maps
+    values = [tensor_map(q, *mq[:3], "e4m3", mq[3]), tensor_map(k, *mk[:3], "e4m3", mk[3]),
+              tensor_map(vt, *mv[:3], "e4m3", mv[3]), o, lse, *r.values[5:]]
+    for i, ptr in zip(_DESCALES, descales):
+        values[i] = ptr
+    r.kernel.launch(r.grid, r.block, r.smem, stream, values)
+
+
