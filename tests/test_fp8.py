@@ -196,11 +196,11 @@ def test_gpu_against_reference(d, causal, b, sq, sk, heads, descale, rng):
 def test_gpu_repeated_calls(given_out, rng, monkeypatch):
     """A call of a signature seen before takes the repeated-call path (no argument view is made)
     and computes, on new tensors, descales and outputs of the same layout, what the general path
-    computes (bitwise; the general path after cuflash.plan.forget_plans, which empties the
-    repeat table); a pointer the TMA cannot read takes the general path, whose error it gets."""
+    computes (bitwise; the general path after forget_plans, which empties the repeat table); a pointer the TMA cannot read takes the general path, whose error it gets."""
     import torch
     import cuflash
-    from cuflash import fp8, plan
+    from cuflash import fp8
+    from cuflash.plan import forget_plans
     b, sq, sk, h, hk, d = 2, 130, 260, 4, 2, 128
     ds = lambda: {n: torch.from_numpy(rng.uniform(0.25, 2.0, (b, hk))).float().cuda()  # noqa: E731
                   for n in ("q_descale", "k_descale", "v_descale")}
@@ -213,7 +213,7 @@ def test_gpu_repeated_calls(given_out, rng, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(fp8.validate, "view", lambda *a: pytest.fail("the repeated call made a view"))
         repeated = [call(*qkv, kw) for qkv, kw in runs]
-    plan.forget_plans()
+    forget_plans()
     for (qkv, kw), (out, lse) in zip(runs, repeated):
         want, want_lse = call(*qkv, kw)
         assert torch.equal(out, want) and torch.equal(lse, want_lse)
