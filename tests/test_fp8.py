@@ -196,7 +196,8 @@ def test_gpu_against_reference(d, causal, b, sq, sk, heads, descale, rng):
 def test_gpu_repeated_calls(given_out, rng, monkeypatch):
     """A call of a signature seen before takes the repeated-call path (no argument view is made)
     and computes, on new tensors, descales and outputs of the same layout, what the general path
-    computes (bitwise; the general path after forget_plans, which empties the repeat table); a pointer the TMA cannot read takes the general path, whose error it gets."""
+    computes (bitwise; the general path after forget_plans, which empties the repeat table); a
+    pointer the TMA cannot read takes the general path, whose error it gets."""
     import torch
     import cuflash
     from cuflash import fp8
