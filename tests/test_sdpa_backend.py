@@ -283,6 +283,95 @@ def test_backward_copies_expanded_grad(any_device, ref_kernels):
     assert all(torch.isfinite(g).all() for g in grads)
 
 
+# ---------------------------------------------------------------------------------------------
+# CPU: the flash ops of varlen_attn and nested tensors (aten::_flash_attention_forward/_backward)
+
+VFWD, VBWD = "_flash_attention_forward", "_flash_attention_backward"
+
+
+def _packed(lens, h, d, seed):
+    import torch
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return _cpu(sum(lens), h, d, dtype="bfloat16", seed=seed), cu
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("causal,window", [(False, (None, None)), (True, (None, None)), (False, (3, 1))])
+def test_flash_ops_mapping(any_device, ref_kernels, varlen, causal, window):
+    """The flash ops on (batch, seqlen, nheads, d) or packed tensors reach cuflash's attention
+    (attention_varlen with cum_seq_q / cum_seq_k) and its backward while active, through the
+    dispatcher's CUDA key, with the scale, the window and bottom-right causal masks; the LSE is
+    (batch, nheads, seqlen_q), or (nheads, total_q) packed, as PyTorch's kernel gives it."""
+    import torch
+    any_device.activate_sdpa()
+    fwd, bwd = getattr(torch.ops.aten, VFWD).default, getattr(torch.ops.aten, VBWD).default
+    kw = dict(scale=0.3, window_size_left=window[0], window_size_right=window[1])
+    left, right = (-1 if w is None else w for w in window)
+    if varlen:
+        (q, cu_q), (k, cu_k), (v, _) = _packed([5, 0, 7], 4, 16, 0), _packed([6, 3, 9], 2, 16, 1), \
+            _packed([6, 3, 9], 2, 16, 2)
+        args = (q, k, v, cu_q, cu_k, 7, 9)
+        lse_shape = (4, 12)
+    else:
+        q, k, v = _cpu(2, 5, 4, 16, dtype="bfloat16"), _cpu(2, 9, 2, 16, dtype="bfloat16", seed=1), \
+            _cpu(2, 9, 2, 16, dtype="bfloat16", seed=2)
+        args, lse_shape = (q, k, v, None, None, 5, 9), (2, 4, 5)
+    out, lse, rng, unused, debug = fwd.redispatch(_cuda_keyset(), *args, 0.0, causal, False, **kw)
+    name = "varlen" if varlen else "attention"
+    assert ref_kernels[-1][:3] == (name, tuple(q.shape), tuple(k.shape))
+    assert ref_kernels[-1][3]["causal"] == causal and ref_kernels[-1][3].get("window_size", (-1, -1)) == (left, right)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == lse_shape and lse.dtype == torch.float32
+    assert (rng.shape, rng.dtype, unused.shape, debug.shape) == ((2,), torch.uint64, (), (0,))
+    import cuflash  # (its kernels are the reference here: the same call, made directly)
+    opts = dict(causal=causal, softmax_scale=0.3, window_size=(left, right), return_lse=True)
+    want = cuflash.attention_varlen(*args, **opts) if varlen else cuflash.attention(q, k, v, **opts)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    dout = torch.ones_like(q)
+    grads = bwd.redispatch(_cuda_keyset(), dout, q, k, v, out, lse, *args[3:], 0.0, causal, rng, unused, **kw)
+    assert ref_kernels[-1][:3] == ("varlen_backward" if varlen else "backward", tuple(q.shape), tuple(k.shape))
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert all(g.dtype == torch.bfloat16 and torch.isfinite(g).all() for g in grads)
+
+
+def test_flash_ops_fallback(any_device, ref_kernels, monkeypatch):
+    """Flash-op calls cuflash does not take (dropout, the debug mask, seqused_k, ALiBi, a block
+    table or any other keyword argument given, cum_seq for one side only, other dtypes) go to
+    PyTorch's kernel with their arguments as given."""
+    import torch
+    seen = []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def call_boxed(self, keyset, *args, **kwargs):
+            seen.append((self.name, args, kwargs))
+            return "pytorch"
+
+    any_device.activate_sdpa()
+    monkeypatch.setattr(any_device._active, "kernels", {any_device._VFWD: Kernel("fwd"), any_device._VBWD: Kernel("bwd")})
+    ks = _cuda_keyset()
+    q = _cpu(1, 4, 2, 8, dtype="bfloat16")
+    (p, cu) = _packed([4], 2, 8, 0)
+    fwd = any_device._flash_forward_impl
+    assert fwd(ks, q, q, q, None, None, 4, 4, 0.1, True, False) == "pytorch"
+    assert fwd(ks, q, q, q, None, None, 4, 4, 0.0, True, True) == "pytorch"
+    assert fwd(ks, p, p, p, cu, cu, 4, 4, 0.0, True, False, seqused_k=cu[1:]) == "pytorch"
+    assert fwd(ks, q, q, q, None, None, 4, 4, 0.0, True, False, alibi_slopes=torch.ones(2)) == "pytorch"
+    assert fwd(ks, p, p, p, cu, cu, 4, 4, 0.0, True, False, block_table=cu, num_splits=1) == "pytorch"
+    assert fwd(ks, p, p, p, cu, None, 4, 4, 0.0, True, False) == "pytorch"
+    assert fwd(ks, q.float(), q.float(), q.float(), None, None, 4, 4, 0.0, True, False) == "pytorch"
+    lse = torch.zeros(1, 2, 4)
+    assert any_device._flash_backward_impl(ks, q, q, q, q, q, lse, None, None, 4, 4, 0.1, True, lse, lse,
+                                           scale=0.5) == "pytorch"
+    assert any_device._flash_backward_impl(ks, q, q, q, q, q, lse.double(), None, None, 4, 4, 0.0, True, lse, lse,
+                                           scale=0.5) == "pytorch"
+    assert [s[0] for s in seen] == ["fwd"] * 7 + ["bwd"] * 2 and not ref_kernels
+    assert seen[0][1] == (q, q, q, None, None, 4, 4, 0.1, True, False) and seen[0][2] == {}
+    assert seen[2][1][3] is cu and seen[2][2]["seqused_k"].tolist() == [4]
+    assert seen[7][1][10:12] == (0.1, True) and seen[7][2] == dict(scale=0.5)
+
+
 @pytest.fixture
 def cpu_overrides(any_device):
     """The CUDA overrides also registered for the CPU key (where these aten ops have no kernel),
@@ -803,6 +892,139 @@ def test_gpu_lse_and_lower_right_causal_match_pytorch(sdpa):
     out, names = _kernels(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
     assert _is_cuflash(names)
     torch.testing.assert_close(out, want[0], atol=2e-2, rtol=0)
+
+
+def _varlen_reference(q, k, v, cu_q, cu_k, window, dout, scale=None):
+    """Per-sequence float64 attention (math SDPA) with a (left, right) window aligned bottom-right
+    ((-1, 0): causal), and its gradients."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    outs = []
+    for i in range(cu_q.shape[0] - 1):
+        a, b, c, e = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        qs, ks, vs = (x.transpose(0, 1)[None] for x in (q[a:b], k[c:e], v[c:e]))
+        rel = torch.arange(e - c, device=q.device)[None] - torch.arange(b - a, device=q.device)[:, None] - (e - c - b + a)
+        mask = ((rel >= -window[0]) | (window[0] < 0)) & ((rel <= window[1]) | (window[1] < 0))
+        seen = mask.any(-1, keepdim=True)  # rows that see no key: 0 (computed over every key, then dropped)
+        with sdpa_kernel(SDPBackend.MATH):
+            o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask | ~seen, scale=scale,
+                                                                 enable_gqa=True)
+        outs.append(torch.where(seen, o, 0)[0].transpose(0, 1))
+    out = torch.cat(outs)
+    return [out.detach()] + list(torch.autograd.grad(out, (q, k, v), dout.double()))
+
+
+def _varlen_kw(window, scale=None):
+    """varlen_attn's keyword arguments for a window, or None where this PyTorch's varlen_attn
+    cannot express it (early versions took is_causal, not window_size)."""
+    import inspect
+    from torch.nn.attention import varlen
+    params = inspect.signature(varlen.varlen_attn).parameters
+    kw = dict(enable_gqa=True, scale=scale)
+    if "window_size" in params:
+        return dict(kw, window_size=window)
+    if window in ((-1, -1), (-1, 0)) and "is_causal" in params:
+        return dict(kw, is_causal=window == (-1, 0))
+    return None
+
+
+@requires_gpu
+@pytest.mark.parametrize("window,scale", [((-1, -1), None), ((-1, 0), None), ((-1, 0), 0.1), ((4, 0), None),
+                                          ((-1, 4), None), ((0, 0), None), ((0, -1), None), ((8, 2), 0.1),
+                                          ((1025, 1025), None)])
+def test_gpu_varlen_attn_runs_cuflash(sdpa, window, scale):
+    """torch.nn.attention.varlen.varlen_attn (PyTorch's packed-sequence attention, which calls
+    aten::_flash_attention_forward and _backward), forward and backward, with GQA, windows (as
+    PyTorch's own tests take them) and a scale: cuflash's kernels while active, PyTorch's after
+    restore; within flash-attn's rule of float64 against PyTorch's own kernel's error (outputs
+    2x + 1e-5, gradients 3x + 1e-4)."""
+    import torch
+    varlen = pytest.importorskip("torch.nn.attention.varlen", reason="needs PyTorch's varlen_attn")
+    kw = _varlen_kw(window, scale)
+    if kw is None:
+        pytest.skip(f"this PyTorch's varlen_attn takes no window_size={window}")
+    g = torch.Generator(device="cuda").manual_seed(11 + window[0] + 3 * window[1])
+    lens_q, lens_k = ([100, 1, 257, 64], [100, 1, 257, 64]) if window[1] == 0 else ([100, 1, 257, 64], [120, 33, 257, 5])
+    cu_q, cu_k = (torch.tensor([0] + x, device="cuda").cumsum(0).int() for x in (lens_q, lens_k))
+    mk = lambda n, h: torch.randn(n, h, 128, generator=g, device="cuda").bfloat16().requires_grad_()  # noqa: E731
+    q, k, v = mk(sum(lens_q), 8), mk(sum(lens_k), 2), mk(sum(lens_k), 2)
+    dout = torch.randn(q.shape, generator=g, device="cuda").bfloat16()
+
+    def run():
+        out = varlen.varlen_attn(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), **kw)
+        return [out.detach()] + list(torch.autograd.grad(out, (q, k, v), dout))
+    pt, names = _kernels(run)
+    assert not _is_cuflash(names)
+    sdpa.activate_sdpa()
+    got, names = _kernels(run)
+    assert _is_cuflash(names) and not any("flash_fwd" in n or "flash_bwd" in n for n in names), names
+    ref = _varlen_reference(q, k, v, cu_q, cu_k, window, dout, scale)
+    for name, a, p, r, (factor, tol) in zip(("out", "dq", "dk", "dv"), got, pt, ref, [(2, 1e-5)] + [(3, 1e-4)] * 3):
+        assert _max_err(a, r) <= factor * _max_err(p, r) + tol, name
+    sdpa.restore_sdpa()
+    _, names = _kernels(run)
+    assert not _is_cuflash(names)
+
+
+@requires_gpu
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (4, 4)])
+def test_gpu_varlen_attn_batch_invariance(sdpa, window):
+    """PyTorch's varlen batch-invariance test, on cuflash: the sequences of a packed batch in
+    another order give each sequence the same output and gradients."""
+    import torch
+    from torch.nn.attention import varlen
+    kw = _varlen_kw(window)
+    if kw is None:
+        pytest.skip(f"this PyTorch's varlen_attn takes no window_size={window}")
+    kw.pop("enable_gqa")
+    g = torch.Generator(device="cuda").manual_seed(13)
+    lens = [128, 64, 128, 64]
+    seqs = [[torch.randn(n, 2, 128, generator=g, device="cuda").bfloat16().requires_grad_() for _ in range(3)]
+            for n in lens]
+    grads_out = [torch.randn(n, 2, 128, generator=g, device="cuda").bfloat16() for n in lens]
+    sdpa.activate_sdpa()
+
+    def run(order):
+        q, k, v = (torch.cat([seqs[i][j] for i in order]) for j in range(3))
+        cu = torch.tensor([0] + [lens[i] for i in order], device="cuda").cumsum(0).int()
+        out = varlen.varlen_attn(q, k, v, cu, cu, 128, 128, **kw)
+        grads = torch.autograd.grad(out, (q, k, v), torch.cat([grads_out[i] for i in order]))
+        return [dict(zip(order, x.split([lens[i] for i in order]))) for x in (out, *grads)]
+    first, names = _kernels(lambda: run([0, 1, 2, 3]))
+    assert _is_cuflash(names)
+    for order in ([2, 0, 3, 1], [3, 2, 1, 0]):
+        for a, b in zip(first, run(order)):
+            for i in range(4):
+                torch.testing.assert_close(a[i], b[i])
+
+
+@requires_gpu
+def test_gpu_flash_op_dense_and_nested(sdpa):
+    """aten::_flash_attention_forward on (batch, seqlen, nheads, d) tensors, causal bottom-right:
+    cuflash's output and LSE against PyTorch's kernel; SDPA on nested (jagged) tensors, which
+    calls the packed form of that op, runs cuflash too."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    g = torch.Generator(device="cuda").manual_seed(12)
+    q, k, v = (torch.randn(2, s, 4, 64, generator=g, device="cuda").bfloat16() for s in (77, 300, 300))
+    op = getattr(torch.ops.aten, VFWD)
+    want = op(q, k, v, None, None, 77, 300, 0.0, True, False, scale=0.1)
+    sdpa.activate_sdpa()
+    got, names = _kernels(lambda: op(q, k, v, None, None, 77, 300, 0.0, True, False, scale=0.1))
+    assert _is_cuflash(names)
+    torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=0)
+    torch.testing.assert_close(got[1], want[1], atol=1e-3, rtol=1e-4)
+    parts = [torch.randn(n, 4, 64, generator=g, device="cuda").bfloat16() for n in (37, 130, 5)]
+    nt = torch.nested.nested_tensor(parts, layout=torch.jagged).transpose(1, 2)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out, names = _kernels(lambda: F.scaled_dot_product_attention(nt, nt, nt, is_causal=True))
+    assert _is_cuflash(names), names
+    for part, o in zip(parts, out.transpose(1, 2).unbind()):
+        x = part.transpose(0, 1)[None]
+        torch.testing.assert_close(o, F.scaled_dot_product_attention(x, x, x, is_causal=True)[0].transpose(0, 1),
+                                   atol=2e-2, rtol=0)
 
 
 @requires_gpu

@@ -45,6 +45,10 @@ from . import ops
 NAME = "cuflash"
 _FWD = "aten::_scaled_dot_product_flash_attention"
 _BWD = "aten::_scaled_dot_product_flash_attention_backward"
+# The flash ops on (batch, seqlen, nheads, d) or packed (total, nheads, d) tensors, which
+# torch.nn.attention.varlen.varlen_attn and SDPA on nested (jagged) tensors call.
+_VFWD = "aten::_flash_attention_forward"
+_VBWD = "aten::_flash_attention_backward"
 _FLASH = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
 
 _active = None  # the _Activation while cuflash serves SDPA
@@ -184,6 +188,97 @@ def _backward_impl(keyset, grad_out, query, key, value, out, logsumexp, cum_seq_
 
 
 # ---------------------------------------------------------------------------------------------
+# The flash ops under SDPA's: dense (batch, seqlen, nheads, d), or packed sequences (total,
+# nheads, d) with cum_seq_q / cum_seq_k (varlen_attn, nested tensors). Their autograd is
+# PyTorch's (derivatives.yaml, or varlen_attn's own), which calls the backward op below.
+
+_FLASH_OPTIONS = ("scale", "window_size_left", "window_size_right")  # keyword arguments cuflash takes
+
+
+def _unsupported_flash(query, key, value, cum_seq_q, cum_seq_k, dropout_p, extra, kwargs):
+    """Why cuflash cannot serve a call of the flash ops below, or None: the checks of
+    _unsupported on (batch, nheads, seqlen, d) views, packed sequences as one batch of them;
+    keyword arguments beyond scale and the window (seqused_k, alibi_slopes, a block table, out,
+    num_splits, and any a later PyTorch adds) given, or extra positional ones, go to PyTorch."""
+    given = [n for n, x in kwargs.items() if n not in _FLASH_OPTIONS and x is not None]
+    if extra or given:
+        return f"arguments {given or 'beyond the op schema cuflash knows'}"
+    if any(kwargs.get(n) is not None and not isinstance(kwargs[n], int) for n in _FLASH_OPTIONS[1:]):
+        return "a window that is not ints"
+    if (cum_seq_q is None) != (cum_seq_k is None):
+        return "cum_seq_q and cum_seq_k not given together"
+    if cum_seq_q is None:
+        if not query.dim() == key.dim() == value.dim() == 4:
+            return "dense operands that are not 4-dim"
+        return _unsupported(*_bshd(query, key, value), dropout_p, kwargs.get("scale"))
+    if not query.dim() == key.dim() == value.dim() == 3:
+        return "packed operands that are not 3-dim"
+    for cu in (cum_seq_q, cum_seq_k):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.device != query.device:
+            return f"cum_seq {cu.dtype} {tuple(cu.shape)} on {cu.device}"
+    if cum_seq_q.shape != cum_seq_k.shape or cum_seq_q.shape[0] < 2:
+        return "cum_seq_q and cum_seq_k of different or no sequences"
+    return _unsupported(*(x.unsqueeze(0).transpose(1, 2) for x in (query, key, value)), dropout_p,
+                        kwargs.get("scale"))
+
+
+def _window_of(kwargs):
+    """(left, right) of the flash ops' window_size_left / window_size_right (None: unbounded)."""
+    left, right = kwargs.get("window_size_left"), kwargs.get("window_size_right")
+    return (-1 if left is None else left), (-1 if right is None else right)
+
+
+def _flash_forward_impl(keyset, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                        return_debug_mask, *extra, **kwargs):
+    """aten::_flash_attention_forward: (output, logsumexp, rng_state, unused, debug_attn_mask),
+    the LSE (batch, nheads, seqlen_q), or (nheads, total_q) for packed sequences."""
+    why = "return_debug_mask=True" if return_debug_mask else _unsupported_flash(
+        query, key, value, cum_seq_q, cum_seq_k, dropout_p, extra, kwargs)
+    if why:
+        return _pytorch(_VFWD, why, keyset, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                        is_causal, return_debug_mask, *extra, **kwargs)
+    left, right = _window_of(kwargs)
+    out = ops._empty_like(query)
+    if cum_seq_q is None:
+        _, lse = ops._forward_kernel(query, key, value, out, is_causal, kwargs.get("scale"), left, right, 0.0, None,
+                                     True)
+    else:
+        _, lse = ops._varlen_forward_kernel(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, out, is_causal,
+                                            kwargs.get("scale"), left, right, 0.0, None, None, True)
+    return (out, lse) + _new_placeholders(query)
+
+
+def _flash_backward_impl(keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+                         dropout_p, is_causal, rng_state, unused, *extra, **kwargs):
+    """aten::_flash_attention_backward: (grad_query, grad_key, grad_value), each with its input's
+    layout."""
+    why = _unsupported_flash(query, key, value, cum_seq_q, cum_seq_k, dropout_p, extra, kwargs)
+    if not why:
+        lse_shape = (query.shape[0], query.shape[2], query.shape[1]) if cum_seq_q is None else query.shape[1::-1]
+        if grad_out.shape != query.shape or out.shape != query.shape or not grad_out.dtype == out.dtype == query.dtype:
+            why = "grad_out or out unlike query"
+        elif out.shape[-1] > 1 and out.stride(-1) != 1:
+            why = "out's last dim is not contiguous"
+        elif logsumexp.dtype != torch.float32 or tuple(logsumexp.shape) != tuple(lse_shape):
+            why = f"logsumexp {logsumexp.dtype} {tuple(logsumexp.shape)}"
+        else:
+            why = _device_problem(grad_out, query, out, logsumexp)
+    if why:
+        return _pytorch(_VBWD, why, keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
+                        max_k, dropout_p, is_causal, rng_state, unused, *extra, **kwargs)
+    left, right = _window_of(kwargs)
+    grads = tuple(torch.empty_like(x) for x in (query, key, value))
+    dout, det = ops._last_dim_contiguous(grad_out), torch.are_deterministic_algorithms_enabled()
+    if cum_seq_q is None:
+        res = ops._backward_kernel(dout, query, key, value, out, logsumexp, *grads, is_causal, kwargs.get("scale"),
+                                   left, right, 0.0, None, det)
+    else:
+        res = ops._varlen_backward_kernel(dout, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+                                          *grads, is_causal, kwargs.get("scale"), left, right, 0.0, None, det)
+    return ops._into(grads, res)
+
+
+# ---------------------------------------------------------------------------------------------
 # The forward's autograd kernel (the key above CUDA)
 
 _served: dict = cached_on_plans({})  # repeat signature of a forward's operands and options -> ops._Prepared or None
@@ -320,14 +415,16 @@ class _Activation:
         if not hasattr(torch.library, "get_kernel"):
             raise NotImplementedError("cuflash behind scaled_dot_product_attention needs PyTorch "
                                       f">= 2.9 (torch.library.get_kernel); this is {torch.__version__}")
-        self.kernels = {op: _kernel(op, "CUDA") for op in (_FWD, _BWD)}
+        self.kernels = {op: _kernel(op, "CUDA") for op in (_FWD, _BWD, _VFWD, _VBWD)}
         self.autograd = _kernel(_FWD, "AutogradCUDA")
         self.order = _flash_first()
         self.library = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "(?s).*Overriding a previously registered kernel")
-            for op, fn in ((_FWD, _forward_impl), (_BWD, _backward_impl)):
-                self.library.impl(op.split("::")[1], fn, "CUDA", with_keyset=True)
+            for op, fn in ((_FWD, _forward_impl), (_BWD, _backward_impl), (_VFWD, _flash_forward_impl),
+                           (_VBWD, _flash_backward_impl)):
+                if op in (_FWD, _BWD) or _has_op(op):
+                    self.library.impl(op.split("::")[1], fn, "CUDA", with_keyset=True)
             if self.autograd is not None:
                 self.library.impl(_FWD.split("::")[1], _autograd_impl, "AutogradCUDA", with_keyset=True)
 
@@ -339,6 +436,11 @@ class _Activation:
             torch._C._set_sdp_priority_order(self.order)
         if _active is self:
             _active = None
+
+
+def _has_op(op):
+    """Whether this PyTorch has the aten op ``op``."""
+    return hasattr(torch.ops.aten, op.split("::")[1])
 
 
 def _kernel(op, key):
