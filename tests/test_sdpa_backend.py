@@ -921,7 +921,7 @@ def _varlen_kw(window, scale=None):
     import inspect
     from torch.nn.attention import varlen
     params = inspect.signature(varlen.varlen_attn).parameters
-    kw = dict(enable_gqa=True, scale=scale)
+    kw = dict(scale=scale, **({"enable_gqa": True} if "enable_gqa" in params else {}))
     if "window_size" in params:
         return dict(kw, window_size=window)
     if window in ((-1, -1), (-1, 0)) and "is_causal" in params:
@@ -948,7 +948,8 @@ def test_gpu_varlen_attn_runs_cuflash(sdpa, window, scale):
     lens_q, lens_k = ([100, 1, 257, 64], [100, 1, 257, 64]) if window[1] == 0 else ([100, 1, 257, 64], [120, 33, 257, 5])
     cu_q, cu_k = (torch.tensor([0] + x, device="cuda").cumsum(0).int() for x in (lens_q, lens_k))
     mk = lambda n, h: torch.randn(n, h, 128, generator=g, device="cuda").bfloat16().requires_grad_()  # noqa: E731
-    q, k, v = mk(sum(lens_q), 8), mk(sum(lens_k), 2), mk(sum(lens_k), 2)
+    hk = 2 if "enable_gqa" in kw else 8  # (GQA where this PyTorch's varlen_attn takes it)
+    q, k, v = mk(sum(lens_q), 8), mk(sum(lens_k), hk), mk(sum(lens_k), hk)
     dout = torch.randn(q.shape, generator=g, device="cuda").bfloat16()
 
     def run():
@@ -977,7 +978,7 @@ def test_gpu_varlen_attn_batch_invariance(sdpa, window):
     kw = _varlen_kw(window)
     if kw is None:
         pytest.skip(f"this PyTorch's varlen_attn takes no window_size={window}")
-    kw.pop("enable_gqa")
+    kw.pop("enable_gqa", None)
     g = torch.Generator(device="cuda").manual_seed(13)
     lens = [128, 64, 128, 64]
     seqs = [[torch.randn(n, 2, 128, generator=g, device="cuda").bfloat16().requires_grad_() for _ in range(3)]
