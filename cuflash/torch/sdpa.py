@@ -18,7 +18,12 @@ forward and backward, to PyTorch's. On PyTorch >= 2.11 cuflash is also
 in SDPA's registry: ``torch.nn.attention.activate_flash_attention_impl("cuflash")`` and
 ``restore_flash_attention_impl()`` do the same as these two functions.
 
-The flash ops take (batch, nheads, seqlen, headdim) tensors, transposed views of cuflash's
+The flash ops under these two, ``aten::_flash_attention_forward`` and ``..._backward``, which
+``torch.nn.attention.varlen.varlen_attn`` and SDPA on nested (jagged) tensors call on
+(batch, seqlen, nheads, headdim) tensors or on packed sequences with cum_seq_q / cum_seq_k, are
+overridden the same way (their autograd stays PyTorch's).
+
+The SDPA flash ops take (batch, nheads, seqlen, headdim) tensors, transposed views of cuflash's
 (batch, seqlen, nheads, headdim) layout, so they are passed as views, never copied. Their LSE is
 cuflash's: float32 (batch, nheads, seqlen_q), natural log. ``is_causal`` on these ops is aligned to
 the bottom-right corner, as in cuflash (SDPA itself only sends causal calls with seqlen_q ==
