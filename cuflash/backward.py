@@ -70,7 +70,7 @@ from .kernels.bwd import ROW_PAD, VARLEN_ROW_GAP, row_floats, sem_words
 from .kernels.fwd_ws import tensor_map, tma_readable
 from .kernels.params import TENSOR_MAP_BYTES, stride_values
 from .launch import dropout_fields
-from .plan import Problem, cached_on_plans, cdiv, make_backward_plan
+from .plan import Problem, cached_on_plans, cdiv, chunk_piece_bounds, chunk_pieces, make_backward_plan
 
 _LOG2E = math.log2(math.e)
 _DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
@@ -131,7 +131,8 @@ def _options(causal, softmax_scale, deterministic, window_size, softcap, alibi_s
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None,
-                       sinks=None, startend_row_indices=None, dropout_p=0.0, seed=None, offset=0):
+                       sinks=None, startend_row_indices=None, dropout_p=0.0, seed=None, offset=0,
+                       attention_chunk=0):
     """Gradients (dq, dk, dv) of ``out = cuflash.attention(q, k, v, causal=..., softmax_scale=...,
     window_size=..., softcap=..., alibi_slopes=...)`` for the output gradient ``dout``.
 
@@ -150,11 +151,16 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     ``dropout_p``, ``seed``, ``offset``: the forward's dropout (as in :func:`cuflash.attention`;
     the same three values regenerate the same mask): dv = (P Z / (1 - p))^T dout and
     dS = P (Z dP / (1 - p) - D), D = rowsum(dout * out) with out the forward's (dropped) output.
+    ``attention_chunk``: the forward's (chunked attention; not with FlashMask or dropout): no
+    backward kernel takes a chunk, so the gradients are those of the call as packed sequences,
+    one per chunk (_chunked), as cuflash.torch and cuflash.jax differentiate it; ``dq``, ``dk``,
+    ``dv`` are then written from the result.
     Returns the caller's array type (NumPy inputs are computed on the current GPU and come back
     as NumPy).
     """
     sig = None
-    if alibi_slopes is None and sinks is None and arrays.no_dropout(dropout_p, seed):
+    if (alibi_slopes is None and sinks is None and arrays.no_dropout(dropout_p, seed)
+            and attention_chunk.__class__ is int and attention_chunk == 0):
         sig = _signature(dout, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, deterministic, window_size,
                          softcap, offset, startend_row_indices)
         r = arrays.repeat_lookup(_repeats, sig)
@@ -166,6 +172,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dq, dk, dv, window_size, softcap,
         alibi_slopes, sinks)
     drop = validate.dropout(dropout_p, seed, offset, 0, sv, startend_row_indices)
+    chunk = _chunk(attention_chunk, startend_row_indices, drop)
     fm = None
     if startend_row_indices is not None:
         fm = validate.flashmask(startend_row_indices, qv, kv, causal, 0, mods, sv is not None)
@@ -175,8 +182,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         res = attention_backward(on(dov), on(qv), on(kv), on(vv), on(ov), on(lv), causal=causal,
                                  softmax_scale=scale, window_size=mods[0], softcap=mods[1],
                                  alibi_slopes=on(mods[2]), deterministic=deterministic, sinks=on(sv),
-                                 startend_row_indices=on(fm), **validate.dropout_kwargs(drop))
+                                 startend_row_indices=on(fm), attention_chunk=chunk, **validate.dropout_kwargs(drop))
         return _host_results(res, (dq, dk, dv, None), (qv, kv, vv, qv))
+    if chunk and not qv.shape[1] <= kv.shape[1] <= chunk:  # (else every query's chunk holds every key)
+        return _chunked(dov, qv, kv, vv, ov, lv, grads, chunk, None,
+                        dict(causal=causal, softmax_scale=scale, window_size=mods[0], softcap=mods[1],
+                             deterministic=deterministic), mods[2], sv)
     return _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministic, mods, sv=sv, fm=fm,
                             drop=drop, sig=sig)
 
@@ -184,7 +195,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                               alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None, sinks=None,
-                              dropout_p=0.0, seed=None, offset=0):
+                              dropout_p=0.0, seed=None, offset=0, attention_chunk=0):
     """Gradients (dq, dk, dv) of ``out = cuflash.attention_varlen(q, k, v, cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)`` (dense K/V) for the output gradient ``dout``.
 
@@ -194,11 +205,13 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     host synchronisation; well-formed offsets under the maxima are the caller's contract, as in
     the forward). Sequences may be empty. Other arguments as in :func:`attention_backward`
     (with ``sinks``: (dq, dk, dv, dsinks)); ALiBi slopes may be (nheads,) or (batch, nheads).
-    Dropout: sequence b is batch b of the mask, as in the forward.
+    Dropout: sequence b is batch b of the mask, as in the forward. ``attention_chunk`` as in
+    :func:`attention_backward`.
     """
     sig = None
     if (alibi_slopes is None and sinks is None and arrays.no_dropout(dropout_p, seed)
-            and max_seqlen_q.__class__ is int and max_seqlen_k.__class__ is int):
+            and max_seqlen_q.__class__ is int and max_seqlen_k.__class__ is int
+            and attention_chunk.__class__ is int and attention_chunk == 0):
         sig = arrays.repeat_signature((q, k, v, dout, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k), window_size,
                                       ("varlen", max_seqlen_q, max_seqlen_k, causal, softmax_scale, deterministic,
                                        softcap, offset))
@@ -211,16 +224,76 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         _validate_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                          softmax_scale, deterministic, dq, dk, dv, window_size, softcap, alibi_slopes, sinks)
     drop = validate.dropout(dropout_p, seed, offset, 0, sv, None)
+    chunk = _chunk(attention_chunk, None, drop)
     if qv.device < 0:  # NumPy in, NumPy out: compute on the current GPU
         dev = arrays.current_device()
         on = lambda x: None if x is None else arrays.to_device(np.asarray(x.array), dev)
         res = attention_varlen_backward(on(dov), on(qv), on(kv), on(vv), on(ov), on(lv), on(cq), on(ck),
                                         max_sq, max_sk, causal=causal, softmax_scale=scale,
                                         window_size=mods[0], softcap=mods[1], alibi_slopes=on(mods[2]),
-                                        deterministic=deterministic, sinks=on(sv), **validate.dropout_kwargs(drop))
+                                        deterministic=deterministic, sinks=on(sv), attention_chunk=chunk,
+                                        **validate.dropout_kwargs(drop))
         return _host_results(res, (dq, dk, dv, None), (qv, kv, vv, qv))
+    if chunk:
+        return _chunked(dov, qv, kv, vv, ov, lv, grads, chunk, (cq, ck, max_sq, max_sk),
+                        dict(causal=causal, softmax_scale=scale, window_size=mods[0], softcap=mods[1],
+                             deterministic=deterministic), mods[2], sv)
     return _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministic, mods,
                             varlen=(cq, ck, max_sq, max_sk), sv=sv, drop=drop, sig=sig)
+
+
+def _chunk(attention_chunk, startend_row_indices, drop):
+    """The checked attention_chunk (0: none), refused with FlashMask or dropout, whose masks
+    would not carry over to the pieces (_chunked)."""
+    chunk = validate.attention_chunk(attention_chunk)
+    validate.chunk_alone(chunk, startend_row_indices=startend_row_indices is not None, dropout_p=drop is not None)
+    return chunk
+
+
+def _chunked(dov, qv, kv, vv, ov, lv, grads, chunk, varlen, kw, alibi, sv):
+    """The gradients of a chunked call (attention_chunk = ``chunk``) on the GPU: the call as
+    packed sequences (cuflash.plan.chunk_pieces: each sequence cut at its chunks' first keys, with
+    the queries whose positions lie in each chunk, so that causal masks, windows and ALiBi align
+    as within the chunk), their bounds made on the device (no sync), through
+    attention_varlen_backward on (total, heads, d) views of the operands. The forward's LSE, over
+    each row's chunk, is the pieces' own. ``varlen``: None (dense operands) or (cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k) views and ints; ``kw``: the checked options."""
+    arr = lambda x: None if x is None else x.array[1] if x.framework == "dlpack" else x.array  # noqa: E731
+    torch = qv.framework == "torch"
+    if torch:
+        xp = sys.modules["torch"]
+        arange = lambda n: xp.arange(n, dtype=xp.int32, device=f"cuda:{qv.device}")  # noqa: E731
+    else:
+        import cupy as xp
+        arange = lambda n: xp.arange(n, dtype=xp.int32)  # noqa: E731
+    h = qv.shape[-2]
+    with arrays.on_device(qv.device):
+        if varlen is None:
+            b, sq, sk = qv.shape[0], qv.shape[1], kv.shape[1]
+            steps = arange(b + 1)
+            cu_q, cu_k, max_sq, max_sk, lead = steps * sq, steps * sk, sq, sk, max(0, sq - sk)
+            flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
+            lse = (lv.array.permute(1, 0, 2) if torch else arr(lv).transpose(1, 0, 2)).reshape(h, -1)
+        else:
+            cu_q, cu_k, max_sq, max_sk = arr(varlen[0]), arr(varlen[1]), varlen[2], varlen[3]
+            b = cu_q.shape[0] - 1
+            lead = 0 if cu_q is cu_k and max_sq == max_sk else max_sq  # (the queries before a sequence's first key)
+            flat, lse = (lambda x: x), arr(lv)
+        c, per_seq, max_q, max_k = chunk_pieces(b, max_sq, max_sk, chunk, lead, h)
+        pieces_q, pieces_k = chunk_piece_bounds(xp, cu_q, cu_k, arange(per_seq) * c)
+        alibi = arr(alibi)
+        if alibi is not None and alibi.ndim == 2:  # (batch, nheads): each piece its sequence's
+            alibi = alibi.repeat_interleave(per_seq, dim=0) if torch else alibi.repeat(per_seq, axis=0)
+        res = attention_varlen_backward(*(flat(arr(x)) for x in (dov, qv, kv, vv, ov)), lse, pieces_q, pieces_k,
+                                        max_q, max_k, alibi_slopes=alibi, sinks=arr(sv), **kw)
+        out = []
+        for r, g, like in zip(res, grads, (qv, kv, vv)):
+            r = r.reshape(like.shape)
+            if g is not None:
+                g.array[...] = r
+                r = g.array
+            out.append(arrays.hand_back(r, like))
+    return tuple(out) + tuple(arrays.hand_back(r, qv) for r in res[3:])
 
 
 def _host_results(res, given, likes):

@@ -430,3 +430,64 @@ def test_gpu_hf_llama4_chunked_layers():
     want = full[0, 199:199 + steps.shape[0]]
     err = (steps - want).abs().max().item()
     assert err < 0.05 * want.abs().max().item(), err
+
+
+# ---------------------------------------------------------------------------------------------
+# cuflash.attention_backward / attention_varlen_backward with attention_chunk (the array API)
+
+def test_array_backward_chunk_refusals():
+    """attention_chunk in the array API's backward: checked like the forward's, and refused with
+    FlashMask or dropout (their masks would not carry over to the pieces), before any work."""
+    from cuflash.backward import attention_backward
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 8, 2, 8)).astype(np.float16) for _ in range(3))
+    lse = np.zeros((1, 2, 8), np.float32)
+    with pytest.raises((TypeError, ValueError), match="attention_chunk"):
+        attention_backward(q, q, k, v, q, lse, attention_chunk=-3)
+    with pytest.raises(ValueError, match="attention_chunk cannot be combined with dropout_p"):
+        attention_backward(q, q, k, v, q, lse, attention_chunk=4, dropout_p=0.1, seed=1)
+    idx = np.full((1, 1, 8, 1), 8, np.int32)
+    with pytest.raises(ValueError, match="attention_chunk cannot be combined with startend_row_indices"):
+        attention_backward(q, q, k, v, q, lse, causal=True, attention_chunk=4, startend_row_indices=idx)
+
+
+@requires_gpu
+@requires_torch
+@pytest.mark.parametrize("framework", ["torch", "cupy", "numpy"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_gpu_array_backward_with_chunk(rng, framework, packed):
+    """cuflash.attention_backward (dense, seqlen_q != seqlen_k) and attention_varlen_backward
+    (packed, an empty sequence) with attention_chunk, on the forward's output and LSE
+    (cuflash.attention(_varlen) with the chunk), in PyTorch, CuPy and NumPy arrays: gradients
+    within flash-attn's rule of the float64 reference with the chunk; given dq, dk, dv written."""
+    import cupy
+    import torch
+    from test_gpu_backward import _compare
+    from test_gpu_forward import to_np
+    h, hk, d, c = 6, 2, 64, 128
+    conv = {"torch": lambda x: x, "cupy": cupy.asarray, "numpy": to_np}[framework]
+    ints = lambda x: x.cpu().numpy() if isinstance(x, torch.Tensor) else cupy.asnumpy(x)  # noqa: E731
+    if packed:
+        lens_q, lens_k = [300, 0, 700, 100], [300, 5, 500, 400]
+        cu_q, cu_k = (torch.tensor(np.cumsum([0] + x), dtype=torch.int32, device="cuda") for x in (lens_q, lens_k))
+        q, k, v = (t[0].detach() for t in _leaves(rng, 1, sum(lens_q), sum(lens_k), h, hk, d))
+        extra = tuple(ints(x) if framework == "numpy" else conv(x) for x in (cu_q, cu_k)) + (max(lens_q), max(lens_k))
+    else:
+        q, k, v = (t.detach() for t in _leaves(rng, 2, 700, 450, h, hk, d))
+        extra = ()
+    kw = dict(causal=True, window_size=(200, -1), attention_chunk=c)
+    q, k, v = (conv(x) for x in (q, k, v))
+    fwd = cuflash.attention_varlen if packed else cuflash.attention
+    bwd = cuflash.backward.attention_varlen_backward if packed else cuflash.backward.attention_backward
+    out, lse = fwd(q, k, v, *extra, return_lse=True, **kw)
+    do = conv(torch.randn(q.shape, device="cuda").to(torch.bfloat16))
+    given = [conv(torch.full(x.shape, float("nan"), device="cuda").to(torch.bfloat16)) for x in (q, k, v)]
+    grads = bwd(do, q, k, v, out, lse, *extra, dq=given[0], dk=given[1], dv=given[2], **kw)
+    assert all(g is x for g, x in zip(grads, given)) and all(type(g) is type(q) for g in grads)
+    args = [to_np(x) for x in (do, q, k, v)] + [ints(x) if not isinstance(x, np.ndarray) else x for x in extra[:2]]
+    ref = cuflash.reference.attention_varlen_backward if packed else cuflash.reference.attention_backward
+    ref64 = ref(*args, **kw)
+    same = ref(*args, precision="same", **kw)
+    _compare(grads, ref64, same, f"{framework} packed={packed}")
+    again = bwd(do, q, k, v, out, lse, *extra, **kw)  # (new gradient arrays)
+    _compare(again, ref64, same, f"{framework} packed={packed}, new arrays")
