@@ -628,26 +628,27 @@ def _cache_slots(cache, seq, pos, table, batch_idx):
     return (batch_idx[seq].long() if batch_idx is not None else seq), pos, fits
 
 
-def _fp8_cache_window(k_cache, v_cache, k, appended):
+def _fp8_cache_window(k_cache, v_cache, k, appended, rotary):
     """bfloat16 copies of the e4m3 cache rows the call can read, and the cache_batch_idx and
     page_table that address them: the first L rows of each sequence, L = max(cache_seqlens) plus
     the new rows (one sync to read it; the capacity when cache_seqlens is None or not a
     sequence of ints), of the sequence's batch row or of the pages its block-table row lists (in
     table order, so that a copy never spans more than batch x L rows however large the page pool).
-    Arguments of types the call refuses get whole-cache copies: the call's checks then name them."""
+    With rotary tables (``rotary``) L is the capacity: the rotary rules depend on it. Arguments of
+    types the call refuses get whole-cache copies: the call's checks then name them."""
     cache_seqlens, batch_idx, table, cu_new = appended
     bf16 = torch.bfloat16
-    tensors_ok = all(x is None or isinstance(x, torch.Tensor) and not x.is_floating_point()
+    tensors_ok = all(x is None or isinstance(x, torch.Tensor) and x.dtype == torch.int32
                      and x.device == k_cache.device for x in (batch_idx, table))
-    if not tensors_ok or (table is not None and table.dim() != 2):
+    if not tensors_ok or 0 in k_cache.shape[:2] or (table is not None and (table.dim() != 2 or 0 in table.shape)):
         return k_cache.to(bf16), v_cache.to(bf16), batch_idx, table
     cap = table.shape[1] * k_cache.shape[1] if table is not None else k_cache.shape[1]
     n_new = 0 if k is None else k.shape[0] if cu_new is not None else k.shape[1]
     length = cap
-    try:
-        if isinstance(cache_seqlens, int):
+    try:  # (with rotary tables the capacity: the rotary rules read it)
+        if not rotary and isinstance(cache_seqlens, int):
             length = cache_seqlens + n_new
-        elif cache_seqlens is not None:
+        elif not rotary and cache_seqlens is not None:
             lens = torch.as_tensor(cache_seqlens)
             if not lens.is_floating_point() and lens.numel():
                 length = int(lens.max()) + n_new
@@ -692,7 +693,8 @@ def _fp8_kvcache(run, q, k_cache, v_cache, k, v, cos, sin, descales, cu_seqlens_
         if descales[0] is not None or descales[1] is not None:
             qk = (descales[0] if descales[0] is not None else 1.0) * (descales[1] if descales[1] is not None else 1.0)
             q_in = (q.to(torch.float32) * _per_row_head(qk, q.shape[-2] // hk, seq)).to(bf16)
-        kc, vc, copy_idx, copy_table = _fp8_cache_window(k_cache, v_cache, k, appended)
+        kc, vc, copy_idx, copy_table = _fp8_cache_window(k_cache, v_cache, k, appended,
+                                                         cos is not None or sin is not None)
         res = run(q_in, kc, vc, *(None if x is None else x.to(bf16) for x in (k, v, cos, sin)), copy_idx, copy_table)
         out = res[0] if isinstance(res, tuple) else res
         if descales[2] is not None:

@@ -161,7 +161,8 @@ def test_fp8_kvcache_copies_only_the_rows_it_reads(monkeypatch):
     the bf16 call gets copies of the pages each block-table row lists up to the longest sequence
     plus its new rows (max(cache_seqlens) + s_new rows: 2 pages of 4 here, not the 40-page pool)
     with a table addressing them; the appended rows reach the right rows of the pool, every other
-    row of it untouched. A contiguous cache with cache_batch_idx: its batch rows, that many rows."""
+    row of it untouched. A contiguous cache with cache_batch_idx: its batch rows, that many rows
+    (every row with rotary tables, whose rules read the capacity)."""
     import cuflash
     seen = {}
 
@@ -201,6 +202,11 @@ def test_fp8_kvcache_copies_only_the_rows_it_reads(monkeypatch):
     want = c0.clone()
     want[4, 5:7], want[1, 2:4] = kn[0], kn[1]
     assert torch.equal(cache_k.view(torch.uint8), want.view(torch.uint8))
+    # With rotary tables the rows rotate by rules that read the capacity: every row is copied.
+    cos = torch.ones(16, 4, dtype=torch.bfloat16)
+    fa3.flash_attn_with_kvcache(q, cache_k, cache_v, kn, vn, rotary_cos=cos, rotary_sin=cos, cache_seqlens=lens,
+                                cache_batch_idx=idx)
+    assert seen["shape"] == (2, 16, 2, 8)
 
 
 def test_kvcache_batch_idx_picks_page_table_rows(monkeypatch):

@@ -370,6 +370,8 @@ def test_flash_ops_fallback(any_device, ref_kernels, monkeypatch):
     assert seen[0][1] == (q, q, q, None, None, 4, 4, 0.1, True, False) and seen[0][2] == {}
     assert seen[2][1][3] is cu and seen[2][2]["seqused_k"].tolist() == [4]
     assert seen[7][1][10:12] == (0.1, True) and seen[7][2] == dict(scale=0.5)
+    # (a negative window edge is unbounded, as in PyTorch's kernel)
+    assert any_device._window_of(dict(window_size_left=-5, window_size_right=None)) == (-1, -1)
 
 
 @pytest.fixture

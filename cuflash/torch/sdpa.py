@@ -228,9 +228,10 @@ def _unsupported_flash(query, key, value, cum_seq_q, cum_seq_k, dropout_p, extra
 
 
 def _window_of(kwargs):
-    """(left, right) of the flash ops' window_size_left / window_size_right (None: unbounded)."""
+    """(left, right) of the flash ops' window_size_left / window_size_right (None or negative:
+    unbounded, as in PyTorch's kernel)."""
     left, right = kwargs.get("window_size_left"), kwargs.get("window_size_right")
-    return (-1 if left is None else left), (-1 if right is None else right)
+    return (-1 if left is None or left < 0 else left), (-1 if right is None or right < 0 else right)
 
 
 def _flash_forward_impl(keyset, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
@@ -243,7 +244,7 @@ def _flash_forward_impl(keyset, query, key, value, cum_seq_q, cum_seq_k, max_q, 
         return _pytorch(_VFWD, why, keyset, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
                         is_causal, return_debug_mask, *extra, **kwargs)
     left, right = _window_of(kwargs)
-    out = ops._empty_like(query)
+    out = torch.empty_like(query)  # (query's layout, as PyTorch's kernel and the op's meta function give it)
     if cum_seq_q is None:
         _, lse = ops._forward_kernel(query, key, value, out, is_causal, kwargs.get("scale"), left, right, 0.0, None,
                                      True)
