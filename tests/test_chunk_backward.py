@@ -465,13 +465,15 @@ def test_gpu_array_backward_with_chunk(rng, framework, packed):
     from test_gpu_backward import _compare
     from test_gpu_forward import to_np
     h, hk, d, c = 6, 2, 64, 128
-    conv = {"torch": lambda x: x, "cupy": cupy.asarray, "numpy": to_np}[framework]
+    # (CuPy arrays from NumPy's: CuPy reads a bfloat16 PyTorch tensor as a void dtype)
+    conv = {"torch": lambda x: x, "cupy": lambda x: cupy.asarray(to_np(x)), "numpy": to_np}[framework]
     ints = lambda x: x.cpu().numpy() if isinstance(x, torch.Tensor) else cupy.asnumpy(x)  # noqa: E731
     if packed:
         lens_q, lens_k = [300, 0, 700, 100], [300, 5, 500, 400]
         cu_q, cu_k = (torch.tensor(np.cumsum([0] + x), dtype=torch.int32, device="cuda") for x in (lens_q, lens_k))
         q, k, v = (t[0].detach() for t in _leaves(rng, 1, sum(lens_q), sum(lens_k), h, hk, d))
-        extra = tuple(ints(x) if framework == "numpy" else conv(x) for x in (cu_q, cu_k)) + (max(lens_q), max(lens_k))
+        cus = {"torch": lambda x: x, "cupy": lambda x: cupy.asarray(ints(x)), "numpy": ints}[framework]
+        extra = (cus(cu_q), cus(cu_k), max(lens_q), max(lens_k))
     else:
         q, k, v = (t.detach() for t in _leaves(rng, 2, 700, 450, h, hk, d))
         extra = ()
