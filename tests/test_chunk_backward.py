@@ -480,7 +480,8 @@ def test_gpu_array_backward_with_chunk(rng, framework, packed):
     kw = dict(causal=True, window_size=(200, -1), attention_chunk=c)
     q, k, v = (conv(x) for x in (q, k, v))
     fwd = cuflash.attention_varlen if packed else cuflash.attention
-    bwd = cuflash.backward.attention_varlen_backward if packed else cuflash.backward.attention_backward
+    from cuflash.backward import attention_backward, attention_varlen_backward
+    bwd = attention_varlen_backward if packed else attention_backward
     out, lse = fwd(q, k, v, *extra, return_lse=True, **kw)
     do = conv(torch.randn(q.shape, device="cuda").to(torch.bfloat16))
     given = [conv(torch.full(x.shape, float("nan"), device="cuda").to(torch.bfloat16)) for x in (q, k, v)]
