@@ -258,14 +258,12 @@ class _Repeat(NamedTuple):
 
     def __call__(self, q, k, v, out, cu_q=None, cu_k=None, fm=None):
         """The call's result, or None when its pointers need the general path (alignment)."""
-        qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
-        op = 0 if out is None else out.data_ptr()
-        if (qp | kp | vp | op) & 15:
-            return None
         torch = sys.modules["torch"]
-        if out is None:
-            out = torch.empty_like(q) if self.q_contiguous else q.new_empty(q.shape)
-            op = out.data_ptr()
+        ops = arrays.repeat_operands(q, k, v, out,
+                                     lambda: torch.empty_like(q) if self.q_contiguous else q.new_empty(q.shape))
+        if ops is None:
+            return None
+        qp, kp, vp, op, out = ops
         lse = None if self.lse_shape is None else q.new_empty(self.lse_shape, dtype=torch.float32)
         dev, recipe = self.device, self.recipe
         if self.packed is not None:

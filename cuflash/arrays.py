@@ -195,6 +195,20 @@ def repeat_lookup(table: dict, sig):
         return None
 
 
+def repeat_operands(q, k, v, out, new_out):
+    """The data pointers (q, k, v, out) and the output of a repeated call on PyTorch tensors,
+    ``new_out()`` made when ``out`` is None; None when a pointer is not 16-byte aligned (the
+    general path then decides)."""
+    qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    op = 0 if out is None else out.data_ptr()
+    if (qp | kp | vp | op) & 15:
+        return None
+    if out is None:
+        out = new_out()
+        op = out.data_ptr()
+    return qp, kp, vp, op, out
+
+
 def repeat_signature(tensors, window_size, options):
     """The key under which a call from PyTorch reuses an earlier call's checks, plan and launch
     arguments: each tensor's shape, strides, dtype and device (None stays None), the window as

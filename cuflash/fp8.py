@@ -156,14 +156,11 @@ class _Repeat(NamedTuple):
         r = self.recipe
         if fwd_fp8.planned(r.variant.head_dim, r.variant.causal) is not r.variant:
             return None
-        qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
-        op = 0 if out is None else out.data_ptr()
-        if (qp | kp | vp | op) & 15:
-            return None
         torch = sys.modules["torch"]
-        if out is None:
-            out = q.new_empty(q.shape, dtype=torch.bfloat16)
-            op = out.data_ptr()
+        ops = arrays.repeat_operands(q, k, v, out, lambda: q.new_empty(q.shape, dtype=torch.bfloat16))
+        if ops is None:
+            return None
+        qp, kp, vp, op, out = ops
         lse = None if self.lse_shape is None else q.new_empty(self.lse_shape, dtype=torch.float32)
         vt = q.new_empty((r.vt_bytes,), dtype=torch.uint8)  # held until the launches are queued
         args = (r, arrays.torch_stream(self.device), qp, kp, vp, op, 0 if lse is None else lse.data_ptr(),
