@@ -1028,11 +1028,13 @@ def _fwd_tile_fill(a, s, causal, nheads, q, idx, plain):
         return None
 
 
-def _mask_summary(row, outs, flops, causal_tflops):
+def _mask_summary(row, outs, flops, causal_tflops, causal_fill=None):
     """TF/s of each implementation on the visible pairs' FLOPs (and of cuflash's varlen call where
     the row has one), cuflash's ratios to Flex, SDPA, its varlen call and its plain causal TF/s at
-    the same length and pass (``causal_tflops``), and max |diff| of cuflash's, SDPA's and the
-    varlen call's results (output, or dq, dk, dv) against Flex's."""
+    the same length and pass (``causal_tflops``), that last ratio counted on the elements of the
+    tiles the forward computes (frac_causal_tiles: times the plain causal row's tile fill
+    ``causal_fill`` over the row's own), and max |diff| of cuflash's, SDPA's and the varlen call's
+    results (output, or dq, dk, dv) against Flex's."""
     for name in (*MASK_IMPLS, "varlen"):
         ms = row.get(f"{name}_ms")
         row[f"{name}_tflops"] = flops / ms / 1e9 if ms else None
@@ -1040,6 +1042,9 @@ def _mask_summary(row, outs, flops, causal_tflops):
     row["ratio_sdpa"] = _div(row["cuflash_tflops"], row["sdpa_tflops"])
     row["frac_causal"] = _div(row["cuflash_tflops"], causal_tflops)
     row["frac_varlen"] = _div(row["cuflash_tflops"], row["varlen_tflops"])
+    fill = row.get("fwd_tile_fill")
+    row["frac_causal_tiles"] = None if row["frac_causal"] is None or not fill or not causal_fill else \
+        row["frac_causal"] * causal_fill / fill
     for name in ("cuflash", "sdpa", "varlen"):
         a, b = outs.get(name), outs.get("flex")
         if a is None or b is None:
@@ -1110,7 +1115,7 @@ def bench_mask(seqlens=(8192, 32768), families=MASK_FAMILIES, batch=1, nheads=16
             dev = sets[0][0].device
             cols = [torch.empty((batch, nheads, s), dtype=torch.int32, device=dev) for _ in range(4)]
             mods = _mask_mods(cols)
-            causal_tflops = {}
+            causal_tflops, causal_fill = {}, None
             for fam in ("causal", *families):
                 a, c, desc, docs = _mask_family(fam, s, nheads, seed)
                 a = np.broadcast_to(a, (batch,) + a.shape[1:]).copy()
@@ -1133,6 +1138,8 @@ def bench_mask(seqlens=(8192, 32768), families=MASK_FAMILIES, batch=1, nheads=16
                         errors["sdpa"] = f"dense mask: {_first_line(e)}"
                         _free_cached(torch)
                 fill = _fwd_tile_fill(a, s, c, nheads, sets[0][0], idx, plain)
+                if plain:
+                    causal_fill = fill
                 for backward in (False, True):
                     pas = "fwd+bwd" if backward else "fwd"
                     row = {"family": fam, "mask": desc, "seqlen": s, "batch": batch, "nheads": nheads, "d": d,
@@ -1166,7 +1173,7 @@ def bench_mask(seqlens=(8192, 32768), families=MASK_FAMILIES, batch=1, nheads=16
                     flops = mask_flops(pairs, d, backward)
                     if plain:
                         causal_tflops[pas] = flops / row["cuflash_ms"] / 1e9 if row["cuflash_ms"] else None
-                    _mask_summary(row, outs, flops, causal_tflops.get(pas))
+                    _mask_summary(row, outs, flops, causal_tflops.get(pas), causal_fill)
                     _emit(rows, row, "mask", verbose)
                     del outs
                 dense = block_mask = idx = None  # not del: the SDPA lambda refers to dense
@@ -1215,6 +1222,7 @@ _COLUMNS = {
              ("SDPA TF/s", "sdpa_tflops", _f(".1f")), ("xFlex", "ratio_flex", _f(".2f")),
              ("%causal", "frac_causal", _pct), ("varlen TF/s", "varlen_tflops", _f(".1f")),
              ("%varlen", "frac_varlen", _pct), ("tile fill", "fwd_tile_fill", _pct),
+             ("%causal tiles", "frac_causal_tiles", _pct),
              ("diff vs Flex", "max_diff_cuflash", _f(".1e")),
              ("failed", "errors", lambda e: ",".join(e) if e else "-")],
 }

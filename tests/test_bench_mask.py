@@ -103,7 +103,7 @@ def _fake_rows():
         for fam, frac in (("causal", 0.5), ("document", 0.25), ("random_eviction", 0.37)):
             for p in ("fwd", "fwd+bwd"):
                 row = {"family": fam, "seqlen": s, "pass": p, "pairs_frac": frac, "errors": {},
-                       "fwd_tile_fill": 0.9 if fam == "document" else None}
+                       "fwd_tile_fill": {"document": 0.9, "causal": 0.98}.get(fam)}
                 for name, ms in (("cuflash", 2.0), ("flex", 3.0), ("sdpa", None if s == 32768 else 9.0),
                                  ("varlen", 1.6 if fam == "document" else None)):
                     row[f"{name}_ms"] = ms
@@ -113,7 +113,7 @@ def _fake_rows():
                     row["errors"]["sdpa"] = "OutOfMemoryError: CUDA out of memory"
                 causal = 4e12 / 2.0 / 1e9 if fam != "causal" else None
                 outs = {"cuflash": torch.zeros(2), "flex": torch.tensor([0.0, 0.25])} if row["cuflash_ms"] else {}
-                bench._mask_summary(row, outs, 4e12 if fam == "causal" else 4e12 * frac / 0.5, causal)
+                bench._mask_summary(row, outs, 4e12 if fam == "causal" else 4e12 * frac / 0.5, causal, 0.98)
                 rows.append(row)
     return rows
 
@@ -127,6 +127,9 @@ def test_summary_table_and_plot(tmp_path):
     assert doc["frac_causal"] == pytest.approx(0.5) and doc["max_diff_cuflash"] == 0.25
     assert doc["max_diff_sdpa"] is None and "error" not in doc
     assert doc["varlen_tflops"] == pytest.approx(1250.0) and doc["frac_varlen"] == pytest.approx(0.8)
+    # counted on the computed tiles' elements: 50% of causal's rate, the tiles 90% kept against causal's 98%
+    assert doc["frac_causal_tiles"] == pytest.approx(0.5 * 0.98 / 0.9)
+    assert rows[4]["frac_causal_tiles"] is None  # random_eviction: no tile fill here
     assert rows[4]["varlen_tflops"] is None and rows[4]["frac_varlen"] is None  # random_eviction: no documents
     broken = [r for r in rows if r["family"] == "random_eviction" and r["pass"] == "fwd+bwd" and r["seqlen"] == 32768][0]
     assert broken["cuflash_tflops"] is None and broken["ratio_flex"] is None and broken["frac_causal"] is None
@@ -134,10 +137,11 @@ def test_summary_table_and_plot(tmp_path):
     table = bench.format_table(rows, "mask").splitlines()
     cells = lambda line: [c.strip() for c in line.split("|")[1:-1]]  # noqa: E731
     assert cells(table[0]) == ["family", "s", "pass", "kept", "cuflash TF/s", "Flex TF/s", "SDPA TF/s", "xFlex",
-                               "%causal", "varlen TF/s", "%varlen", "tile fill", "diff vs Flex", "failed"]
+                               "%causal", "varlen TF/s", "%varlen", "tile fill", "%causal tiles", "diff vs Flex",
+                               "failed"]
     assert len(table) == 2 + len(rows) and len({len(line) for line in table}) == 1
     assert cells(table[2 + 2]) == ["document", "8192", "fwd", "25.0%", "1000.0", "666.7", "222.2", "1.50", "50%",
-                                   "1250.0", "80%", "90%", "2.5e-01", "-"]
+                                   "1250.0", "80%", "90%", "54%", "2.5e-01", "-"]
     assert cells(table[-1])[:5] == ["random_eviction", "32768", "fwd+bwd", "37.0%", "-"]
     assert cells(table[-1])[-1] == "cuflash,sdpa"
     # fwd+bwd results are (dq, dk, dv): the largest difference of the three
@@ -221,7 +225,7 @@ def test_small_run_on_the_cpu(cpu_bench):
         for p in ("fwd", "fwd+bwd")]
     for r in rows:
         assert r["cuflash_api"] == "cuflash.torch.attention"
-        assert r["fwd_tile_fill"] is None  # no GPU to plan for
+        assert r["fwd_tile_fill"] is None and r["frac_causal_tiles"] is None  # no GPU to plan for
         assert r["cuflash_ms"] > 0 and r["sdpa_ms"] > 0
         if r["family"] in bench.VARLEN_FAMILIES:  # the same documents through the varlen call
             assert r["varlen_ms"] > 0 and r["frac_varlen"] == pytest.approx(r["cuflash_tflops"] / r["varlen_tflops"])
