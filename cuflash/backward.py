@@ -312,7 +312,7 @@ def _grad_buffer(given, like, d_pad):
     write it in place, else a padded/aligned scratch copied into it afterwards."""
     final = given if given is not None else arrays.view(
         arrays.empty_like_framework(like, like.shape, like.dtype), "grad")
-    if d_pad == like.shape[-1] and _aligned(final):
+    if d_pad == like.shape[-1] and validate.aligned(final):
         return final, final
     scratch = arrays.view(arrays.empty_like_framework(like, (*like.shape[:-1], d_pad), like.dtype), "grad")
     return scratch, final
@@ -321,11 +321,6 @@ def _grad_buffer(given, like, d_pad):
 def _as_batches(x):
     """A 4-dim view as it is; a packed (total, nheads, d) one as a single batch (token strides)."""
     return x if len(x.shape) == 4 else validate.batched(x, 1, x.shape[0])
-
-
-def _aligned(x) -> bool:
-    """validate.aligned for 4-dim views and for packed ones (token stride checked)."""
-    return validate.aligned(_as_batches(x))
 
 
 def _tma_readable(x) -> bool:
@@ -369,7 +364,7 @@ def _backward_device(dov, qv, kv, vv, ov, lv, grads, causal, scale, deterministi
 
     # Head dims that are not a multiple of 8, or unaligned operands, go through padded copies
     # (zero columns change no score and no gradient).
-    ops = [x if d_pad == d and _aligned(x) else _padded(x, d_pad) for x in (qv, kv, vv, dov, ov)]
+    ops = [x if d_pad == d and validate.aligned(x) else _padded(x, d_pad) for x in (qv, kv, vv, dov, ov)]
     window, cap, alibi, _ = mods
     dev = qv.device
     plan = make_backward_plan(Problem(b, sq, sk, h, hk, d_pad, _DTYPES[qv.dtype], causal=causal, window=window,

@@ -645,15 +645,16 @@ def _fp8_cache_window(k_cache, v_cache, k, appended, rotary):
     cap = table.shape[1] * k_cache.shape[1] if table is not None else k_cache.shape[1]
     n_new = 0 if k is None else k.shape[0] if cu_new is not None else k.shape[1]
     length = cap
-    try:  # (with rotary tables the capacity: the rotary rules read it)
-        if not rotary and isinstance(cache_seqlens, int):
-            length = cache_seqlens + n_new
-        elif not rotary and cache_seqlens is not None:
-            lens = torch.as_tensor(cache_seqlens)
-            if not lens.is_floating_point() and lens.numel():
-                length = int(lens.max()) + n_new
-    except (TypeError, ValueError, RuntimeError):  # (the call's own checks say what is wrong)
-        pass
+    if not rotary:  # (with rotary tables the capacity: the rotary rules read it)
+        try:
+            if isinstance(cache_seqlens, int):
+                length = cache_seqlens + n_new
+            elif cache_seqlens is not None:
+                lens = torch.as_tensor(cache_seqlens)
+                if not lens.is_floating_point() and lens.numel():
+                    length = int(lens.max()) + n_new
+        except (TypeError, ValueError, RuntimeError):  # (the call's own checks say what is wrong)
+            pass
     length = max(1, min(length, cap))
     if table is None:
         rows = k_cache[:, :length]

@@ -10,6 +10,7 @@ import sys
 from typing import NamedTuple
 
 from . import arrays, validate
+from .kernels import fwd_fp8
 from .plan import cached_on_plans
 
 FP8_DTYPES = ("float8_e4m3fn",)
@@ -65,9 +66,8 @@ def attention_fp8(q, k, v, *, causal=False, softmax_scale=None, return_lse=False
     validate.operands(qv, kv, vv, dtypes=FP8_DTYPES)
     b, sq, h, d = qv.shape
     sk, hk = kv.shape[1], kv.shape[2]
-    from .kernels.fwd_fp8 import HEAD_DIMS
-    if d not in HEAD_DIMS:
-        raise ValueError(f"FP8 attention takes head dims {_dims(HEAD_DIMS)}, got {d}")
+    if d not in fwd_fp8.HEAD_DIMS:
+        raise ValueError(f"FP8 attention takes head dims {_dims(fwd_fp8.HEAD_DIMS)}, got {d}")
     for name, x in (("q", qv), ("k", kv)):  # read by the TMA: 16-byte aligned rows, positive strides
         if x.ptr % 16 or any(s <= 0 or s % 16 or s >= 1 << 40 for s in x.strides[:3]):
             raise ValueError(f"{name} must start 16-byte aligned with positive batch, seqlen and head strides in "
@@ -101,7 +101,6 @@ def attention_fp8(q, k, v, *, causal=False, softmax_scale=None, return_lse=False
     ov = arrays.view(o, "out")
     lse = arrays.empty_like_framework(qv, (b, h, sq), "float32") if return_lse else None
     if b and sq and h:
-        from .kernels import fwd_fp8
         if sk == 0:  # no key: O = 0, LSE = +inf (as the bf16 kernels give)
             o[...] = 0
             if lse is not None:
@@ -152,7 +151,6 @@ class _Repeat(NamedTuple):
     def __call__(self, q, k, v, out, descales):
         """The call's result, or None when it needs the general path (a pointer the TMA cannot
         read, or another planned variant)."""
-        from .kernels import fwd_fp8
         r = self.recipe
         if fwd_fp8.planned(r.variant.head_dim, r.variant.causal) is not r.variant:
             return None
@@ -176,7 +174,6 @@ class _Repeat(NamedTuple):
 def make_plan(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, return_lse, facts):
     """The plan of an FP8 call of these sizes on a device described by ``facts``: the V^T copy,
     then the FP8 forward, and why."""
-    from .kernels import fwd_fp8
     from .plan import Launch, Plan, Problem, cdiv
     if head_dim not in fwd_fp8.HEAD_DIMS:
         raise ValueError(f"FP8 attention takes head dims {_dims(fwd_fp8.HEAD_DIMS)}, got {head_dim}")

@@ -87,15 +87,15 @@ def _unsupported(query, key, value, dropout_p, scale):
     return _device_problem(query, key, value)
 
 
-def _unsupported_backward(grad_out, query, out, logsumexp):
-    """The backward's own operands, or None where cuflash can take them."""
-    b, h, sq, _ = query.shape
+def _unsupported_backward(grad_out, query, out, logsumexp, lse_shape=None):
+    """The backward's own operands, or None where cuflash can take them; ``lse_shape``: the LSE's
+    (default SDPA's (batch, nheads, seqlen_q) of a (batch, nheads, seqlen_q, d) query)."""
     if grad_out.shape != query.shape or out.shape != query.shape or not (
             grad_out.dtype == out.dtype == query.dtype):
         return "grad_out or out unlike query"
     if out.shape[-1] > 1 and out.stride(-1) != 1:
         return "out's last dim is not contiguous"
-    if logsumexp.dtype != torch.float32 or tuple(logsumexp.shape) != (b, h, sq):
+    if logsumexp.dtype != torch.float32 or tuple(logsumexp.shape) != tuple(lse_shape or query.shape[:3]):
         return f"logsumexp {logsumexp.dtype} {tuple(logsumexp.shape)}"
     return _device_problem(grad_out, query, out, logsumexp)
 
@@ -258,17 +258,9 @@ def _flash_backward_impl(keyset, grad_out, query, key, value, out, logsumexp, cu
                          dropout_p, is_causal, rng_state, unused, *extra, **kwargs):
     """aten::_flash_attention_backward: (grad_query, grad_key, grad_value), each with its input's
     layout."""
-    why = _unsupported_flash(query, key, value, cum_seq_q, cum_seq_k, dropout_p, extra, kwargs)
-    if not why:
-        lse_shape = (query.shape[0], query.shape[2], query.shape[1]) if cum_seq_q is None else query.shape[1::-1]
-        if grad_out.shape != query.shape or out.shape != query.shape or not grad_out.dtype == out.dtype == query.dtype:
-            why = "grad_out or out unlike query"
-        elif out.shape[-1] > 1 and out.stride(-1) != 1:
-            why = "out's last dim is not contiguous"
-        elif logsumexp.dtype != torch.float32 or tuple(logsumexp.shape) != tuple(lse_shape):
-            why = f"logsumexp {logsumexp.dtype} {tuple(logsumexp.shape)}"
-        else:
-            why = _device_problem(grad_out, query, out, logsumexp)
+    lse_shape = (query.shape[0], query.shape[2], query.shape[1]) if cum_seq_q is None else query.shape[1::-1]
+    why = (_unsupported_flash(query, key, value, cum_seq_q, cum_seq_k, dropout_p, extra, kwargs)
+           or _unsupported_backward(grad_out, query, out, logsumexp, lse_shape))
     if why:
         return _pytorch(_VBWD, why, keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
                         max_k, dropout_p, is_causal, rng_state, unused, *extra, **kwargs)
