@@ -45,6 +45,9 @@ attention_varlen); ``flash_attn_with_kvcache`` is forward only, as in FlashAtten
 - Not supported (NotImplementedError naming the argument): ``sm_margin`` other than 0, ``qv`` with
   FP8 inputs or (in flash_attn_with_kvcache) rotary tables. :func:`flash_attn_combine` merges split
   partials with PyTorch operations (no kernel of its own).
+- Importing this module defines FlashAttention-3's operators ``torch.ops.flash_attn_3.fwd``,
+  ``bwd``, ``fwd_combine`` and ``get_scheduler_metadata`` with its schemas on these functions and
+  cuflash's backward (the end of this file), where FlashAttention-3 itself is not installed.
 """
 from __future__ import annotations
 
@@ -809,3 +812,217 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     """FlashAttention-3's ``get_scheduler_metadata``: None, as cuflash plans each call itself
     (``cuflash.plan`` says how); flash_attn_with_kvcache takes that None back."""
     return None
+
+
+# torch.ops.flash_attn_3: FlashAttention-3's operators (flash_api.cpp's TORCH_LIBRARY), with the
+# schemas FlashAttention-3 promises to stay compatible with (hopper/test_flash_attn.py's
+# test_flash3_bw_compatibility), for code that calls the operators rather than the functions:
+# PyTorch's FA3 adapter for SDPA (torch.nn.attention._fa3.register_flash_attention_fa3, given
+# module_path="cuflash.flash_attn3"), and torch.compile / FakeTensor tracing through them. They
+# are defined only where FlashAttention-3 itself is not installed (its own extension defines the
+# namespace; a second definition would fail at its import).
+_SCHEMAS = {
+    "fwd": "fwd(Tensor q, Tensor k, Tensor v, Tensor(k_new!)? k_new=None, Tensor(v_new!)? v_new=None, "
+           "Tensor? q_v=None, Tensor(out!)? out=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
+           "Tensor? cu_seqlens_k_new=None, Tensor? seqused_q=None, Tensor? seqused_k=None, int? max_seqlen_q=None, "
+           "int? max_seqlen_k=None, Tensor? page_table=None, Tensor? kv_batch_idx=None, Tensor? leftpad_k=None, "
+           "Tensor? rotary_cos=None, Tensor? rotary_sin=None, Tensor? seqlens_rotary=None, Tensor? q_descale=None, "
+           "Tensor? k_descale=None, Tensor? v_descale=None, float? softmax_scale=None, bool is_causal=False, "
+           "int window_size_left=-1, int window_size_right=-1, int attention_chunk=0, float softcap=0., "
+           "bool is_rotary_interleaved=False, Tensor? scheduler_metadata=None, int num_splits=0, "
+           "bool? pack_gqa=None, int sm_margin=0) -> (Tensor(out!), Tensor, Tensor, Tensor)",
+    "bwd": "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, Tensor(dq!)? dq=None, "
+           "Tensor(dk!)? dk=None, Tensor(dv!)? dv=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
+           "Tensor? seqused_q=None, Tensor? seqused_k=None, int? max_seqlen_q=None, int? max_seqlen_k=None, "
+           "float? softmax_scale=None, bool is_causal=False, int window_size_left=-1, int window_size_right=-1, "
+           "float softcap=0., bool deterministic=False, int sm_margin=0) "
+           "-> (Tensor(dq!), Tensor(dk!), Tensor(dv!), Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "fwd_combine": "fwd_combine(Tensor out_partial, Tensor lse_partial, Tensor(out!)? out=None, "
+                   "ScalarType? out_dtype=None) -> (Tensor(out!), Tensor)",
+    "get_scheduler_metadata": "get_scheduler_metadata(int batch_size, int max_seqlen_q, int max_seqlen_k, "
+                              "int num_heads, int num_heads_k, int headdim, int headdim_v, ScalarType qkv_dtype, "
+                              "Tensor seqused_k, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
+                              "Tensor? cu_seqlens_k_new=None, Tensor? seqused_q=None, Tensor? leftpad_k=None, "
+                              "int? page_size=None, int max_seqlen_k_new=0, bool is_causal=False, "
+                              "int window_size_left=-1, int window_size_right=-1, int attention_chunk=0, "
+                              "bool has_softcap=False, int num_splits=0, bool? pack_gqa=None, int sm_margin=0) "
+                              "-> Tensor",
+}
+_CACHE_ONLY = ("k_new", "v_new", "page_table", "kv_batch_idx", "leftpad_k", "rotary_cos", "rotary_sin")
+
+
+def _fwd_shapes(q, v, cu_seqlens_q):
+    """The fwd operator's output shape and dtype (q's rows, v's head dim; bf16 for FP8 inputs) and
+    its LSE's shape ((batch, nheads, seqlen_q), or (nheads, total_q) for packed queries)."""
+    dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
+    lse = (q.shape[-2], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
+    return (*q.shape[:-1], v.shape[-1]), dtype, lse
+
+
+def _fwd_op(q, k, v, k_new=None, v_new=None, q_v=None, out=None, cu_seqlens_q=None, cu_seqlens_k=None,
+            cu_seqlens_k_new=None, seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None,
+            page_table=None, kv_batch_idx=None, leftpad_k=None, rotary_cos=None, rotary_sin=None, seqlens_rotary=None,
+            q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, is_causal=False, window_size_left=-1,
+            window_size_right=-1, attention_chunk=0, softcap=0.0, is_rotary_interleaved=False,
+            scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0):
+    """flash_attn_3::fwd. A call with a KV-cache argument (new keys, a page table, cache indices,
+    leftpad, rotary tables), or with seqused_k over batched keys, is flash_attn_with_kvcache's
+    (seqused_k the cache lengths; with a page table and cu_seqlens_k, the lengths cu_seqlens_k's);
+    one with other sequence arguments flash_attn_varlen_func's; the rest flash_attn_func's. Returns
+    (out, softmax_lse, out_accum, softmax_lse_accum); cuflash merges splits itself, so the two
+    accumulators are empty. A given ``out`` is checked first and written with a copy of the result."""
+    _refuse(sm_margin=sm_margin)
+    shape, dtype, _ = _fwd_shapes(q, v, cu_seqlens_q)
+    if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or out.device != q.device):
+        raise ValueError(f"out must be {dtype} of shape {shape} on {q.device}, got {cuflash.validate.show(out)}")
+    window, descales = (window_size_left, window_size_right), (q_descale, k_descale, v_descale)
+    given = dict(k_new=k_new, v_new=v_new, page_table=page_table, kv_batch_idx=kv_batch_idx, leftpad_k=leftpad_k,
+                 rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+    with torch.no_grad():
+        if any(given[n] is not None for n in _CACHE_ONLY) or (seqused_k is not None and cu_seqlens_k is None
+                                                               and seqused_q is None):
+            _refuse(seqused_q=seqused_q)
+            if seqused_k is None and cu_seqlens_k is not None:
+                seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+            res, lse = flash_attn_with_kvcache(
+                q, k, v, k_new, v_new, q_v, rotary_cos, rotary_sin, seqused_k, kv_batch_idx, leftpad_k, page_table,
+                cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, seqlens_rotary, *descales, softmax_scale, is_causal,
+                window, attention_chunk, softcap, is_rotary_interleaved, scheduler_metadata, num_splits, pack_gqa,
+                sm_margin, return_softmax_lse=True)
+        elif any(x is not None for x in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)):
+            _refuse(cu_seqlens_k_new=cu_seqlens_k_new, seqlens_rotary=seqlens_rotary)
+            res, lse = flash_attn_varlen_func(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
+                is_causal, q_v, *descales, window, attention_chunk, softcap, num_splits, pack_gqa, False, sm_margin,
+                return_attn_probs=True)
+        else:
+            _refuse(cu_seqlens_k_new=cu_seqlens_k_new, seqlens_rotary=seqlens_rotary)
+            res, lse = flash_attn_func(q, k, v, softmax_scale, is_causal, q_v, *descales, window, attention_chunk,
+                                       softcap, num_splits, pack_gqa, False, sm_margin, return_attn_probs=True)
+    if out is not None:
+        res = out.copy_(res)
+    none = q.new_empty(0, dtype=torch.float32)
+    return res, lse, none, none.clone()
+
+
+def _fwd_fake(q, k, v, k_new=None, v_new=None, q_v=None, out=None, cu_seqlens_q=None, *args, **kwargs):
+    shape, dtype, lse = _fwd_shapes(q, v, cu_seqlens_q)
+    none = q.new_empty(0, dtype=torch.float32)
+    return (q.new_empty(shape, dtype=dtype) if out is None else out), q.new_empty(lse, dtype=torch.float32), none, \
+        none.clone()
+
+
+def _stats_shape(q, cu_seqlens_q):
+    """The backward's per-row statistics' shape: the forward LSE's."""
+    return (q.shape[-2], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _bwd_op(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, cu_seqlens_q=None, cu_seqlens_k=None,
+            seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None,
+            is_causal=False, window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False,
+            sm_margin=0):
+    """flash_attn_3::bwd: dq, dk, dv (written into those given) of the forward whose ``out`` and
+    ``softmax_lse`` are given (cuflash.backward's kernels), then softmax_d = rowsum(dout * out) and
+    the LSE in log2 units, shaped as the LSE (float32 PyTorch operations: FlashAttention-3 returns
+    its own), and three empty tensors where FlashAttention-3 returns its float32 accumulators. A
+    value head dim other than q's: V, out and dout are cut into pieces of q's head dim (the last
+    zero-padded), each piece's dq and dk added (dS is linear in the pieces' dP - D)."""
+    from cuflash import backward
+    _refuse(sm_margin=sm_margin)
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    for name, g, x in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if g.shape != x.shape or g.dtype != x.dtype or g.device != x.device:
+            raise ValueError(f"{name} must be {x.dtype} of shape {tuple(x.shape)} on {x.device}, got "
+                             f"{cuflash.validate.show(g)}")
+    kw = dict(causal=is_causal, softmax_scale=softmax_scale, window_size=_window((window_size_left, window_size_right)),
+              softcap=_softcap(softcap), deterministic=deterministic)
+    varlen = any(x is not None for x in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k))
+    lse = softmax_lse
+    if varlen:
+        if cu_seqlens_q is None:  # batched q: packed rows, the LSE as (nheads, total_q)
+            cu_seqlens_q, _, max_seqlen_q = _batched_as_packed(q, "q", max_seqlen_q)
+            lse = lse.transpose(0, 1).flatten(1)
+        if cu_seqlens_k is None:
+            cu_seqlens_k, _, max_seqlen_k = _batched_as_packed(k, "k", max_seqlen_k)
+        if seqused_q is not None or seqused_k is not None:
+            cu_seqlens_q, cu_seqlens_k = _seqused(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        rows = lambda x: x.flatten(0, 1) if x.dim() == 4 else x  # noqa: E731
+
+        def run(do, o, vv, *grads):  # (batched gradients that flatten to no view: written through copies)
+            into = [g if g.dim() == 3 or g.is_contiguous() else torch.empty(g.shape, dtype=g.dtype, device=g.device)
+                    for g in grads]
+            backward.attention_varlen_backward(rows(do), rows(q), rows(k), rows(vv), rows(o), lse, cu_seqlens_q,
+                                               cu_seqlens_k, max_seqlen_q, max_seqlen_k, dq=rows(into[0]),
+                                               dk=rows(into[1]), dv=rows(into[2]), **kw)
+            for g, t in zip(grads, into):
+                if t is not g:
+                    g.copy_(t)
+    else:
+        def run(do, o, vv, gq, gk, gv):
+            return backward.attention_backward(do, q, k, vv, o, lse, dq=gq, dk=gk, dv=gv, **kw)
+    with torch.no_grad():
+        d = q.shape[-1]
+        if v.shape[-1] == d:
+            run(dout, out, v, dq, dk, dv)
+        else:
+            for j in range(0, v.shape[-1], d):
+                w = min(d, v.shape[-1] - j)
+                piece = [_pad_last(x[..., j:j + w], d).contiguous() for x in (dout, out, v)]
+                gq, gk, gv = (torch.empty_like(x) for x in (q, k, piece[2]))
+                run(*piece, gq, gk, gv)
+                dv[..., j:j + w] = gv[..., :w]
+                if j == 0:
+                    dq.copy_(gq), dk.copy_(gk)
+                else:
+                    dq.add_(gq), dk.add_(gk)
+        softmax_d = torch.linalg.vecdot(dout.float(), out.float())
+        softmax_d = softmax_d.transpose(0, 1) if softmax_d.dim() == 2 else softmax_d.transpose(1, 2)
+    none = q.new_empty(0, dtype=torch.float32)
+    return dq, dk, dv, softmax_d.contiguous(), softmax_lse * 1.4426950408889634, none, none.clone(), none.clone()
+
+
+def _bwd_fake(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, cu_seqlens_q=None, *args, **kwargs):
+    none = q.new_empty(0, dtype=torch.float32)
+    stats = q.new_empty(_stats_shape(q, cu_seqlens_q), dtype=torch.float32)
+    return (torch.empty_like(q) if dq is None else dq, torch.empty_like(k) if dk is None else dk,
+            torch.empty_like(v) if dv is None else dv, stats, torch.empty_like(stats), none, none.clone(),
+            none.clone())
+
+
+def _combine_op(out_partial, lse_partial, out=None, out_dtype=None):
+    """flash_attn_3::fwd_combine: flash_attn_combine."""
+    return flash_attn_combine(out_partial, lse_partial, out, out_dtype)
+
+
+def _combine_fake(out_partial, lse_partial, out=None, out_dtype=None):
+    dtype = out_dtype or (out.dtype if out is not None else torch.float32)
+    return (out_partial.new_empty(out_partial.shape[1:], dtype=dtype) if out is None else out,
+            lse_partial.new_empty(lse_partial.shape[1:]))
+
+
+def _metadata_op(batch_size, max_seqlen_q, max_seqlen_k, num_heads, num_heads_k, headdim, headdim_v, qkv_dtype,
+                 seqused_k, *args, **kwargs):
+    """flash_attn_3::get_scheduler_metadata: an empty int32 tensor on seqused_k's device (cuflash plans
+    each call itself; fwd accepts the tensor back as a hint)."""
+    return seqused_k.new_empty(0, dtype=torch.int32)
+
+
+def _define_ops():
+    """Defines torch.ops.flash_attn_3's four operators (CUDA kernels and fake ones for tracing),
+    unless FlashAttention-3 is installed (its extension defines them) or they exist already."""
+    import importlib.util
+    if importlib.util.find_spec("flash_attn_3") is not None or hasattr(torch.ops.flash_attn_3, "fwd"):
+        return None
+    lib = torch.library.Library("flash_attn_3", "FRAGMENT")
+    for name, op, fake in (("fwd", _fwd_op, _fwd_fake), ("bwd", _bwd_op, _bwd_fake),
+                           ("fwd_combine", _combine_op, _combine_fake),
+                           ("get_scheduler_metadata", _metadata_op, _metadata_op)):
+        lib.define(_SCHEMAS[name])
+        lib.impl(name, op, "CUDA")
+        torch.library.register_fake(f"flash_attn_3::{name}", fake, lib=lib)
+    return lib
+
+
+_LIBRARY = _define_ops()
