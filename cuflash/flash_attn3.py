@@ -816,11 +816,15 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
 
 # torch.ops.flash_attn_3: FlashAttention-3's operators (flash_api.cpp's TORCH_LIBRARY), with the
 # schemas FlashAttention-3 promises to stay compatible with (hopper/test_flash_attn.py's
-# test_flash3_bw_compatibility), for code that calls the operators rather than the functions:
-# PyTorch's FA3 adapter for SDPA (torch.nn.attention._fa3.register_flash_attention_fa3, given
-# module_path="cuflash.flash_attn3"), and torch.compile / FakeTensor tracing through them. They
-# are defined only where FlashAttention-3 itself is not installed (its own extension defines the
-# namespace; a second definition would fail at its import).
+# test_flash3_bw_compatibility; FlashAttention-3's own bwd has since returned five tensors,
+# softmax_d first, where this one returns dq, dk, dv first), for code that calls the operators
+# rather than the functions: PyTorch's FA3 adapter for SDPA
+# (torch.nn.attention._fa3.register_flash_attention_fa3, given module_path="cuflash.flash_attn3").
+# Fake kernels give FakeTensor shapes; as FlashAttention-3's, fwd and bwd return aliases of
+# mutable inputs, which torch.compile's graph capture refuses in custom operators, so compiled
+# code calls the functions above (custom operators of cuflash.torch). They are defined only where
+# FlashAttention-3 itself is not installed (its own extension defines the namespace; a second
+# definition would fail at its import).
 _SCHEMAS = {
     "fwd": "fwd(Tensor q, Tensor k, Tensor v, Tensor(k_new!)? k_new=None, Tensor(v_new!)? v_new=None, "
            "Tensor? q_v=None, Tensor(out!)? out=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
@@ -866,43 +870,53 @@ def _fwd_op(q, k, v, k_new=None, v_new=None, q_v=None, out=None, cu_seqlens_q=No
             window_size_right=-1, attention_chunk=0, softcap=0.0, is_rotary_interleaved=False,
             scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0):
     """flash_attn_3::fwd. A call with a KV-cache argument (new keys, a page table, cache indices,
-    leftpad, rotary tables), or with seqused_k over batched keys, is flash_attn_with_kvcache's
-    (seqused_k the cache lengths; with a page table and cu_seqlens_k, the lengths cu_seqlens_k's);
-    one with other sequence arguments flash_attn_varlen_func's; the rest flash_attn_func's. Returns
+    leftpad, rotary tables), or with seqused_k over batched keys of q's head dim (a decode over a
+    cache), is flash_attn_with_kvcache's (seqused_k the cache lengths; with a page table and
+    cu_seqlens_k, the lengths cu_seqlens_k's); one with other sequence arguments
+    flash_attn_varlen_func's; the rest flash_attn_func's. ``max_seqlen_q`` / ``max_seqlen_k`` of
+    batched operands are their seqlens (FlashAttention-3 does not read them there); ``sm_margin``
+    (SMs left free) is a hint cuflash does not take, as ``num_splits`` and ``pack_gqa``. Returns
     (out, softmax_lse, out_accum, softmax_lse_accum); cuflash merges splits itself, so the two
     accumulators are empty. A given ``out`` is checked first and written with a copy of the result."""
-    _refuse(sm_margin=sm_margin)
     shape, dtype, _ = _fwd_shapes(q, v, cu_seqlens_q)
     if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or out.device != q.device):
         raise ValueError(f"out must be {dtype} of shape {shape} on {q.device}, got {cuflash.validate.show(out)}")
     window, descales = (window_size_left, window_size_right), (q_descale, k_descale, v_descale)
     given = dict(k_new=k_new, v_new=v_new, page_table=page_table, kv_batch_idx=kv_batch_idx, leftpad_k=leftpad_k,
                  rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+    max_seqlen_q, max_seqlen_k = _batched_lengths(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    decode = seqused_k is not None and cu_seqlens_k is None and seqused_q is None and v.shape[-1] == q.shape[-1]
     with torch.no_grad():
-        if any(given[n] is not None for n in _CACHE_ONLY) or (seqused_k is not None and cu_seqlens_k is None
-                                                               and seqused_q is None):
+        if any(given[n] is not None for n in _CACHE_ONLY) or decode:
             _refuse(seqused_q=seqused_q)
             if seqused_k is None and cu_seqlens_k is not None:
                 seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
             res, lse = flash_attn_with_kvcache(
                 q, k, v, k_new, v_new, q_v, rotary_cos, rotary_sin, seqused_k, kv_batch_idx, leftpad_k, page_table,
-                cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, seqlens_rotary, *descales, softmax_scale, is_causal,
-                window, attention_chunk, softcap, is_rotary_interleaved, scheduler_metadata, num_splits, pack_gqa,
-                sm_margin, return_softmax_lse=True)
+                cu_seqlens_q, cu_seqlens_k_new, None if cu_seqlens_q is None else max_seqlen_q, seqlens_rotary,
+                *descales, softmax_scale, is_causal, window, attention_chunk, softcap, is_rotary_interleaved,
+                scheduler_metadata, num_splits, pack_gqa, 0, return_softmax_lse=True)
         elif any(x is not None for x in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)):
             _refuse(cu_seqlens_k_new=cu_seqlens_k_new, seqlens_rotary=seqlens_rotary)
             res, lse = flash_attn_varlen_func(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
-                is_causal, q_v, *descales, window, attention_chunk, softcap, num_splits, pack_gqa, False, sm_margin,
+                is_causal, q_v, *descales, window, attention_chunk, softcap, num_splits, pack_gqa, False, 0,
                 return_attn_probs=True)
         else:
             _refuse(cu_seqlens_k_new=cu_seqlens_k_new, seqlens_rotary=seqlens_rotary)
             res, lse = flash_attn_func(q, k, v, softmax_scale, is_causal, q_v, *descales, window, attention_chunk,
-                                       softcap, num_splits, pack_gqa, False, sm_margin, return_attn_probs=True)
+                                       softcap, num_splits, pack_gqa, False, 0, return_attn_probs=True)
     if out is not None:
         res = out.copy_(res)
     none = q.new_empty(0, dtype=torch.float32)
     return res, lse, none, none.clone()
+
+
+def _batched_lengths(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """max_seqlen_q / max_seqlen_k with a batched operand's (no cu_seqlens) made its seqlen: FlashAttention-3
+    reads the maxima only for packed operands (a caller may pass max(seqused_k) there)."""
+    return (q.shape[1] if cu_seqlens_q is None and q.dim() == 4 else max_seqlen_q,
+            k.shape[1] if cu_seqlens_k is None and k.dim() == 4 else max_seqlen_k)
 
 
 def _fwd_fake(q, k, v, k_new=None, v_new=None, q_v=None, out=None, cu_seqlens_q=None, *args, **kwargs):
@@ -928,7 +942,11 @@ def _bwd_op(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, cu_seqle
     value head dim other than q's: V, out and dout are cut into pieces of q's head dim (the last
     zero-padded), each piece's dq and dk added (dS is linear in the pieces' dP - D)."""
     from cuflash import backward
-    _refuse(sm_margin=sm_margin)
+    rows = (*q.shape[:-1], v.shape[-1])
+    for name, x in (("dout", dout), ("out", out)):
+        if tuple(x.shape) != rows or x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(f"{name} must be {q.dtype} of shape {rows} (q's rows, v's head dim) on {q.device}, got "
+                             f"{cuflash.validate.show(x)}")
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
@@ -940,6 +958,7 @@ def _bwd_op(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, cu_seqle
               softcap=_softcap(softcap), deterministic=deterministic)
     varlen = any(x is not None for x in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k))
     lse = softmax_lse
+    max_seqlen_q, max_seqlen_k = _batched_lengths(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if varlen:
         if cu_seqlens_q is None:  # batched q: packed rows, the LSE as (nheads, total_q)
             cu_seqlens_q, _, max_seqlen_q = _batched_as_packed(q, "q", max_seqlen_q)
@@ -1011,10 +1030,12 @@ def _metadata_op(batch_size, max_seqlen_q, max_seqlen_k, num_heads, num_heads_k,
 
 def _define_ops():
     """Defines torch.ops.flash_attn_3's four operators (CUDA kernels and fake ones for tracing),
-    unless FlashAttention-3 is installed (its extension defines them) or they exist already."""
+    unless FlashAttention-3 is installed (its extension defines them) or they exist already. The
+    library is kept on the cuflash package, so that reloading this module keeps the operators
+    (they go when their library is collected)."""
     import importlib.util
     if importlib.util.find_spec("flash_attn_3") is not None or hasattr(torch.ops.flash_attn_3, "fwd"):
-        return None
+        return getattr(cuflash, "_flash_attn_3_library", None)
     lib = torch.library.Library("flash_attn_3", "FRAGMENT")
     for name, op, fake in (("fwd", _fwd_op, _fwd_fake), ("bwd", _bwd_op, _bwd_fake),
                            ("fwd_combine", _combine_op, _combine_fake),
@@ -1022,6 +1043,7 @@ def _define_ops():
         lib.define(_SCHEMAS[name])
         lib.impl(name, op, "CUDA")
         torch.library.register_fake(f"flash_attn_3::{name}", fake, lib=lib)
+    cuflash._flash_attn_3_library = lib
     return lib
 
 

@@ -16,8 +16,9 @@ torch = pytest.importorskip("torch", reason="needs PyTorch (optional dependency)
 
 from cuflash import flash_attn3 as fa3  # noqa: E402
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("flash_attn_3") is not None,
-                                reason="FlashAttention-3 is installed: its extension defines torch.ops.flash_attn_3")
+# (the operators' own tests: with FlashAttention-3 installed, the operators are its own)
+ours = pytest.mark.skipif(importlib.util.find_spec("flash_attn_3") is not None,
+                          reason="FlashAttention-3 is installed: its extension defines torch.ops.flash_attn_3")
 
 # FlashAttention-3's promise (hopper/test_flash_attn.py, test_flash3_bw_compatibility): arguments
 # are only ever added at the end with defaults, so these schemas keep working.
@@ -50,6 +51,7 @@ PROMISED = {
 }
 
 
+@ours
 @pytest.mark.parametrize("name", sorted(PROMISED))
 def test_schemas_are_flash_attention_3s(name):
     from torch._C import parse_schema
@@ -57,6 +59,7 @@ def test_schemas_are_flash_attention_3s(name):
     assert schema.is_backward_compatible_with(parse_schema(PROMISED[name]))
 
 
+@ours
 def test_fake_kernels_give_the_shapes():
     """Traced (FakeTensor) calls: out (q's rows, v's head dim; bf16 for e4m3), the LSE dense (batch,
     nheads, seqlen_q) or packed (nheads, total_q), a given out returned as itself, the backward's
@@ -108,8 +111,9 @@ def _record(monkeypatch):
 
 def test_fwd_goes_to_the_function_of_its_arguments(monkeypatch):
     """Dense operands: flash_attn_func; sequence arguments: flash_attn_varlen_func; a KV-cache
-    argument, or seqused_k over batched keys: flash_attn_with_kvcache with seqused_k as the cache
-    lengths (with a page table and cu_seqlens_k: the lengths cu_seqlens_k gives); a given out is
+    argument, or seqused_k over batched keys of q's head dim: flash_attn_with_kvcache with seqused_k
+    as the cache lengths (with a page table and cu_seqlens_k: the lengths cu_seqlens_k gives); the
+    maxima of batched operands are their seqlens; sm_margin is not passed on; a given out is
     written; a wrong out raises before any call."""
     calls = _record(monkeypatch)
     q, k = torch.ones(2, 5, 4, 64), torch.ones(2, 7, 2, 64)
@@ -120,9 +124,12 @@ def test_fwd_goes_to_the_function_of_its_arguments(monkeypatch):
     fa3._fwd_op(q[0], k[0], k[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4, max_seqlen_k=4)
     assert calls[-1][0] == "flash_attn_varlen_func"
     used = torch.tensor([3, 7], dtype=torch.int32)
-    fa3._fwd_op(q, k, k, seqused_k=used)
-    name, args, _ = calls[-1]
-    assert name == "flash_attn_with_kvcache" and args[5] is used
+    fa3._fwd_op(q, k, k, seqused_k=used, max_seqlen_q=2, max_seqlen_k=7, sm_margin=8)
+    name, args, kw = calls[-1]
+    assert name == "flash_attn_with_kvcache" and args[5] is used and args[11] is None and args[25] == 0
+    fa3._fwd_op(q, k, torch.ones(2, 7, 2, 32), seqused_k=used, max_seqlen_q=2, max_seqlen_k=7)
+    name, args, _ = calls[-1]  # (another value head dim: the varlen function's value pieces)
+    assert name == "flash_attn_varlen_func" and args[2:4] == (5, 7) and args[5] is used
     fa3._fwd_op(q, k, k, k_new=k[:, :1], v_new=k[:, :1])
     assert calls[-1][0] == "flash_attn_with_kvcache"
     table = torch.zeros(2, 1, dtype=torch.int32)
@@ -141,8 +148,6 @@ def test_fwd_goes_to_the_function_of_its_arguments(monkeypatch):
     assert len(calls) == n
     with pytest.raises(NotImplementedError, match="seqused_q"):
         fa3._fwd_op(q, k, k, k_new=k[:, :1], v_new=k[:, :1], seqused_q=used)
-    with pytest.raises(NotImplementedError, match="sm_margin"):
-        fa3._fwd_op(q, k, k, sm_margin=8)
 
 
 def _math_attention(q, k, v, scale, causal):
@@ -159,19 +164,28 @@ def _math_attention(q, k, v, scale, causal):
 @pytest.mark.parametrize("dv", [64, 40, 160])
 def test_bwd_value_pieces_add_up(dv, monkeypatch):
     """A value head dim other than q's: the backward of each piece of q's head dim (the last
-    zero-padded), dq and dk summed, dv put together, equal the gradients of the whole (float64,
-    cuflash's backward replaced by autograd through the same attention); softmax_d is rowsum(dout
-    * out) and the second statistic the LSE in log2 units."""
+    zero-padded), dq and dk summed, dv put together, equal the gradients of the whole (float64;
+    cuflash's backward replaced by FlashAttention's backward formula, which reads each piece's
+    out and the LSE); softmax_d is rowsum(dout * out) and the second statistic the LSE in log2
+    units."""
     from cuflash import backward
 
-    def autograd_backward(dout, q, k, v, out, lse, *, dq, dk, dv, causal, softmax_scale, **kw):
-        with torch.enable_grad():  # (the operator runs its backward under no_grad)
-            x = [t.detach().requires_grad_() for t in (q, k, v)]
-            o, _ = _math_attention(*x, softmax_scale, causal)
-            grads = torch.autograd.grad(o, x, dout)
-        for g, got in zip(grads, (dq, dk, dv)):
-            got.copy_(g)
-    monkeypatch.setattr(backward, "attention_backward", autograd_backward)
+    def lse_backward(dout, q, k, v, out, lse, *, dq, dk, dv, causal, softmax_scale, **kw):
+        """FlashAttention's backward from the given out and LSE (P = exp(S - lse), D = rowsum(dout out))."""
+        g = q.shape[2] // k.shape[2]
+        kr, vr = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
+        s = torch.einsum("bqhd,bkhd->bhqk", q, kr) * softmax_scale
+        if causal:
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(s.shape[-1] - s.shape[-2] + 1),
+                              -float("inf"))
+        p = torch.exp(s - lse[..., None])
+        dp = torch.einsum("bqhd,bkhd->bhqk", dout, vr)
+        ds = p * (dp - (dout * out).sum(-1).transpose(1, 2)[..., None])
+        dq.copy_(torch.einsum("bhqk,bkhd->bqhd", ds, kr) * softmax_scale)
+        fold = lambda x: x.unflatten(2, (k.shape[2], g)).sum(3)  # noqa: E731
+        dk.copy_(fold(torch.einsum("bhqk,bqhd->bkhd", ds, q)) * softmax_scale)
+        dv.copy_(fold(torch.einsum("bhqk,bqhd->bkhd", p, dout)))
+    monkeypatch.setattr(backward, "attention_backward", lse_backward)
     torch.manual_seed(dv)
     q, k = torch.randn(2, 6, 4, 64, dtype=torch.float64), torch.randn(2, 9, 2, 64, dtype=torch.float64)
     v = torch.randn(2, 9, 2, dv, dtype=torch.float64)
@@ -188,18 +202,22 @@ def test_bwd_value_pieces_add_up(dv, monkeypatch):
     assert all(x.numel() == 0 for x in res[5:])
 
 
-def test_bwd_checks_given_gradients():
-    q = torch.zeros(1, 4, 2, 64)
+def test_bwd_checks_its_operands():
+    q, lse = torch.zeros(1, 4, 2, 64), torch.zeros(1, 2, 4)
     with pytest.raises(ValueError, match=r"dk must be torch.float32 of shape \(1, 4, 2, 64\)"):
-        fa3._bwd_op(q, q, q, q, q, torch.zeros(1, 2, 4), dk=torch.zeros(1, 4, 2, 32))
-    with pytest.raises(NotImplementedError, match="sm_margin"):
-        fa3._bwd_op(q, q, q, q, q, torch.zeros(1, 2, 4), sm_margin=4)
+        fa3._bwd_op(q, q, q, q, q, lse, dk=torch.zeros(1, 4, 2, 32))
+    v = torch.zeros(1, 4, 2, 96)
+    with pytest.raises(ValueError, match=r"out must be torch.float32 of shape \(1, 4, 2, 96\) \(q's rows, v's head"):
+        fa3._bwd_op(torch.zeros(1, 4, 2, 96), q, q, v, q, lse)
+    with pytest.raises(ValueError, match="dout must be torch.float32"):
+        fa3._bwd_op(q.half(), q, q, q, q, lse)
 
 
 def _rand(*shape, dtype=torch.bfloat16):
     return torch.randn(*shape, device="cuda", dtype=dtype)
 
 
+@ours
 @requires_sm90
 def test_gpu_fwd_is_the_functions():
     """The operator's three routes give the functions' outputs and LSEs bitwise; a given out is
@@ -228,6 +246,7 @@ def test_gpu_fwd_is_the_functions():
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
 
+@ours
 @requires_sm90
 @pytest.mark.parametrize("case", ["dense", "packed", "seqused", "dv256"])
 def test_gpu_bwd_matches_autograd(case):
@@ -277,6 +296,40 @@ def test_gpu_bwd_matches_autograd(case):
     torch.testing.assert_close(res[3], dsum.transpose(-1, -2) if dsum.dim() == 3 else dsum.T, rtol=1e-4, atol=1e-3)
 
 
+@ours
+@requires_sm90
+@pytest.mark.parametrize("used_q", [False, True])
+def test_gpu_batched_seqused_against_reference(used_q):
+    """Batched q, k, v with seqused_k (fwd: the KV-cache route, a decode over cache lengths) or with
+    seqused_q too (the varlen route), maxima given as the used counts' as callers do, then bwd with
+    the same arguments: output, LSE and gradients of the used tokens within tolerance of the
+    float64 reference over the used tokens alone, zeros elsewhere."""
+    import numpy as np
+    from test_flash_attn3 import _seqused_reference
+    ops = torch.ops.flash_attn_3
+    torch.manual_seed(used_q)
+    b, sq, sk, h, hk, d = 3, 96, 300, 8, 2, 128
+    q, k, v = _rand(b, sq, h, d), _rand(b, sk, hk, d), _rand(b, sk, hk, d)
+    uk = torch.tensor([300, 96, 150], dtype=torch.int32, device="cuda")
+    uq = torch.tensor([96, 40, 0], dtype=torch.int32, device="cuda") if used_q else None
+    seq = dict(seqused_q=uq, seqused_k=uk, max_seqlen_q=96, max_seqlen_k=300 if used_q else 150)
+    out, lse, *_ = ops.fwd(q, k, v, is_causal=True, **seq)
+    dout = _rand(b, sq, h, d)
+    dq, dk, dv, *_ = ops.bwd(dout, q, k, v, out, lse, is_causal=True, **seq)
+    flat = [x.flatten(0, 1).double().cpu().numpy() for x in (q, k, v, dout)]
+    cu_q, cu_k = np.arange(b + 1, dtype=np.int32) * sq, np.arange(b + 1, dtype=np.int32) * sk
+    host_uq = uq.cpu().numpy() if used_q else np.full(b, sq, np.int32)
+    want = _seqused_reference(*flat[:3], cu_q, cu_k, host_uq, uk.cpu().numpy(), flat[3], True, (-1, -1))
+    got = (out.flatten(0, 1), lse.transpose(0, 1).flatten(1), dq.flatten(0, 1), dk.flatten(0, 1), dv.flatten(0, 1))
+    for name, g, ref in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        g = g.double().cpu().numpy()
+        finite = np.isfinite(ref)
+        assert (np.isfinite(g) == finite).all(), name
+        np.testing.assert_allclose(g[finite], ref[finite], rtol=0, atol=2e-2 if name in ("out", "lse") else 6e-2,
+                                   err_msg=name)
+
+
+@ours
 @requires_sm90
 def test_gpu_pytorch_fa3_adapter_runs_on_cuflash():
     """PyTorch's FA3 adapter (torch.nn.attention._fa3, given module_path="cuflash.flash_attn3")
