@@ -845,6 +845,68 @@ def test_gpu_sdpa_matches_pytorch(sdpa, dtype, b, h, hk, sq, sk, d, causal):
         assert _max_err(a, r) <= factor * _max_err(p, r) + tol, name
 
 
+def _math64(q, k, v, dout, is_causal=False, scale=None, enable_gqa=False):
+    """(out, dq, dk, dv) in float64 of SDPA's definition with a causal mask aligned bottom-right (as
+    the flash kernels align it when seqlen_q != seqlen_k); a row that sees no key gives 0 and no
+    gradient (flash-attn's convention)."""
+    import torch
+    x = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    qq, kk, vv = x
+    if enable_gqa:
+        g = qq.shape[1] // kk.shape[1]
+        kk, vv = kk.repeat_interleave(g, dim=1), vv.repeat_interleave(g, dim=1)
+    sq, sk = qq.shape[2], kk.shape[2]
+    s = qq @ kk.transpose(-1, -2) * (qq.shape[-1] ** -0.5 if scale is None else scale)
+    seen = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if is_causal:
+        seen = seen.tril(sk - sq)
+    rows = seen.any(-1, keepdim=True)
+    s = torch.where(rows, s.masked_fill(~seen, -float("inf")), 0.0)
+    out = (s.softmax(-1) * rows) @ vv
+    return [out.detach()] + list(torch.autograd.grad(out, x, dout.double()))
+
+
+# PyTorch's grid for its flash kernel against the math one (test/test_transformers.py,
+# test_flash_attention_vs_math_ref_grads), sampled, without dropout (its own tests above) and
+# without causal calls of seqlen_q != seqlen_k (which SDPA's flash backend refuses).
+_PT_GRID = [dict(b=b, sq=sq, sk=sk, d=d, causal=c, dtype=dt, scale=sc, gqa=g, heads=hh)
+            for b in (1, 8) for sq in (4, 8, 64, 143, 256, 512, 1024, 2048)
+            for sk in (4, 8, 64, 128, 256, 587, 1024, 2048) for d in (8, 16, 21, 32, 64, 72, 96, 128, 160, 192, 203, 256)
+            for c in (True, False) for dt in ("float16", "bfloat16") for sc in (None, "l1") for g in (True, False)
+            for hh in ((16, 8), (10, 2)) if not (c and sq != sk)]
+
+
+@requires_gpu
+@pytest.mark.parametrize("case", __import__("random").Random(2011).sample(_PT_GRID, 40),
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_gpu_sdpa_pytorch_grid(sdpa, case):
+    """PyTorch's own grid of shapes for its flash kernel (batch, 4-2048 queries and keys, head dims
+    8-256 including 21 and 203, causal, scale 1/d, GQA, 16/8 and 10/2 heads), a seeded sample:
+    through F.scaled_dot_product_attention with cuflash active, forward and backward within
+    flash-attn's rule of PyTorch's flash kernel's error against float64."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    c = case
+    h, hk = c["heads"] if c["gqa"] else (c["heads"][0],) * 2
+    g = torch.Generator(device="cuda").manual_seed(c["sq"] * 7 + c["sk"] * 3 + c["d"])
+    q = _cuda_bhsd(g, c["b"], h, c["sq"], c["d"], c["dtype"])
+    k, v = (_cuda_bhsd(g, c["b"], hk, c["sk"], c["d"], c["dtype"]) for _ in range(2))
+    dout = torch.randn(c["b"], h, c["sq"], c["d"], generator=g, device="cuda").to(q.dtype)
+    kw = dict(is_causal=c["causal"], scale=1 / c["d"] if c["scale"] == "l1" else None, enable_gqa=c["gqa"])
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        try:
+            pt = _fwd_bwd(q, k, v, dout, **kw)
+        except RuntimeError as e:  # (SDPA's own checks refuse the flash backend before any kernel)
+            pytest.skip(f"PyTorch's flash backend refuses this call: {str(e).splitlines()[0]}")
+        sdpa.activate_sdpa()
+        got, names = _kernels(lambda: _fwd_bwd(q, k, v, dout, **kw))
+        sdpa.restore_sdpa()
+    assert _is_cuflash(names), names
+    ref = _math64(q, k, v, dout, **kw)
+    for name, a, p, r, tol in zip(("out", "dq", "dk", "dv"), got, pt, ref, (1e-5, 2e-4, 2e-4, 2e-4)):
+        assert _max_err(a, r) <= 2 * _max_err(p, r) + tol, (name, _max_err(a, r), _max_err(p, r))
+
+
 @requires_gpu
 def test_gpu_eager_repeats_on_sequence_chunks(sdpa):
     """Eager calls that need gradients, repeated (the prepared launches after the first call), on
