@@ -852,7 +852,6 @@ _SCHEMAS = {
                               "bool has_softcap=False, int num_splits=0, bool? pack_gqa=None, int sm_margin=0) "
                               "-> Tensor",
 }
-_CACHE_ONLY = ("k_new", "v_new", "page_table", "kv_batch_idx", "leftpad_k", "rotary_cos", "rotary_sin")
 
 
 def _fwd_shapes(q, v, cu_seqlens_q):
@@ -882,12 +881,11 @@ def _fwd_op(q, k, v, k_new=None, v_new=None, q_v=None, out=None, cu_seqlens_q=No
     if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or out.device != q.device):
         raise ValueError(f"out must be {dtype} of shape {shape} on {q.device}, got {cuflash.validate.show(out)}")
     window, descales = (window_size_left, window_size_right), (q_descale, k_descale, v_descale)
-    given = dict(k_new=k_new, v_new=v_new, page_table=page_table, kv_batch_idx=kv_batch_idx, leftpad_k=leftpad_k,
-                 rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+    cache_args = (k_new, v_new, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin)
     max_seqlen_q, max_seqlen_k = _batched_lengths(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     decode = seqused_k is not None and cu_seqlens_k is None and seqused_q is None and v.shape[-1] == q.shape[-1]
     with torch.no_grad():
-        if any(given[n] is not None for n in _CACHE_ONLY) or decode:
+        if any(x is not None for x in cache_args) or decode:
             _refuse(seqused_q=seqused_q)
             if seqused_k is None and cu_seqlens_k is not None:
                 seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
@@ -942,10 +940,10 @@ def _bwd_op(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, cu_seqle
     value head dim other than q's: V, out and dout are cut into pieces of q's head dim (the last
     zero-padded), each piece's dq and dk added (dS is linear in the pieces' dP - D)."""
     from cuflash import backward
-    rows = (*q.shape[:-1], v.shape[-1])
+    want = (*q.shape[:-1], v.shape[-1])
     for name, x in (("dout", dout), ("out", out)):
-        if tuple(x.shape) != rows or x.dtype != q.dtype or x.device != q.device:
-            raise ValueError(f"{name} must be {q.dtype} of shape {rows} (q's rows, v's head dim) on {q.device}, got "
+        if tuple(x.shape) != want or x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(f"{name} must be {q.dtype} of shape {want} (q's rows, v's head dim) on {q.device}, got "
                              f"{cuflash.validate.show(x)}")
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
