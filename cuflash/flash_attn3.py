@@ -854,12 +854,17 @@ _SCHEMAS = {
 }
 
 
+def _lse_shape(q, cu_seqlens_q):
+    """The operators' LSE (and per-row statistics) shape: (batch, nheads, seqlen_q), or (nheads,
+    total_q) for packed queries."""
+    return (q.shape[-2], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
+
+
 def _fwd_shapes(q, v, cu_seqlens_q):
     """The fwd operator's output shape and dtype (q's rows, v's head dim; bf16 for FP8 inputs) and
-    its LSE's shape ((batch, nheads, seqlen_q), or (nheads, total_q) for packed queries)."""
+    its LSE's shape."""
     dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
-    lse = (q.shape[-2], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
-    return (*q.shape[:-1], v.shape[-1]), dtype, lse
+    return (*q.shape[:-1], v.shape[-1]), dtype, _lse_shape(q, cu_seqlens_q)
 
 
 def _fwd_op(q, k, v, k_new=None, v_new=None, q_v=None, out=None, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -922,11 +927,6 @@ def _fwd_fake(q, k, v, k_new=None, v_new=None, q_v=None, out=None, cu_seqlens_q=
     none = q.new_empty(0, dtype=torch.float32)
     return (q.new_empty(shape, dtype=dtype) if out is None else out), q.new_empty(lse, dtype=torch.float32), none, \
         none.clone()
-
-
-def _stats_shape(q, cu_seqlens_q):
-    """The backward's per-row statistics' shape: the forward LSE's."""
-    return (q.shape[-2], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
 
 
 def _bwd_op(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -1002,7 +1002,7 @@ def _bwd_op(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, cu_seqle
 
 def _bwd_fake(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, cu_seqlens_q=None, *args, **kwargs):
     none = q.new_empty(0, dtype=torch.float32)
-    stats = q.new_empty(_stats_shape(q, cu_seqlens_q), dtype=torch.float32)
+    stats = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
     return (torch.empty_like(q) if dq is None else dq, torch.empty_like(k) if dk is None else dk,
             torch.empty_like(v) if dv is None else dv, stats, torch.empty_like(stats), none, none.clone(),
             none.clone())
