@@ -531,6 +531,46 @@ def test_gpu_unequal_lengths(rng, sq, sk, deterministic):
     _check(rng, 2, sq, sk, 4, 2, 64, "bfloat16", False, y, deterministic)
 
 
+def _documents_per_head(causal, n, seqlen, docs, masked):
+    """Indices (1, len(docs), seqlen, n) of one document mask per query head (docs[h]: its
+    document lengths), with the keys in `masked` (a slice) masked for every row in every head:
+    causal n = 1 causal_document, n = 2 causal_blockwise; otherwise n = 2 document, n = 4 the same
+    as LTS, LTE = seqlen, UTS = 0, UTE."""
+    heads = []
+    for lens in docs:
+        if causal:
+            x = (masks.causal_document if n == 1 else masks.causal_blockwise)(lens)
+        else:
+            x = masks.document(lens)
+            if n == 4:
+                x = np.concatenate([x[..., :1], np.full_like(x[..., :1], seqlen), np.zeros_like(x[..., :1]),
+                                    x[..., 1:]], axis=-1)
+        x = x.copy()
+        x[0, 0, masked, 0] = 0  # LTS = 0: rows from 0 on
+        if n > 1 and (causal or n == 4):
+            x[0, 0, masked, 1] = seqlen  # LTE
+        heads.append(x)
+    return np.ascontiguousarray(np.concatenate(heads, axis=1), dtype=np.int32)
+
+
+@requires_gpu
+@requires_torch
+@pytest.mark.usefixtures("_fm_kernels")
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("d", [64, 96, 128])  # 96: the mma.sync kernels (bwd/dkdv.cu.j2)
+@pytest.mark.parametrize("causal, n", [(True, 1), (True, 2), (False, 2), (False, 4)])
+def test_gpu_walk_ends_differ_per_head(rng, causal, n, d, deterministic):
+    """Key blocks whose query rows are masked for every key over long stretches at either end of
+    their range, other stretches in each of the two query heads of a KV head (a step is left out
+    only where both heads' tiles are), and key blocks masked for every row (their dK and dV are
+    0): 1,500 tokens, many query blocks."""
+    docs = [[300, 700, 500], [900, 100, 500], [1500], [200] * 7 + [100]]
+    x = _documents_per_head(causal, n, 1500, docs, slice(512, 896))
+    grads = _check(rng, 1, 1500, 1500, 4, 2, d, "bfloat16", causal, x, deterministic)
+    for g in grads[1:]:
+        assert bool((g[:, 512:896] == 0).all())
+
+
 @requires_gpu
 @requires_torch
 @pytest.mark.usefixtures("_fm_kernels")

@@ -85,16 +85,18 @@ def test_plan_routes_flashmask(arch, causal, x):
 
 def test_fwd_ws_flashmask_walk_is_published_by_the_producer():
     """The producer's warp works out the walk (a ballot over 32 blocks' bounds) and writes each
-    visited block, with its class, into its stage's slot before the K barrier's arrival; the
-    consumers read the slots (and a -1 end) instead of reading bounds to walk themselves."""
+    visited block, with its class and whether it is the walk's last (the next one is found
+    first), into its stage's slot before the K barrier's arrival; the consumers read the slots
+    (and a -1 end for an empty walk) instead of reading bounds to walk themselves."""
     import re
     from cuflash import codegen
     from cuflash.kernels import fwd_ws
     for v in (v for v in fwd_ws.variants(90) if v.flashmask and v.dtype == "bf16"):
         src = codegen.render(v)
         calls = re.findall(r"\bvisit\(([^()]*)\)", src)
-        assert calls == ["blocks.hi - 1, cls", "n - 1, cls"], (v.name, calls)  # the producer's loop only
-        assert "kv_slot[s] = 2 * n + (cls == kFmMasked);" in src and "kv_slot[i % kStages] = -1;" in src
+        assert calls == ["blocks.hi - 1, cls", "n - 1, cls_after"], (v.name, calls)  # the producer's loop only
+        assert "kv_slot[s] = 4 * n + 2 * (after < blocks.lo) + (cls == kFmMasked);" in src
+        assert "if (i == i_first) {" in src and "kv_slot[i % kStages] = -1;" in src
         assert src.count("peek(0)") == 3 and "return kv_slot[stage(i)];" in src  # non-overlap loop, overlap test and first
         assert "fm_class(n) == kFmMasked" not in src  # the consumers' class comes from the slot
 
@@ -115,9 +117,9 @@ def test_fwd_ws_flashmask_bounds_are_staged_in_shared_memory():
         assert "apply_flashmask_staged<kNT, kFlashMask, kIsCausal>(" in kernel and "apply_flashmask<" not in kernel
         softmax = kernel.split("auto softmax = ")[1].split("\n    };")[0]
         assert softmax.rstrip().endswith("mbar_arrive(bar_k_empty(s));"), v.name
-        # only there (persistent blocks: and at the walk's end, a stage used with no copy)
+        # only there (persistent blocks: and at an empty walk's end, a stage used with no copy)
         assert kernel.count("mbar_arrive(bar_k_empty(") == 1 + v.persistent, v.name
-        assert v.persistent == ("wait_full(bar_v_full(s), phase(i_end));\n      mbar_arrive(bar_k_empty(s));" in kernel)
+        assert v.persistent == ("wait_full(bar_v_full(s), phase(0));\n      mbar_arrive(bar_k_empty(s));" in kernel)
         plain = dataclasses.replace(v, flashmask=0)
         assert v.smem_bytes == plain.smem_bytes + v.stages * v.block_n * v.flashmask * 4 <= fwd_ws.MAX_SMEM
     for v in (v for v in fwd_ws.variants(90) if not v.flashmask and v.dtype == "bf16"):
@@ -424,7 +426,7 @@ def test_persistent_flashmask_variants_are_checked_and_rendered():
     assert len(PERSISTENT) == 14 and all(v.own_o and v.producer_regs == fwd_ws.GATHER_PRODUCER_REGS for v in PERSISTENT)
     for v in PERSISTENT:
         src = codegen.render(v)
-        assert "auto tile_at" in src and "kv0 += i_end + 1" in src and "if (!kOverlap || i_end == 0)" in src
+        assert "auto tile_at" in src and "kv0 += max(i_end, 1)" in src and "if (!kOverlap || i_end == 0)" in src
     base = fwd_ws.FwdWsVariant(head_dim=128, dtype="bf16", arch=90, causal=True, flashmask=1, persistent=True,
                                overlap=True, pingpong=True)
     for bad in (dict(head_dim=256, block_n=80), dict(head_dim=64, block_m=192, pingpong=False), dict(overlap=False),
