@@ -1017,29 +1017,6 @@ def _mask_measure(torch, row, outs, name, make, sets, warmup, reps):
         _free_cached(torch)  # what an out-of-memory failure left cached goes back
 
 
-def _mask_measure_together(torch, row, outs, makes, sets, warmup, reps):
-    """_mask_measure for several calls (``makes[name]``: a maker of fn) with their samples
-    interleaved (time_interleaved over 3 * reps passes), so that they see the same clocks and
-    their ratios compare like with like."""
-    calls = {}
-    for name, make in makes.items():
-        row[f"{name}_ms"] = None
-        try:
-            fn = make()
-            outs[name] = fn(*sets[0])  # the first call compiles: not timed
-            calls[name] = (fn, sets)
-        except Exception as e:
-            outs.pop(name, None)
-            row["errors"][name] = _first_line(e)
-            _free_cached(torch)
-    errors = {}
-    for name, ms in time_interleaved(calls, warmup, 3 * reps, errors=errors).items():
-        row[f"{name}_ms"] = ms
-    for name, e in errors.items():
-        outs.pop(name, None)
-        row["errors"][name] = _first_line(e)
-
-
 def _fwd_tile_fill(a, s, causal, nheads, q, idx, plain):
     """mask_tile_fill of indices ``a`` with the tiles of the forward cuflash plans for q's shape
     (the plain causal kernel's for the reference row), or None where planning fails."""
@@ -1101,14 +1078,10 @@ def bench_mask(seqlens=(8192, 32768), families=MASK_FAMILIES, batch=1, nheads=16
                reps=10, warmup=3, quick=False, compile=True, seed=0, verbose=True):
     """FlashMask masks (cuflash.masks' families) in cuflash against PyTorch FlexAttention under
     torch.compile and SDPA with the dense boolean mask, forward ("fwd") and forward + backward
-    ("fwd+bwd", torch.autograd.grad of sum(out * do) w.r.t. q, k, v), at each sequence length,
-    after a plain causal row (cuflash without indices, Flex with the causal mask_mod, SDPA with
-    is_causal=True). In each family's row cuflash's FlashMask call is timed together with its
-    plain causal call on the same inputs (causal_ms, causal_tflops: frac_causal's reference),
-    their samples interleaved (time_interleaved), so that the ratio is not that of the clocks of
-    two moments (a GPU at its power limit drifts by 10% within seconds); the plain causal row is
-    the reference where that call fails. For the document families (VARLEN_FAMILIES)
-    cuflash.torch.attention_varlen on the same documents is timed with them too ("varlen";
+    ("fwd+bwd", torch.autograd.grad of sum(out * do) w.r.t. q, k, v), at each sequence length;
+    a plain causal row first at each length (cuflash without indices, Flex with the causal
+    mask_mod, SDPA with is_causal=True) is the reference of frac_causal. For the document families
+    (VARLEN_FAMILIES) cuflash.torch.attention_varlen on the same documents runs too ("varlen";
     frac_varlen: the FlashMask call's TF/s over it), the rate of plain attention on sequences
     of those lengths.
 
@@ -1142,7 +1115,7 @@ def bench_mask(seqlens=(8192, 32768), families=MASK_FAMILIES, batch=1, nheads=16
             dev = sets[0][0].device
             cols = [torch.empty((batch, nheads, s), dtype=torch.int32, device=dev) for _ in range(4)]
             mods = _mask_mods(cols)
-            causal_tflops, causal_fill, causal_pairs = {}, None, 0
+            causal_tflops, causal_fill = {}, None
             for fam in ("causal", *families):
                 a, c, desc, docs = _mask_family(fam, s, nheads, seed)
                 a = np.broadcast_to(a, (batch,) + a.shape[1:]).copy()
@@ -1166,7 +1139,7 @@ def bench_mask(seqlens=(8192, 32768), families=MASK_FAMILIES, batch=1, nheads=16
                         _free_cached(torch)
                 fill = _fwd_tile_fill(a, s, c, nheads, sets[0][0], idx, plain)
                 if plain:
-                    causal_fill, causal_pairs = fill, pairs
+                    causal_fill = fill
                 for backward in (False, True):
                     pas = "fwd+bwd" if backward else "fwd"
                     row = {"family": fam, "mask": desc, "seqlen": s, "batch": batch, "nheads": nheads, "d": d,
@@ -1176,17 +1149,8 @@ def bench_mask(seqlens=(8192, 32768), families=MASK_FAMILIES, batch=1, nheads=16
                     outs = {}
                     attn, row["cuflash_api"] = _cuflash_mask_attn(c, None if plain else idx, backward)
                     row["fwd_tile_fill"] = fill
-                    if plain:
-                        _mask_measure(torch, row, outs, "cuflash", lambda: _grad_fn(torch, attn, backward),
-                                      run, warmup, reps)
-                    else:  # with cuflash's plain causal call (and its varlen call), interleaved
-                        makes = {"cuflash": lambda: _grad_fn(torch, attn, backward),
-                                 "causal": lambda: _grad_fn(torch, _cuflash_mask_attn(True, None, backward)[0],
-                                                            backward)}
-                        if docs is not None:
-                            makes["varlen"] = lambda: _grad_fn(torch, _varlen_attn(torch, docs, batch, c, dev), backward)
-                        _mask_measure_together(torch, row, outs, makes, run, warmup, reps)
-                        outs.pop("causal", None)
+                    _mask_measure(torch, row, outs, "cuflash", lambda: _grad_fn(torch, attn, backward),
+                                  run, warmup, reps)
                     if block_mask is None:
                         row["flex_ms"] = None
                     else:
@@ -1201,13 +1165,15 @@ def bench_mask(seqlens=(8192, 32768), families=MASK_FAMILIES, batch=1, nheads=16
                                           run, warmup, reps)
                     else:
                         row["sdpa_ms"] = None
-                    row.setdefault("varlen_ms", None)
+                    row["varlen_ms"] = None
+                    if docs is not None:
+                        varlen = _varlen_attn(torch, docs, batch, c, dev)
+                        _mask_measure(torch, row, outs, "varlen", lambda: _grad_fn(torch, varlen, backward),
+                                      run, warmup, reps)
                     flops = mask_flops(pairs, d, backward)
                     if plain:
                         causal_tflops[pas] = flops / row["cuflash_ms"] / 1e9 if row["cuflash_ms"] else None
-                    ms = row.get("causal_ms")
-                    row["causal_tflops"] = mask_flops(causal_pairs, d, backward) / ms / 1e9 if ms else None
-                    _mask_summary(row, outs, flops, row["causal_tflops"] or causal_tflops.get(pas), causal_fill)
+                    _mask_summary(row, outs, flops, causal_tflops.get(pas), causal_fill)
                     _emit(rows, row, "mask", verbose)
                     del outs
                 dense = block_mask = idx = None  # not del: the SDPA lambda refers to dense
