@@ -30,6 +30,11 @@ def flashmask():
         for det in (False, True):  # atomic dQ; the ordered dQ writer, skipped tiles taking no turn
             fm_backward(torch.randn_like(o), q, k, v, o, lse, causal=causal, startend_row_indices=idx,
                         deterministic=det)
+    # persistent forward blocks taking several query tiles each (288 tiles), walks of one block and
+    # empty walks (rows from 500 see no key, rows below 128 one block)
+    x = np.full((2, 1, 1100, 1), 500, dtype=np.int32)
+    q, k, v = rnd(2, 1100, 16, 128), rnd(2, 1100, 16, 128), rnd(2, 1100, 16, 128)
+    cuflash.attention(q, k, v, causal=True, startend_row_indices=torch.from_numpy(x).cuda())
 
 
 def fp8():
