@@ -406,7 +406,7 @@ def test_kernel_rule_is_exact(name, causal, x, bm, bn):
 # ---------------------------------------------------------------------------------------------
 # Persistent FlashMask forward blocks (planned at d = 128, on trial at d = 64): FwdWsVariant(persistent=True)
 # with FlashMask at d = 64 and 128 on 128-row tiles, each block walking query tiles in the one-tile
-# grid's order, each walk's end taking a stage
+# grid's order, an empty walk's end taking a stage
 
 def _persistent(v):
     return dataclasses.replace(v, persistent=True)
