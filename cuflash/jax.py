@@ -59,13 +59,15 @@ class _Call(NamedTuple):
     alibi_sb: int | None     # None without ALiBi, else the slopes' batch stride
     total_q: int | None      # packed sequences: q's rows; None for dense batches
     deterministic: bool
+    flashmask: int = 0       # FlashMask: startend_row_indices' bound columns per key (0: none)
+    flashmask_heads: int = 0  # and its heads
 
 
 # ---------------------------------------------------------------------------------------------
 # Entry points
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, deterministic=False, attention_chunk=0):
+              alibi_slopes=None, deterministic=False, attention_chunk=0, startend_row_indices=None):
     """:func:`cuflash.attention` for JAX arrays, usable under ``jax.jit``, ``jax.grad``
     (a ``jax.custom_vjp`` running cuflash's backward kernels), ``jax.checkpoint`` and ``jax.vmap``.
 
@@ -75,7 +77,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     gradient; ``deterministic=True`` makes the backward bitwise repeatable. ``attention_chunk``
     (a static int, cuflash.attention's chunked attention) runs, forward and backward, as packed
     sequences: each sequence cut at its chunks' first keys with the queries of each chunk
-    (cuflash.plan.chunk_pieces; the same attention). Returns out, shaped like q.
+    (cuflash.plan.chunk_pieces; the same attention). ``startend_row_indices``: a FlashMask mask
+    (cuflash.masks; :func:`cuflash.attention`'s), an int32 array (batch, 1 or nheads_k or nheads,
+    seqlen_k, n) that may be a traced value, read in place by the kernels, forward and backward
+    (its contents are the caller's contract, as for device arrays there); no gradient. Returns
+    out, shaped like q.
     """
     qs, ks, vs = _shapes((q, "q"), (k, "k"), (v, "v"))
     validate.operands(qs, ks, vs)
@@ -84,6 +90,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     call = _check(qs, b, sq, sk, h, hk, causal, softmax_scale, window_size, softcap, alibi_slopes,
                   deterministic, None)
     chunk = validate.attention_chunk(attention_chunk)
+    if startend_row_indices is not None:
+        fm = validate.check_startend_row_indices(_shapes((startend_row_indices, "startend_row_indices"))[0], b, h,
+                                                 sq, sk, call.causal, nheads_k=hk, window=call.window,
+                                                 alibi=alibi_slopes is not None)
+        validate.chunk_alone(chunk, startend_row_indices=True)
+        call = call._replace(flashmask=fm.shape[3], flashmask_heads=fm.shape[1])
     if 0 in (b, sq, h, sk):
         return jnp.zeros(q.shape, q.dtype)
     if chunk and not sq <= sk <= chunk:  # (a chunk that holds every key is no mask)
@@ -92,7 +104,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
                        dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                             deterministic=deterministic))
         return out.reshape(q.shape)
-    return _run(call, d, q, k, v, () if alibi_slopes is None else (alibi_slopes,))
+    return _run(call, d, q, k, v, (() if alibi_slopes is None else (alibi_slopes,))
+                + (() if startend_row_indices is None else (startend_row_indices,)))
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
@@ -217,7 +230,7 @@ def _problem(call: _Call) -> Problem:
     return Problem(call.batch, call.seqlen_q, call.seqlen_k, call.nheads, call.nheads_k, call.head_dim, call.dtype,
                    call.causal, return_lse=True, window=call.window, softcap=call.softcap > 0,
                    alibi=call.alibi_sb is not None, varlen=call.total_q is not None,
-                   deterministic=call.deterministic)
+                   deterministic=call.deterministic, flashmask=call.flashmask, flashmask_heads=call.flashmask_heads)
 
 
 def _load(plan, ordinals):
@@ -240,8 +253,8 @@ def _forward(call: _Call, q, k, v, extra):
     _load(plan, ordinals)
     lse_shape = (call.batch, call.nheads, call.seqlen_q) if call.total_q is None else (call.nheads, call.total_q)
     types = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)]
-    if plan.workspace_bytes:  # split-KV partial outputs and LSEs
-        types.append(jax.ShapeDtypeStruct((plan.workspace_bytes // 4,), jnp.float32))
+    if plan.workspace_bytes:  # split-KV partial outputs and LSEs, or FlashMask's int32 block bounds
+        types.append(jax.ShapeDtypeStruct((plan.workspace_bytes // 4,), jnp.int32 if call.flashmask else jnp.float32))
     counters = _counters(plan)
     if counters:  # the persistent blocks' tile counter, or the split kernel's merge counters
         types.append(jax.ShapeDtypeStruct((counters,), jnp.int32))
@@ -306,23 +319,30 @@ def _view(buf, device: int) -> arrays.View:
 
 
 def _extras(call: _Call, extra, device: int):
-    """(ALiBi slopes view or None, (cu_seqlens_q, cu_seqlens_k) views or None)."""
+    """(ALiBi slopes view or None, (cu_seqlens_q, cu_seqlens_k) views or None, FlashMask's
+    startend_row_indices view or None)."""
     views = [_view(x, device) for x in extra]
     alibi = views.pop(0) if call.alibi_sb is not None else None
-    return alibi, (tuple(views) if call.total_q is not None else None)
+    fm = views.pop() if call.flashmask else None
+    return alibi, (tuple(views) if call.total_q is not None else None), fm
 
 
 def _run_forward(call: _Call, plan, ctx, outs, ins, early: bool, recipes: dict):
     """Launch the forward on XLA's stream. The launch's recipe (launch.prepare: kernel, grid,
     parameters but the data pointers) is made once per device and kept in ``recipes``, the
-    callback's own, with the extra inputs' pointers it holds (ALiBi slopes, cu_seqlens; re-pointed
-    when those differ): the shapes are static, so later calls only encode the tensor maps of their
-    pointers and launch."""
+    callback's own, with the extra inputs' pointers it holds (ALiBi slopes, cu_seqlens,
+    startend_row_indices and FlashMask's workspace output; re-pointed when those differ): the
+    shapes are static, so later calls only encode the tensor maps of their pointers and launch.
+    outs[2] is the plan's workspace where it has one (split-KV partials, FlashMask's bounds)."""
     dev = _device(ins[0])
-    extra = tuple(_ptr(x) for x in ins[3:])
+    has_ws = bool(plan.workspace_bytes)
+    extra = tuple(_ptr(x) for x in ins[3:]) + ((_ptr(outs[2]),) if call.flashmask and has_ws else ())
     held = recipes.get(dev)
     if held is None:
         held = recipes[dev] = (extra, _forward_recipe(call, plan, outs, ins, dev, early))
+    elif held[0] != extra and call.flashmask:  # other indices or workspace (FlashMask takes no slopes, cu_seqlens)
+        idx, ws = extra if has_ws else (extra[0], 0)
+        held = recipes[dev] = (extra, launch.with_flashmask(held[1], idx, ws))
     elif held[0] != extra:  # other slopes or cu_seqlens arrays: the recipe re-pointed at them
         names = ("alibi_slopes",) * (call.alibi_sb is not None) + ("cu_seqlens_q", "cu_seqlens_k") * (
             call.total_q is not None)
@@ -336,7 +356,7 @@ def _run_forward(call: _Call, plan, ctx, outs, ins, early: bool, recipes: dict):
             w = _ptr(outs[2])
             ws = (w, w + 4 * r.ws_lse)
         counter = 0
-        if len(outs) > 2 + r.split:  # the tile or merge counters (XLA's last output), zeroed
+        if len(outs) > 2 + has_ws:  # the tile or merge counters (XLA's last output), zeroed
             counter = _ptr(outs[-1])
             launch.zero_async(counter, 4 * outs[-1].shape[0], stream)
         # fused=False: no per-stream counter buffer is made; without counters here the combine
@@ -346,8 +366,10 @@ def _run_forward(call: _Call, plan, ctx, outs, ins, early: bool, recipes: dict):
 
 def _forward_recipe(call: _Call, plan, outs, ins, dev: int, early: bool):
     q, k, v, o = (_view(x, dev) for x in (*ins[:3], outs[0]))
-    alibi, cu = _extras(call, ins[3:], dev)
+    alibi, cu, fm = _extras(call, ins[3:], dev)
     kw = dict(softcap=call.softcap, alibi=(alibi.ptr, call.alibi_sb) if alibi is not None else (0, 0))
+    if fm is not None:  # the prep kernel's per-key-block bounds go to XLA's workspace output
+        kw["flashmask"] = (fm.ptr, fm.strides, fm.shape[1], _ptr(outs[2]) if plan.workspace_bytes else 0)
     if cu is not None:  # packed views as (batch, max_seqlen, nheads, d) with token batch strides
         kw["varlen"] = (cu[0].ptr, cu[1].ptr, call.total_q, k.shape[0])
         q, o = (validate.batched(x, call.batch, call.seqlen_q) for x in (q, o))
@@ -375,17 +397,18 @@ def _run_backward(call: _Call, plan, ctx, outs, ins, prepared: dict):
     held = prepared.get(dev)
     if held is None or held[0] != slopes_ptr:
         dout, q, k, v, o, lse = (_view(x, dev) for x in ins[:6])
-        slopes, cu = _extras(call, ins[6:], dev)
+        slopes, cu, fm = _extras(call, ins[6:], dev)
         grads = [_view(x, dev) for x in outs[:3]]
         mods = (call.window, call.softcap, slopes, call.alibi_sb or 0)
         with arrays.on_device(dev):
             prepared[dev] = (slopes_ptr, backward.run(plan, (q, k, v, dout, o), lse, grads, _ptr(outs[3]),
-                                                      call.scale, mods, ctx.stream, dev, cu))
+                                                      call.scale, mods, ctx.stream, dev, cu, fm))
         return
     launches = held[1]
     dout, q, k, v, o, lse = (_ptr(x) for x in ins[:6])
     dq, dk, dv, ws = (_ptr(x) for x in outs[:4])
-    ptrs = dict(q=q, k=k, v=v, dout=dout, out=o, lse=lse, dq=dq, dk=dk, dv=dv, ws=ws, fm=None)
+    ptrs = dict(q=q, k=k, v=v, dout=dout, out=o, lse=lse, dq=dq, dk=dk, dv=dv, ws=ws,
+                fm=_ptr(ins[6]) if call.flashmask else None)
     if call.total_q is not None:
         ptrs["cu_q"], ptrs["cu_k"] = (_ptr(x) for x in ins[6 + alibi:8 + alibi])
     with arrays.on_device(dev):

@@ -48,6 +48,8 @@ def _mods(call, extra):
     kw = dict(causal=call.causal, softmax_scale=call.scale, window_size=call.window, softcap=call.softcap)
     if call.alibi_sb is not None:
         kw["alibi_slopes"] = extra[0]
+    if call.flashmask:
+        kw["startend_row_indices"] = extra[-1]
     return kw
 
 
@@ -129,6 +131,40 @@ def test_forward_and_grads_under_jit(numpy_kernels, rng, mods, d):
         assert g.dtype == q.dtype
         np.testing.assert_allclose(np64(g), r, rtol=5e-3, atol=5e-3)
     assert numpy_kernels == {"fwd": 2, "bwd": 1}
+
+
+@pytest.mark.parametrize("causal, n, heads", [(True, 1, 4), (True, 2, 1), (False, 2, 2), (False, 4, 4)])
+def test_flashmask_under_jit(numpy_kernels, rng, causal, n, heads):
+    """startend_row_indices as a traced argument of the jitted function, forward and gradients
+    against the reference with the same mask; the prep kernel's bounds are an int32 output of the
+    forward callback, sized from the plan."""
+    from cuflash import masks
+    b, s, h, hk, d = 2, 11, 4, 2, 16
+    q, k, v, w = arr(rng, b, s, h, d), arr(rng, b, s, hk, d), arr(rng, b, s, hk, d), arr(rng, b, s, h, d)
+    r = np.random.default_rng(n + heads)
+    x = r.integers(0, s + 1, (b, heads, s, n)).astype(np.int32)
+    if n > 1:  # each (start, end) pair ordered
+        x[..., 0::2], x[..., 1::2] = np.minimum(x[..., 0::2], x[..., 1::2]), np.maximum(x[..., 0::2], x[..., 1::2])
+    if not causal and n == 2:  # LTS, UTE
+        x[..., 0], x[..., 1] = x[..., 1], x[..., 0]
+    assert masks.to_dense(x, s, causal).any()
+    fm = jnp.asarray(x)
+    f = jax.jit(lambda q, k, v, fm: cj.attention(q, k, v, causal=causal, startend_row_indices=fm))
+    out = f(q, k, v, fm)
+    args = [np.asarray(a) for a in (q, k, v)]
+    np.testing.assert_allclose(np64(out), reference.attention(*args, causal=causal, startend_row_indices=x),
+                               rtol=2e-3, atol=2e-3)
+    loss = lambda q, k, v, fm: jnp.sum(cj.attention(q, k, v, causal=causal, startend_row_indices=fm)  # noqa: E731
+                                       .astype(jnp.float32) * w)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, fm)
+    for g, want in zip(grads, reference.attention_backward(np.asarray(w), *args, causal=causal,
+                                                           startend_row_indices=x)):
+        np.testing.assert_allclose(np64(g), want, rtol=5e-3, atol=5e-3)
+    assert numpy_kernels == {"fwd": 2, "bwd": 1}
+    plan = make_plan(cj._problem(cj._Call(b, s, s, h, hk, d, "fp16", causal, d ** -0.5, (-1, -1), 0.0, None, None,
+                                          False, n, heads)), H100)
+    assert plan.launches[0].variant.flashmask == n and plan.workspace_bytes
+    assert f"tensor<{plan.workspace_bytes // 4}xi32>" in f.lower(q, k, v, fm).as_text()
 
 
 def test_checkpoint_recomputes_the_forward(numpy_kernels, rng):
@@ -227,6 +263,7 @@ def test_nothing_to_compute(numpy_kernels, rng):
 def _bad(rng):
     q, k, v = arr(rng, 1, 4, 2, 8), arr(rng, 1, 4, 2, 8), arr(rng, 1, 4, 2, 8)
     cu = jnp.asarray([0, 4], jnp.int32)
+    fm = jnp.full((1, 1, 4, 3), 4, jnp.int32)  # three bound columns: no mask has them
     flat = lambda x: x.reshape(4, 2, 8)  # noqa: E731
     return [
         (lambda q, s: cj.attention(q.astype(jnp.float32), k, v), TypeError, "q must be float16 or bfloat16"),
@@ -245,13 +282,23 @@ def _bad(rng):
         (lambda q, s: cj.attention_varlen(flat(q), flat(k), flat(v), cu.astype(jnp.int16), cu, 4, 4), TypeError,
          "cu_seqlens_q must be int32"),
         (lambda q, s: cj.attention_varlen(q, flat(k), flat(v), cu, cu, 4, 4), ValueError, "q must have 3 dims"),
+        (lambda q, s: cj.attention(q, k, v, startend_row_indices=fm.astype(jnp.float32)), TypeError,
+         "startend_row_indices must be int32"),
+        (lambda q, s: cj.attention(q, k, v, startend_row_indices=fm[:, :, :3]), ValueError,
+         r"startend_row_indices must have shape \(batch, 1 or nheads_k or nheads, seqlen_k, n\)"),
+        (lambda q, s: cj.attention(q, k, v, causal=True, startend_row_indices=fm), ValueError,
+         "the last dim of startend_row_indices must be 1 .LTS. or 2 .LTS, LTE. with causal=True"),
+        (lambda q, s: cj.attention(q, k, v, window_size=(1, 1), startend_row_indices=fm[..., :2]), ValueError,
+         "startend_row_indices cannot be combined with window_size"),
+        (lambda q, s: cj.attention(q, k, v, startend_row_indices=fm[..., :2], attention_chunk=2), ValueError,
+         "attention_chunk"),
     ]
 
 
-@pytest.mark.parametrize("case", range(15))
+@pytest.mark.parametrize("case", range(20))
 def test_arguments_checked_at_trace_time(numpy_kernels, rng, case):
     cases = _bad(rng)
-    assert len(cases) == 15
+    assert len(cases) == 20
     fn, error, match = cases[case]
     with pytest.raises(error, match=match):
         jax.jit(fn)(arr(rng, 1, 4, 2, 8), 0.5)
@@ -437,6 +484,52 @@ def test_varlen_callbacks_read_cu_seqlens_and_write_xla_buffers(recorded, monkey
     assert len(prepared) == 1 and len(runs) == 2
 
 
+def test_flashmask_callbacks_read_the_indices_in_place(recorded, monkeypatch, request):
+    """FlashMask: the forward's prep kernel reads startend_row_indices from XLA's input and writes
+    its per-block bounds into the callback's int32 output, which the attention kernel reads; other
+    buffers re-point the kept recipe. The backward's prep and dK/dV kernels read the same input."""
+    from test_fwd_ws import FakeEncode
+    from cuflash.kernels import fwd_ws
+    monkeypatch.setattr(fwd_ws, "_driver_encode", lambda: FakeEncode().fn)
+    fwd_ws.tensor_map.cache_clear()
+    request.addfinalizer(fwd_ws.tensor_map.cache_clear)
+    monkeypatch.setattr(cj.launch, "zero_async", lambda ptr, n, stream: None)
+    b, s, h, hk, d = 2, 1000, 4, 2, 128
+    call = cj._Call(b, s, s, h, hk, d, "bf16", True, 0.1, (-1, -1), 0.0, None, None, False, 1, hk)
+    plan = make_plan(cj._problem(call), H100)
+    ws, counters = plan.workspace_bytes // 4, cj._counters(plan)
+    assert plan.launches[0].variant.flashmask == 1 and ws > 0
+    recipes, prepares = {}, _counting(monkeypatch, cj.launch, "prepare")
+    for base in (1 << 32, 1 << 40):
+        ins = _buffers([(b, s, h, d), (b, s, hk, d), (b, s, hk, d), (b, hk, s, 1)], ["bfloat16"] * 3 + ["int32"], base)
+        outs = _buffers([(b, s, h, d), (b, h, s), (ws,)] + [(counters,)] * bool(counters),
+                        ["bfloat16", "float32", "int32", "int32"], base + (1 << 36))
+        recorded.clear()
+        cj._run_forward(call, plan, types.SimpleNamespace(stream=3), outs, ins, False, recipes)
+        (prep_name, s1, prep), (name, s2, f) = recorded
+        assert "flashmask_prep" in prep_name and "fm1" in name and s1 == s2 == 3
+        assert (prep["idx"], prep["out"]) == (ins[3].ptr, outs[2].ptr)
+        assert (f["fm_idx"], f["fm_blocks"], f["o"], f["lse"]) == (ins[3].ptr, outs[2].ptr, outs[0].ptr, outs[1].ptr)
+        assert f.get("tile_counter", 0) == (outs[3].ptr if counters else 0)
+    assert len(recipes) == 1 and len(prepares) == 1
+
+    plan = make_backward_plan(cj._problem(call), H100)
+    floats, prepared = backward.workspace_floats(plan), {}
+    for base in (1 << 32, 1 << 40):  # the second call fires the kept launches on other buffers
+        bins = _buffers([(b, s, h, d), (b, s, h, d), (b, s, hk, d), (b, s, hk, d), (b, s, h, d), (b, h, s),
+                         (b, hk, s, 1)], ["bfloat16"] * 5 + ["float32", "int32"], base)
+        bouts = _buffers([(b, s, h, d), (b, s, hk, d), (b, s, hk, d), (floats,)], ["bfloat16"] * 3 + ["float32"],
+                         base + (1 << 36))
+        recorded.clear()
+        cj._run_backward(call, plan, types.SimpleNamespace(stream=9), bouts, bins, prepared)
+        preps = [f for n, _, f in recorded if "flashmask_prep" in n]
+        mains = [f for n, _, f in recorded if "fm_idx" in f]
+        assert preps and mains and {st for _, st, _ in recorded} == {9}
+        assert all(f["idx"] == bins[6].ptr and bouts[3].ptr < f["out"] < bouts[3].ptr + 4 * floats for f in preps)
+        assert all(f["fm_idx"] == bins[6].ptr and f["fm_blocks"] in {p["out"] for p in preps} for f in mains)
+    assert len(prepared) == 1
+
+
 def test_callback_refuses_host_buffers():
     buf = FakeBuffer((1,), "float16", 0)
     buf.__dlpack_device__ = lambda: (1, 0)
@@ -576,3 +669,40 @@ def test_gpu_compiled_hlo_has_no_host_transfer(rng):
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
     assert text.count("xla_buffer_python_gpu_callback") >= 2
     assert not [m for m in HOST_TRANSFER_MARKS if m in text]
+
+
+def _flashmask_case(name, s, batch):
+    """(indices, causal) of a cuflash.masks family over s = 1000 tokens."""
+    from cuflash import masks
+    assert s == 1000
+    return {"causal_document": (masks.causal_document([300, 200, 500], batch), True),
+            "global_sliding_window": (masks.global_sliding_window(s, 16, 100, batch), False),
+            "share_question": (masks.share_question([[300, 100, 100], [200, 300]], batch), True),
+            "prefix_lm_document": (masks.prefix_lm_document([(600, 100), (400, 50)], batch), False),
+            "document": (masks.document([500, 500], batch), False)}[name]
+
+
+@requires_jax_gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("name", ["causal_document", "global_sliding_window", "share_question", "prefix_lm_document"])
+def test_gpu_flashmask_forward_and_grads(rng, name, d):
+    """FlashMask under jit and grad, startend_row_indices a traced argument (one set per KV head),
+    against the float64 reference; the same jitted function on other indices computes their mask."""
+    b, s, h, hk = 2, 1000, 4, 2
+    x, causal = _flashmask_case(name, s, b)
+    x = np.ascontiguousarray(np.repeat(x, hk, axis=1))
+    q, k, v, w = (arr(rng, b, s, hh, d, dtype="bfloat16") for hh in (h, hk, hk, h))
+    f = jax.jit(lambda q, k, v, fm: cj.attention(q, k, v, causal=causal, startend_row_indices=fm))
+    _check_forward(f(q, k, v, jnp.asarray(x)), q, k, v, causal=causal, startend_row_indices=x)
+    loss = lambda q, k, v, fm: jnp.sum(cj.attention(q, k, v, causal=causal, startend_row_indices=fm)  # noqa: E731
+                                       .astype(jnp.float32) * w)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, jnp.asarray(x))
+    args = [np.asarray(a) for a in (w, q, k, v)]
+    ref = dict(causal=causal, startend_row_indices=x)
+    _check_grads(grads, reference.attention_backward(*args, **ref),
+                 reference.attention_backward(*args, precision="same", **ref), name)
+    from cuflash import masks
+    other = {1: masks.causal_document([450, 550], b), 2: masks.document([450, 550], b),
+             4: masks.global_sliding_window(s, 32, 50, b)}[x.shape[-1]]
+    other = np.ascontiguousarray(np.repeat(other, hk, axis=1))
+    _check_forward(f(q, k, v, jnp.asarray(other)), q, k, v, causal=causal, startend_row_indices=other)
