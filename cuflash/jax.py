@@ -3,13 +3,14 @@
 Each pass is one ``buffer_callback``: XLA calls a Python function with its CUDA stream and the
 device buffers of the inputs and outputs, and that function launches cuflash's kernels on the
 stream, into the output buffers. Nothing waits for the GPU, nothing is copied, and nothing is
-allocated in the callback: split-KV partials, the backward's fp32 rows and the forward's
-counters (the persistent blocks' tile counter, the split-KV merge's; zeroed on the stream before
-the launch) are extra outputs that XLA allocates. Arguments are checked (cuflash's messages, naming the argument) and the
-plans made at trace time, from the static shapes, for the first of JAX's GPUs; the kernels are
-compiled and loaded then too, so the callback can be traced into XLA's command buffers (CUDA
-graphs; ``CUFLASH_JAX_COMMAND_BUFFER=0`` keeps it out of them). A ``jax.custom_vjp`` saves
-(q, k, v, out, lse) and runs cuflash's backward kernels.
+allocated in the callback: split-KV partials, FlashMask's per-block bounds, the backward's fp32
+rows and the forward's counters (the persistent blocks' tile counter, the split-KV merge's; zeroed
+on the stream before the launch) are extra outputs that XLA allocates. Arguments are checked
+(cuflash's messages, naming the argument) and the plans made at trace time, from the static
+shapes, for the first of JAX's GPUs; the kernels are compiled and loaded then too, so the
+callback can be traced into XLA's command buffers (CUDA graphs; ``CUFLASH_JAX_COMMAND_BUFFER=0``
+keeps it out of them). A ``jax.custom_vjp`` saves (q, k, v, out, lse) and runs cuflash's backward
+kernels.
 
     import cuflash.jax
     out = cuflash.jax.attention(q, k, v, causal=True)      # under jax.jit, jax.grad, jax.checkpoint
@@ -91,10 +92,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
                   deterministic, None)
     chunk = validate.attention_chunk(attention_chunk)
     if startend_row_indices is not None:
-        fm = validate.check_startend_row_indices(_shapes((startend_row_indices, "startend_row_indices"))[0], b, h,
-                                                 sq, sk, call.causal, nheads_k=hk, window=call.window,
-                                                 alibi=alibi_slopes is not None)
         validate.chunk_alone(chunk, startend_row_indices=True)
+        x = startend_row_indices  # NumPy's values are checked too, as cuflash.attention checks them
+        x = x if isinstance(x, np.ndarray) else _shapes((x, "startend_row_indices"))[0]
+        fm = validate.check_startend_row_indices(x, b, h, sq, sk, call.causal, nheads_k=hk, window=call.window,
+                                                 alibi=alibi_slopes is not None)
         call = call._replace(flashmask=fm.shape[3], flashmask_heads=fm.shape[1])
     if 0 in (b, sq, h, sk):
         return jnp.zeros(q.shape, q.dtype)
@@ -341,8 +343,8 @@ def _run_forward(call: _Call, plan, ctx, outs, ins, early: bool, recipes: dict):
     if held is None:
         held = recipes[dev] = (extra, _forward_recipe(call, plan, outs, ins, dev, early))
     elif held[0] != extra and call.flashmask:  # other indices or workspace (FlashMask takes no slopes, cu_seqlens)
-        idx, ws = extra if has_ws else (extra[0], 0)
-        held = recipes[dev] = (extra, launch.with_flashmask(held[1], idx, ws))
+        assert has_ws, "a FlashMask plan keeps its prep kernel's bounds in the workspace"
+        held = recipes[dev] = (extra, launch.with_flashmask(held[1], *extra))
     elif held[0] != extra:  # other slopes or cu_seqlens arrays: the recipe re-pointed at them
         names = ("alibi_slopes",) * (call.alibi_sb is not None) + ("cu_seqlens_q", "cu_seqlens_k") * (
             call.total_q is not None)
@@ -369,7 +371,7 @@ def _forward_recipe(call: _Call, plan, outs, ins, dev: int, early: bool):
     alibi, cu, fm = _extras(call, ins[3:], dev)
     kw = dict(softcap=call.softcap, alibi=(alibi.ptr, call.alibi_sb) if alibi is not None else (0, 0))
     if fm is not None:  # the prep kernel's per-key-block bounds go to XLA's workspace output
-        kw["flashmask"] = (fm.ptr, fm.strides, fm.shape[1], _ptr(outs[2]) if plan.workspace_bytes else 0)
+        kw["flashmask"] = (fm.ptr, fm.strides, fm.shape[1], _ptr(outs[2]))
     if cu is not None:  # packed views as (batch, max_seqlen, nheads, d) with token batch strides
         kw["varlen"] = (cu[0].ptr, cu[1].ptr, call.total_q, k.shape[0])
         q, o = (validate.batched(x, call.batch, call.seqlen_q) for x in (q, o))

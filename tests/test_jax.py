@@ -139,7 +139,7 @@ def test_flashmask_under_jit(numpy_kernels, rng, causal, n, heads):
     against the reference with the same mask; the prep kernel's bounds are an int32 output of the
     forward callback, sized from the plan."""
     from cuflash import masks
-    b, s, h, hk, d = 2, 11, 4, 2, 16
+    b, s, h, hk, d = 2, 11, 4, 2, 12 if n == 1 else 16  # 12: head dims padded to 16 around the call
     q, k, v, w = arr(rng, b, s, h, d), arr(rng, b, s, hk, d), arr(rng, b, s, hk, d), arr(rng, b, s, h, d)
     r = np.random.default_rng(n + heads)
     x = r.integers(0, s + 1, (b, heads, s, n)).astype(np.int32)
@@ -161,7 +161,7 @@ def test_flashmask_under_jit(numpy_kernels, rng, causal, n, heads):
                                                            startend_row_indices=x)):
         np.testing.assert_allclose(np64(g), want, rtol=5e-3, atol=5e-3)
     assert numpy_kernels == {"fwd": 2, "bwd": 1}
-    plan = make_plan(cj._problem(cj._Call(b, s, s, h, hk, d, "fp16", causal, d ** -0.5, (-1, -1), 0.0, None, None,
+    plan = make_plan(cj._problem(cj._Call(b, s, s, h, hk, 16, "fp16", causal, d ** -0.5, (-1, -1), 0.0, None, None,
                                           False, n, heads)), H100)
     assert plan.launches[0].variant.flashmask == n and plan.workspace_bytes
     assert f"tensor<{plan.workspace_bytes // 4}xi32>" in f.lower(q, k, v, fm).as_text()
@@ -290,15 +290,19 @@ def _bad(rng):
          "the last dim of startend_row_indices must be 1 .LTS. or 2 .LTS, LTE. with causal=True"),
         (lambda q, s: cj.attention(q, k, v, window_size=(1, 1), startend_row_indices=fm[..., :2]), ValueError,
          "startend_row_indices cannot be combined with window_size"),
-        (lambda q, s: cj.attention(q, k, v, startend_row_indices=fm[..., :2], attention_chunk=2), ValueError,
-         "attention_chunk"),
+        (lambda q, s: cj.attention(q, k, v, startend_row_indices=fm.astype(jnp.float32), attention_chunk=2),
+         ValueError, "attention_chunk"),  # (named before the indices' own checks, as cuflash.attention does)
+        (lambda q, s: cj.attention(q, k, v, startend_row_indices=fm[..., :2], alibi_slopes=jnp.ones(2, jnp.float32)),
+         ValueError, "startend_row_indices cannot be combined with alibi_slopes"),
+        (lambda q, s: cj.attention(q, k, v, startend_row_indices=np.full((1, 1, 4, 2), 5, np.int32)), ValueError,
+         r"startend_row_indices must lie in \[0, seqlen_q\] = \[0, 4\]"),  # NumPy: its values are checked
     ]
 
 
-@pytest.mark.parametrize("case", range(20))
+@pytest.mark.parametrize("case", range(22))
 def test_arguments_checked_at_trace_time(numpy_kernels, rng, case):
     cases = _bad(rng)
-    assert len(cases) == 20
+    assert len(cases) == 22
     fn, error, match = cases[case]
     with pytest.raises(error, match=match):
         jax.jit(fn)(arr(rng, 1, 4, 2, 8), 0.5)
@@ -671,38 +675,43 @@ def test_gpu_compiled_hlo_has_no_host_transfer(rng):
     assert not [m for m in HOST_TRANSFER_MARKS if m in text]
 
 
-def _flashmask_case(name, s, batch):
-    """(indices, causal) of a cuflash.masks family over s = 1000 tokens."""
+def _flashmask_heads(name, heads, batch):
+    """(indices (batch, heads, 1000, n), causal): a cuflash.masks family over 1000 tokens, its
+    documents (or window) other in each head."""
     from cuflash import masks
-    assert s == 1000
-    return {"causal_document": (masks.causal_document([300, 200, 500], batch), True),
-            "global_sliding_window": (masks.global_sliding_window(s, 16, 100, batch), False),
-            "share_question": (masks.share_question([[300, 100, 100], [200, 300]], batch), True),
-            "prefix_lm_document": (masks.prefix_lm_document([(600, 100), (400, 50)], batch), False),
-            "document": (masks.document([500, 500], batch), False)}[name]
+    s = 1000
+
+    def one(i):
+        return {"causal_document": (masks.causal_document([300 + 50 * i, 200, 500 - 50 * i], batch), True),
+                "causal_blockwise": (masks.causal_blockwise([250, 250 + 40 * i, 500 - 40 * i], batch), True),
+                "global_sliding_window": (masks.global_sliding_window(s, 16 + 8 * i, 100 + 20 * i, batch), False),
+                "share_question": (masks.share_question([[300, 100 + 20 * i, 100], [200 - 20 * i, 300]], batch), True),
+                "prefix_lm_document": (masks.prefix_lm_document([(600, 100 + 30 * i), (400, 50)], batch), False)}[name]
+    return np.ascontiguousarray(np.concatenate([one(i)[0] for i in range(heads)], axis=1)), one(0)[1]
 
 
 @requires_jax_gpu
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("name", ["causal_document", "global_sliding_window", "share_question", "prefix_lm_document"])
-def test_gpu_flashmask_forward_and_grads(rng, name, d):
-    """FlashMask under jit and grad, startend_row_indices a traced argument (one set per KV head),
-    against the float64 reference; the same jitted function on other indices computes their mask."""
+@pytest.mark.parametrize("d, heads", [(64, 2), (128, 4), (128, 1)])  # per KV head, per query head, broadcast
+@pytest.mark.parametrize("name", ["causal_document", "causal_blockwise", "global_sliding_window", "share_question",
+                                  "prefix_lm_document"])
+def test_gpu_flashmask_forward_and_grads(rng, name, d, heads):
+    """FlashMask under jit and grad, startend_row_indices a traced argument (another mask in each
+    of its heads), against the float64 reference; the same jitted function on other indices (held
+    in another buffer) computes their mask."""
     b, s, h, hk = 2, 1000, 4, 2
-    x, causal = _flashmask_case(name, s, b)
-    x = np.ascontiguousarray(np.repeat(x, hk, axis=1))
+    x, causal = _flashmask_heads(name, heads, b)
     q, k, v, w = (arr(rng, b, s, hh, d, dtype="bfloat16") for hh in (h, hk, hk, h))
     f = jax.jit(lambda q, k, v, fm: cj.attention(q, k, v, causal=causal, startend_row_indices=fm))
-    _check_forward(f(q, k, v, jnp.asarray(x)), q, k, v, causal=causal, startend_row_indices=x)
+    fm = jnp.asarray(x)
+    _check_forward(f(q, k, v, fm), q, k, v, causal=causal, startend_row_indices=x)
     loss = lambda q, k, v, fm: jnp.sum(cj.attention(q, k, v, causal=causal, startend_row_indices=fm)  # noqa: E731
                                        .astype(jnp.float32) * w)
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, jnp.asarray(x))
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, fm)
     args = [np.asarray(a) for a in (w, q, k, v)]
     ref = dict(causal=causal, startend_row_indices=x)
     _check_grads(grads, reference.attention_backward(*args, **ref),
                  reference.attention_backward(*args, precision="same", **ref), name)
-    from cuflash import masks
-    other = {1: masks.causal_document([450, 550], b), 2: masks.document([450, 550], b),
-             4: masks.global_sliding_window(s, 32, 50, b)}[x.shape[-1]]
-    other = np.ascontiguousarray(np.repeat(other, hk, axis=1))
-    _check_forward(f(q, k, v, jnp.asarray(other)), q, k, v, causal=causal, startend_row_indices=other)
+    other = np.ascontiguousarray(x[:, ::-1])  # the heads' masks in the other order
+    fm2 = jnp.asarray(other)
+    assert fm2.unsafe_buffer_pointer() != fm.unsafe_buffer_pointer() and (heads == 1 or (other != x).any())
+    _check_forward(f(q, k, v, fm2), q, k, v, causal=causal, startend_row_indices=other)
