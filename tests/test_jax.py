@@ -687,7 +687,8 @@ def _flashmask_heads(name, heads, batch):
                 "global_sliding_window": (masks.global_sliding_window(s, 16 + 8 * i, 100 + 20 * i, batch), False),
                 "share_question": (masks.share_question([[300, 100 + 20 * i, 100], [200 - 20 * i, 300]], batch), True),
                 "prefix_lm_document": (masks.prefix_lm_document([(600, 100 + 30 * i), (400, 50)], batch), False)}[name]
-    return np.ascontiguousarray(np.concatenate([one(i)[0] for i in range(heads)], axis=1)), one(0)[1]
+    cases = [one(i) for i in range(heads)]
+    return np.ascontiguousarray(np.concatenate([x for x, _ in cases], axis=1)), cases[0][1]
 
 
 @requires_jax_gpu
