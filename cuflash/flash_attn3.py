@@ -76,6 +76,15 @@ def _hints(num_splits, pack_gqa):
         raise TypeError(f"pack_gqa must be None or a bool, got {cuflash.validate.show(pack_gqa)}")
 
 
+def _kernel_writes(out, q, k, v, descales=(None,) * 3, attention_chunk=0):
+    """Whether the call can run its kernel straight into ``out`` (the fwd operator's given output):
+    fp16/bf16 operands without descales or a chunk, V of q's and out's head dim (one kernel, no
+    value pieces), and no gradient recorded for q, k, v (the operator runs without autograd)."""
+    return (out is not None and q.dtype in (torch.float16, torch.bfloat16) and all(x is None for x in descales)
+            and attention_chunk == 0 and v.shape[-1] == q.shape[-1] == out.shape[-1]
+            and not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))))
+
+
 def _pad_last(x, width):
     """x zero-padded in its last dim to ``width`` (8-bit floats through a uint8 view)."""
     pad = width - x.shape[-1]
@@ -162,11 +171,12 @@ def _sequence_of(cu_seqlens, rows):
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
                     v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
-                    pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
+                    pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False, *, _out=None):
     """FlashAttention-3's ``flash_attn_func``: q (batch, seqlen_q, nheads, d), k (batch, seqlen_k,
     nheads_k, d), v (batch, seqlen_k, nheads_k, dv). Returns out (batch, seqlen_q, nheads, dv), or
     (out, softmax_lse (batch, nheads, seqlen_q)) with ``return_attn_probs=True``. ``qv`` (batch,
-    seqlen_q, nheads, dv): scores q.k + qv.v (MLA's absorbed query), in PyTorch operations."""
+    seqlen_q, nheads, dv): scores q.k + qv.v (MLA's absorbed query), in PyTorch operations.
+    (``_out``: the fwd operator's output, which the kernel writes where :func:`_kernel_writes`.)"""
     _refuse(sm_margin=sm_margin)
     _hints(num_splits, pack_gqa)
     window = _window(window_size)
@@ -176,6 +186,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
         out, lse = _qv_attention(q, k, v, qv, scale, causal, window, _softcap(softcap), chunk)
         return (out, lse) if return_attn_probs else out
     given = (q_descale, k_descale, v_descale)
+    if _kernel_writes(_out, q, k, v, given, attention_chunk):
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        out, lse = ops._forward_kernel(q, k, v, _out, causal, scale, *window, _softcap(softcap), None, True)
+        return (out, lse) if return_attn_probs else out
     copies = q.dtype == torch.float8_e4m3fn and not _fp8_kernel_runs(q, v, window, softcap, attention_chunk)
     descales = (None,) * 3 if copies else given  # (bf16 copies carry their descales)
 
@@ -216,7 +230,8 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
                            seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
                            v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
-                           pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
+                           pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False, *,
+                           _out=None):
     """FlashAttention-3's ``flash_attn_varlen_func``: q (total_q, nheads, d), k (total_k, nheads_k,
     d), v (total_k, nheads_k, dv), cu_seqlens int32 (batch + 1,); or, with ``cu_seqlens_q`` /
     ``cu_seqlens_k`` None, q / k and v batched (batch, seqlen, heads, d) (with seqused). ``seqused_q``
@@ -226,7 +241,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (out, softmax_lse (nheads, total_q)) with ``return_attn_probs=True`` (batched q: out (batch,
     seqlen_q, nheads, dv), softmax_lse (batch, nheads, seqlen_q)). ``qv`` (total_q, nheads, dv):
     scores q.k + qv.v (MLA's absorbed query), in PyTorch operations per sequence (cu_seqlens read
-    on the host: a sync)."""
+    on the host: a sync). (``_out``: the fwd operator's output, which the kernel writes where
+    :func:`_kernel_writes` and, for batched q, its rows are one packed view.)"""
     _refuse(sm_margin=sm_margin)
     _hints(num_splits, pack_gqa)
     window = _window(window_size)
@@ -246,7 +262,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                     softmax_scale=scale, window_size=window, softcap=_softcap(softcap),
                                     deterministic=deterministic, return_lse=True, attention_chunk=attention_chunk)
     descales = (q_descale, k_descale, v_descale)
-    if qv is not None:
+    packed = _out if not batched_q or _out is None else _rows_view(_out)
+    if qv is None and packed is not None and _kernel_writes(packed, q, k, v, descales, attention_chunk):
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        out, lse = ops._varlen_forward_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                              int(max_seqlen_k), packed, causal, scale, *window, _softcap(softcap),
+                                              None, None, True)
+    elif qv is not None:
         _check_qv(q, k, v, qv, descales, same_batch=False)
         scale, chunk = _qv_options(q, softmax_scale, attention_chunk)
         out, lse = _qv_attention_varlen(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, scale, causal, window,
@@ -265,6 +287,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out = out.unflatten(0, (b, -1))
         lse = lse.unflatten(1, (b, -1)).transpose(0, 1)
     return (out, lse) if return_attn_probs else out
+
+
+def _rows_view(out):
+    """out (batch, seqlen, nheads, d) as a view of its rows (batch * seqlen, nheads, d), or None
+    where its strides make that a copy."""
+    b, s = out.shape[:2]
+    return out.flatten(0, 1) if b == 1 or s == 1 or out.stride(0) == s * out.stride(1) else None
 
 
 def _check_qv(q, k, v, qv, descales, same_batch=True):
@@ -495,7 +524,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                             q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
                             scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
-                            return_softmax_lse=False):
+                            return_softmax_lse=False, *, _out=None):
     """FlashAttention-3's ``flash_attn_with_kvcache`` (forward only): new k, v appended to the
     caches in place at ``cache_seqlens`` (rotated with ``rotary_cos``/``rotary_sin`` at positions
     from ``rotary_seqlens``, default ``cache_seqlens``), then q attends to them; ``page_table`` is
@@ -504,7 +533,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     queries aligned to the end of its keys as in the dense call; run as a dense call on a copy of
     q padded in front to max_seqlen_q rows (q rotated by PyTorch operations), its rows gathered
     back. Returns out, or (out, softmax_lse) with ``return_softmax_lse=True`` (varlen:
-    softmax_lse (nheads, total_q))."""
+    softmax_lse (nheads, total_q)). (``_out``: the fwd operator's output, which the kernel of a
+    dense q writes where :func:`_kernel_writes`.)"""
     _refuse(sm_margin=sm_margin)
     _hints(num_splits, pack_gqa)
     if scheduler_metadata is not None and not isinstance(scheduler_metadata, torch.Tensor):
@@ -545,6 +575,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
               window_size=_window(window_size), softcap=_softcap(softcap), attention_chunk=attention_chunk,
               cu_seqlens_k_new=cu_seqlens_k_new)
     if cu_seqlens_q is None:
+        if _kernel_writes(_out, q, k_cache, v_cache):
+            kw["out"] = _out
         return cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                                               cache_seqlens=cache_seqlens, rotary_interleaved=rotary_interleaved,
                                               rotary_seqlens=rotary_seqlens, **kw)
@@ -881,7 +913,9 @@ def _fwd_op(q, k, v, k_new=None, v_new=None, q_v=None, out=None, cu_seqlens_q=No
     batched operands are their seqlens (FlashAttention-3 does not read them there); ``sm_margin``
     (SMs left free) is a hint cuflash does not take, as ``num_splits`` and ``pack_gqa``. Returns
     (out, softmax_lse, out_accum, softmax_lse_accum); cuflash merges splits itself, so the two
-    accumulators are empty. A given ``out`` is checked first and written with a copy of the result."""
+    accumulators are empty. A given ``out`` is checked first; the kernel writes it where the call
+    runs one kernel over fp16/bf16 operands of q's head dim (no value pieces, descales or chunk;
+    batched varlen rows one view of it), other routes' results are copied into it."""
     shape, dtype, _ = _fwd_shapes(q, v, cu_seqlens_q)
     if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or out.device != q.device):
         raise ValueError(f"out must be {dtype} of shape {shape} on {q.device}, got {cuflash.validate.show(out)}")
@@ -898,19 +932,19 @@ def _fwd_op(q, k, v, k_new=None, v_new=None, q_v=None, out=None, cu_seqlens_q=No
                 q, k, v, k_new, v_new, q_v, rotary_cos, rotary_sin, seqused_k, kv_batch_idx, leftpad_k, page_table,
                 cu_seqlens_q, cu_seqlens_k_new, None if cu_seqlens_q is None else max_seqlen_q, seqlens_rotary,
                 *descales, softmax_scale, is_causal, window, attention_chunk, softcap, is_rotary_interleaved,
-                scheduler_metadata, num_splits, pack_gqa, 0, return_softmax_lse=True)
+                scheduler_metadata, num_splits, pack_gqa, 0, return_softmax_lse=True, _out=out)
         elif any(x is not None for x in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)):
             _refuse(cu_seqlens_k_new=cu_seqlens_k_new, seqlens_rotary=seqlens_rotary)
             res, lse = flash_attn_varlen_func(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
                 is_causal, q_v, *descales, window, attention_chunk, softcap, num_splits, pack_gqa, False, 0,
-                return_attn_probs=True)
+                return_attn_probs=True, _out=out)
         else:
             _refuse(cu_seqlens_k_new=cu_seqlens_k_new, seqlens_rotary=seqlens_rotary)
             res, lse = flash_attn_func(q, k, v, softmax_scale, is_causal, q_v, *descales, window, attention_chunk,
-                                       softcap, num_splits, pack_gqa, False, 0, return_attn_probs=True)
-    if out is not None:
-        res = out.copy_(res)
+                                       softcap, num_splits, pack_gqa, False, 0, return_attn_probs=True, _out=out)
+    if out is not None:  # (the kernel wrote it, or a route that makes its own output is copied)
+        res = out if res.data_ptr() == out.data_ptr() else out.copy_(res)
     none = q.new_empty(0, dtype=torch.float32)
     return res, lse, none, none.clone()
 

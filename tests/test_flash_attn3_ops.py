@@ -150,6 +150,77 @@ def test_fwd_goes_to_the_function_of_its_arguments(monkeypatch):
         fa3._fwd_op(q, k, k, k_new=k[:, :1], v_new=k[:, :1], seqused_q=used)
 
 
+def _kernel_recorders(monkeypatch):
+    """The kernels of the functions' plain routes (ops._forward_kernel, ops._varlen_forward_kernel,
+    cuflash.attention_with_kvcache) replaced by recorders that fill the output they are given (or
+    a new one) with 1 and return it, with an LSE."""
+    import cuflash
+    given = []
+
+    def result(q, out, lse_shape):
+        given.append(out)
+        o = torch.empty(q.shape, dtype=q.dtype) if out is None else out
+        return o.fill_(1.0), torch.zeros(lse_shape)
+
+    monkeypatch.setattr(fa3.ops, "_forward_kernel", lambda q, k, v, out, *a, **kw: result(
+        q, out, (q.shape[0], q.shape[2], q.shape[1])))
+    monkeypatch.setattr(fa3.ops, "_varlen_forward_kernel", lambda q, k, v, cq, ck, mq, mk, out, *a, **kw: result(
+        q, out, (q.shape[1], q.shape[0])))
+    monkeypatch.setattr(cuflash, "attention_with_kvcache", lambda q, *a, out=None, **kw: result(
+        q, out, (q.shape[0], q.shape[2], q.shape[1])))
+    return given
+
+
+@ours
+def test_fwd_kernel_writes_the_given_out(monkeypatch):
+    """The fwd operator's given out goes to the kernel of a plain call (dense, packed, batched
+    varlen whose rows are one view of out, a KV-cache decode), which writes it: the operator
+    returns out itself and makes no copy. A call the kernel cannot write in place (batched varlen
+    rows that are no view of out, a value head dim other than q's) gets a new output, copied into
+    out."""
+    given = _kernel_recorders(monkeypatch)
+    h = torch.float16
+    q, k = torch.zeros(2, 5, 4, 64, dtype=h), torch.zeros(2, 7, 2, 64, dtype=h)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    used = torch.tensor([3, 7], dtype=torch.int32)
+
+    def check(expect_given, *args, **kw):
+        out = torch.full(kw.pop("shape", (2, 5, 4, 64)), 7.0, dtype=h)
+        out = kw.pop("layout", lambda x: x)(out)
+        res = fa3._fwd_op(*args, out=out, **kw)
+        assert res[0] is out and bool((out == 1).all())
+        seen = given.pop()
+        assert (seen is not None and seen.data_ptr() == out.data_ptr()) == expect_given, seen
+    check(True, q, k, k, is_causal=True, window_size_left=3, window_size_right=0, softcap=2.0)
+    check(True, q[0], k[0], k[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4, max_seqlen_k=4,
+          shape=(5, 4, 64))
+    check(True, q, k, k, cu_seqlens_k=cu[:3], max_seqlen_k=4)  # batched q, packed k: out's rows one view
+    check(True, q, k, k, seqused_k=used)  # a decode over a cache
+    # SDPA's layout (batch, heads, seqlen, d) seen as (batch, seqlen, heads, d): batched varlen rows are no view
+    sdpa_like = dict(shape=(2, 4, 5, 64), layout=lambda x: x.transpose(1, 2))
+    check(True, q, k, k, **sdpa_like)  # (the dense kernel takes any strides)
+    check(False, q, k, k, cu_seqlens_k=cu[:3], max_seqlen_k=4, **sdpa_like)
+    check(False, q, k, torch.zeros(2, 7, 2, 32, dtype=h), shape=(2, 5, 4, 32))  # V padded to q's head dim
+
+
+def test_kernel_writes_only_plain_calls():
+    """_kernel_writes: fp16/bf16, no descales or chunk, V of q's and out's head dim, no gradient
+    recorded."""
+    q = torch.zeros(1, 3, 2, 64, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    assert fa3._kernel_writes(out, q, q, q)
+    assert not fa3._kernel_writes(None, q, q, q)
+    assert not fa3._kernel_writes(out, q, q, q, (torch.ones(1), None, None))
+    assert not fa3._kernel_writes(out, q, q, q, attention_chunk=2)
+    assert not fa3._kernel_writes(out[..., :32], q, q, q[..., :32])
+    e4m3 = q.to(torch.float8_e4m3fn)
+    assert not fa3._kernel_writes(out, e4m3, e4m3, e4m3)
+    leaf = q.clone().requires_grad_()
+    assert not fa3._kernel_writes(out, leaf, q, q)
+    with torch.no_grad():
+        assert fa3._kernel_writes(out, leaf, q, q)
+
+
 def _math_attention(q, k, v, scale, causal):
     """Dense attention in float64 PyTorch operations (GQA by repeated heads; causal aligned bottom-right)."""
     g = q.shape[2] // k.shape[2]
@@ -220,8 +291,9 @@ def _rand(*shape, dtype=torch.bfloat16):
 @ours
 @requires_sm90
 def test_gpu_fwd_is_the_functions():
-    """The operator's three routes give the functions' outputs and LSEs bitwise; a given out is
-    written and returned."""
+    """The operator's three routes give the functions' outputs and LSEs bitwise; a given out (also
+    in SDPA's layout, as PyTorch's FA3 adapter gives it, and on the varlen and decode routes) is
+    written with the functions' values and returned."""
     ops = torch.ops.flash_attn_3
     q, k, v = _rand(2, 300, 8, 128), _rand(2, 400, 2, 128), _rand(2, 400, 2, 128)
     out, lse, *_ = ops.fwd(q, k, v, is_causal=True, window_size_left=100, window_size_right=-1)
@@ -230,6 +302,9 @@ def test_gpu_fwd_is_the_functions():
     given = torch.empty_like(q)
     assert ops.fwd(q, k, v, out=given)[0] is given
     assert torch.equal(given, fa3.flash_attn_func(q, k, v))
+    sdpa_out = torch.full((2, 8, 300, 128), float("nan"), dtype=q.dtype, device="cuda").transpose(1, 2)
+    assert ops.fwd(q, k, v, out=sdpa_out, is_causal=True)[0] is sdpa_out  # (PyTorch's FA3 adapter's layout)
+    assert torch.equal(sdpa_out, fa3.flash_attn_func(q, k, v, causal=True))
     cu_q = torch.tensor([0, 100, 100, 300], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0, 150, 260, 400], dtype=torch.int32, device="cuda")
     out, lse, *_ = ops.fwd(q[0], k[0], v[0], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=200,
@@ -237,6 +312,9 @@ def test_gpu_fwd_is_the_functions():
     ref, ref_lse = fa3.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 200, 150, causal=True,
                                               return_attn_probs=True)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    given = torch.full_like(q[0], float("nan"))
+    assert ops.fwd(q[0], k[0], v[0], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=200, max_seqlen_k=150,
+                   is_causal=True, out=given)[0] is given and torch.equal(given, ref)
     lens = torch.tensor([37, 399], dtype=torch.int32, device="cuda")
     kc, vc, kn = k.clone(), v.clone(), _rand(2, 1, 2, 128)
     out, lse, *_ = ops.fwd(q[:, :1], kc, vc, k_new=kn, v_new=kn, seqused_k=lens, is_causal=True)
@@ -244,6 +322,9 @@ def test_gpu_fwd_is_the_functions():
     ref, ref_lse = fa3.flash_attn_with_kvcache(q[:, :1], kc2, vc2, kn, kn, cache_seqlens=lens, causal=True,
                                                return_softmax_lse=True)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    given = torch.full_like(q[:, :1], float("nan"))
+    assert ops.fwd(q[:, :1], kc, vc, seqused_k=lens + 1, is_causal=True, out=given)[0] is given
+    assert torch.equal(given, fa3.flash_attn_with_kvcache(q[:, :1], kc, vc, cache_seqlens=lens + 1, causal=True))
 
 
 @ours
