@@ -432,14 +432,18 @@ def window_pair(window_size):
     (NumPy ints and 0-d integer arrays of host memory included), or a 2-element integer array in
     host memory (NumPy, a CPU tensor). A device array is a TypeError (see host_ints): converting it
     would synchronise with the GPU."""
-    bad = TypeError(f"window_size must be a pair of ints (left, right), got {show(window_size)}")
+    if type(window_size) in (tuple, list) and len(window_size) == 2 and all(type(w) is int for w in window_size):
+        return window_size[0], window_size[1]  # (the usual form: every call passes here)
+
+    def bad():
+        return TypeError(f"window_size must be a pair of ints (left, right), got {show(window_size)}")
     a = host_ints(window_size, "window_size")
     if a is not None:
         if a.dtype.kind not in "iu" or a.shape != (2,):
-            raise bad
+            raise bad()
         return int(a[0]), int(a[1])
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise bad
+        raise bad()
     out = []
     for w in window_size:
         if _is_int(w):
@@ -447,7 +451,7 @@ def window_pair(window_size):
             continue
         a = host_ints(w, "window_size")
         if a is None or a.dtype.kind not in "iu" or a.shape != ():
-            raise bad
+            raise bad()
         out.append(int(a))
     return tuple(out)
 
