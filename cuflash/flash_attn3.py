@@ -263,11 +263,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                     deterministic=deterministic, return_lse=True, attention_chunk=attention_chunk)
     descales = (q_descale, k_descale, v_descale)
     packed = _out if not batched_q or _out is None else _rows_view(_out)
-    if qv is None and packed is not None and _kernel_writes(packed, q, k, v, descales, attention_chunk):
+    if (qv is None and packed is not None and _kernel_writes(packed, q, k, v, descales, attention_chunk)
+            and type(max_seqlen_q) is int and type(max_seqlen_k) is int):
         scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-        out, lse = ops._varlen_forward_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                              int(max_seqlen_k), packed, causal, scale, *window, _softcap(softcap),
-                                              None, None, True)
+        out, lse = ops._varlen_forward_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, packed,
+                                              causal, scale, *window, _softcap(softcap), None, None, True)
     elif qv is not None:
         _check_qv(q, k, v, qv, descales, same_batch=False)
         scale, chunk = _qv_options(q, softmax_scale, attention_chunk)
