@@ -79,10 +79,25 @@ def _hints(num_splits, pack_gqa):
 def _kernel_writes(out, q, k, v, descales=(None,) * 3, attention_chunk=0):
     """Whether the call can run its kernel straight into ``out`` (the fwd operator's given output):
     fp16/bf16 operands without descales or a chunk, V of q's and out's head dim (one kernel, no
-    value pieces), and no gradient recorded for q, k, v (the operator runs without autograd)."""
-    return (out is not None and q.dtype in (torch.float16, torch.bfloat16) and all(x is None for x in descales)
-            and attention_chunk == 0 and v.shape[-1] == q.shape[-1] == out.shape[-1]
-            and not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))))
+    value pieces), no gradient recorded for q, k, v (the operator runs without autograd), and an
+    ``out`` that every kernel can write (16-byte aligned, strides in multiples of 8 elements but
+    the last, 1) and that shares no memory with q, k, v or itself (a new output, copied, would)."""
+    if (out is None or q.dtype not in (torch.float16, torch.bfloat16) or any(x is not None for x in descales)
+            or attention_chunk != 0 or not v.shape[-1] == q.shape[-1] == out.shape[-1]
+            or (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))):
+        return False
+    lead = [st for n, st in zip(out.shape[:-1], out.stride()[:-1]) if n > 1]
+    if out.data_ptr() % 16 or any(st % 8 or st == 0 for st in lead) or (out.shape[-1] > 1 and out.stride(-1) != 1):
+        return False
+    return not any(_overlap(out, x) for x in (q, k, v))
+
+
+def _overlap(a, b):
+    """Whether the byte ranges that tensors a and b span intersect (on one device)."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    span = lambda x: x.data_ptr() + x.element_size() * (1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride())))  # noqa: E731
+    return a.data_ptr() < span(b) and b.data_ptr() < span(a)
 
 
 def _pad_last(x, width):

@@ -152,22 +152,23 @@ def test_fwd_goes_to_the_function_of_its_arguments(monkeypatch):
 
 def _kernel_recorders(monkeypatch):
     """The kernels of the functions' plain routes (ops._forward_kernel, ops._varlen_forward_kernel,
-    cuflash.attention_with_kvcache) replaced by recorders that fill the output they are given (or
-    a new one) with 1 and return it, with an LSE."""
+    cuflash.attention_with_kvcache) replaced by recorders of (the output given, the arguments that
+    describe the attention) that fill that output (or a new one) with 1 and return it, with an LSE."""
     import cuflash
     given = []
 
-    def result(q, out, lse_shape):
-        given.append(out)
+    def result(q, out, lse_shape, what):
+        given.append((out, what))
         o = torch.empty(q.shape, dtype=q.dtype) if out is None else out
         return o.fill_(1.0), torch.zeros(lse_shape)
 
+    # (causal, scale, window left and right, softcap, ALiBi[, max_seqlen_q, max_seqlen_k, block table])
     monkeypatch.setattr(fa3.ops, "_forward_kernel", lambda q, k, v, out, *a, **kw: result(
-        q, out, (q.shape[0], q.shape[2], q.shape[1])))
+        q, out, (q.shape[0], q.shape[2], q.shape[1]), a[:6]))
     monkeypatch.setattr(fa3.ops, "_varlen_forward_kernel", lambda q, k, v, cq, ck, mq, mk, out, *a, **kw: result(
-        q, out, (q.shape[1], q.shape[0])))
+        q, out, (q.shape[1], q.shape[0]), a[:6] + (mq, mk, a[6])))
     monkeypatch.setattr(cuflash, "attention_with_kvcache", lambda q, *a, out=None, **kw: result(
-        q, out, (q.shape[0], q.shape[2], q.shape[1])))
+        q, out, (q.shape[0], q.shape[2], q.shape[1]), sorted(kw.items(), key=str)))
     return given
 
 
@@ -175,9 +176,10 @@ def _kernel_recorders(monkeypatch):
 def test_fwd_kernel_writes_the_given_out(monkeypatch):
     """The fwd operator's given out goes to the kernel of a plain call (dense, packed, batched
     varlen whose rows are one view of out, a KV-cache decode), which writes it: the operator
-    returns out itself and makes no copy. A call the kernel cannot write in place (batched varlen
-    rows that are no view of out, a value head dim other than q's) gets a new output, copied into
-    out."""
+    returns out itself and makes no copy, and the kernel is asked for the attention that the call
+    without out asks for (scale, window, softcap, lengths). A call the kernel cannot write in place
+    (batched varlen rows that are no view of out, a value head dim other than q's, an out that
+    overlaps v or is not 16-byte aligned) gets a new output, copied into out."""
     given = _kernel_recorders(monkeypatch)
     h = torch.float16
     q, k = torch.zeros(2, 5, 4, 64, dtype=h), torch.zeros(2, 7, 2, 64, dtype=h)
@@ -189,23 +191,34 @@ def test_fwd_kernel_writes_the_given_out(monkeypatch):
         out = kw.pop("layout", lambda x: x)(out)
         res = fa3._fwd_op(*args, out=out, **kw)
         assert res[0] is out and bool((out == 1).all())
-        seen = given.pop()
+        seen, what = given.pop()
         assert (seen is not None and seen.data_ptr() == out.data_ptr()) == expect_given, seen
-    check(True, q, k, k, is_causal=True, window_size_left=3, window_size_right=0, softcap=2.0)
+        fa3._fwd_op(*args, **kw)
+        assert given.pop()[1] == what  # (the call without out)
+    mods = dict(is_causal=True, window_size_left=3, window_size_right=0, softcap=2.0)
+    check(True, q, k, k, **mods)
+    check(True, q, k, k, window_size_left=-5, softmax_scale=0.3)
     check(True, q[0], k[0], k[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4, max_seqlen_k=4,
-          shape=(5, 4, 64))
+          shape=(5, 4, 64), **mods)
     check(True, q, k, k, cu_seqlens_k=cu[:3], max_seqlen_k=4)  # batched q, packed k: out's rows one view
-    check(True, q, k, k, seqused_k=used)  # a decode over a cache
+    check(True, q, k, k, seqused_k=used, **mods)  # a decode over a cache
     # SDPA's layout (batch, heads, seqlen, d) seen as (batch, seqlen, heads, d): batched varlen rows are no view
     sdpa_like = dict(shape=(2, 4, 5, 64), layout=lambda x: x.transpose(1, 2))
     check(True, q, k, k, **sdpa_like)  # (the dense kernel takes any strides)
     check(False, q, k, k, cu_seqlens_k=cu[:3], max_seqlen_k=4, **sdpa_like)
     check(False, q, k, torch.zeros(2, 7, 2, 32, dtype=h), shape=(2, 5, 4, 32))  # V padded to q's head dim
+    check(False, q, k, k, shape=(2 * 5 * 4 * 64 + 1,), layout=lambda x: x[1:].view(2, 5, 4, 64))  # 2 bytes off
+    buf = torch.zeros(2, 7, 4, 64, dtype=h)
+    res = fa3._fwd_op(q, k, buf[:, 2:, :2], out=buf[:, 2:])  # out over v's memory
+    seen = given.pop()[0]
+    assert seen is None or seen.data_ptr() != buf[:, 2:].data_ptr()  # (a new output, copied)
+    assert res[0].data_ptr() == buf[:, 2:].data_ptr() and bool((buf[:, 2:] == 1).all())
 
 
 def test_kernel_writes_only_plain_calls():
     """_kernel_writes: fp16/bf16, no descales or chunk, V of q's and out's head dim, no gradient
-    recorded."""
+    recorded, an out 16-byte aligned with strides in multiples of 8 elements (the last 1), without
+    repeated elements, sharing no memory with q, k or v."""
     q = torch.zeros(1, 3, 2, 64, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     assert fa3._kernel_writes(out, q, q, q)
@@ -219,6 +232,12 @@ def test_kernel_writes_only_plain_calls():
     assert not fa3._kernel_writes(out, leaf, q, q)
     with torch.no_grad():
         assert fa3._kernel_writes(out, leaf, q, q)
+    assert not fa3._kernel_writes(q, q, q, q) and not fa3._kernel_writes(out, q, out[:, 1:], q)
+    assert fa3._kernel_writes(out[:, 1:], q[:, 1:], out[:, :1], q)  # (rows before out's: no overlap)
+    assert not fa3._kernel_writes(torch.empty(1, 1, 2, 64, dtype=q.dtype).expand(1, 3, 2, 64), q, q, q)
+    wide = torch.empty(1, 3, 2, 68, dtype=q.dtype)[..., :64]  # a head stride of 68 elements
+    assert not fa3._kernel_writes(wide, q, q, q)
+    assert fa3._kernel_writes(torch.empty(1, 3, 2, 72, dtype=q.dtype)[..., :64], q, q, q)
 
 
 def _math_attention(q, k, v, scale, causal):
@@ -303,8 +322,9 @@ def test_gpu_fwd_is_the_functions():
     assert ops.fwd(q, k, v, out=given)[0] is given
     assert torch.equal(given, fa3.flash_attn_func(q, k, v))
     sdpa_out = torch.full((2, 8, 300, 128), float("nan"), dtype=q.dtype, device="cuda").transpose(1, 2)
-    assert ops.fwd(q, k, v, out=sdpa_out, is_causal=True)[0] is sdpa_out  # (PyTorch's FA3 adapter's layout)
-    assert torch.equal(sdpa_out, fa3.flash_attn_func(q, k, v, causal=True))
+    mods = dict(softmax_scale=0.07, is_causal=True, window_size_left=100, window_size_right=-1, softcap=5.0)
+    assert ops.fwd(q, k, v, out=sdpa_out, **mods)[0] is sdpa_out  # (PyTorch's FA3 adapter's layout)
+    assert torch.equal(sdpa_out, fa3.flash_attn_func(q, k, v, 0.07, True, window_size=(100, -1), softcap=5.0))
     cu_q = torch.tensor([0, 100, 100, 300], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0, 150, 260, 400], dtype=torch.int32, device="cuda")
     out, lse, *_ = ops.fwd(q[0], k[0], v[0], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=200,
