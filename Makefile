@@ -18,7 +18,7 @@ demo: $(VENV)/.installed
 	$(PY) -m cuflash demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n auto tests
+	$(PY) -m pytest -q tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info
