@@ -504,6 +504,34 @@ def test_gpu_fast_forward_on_a_side_stream(handed_over):
 
 
 @requires_gpu
+def test_gpu_fast_forward_from_threads(handed_over):
+    """After the hand-over, steps from four threads at once, each on a stream of its own (node.cpp
+    queues the kernel without holding the GIL), give the results of the steps before."""
+    import threading
+    leaves, p, steps = handed_over
+    results, errors = {}, []
+
+    def run(i):
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.default_stream())
+            with torch.cuda.stream(side):
+                results[i] = [_leaves_step(leaves) for _ in range(3)]
+            side.synchronize()
+        except BaseException as e:  # (re-raised below, in the test's thread)
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for r in (x for i in range(4) for x in results[i]):
+        _same(r, steps[-1])
+    assert p.fast
+
+
+@requires_gpu
 def test_gpu_fast_forward_then_cuda_graph_capture(handed_over):
     """A layout handed over is captured in a CUDA graph (forward and backward; capture takes the
     Python path) and the graph's replays on new inputs match eager steps on them."""

@@ -466,8 +466,11 @@ py::object fast_forward(const at::Tensor& q, const at::Tensor& k, const at::Tens
   at::Tensor out = at::empty_like(q), lse = at::empty(e.lse_shape, q.options().dtype(at::kFloat));
   ptrs[kQ] = (uint64_t)q.data_ptr(), ptrs[kK] = (uint64_t)k.data_ptr(), ptrs[kV] = (uint64_t)v.data_ptr();
   ptrs[kOut] = (uint64_t)out.data_ptr(), ptrs[kLse] = (uint64_t)lse.data_ptr();
-  bind_primary_context(d, e.device);
-  fire_launch(d, e.launch, ptrs, stream);
+  {
+    py::gil_scoped_release nogil;  // (other Python threads run while the driver queues the kernel)
+    bind_primary_context(d, e.device);
+    fire_launch(d, e.launch, ptrs, stream);
+  }
   attach(q, k, v, out, lse, e.backward, e.fallback);
   return py::make_tuple(out, lse);
 }
