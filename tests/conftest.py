@@ -196,6 +196,22 @@ def compiled(compile_variants, request):
     return _Compiled(compile_variants, [p["v"] for p in params if "v" in p])
 
 
+ALL_TWINS = os.environ.get("CUFLASH_TEST_ALL_VARIANTS") == "1"
+
+
+def bf16_or_alone(variants):
+    """The variants whose offline compile checks run: with CUFLASH_TEST_ALL_VARIANTS=1 all of
+    them, else all but the fp16 ones whose bf16 twin (the same name with bf16) is in the list. A
+    twin's source differs only in its conversions (cvt to f16x2 rather than bf16x2); the planner
+    runs both, the GPU tests run both, and test_compile's covering sample compiles every kernel
+    kind in both dtypes. (This keeps CI, two cores, within its time.)"""
+    variants = list(variants)
+    if ALL_TWINS:
+        return variants
+    names = {v.name for v in variants}
+    return [v for v in variants if not (v.dtype == "fp16" and v.name.replace("_fp16_", "_bf16_", 1) in names)]
+
+
 def module_compiled(compile_variants, variants):
     """{variant: Compiled} for a module fixture that names its variants itself (as ``compiled``
     does for a module's parametrized ``v``): up front in one process, on use under xdist."""

@@ -11,7 +11,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from conftest import assert_compiled_clean, assert_warp_specialised_clean, module_compiled, requires_sm90, requires_torch
+from conftest import (assert_compiled_clean, assert_warp_specialised_clean, bf16_or_alone, module_compiled, requires_sm90,
+                      requires_torch)
 from cuflash.kernels import all_variants, bwd_ws
 from cuflash.kernels.bwd import MASKS, BwdRowVariant
 from cuflash.kernels.bwd_ws import BwdWsVariant
@@ -197,19 +198,23 @@ def test_dq_t_variant():
     assert "Steps of 80 query rows" in _plan(128).reason and "Steps of 80" not in _plan(64).reason
 
 
+# Compiled here: every prep and convert; of the dK/dV kernels, all with CUFLASH_TEST_ALL_VARIANTS=1,
+# else the bf16 ones and the fp16 ones without a bf16 twin (conftest.bf16_or_alone).
+COMPILED_MAIN = bf16_or_alone(VARIANTS + BULK + FLASHMASK + DQ_T + LPT + GROUPED_MAIN)
+COMPILED_ROWS = CONVERTS + DQ_T_CONVERTS + GROUPED_ROWS
+
+
 @pytest.fixture(scope="module")
 def compiled(compile_variants):
-    return module_compiled(compile_variants, VARIANTS + BULK + CONVERTS + FLASHMASK + DQ_T + DQ_T_CONVERTS + LPT
-                           + GROUPED_MAIN + GROUPED_ROWS)
+    return module_compiled(compile_variants, COMPILED_MAIN + COMPILED_ROWS)
 
 
-
-@pytest.mark.parametrize("v", CONVERTS + DQ_T_CONVERTS + GROUPED_ROWS, ids=lambda v: v.name)
+@pytest.mark.parametrize("v", COMPILED_ROWS, ids=lambda v: v.name)
 def test_tiled_convert_compiles(compiled, v):
     assert_compiled_clean(compiled[v], v)
 
 
-@pytest.mark.parametrize("v", VARIANTS + BULK + FLASHMASK + DQ_T + LPT + GROUPED_MAIN, ids=lambda v: v.name)
+@pytest.mark.parametrize("v", COMPILED_MAIN, ids=lambda v: v.name)
 def test_compiles_as_designed(compiled, v):
     """No spills or stack; __launch_bounds__(384, 1) caps the launch at 168 registers, which
     setmaxnreg splits into 24 per producer thread and 240 per consumer thread; ptxas neither

@@ -14,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from conftest import assert_compiled_clean, fake_view, requires_sm90, requires_torch
+from conftest import assert_compiled_clean, bf16_or_alone, fake_view, requires_sm90, requires_torch
 from cuflash import codegen
 from cuflash.kernels import all_variants, covering_sample, fwd_ws
 from cuflash.kernels.fwd_ws import FwdWsVariant
@@ -347,7 +347,7 @@ def test_renders(v):
     assert f"constexpr int kProducerRegs = {v.producer_regs};" in src
 
 
-@pytest.mark.parametrize("v", VARIANTS + FLASHMASK + LOCAL + MODS, ids=lambda v: v.name)
+@pytest.mark.parametrize("v", bf16_or_alone(VARIANTS + FLASHMASK + LOCAL + MODS), ids=lambda v: v.name)
 def test_compiles_as_designed(compiled, v):
     """sm_90a cubin with no spills or stack; __launch_bounds__(384, 1) caps the launch at 168
     registers (65536 / 384, rounded down to 8), which setmaxnreg then splits into 24 per producer
@@ -458,7 +458,7 @@ def _nvdisasm():
 
 
 @pytest.mark.skipif(_nvdisasm() is None, reason="needs nvdisasm (pip install nvidia-cuda-nvdisasm, or set NVDISASM)")
-@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("v", bf16_or_alone(VARIANTS), ids=lambda v: v.name)
 def test_sass_roles(compiled, v, tmp_path):
     """In the machine code: the producer deallocates to 24 registers, the consumers allocate
     theirs (v.consumer_regs) and use fewer; TMA loads (UTMALDG), wgmma (HGMMA) and mbarrier waits
