@@ -294,6 +294,29 @@ def test_gpu_empty_shapes():
     assert o.shape == (2, 0, 2, 128)
 
 
+def test_fire_fills_the_pointer_fields_by_name(monkeypatch):
+    """fire gives each launch its recipe's values with the call's pointers in their named fields: v
+    and vt in VtParams; Q's, K's and V^T's tensor maps (of the call's pointers), o, lse and the three
+    descales in FwdFp8Params."""
+    launched = []
+
+    class Kernel:
+        def launch(self, grid, block, smem, stream, values):
+            launched.append((stream, list(values)))
+    monkeypatch.setattr(fwd_fp8, "tensor_map", lambda ptr, *a: ("map", ptr))
+    vt_names, names = fwd_fp8.VT_PARAMS.names, fwd_fp8.PARAMS.names
+    r = fwd_fp8.Recipe(None, Kernel(), (1, 1, 1), (128, 1, 1), tuple(f"r.{n}" for n in vt_names), Kernel(),
+                       (1, 1, 1), (384, 1, 1), 0, tuple(f"r.{n}" for n in names), ((0,) * 4,) * 3, 0)
+    fwd_fp8.fire(r, 7, 101, 102, 103, 104, 105, 106, (107, 108, 109))
+    (s_vt, vt_values), (s, values) = launched
+    assert s_vt == s == 7
+    given = dict(v=103, vt=106)
+    assert vt_values == [given.get(n, f"r.{n}") for n in vt_names]
+    given = dict(tma_q=("map", 101), tma_k=("map", 102), tma_vt=("map", 106), o=104, lse=105, q_descale=107,
+                 k_descale=108, v_descale=109)
+    assert values == [given.get(n, f"r.{n}") for n in names]
+
+
 def test_keys_pad():
     assert [fwd_fp8.keys_pad(n) for n in (0, 1, 128, 129, 1000)] == [128, 128, 128, 256, 1024]
     assert math.prod(VtVariant(head_dim=128, arch=90).grid(2, 129, 3)) == 8 * 3 * 2

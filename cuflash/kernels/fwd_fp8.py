@@ -231,7 +231,11 @@ class Recipe(NamedTuple):
     vt_bytes: int      # V^T's scratch: b * hk * d * keys_pad(sk) bytes
 
 
-_DESCALES = tuple(PARAMS.index(n) for n in ("q_descale", "k_descale", "v_descale"))
+# The fields fire fills per call, by name: V^T's source and scratch; Q's, K's and V^T's tensor
+# maps, the output, the LSE and the three descales.
+_VT_POINTERS = tuple(VT_PARAMS.index(n) for n in ("v", "vt"))
+_POINTERS = tuple(PARAMS.index(n) for n in ("tma_q", "tma_k", "tma_vt", "o", "lse", "q_descale", "k_descale",
+                                            "v_descale"))
 _NO_MAP = bytes(TENSOR_MAP_BYTES)
 
 
@@ -265,13 +269,15 @@ def prepare(qv, kv, vv, ov, lse_strides: tuple, scale: float, causal: bool, desc
 def fire(r: Recipe, stream: int, q: int, k: int, v: int, o: int, lse: int, vt: int, descales: tuple) -> None:
     """Launch a prepared FP8 call on ``stream`` (a raw pointer) for these data pointers; ``vt``:
     r.vt_bytes of scratch; ``descales``: the three descale pointers (0 for none)."""
-    vt_values = (v, *r.vt_values[1:4], vt, *r.vt_values[5:])
-    r.vt_kernel.launch(r.vt_grid, r.vt_block, 0, stream, vt_values)
+    vt_values = list(r.vt_values)
+    for i, ptr in zip(_VT_POINTERS, (v, vt)):
+        vt_values[i] = ptr
+    r.vt_kernel.launch(r.vt_grid, r.vt_block, 0, stream, tuple(vt_values))
     mq, mk, mv = r.maps
-    values = [tensor_map(q, *mq[:3], "e4m3", mq[3]), tensor_map(k, *mk[:3], "e4m3", mk[3]),
-              tensor_map(vt, *mv[:3], "e4m3", mv[3]), o, lse, *r.values[5:]]
-    for i, ptr in zip(_DESCALES, descales):
-        values[i] = ptr
+    values = list(r.values)
+    for i, x in zip(_POINTERS, (tensor_map(q, *mq[:3], "e4m3", mq[3]), tensor_map(k, *mk[:3], "e4m3", mk[3]),
+                                tensor_map(vt, *mv[:3], "e4m3", mv[3]), o, lse, *descales)):
+        values[i] = x
     r.kernel.launch(r.grid, r.block, r.smem, stream, values)
 
 
