@@ -359,6 +359,8 @@ def chunk_alone(chunk, **others):
 
 
 def _real(x, name):
+    if type(x) is float:  # (the usual argument, without the ABC check below)
+        return x
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {_type(x)}")
     try:
