@@ -86,8 +86,9 @@ def _kernel_writes(out, q, k, v, descales=(None,) * 3, attention_chunk=0):
             or attention_chunk != 0 or not v.shape[-1] == q.shape[-1] == out.shape[-1]
             or (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))):
         return False
-    lead = [st for n, st in zip(out.shape[:-1], out.stride()[:-1]) if n > 1]
-    if out.data_ptr() % 16 or any(st % 8 or st == 0 for st in lead) or (out.shape[-1] > 1 and out.stride(-1) != 1):
+    o = cuflash.arrays.view(out, "out")
+    if (not cuflash.validate.aligned(o) or (o.shape[-1] > 1 and o.strides[-1] != 1)
+            or any(st == 0 and n > 1 for n, st in zip(o.shape, o.strides))):
         return False
     return not any(_overlap(out, x) for x in (q, k, v))
 
@@ -98,6 +99,11 @@ def _overlap(a, b):
         return False
     span = lambda x: x.data_ptr() + x.element_size() * (1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride())))  # noqa: E731
     return a.data_ptr() < span(b) and b.data_ptr() < span(a)
+
+
+def _scale(d, softmax_scale):
+    """The softmax scale: softmax_scale, or d ** -0.5 for None."""
+    return d ** -0.5 if softmax_scale is None else softmax_scale
 
 
 def _pad_last(x, width):
@@ -113,7 +119,7 @@ def _value_pieces(run, q, k, v, softmax_scale):
     cut into pieces of q's head dim when wider (each piece's output concatenated; the LSE is the
     scores', the same for every piece)."""
     d, dv = q.shape[-1], v.shape[-1]
-    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    scale = _scale(d, softmax_scale)
     if dv == d:
         return run(q, k, v, scale)
     if dv < d:
@@ -202,8 +208,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
         return (out, lse) if return_attn_probs else out
     given = (q_descale, k_descale, v_descale)
     if _kernel_writes(_out, q, k, v, given, attention_chunk):
-        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-        out, lse = ops._forward_kernel(q, k, v, _out, causal, scale, *window, _softcap(softcap), None, True)
+        out, lse = ops._forward_kernel(q, k, v, _out, causal, _scale(q.shape[-1], softmax_scale), *window,
+                                       _softcap(softcap), None, True)
         return (out, lse) if return_attn_probs else out
     copies = q.dtype == torch.float8_e4m3fn and not _fp8_kernel_runs(q, v, window, softcap, attention_chunk)
     descales = (None,) * 3 if copies else given  # (bf16 copies carry their descales)
@@ -280,9 +286,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     packed = _out if not batched_q or _out is None else _rows_view(_out)
     if (qv is None and packed is not None and _kernel_writes(packed, q, k, v, descales, attention_chunk)
             and type(max_seqlen_q) is int and type(max_seqlen_k) is int):
-        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
         out, lse = ops._varlen_forward_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, packed,
-                                              causal, scale, *window, _softcap(softcap), None, None, True)
+                                              causal, _scale(q.shape[-1], softmax_scale), *window, _softcap(softcap),
+                                              None, None, True)
     elif qv is not None:
         _check_qv(q, k, v, qv, descales, same_batch=False)
         scale, chunk = _qv_options(q, softmax_scale, attention_chunk)
