@@ -1,7 +1,9 @@
 """SDPA through PyTorch's FA3 adapter (torch.nn.attention._fa3) registered on cuflash.flash_attn3,
-against cuflash.flash_attn3.flash_attn_func on the same tensors, and the time of one copy of the
-output (what torch.ops.flash_attn_3.fwd used to add when given ``out``, as the adapter does on
-every call). bf16, d = 128; CUDA events, median of 7 x 50 calls. Needs a CUDA GPU and PyTorch 2.11+.
+against cuflash.flash_attn3.flash_attn_func on the same tensors, SDPA's own flash and cuDNN
+kernels (timed before the adapter is registered; "n/a" where a backend refuses the shape), and
+the time of one copy of the output (what torch.ops.flash_attn_3.fwd used to add when given
+``out``, as the adapter does on every call). bf16, d = 128; CUDA events, median of 7 x 50 calls.
+Needs a CUDA GPU and PyTorch 2.11+.
 
     PYTHONPATH=. python3 scripts/bench_fa3_adapter.py
 """
@@ -35,12 +37,27 @@ def timed(fn, reps=50):
     return statistics.median(rounds)
 
 
+def sdpa_alone(backend, q, k, v, causal):
+    """Median µs per SDPA call on ``backend`` (PyTorch's own kernels), or None where it refuses."""
+    try:
+        with sdpa_kernel(backend):
+            return timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                enable_gqa=q.shape[1] != k.shape[1]))
+    except RuntimeError:
+        return None
+
+
 def main():
+    shapes = []
+    for b, hq, hk, sq, sk, causal in SHAPES:
+        q = torch.randn(b, hq, sq, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, hk, sk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        native = {name: sdpa_alone(be, q, k, v, causal) for name, be in (
+            ("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION))}
+        shapes.append((b, hq, hk, sq, sk, causal, q, k, v, native))
     handle = _fa3.register_flash_attention_fa3(module_path="cuflash.flash_attn3")
     try:
-        for b, hq, hk, sq, sk, causal in SHAPES:
-            q = torch.randn(b, hq, sq, 128, device="cuda", dtype=torch.bfloat16)
-            k, v = (torch.randn(b, hk, sk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        for b, hq, hk, sq, sk, causal, q, k, v, native in shapes:
             qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v))
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal,  # noqa: E731
@@ -50,8 +67,9 @@ def main():
             out = fa3.flash_attn_func(qb, kb, vb, causal=causal)
             dst = torch.empty_like(q).transpose(1, 2)
             copy = timed(lambda: dst.copy_(out))
+            own = " | ".join(f"SDPA {n} {'n/a' if t is None else f'{t:8.1f} us'}" for n, t in native.items())
             print(f"b{b} h{hq}/{hk} sq{sq} sk{sk} causal={causal}: SDPA via FA3 adapter {adapter:8.1f} us | "
-                  f"flash_attn_func {function:8.1f} us | one copy of out {copy:6.1f} us | "
+                  f"flash_attn_func {function:8.1f} us | {own} | one copy of out {copy:6.1f} us | "
                   f"equal {torch.equal(ref.transpose(1, 2), out)}", flush=True)
     finally:
         handle.remove()
