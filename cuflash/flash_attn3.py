@@ -42,9 +42,11 @@ attention_varlen); ``flash_attn_with_kvcache`` is forward only, as in FlashAtten
   In flash_attn_with_kvcache (MLA decode over a latent cache: v_cache may be wider than k_cache):
   the new rows written with PyTorch operations, then the same arithmetic over each sequence's
   cache rows gathered at the whole capacity; no rotary tables there.
-- Not supported (NotImplementedError naming the argument): ``sm_margin`` other than 0, ``qv`` with
-  FP8 inputs or (in flash_attn_with_kvcache) rotary tables. :func:`flash_attn_combine` merges split
-  partials with PyTorch operations (no kernel of its own).
+- Hints checked and not taken: ``num_splits``, ``pack_gqa`` and ``sm_margin`` (cuflash plans its
+  own splits and leaves no SMs free).
+- Not supported (NotImplementedError naming the argument): ``qv`` with FP8 inputs or (in
+  flash_attn_with_kvcache) rotary tables. :func:`flash_attn_combine` merges split partials with
+  PyTorch operations (no kernel of its own).
 - Importing this module defines FlashAttention-3's operators ``torch.ops.flash_attn_3.fwd``,
   ``bwd``, ``fwd_combine`` and ``get_scheduler_metadata`` with its schemas on these functions and
   cuflash's backward (the end of this file), where FlashAttention-3 itself is not installed.
@@ -69,9 +71,12 @@ def _refuse(**given):
                                       f"(got {name}={cuflash.validate.show(value)})")
 
 
-def _hints(num_splits, pack_gqa):
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise TypeError(f"num_splits must be an int >= 0, got {cuflash.validate.show(num_splits)}")
+def _hints(num_splits, pack_gqa, sm_margin=0):
+    """FlashAttention-3's scheduling hints, checked and not taken: cuflash plans its own splits and
+    GQA packing, and leaves no SMs free (sm_margin)."""
+    for name, x in (("num_splits", num_splits), ("sm_margin", sm_margin)):
+        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+            raise TypeError(f"{name} must be an int >= 0, got {cuflash.validate.show(x)}")
     if pack_gqa not in (None, True, False):
         raise TypeError(f"pack_gqa must be None or a bool, got {cuflash.validate.show(pack_gqa)}")
 
@@ -198,8 +203,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     (out, softmax_lse (batch, nheads, seqlen_q)) with ``return_attn_probs=True``. ``qv`` (batch,
     seqlen_q, nheads, dv): scores q.k + qv.v (MLA's absorbed query), in PyTorch operations.
     (``_out``: the fwd operator's output, which the kernel writes where :func:`_kernel_writes`.)"""
-    _refuse(sm_margin=sm_margin)
-    _hints(num_splits, pack_gqa)
+    _hints(num_splits, pack_gqa, sm_margin)
     window = _window(window_size)
     if qv is not None:
         _check_qv(q, k, v, qv, (q_descale, k_descale, v_descale))
@@ -262,17 +266,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (out, softmax_lse (nheads, total_q)) with ``return_attn_probs=True`` (batched q: out (batch,
     seqlen_q, nheads, dv), softmax_lse (batch, nheads, seqlen_q)). ``qv`` (total_q, nheads, dv):
     scores q.k + qv.v (MLA's absorbed query), in PyTorch operations per sequence (cu_seqlens read
-    on the host: a sync). (``_out``: the fwd operator's output, which the kernel writes where
-    :func:`_kernel_writes` and, for batched q, its rows are one packed view.)"""
-    _refuse(sm_margin=sm_margin)
-    _hints(num_splits, pack_gqa)
+    on the host: a sync). With ``cu_seqlens_q`` / ``cu_seqlens_k`` None, ``max_seqlen_q`` /
+    ``max_seqlen_k`` are not read (as in FlashAttention-3). (``_out``: the fwd operator's output,
+    which the kernel writes where :func:`_kernel_writes` and, for batched q, its rows are one packed
+    view.)"""
+    _hints(num_splits, pack_gqa, sm_margin)
     window = _window(window_size)
     batched_q = cu_seqlens_q is None
     if batched_q:
-        cu_seqlens_q, q, max_seqlen_q = _batched_as_packed(q, "q", max_seqlen_q)
+        cu_seqlens_q, q, max_seqlen_q = _batched_as_packed(q, "q")
         qv = qv.flatten(0, 1) if qv is not None and qv.dim() == 4 else qv
     if cu_seqlens_k is None:
-        cu_seqlens_k, k, max_seqlen_k = _batched_as_packed(k, "k", max_seqlen_k)
+        cu_seqlens_k, k, max_seqlen_k = _batched_as_packed(k, "k")
         v = v.flatten(0, 1) if v.dim() == 4 else v
     given_cu = (cu_seqlens_q, cu_seqlens_k)  # (the caller's sequences: the descales' and the output's batch)
     if seqused_q is not None or seqused_k is not None:
@@ -496,15 +501,15 @@ def _qv_attention_varlen(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, scale, causal,
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
-def _batched_as_packed(x, name, max_seqlen):
+def _batched_as_packed(x, name):
     """A batched (batch, seqlen, heads, d) operand of flash_attn_varlen_func without cu_seqlens:
-    (cu_seqlens (batch + 1,) int32 on its device, x as (batch * seqlen, heads, d), seqlen)."""
+    (cu_seqlens (batch + 1,) int32 on its device, x as (batch * seqlen, heads, d), seqlen). Its
+    max_seqlen is not read (FlashAttention-3 reads the maxima only for packed operands: a caller may
+    pass max(seqused) there); the seqlen takes its place."""
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         raise ValueError(f"{name} must be (batch, seqlen, heads, d) when cu_seqlens_{name} is None, got "
                          f"{cuflash.validate.show(x)}")
     b, s = x.shape[:2]
-    if max_seqlen is not None and max_seqlen != s:
-        raise ValueError(f"max_seqlen_{name} ({max_seqlen}) must be {name}'s seqlen ({s}) when cu_seqlens_{name} is None")
     return torch.arange(b + 1, dtype=torch.int32, device=x.device) * s, x.flatten(0, 1), s
 
 
@@ -556,8 +561,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     back. Returns out, or (out, softmax_lse) with ``return_softmax_lse=True`` (varlen:
     softmax_lse (nheads, total_q)). (``_out``: the fwd operator's output, which the kernel of a
     dense q writes where :func:`_kernel_writes`.)"""
-    _refuse(sm_margin=sm_margin)
-    _hints(num_splits, pack_gqa)
+    _hints(num_splits, pack_gqa, sm_margin)
     if scheduler_metadata is not None and not isinstance(scheduler_metadata, torch.Tensor):
         raise TypeError(f"scheduler_metadata must be None or a tensor (a hint cuflash does not need), got "
                         f"{cuflash.validate.show(scheduler_metadata)}")
@@ -932,12 +936,17 @@ def _fwd_op(q, k, v, k_new=None, v_new=None, q_v=None, out=None, cu_seqlens_q=No
     cu_seqlens_k, the lengths cu_seqlens_k's); one with other sequence arguments
     flash_attn_varlen_func's; the rest flash_attn_func's. ``max_seqlen_q`` / ``max_seqlen_k`` of
     batched operands are their seqlens (FlashAttention-3 does not read them there); ``sm_margin``
-    (SMs left free) is a hint cuflash does not take, as ``num_splits`` and ``pack_gqa``. Returns
+    (SMs left free) is a hint cuflash does not take, as ``num_splits`` and ``pack_gqa``; the default
+    softmax scale is q's head dim's, ``q_v`` or not. Returns
     (out, softmax_lse, out_accum, softmax_lse_accum); cuflash merges splits itself, so the two
     accumulators are empty. A given ``out`` is checked first; the kernel writes it where the call
     runs one kernel over fp16/bf16 operands of q's head dim (no value pieces, descales or chunk;
     batched varlen rows one view of it), other routes' results are copied into it."""
     shape, dtype, _ = _fwd_shapes(q, v, cu_seqlens_q)
+    # FlashAttention-3's operator scales by q's head dim alone, with q_v too (its Python functions,
+    # which cuflash's functions follow, default to (d + dv) ** -0.5 with qv).
+    if softmax_scale is None and q_v is not None:
+        softmax_scale = q.shape[-1] ** -0.5
     if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or out.device != q.device):
         raise ValueError(f"out must be {dtype} of shape {shape} on {q.device}, got {cuflash.validate.show(out)}")
     window, descales = (window_size_left, window_size_right), (q_descale, k_descale, v_descale)
@@ -1014,10 +1023,10 @@ def _bwd_op(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, cu_seqle
     max_seqlen_q, max_seqlen_k = _batched_lengths(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if varlen:
         if cu_seqlens_q is None:  # batched q: packed rows, the LSE as (nheads, total_q)
-            cu_seqlens_q, _, max_seqlen_q = _batched_as_packed(q, "q", max_seqlen_q)
+            cu_seqlens_q, _, max_seqlen_q = _batched_as_packed(q, "q")
             lse = lse.transpose(0, 1).flatten(1)
         if cu_seqlens_k is None:
-            cu_seqlens_k, _, max_seqlen_k = _batched_as_packed(k, "k", max_seqlen_k)
+            cu_seqlens_k, _, max_seqlen_k = _batched_as_packed(k, "k")
         if seqused_q is not None or seqused_k is not None:
             cu_seqlens_q, cu_seqlens_k = _seqused(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
         rows = lambda x: x.flatten(0, 1) if x.dim() == 4 else x  # noqa: E731

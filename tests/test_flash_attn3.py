@@ -37,8 +37,9 @@ def test_value_pieces_pad_and_cut():
 
 def test_refused_arguments_name_themselves():
     q = torch.zeros(1, 4, 2, 64)
-    with pytest.raises(NotImplementedError, match="sm_margin"):
-        fa3.flash_attn_func(q, q, q, sm_margin=4)
+    for bad in (-1, 1.5, True):  # (sm_margin is a hint, checked as num_splits is)
+        with pytest.raises(TypeError, match="sm_margin must be an int >= 0"):
+            fa3.flash_attn_func(q, q, q, sm_margin=bad)
     cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(TypeError, match="seqused_q must be an int32"):
         fa3.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, seqused_q=torch.zeros(1))
@@ -687,8 +688,11 @@ def test_varlen_batched_operands_and_fp8_forward_only(monkeypatch):
     assert cu_q == [0, 3, 3, 3, 6, 6, 6] and cu_k == [0, 5, 5, 5, 7, 7, 10] and (max_q, max_k) == (3, 5)
     assert out.shape == (2, 3, 4, 8) and torch.equal(out.float(), q.bfloat16().float())
     assert lse.shape == (2, 4, 3) and lse[1, 0].tolist() == [3, 4, 5]
-    with pytest.raises(ValueError, match="max_seqlen_q .4. must be q's seqlen .3."):
-        fa3.flash_attn_varlen_func(q, k, k, None, None, 4, None)
+    # Batched operands' maxima are not read (FlashAttention-3 reads them for packed ones only), and
+    # sm_margin is a hint not taken.
+    fa3.flash_attn_varlen_func(q, k, k, None, None, 4, 9, seqused_k=torch.tensor([5, 2], dtype=torch.int32),
+                               sm_margin=8)
+    assert calls[-1][:4] == calls[0][:4]
     q8 = (torch.randn(6, 4, 8) * 4).to(torch.float8_e4m3fn).requires_grad_()
     k8 = (torch.randn(10, 2, 8) * 4).to(torch.float8_e4m3fn)
     cu = torch.tensor([0, 3, 6], dtype=torch.int32)

@@ -148,6 +148,28 @@ def test_fwd_goes_to_the_function_of_its_arguments(monkeypatch):
     assert len(calls) == n
     with pytest.raises(NotImplementedError, match="seqused_q"):
         fa3._fwd_op(q, k, k, k_new=k[:, :1], v_new=k[:, :1], seqused_q=used)
+    # The operator's default scale is q's head dim's, also with q_v (FlashAttention-3's C++
+    # default; its Python functions pass (d + dv) ** -0.5 themselves); a given scale is kept.
+    qv = torch.ones(2, 5, 4, 32)
+    fa3._fwd_op(q, k, torch.ones(2, 7, 2, 32), q_v=qv)
+    name, args, _ = calls[-1]
+    assert name == "flash_attn_func" and args[0] == 64 ** -0.5 and args[2] is qv
+    fa3._fwd_op(q, k, torch.ones(2, 7, 2, 32), q_v=qv, softmax_scale=0.3)
+    assert calls[-1][1][0] == 0.3
+    fa3._fwd_op(q, k, k)
+    assert calls[-1][1][0] is None  # (no q_v: the functions' default is the operator's)
+
+
+def test_fwd_qv_default_scale_is_the_operators():
+    """With q_v and no softmax_scale, the operator attends at q's head dim's scale (FlashAttention-3's
+    C++ default), not the functions' (d + dv) ** -0.5; q_v's route runs PyTorch operations, so this
+    runs anywhere."""
+    g = torch.Generator().manual_seed(0)
+    q, qv = torch.randn(1, 6, 2, 64, generator=g), torch.randn(1, 6, 2, 256, generator=g)
+    k, v = torch.randn(1, 9, 1, 64, generator=g), torch.randn(1, 9, 1, 256, generator=g)
+    got = fa3._fwd_op(q, k, v, q_v=qv)[0]
+    assert torch.equal(got, fa3.flash_attn_func(q, k, v, qv=qv, softmax_scale=64 ** -0.5))
+    assert not torch.allclose(got, fa3.flash_attn_func(q, k, v, qv=qv), atol=1e-3)
 
 
 def _kernel_recorders(monkeypatch):
