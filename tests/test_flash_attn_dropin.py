@@ -52,7 +52,8 @@ UPSTREAM_BERT_PADDING = {
 }
 # Keyword-only extras beyond upstream: vLLM's fork (vllm_flash_attn) names for varlen calls.
 EXTRAS = {"flash_attn_varlen_func": [("seqused_k", None), ("return_softmax_lse", False),
-                                     ("s_aux", None)]}
+                                     ("s_aux", None)],
+          "flash_attn_func": [("s_aux", None)]}  # (transformers passes the varlen function's keywords)
 
 
 def _params(fn):
@@ -320,6 +321,92 @@ def test_varlen_s_aux_is_sinks(recorded):
     flash_attn_varlen_func(q, q, q, cu, cu, 3, 3, s_aux=s_aux)
     flash_attn_varlen_func(q, q, q, cu, cu, 3, 3)
     assert recorded[0][2]["sinks"] is s_aux and "sinks" not in recorded[1][2]
+
+
+def test_dense_s_aux_is_sinks(recorded):
+    """s_aux on flash_attn_func too (transformers hands the varlen function's keywords to it):
+    cuflash.torch.attention(..., sinks=s_aux)."""
+    import torch
+    from cuflash.flash_attn import flash_attn_func
+    q, s_aux = _cpu(1, 3, 2, 8), torch.zeros(2)
+    flash_attn_func(q, q, q, s_aux=s_aux)
+    flash_attn_func(q, q, q)
+    assert recorded[0][2]["sinks"] is s_aux and "sinks" not in recorded[1][2]
+
+
+def test_lengths_and_flags_as_flash_attn_ops_take_them(recorded):
+    """flash-attn's operators take a max_seqlen given as a one-element tensor or a NumPy integer
+    (transformers' packed-sequence path passes ``position_ids.max() + 1``), and causal and
+    rotary_interleaved given as ints: the functions pass ints and bools on, on every route."""
+    import numpy as np
+    import torch
+    from cuflash.flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+    q, cu = _cpu(3, 2, 8), torch.tensor([0, 3], dtype=torch.int32)
+    flash_attn_varlen_func(q, q, q, cu, cu, torch.tensor(3), np.int64(3), causal=1)
+    _, args, kw = recorded[-1]
+    assert args[5:7] == (3, 3) and all(type(a) is int for a in args[5:7]) and kw["causal"] is True
+    flash_attn_func(q[None], q[None], q[None], causal=np.bool_(True))
+    assert recorded[-1][2]["causal"] is True
+    flash_attn_with_kvcache(q[None], q[None], q[None], causal=1, rotary_interleaved=0)
+    kw = recorded[-1][2]
+    assert kw["causal"] is True and kw["rotary_interleaved"] is False
+
+
+def test_names_other_libraries_import(recorded):
+    """flash-attn's module-level names that libraries import besides the functions: the
+    ``_wrapped_*`` entry points, its autograd Function classes (``Cls.apply`` with the forward's
+    arguments: the function's, then is_grad_enabled), maybe_contiguous and round_multiple;
+    bert_padding's Function classes and index_first_axis_residual; rotary's apply_rotary_emb_func."""
+    import torch
+    from cuflash.flash_attn import bert_padding, flash_attn_interface as fi
+    from cuflash.flash_attn.layers import rotary
+    assert fi._wrapped_flash_attn_forward is fi._flash_attn_forward
+    assert fi._wrapped_flash_attn_varlen_backward is fi._flash_attn_varlen_backward
+    q, cu = _cpu(1, 3, 2, 8), torch.tensor([0, 3], dtype=torch.int32)
+    out = fi.FlashAttnFunc.apply(q, q, q, 0.0, 0.5, True, (-1, -1), 0.0, None, False, False, True)
+    name, _, kw = recorded[-1]
+    assert name == "attention" and kw["softmax_scale"] == 0.5 and kw["causal"] is True and out.shape == q.shape
+    res = fi.FlashAttnVarlenFunc.apply(q[0], q[0], q[0], cu, cu, 3, 3, 0.0, None, False, (-1, -1), 0.0, None, False,
+                                       True, None, False)
+    assert recorded[-1][0] == "varlen" and len(res) == 3  # (out, lse, S_dmask): return_softmax
+    fi.FlashAttnQKVPackedFunc.apply(torch.stack((q, q, q), dim=2), 0.0, None, False, (-1, -1), 0.0, None, False,
+                                    False, True)
+    assert recorded[-1][0] == "attention"
+    seen = []
+    fi.FlashAttnFunc._fn = staticmethod(lambda *a: seen.append(torch.is_grad_enabled()))
+    try:
+        fi.FlashAttnFunc.apply(*(None,) * 11, False)
+        fi.FlashAttnFunc.apply(*(None,) * 11, True)
+        with torch.no_grad():
+            fi.FlashAttnFunc.apply(*(None,) * 11, True)
+    finally:
+        fi.FlashAttnFunc._fn = staticmethod(fi.flash_attn_func)
+    assert seen == [False, True, False]
+    x = _cpu(2, 5)
+    assert fi.maybe_contiguous(x) is x and fi.maybe_contiguous(x.t()).is_contiguous() and fi.round_multiple(9, 8) == 16
+    idx = torch.tensor([3, 1])
+    assert bert_padding.IndexFirstAxis.apply(x.t(), idx).equal(x.t()[idx])
+    assert bert_padding.IndexPutFirstAxis.apply(x, idx, 4)[3].equal(x[0])
+    rows, whole = bert_padding.IndexFirstAxisResidual.apply(x.t(), idx)
+    assert rows.equal(x.t()[idx]) and whole is not None and whole.equal(x.t())
+    assert rotary.apply_rotary_emb_func is rotary.apply_rotary_emb
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_torch_reference_is_apply_rotary_emb(interleaved):
+    """flash-attn's PyTorch reference (apply_rotary_emb_torch, rotate_half) rotates as
+    apply_rotary_emb does at positions 0 ... seqlen - 1 (float64: no rounding between them)."""
+    import torch
+    from cuflash.flash_attn.layers.rotary import apply_rotary_emb, apply_rotary_emb_torch, rotate_half
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 3, 16, generator=g, dtype=torch.float64)
+    angle = torch.rand(5, 3, generator=g, dtype=torch.float64) * 6
+    got = apply_rotary_emb_torch(x, angle.cos(), angle.sin(), interleaved)
+    want = apply_rotary_emb(x, angle.cos(), angle.sin(), interleaved)
+    torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-6, atol=1e-6)
+    assert got[..., 6:].equal(x[..., 6:])
+    h = torch.arange(4.0)
+    assert rotate_half(h).tolist() == [-2, -3, 0, 1] and rotate_half(h, True).tolist() == [-1, 0, -3, 2]
 
 
 # ---------------------------------------------------------------------------------------------

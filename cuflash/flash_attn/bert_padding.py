@@ -27,6 +27,27 @@ def index_put_first_axis(values, indices, first_axis_dim):
     return out.index_put((indices,), values)
 
 
+def index_first_axis_residual(input, indices):
+    """(rows ``indices`` of ``input``, ``input`` itself): flash-attn's variant that hands the whole
+    input on beside the rows (gradients reach it through both)."""
+    return input[indices], input
+
+
+class IndexFirstAxis:
+    """flash-attn's autograd Function for :func:`index_first_axis`, for callers of ``.apply``."""
+    apply = staticmethod(index_first_axis)
+
+
+class IndexPutFirstAxis:
+    """flash-attn's autograd Function for :func:`index_put_first_axis`, for callers of ``.apply``."""
+    apply = staticmethod(index_put_first_axis)
+
+
+class IndexFirstAxisResidual:
+    """flash-attn's autograd Function for :func:`index_first_axis_residual`, for callers of ``.apply``."""
+    apply = staticmethod(index_first_axis_residual)
+
+
 def unpad_input(hidden_states, attention_mask, unused_mask=None):
     """hidden_states (batch, seqlen, ...) and attention_mask (batch, seqlen) -> (hidden_states
     of the kept tokens (total, ...), their flat indices (total,) int64, cu_seqlens (batch + 1,)

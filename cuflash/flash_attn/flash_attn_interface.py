@@ -22,12 +22,19 @@ read cu_seqlens back to the host).
 What cuflash does not do yet raises NotImplementedError naming the argument, never ignoring it:
 the vLLM extra ``seqused_k`` with dense K/V in the private varlen forward or with dropout, and
 ``leftpad_k`` in the private varlen forward. vLLM's ``s_aux`` (attention sinks) runs as
-``cuflash.torch.attention_varlen(..., sinks=s_aux)``. flash-attn's private entry points and its
+``cuflash.torch.attention_varlen(..., sinks=s_aux)`` (``flash_attn_func`` takes it too: transformers
+hands the varlen function's keywords to both). Lengths and flags are taken as flash-attn's
+operators take them: ``max_seqlen_*`` as an int, a NumPy integer or a one-element tensor (read back),
+``causal`` / ``rotary_interleaved`` as bools or ints. Besides the functions, the names libraries
+import from flash-attn's module are here: ``_wrapped_flash_attn_*`` (the private entry points), the
+autograd Function classes ``FlashAttnFunc`` ... ``FlashAttnVarlenQKVPackedFunc`` (``apply`` with
+the forward's arguments calls the function), ``maybe_contiguous`` and ``round_multiple``. flash-attn's private entry points and its
 extension's functions (below; the differences are listed in docs/torch.md) accept
 ``zero_tensors`` without zeroing the rows past the last sequence.
 """
 import os
 
+import numpy as np
 import torch
 
 import cuflash
@@ -39,6 +46,16 @@ from cuflash.torch import ops
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
            "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
+
+
+def maybe_contiguous(x):
+    """flash-attn's helper: x with a contiguous last dim (a copy only where it is not)."""
+    return x.contiguous() if x is not None and x.stride(-1) != 1 else x
+
+
+def round_multiple(x, m):
+    """flash-attn's helper: x rounded up to a multiple of m."""
+    return (x + m - 1) // m * m
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,6 +261,20 @@ def _window(window_size):
     return max(left, -1), max(right, -1)
 
 
+def _int(x):
+    """A length as flash-attn's operators take it: a Python int, from a NumPy integer or a
+    one-element integer tensor too (read back: a synchronisation for a CUDA tensor, as in
+    flash-attn, whose operators convert it the same way); anything else as given (validated later)."""
+    if isinstance(x, torch.Tensor) and x.numel() == 1 and not (x.is_floating_point() or x.is_complex()):
+        return int(x.item())
+    return int(x) if isinstance(x, np.integer) else x
+
+
+def _flag(x):
+    """A flag as flash-attn's operators take it: a bool, from an int or a NumPy bool/integer too."""
+    return bool(x) if isinstance(x, (int, np.integer, np.bool_)) else x
+
+
 def _softcap(softcap):
     """flash-attn turns softcapping off for softcap <= 0; cuflash wants 0 for off."""
     return float(softcap) if softcap > 0 else 0.0
@@ -267,18 +298,20 @@ def _with_probs(res, q):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False):
+                    return_attn_probs=False, *, s_aux=None):
     """flash-attn's ``flash_attn_func`` (differentiable): q (batch, seqlen_q, nheads, d), k, v
     (batch, seqlen_k, nheads_k, d). Returns out, or (out, softmax_lse (batch, nheads, seqlen_q),
     S_dmask) with ``return_attn_probs=True`` (S_dmask empty without dropout; see the module's
-    docstring)."""
+    docstring). ``s_aux``: attention sinks as in :func:`flash_attn_varlen_func` (transformers
+    passes the varlen function's keywords to this one too)."""
+    causal = _flag(causal)
     q, k, v = (_contiguous_last(x) for x in (q, k, v))
     window, cap = _window(window_size), _softcap(softcap)
     seed, offset = _draw(validate.dropout_p(dropout_p), q, q.shape[0], return_attn_probs)
     drop = {} if not dropout_p else dict(dropout_p=dropout_p, seed=seed, offset=offset)
     res = ops.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window, softcap=cap,
                         alibi_slopes=alibi_slopes, deterministic=deterministic,
-                        return_lse=bool(return_attn_probs), **drop)
+                        return_lse=bool(return_attn_probs), **({} if s_aux is None else {"sinks": s_aux}), **drop)
     if return_attn_probs and seed is not None:
         return (*res, _dense_probs(q, k, dropout_p, seed, offset, causal, softmax_scale, window, cap, alibi_slopes))
     return _with_probs(res, q) if return_attn_probs else res
@@ -325,6 +358,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (vLLM's semantics; softmax_lse includes it; differentiable here, vLLM's is not).
     With dropout and ``return_attn_probs=True``, S_dmask reads cu_seqlens back to the host.
     """
+    max_seqlen_q, max_seqlen_k, causal = _int(max_seqlen_q), _int(max_seqlen_k), _flag(causal)
     if seqused_k is not None and block_table is not None:
         cu_seqlens_k = _seqused_offsets(seqused_k, block_table)
     elif seqused_k is not None:
@@ -388,6 +422,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     CUDA ``cache_seqlens``, FlashAttnCheckError (a ValueError and flash-attn's RuntimeError) after
     reading it back as flash-attn does (a synchronisation; skipped while a CUDA graph is
     captured: the kernels clamp to the table)."""
+    causal, rotary_interleaved = _flag(causal), _flag(rotary_interleaved)
     _paged_capacity_check(q, k, k_cache, cache_seqlens, block_table)
     q, k, v = (_contiguous_last(x) for x in (q, k, v))
     return cuflash.attention_with_kvcache(
@@ -438,6 +473,7 @@ def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_l
     """flash-attn's ``_flash_attn_forward``: (out, softmax_lse (batch, nheads, seqlen_q), S_dmask,
     rng_state), S_dmask as :func:`flash_attn_func` returns it with ``return_attn_probs`` (empty
     without dropout), rng_state as flash-attn's (see _rng_state)."""
+    causal = _flag(causal)
     q, k, v = (_contiguous_last(x) for x in (q, k, v))
     window, cap = _window((window_size_left, window_size_right)), _softcap(softcap)
     seed, offset = _draw(validate.dropout_p(dropout_p), q, q.shape[0], True)
@@ -467,6 +503,7 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
             _not_supported("seqused_k without a block_table in _flash_attn_varlen_forward",
                            "flash_attn_varlen_func takes it with dense K/V")
         cu_seqlens_k = _seqused_offsets(seqused_k, block_table)
+    max_seqlen_q, max_seqlen_k, causal = _int(max_seqlen_q), _int(max_seqlen_k), _flag(causal)
     q, k, v = (_contiguous_last(x) for x in (q, k, v))
     window, cap = _window((window_size_left, window_size_right)), _softcap(softcap)
     batch = cu_seqlens_q.shape[0] - 1
@@ -513,6 +550,7 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
     """flash-attn's ``_flash_attn_backward``: the gradients into ``dq``, ``dk``, ``dv`` (each may be
     None: then made and, as in flash-attn, not returned); returns softmax_d (_softmax_d). With
     dropout, ``rng_state`` is the forward's."""
+    causal = _flag(causal)
     dout, q, k, v, out = (_contiguous_last(x) for x in (dout, q, k, v, out))
     backward_mod.attention_backward(
         dout, q, k, v, out, softmax_lse, causal=causal, softmax_scale=softmax_scale,
@@ -528,6 +566,7 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
                                 zero_tensors=False):
     """flash-attn's ``_flash_attn_varlen_backward``: as :func:`_flash_attn_backward` for packed
     sequences; softmax_d (nheads, total_q + 128 * batch)."""
+    max_seqlen_q, max_seqlen_k, causal = _int(max_seqlen_q), _int(max_seqlen_k), _flag(causal)
     dout, q, k, v, out = (_contiguous_last(x) for x in (dout, q, k, v, out))
     backward_mod.attention_varlen_backward(
         dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
@@ -596,3 +635,61 @@ class _FlashAttnGpu:
 
 
 flash_attn_gpu = _FlashAttnGpu()
+
+
+# ---------------------------------------------------------------------------------------------
+# Names other libraries import from flash-attn's module: the private entry points under the names
+# flash-attn gives their torch.library operators (``_wrapped_*``), and its autograd Function
+# classes, which they call as ``FlashAttnFunc.apply(...)`` with the arguments of the class's
+# forward (those of the function, then is_grad_enabled).
+
+_wrapped_flash_attn_forward = _flash_attn_forward
+_wrapped_flash_attn_varlen_forward = _flash_attn_varlen_forward
+_wrapped_flash_attn_backward = _flash_attn_backward
+_wrapped_flash_attn_varlen_backward = _flash_attn_varlen_backward
+
+
+class _Applied:
+    """``apply(*args, is_grad_enabled)``: the class's function on args (differentiable through
+    cuflash.torch), autograd recording only where both is_grad_enabled and the grad mode allow."""
+    _fn = None
+
+    @classmethod
+    def apply(cls, *args):
+        *args, is_grad_enabled = args
+        with torch.set_grad_enabled(bool(is_grad_enabled) and torch.is_grad_enabled()):
+            return cls._fn(*args)
+
+
+class FlashAttnFunc(_Applied):
+    """apply(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+    deterministic, return_softmax, is_grad_enabled): :func:`flash_attn_func`."""
+    _fn = staticmethod(flash_attn_func)
+
+
+class FlashAttnKVPackedFunc(_Applied):
+    """apply(q, kv, dropout_p, ..., return_softmax, is_grad_enabled): :func:`flash_attn_kvpacked_func`."""
+    _fn = staticmethod(flash_attn_kvpacked_func)
+
+
+class FlashAttnQKVPackedFunc(_Applied):
+    """apply(qkv, dropout_p, ..., return_softmax, is_grad_enabled): :func:`flash_attn_qkvpacked_func`."""
+    _fn = staticmethod(flash_attn_qkvpacked_func)
+
+
+class FlashAttnVarlenFunc(_Applied):
+    """apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, ...,
+    return_softmax, block_table, is_grad_enabled): :func:`flash_attn_varlen_func`."""
+    _fn = staticmethod(flash_attn_varlen_func)
+
+
+class FlashAttnVarlenKVPackedFunc(_Applied):
+    """apply(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, ...,
+    return_softmax, is_grad_enabled): :func:`flash_attn_varlen_kvpacked_func`."""
+    _fn = staticmethod(flash_attn_varlen_kvpacked_func)
+
+
+class FlashAttnVarlenQKVPackedFunc(_Applied):
+    """apply(qkv, cu_seqlens, max_seqlen, dropout_p, ..., return_softmax, is_grad_enabled):
+    :func:`flash_attn_varlen_qkvpacked_func`."""
+    _fn = staticmethod(flash_attn_varlen_qkvpacked_func)

@@ -8,7 +8,7 @@ for references.
 """
 import torch
 
-__all__ = ["apply_rotary_emb"]
+__all__ = ["apply_rotary_emb", "apply_rotary_emb_func", "rotate_half", "apply_rotary_emb_torch"]
 
 
 def _positions(x, seqlen_offsets, cu_seqlens, max_seqlen, seqlen_ro):
@@ -73,3 +73,29 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
         x[..., :rotary_dim] = rot.to(x.dtype)
         return x
     return torch.cat((rot.to(x.dtype), x[..., rotary_dim:]), dim=-1)
+
+
+apply_rotary_emb_func = apply_rotary_emb  # (flash-attn's other name for it)
+
+
+def rotate_half(x, interleaved=False):
+    """flash-attn's reference helper: (x1, x2) -> (-x2, x1) for the halves of the last dim, or
+    for its (even, odd) pairs with ``interleaved=True``."""
+    if not interleaved:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def apply_rotary_emb_torch(x, cos, sin, interleaved=False):
+    """flash-attn's PyTorch reference: x (batch, seqlen, nheads, headdim) rotated at positions
+    0 ... seqlen - 1 by cos, sin (seqlen, rotary_dim / 2) or (batch, seqlen, rotary_dim / 2), in
+    x's dtype arithmetic (no float32 upcast, as flash-attn's reference); the features past
+    rotary_dim copied."""
+    ro_dim = cos.shape[-1] * 2
+    if ro_dim > x.shape[-1]:
+        raise ValueError(f"rotary_dim (2 * cos.shape[-1] = {ro_dim}) must be at most headdim ({x.shape[-1]})")
+    spread = (lambda t: t.repeat_interleave(2, dim=-1)) if interleaved else (lambda t: torch.cat((t, t), dim=-1))
+    c, s = (spread(t).unsqueeze(-2) for t in (cos, sin))  # (..., seqlen, 1, rotary_dim): every head
+    xr = x[..., :ro_dim]
+    return torch.cat((xr * c + rotate_half(xr, interleaved) * s, x[..., ro_dim:]), dim=-1)
