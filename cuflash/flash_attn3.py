@@ -49,7 +49,9 @@ attention_varlen); ``flash_attn_with_kvcache`` is forward only, as in FlashAtten
   PyTorch operations (no kernel of its own).
 - Importing this module defines FlashAttention-3's operators ``torch.ops.flash_attn_3.fwd``,
   ``bwd``, ``fwd_combine`` and ``get_scheduler_metadata`` with its schemas on these functions and
-  cuflash's backward (the end of this file), where FlashAttention-3 itself is not installed.
+  cuflash's backward (the end of this file), where FlashAttention-3 itself is not installed; its
+  private ``_flash_attn_forward`` / ``_flash_attn_backward`` (FlashAttention-3's argument names)
+  call the same two operator functions.
 """
 from __future__ import annotations
 
@@ -1070,6 +1072,34 @@ def _bwd_fake(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, cu_seq
     return (torch.empty_like(q) if dq is None else dq, torch.empty_like(k) if dk is None else dk,
             torch.empty_like(v) if dv is None else dv, stats, torch.empty_like(stats), none, none.clone(),
             none.clone())
+
+
+def _flash_attn_forward(q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                        cu_seqlens_k_new=None, seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                        page_table=None, kv_batch_idx=None, leftpad_k=None, rotary_cos=None, rotary_sin=None,
+                        seqlens_rotary=None, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None,
+                        causal=False, window_size_left=-1, window_size_right=-1, attention_chunk=0, softcap=0.0,
+                        rotary_interleaved=True, scheduler_metadata=None, num_splits=1, pack_gqa=None, sm_margin=0):
+    """FlashAttention-3's private ``_flash_attn_forward`` (which libraries such as TransformerEngine
+    call): the fwd operator's call under these names, (out, softmax_lse, out_accum,
+    softmax_lse_accum); forward only (no autograd graph)."""
+    return _fwd_op(q, k, v, k_new, v_new, qv, out_, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q,
+                   seqused_k, max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin,
+                   seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale, causal, window_size_left,
+                   window_size_right, attention_chunk, softcap, rotary_interleaved, scheduler_metadata, num_splits,
+                   pack_gqa, sm_margin)
+
+
+def _flash_attn_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, cu_seqlens_k=None, sequed_q=None,
+                         sequed_k=None, max_seqlen_q=None, max_seqlen_k=None, dq=None, dk=None, dv=None,
+                         softmax_scale=None, is_causal=False, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                         deterministic=False, sm_margin=0):
+    """FlashAttention-3's private ``_flash_attn_backward``: the bwd operator's call under these names
+    (``sequed_*`` is FlashAttention-3's spelling of seqused_*); the gradients go into dq, dk, dv;
+    returns softmax_d."""
+    return _bwd_op(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k,
+                   max_seqlen_q, max_seqlen_k, softmax_scale, is_causal, window_size_left, window_size_right, softcap,
+                   deterministic, sm_margin)[3]
 
 
 def _combine_op(out_partial, lse_partial, out=None, out_dtype=None):

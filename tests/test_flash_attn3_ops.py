@@ -160,6 +160,34 @@ def test_fwd_goes_to_the_function_of_its_arguments(monkeypatch):
     assert calls[-1][1][0] is None  # (no q_v: the functions' default is the operator's)
 
 
+def test_private_entry_points_are_the_operators(monkeypatch):
+    """FlashAttention-3's private _flash_attn_forward / _flash_attn_backward (TransformerEngine
+    imports them): FlashAttention-3's parameter names in its order, each argument handed to the
+    fwd / bwd operator in place; the backward returns the operator's softmax_d."""
+    import inspect
+    fwd_names = ["q", "k", "v", "k_new", "v_new", "qv", "out_", "cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_k_new",
+                 "seqused_q", "seqused_k", "max_seqlen_q", "max_seqlen_k", "page_table", "kv_batch_idx", "leftpad_k",
+                 "rotary_cos", "rotary_sin", "seqlens_rotary", "q_descale", "k_descale", "v_descale", "softmax_scale",
+                 "causal", "window_size_left", "window_size_right", "attention_chunk", "softcap",
+                 "rotary_interleaved", "scheduler_metadata", "num_splits", "pack_gqa", "sm_margin"]
+    bwd_names = ["dout", "q", "k", "v", "out", "softmax_lse", "cu_seqlens_q", "cu_seqlens_k", "sequed_q", "sequed_k",
+                 "max_seqlen_q", "max_seqlen_k", "dq", "dk", "dv", "softmax_scale", "is_causal", "window_size_left",
+                 "window_size_right", "softcap", "deterministic", "sm_margin"]
+    assert list(inspect.signature(fa3._flash_attn_forward).parameters) == fwd_names
+    assert list(inspect.signature(fa3._flash_attn_backward).parameters) == bwd_names
+    # Each argument lands on the operator's parameter of the same meaning (FlashAttention-3's
+    # operator names a few of them differently).
+    fwd_op, bwd_op = (list(inspect.signature(f).parameters) for f in (fa3._fwd_op, fa3._bwd_op))
+    got = {}
+    monkeypatch.setattr(fa3, "_fwd_op", lambda *a: got.setdefault("fwd", a) and ("out", "lse", "acc", "lse_acc"))
+    monkeypatch.setattr(fa3, "_bwd_op", lambda *a: got.setdefault("bwd", a) and ("dq", "dk", "dv", "softmax_d"))
+    assert fa3._flash_attn_forward(*fwd_names) == ("out", "lse", "acc", "lse_acc")
+    renamed = {"qv": "q_v", "out_": "out", "causal": "is_causal", "rotary_interleaved": "is_rotary_interleaved"}
+    assert [renamed.get(n, n) for n in got["fwd"]] == fwd_op
+    assert fa3._flash_attn_backward(*bwd_names) == "softmax_d"
+    assert [{"sequed_q": "seqused_q", "sequed_k": "seqused_k"}.get(n, n) for n in got["bwd"]] == bwd_op
+
+
 def test_fwd_qv_default_scale_is_the_operators():
     """With q_v and no softmax_scale, the operator attends at q's head dim's scale (FlashAttention-3's
     C++ default), not the functions' (d + dv) ** -0.5; q_v's route runs PyTorch operations, so this
