@@ -352,6 +352,25 @@ def test_lengths_and_flags_as_flash_attn_ops_take_them(recorded):
     assert kw["causal"] is True and kw["rotary_interleaved"] is False
 
 
+def test_kvcache_larger_cache_reads_its_first_rows(recorded):
+    """A contiguous cache preallocated for a larger batch, without cache_batch_idx: flash-attn reads
+    rows 0 ... batch - 1; the drop-in hands those rows on as views (appends land in the caller's
+    cache). With cache_batch_idx or a block table the cache goes on whole."""
+    import torch
+    from cuflash.flash_attn import flash_attn_with_kvcache
+    from cuflash.flash_attn.flash_attn_interface import flash_attn_gpu
+    q, kc, vc = _cpu(2, 1, 2, 8), _cpu(5, 6, 2, 8), _cpu(5, 6, 2, 8)
+    flash_attn_with_kvcache(q, kc, vc, cache_seqlens=3)
+    _, (_, k_cache, v_cache, _, _), _ = recorded[-1]
+    assert _is_view(k_cache, kc, slice(0, 2)) and _is_view(v_cache, vc, slice(0, 2))
+    idx = torch.tensor([4, 1], dtype=torch.int32)
+    flash_attn_with_kvcache(q, kc, vc, cache_seqlens=3, cache_batch_idx=idx)
+    assert recorded[-1][1][1] is kc and recorded[-1][2]["cache_batch_idx"] is idx
+    flash_attn_gpu.fwd_kvcache(q, kc, vc, None, None, torch.tensor([3, 3], dtype=torch.int32), None, None, None,
+                               None, None, None, None, None, False, -1, -1, 0.0, False, 0)
+    assert _is_view(recorded[-1][1][1], kc, slice(0, 2))
+
+
 def test_names_other_libraries_import(recorded):
     """flash-attn's module-level names that libraries import besides the functions: the
     ``_wrapped_*`` entry points, its autograd Function classes (``Cls.apply`` with the forward's

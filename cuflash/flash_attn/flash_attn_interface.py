@@ -90,6 +90,18 @@ def _paged_capacity_check(q, k, k_cache, cache_seqlens, block_table):
             f"{capacity})")
 
 
+def _cache_rows(q, k_cache, v_cache, cache_batch_idx, block_table):
+    """A contiguous cache of more batch rows than q's, without cache_batch_idx: rows 0 ... b - 1,
+    as flash-attn reads them (a preallocated cache of the largest batch), as views (the new keys
+    are written into the caller's cache)."""
+    b = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 4 else None
+    if (b is not None and cache_batch_idx is None and block_table is None and isinstance(k_cache, torch.Tensor)
+            and isinstance(v_cache, torch.Tensor) and k_cache.dim() == 4 and k_cache.shape[0] > b
+            and v_cache.shape[0] == k_cache.shape[0]):
+        return k_cache[:b], v_cache[:b]
+    return k_cache, v_cache
+
+
 # flash-attn's switch to its Triton kernels on AMD GPUs; cuflash has no such path.
 USE_TRITON_ROCM = os.getenv("FLASH_ATTENTION_TRITON_AMD_ENABLE", "FALSE") == "TRUE"
 
@@ -416,13 +428,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False):
     """flash-attn's ``flash_attn_with_kvcache``: new k, v are appended to the caches in place at
     ``cache_seqlens`` (rotated by ``rotary_cos``/``rotary_sin`` when given, q then attending
-    rotated too), then q attends to the caches (from ``cache_leftpad`` on, when given). Returns
+    rotated too), then q attends to the caches (from ``cache_leftpad`` on, when given). A
+    contiguous cache of more batch rows than q's is read at rows 0 ... batch - 1 without
+    ``cache_batch_idx``, as in flash-attn. Returns
     out, or (out, softmax_lse) with ``return_softmax_lse=True``. Lengths past a block table's
     capacity raise a ValueError (host lengths: an int, a NumPy array or a CPU tensor) or, for a
     CUDA ``cache_seqlens``, FlashAttnCheckError (a ValueError and flash-attn's RuntimeError) after
     reading it back as flash-attn does (a synchronisation; skipped while a CUDA graph is
     captured: the kernels clamp to the table)."""
     causal, rotary_interleaved = _flag(causal), _flag(rotary_interleaved)
+    k_cache, v_cache = _cache_rows(q, k_cache, v_cache, cache_batch_idx, block_table)
     _paged_capacity_check(q, k, k_cache, cache_seqlens, block_table)
     q, k, v = (_contiguous_last(x) for x in (q, k, v))
     return cuflash.attention_with_kvcache(
@@ -624,6 +639,7 @@ class _FlashAttnGpu:
     def fwd_kvcache(q, kcache, vcache, k, v, seqlens_k, rotary_cos, rotary_sin, cache_batch_idx, leftpad_k,
                     block_table, alibi_slopes, out, softmax_scale, is_causal, window_size_left, window_size_right,
                     softcap, is_rotary_interleaved, num_splits):
+        kcache, vcache = _cache_rows(q, kcache, vcache, cache_batch_idx, block_table)
         _paged_capacity_check(q, k, kcache, seqlens_k, block_table)
         q, k, v = (_contiguous_last(x) for x in (q, k, v))
         return list(cuflash.attention_with_kvcache(
