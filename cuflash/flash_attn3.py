@@ -56,6 +56,8 @@ attention_varlen); ``flash_attn_with_kvcache`` is forward only, as in FlashAtten
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 import cuflash
@@ -76,10 +78,12 @@ def _refuse(**given):
 
 def _hints(num_splits, pack_gqa, sm_margin=0):
     """FlashAttention-3's scheduling hints, checked and not taken: cuflash plans its own splits and
-    GQA packing, and leaves no SMs free (sm_margin)."""
-    for name, x in (("num_splits", num_splits), ("sm_margin", sm_margin)):
-        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-            raise TypeError(f"{name} must be an int >= 0, got {cuflash.validate.show(x)}")
+    GQA packing, and leaves no SMs free (sm_margin; None or any zero too, as before it was a hint)."""
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise TypeError(f"num_splits must be an int >= 0, got {cuflash.validate.show(num_splits)}")
+    if not (sm_margin in (None, False) or isinstance(sm_margin, numbers.Integral) and not isinstance(sm_margin, bool)
+            and sm_margin >= 0):
+        raise TypeError(f"sm_margin must be an int >= 0, got {cuflash.validate.show(sm_margin)}")
     if pack_gqa not in (None, True, False):
         raise TypeError(f"pack_gqa must be None or a bool, got {cuflash.validate.show(pack_gqa)}")
 

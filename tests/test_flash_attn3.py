@@ -37,9 +37,11 @@ def test_value_pieces_pad_and_cut():
 
 def test_refused_arguments_name_themselves():
     q = torch.zeros(1, 4, 2, 64)
-    for bad in (-1, 1.5, True):  # (sm_margin is a hint, checked as num_splits is)
+    for bad in (-1, 1.5, True):  # (sm_margin is a hint, checked as num_splits is; None and zeros pass)
         with pytest.raises(TypeError, match="sm_margin must be an int >= 0"):
             fa3.flash_attn_func(q, q, q, sm_margin=bad)
+    for fine in (None, False, 0, 0.0, 8):
+        fa3._hints(0, None, fine)
     cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(TypeError, match="seqused_q must be an int32"):
         fa3.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, seqused_q=torch.zeros(1))

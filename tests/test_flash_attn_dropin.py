@@ -392,15 +392,21 @@ def test_names_other_libraries_import(recorded):
                                     False, True)
     assert recorded[-1][0] == "attention"
     seen = []
-    fi.FlashAttnFunc._fn = staticmethod(lambda *a: seen.append(torch.is_grad_enabled()))
-    try:
-        fi.FlashAttnFunc.apply(*(None,) * 11, False)
-        fi.FlashAttnFunc.apply(*(None,) * 11, True)
-        with torch.no_grad():
-            fi.FlashAttnFunc.apply(*(None,) * 11, True)
-    finally:
-        fi.FlashAttnFunc._fn = staticmethod(fi.flash_attn_func)
+
+    class Probe(fi.FlashAttnFunc):
+        _fn = staticmethod(lambda q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_softmax: seen.append(torch.is_grad_enabled()))
+    Probe.apply(*(None,) * 11, False)
+    Probe.apply(*(None,) * 11, True)
+    with torch.no_grad():
+        Probe.apply(*(None,) * 11, True)
     assert seen == [False, True, False]
+    with pytest.raises(TypeError, match=r"FlashAttnVarlenFunc.apply takes 17 arguments .* got 16"):
+        fi.FlashAttnVarlenFunc.apply(q[0], q[0], q[0], cu, cu, 3, 3, 0.0, None, False, (-1, -1), 0.0, None, False,
+                                     True, False)  # (an older caller's: no block_table)
+    assert [fi._arity(c._fn) for c in (fi.FlashAttnFunc, fi.FlashAttnKVPackedFunc, fi.FlashAttnQKVPackedFunc,
+                                       fi.FlashAttnVarlenFunc, fi.FlashAttnVarlenKVPackedFunc,
+                                       fi.FlashAttnVarlenQKVPackedFunc)] == [12, 11, 10, 17, 15, 12]
     x = _cpu(2, 5)
     assert fi.maybe_contiguous(x) is x and fi.maybe_contiguous(x.t()).is_contiguous() and fi.round_multiple(9, 8) == 16
     idx = torch.tensor([3, 1])

@@ -32,6 +32,8 @@ the forward's arguments calls the function), ``maybe_contiguous`` and ``round_mu
 extension's functions (below; the differences are listed in docs/torch.md) accept
 ``zero_tensors`` without zeroing the rows past the last sequence.
 """
+import functools
+import inspect
 import os
 
 import numpy as np
@@ -665,13 +667,25 @@ _wrapped_flash_attn_backward = _flash_attn_backward
 _wrapped_flash_attn_varlen_backward = _flash_attn_varlen_backward
 
 
+@functools.cache
+def _arity(fn):
+    """flash-attn 2.8's forward arguments of the class of function ``fn``: its positional ones, then
+    is_grad_enabled."""
+    return 1 + sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in inspect.signature(fn).parameters.values())
+
+
 class _Applied:
     """``apply(*args, is_grad_enabled)``: the class's function on args (differentiable through
-    cuflash.torch), autograd recording only where both is_grad_enabled and the grad mode allow."""
+    cuflash.torch), autograd recording only where both is_grad_enabled and the grad mode allow.
+    Exactly flash-attn 2.8's arguments (a TypeError otherwise, as its Function's forward raises:
+    an older caller's last argument is not taken for is_grad_enabled)."""
     _fn = None
 
     @classmethod
     def apply(cls, *args):
+        if len(args) != _arity(cls._fn):
+            raise TypeError(f"{cls.__name__}.apply takes {_arity(cls._fn)} arguments (flash-attn 2.8's: those of "
+                            f"{cls._fn.__name__}, then is_grad_enabled), got {len(args)}")
         *args, is_grad_enabled = args
         with torch.set_grad_enabled(bool(is_grad_enabled) and torch.is_grad_enabled()):
             return cls._fn(*args)

@@ -90,8 +90,8 @@ def rotate_half(x, interleaved=False):
 def apply_rotary_emb_torch(x, cos, sin, interleaved=False):
     """flash-attn's PyTorch reference: x (batch, seqlen, nheads, headdim) rotated at positions
     0 ... seqlen - 1 by cos, sin (seqlen, rotary_dim / 2) or (batch, seqlen, rotary_dim / 2), in
-    x's dtype arithmetic (no float32 upcast, as flash-attn's reference); the features past
-    rotary_dim copied."""
+    the operands' own dtypes (x is not upcast, as in flash-attn's reference: float32 cos with
+    float16 x gives float32); the features past rotary_dim copied."""
     ro_dim = cos.shape[-1] * 2
     if ro_dim > x.shape[-1]:
         raise ValueError(f"rotary_dim (2 * cos.shape[-1] = {ro_dim}) must be at most headdim ({x.shape[-1]})")
