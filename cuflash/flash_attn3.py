@@ -46,8 +46,8 @@ attention_varlen); ``flash_attn_with_kvcache`` is forward only, as in FlashAtten
   own splits and leaves no SMs free).
 - Not supported (NotImplementedError naming the argument): ``qv`` with FP8 inputs or (in
   flash_attn_with_kvcache) rotary tables; in flash_attn_with_kvcache, a value head dim other than
-  q's without ``qv``. :func:`flash_attn_combine` merges split partials with
-  PyTorch operations (no kernel of its own).
+  q's without ``qv``. :func:`flash_attn_combine` merges split partials with PyTorch operations (no
+  kernel of its own).
 - Importing this module defines FlashAttention-3's operators ``torch.ops.flash_attn_3.fwd``,
   ``bwd``, ``fwd_combine`` and ``get_scheduler_metadata`` with its schemas on these functions and
   cuflash's backward (the end of this file), where FlashAttention-3 itself is not installed; its

@@ -22,13 +22,14 @@ read cu_seqlens back to the host).
 What cuflash does not do yet raises NotImplementedError naming the argument, never ignoring it:
 the vLLM extra ``seqused_k`` with dense K/V in the private varlen forward or with dropout, and
 ``leftpad_k`` in the private varlen forward. vLLM's ``s_aux`` (attention sinks) runs as
-``cuflash.torch.attention_varlen(..., sinks=s_aux)`` (``flash_attn_func`` takes it too: transformers
-hands the varlen function's keywords to both). Lengths and flags are taken as flash-attn's
-operators take them: ``max_seqlen_*`` as an int, a NumPy integer or a one-element tensor (read back),
-``causal`` / ``rotary_interleaved`` as bools or ints. Besides the functions, the names libraries
-import from flash-attn's module are here: ``_wrapped_flash_attn_*`` (the private entry points), the
-autograd Function classes ``FlashAttnFunc`` ... ``FlashAttnVarlenQKVPackedFunc`` (``apply`` with
-the forward's arguments calls the function), ``maybe_contiguous`` and ``round_multiple``. flash-attn's private entry points and its
+``cuflash.torch.attention_varlen(..., sinks=s_aux)`` (``flash_attn_func`` takes it too:
+transformers hands the varlen function's keywords to both). Lengths and flags are taken as
+flash-attn's operators take them: ``max_seqlen_*`` as an int, a NumPy integer or a one-element
+tensor (read back), ``causal`` / ``rotary_interleaved`` as bools or ints. Besides the functions,
+the names libraries import from flash-attn's module are here: ``_wrapped_flash_attn_*`` (the
+private entry points), the autograd Function classes ``FlashAttnFunc`` ...
+``FlashAttnVarlenQKVPackedFunc`` (``apply`` with the forward's arguments calls the function),
+``maybe_contiguous`` and ``round_multiple``. flash-attn's private entry points and its
 extension's functions (below; the differences are listed in docs/torch.md) accept
 ``zero_tensors`` without zeroing the rows past the last sequence.
 """
@@ -432,8 +433,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ``cache_seqlens`` (rotated by ``rotary_cos``/``rotary_sin`` when given, q then attending
     rotated too), then q attends to the caches (from ``cache_leftpad`` on, when given). A
     contiguous cache of more batch rows than q's is read at rows 0 ... batch - 1 without
-    ``cache_batch_idx``, as in flash-attn. Returns
-    out, or (out, softmax_lse) with ``return_softmax_lse=True``. Lengths past a block table's
+    ``cache_batch_idx``, as in flash-attn. Returns out, or (out, softmax_lse) with
+    ``return_softmax_lse=True``. Lengths past a block table's
     capacity raise a ValueError (host lengths: an int, a NumPy array or a CPU tensor) or, for a
     CUDA ``cache_seqlens``, FlashAttnCheckError (a ValueError and flash-attn's RuntimeError) after
     reading it back as flash-attn does (a synchronisation; skipped while a CUDA graph is
