@@ -952,8 +952,8 @@ def _fwd_op(q, k, v, k_new=None, v_new=None, q_v=None, out=None, cu_seqlens_q=No
     shape, dtype, _ = _fwd_shapes(q, v, cu_seqlens_q)
     # FlashAttention-3's operator scales by q's head dim alone, with q_v too (its Python functions,
     # which cuflash's functions follow, default to (d + dv) ** -0.5 with qv).
-    if softmax_scale is None and q_v is not None:
-        softmax_scale = q.shape[-1] ** -0.5
+    if q_v is not None:
+        softmax_scale = _scale(q.shape[-1], softmax_scale)
     if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or out.device != q.device):
         raise ValueError(f"out must be {dtype} of shape {shape} on {q.device}, got {cuflash.validate.show(out)}")
     window, descales = (window_size_left, window_size_right), (q_descale, k_descale, v_descale)
