@@ -5,7 +5,8 @@ wheel) on cuflash's kernels, for switching by changing an import:
     from cuflash.flash_attn3 import flash_attn_func, flash_attn_varlen_func    # after
 
 The functions keep FlashAttention-3's signatures, defaults and return conventions (``out``, or
-``(out, softmax_lse)`` with ``return_attn_probs=True`` / ``return_softmax_lse=True``). The dense,
+``(out, softmax_lse)`` with ``return_attn_probs=True`` / ``return_softmax_lse=True``; the LSE of a
+query row that sees no key is -inf, as FlashAttention-3's, where cuflash's kernels give +inf). The dense,
 packed and qkv-packed functions are differentiable (cuflash.torch.attention /
 attention_varlen); ``flash_attn_with_kvcache`` is forward only, as in FlashAttention-3.
 
@@ -202,6 +203,18 @@ def _sequence_of(cu_seqlens, rows):
                               right=True)
 
 
+def _fa3_lse(res, keys):
+    """A call's result with its LSE in FlashAttention-3's convention: -inf for a query row that
+    sees no key (cuflash's kernels give +inf there, flash-attn 2's convention), +inf only when the
+    call has no keys at all (FlashAttention-3 fills that call's LSE with +inf). ``res``: out, or
+    (out, lse); ``keys``: whether rows without a key are possible and the call has keys. Out of
+    place: an autograd graph's saved LSE is not changed (the bwd operator maps -inf back)."""
+    if not isinstance(res, tuple) or not keys:
+        return res
+    out, lse = res
+    return out, torch.where(torch.isposinf(lse), float("-inf"), lse)
+
+
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
                     v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
                     pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False, *, _out=None):
@@ -216,12 +229,12 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
         _check_qv(q, k, v, qv, (q_descale, k_descale, v_descale))
         scale, chunk = _qv_options(q, softmax_scale, attention_chunk)
         out, lse = _qv_attention(q, k, v, qv, scale, causal, window, _softcap(softcap), chunk)
-        return (out, lse) if return_attn_probs else out
+        return _fa3_lse((out, lse), 0 < k.shape[1] < q.shape[1]) if return_attn_probs else out
     given = (q_descale, k_descale, v_descale)
     if _kernel_writes(_out, q, k, v, given, attention_chunk):
         out, lse = ops._forward_kernel(q, k, v, _out, causal, _scale(q.shape[-1], softmax_scale), *window,
                                        _softcap(softcap), None, True)
-        return (out, lse) if return_attn_probs else out
+        return _fa3_lse((out, lse), 0 < k.shape[1] < q.shape[1]) if return_attn_probs else out
     copies = q.dtype == torch.float8_e4m3fn and not _fp8_kernel_runs(q, v, window, softcap, attention_chunk)
     descales = (None,) * 3 if copies else given  # (bf16 copies carry their descales)
 
@@ -234,7 +247,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
                                                                     softmax_scale), q, k, v, *given)
     else:
         out, lse = _value_pieces(run, q, k, v, softmax_scale)
-    return (out, lse) if return_attn_probs else out
+    return _fa3_lse((out, lse), 0 < k.shape[1] < q.shape[1]) if return_attn_probs else out
 
 
 def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None,
@@ -268,7 +281,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     d), v (total_k, nheads_k, dv), cu_seqlens int32 (batch + 1,); or, with ``cu_seqlens_q`` /
     ``cu_seqlens_k`` None, q / k and v batched (batch, seqlen, heads, d) (with seqused). ``seqused_q``
     / ``seqused_k`` int32 (batch,): sequence b uses only the first seqused_q[b] / seqused_k[b] of
-    its tokens (the other query rows get 0 and LSE +inf, the unused tokens no gradient, where
+    its tokens (the other query rows get 0 and LSE -inf, the unused tokens no gradient, where
     max_seqlen_q / max_seqlen_k cover cu_seqlens' lengths). Returns out (total_q, nheads, dv), or
     (out, softmax_lse (nheads, total_q)) with ``return_attn_probs=True`` (batched q: out (batch,
     seqlen_q, nheads, dv), softmax_lse (batch, nheads, seqlen_q)). ``qv`` (total_q, nheads, dv):
@@ -319,7 +332,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         b = given_cu[0].shape[0] - 1
         out = out.unflatten(0, (b, -1))
         lse = lse.unflatten(1, (b, -1)).transpose(0, 1)
-    return (out, lse) if return_attn_probs else out
+    return _fa3_lse((out, lse), k.shape[0] > 0) if return_attn_probs else out
 
 
 def _rows_view(out):
@@ -575,6 +588,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
     _check_query_layout(q, cu_seqlens_q, max_seqlen_q)
+    keys = any(isinstance(x, torch.Tensor) and x.numel() > 0 for x in (k_cache, k))  # (for _fa3_lse)
     if page_table is not None and cache_batch_idx is not None:
         page_table, cache_batch_idx = _table_rows(page_table, cache_batch_idx, q, cu_seqlens_q), None
     if qv is not None:
@@ -585,9 +599,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         if cu_seqlens_q is None and q.dim() != 4:
             raise ValueError(f"q must be (batch, seqlen_q, nheads, d), got {cuflash.validate.show(q)}")
         softmax_scale, attention_chunk = _qv_options(q, softmax_scale, attention_chunk)
-        return _qv_kvcache(q, k_cache, v_cache, k, v, qv, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
-                           cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, softmax_scale, causal, _window(window_size),
-                           _softcap(softcap), attention_chunk, return_softmax_lse)
+        return _fa3_lse(_qv_kvcache(q, k_cache, v_cache, k, v, qv, cache_seqlens, cache_batch_idx, cache_leftpad,
+                                    page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, softmax_scale, causal,
+                                    _window(window_size), _softcap(softcap), attention_chunk, return_softmax_lse), keys)
     if torch.float8_e4m3fn in (q.dtype, k_cache.dtype, v_cache.dtype):
         def run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, page_table):
             return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, None, rotary_cos, rotary_sin, cache_seqlens,
@@ -609,11 +623,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     if cu_seqlens_q is None:
         if _kernel_writes(_out, q, k_cache, v_cache):
             kw["out"] = _out
-        return cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                                              cache_seqlens=cache_seqlens, rotary_interleaved=rotary_interleaved,
-                                              rotary_seqlens=rotary_seqlens, **kw)
-    return _kvcache_varlen_q(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_seqlens,
-                             cu_seqlens_q, max_seqlen_q, rotary_interleaved, page_table, kw)
+        return _fa3_lse(cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=rotary_cos,
+                                                       rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
+                                                       rotary_interleaved=rotary_interleaved,
+                                                       rotary_seqlens=rotary_seqlens, **kw), keys)
+    return _fa3_lse(_kvcache_varlen_q(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_seqlens,
+                                      cu_seqlens_q, max_seqlen_q, rotary_interleaved, page_table, kw), keys)
 
 
 def _check_query_layout(q, cu_seqlens_q, max_seqlen_q):
@@ -1026,7 +1041,9 @@ def _bwd_op(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, cu_seqle
     kw = dict(causal=is_causal, softmax_scale=softmax_scale, window_size=_window((window_size_left, window_size_right)),
               softcap=_softcap(softcap), deterministic=deterministic)
     varlen = any(x is not None for x in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k))
-    lse = softmax_lse
+    # FlashAttention-3's -inf for a row that saw no key is cuflash's backward's +inf (its P = 0)
+    lse = torch.where(torch.isneginf(softmax_lse), float("inf"), softmax_lse) \
+        if isinstance(softmax_lse, torch.Tensor) and softmax_lse.is_floating_point() else softmax_lse
     max_seqlen_q, max_seqlen_k = _batched_lengths(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if varlen:
         if cu_seqlens_q is None:  # batched q: packed rows, the LSE as (nheads, total_q)
@@ -1068,7 +1085,8 @@ def _bwd_op(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, cu_seqle
         softmax_d = torch.linalg.vecdot(dout.float(), out.float())
         softmax_d = softmax_d.transpose(0, 1) if softmax_d.dim() == 2 else softmax_d.transpose(1, 2)
     none = q.new_empty(0, dtype=torch.float32)
-    return dq, dk, dv, softmax_d.contiguous(), softmax_lse * 1.4426950408889634, none, none.clone(), none.clone()
+    lse_log2 = torch.where(torch.isneginf(softmax_lse), 0.0, softmax_lse * 1.4426950408889634)  # (as FA3's)
+    return dq, dk, dv, softmax_d.contiguous(), lse_log2, none, none.clone(), none.clone()
 
 
 def _bwd_fake(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, cu_seqlens_q=None, *args, **kwargs):

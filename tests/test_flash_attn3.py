@@ -4,11 +4,16 @@ reference and cuflash's own entry points."""
 import numpy as np
 import pytest
 
-from conftest import requires_sm90, requires_torch
+from conftest import requires_sm90
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (optional dependency)")
 
 from cuflash import flash_attn3 as fa3  # noqa: E402
+
+
+def _fa3_lse(lse):
+    """The float64 reference's LSE (+inf for a row that sees no key) in FlashAttention-3's convention (-inf)."""
+    return np.where(np.isposinf(lse), -np.inf, lse)
 
 
 def test_value_pieces_pad_and_cut():
@@ -96,7 +101,8 @@ def test_fp8_dequantized_copies():
 def test_kvcache_packed_queries_pad_and_gather(monkeypatch):
     """flash_attn_with_kvcache with cu_seqlens_q (CPU, the kernel call faked): q padded in front to
     max_seqlen_q rows per sequence, the dense call's rows gathered back to the tokens (LSE as
-    (nheads, total_q)), tokens past the last sequence 0 / +inf, the other arguments passed on."""
+    (nheads, total_q)), tokens past the last sequence 0 / -inf (FlashAttention-3's LSE of a row
+    that sees no key), the other arguments passed on."""
     import cuflash
     seen = {}
 
@@ -115,7 +121,7 @@ def test_kvcache_packed_queries_pad_and_gather(monkeypatch):
     assert torch.equal(dense[2, 1:], q[2:5]) and (dense[2, :1] == 0).all()
     assert torch.equal(out[:5], 2 * q[:5]) and (out[5] == 0).all()
     assert lse.shape == (3, 6)
-    assert lse[0].tolist() == [2, 3, 201, 202, 203, float("inf")]
+    assert lse[0].tolist() == [2, 3, 201, 202, 203, -float("inf")]
     assert seen["kw"]["causal"] and seen["kw"]["num_splits"] == 2 and seen["kw"]["return_lse"]
 
 
@@ -241,7 +247,8 @@ def test_kvcache_batch_idx_picks_page_table_rows(monkeypatch):
 def test_qv_against_the_reference(causal, window, softcap, chunk, sq, sk):
     """qv (CPU): the scores q.k + qv.v are those of q' = [q, qv] against k' = [k, v] (the float64
     reference, V zero-padded to q''s width), with GQA, masks, softcap and rows that see no key (0,
-    LSE +inf); the packed form per sequence, rows past the last sequence 0 / +inf; gradients
+    LSE -inf as FlashAttention-3's); the packed form per sequence, rows past the last sequence 0 /
+    -inf; gradients
     flow to q, k, v and qv; bad qv is refused."""
     from cuflash import reference
     gen = torch.Generator().manual_seed(sq + 3 * causal + chunk)
@@ -257,7 +264,7 @@ def test_qv_against_the_reference(causal, window, softcap, chunk, sq, sk):
     ref, ref_lse = reference.attention(qq, kk, vv, causal=causal, window_size=window, softcap=softcap,
                                        attention_chunk=chunk, softmax_scale=(d + dv) ** -0.5, return_lse=True)
     np.testing.assert_allclose(out.detach().numpy(), ref[..., :dv], atol=1e-5)
-    np.testing.assert_allclose(lse.detach().numpy(), ref_lse, atol=1e-5)
+    np.testing.assert_allclose(lse.detach().numpy(), _fa3_lse(ref_lse), atol=1e-5)
     out.sum().backward()
     assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, qv, k, v))
     cu_q = torch.tensor([0, sq, 2 * sq], dtype=torch.int32)
@@ -268,7 +275,7 @@ def test_qv_against_the_reference(causal, window, softcap, chunk, sq, sk):
                                         return_attn_probs=True)
     torch.testing.assert_close(o2[:-1], out.detach().flatten(0, 1))
     torch.testing.assert_close(l2[:, :-1], lse.detach().transpose(0, 1).flatten(1))
-    assert (o2[-1] == 0).all() and torch.isinf(l2[:, -1]).all()
+    assert (o2[-1] == 0).all() and torch.isneginf(l2[:, -1]).all()
     with pytest.raises(ValueError, match=r"qv must have shape \(2, \d+, 4, 16\)"):
         fa3.flash_attn_func(q, k, v, qv=qv[..., :4])
     with pytest.raises(ValueError, match="k must have q's head dim 8 and batch"):
@@ -330,7 +337,7 @@ def test_qv_kvcache_against_the_reference(paged, dev, mask):
                                    f64(torch.nn.functional.pad(vs, (0, d))), softmax_scale=(d + dv) ** -0.5,
                                    return_lse=True, **mask)
         np.testing.assert_allclose(out[qs].cpu().numpy(), o[0, ..., :dv], atol=1e-5)
-        np.testing.assert_allclose(lse[:, qs].cpu().numpy(), l[0], atol=1e-5)
+        np.testing.assert_allclose(lse[:, qs].cpu().numpy(), _fa3_lse(l[0]), atol=1e-5)
     untouched = torch.ones(kc.shape[:2], dtype=torch.bool, device=dev)
     for i in range(b):
         j = torch.arange(old[i], old[i] + lens_new[i], device=dev)
@@ -499,9 +506,9 @@ def test_gpu_fp8_with_descales():
 def test_gpu_varlen_seqused_against_reference(causal, d):
     """flash_attn_varlen_func with seqused_q / seqused_k (FlashAttention-3's test passes both on
     every call): output, LSE and gradients of the used tokens within flash-attn's rule of the
-    float64 reference over the used tokens alone; the unused query rows 0 (LSE +inf) and the
-    unused tokens' gradients 0; the caller's cu_seqlens and counts untouched."""
-    from cuflash import reference
+    float64 reference over the used tokens alone; the unused query rows 0 (LSE -inf,
+    FlashAttention-3's for a row that sees no key) and the unused tokens' gradients 0; the
+    caller's cu_seqlens and counts untouched."""
     torch.manual_seed(d + causal)
     lens_q, lens_k = [300, 1, 0, 129, 77], [257, 300, 5, 129, 500]
     used_q = torch.tensor([290, 1, 0, 64, 70], dtype=torch.int32, device="cuda")
@@ -518,7 +525,8 @@ def test_gpu_varlen_seqused_against_reference(causal, d):
     assert all(torch.equal(a, b) for a, b in zip((cu_q, cu_k, used_q, used_k), saved))
     f64 = [x.detach().double().cpu().numpy() for x in (q, k, v, dout)]
     host = [x.cpu().numpy() for x in (cu_q, cu_k, used_q, used_k)]
-    want = _seqused_reference(*f64[:3], *host, f64[3], causal, (-1, -1))
+    want = list(_seqused_reference(*f64[:3], *host, f64[3], causal, (-1, -1)))
+    want[1] = _fa3_lse(want[1])
     for name, got, ref in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), want):
         got = got.detach().double().cpu().numpy()
         finite = np.isfinite(ref)
@@ -526,6 +534,41 @@ def test_gpu_varlen_seqused_against_reference(causal, d):
         tol = 2e-2 if name in ("out", "lse") else 6e-2
         np.testing.assert_allclose(got[finite], ref[finite], rtol=0, atol=tol, err_msg=name)
         assert (got[~finite] == ref[~finite]).all(), name
+
+
+@requires_sm90
+@pytest.mark.parametrize("route", ["dense", "varlen", "kvcache"])
+def test_gpu_lse_of_rows_without_keys_merges(route):
+    """FlashAttention-3's LSE of a query row that sees no key is -inf, so that partial results over
+    key splits merge with flash_attn_combine (context parallelism's use): causal attention over all
+    keys equals the merge of its first half (a window that reaches each query's own position) and
+    its second half (causal, more queries than keys: the first half of the rows see none of them)."""
+    torch.manual_seed(1)
+    b, s, h, d = 2, 384, 4, 128
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    full, full_lse = fa3.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    halves = ((k[:, :s // 2], v[:, :s // 2], dict(window_size=(-1, s // 2))),
+              (k[:, s // 2:], v[:, s // 2:], dict(causal=True)))
+    outs, lses = [], []
+    for kk, vv, mask in halves:
+        if route == "dense":
+            o, lse = fa3.flash_attn_func(q, kk, vv, return_attn_probs=True, **mask)
+        elif route == "varlen":
+            cu = lambda n: torch.arange(b + 1, dtype=torch.int32, device="cuda") * n  # noqa: E731
+            o, lse = fa3.flash_attn_varlen_func(q.flatten(0, 1), kk.flatten(0, 1), vv.flatten(0, 1), cu(s),
+                                                cu(s // 2), s, s // 2, return_attn_probs=True, **mask)
+            o, lse = o.unflatten(0, (b, s)), lse.unflatten(1, (b, s)).transpose(0, 1)
+        else:
+            o, lse = fa3.flash_attn_with_kvcache(q, kk.contiguous(), vv.contiguous(), return_softmax_lse=True, **mask)
+        outs.append(o.float())
+        lses.append(lse.transpose(1, 2))
+    assert not torch.isinf(lses[0]).any() and torch.isneginf(lses[1][:, :s // 2]).all()
+    assert not torch.isinf(lses[1][:, s // 2:]).any()
+    out, lse = fa3.flash_attn_combine(torch.stack(outs), torch.stack(lses), out_dtype=torch.bfloat16)
+    torch.testing.assert_close(out, full, atol=2e-2, rtol=0)
+    torch.testing.assert_close(lse, full_lse.transpose(1, 2), atol=1e-3, rtol=0)
+    empty = torch.zeros(b, 0, h, d, device="cuda", dtype=torch.bfloat16)
+    assert torch.isposinf(fa3.flash_attn_func(q, empty, empty, return_attn_probs=True)[1]).all()  # (no keys at all)
 
 
 @requires_sm90

@@ -291,23 +291,28 @@ def test_kernel_writes_only_plain_calls():
 
 
 def _math_attention(q, k, v, scale, causal):
-    """Dense attention in float64 PyTorch operations (GQA by repeated heads; causal aligned bottom-right)."""
+    """Dense attention in float64 PyTorch operations (GQA by repeated heads; causal aligned
+    bottom-right; a row that sees no key: 0, LSE -inf as FlashAttention-3's)."""
     g = q.shape[2] // k.shape[2]
     kr, vr = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, kr) * scale
     if causal:
         sq, sk = q.shape[1], k.shape[1]
         s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1), -float("inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vr), torch.logsumexp(s, -1)
+    empty = torch.isneginf(s).all(-1, keepdim=True)
+    p = s.masked_fill(empty, 0.0).softmax(-1).masked_fill(empty, 0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", p, vr), torch.logsumexp(s, -1)
 
 
+@pytest.mark.parametrize("sq,sk", [(6, 9), (9, 6)])
 @pytest.mark.parametrize("dv", [64, 40, 160])
-def test_bwd_value_pieces_add_up(dv, monkeypatch):
+def test_bwd_value_pieces_add_up(dv, sq, sk, monkeypatch):
     """A value head dim other than q's: the backward of each piece of q's head dim (the last
     zero-padded), dq and dk summed, dv put together, equal the gradients of the whole (float64;
     cuflash's backward replaced by FlashAttention's backward formula, which reads each piece's
     out and the LSE); softmax_d is rowsum(dout * out) and the second statistic the LSE in log2
-    units."""
+    units. Causal with more queries than keys: the rows that see no key have FlashAttention-3's LSE
+    -inf (cuflash's backward takes +inf there: without that mapping their P is NaN)."""
     from cuflash import backward
 
     def lse_backward(dout, q, k, v, out, lse, *, dq, dk, dv, causal, softmax_scale, **kw):
@@ -327,18 +332,19 @@ def test_bwd_value_pieces_add_up(dv, monkeypatch):
         dv.copy_(fold(torch.einsum("bhqk,bqhd->bkhd", p, dout)))
     monkeypatch.setattr(backward, "attention_backward", lse_backward)
     torch.manual_seed(dv)
-    q, k = torch.randn(2, 6, 4, 64, dtype=torch.float64), torch.randn(2, 9, 2, 64, dtype=torch.float64)
-    v = torch.randn(2, 9, 2, dv, dtype=torch.float64)
+    q, k = torch.randn(2, sq, 4, 64, dtype=torch.float64), torch.randn(2, sk, 2, 64, dtype=torch.float64)
+    v = torch.randn(2, sk, 2, dv, dtype=torch.float64)
     scale = 0.11
     x = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = _math_attention(*x, scale, True)
+    assert torch.isneginf(lse).any() == (sq > sk)
     dout = torch.randn_like(out)
     want = torch.autograd.grad(out, x, dout)
     res = fa3._bwd_op(dout, q, k, v, out.detach(), lse.detach(), softmax_scale=scale, is_causal=True)
     for got, ref in zip(res[:3], want):
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(res[3], (dout * out).sum(-1).transpose(1, 2).float(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(res[4], lse * 1.4426950408889634)
+    torch.testing.assert_close(res[4], torch.where(torch.isneginf(lse), 0.0, lse * 1.4426950408889634))
     assert all(x.numel() == 0 for x in res[5:])
 
 
@@ -399,18 +405,20 @@ def test_gpu_fwd_is_the_functions():
 
 @ours
 @requires_sm90
-@pytest.mark.parametrize("case", ["dense", "packed", "seqused", "dv256"])
+@pytest.mark.parametrize("case", ["dense", "taller", "packed", "seqused", "dv256"])
 def test_gpu_bwd_matches_autograd(case):
     """The backward operator's dq, dk, dv: bitwise those of the functions' autograd (deterministic
     backward) for dense and packed calls and seqused; for a value head dim twice q's, within
-    flash-attn's rule of the float64 gradients."""
+    flash-attn's rule of the float64 gradients. "taller" (causal, more queries than keys) and
+    seqused have rows that see no key, whose LSE the forward returns as -inf."""
     ops = torch.ops.flash_attn_3
     torch.manual_seed(0)
     d, dv = 128, 256 if case == "dv256" else 128
-    if case == "dense" or case == "dv256":
-        q, k, v = _rand(2, 200, 8, d), _rand(2, 260, 2, d), _rand(2, 260, 2, dv)
+    if case in ("dense", "taller", "dv256"):
+        q, k, v = _rand(2, 300 if case == "taller" else 200, 8, d), _rand(2, 260, 2, d), _rand(2, 260, 2, dv)
         x = [t.clone().requires_grad_() for t in (q, k, v)]
         out, lse = fa3.flash_attn_func(*x, causal=True, deterministic=True, return_attn_probs=True)
+        assert bool(torch.isneginf(lse).any()) == (case == "taller") and not torch.isposinf(lse).any()
         seq = {}
     else:
         q, k, v = _rand(400, 8, d), _rand(520, 2, d), _rand(520, 2, dv)
@@ -428,7 +436,7 @@ def test_gpu_bwd_matches_autograd(case):
     want = torch.autograd.grad(out, x, dout)
     dq = torch.full_like(q, float("nan"))
     res = ops.bwd(dout, q, k, v, out.detach(), lse.detach(), dq=dq, is_causal=True, deterministic=True, **seq)
-    assert res[0] is dq
+    assert res[0] is dq and all(bool(torch.isfinite(g).all()) for g in res[:3])
     if case != "dv256":
         assert all(torch.equal(a, b) for a, b in zip(res[:3], want))
     else:
