@@ -324,12 +324,16 @@ def boolean(value, name):
 
 
 def max_seqlen(value, name, limit, what):
+    """A varlen maximum: an upper bound on the sequences' lengths, as in flash-attn (callers pass
+    a fixed bound, e.g. the model's context, to avoid reading the offsets back); one above
+    ``limit`` (``what``: the rows there are) is read as ``limit``, which no sequence can exceed."""
     if not _is_int(value):
         raise TypeError(f"{name} must be an int, got {_type(value)}")
-    if not 0 <= value <= limit:
-        raise ValueError(f"{name} must be between 0 and {what} ({limit}), got {value}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 (an upper bound on the sequence lengths; {what} is {limit}), "
+                         f"got {value}")
     sizes((name, value))
-    return int(value)
+    return min(int(value), limit)
 
 
 def num_splits(n):

@@ -148,6 +148,30 @@ def test_varlen_nan_in_the_next_sequence(rng, d, causal):
         check_against(out[rows], None, ref, same, None)
 
 
+@pytest.mark.parametrize("chunk", [0, 64])
+def test_varlen_maxima_as_upper_bounds(rng, chunk):
+    """max_seqlen_q / max_seqlen_k far above the rows (a fixed bound, as callers pass the model's
+    context to avoid a sync; flash-attn takes it): the output, LSE and gradients of the true maxima
+    (within bf16 rounding: the plans may differ), through cuflash.torch (autograd, chunked or not)
+    and flash-attn's varlen function."""
+    import torch
+    import cuflash.torch as ct
+    from cuflash.flash_attn import flash_attn_varlen_func
+    q, k, v, cq, ck, mq, mk = varlen_case(rng, 4, 97, 150, 8, 2, 128, "bfloat16")
+    cu_q, cu_k = torch.from_numpy(cq).cuda(), torch.from_numpy(ck).cuda()
+    dout = torch.randn_like(q)
+    results = []
+    for maxima in ((mq, mk), (1 << 20, 1 << 20)):
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = ct.attention_varlen(*x, cu_q, cu_k, *maxima, causal=True, return_lse=True,
+                                       attention_chunk=chunk, deterministic=True)
+        results.append((out, lse, *torch.autograd.grad(out, x, dout)))
+        if not chunk:
+            results[-1] += (flash_attn_varlen_func(q, k, v, cu_q, cu_k, *maxima, causal=True),)
+    for a, b in zip(*results):  # (the plans may differ: within bf16 rounding)
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=0)
+
+
 @pytest.mark.parametrize("max_q,max_k", [(113, 203), (128, 217), (1, 239), (3, 799), (127, 513),
                                          (1024, 1023), (1, 147)])
 @pytest.mark.parametrize("causal", [False, True])

@@ -278,7 +278,7 @@ def _bad(rng):
         (lambda q, s: cj.attention(q, k, v, alibi_slopes=jnp.zeros(2, jnp.float16)), TypeError, "alibi_slopes"),
         (lambda q, s: cj.attention(q, k, "v"), TypeError, "v must be a JAX array"),
         (lambda q, s: cj.attention_varlen(flat(q), flat(k), flat(v), cu, cu, s, 4), TypeError, "max_seqlen_q"),
-        (lambda q, s: cj.attention_varlen(flat(q), flat(k), flat(v), cu, cu, 4, 5), ValueError, "max_seqlen_k"),
+        (lambda q, s: cj.attention_varlen(flat(q), flat(k), flat(v), cu, cu, 4, -1), ValueError, "max_seqlen_k"),
         (lambda q, s: cj.attention_varlen(flat(q), flat(k), flat(v), cu.astype(jnp.int16), cu, 4, 4), TypeError,
          "cu_seqlens_q must be int32"),
         (lambda q, s: cj.attention_varlen(q, flat(k), flat(v), cu, cu, 4, 4), ValueError, "q must have 3 dims"),

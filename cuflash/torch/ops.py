@@ -808,7 +808,11 @@ def _chunk_pieces(q, k, varlen, chunk):
         varlen = (steps * sq, steps * sk, sq, sk)
         lead = max(0, sq - sk)  # the most queries before a sequence's first key
     else:  # the same cu_seqlens for queries and keys: none (else not known without a sync)
-        lead = 0 if varlen[0] is varlen[1] and int(varlen[2]) == int(varlen[3]) else int(varlen[2])
+        same = varlen[0] is varlen[1] and int(varlen[2]) == int(varlen[3])
+        # the maxima no higher than the rows there are (cuflash.validate.max_seqlen's reading)
+        rows_k = k.shape[0] if k.dim() == 3 else int(varlen[3])
+        varlen = (*varlen[:2], min(int(varlen[2]), q.shape[0]), min(int(varlen[3]), rows_k))
+        lead = 0 if same else varlen[2]
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = varlen
     c, per_seq, max_q, max_k = chunk_pieces(cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k), chunk,
                                             lead, q.shape[-2])
