@@ -588,6 +588,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
     _check_query_layout(q, cu_seqlens_q, max_seqlen_q)
+    if cu_seqlens_q is not None:  # (an upper bound: no sequence has more than total_q rows)
+        max_seqlen_q = min(max_seqlen_q, q.shape[0])
     keys = any(isinstance(x, torch.Tensor) and x.numel() > 0 for x in (k_cache, k))  # (for _fa3_lse)
     if page_table is not None and cache_batch_idx is not None:
         page_table, cache_batch_idx = _table_rows(page_table, cache_batch_idx, q, cu_seqlens_q), None

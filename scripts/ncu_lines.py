@@ -1,6 +1,6 @@
 """Warp stall samples per CUDA source line of one kernel, from Nsight Compute's SASS source page.
 
-    ncu --section SourceCounters -k regex:NAME ... -o report python3 CASE.py   # kernels built with -lineinfo
+    ncu --section SourceCounters -k regex:NAME -c 1 ... -o report python3 CASE.py   # built with -lineinfo
     ncu -i report.ncu-rep --page source --csv --print-source sass > report.csv
     python scripts/ncu_lines.py report.csv KERNEL.cubin KERNEL.cu [--top 40] [--body FIRST PRODUCER CONSUMER]
 
@@ -71,7 +71,12 @@ def instructions(path):
     head = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
     col = {h: i for i, h in enumerate(rows[head])}
     reasons = [h for h in col if h.startswith("stall_") and "(Not Issued)" not in h]
-    body = [r for r in rows[head + 1:] if len(r) == len(col) and r[0].startswith("0x")]
+    body = []
+    for r in rows[head + 1:]:  # the first profiled kernel's rows (a report of one launch: -c 1)
+        if r and r[0] in ("Kernel Name", "Address"):
+            break
+        if len(r) == len(col) and r[0].startswith("0x"):
+            body.append(r)
     base = int(body[0][0], 16)
     num = lambda r, h: int(r[col[h]] or 0) if r[col[h]] not in ("-", "") else 0  # noqa: E731
     for r in body:
@@ -105,13 +110,13 @@ def main(argv=None):
     print(f"{total} samples, {sum(executed.values())} warp instructions executed")
     for line, n in per_line.most_common(a.top):
         top = ", ".join(f"{k} {v}" for k, v in why[line].most_common(3) if v)
-        text = src[line - 1].strip()[:90] if line else "(no line)"
+        text = src[line - 1].strip()[:90] if line and line <= len(src) else "(no such line in the source)"
         print(f"{n:7d} {100 * n / max(1, total):5.1f}%  inst {executed[line]:10d}  L{line}: {text}   [{top}]")
     if a.body:
         for name in ("setup", "producer", "consumer"):
             r = regions[name]
-            n = r.pop("(samples)")
-            gmma = r.pop("(HGMMA executed)")
+            n = r.pop("(samples)", 0)
+            gmma = r.pop("(HGMMA executed)", 0)
             share = ", ".join(f"{k} {100 * v / max(1, n):.1f}%" for k, v in r.most_common(8) if v)
             print(f"{name:9s} {n:7d} samples ({100 * n / max(1, total):4.1f}%), HGMMA executed {gmma}: {share}")
 

@@ -545,3 +545,26 @@ def test_gpu_dropout_flash_attn_dropin_s_dmask(rng):
     expected = torch.einsum("bhij,bjhd->bihd", kept, vh)
     assert (out.float() - expected).abs().max().item() < 2e-2
     assert abs((s_dmask >= 0)[..., visible].float().mean().item() - (1 - p)) < 0.02
+
+
+@requires_gpu
+@requires_torch
+def test_gpu_dropout_varlen_s_dmask_with_upper_bound_maxima(rng):
+    """flash_attn_varlen_func's S_dmask when max_seqlen_q / max_seqlen_k are upper bounds above the
+    rows (flash-attn sizes S_dmask by them): the exact maxima's S_dmask in its corner, zeros
+    elsewhere, and the same output (the same seed)."""
+    import torch
+    from cuflash.flash_attn import flash_attn_varlen_func
+    cu_q = torch.tensor([0, 50, 50, 170], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 90, 100, 300], dtype=torch.int32, device=DEVICE)
+    q, k, v = _t(rng, 1, 170, 4, 64)[0], _t(rng, 1, 300, 2, 64)[0], _t(rng, 1, 300, 2, 64)[0]
+    results = []
+    for maxima in ((120, 200), (1000, 4096)):
+        torch.manual_seed(7)
+        results.append(flash_attn_varlen_func(q, k, v, cu_q, cu_k, *maxima, 0.2, causal=True,
+                                              return_attn_probs=True))
+    (out, lse, s), (out_b, lse_b, s_b) = results
+    assert s_b.shape == (3, 4, 1000, 4096) and s.shape == (3, 4, 120, 200)
+    assert torch.equal(s_b[:, :, :120, :200], s) and not s_b[:, :, 120:].any() and not s_b[..., 200:].any()
+    torch.testing.assert_close(out_b, out, atol=2e-2, rtol=0)
+    torch.testing.assert_close(lse_b, lse, atol=1e-3, rtol=0)

@@ -123,6 +123,10 @@ def test_kvcache_packed_queries_pad_and_gather(monkeypatch):
     assert lse.shape == (3, 6)
     assert lse[0].tolist() == [2, 3, 201, 202, 203, -float("inf")]
     assert seen["kw"]["causal"] and seen["kw"]["num_splits"] == 2 and seen["kw"]["return_lse"]
+    # max_seqlen_q an upper bound (above total_q): read as total_q rows, the same tokens' outputs
+    out2, _ = fa3.flash_attn_with_kvcache(q, torch.zeros(3, 16, 1, 8), torch.zeros(3, 16, 1, 8), cu_seqlens_q=cu,
+                                          max_seqlen_q=10 ** 6, causal=True, return_softmax_lse=True)
+    assert seen["q"].shape == (3, 6, 3, 8) and torch.equal(out2, out)
 
 
 def test_fp8_kvcache_through_bf16_copies(monkeypatch):

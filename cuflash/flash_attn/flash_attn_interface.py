@@ -228,8 +228,11 @@ def _varlen_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     batch = cu_seqlens_q.shape[0] - 1
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     seqs = [(slice(i, i + 1), q[None, cq[i]:cq[i + 1]], k[None, ck[i]:ck[i + 1]]) for i in range(batch)]
-    keep = _kernel_keep(q, k, dropout_p, seed, offset, (batch, q.shape[1], max_seqlen_q, max_seqlen_k),
-                        varlen=(cu_seqlens_q, cu_seqlens_k, cq, ck))
+    # the mask over the longest sequences' rows and keys (maxima may be upper bounds), then zeros
+    longest = [max([hi - lo for lo, hi in zip(c, c[1:])], default=0) for c in (cq, ck)]
+    keep = q.new_zeros((batch, q.shape[1], max_seqlen_q, max_seqlen_k), dtype=torch.bool)
+    keep[..., :longest[0], :longest[1]] = _kernel_keep(q, k, dropout_p, seed, offset, (batch, q.shape[1], *longest),
+                                                       varlen=(cu_seqlens_q, cu_seqlens_k, cq, ck))
     return _s_dmask(q, seqs, keep, causal, softmax_scale, window, cap, alibi_slopes,
                     _get_block_size_n(q.device, q.shape[-1], True, causal))
 
