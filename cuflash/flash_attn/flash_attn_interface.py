@@ -229,7 +229,8 @@ def _varlen_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     seqs = [(slice(i, i + 1), q[None, cq[i]:cq[i + 1]], k[None, ck[i]:ck[i + 1]]) for i in range(batch)]
     # the mask over the longest sequences' rows and keys (maxima may be upper bounds), then zeros
-    longest = [max([hi - lo for lo, hi in zip(c, c[1:])], default=0) for c in (cq, ck)]
+    longest = [min(m, max([hi - lo for lo, hi in zip(c, c[1:])], default=0))
+               for c, m in ((cq, max_seqlen_q), (ck, max_seqlen_k))]
     keep = q.new_zeros((batch, q.shape[1], max_seqlen_q, max_seqlen_k), dtype=torch.bool)
     keep[..., :longest[0], :longest[1]] = _kernel_keep(q, k, dropout_p, seed, offset, (batch, q.shape[1], *longest),
                                                        varlen=(cu_seqlens_q, cu_seqlens_k, cq, ck))
