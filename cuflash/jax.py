@@ -186,12 +186,37 @@ def _check(qs, batch, sq, sk, h, hk, causal, softmax_scale, window_size, softcap
 
 def _run(call: _Call, d: int, q, k, v, extra):
     """The differentiable call on head dims padded to a multiple of 8 (zero columns change no
-    score and no gradient), sliced back to ``d``."""
+    score and no gradient), sliced back to ``d``. Inside ``shard_map`` every operand is first
+    typed as varying over the manual axes any of them varies over (an operand replicated over
+    such an axis then gets its gradient summed over it, the transpose of that cast)."""
     if call.head_dim != d:
         pad = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, call.head_dim - d)])  # noqa: E731
         q, k, v = pad(q), pad(k), pad(v)
+    axes = _varying(q, k, v, *extra)
+    if axes:
+        q, k, v = (_to_varying(x, axes) for x in (q, k, v))
+        extra = [_to_varying(x, axes) for x in extra]
     out = _differentiable(call)(q, k, v, tuple(extra))
     return out if call.head_dim == d else out[..., :d]
+
+
+def _varying(*xs) -> tuple:
+    """The shard_map manual axes that any of ``xs`` varies over (its type's; none outside
+    shard_map). A callback's results are typed as varying over none, so they are cast to these."""
+    axes = set()
+    for x in xs if hasattr(jax, "typeof") else ():
+        aval = jax.typeof(x)
+        kind = getattr(aval, "manual_axis_type", None)  # (JAX 0.10; ``vma`` before)
+        axes.update(getattr(kind, "varying", None) or getattr(aval, "vma", None) or ())
+    return tuple(sorted(axes))
+
+
+def _to_varying(x, axes):
+    """``x`` typed as varying over ``axes`` too (no data moves)."""
+    missing = tuple(a for a in axes if a not in _varying(x))
+    if not missing:
+        return x
+    return jax.lax.pcast(x, missing, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(x, missing)
 
 
 @functools.lru_cache(maxsize=256)
@@ -264,7 +289,8 @@ def _forward(call: _Call, q, k, v, extra):
     recipes = {}  # this callback's launch recipes (see _run_forward)
     res = _callback(lambda ctx, outs, *ins: _run_forward(call, plan, ctx, outs, ins, early, recipes), types)(
         q, k, v, *extra)
-    return res[0], res[1]
+    axes = _varying(q, k, v, *extra)
+    return _to_varying(res[0], axes), _to_varying(res[1], axes)
 
 
 def _counters(plan) -> int:
@@ -291,7 +317,7 @@ def _backward(call: _Call, dout, q, k, v, out, lse, extra):
     prepared = {}  # this callback's prepared launches (see _run_backward)
     run = lambda ctx, outs, *ins: _run_backward(call, plan, ctx, outs, ins, prepared)  # noqa: E731
     dq, dk, dv, _ = _callback(run, types)(dout, q, k, v, out, lse, *extra)
-    return dq, dk, dv
+    return tuple(_to_varying(g, _varying(x)) for g, x in ((dq, q), (dk, k), (dv, v)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -716,3 +716,29 @@ def test_gpu_flashmask_forward_and_grads(rng, name, d, heads):
     fm2 = jnp.asarray(other)
     assert fm2.unsafe_buffer_pointer() != fm.unsafe_buffer_pointer() and (heads == 1 or (other != x).any())
     _check_forward(f(q, k, v, fm2), q, k, v, causal=causal, startend_row_indices=other)
+
+
+def test_shard_map_forward_and_gradients(numpy_kernels, rng):
+    """Inside shard_map the outputs vary over the manual axes their operands vary over (so JAX's
+    replication check holds and the custom_vjp's cotangent types match their primals): gradients
+    of batch-sharded operands, and of a key/value operand replicated while q is split by rows
+    (its gradient summed over the shards), equal those of the unsharded call; an out_specs that
+    claims a replicated output is refused, as for any varying value."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:
+        pytest.skip("this JAX has no jax.shard_map")
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("d",))
+    q, k = arr(rng, 2, 8, 4, 16), arr(rng, 2, 12, 2, 16)
+
+    def loss(q, k, causal):
+        return jnp.sum(cj.attention(q, k, k, causal=causal).astype(jnp.float32) ** 2)
+    for causal, specs in ((True, (P("d"), P("d"))), (False, (P(None, "d"), P()))):
+        want = jax.grad(loss, argnums=(0, 1))(q, k, causal)
+        got = jax.jit(shard_map(lambda q, k: jax.grad(loss, argnums=(0, 1))(q, k, causal), mesh=mesh,
+                                in_specs=specs, out_specs=specs))(q, k)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    with pytest.raises(Exception, match="out_specs"):
+        jax.jit(shard_map(lambda q, k: cj.attention(q, k, k), mesh=mesh, in_specs=(P("d"), P("d")),
+                          out_specs=P()))(q, k)
