@@ -84,6 +84,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     (its contents are the caller's contract, as for device arrays there); no gradient. Returns
     out, shaped like q.
     """
+    _static(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+            deterministic=deterministic, attention_chunk=attention_chunk)
     qs, ks, vs = _shapes((q, "q"), (k, "k"), (v, "v"))
     validate.operands(qs, ks, vs)
     b, sq, h, d = qs.shape
@@ -126,6 +128,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     which keeps its pieces small.
     Returns out (total_q, nheads, headdim).
     """
+    _static(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+            window_size=window_size, softcap=softcap, deterministic=deterministic, attention_chunk=attention_chunk)
     qs, ks, vs, cq, ck = _shapes((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
                                  (cu_seqlens_k, "cu_seqlens_k"))
     qs, ks, _, _, _, _, batch, max_sq, max_sk = validate.varlen(qs, ks, vs, cq, ck, max_seqlen_q, max_seqlen_k,
@@ -159,6 +163,14 @@ def _chunked(qkv, varlen, lead, chunk, alibi_slopes, kw):
     if alibi_slopes is not None and alibi_slopes.ndim == 2:  # (batch, nheads): each piece its sequence's
         alibi_slopes = jnp.repeat(alibi_slopes, per_seq, axis=0)
     return attention_varlen(q, k, v, pieces_q, pieces_k, max_q, max_k, alibi_slopes=alibi_slopes, **kw)
+
+
+def _static(**options):
+    """TypeError for an option that is a traced value: the plans and kernels depend on it."""
+    for name, value in options.items():
+        if any(isinstance(x, jax.core.Tracer) for x in (value if isinstance(value, (tuple, list)) else (value,))):
+            raise TypeError(f"{name} must be a static Python value under jax.jit (the kernels are chosen from it: "
+                            f"pass it through static_argnames or close over it), got a traced value")
 
 
 def _shapes(*named):

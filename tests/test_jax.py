@@ -269,7 +269,10 @@ def _bad(rng):
         (lambda q, s: cj.attention(q.astype(jnp.float32), k, v), TypeError, "q must be float16 or bfloat16"),
         (lambda q, s: cj.attention(q, k.astype(jnp.bfloat16), v), TypeError, "k must have q's dtype"),
         (lambda q, s: cj.attention(q, k[:, :, :1], v), ValueError, "v must have k's shape"),
-        (lambda q, s: cj.attention(q, k, v, softmax_scale=s), TypeError, "softmax_scale"),
+        (lambda q, s: cj.attention(q, k, v, softmax_scale=s), TypeError,
+         "softmax_scale must be a static Python value under jax.jit"),
+        (lambda q, s: cj.attention(q, k, v, window_size=(s.astype(jnp.int32), 0)), TypeError,
+         "window_size must be a static Python value"),
         (lambda q, s: cj.attention(q, k, v, softmax_scale=-1.0), ValueError, "softmax_scale"),
         (lambda q, s: cj.attention(q, k, v, causal=1), TypeError, "causal must be a bool"),
         (lambda q, s: cj.attention(q, k, v, window_size=(-2, 0)), ValueError, "window_size"),
@@ -277,7 +280,8 @@ def _bad(rng):
         (lambda q, s: cj.attention(q, k, v, alibi_slopes=jnp.zeros(3, jnp.float32)), ValueError, "alibi_slopes"),
         (lambda q, s: cj.attention(q, k, v, alibi_slopes=jnp.zeros(2, jnp.float16)), TypeError, "alibi_slopes"),
         (lambda q, s: cj.attention(q, k, "v"), TypeError, "v must be a JAX array"),
-        (lambda q, s: cj.attention_varlen(flat(q), flat(k), flat(v), cu, cu, s, 4), TypeError, "max_seqlen_q"),
+        (lambda q, s: cj.attention_varlen(flat(q), flat(k), flat(v), cu, cu, s, 4), TypeError,
+         "max_seqlen_q must be a static Python value"),
         (lambda q, s: cj.attention_varlen(flat(q), flat(k), flat(v), cu, cu, 4, -1), ValueError, "max_seqlen_k"),
         (lambda q, s: cj.attention_varlen(flat(q), flat(k), flat(v), cu.astype(jnp.int16), cu, 4, 4), TypeError,
          "cu_seqlens_q must be int32"),
@@ -299,10 +303,10 @@ def _bad(rng):
     ]
 
 
-@pytest.mark.parametrize("case", range(22))
+@pytest.mark.parametrize("case", range(23))
 def test_arguments_checked_at_trace_time(numpy_kernels, rng, case):
     cases = _bad(rng)
-    assert len(cases) == 22
+    assert len(cases) == 23
     fn, error, match = cases[case]
     with pytest.raises(error, match=match):
         jax.jit(fn)(arr(rng, 1, 4, 2, 8), 0.5)
