@@ -808,6 +808,85 @@ def test_hf_bart_padded_encoder_matches_sdpa(ref_kernels, dec_len):
 
 @requires_torch
 @requires_transformers
+@pytest.mark.parametrize("enc_len,dec_len", [(9, 4), (4, 9)])
+def test_hf_bart_without_a_mask_matches_sdpa(ref_kernels, enc_len, dec_len):
+    """No attention_mask (no padding): the decoder's cross-attention sees every encoder token, also
+    where the encoder's output is longer than the decoder's input (transformers' bidirectional
+    mask is not a static cache's)."""
+    import torch
+    from transformers import BartConfig, BartForConditionalGeneration
+    import cuflash.torch as ct
+    ct.register_transformers()
+    models = []
+    for attn in ("cuFlash", "sdpa"):
+        cfg = BartConfig(vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                         decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64)
+        torch.manual_seed(0)
+        models.append(BartForConditionalGeneration._from_config(cfg, attn_implementation=attn, dtype=torch.float64).eval())
+    g = torch.Generator().manual_seed(0)
+    ids, dec = torch.randint(3, 100, (2, enc_len), generator=g), torch.randint(3, 100, (2, dec_len), generator=g)
+    with torch.no_grad():
+        a, b = (m(input_ids=ids, decoder_input_ids=dec).logits for m in models)
+    torch.testing.assert_close(a, b)
+    assert all(c[2][1] in (enc_len, dec_len) for c in ref_kernels)  # (every key: none cut)
+
+
+@requires_torch
+@requires_transformers
+def test_hf_inference_mode_matches_sdpa(ref_kernels):
+    """Under torch.inference_mode (inference tensors have no version counter): a batch-1 prefill
+    (its position_ids read once per pass) and a left-padded batch give SDPA's logits."""
+    import torch
+    a, b = _pair()
+    ids = torch.randint(1, 512, (1, 23), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(a(ids).logits, b(ids).logits, rtol=1e-5, atol=1e-5)
+    ids = torch.randint(1, 512, (2, 15), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 15, dtype=torch.long)
+    mask[0, :6] = 0
+    with torch.inference_mode():
+        la, lb = a(ids, attention_mask=mask).logits, b(ids, attention_mask=mask).logits
+    torch.testing.assert_close(la[:, -1], lb[:, -1], rtol=1e-5, atol=1e-5)
+
+
+@requires_torch
+@requires_transformers
+def test_hf_forward_float32_queries_dtype_position_bias_and_determinism(ref_kernels, monkeypatch):
+    """As transformers' flash backend: float32 queries (PEFT's float32 layer norms) run in the
+    dtype of the module's first Linear weight; FLASH_ATTENTION_DETERMINISTIC=1 is the default of
+    deterministic; a position_bias (T5's) goes through transformers' SDPA function, not an error."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from cuflash.torch import hf
+    from cuflash.torch.hf import hf_attention_forward
+    seen = []  # (q's dtype, the options) of each call of cuflash.torch.attention
+    monkeypatch.setattr(hf, "attention", lambda q, k, v, **kw: seen.append((q.dtype, kw)) or q.new_zeros(q.shape))
+
+    class Attn(torch.nn.Module):
+        is_causal = True
+
+        def __init__(self, dtype):
+            super().__init__()
+            self.q_proj = torch.nn.Linear(8, 8, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=g) for _ in range(3))
+    hf_attention_forward(Attn(torch.bfloat16), q, k, v, None)
+    assert seen[-1][0] == torch.bfloat16 and seen[-1][1]["deterministic"] is False
+    monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", "1")
+    hf_attention_forward(Attn(torch.float32), q, k, v, None)
+    assert seen[-1][0] == torch.float32 and seen[-1][1]["deterministic"] is True
+    hf_attention_forward(Attn(torch.float32), q, k, v, None, deterministic=False)
+    assert seen[-1][1]["deterministic"] is False
+    bias, calls = torch.randn(1, 2, 5, 5, generator=g), len(seen)
+    with pytest.warns(UserWarning, match="position_bias"):
+        got, _ = hf_attention_forward(Attn(torch.float32), q, k, v, None, position_bias=bias)
+    want, _ = sdpa_attention_forward(Attn(torch.float32), q, k, v, None, is_causal=True, position_bias=bias)
+    torch.testing.assert_close(got, want)
+    assert len(seen) == calls
+
+
+@requires_torch
+@requires_transformers
 def test_hf_llama4_chunked_attention(ref_kernels):
     """A tiny Llama 4 text model (chunks of 8 tokens; layer 1 of 2 full attention, as Llama 4's
     NoPE layers): below a chunk and on a longer first input (batched, left-padded) its logits

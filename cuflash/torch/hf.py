@@ -1,5 +1,6 @@
 """An attention backend for Hugging Face transformers running cuflash: :func:`hf_attention_forward`
 and :func:`register_transformers`."""
+import os
 import warnings
 import weakref
 
@@ -29,7 +30,8 @@ class _PerTensorMemo:
         """``compute(t)``, or its remembered value for the same tensor, version and ``extra``."""
         if torch.compiler.is_compiling():
             return compute(t)
-        key = (t._version, extra)
+        # (an inference tensor has no version counter, and outside inference mode no in-place change)
+        key = (-1 if t.is_inference() else t._version, extra)
         for ref, k, value in self.entries:
             if ref() is t and k == key:
                 return value
@@ -115,11 +117,13 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     if kwargs.get("output_attentions", False):
         _warn_once("output_attentions", "cuflash backend does not return attention weights "
                    "(output_attentions=True); they are None")
-    if kwargs.get("position_bias") is not None:
-        raise NotImplementedError("cuflash backend does not support position_bias")
-
     b, h, sq, d = query.shape
     sk = key.shape[2]
+    if kwargs.get("position_bias") is not None:  # (T5's relative position bias: an additive score bias)
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)) and sq > 1
+        return _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
+                              float(softcap) if softcap else 0.0, causal, _fwd_kwargs(kwargs),
+                              "position_bias (an additive score bias) is not supported")
     # Llama 4's chunked layers see only the keys of their own chunk of attention_chunk_size
     # tokens. A call whose keys are its own queries (no cache before them: training, a first
     # prefill) runs with attention_chunk, the chunks counted from each sequence's first token
@@ -139,10 +143,9 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
                                   f"does not say where a chunk starts); calls without a cache (training, a first "
                                   f"prefill), one-token steps (with the mask function of register_transformers) "
                                   f"and sequences of fewer than {chunk} tokens run")
-    if query.dtype == torch.float32:  # as transformers' flash backend: run in the autocast dtype
-        dev = query.device.type
-        if torch.is_autocast_enabled(dev):
-            dt = torch.get_autocast_dtype(dev)
+    if query.dtype == torch.float32:  # as transformers' flash backend (get_target_dtype)
+        dt = _target_dtype(query, module)
+        if dt in (torch.float16, torch.bfloat16):
             query, key, value = query.to(dt), key.to(dt), value.to(dt)
     v_head_dim = value.shape[-1]
     if v_head_dim != d:  # e.g. MLA: pad V to the query head dim, crop the output
@@ -155,7 +158,8 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     window = (sliding_window - 1, sliding_window - 1) if (
         sliding_window is not None and sk > sliding_window) else (-1, -1)
     cap = float(softcap) if softcap else 0.0
-    det = bool(kwargs.get("deterministic") or False)
+    det = kwargs.get("deterministic")  # (transformers' default: FLASH_ATTENTION_DETERMINISTIC=1)
+    det = bool(det) if det is not None else os.getenv("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
     feats = dict(causal=causal, softmax_scale=scaling, window_size=window, softcap=cap,
                  deterministic=det)
     if chunk and seen >= chunk and sq == seen:
@@ -225,6 +229,19 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     return _crop((out, None), v_head_dim)
 
 
+def _target_dtype(query, module):
+    """The dtype transformers' flash backend runs float32 queries in: autocast's, a quantized
+    model's config.dtype (float32 activations around 4/8-bit weights, as QLoRA), else the dtype of
+    the module's first Linear weight (layer norms kept in float32 by PEFT)."""
+    dev = query.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    config = getattr(module, "config", None)
+    if hasattr(config, "_is_quantized"):
+        return getattr(config, "dtype", None)
+    return next((m.weight.dtype for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
+
+
 def _layer_chunk(module) -> int:
     """config.attention_chunk_size where the module's layer is chunked (config.layer_types says
     "chunked_attention" at its layer_idx; without layer_types, Llama 4's rule: the layers with
@@ -272,7 +289,11 @@ def _chunk_mask(*args, **kwargs):
         rows._cuflash_exact = True
         return rows
     mask = flash_attention_mask(**kwargs)
-    if (mask is None and kwargs.get("attention_mask") is None and isinstance(kv_offset, int) and kv_offset == 0
+    # (a bidirectional mask, e.g. cross-attention over a longer encoder output, is never a cache's)
+    bidirectional = "allow_is_bidirectional_skip" in kwargs or getattr(kwargs.get("mask_function"), "__name__", "") \
+        == "bidirectional_mask_function"
+    if (mask is None and not bidirectional and kwargs.get("attention_mask") is None and isinstance(kv_offset, int)
+            and kv_offset == 0
             and isinstance(q_length, int) and isinstance(kv_length, int) and kv_length > q_length
             and not (isinstance(q_offset, int) and q_offset + q_length >= kv_length)):
         # A static cache: its slots past the tokens seen are no keys. As transformers' flash
