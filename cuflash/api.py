@@ -105,6 +105,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     if out is not None:
         ov = validate.view(out, "out")
         validate.out(ov, qv, out)
+        validate.out_apart(ov, ("q", qv), ("k", kv), ("v", vv))
     scale = validate.scale(softmax_scale, qv.shape[3])
     num_splits = validate.num_splits(num_splits)
     causal = validate.boolean(causal, "causal")
@@ -317,9 +318,7 @@ def _launch(problem, like, q, k, v, o, lse_arr, scale, kv="dense", varlen_kv=Fal
     ``like``'s stream; ``extra`` goes to launch.prepare (cache, softcap, ALiBi and varlen
     arguments); ``fm`` is the view of FlashMask's startend_row_indices or None. Returns the
     prepared launch (its Recipe)."""
-    plan = _plan_for(problem, like.device, kv, varlen_kv, (fm.shape[3], fm.shape[1]) if fm is not None else (0, 0),
-                     leftpad_kv, extra.get("dropout") is not None, extra.get("page_size", 0) if kv == "paged" else 0,
-                     chunk)
+    plan = _launch_plan(problem, like, kv, varlen_kv, fm, leftpad_kv, chunk, extra)
     dev = like.device
     stream = arrays.stream_for(like)
     lse_ptr = arrays.device_ptr(lse_arr) if lse_arr is not None else 0
@@ -333,6 +332,14 @@ def _launch(problem, like, q, k, v, o, lse_arr, scale, kv="dense", varlen_kv=Fal
             recipe, dev, stream, lambda n: arrays.empty_like_framework(like, (n,), "float32"))
         launch.fire(recipe, dev, stream, q.ptr, k.ptr, v.ptr, o.ptr, lse_ptr, workspace)
     return recipe
+
+
+def _launch_plan(problem, like, kv="dense", varlen_kv=False, fm=None, leftpad_kv=False, chunk=0, extra=None):
+    """The plan _launch runs for these arguments (cached: a later _launch finds it)."""
+    extra = extra or {}
+    return _plan_for(problem, like.device, kv, varlen_kv, (fm.shape[3], fm.shape[1]) if fm is not None else (0, 0),
+                     leftpad_kv, extra.get("dropout") is not None, extra.get("page_size", 0) if kv == "paged" else 0,
+                     chunk)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,7 +424,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
                  if cache_batch_idx is not None else 0)
     leftpad = validate.int32_vector(cache_leftpad, "cache_leftpad", b, qv) if cache_leftpad is not None else None
 
-    s_new = 0
+    s_new, kn, vn = 0, None, None
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
     cu_new = None
@@ -470,6 +477,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
         validate.out(ov, qv, out)
         if not unaligned and not _aligned(ov):
             raise ValueError("out must be 16-byte aligned with strides in multiples of 8 elements")
+        validate.out_apart(ov, ("q", qv), ("k_cache", kc), ("v_cache", vc), ("k", kn), ("v", vn))
     o_view, lse_arr = _outputs(qv, ov, return_lse)
     if b and h:
         held = None  # an uploaded cache_seqlens, kept alive until the kernels are queued
@@ -487,6 +495,12 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
         if cu_new is not None:  # the append counts each sequence's keys (seqlens_out) for the attention
             held_lens = arrays.empty_like_framework(qv, (b,), "int32")
             packed_rows = (b, cu_new.ptr, arrays.device_ptr(held_lens))
+        problem = (b, sq, capacity, h, hk, d, arrays.DTYPE_NAMES[qv.dtype], causal,
+                   return_lse, num_splits, window, softcap > 0, alibi is not None, sv is not None)
+        kv_kind = "paged" if paged else "cache"
+        if sq:  # planned before the append, so that a refused plan (e.g. its grid) writes no cache row
+            _launch_plan(problem, qv, kv_kind, leftpad_kv=leftpad is not None, chunk=chunk,
+                         extra=dict(page_size=page_size))
         if s_new or packed_rows or (rotary is not None and sq):
             rowwise = _rotary_rowwise(causal, window, sq, alibi is not None, capacity) or chunk > 0
             with arrays.on_device(qv.device):
@@ -500,9 +514,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
             direct_out = not unaligned
             kernel_out = o_view if direct_out else arrays.view(
                 arrays.empty_like_framework(qv, (b, sq, h, d_pad), qv.dtype), "out")
-            problem = (b, sq, capacity, h, hk, d, arrays.DTYPE_NAMES[qv.dtype], causal,
-                       return_lse, num_splits, window, softcap > 0, alibi is not None, sv is not None)
-            _launch(problem, qv, q_in, kc, vc, kernel_out, lse_arr, scale, kv="paged" if paged else "cache",
+            _launch(problem, qv, q_in, kc, vc, kernel_out, lse_arr, scale, kv=kv_kind,
                     leftpad_kv=leftpad is not None,
                     cache=(seqlens_ptr, batch_idx, *table), seqlen_k=seqlen_k_arg, page_size=page_size,
                     softcap=softcap, alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0),
@@ -623,6 +635,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if out is not None:
         ov = validate.view(out, "out")
         validate.out(ov, qv, out)
+        validate.out_apart(ov, ("q", qv), ("k", kv), ("v", vv))
     scale = validate.scale(softmax_scale, d)
     causal = validate.boolean(causal, "causal")
     return_lse = validate.boolean(return_lse, "return_lse")

@@ -197,12 +197,18 @@ def repeat_lookup(table: dict, sig):
 
 def repeat_operands(q, k, v, out, new_out):
     """The data pointers (q, k, v, out) and the output of a repeated call on PyTorch tensors,
-    ``new_out()`` made when ``out`` is None; None when a pointer is not 16-byte aligned (the
-    general path then decides)."""
+    ``new_out()`` made when ``out`` is None; None when a pointer is not 16-byte aligned or
+    ``out`` is in the storage of k, v or (unless it is q itself) q (the general path then
+    decides: validate.out_apart)."""
     qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
     op = 0 if out is None else out.data_ptr()
     if (qp | kp | vp | op) & 15:
         return None
+    if out is not None:
+        mine = out.untyped_storage().data_ptr()
+        if mine in (k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr()) or (
+                mine == q.untyped_storage().data_ptr() and (op != qp or out.stride() != q.stride())):
+            return None
     if out is None:
         out = new_out()
         op = out.data_ptr()

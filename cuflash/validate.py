@@ -157,6 +157,44 @@ def out(o, q, original=None, dtype=None):
     _last_dim_contiguous(o, "out", "contiguous in its last dim")
 
 
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8,
+             "float8_e4m3fn": 1, "uint8": 1}
+
+
+def _bytes_at(v):
+    """A NumPy array of v's address and layout, one void item per element (its memory is never
+    read): for np.shares_memory, which solves the overlap of two strided layouts exactly."""
+    item = _ITEMSIZE.get(v.dtype) or np.dtype(v.dtype).itemsize
+    face = type("Layout", (), {})()
+    face.__array_interface__ = dict(shape=tuple(v.shape), typestr=f"|V{item}", data=(v.ptr, False),
+                                    strides=tuple(st * item for st in v.strides), version=3)
+    return np.asarray(face)
+
+
+def out_apart(o, *named):
+    """A device ``out`` that no two of its elements share (no zero stride) and that shares no
+    memory with the arrays the kernels read while writing it (``named``: (name, view or None)
+    pairs), as PyTorch refuses overlapping outputs; ``out`` may be q itself (each block writes
+    the query rows it has read). Host ``out`` is written after the launch, from a copy."""
+    if o.device < 0:
+        return
+    if any(st == 0 and n > 1 for n, st in zip(o.shape, o.strides)):
+        raise ValueError(f"out must not have a zero stride (several elements at one address), got strides "
+                         f"{tuple(o.strides)}")
+    mine = _bytes_at(o)
+    for name, x in named:
+        if x is None or x.device != o.device or 0 in x.shape or 0 in o.shape:
+            continue
+        if name == "q" and (x.ptr, tuple(x.shape), tuple(x.strides)) == (o.ptr, tuple(o.shape), tuple(o.strides)):
+            continue
+        try:
+            shared = np.shares_memory(mine, _bytes_at(x), max_work=100_000)
+        except np.exceptions.TooHardError:  # (no answer within the work bound: taken as shared)
+            shared = True
+        if shared:
+            raise ValueError(f"out must not share memory with {name} (the kernels read {name} while writing out)")
+
+
 def like(x, ref, name, ref_name):
     """``x`` must have ``ref``'s shape, dtype and place, last dim contiguous (the backward's
     dout, out and gradient buffers)."""

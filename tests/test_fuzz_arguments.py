@@ -159,15 +159,15 @@ Q, KV, LSE = (2, 4, 8, 64), (2, 6, 4, 64), (2, 8, 4)
 # entry point -> (call(args), valid arguments); the arguments are passed by name
 ENTRIES = {
     "attention": (lambda a: cuflash.attention(**a), dict(
-        q=view(Q), k=view(KV), v=view(KV), out=view(Q), return_lse=False, num_splits=0, **MODS)),
+        q=view(Q), k=view(KV), v=view(KV), out=view(Q, ptr=1 << 36), return_lse=False, num_splits=0, **MODS)),
     "attention_varlen": (lambda a: cuflash.attention_varlen(**a), dict(
-        **varlen_args(), out=view((10, 8, 64)), return_lse=True, num_splits=3, block_table=None, **MODS)),
+        **varlen_args(), out=view((10, 8, 64), ptr=1 << 36), return_lse=True, num_splits=3, block_table=None, **MODS)),
     "attention_varlen_paged": (lambda a: cuflash.attention_varlen(**a), dict(
         varlen_args(), k=view((8, 16, 4, 64)), v=view((8, 16, 4, 64)), block_table=view((2, 4), "int32"), **MODS)),
     "attention_with_kvcache": (lambda a: cuflash.attention_with_kvcache(**a), dict(
         q=view((2, 1, 8, 64)), k_cache=view((3, 128, 4, 64)), v_cache=view((3, 128, 4, 64)),
         k=view((2, 1, 4, 64)), v=view((2, 1, 4, 64)), cache_seqlens=view((2,), "int32"),
-        cache_batch_idx=view((2,), "int32"), out=view((2, 1, 8, 64)), return_lse=False, num_splits=0, **MODS)),
+        cache_batch_idx=view((2,), "int32"), out=view((2, 1, 8, 64), ptr=1 << 36), return_lse=False, num_splits=0, **MODS)),
     "attention_with_kvcache_paged": (lambda a: cuflash.attention_with_kvcache(**a), dict(
         q=view((2, 1, 8, 64)), k_cache=view((20, 16, 4, 64)), v_cache=view((20, 16, 4, 64)),
         block_table=view((2, 4), "int32"), cache_seqlens=7, **MODS)),

@@ -375,3 +375,63 @@ def test_warmup_dtype_filters_cover_every_variant():
 def test_empty_plan_is_not_local():
     p = cuflash.plan((0, 1, 8, 64), (0, 128, 8, 64), (0, 128, 8, 64), num_sms=132, window_size=(4, 0))
     assert p.launches == () and p.local is False
+
+
+def test_out_that_overlaps_an_input_is_refused_before_launch(views, monkeypatch):
+    """An out that shares memory with k or v (the kernels read them while writing it), that is a
+    strided view interleaved with q's elements, or with a zero stride (several elements at one
+    address) is a ValueError naming the array, as PyTorch refuses overlapping outputs; out = q
+    itself, and out interleaved with (not sharing) q's elements, are taken."""
+    from cuflash.plan import DeviceFacts
+    monkeypatch.setattr(api, "device_facts", lambda d: DeviceFacts(132, 90))
+    monkeypatch.setattr(api, "_launch", lambda *a, **k: (_ for _ in ()).throw(AssertionError("launch reached")))
+    q = fake_view(0, (2, 64, 8, 64), ptr=1 << 20)
+    k = fake_view(0, (2, 64, 8, 64), ptr=1 << 24)
+    for out, name in ((k, "k"), (fake_view(0, (2, 64, 8, 64), ptr=(1 << 24) + 4096), "k"),
+                      (fake_view(0, (2, 64, 8, 64), strides=(0, 512, 64, 1), ptr=1 << 26), "zero stride")):
+        with pytest.raises(ValueError, match=f"out must not (share memory with {name}|have a {name})"):
+            api.attention(q, k, k, out=out)
+    qkv = (2, 64, 3, 8, 64)  # q, k, v interleaved in one packed tensor, out = q: taken
+    strides = (64 * 3 * 8 * 64, 3 * 8 * 64, 64, 1)
+    packed = [fake_view(0, (2, 64, 8, 64), strides=strides, ptr=(1 << 28) + 2 * j * 8 * 64) for j in range(3)]
+    assert qkv[2] == len(packed)
+    for out in (packed[0], q):
+        with pytest.raises(AssertionError, match="reached"):
+            api.attention(packed[0] if out is packed[0] else q, packed[1], packed[2], out=out)
+    with pytest.raises(ValueError, match="out must not share memory with k"):
+        api.attention(packed[0], packed[1], packed[2], out=packed[1])
+
+
+def test_kvcache_plan_refused_before_any_cache_row_is_written(views, monkeypatch):
+    """A KV-cache call whose plan is refused (here its grid: 70,000 sequences) raises before the
+    append kernel writes new rows into the caches."""
+    from cuflash.plan import DeviceFacts
+    monkeypatch.setattr(api, "device_facts", lambda d: DeviceFacts(132, 90))
+    appended = []
+    monkeypatch.setattr(api.launch, "append_kv", lambda *a, **k: appended.append(1))
+    monkeypatch.setattr(arrays, "empty_like_framework", lambda v, shape, dt: None)
+    monkeypatch.setattr(api, "_outputs", lambda qv, ov, r: (fake_view(0, qv.shape, ptr=1 << 28), None))
+    b = 70000
+    q, kc, kn = fake_view(0, (b, 1, 8, 128)), fake_view(0, (b, 64, 8, 128), ptr=1 << 32), fake_view(0, (b, 1, 8, 128), ptr=1 << 40)
+    with pytest.raises(ValueError, match="grid"):
+        api.attention_with_kvcache(q, kc, kc, kn, kn, cache_seqlens=3)
+    assert appended == []
+
+
+@requires_torch
+def test_repeated_torch_call_with_an_overlapping_out_takes_the_checked_path():
+    """The repeated-call path (same layouts as an earlier call) sends an out in k's, v's or
+    (unless it is q itself) q's storage to the general path, whose exact check decides."""
+    import torch
+    qkv = torch.zeros(2, 64, 3, 8, 64, dtype=torch.float16)
+    q, k, v = qkv.unbind(2)
+    new = lambda: torch.empty_like(q)  # noqa: E731
+    assert arrays.repeat_operands(q, k, v, None, new)[3] != 0
+    assert arrays.repeat_operands(q, k, v, torch.empty_like(q), new) is not None
+    assert arrays.repeat_operands(q, k, v, k, new) is None
+    assert arrays.repeat_operands(q, k, v, q, new) is None  # (q in k's storage: the general path's exact check)
+    q2, k2, v2 = (torch.zeros(2, 64, 8, 64, dtype=torch.float16) for _ in range(3))
+    assert arrays.repeat_operands(q2, k2, v2, q2, new) is not None  # out = q: each block writes the rows it read
+    big = torch.zeros(2 * q2.numel(), dtype=torch.float16)
+    shifted = big[64:64 + q2.numel()].view(q2.shape)  # out half over q's rows: the general path
+    assert arrays.repeat_operands(big[:q2.numel()].view(q2.shape), k2, v2, shifted, new) is None

@@ -18,6 +18,9 @@ def dev(shape, dtype="float16", device=0, strides=None, ptr=1 << 20):
     return fake_view(device, shape, dtype, strides, ptr)
 
 
+OUT_PTR = 1 << 36  # a valid out's address: apart from the inputs' (out must share no memory with them)
+
+
 def i32(shape, device=0, strides=None):
     return dev(shape, "int32", device, strides)
 
@@ -338,7 +341,7 @@ def launches(monkeypatch):
 def test_valid_varlen_with_out_reaches_launch_with_packed_problem(launches):
     # `out` given and no LSE: nothing to allocate, so the call gets as far as the launch
     with pytest.raises(AssertionError, match=REACHED):
-        call_varlen(varlen_args(out=dev(Q), causal=True, window_size=(3, 0), softcap=20.0,
+        call_varlen(varlen_args(out=dev(Q, ptr=OUT_PTR), causal=True, window_size=(3, 0), softcap=20.0,
                                 alibi_slopes=f32((B, H))))
     (plan, kw), = launches
     p = plan.problem
@@ -351,7 +354,7 @@ def test_valid_varlen_with_out_reaches_launch_with_packed_problem(launches):
 def test_max_seqlen_above_the_rows_is_an_upper_bound(launches, paged_cache):
     """max_seqlen_q / max_seqlen_k above the rows there are (a fixed bound such as the model's
     context, which flash-attn takes): read as those rows, which no sequence can exceed."""
-    kw = paged(out=dev(Q)) if paged_cache else dict(out=dev(Q))
+    kw = paged(out=dev(Q, ptr=OUT_PTR)) if paged_cache else dict(out=dev(Q, ptr=OUT_PTR))
     with pytest.raises(AssertionError, match=REACHED):
         call_varlen(varlen_args(max_seqlen_q=4096, max_seqlen_k=np.int64(4096), **kw))
     (plan, _), = launches
@@ -360,7 +363,7 @@ def test_max_seqlen_above_the_rows_is_an_upper_bound(launches, paged_cache):
 
 def test_valid_paged_varlen_reaches_launch(launches):
     with pytest.raises(AssertionError, match=REACHED):
-        call_varlen(varlen_args(**paged(out=dev(Q), max_seqlen_k=64)))
+        call_varlen(varlen_args(**paged(out=dev(Q, ptr=OUT_PTR), max_seqlen_k=64)))
     (plan, kw), = launches
     assert plan.problem.kv == "paged" and plan.problem.seqlen_k == 64
     assert kw["page_size"] == 16 and kw["cache"] == (0, 0, 1 << 20, 4)
@@ -374,7 +377,7 @@ class Out:
 
 
 def empty_case(batch, total_q, paged_cache):
-    out = dev((total_q, H, D))._replace(array=Out())
+    out = dev((total_q, H, D), ptr=OUT_PTR)._replace(array=Out())
     kw = dict(q=dev((total_q, H, D)), cu_seqlens_q=i32((batch + 1,)), cu_seqlens_k=i32((batch + 1,)),
               max_seqlen_q=0, out=out)
     if paged_cache:
@@ -451,7 +454,7 @@ def test_paged_varlen_alignment_checked_before_allocation():
 @pytest.mark.parametrize("kv_shape", [KV, (12, H, D)], ids=["gqa", "mha"])
 def test_dense_varlen_problem_has_kv_heads(launches, kv_shape):
     with pytest.raises(AssertionError, match=REACHED):
-        call_varlen(varlen_args(k=dev(kv_shape), v=dev(kv_shape), out=dev(Q)))
+        call_varlen(varlen_args(k=dev(kv_shape), v=dev(kv_shape), out=dev(Q, ptr=OUT_PTR)))
     (plan, _), = launches
     assert plan.problem.nheads_k == kv_shape[1]
     assert plan.ngroups_eff == H // kv_shape[1]
