@@ -421,6 +421,13 @@ def test_torch_func_grad(ref_kernels, varlen):
     args = (True, None, -1, -1, 0.0, None, False)
     with pytest.raises(RuntimeError, match="setup_context"):
         torch.func.grad(lambda q: ops._EagerAttention.apply(q, k, v, *args)[0].sum())(_cpu(2, 7, 4, 16))
+    # a second order (grad of grad: hessians, meta-gradients) raises rather than giving zeros;
+    # jacrev (a vmap over the backward) matches autograd's
+    inner = lambda q: torch.func.grad(lambda q: attn(q, k, v).square().sum())(q).square().sum()  # noqa: E731
+    with pytest.raises(RuntimeError, match="has no derivative"):
+        torch.func.grad(inner)(q)
+    jac = torch.func.jacrev(lambda q: attn(q, k, v).sum(-1))(q)
+    torch.testing.assert_close(jac, torch.func.jacrev(lambda q: ref(q, k, v)[0].sum(-1))(q))
 
 
 @requires_torch

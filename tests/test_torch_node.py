@@ -117,6 +117,38 @@ def test_node_keeps_saved_tensor_hooks(ext):
     assert len(packed) == len(unpacked) == 5 and not fb.calls
 
 
+@pytest.mark.parametrize("check", ["default", "none"])
+def test_checkpoint_recompute_may_switch_to_the_node(ext, monkeypatch, check):
+    """A layout switches to the C++ node at its first forward after its first backward, which a
+    non-reentrant checkpoint's recompute can be (two checkpointed layers of one layout): the node
+    saves q, k, v, out, lse in the Python node's order, so the recompute matches the forward's
+    saved tensors one to one (determinism check) and the backward gets out and lse in place."""
+    import types
+    from torch.utils.checkpoint import checkpoint
+    from cuflash.torch import ops
+    monkeypatch.setenv("CUFLASH_CPP_NODE", "1")
+    p = ops._Prepared(True, None, (-1, -1), 0.0, False)
+    p.fwd = lambda q, k, v, o: (q.detach() * 2, torch.zeros(q.shape[0], q.shape[2], q.shape[1]))
+    seen = []
+
+    def bwd(p_, dout, q, k, v, out, lse):
+        seen.append((tuple(out.shape), tuple(lse.shape)))
+        p_.bwd = types.SimpleNamespace(allocate=(True,) * 3)
+        p_.bwd_strides = [x.stride() for x in (q, k, v, out, lse)]
+        return tuple(torch.ones_like(x) for x in (q, k, v))
+    monkeypatch.setattr(ops, "_prepared_backward", bwd)
+    monkeypatch.setattr(ops._node, "program", lambda b, strides, contiguous: ext.make_program(
+        [], 16, list(contiguous), [list(st) for st in strides]))
+
+    def layer(x):
+        return ops._prepared_apply(x, x * 1, x * 1, p)[0]
+    x = torch.randn(1, 6, 2, 8, requires_grad=True)
+    y = checkpoint(layer, x, use_reentrant=False, determinism_check=check)
+    checkpoint(layer, y, use_reentrant=False, determinism_check=check).sum().backward()
+    assert seen and all(s == ((1, 6, 2, 8), (1, 2, 6)) for s in seen)
+
+
+
 @pytest.mark.parametrize("launch, what", [
     ((1, (1, 1, 1), (32, 1, 1), 0, b"\0" * 16, [(12, 0, 0)]), "pointer field out of the struct"),
     ((1, (1, 1, 1), (32, 1, 1), 0, b"\0" * 16, [(0, 99, 0)]), "unknown role"),

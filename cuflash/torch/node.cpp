@@ -344,12 +344,15 @@ void attach(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   node->prog = std::move(prog);
   node->fallback = std::move(fallback);
   node->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
+  torch::autograd::set_history(out, node);
+  // Saved in the Python Function's order (q, k, v, out, lse): saved-tensor hooks see them in the
+  // order they are saved, and a non-reentrant checkpoint's recompute (the Python node or this
+  // one) must match them one to one.
   node->q_ = torch::autograd::SavedVariable(q, false);
   node->k_ = torch::autograd::SavedVariable(k, false);
   node->v_ = torch::autograd::SavedVariable(v, false);
-  node->lse_ = torch::autograd::SavedVariable(lse, false);
-  torch::autograd::set_history(out, node);
   node->out_ = torch::autograd::SavedVariable(out, true);
+  node->lse_ = torch::autograd::SavedVariable(lse, false);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -289,6 +289,24 @@ class _Underivable(torch.autograd.Function):
                            "(a double backward after create_graph=True) is not supported")
 
 
+class _UnderivableFunc(torch.autograd.Function):
+    """_Underivable with the separate setup_context that torch.func's transforms require (and a
+    vmap rule: jacrev vmaps the backward)."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(n, *tensors):
+        return tuple(t.view_as(t) for t in tensors[:n])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _Underivable.backward(ctx, *grads)
+
+
 def _first_order(grads, *read):
     """A backward's gradients, for a backward run in grad mode (create_graph=True), tied to the
     tensors ``read`` that it computed them from: a double backward through them raises, as through
@@ -320,8 +338,14 @@ def _eager_function(name, body, setup_context, backward, bwd_body, functorch=Fal
     attrs = {"forward": staticmethod(forward), "backward": staticmethod(backward_)}
     if functorch:
         def func_backward(ctx, dout, dlse):  # the op: the dispatcher unwraps functorch's tensors
-            with torch.no_grad():  # no double backward; no_grad keeps the op's autograd out
-                return backward(ctx, dout, dlse)
+            with torch.no_grad():  # no_grad keeps the op's autograd out
+                grads = backward(ctx, dout, dlse)
+            if dout is None or not torch.is_grad_enabled():
+                return grads
+            # an outer transform differentiating these gradients (grad of grad) raises, as in eager
+            tied = [g for g in grads if g is not None]
+            tied = iter(_UnderivableFunc.apply(len(tied), *tied, dout))
+            return tuple(None if g is None else next(tied) for g in grads)
         attrs.update(forward=staticmethod(body), setup_context=staticmethod(setup_context),
                      backward=staticmethod(func_backward))
     return type(name, (torch.autograd.Function,), attrs)
