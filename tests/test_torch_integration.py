@@ -431,6 +431,24 @@ def test_torch_func_grad(ref_kernels, varlen):
 
 
 @requires_torch
+def test_autocast_runs_float32_inputs_in_its_dtype(ref_kernels):
+    """Under torch.autocast float32 q, k, v run in autocast's dtype, as scaled_dot_product_attention
+    does (output in that dtype, gradients back in float32); outside it they reach cuflash's dtype
+    check."""
+    import torch
+    import cuflash.torch as ct
+    q, k, v = (_cpu(2, 7, 4, 16, seed=i).float().requires_grad_() for i in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ct.attention(q, k, v, causal=True)
+        packed = ct.attention_varlen(q[0], k[0], v[0], torch.tensor([0, 7], dtype=torch.int32),
+                                     torch.tensor([0, 7], dtype=torch.int32), 7, 7, causal=True)
+    assert out.dtype == packed.dtype == torch.bfloat16
+    assert [c[0] for c in ref_kernels] == ["attention", "varlen"]
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and torch.isfinite(q.grad).all()
+
+
+@requires_torch
 def test_reference_kernel_fixture_leaves_the_real_backward():
     """After the tests above that patch cuflash.backward (ref_kernels), cuflash.torch reaches the
     real module again (it looks the module up as cuflash.backward on each call)."""

@@ -635,6 +635,15 @@ def _apply(route, eager, func, op, args):
 # ---------------------------------------------------------------------------------------------
 # Public functions
 
+def _autocast(q, k, v):
+    """Under torch.autocast, float32 q, k, v in autocast's dtype (as scaled_dot_product_attention,
+    which autocast runs in its lower precision); otherwise as given."""
+    if isinstance(q, torch.Tensor) and q.dtype == torch.float32 and torch.is_autocast_enabled(q.device.type):
+        dt = torch.get_autocast_dtype(q.device.type)
+        return (x.to(dt) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x for x in (q, k, v))
+    return q, k, v
+
+
 def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, deterministic=False, return_lse=False, sinks=None, startend_row_indices=None,
               dropout_p=0.0, seed=None, offset=None, *, q_descale=None, k_descale=None, v_descale=None,
@@ -678,6 +687,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
     gradients. Not traced by torch.compile (a graph break). A chunk that holds every key (seqlen_q <= seqlen_k <=
     attention_chunk) is no mask: such calls run as without it.
     """
+    q, k, v = _autocast(q, k, v)
     # (isinstance, not __class__: torch.compile's tracer folds it for the default 0)
     if not (_int_arg(attention_chunk) and attention_chunk == 0):
         if (q_descale is not None or k_descale is not None or v_descale is not None
@@ -880,6 +890,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     ``attention_chunk`` > 0: chunked attention per sequence (as :func:`attention`; with gradients,
     each sequence's chunks as packed sequences of their own).
     """
+    q, k, v = _autocast(q, k, v)
     if not (_int_arg(attention_chunk) and attention_chunk == 0):
         return _chunked(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), causal=causal,
                         softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
