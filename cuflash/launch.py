@@ -22,7 +22,7 @@ FUSED_COMBINE = os.environ.get("CUFLASH_FUSED_COMBINE", "1") != "0"
 # touching memory, and lets the next grid start once its K/V loop is done), which hides the launch
 # gap between back-to-back kernels. CUFLASH_EARLY_LAUNCH=0 launches them plainly.
 EARLY_LAUNCH = os.environ.get("CUFLASH_EARLY_LAUNCH", "1") != "0"
-_counters: dict = {}  # (device, stream pointer) -> zeroed int32 CuPy array
+_counters: dict = {}  # (device, stream pointer) -> zeroed int32 CuPy array (_per_stream)
 _retired: list = []   # outgrown per-stream buffers, kept alive: kernels queued earlier may use them
 
 _LOG2E = math.log2(math.e)
@@ -78,14 +78,20 @@ def _capturing(stream: int) -> bool:
         return False
 
 
+_PER_THREAD = 2  # cudaStreamPerThread
+
+
 def _per_stream(table: dict, device: int, stream: int, need: int, make):
     """A cached device buffer of at least ``need`` elements for kernels on ``stream`` (kernels
     on one stream run in order, so one buffer per stream is enough), made by ``make(size)``
-    on ``device``; None inside a CUDA graph capture, where nothing is cached."""
-    buf = table.get((device, stream))
+    on ``device``; None inside a CUDA graph capture, where nothing is cached, and on the per-thread
+    default stream, whose handle (2) names another stream in each thread (and a thread's id can
+    be another's once it ends): the caller then allocates for the call, in stream order."""
+    key = (device, stream)
+    buf = table.get(key)
     if buf is not None and buf.size >= need:
         return buf
-    if _capturing(stream):
+    if stream == _PER_THREAD or _capturing(stream):
         return None
     import cupy
     if buf is not None:
@@ -93,7 +99,7 @@ def _per_stream(table: dict, device: int, stream: int, need: int, make):
         need = max(need, 2 * buf.size)  # grow geometrically: few buffers are ever retired
     # Allocated (and zeroed) in stream order: CuPy's pool hands out blocks per stream.
     with cupy.cuda.Device(device), cupy.cuda.Stream.from_external(_RawStream(stream)):
-        buf = table[(device, stream)] = make(need)
+        buf = table[key] = make(need)
     return buf
 
 
@@ -133,7 +139,7 @@ def _counter_ptr(device: int, stream: int, need: int) -> int:
 
 
 WORKSPACE_CACHE_BYTES = 32 << 20  # split workspaces up to this size are kept per stream
-_workspaces: dict = {}  # (device, stream pointer) -> fp32 CuPy array
+_workspaces: dict = {}  # (device, stream pointer) -> fp32 CuPy array (_per_stream)
 
 
 def workspace(r: "Recipe", device: int, stream: int, new_array):

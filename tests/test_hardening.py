@@ -435,3 +435,14 @@ def test_repeated_torch_call_with_an_overlapping_out_takes_the_checked_path():
     big = torch.zeros(2 * q2.numel(), dtype=torch.float16)
     shifted = big[64:64 + q2.numel()].view(q2.shape)  # out half over q's rows: the general path
     assert arrays.repeat_operands(big[:q2.numel()].view(q2.shape), k2, v2, shifted, new) is None
+
+
+def test_per_thread_default_stream_gets_no_cached_buffer(monkeypatch):
+    """The per-thread default stream's handle (2) names a different stream in each thread: the
+    split-KV workspace and merge counters cached per stream are not cached for it (the call
+    allocates its own; counters 0: the combine kernel merges), so two threads never share one."""
+    from cuflash import launch
+    monkeypatch.setattr(launch, "_capturing", lambda stream: False)
+    made = []
+    assert launch._per_stream({}, 0, 2, 4, lambda n: made.append(n)) is None and made == []
+    assert launch._counter_ptr(0, 2, 4) == 0
