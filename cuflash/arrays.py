@@ -79,11 +79,12 @@ def view(x, name: str) -> View:
 
 def stream_for(v: View) -> int:
     """The caller's current stream (a raw pointer) to launch on: torch's for PyTorch arrays,
-    CuPy's otherwise."""
+    CuPy's otherwise, each the current stream of the array's device (not of the current device:
+    JAX never sets CuPy's, and a stream belongs to one device)."""
     if v.framework == "torch":
         return torch_stream(v.device)
     import cupy
-    return cupy.cuda.get_current_stream().ptr
+    return cupy.cuda.get_current_stream(v.device if v.device >= 0 else -1).ptr
 
 
 def torch_stream(device: int) -> int:

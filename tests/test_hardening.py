@@ -446,3 +446,13 @@ def test_per_thread_default_stream_gets_no_cached_buffer(monkeypatch):
     made = []
     assert launch._per_stream({}, 0, 2, 4, lambda n: made.append(n)) is None and made == []
     assert launch._counter_ptr(0, 2, 4) == 0
+
+
+def test_cupy_launch_stream_is_the_arrays_devices(monkeypatch):
+    """A CuPy (or JAX, through CuPy) array on GPU 1 launches on GPU 1's current stream, not on
+    the current device's (JAX never makes its device CuPy's current one)."""
+    cupy = pytest.importorskip("cupy")
+    asked = []
+    monkeypatch.setattr(cupy.cuda, "get_current_stream",
+                        lambda device_id=-1: asked.append(device_id) or type("S", (), {"ptr": 77})())
+    assert arrays.stream_for(fake_view(1, (2, 8))) == 77 and asked == [1]
