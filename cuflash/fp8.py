@@ -89,10 +89,10 @@ def attention_fp8(q, k, v, *, causal=False, softmax_scale=None, return_lse=False
     if out is not None:
         ov = validate.view(out, "out")
         validate.out(ov, qv, out, dtype=OUT_DTYPE)
-        validate.out_apart(ov, ("q", qv), ("k", kv), ("v", vv))
         if ov.ptr % 16 or any(s % 8 and n > 1 for s, n in zip(ov.strides[:3], ov.shape[:3])):
             raise ValueError(f"out must start 16-byte aligned, contiguous in its last dim, with strides in multiples "
                              f"of 8 elements, got strides {tuple(ov.strides)}")
+        validate.out_apart(ov, ("q", qv), ("k", kv), ("v", vv))
     from .api import device_facts
     if device_facts(qv.device).arch != 90:
         raise NotImplementedError(f"FP8 attention runs on sm_90 (Hopper) GPUs; GPU {qv.device} is "
