@@ -238,7 +238,7 @@ def _target_dtype(query, module):
         return torch.get_autocast_dtype(dev)
     config = getattr(module, "config", None)
     if hasattr(config, "_is_quantized"):
-        return getattr(config, "dtype", None)
+        return getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     return next((m.weight.dtype for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
 
 
