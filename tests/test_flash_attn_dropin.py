@@ -738,6 +738,76 @@ def test_apply_rotary_emb_varlen_and_gradient():
     torch.testing.assert_close(xg.grad, apply_rotary_emb(g, cos, -sin, seqlen_offsets=off), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("layout", ["qkv5", "gqa4", "q_kv"])
+@pytest.mark.parametrize("xpos", [False, True])
+def test_rotary_embedding_module_and_in_place_rotations(layout, xpos):
+    """flash-attn's RotaryEmbedding: tables in float32 of the positions times 1 / base **
+    (2i / dim) (XPos: q's scaled by scale ** ((p - seqlen // 2) / scale_base), k's divided), q and
+    k rotated in place by apply_rotary_emb_qkv_ / apply_rotary_emb_kv_ (v untouched), an int
+    offset or (batch,) offsets with max_seqlen; gradients through the in-place rotation are those
+    of the out-of-place one (the rotation back)."""
+    import torch
+    from cuflash.flash_attn.layers.rotary import RotaryEmbedding, apply_rotary_emb
+    b, s, h, hk, d, dim = 2, 6, 4, 2, 16, 8
+    rope = RotaryEmbedding(dim, base=500.0, interleaved=True, scale_base=64 if xpos else None)
+    pos = torch.arange(20, dtype=torch.float32)
+    ang = torch.outer(pos, 1.0 / 500.0 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    cos, sin, cos_k, sin_k = torch.cos(ang), torch.sin(ang), torch.cos(ang), torch.sin(ang)
+    if xpos:
+        scale = ((torch.arange(0, dim, 2) + 0.4 * dim) / (1.4 * dim))[None] ** ((pos - 20 // 2) / 64)[:, None]
+        cos, sin, cos_k, sin_k = cos * scale, sin * scale, cos_k / scale, sin_k / scale
+    off = torch.tensor([3, 11])
+    rot = lambda x, c, s_: apply_rotary_emb(x, c, s_, interleaved=True, seqlen_offsets=off)  # noqa: E731
+    if layout == "q_kv":
+        q, kv = _cpu(b, s, h, d), _cpu(b, s, 2, hk, d, seed=1)
+        want_q, want_k = rot(q, cos, sin), rot(kv[:, :, 0], cos_k, sin_k)
+        qg, kvg = (x.clone().requires_grad_() for x in (q, kv))
+        q2, kv2 = rope(qg * 1, kvg * 1, seqlen_offset=off, max_seqlen=20)
+        torch.testing.assert_close(q2, want_q)
+        torch.testing.assert_close(kv2[:, :, 0], want_k)
+        torch.testing.assert_close(kv2[:, :, 1], kv[:, :, 1])
+        g = _cpu(b, s, 2, hk, d, seed=3)
+        (kv2 * g).sum().backward()
+        torch.testing.assert_close(kvg.grad[:, :, 0], rot(g[:, :, 0], cos_k, -sin_k), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(kvg.grad[:, :, 1], g[:, :, 1])
+        return
+    if layout == "qkv5":
+        qkv = _cpu(b, s, 3, h, d)
+        parts, nq = (qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]), None
+    else:
+        qkv = _cpu(b, s, h + 2 * hk, d)
+        parts, nq = (qkv[:, :, :h], qkv[:, :, h:h + hk], qkv[:, :, h + hk:]), h
+    want = [rot(parts[0], cos, sin), rot(parts[1], cos_k, sin_k), parts[2]]
+    x = qkv.clone().requires_grad_()
+    y = x * 1
+    assert rope(y, seqlen_offset=off, max_seqlen=20, num_heads_q=nq) is y
+    got = (y[:, :, 0], y[:, :, 1], y[:, :, 2]) if nq is None else (y[:, :, :h], y[:, :, h:h + hk], y[:, :, h + hk:])
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a, w)
+    g = _cpu(*y.shape, seed=4)
+    (y * g).sum().backward()
+    gp = (g[:, :, 0], g[:, :, 1], g[:, :, 2]) if nq is None else (g[:, :, :h], g[:, :, h:h + hk], g[:, :, h + hk:])
+    xp = (x.grad[:, :, 0], x.grad[:, :, 1], x.grad[:, :, 2]) if nq is None else \
+        (x.grad[:, :, :h], x.grad[:, :, h:h + hk], x.grad[:, :, h + hk:])
+    for a, w in zip(xp, (rot(gp[0], cos, -sin), rot(gp[1], cos_k, -sin_k), gp[2])):
+        torch.testing.assert_close(a, w, rtol=1e-6, atol=1e-6)
+    # an int offset grows the tables; a later call with the same length reuses them
+    rope2 = RotaryEmbedding(dim, base=500.0, interleaved=True, scale_base=64 if xpos else None)
+    rope2(qkv.clone(), seqlen_offset=5, num_heads_q=nq)
+    assert rope2._seq_len_cached == s + 5 and rope2._cos_cached.dtype == qkv.dtype
+
+
+def test_rotary_qkv_refuses_bad_packing():
+    from cuflash.flash_attn.layers.rotary import apply_rotary_emb_kv_, apply_rotary_emb_qkv_
+    cos, sin = _angles(8, 4)
+    with pytest.raises(ValueError, match="num_heads_q"):
+        apply_rotary_emb_qkv_(_cpu(1, 4, 8, 16), cos, sin)
+    with pytest.raises(ValueError, match="are not num_heads_q"):
+        apply_rotary_emb_qkv_(_cpu(1, 4, 7, 16), cos, sin, num_heads_q=4)
+    with pytest.raises(ValueError, match="kv must be"):
+        apply_rotary_emb_kv_(_cpu(1, 4, 3, 2, 16), cos, sin)
+
+
 def test_apply_rotary_emb_rejects_bad_tables():
     from cuflash.flash_attn.layers.rotary import apply_rotary_emb
     cos, sin = _angles(8, 6)
@@ -780,3 +850,19 @@ def test_s_dmask_magnitudes_match_reference(sq, sk, causal, window, softcap, ali
                        window, softcap, slopes, block_n)
     torch.testing.assert_close(dense, per_seq)
     assert torch.equal(dense >= 0, keep | (got == 0))
+
+
+def test_version_and_the_triton_rotary_entry_point():
+    """flash_attn.__version__ (version checks read it) and ops.triton.rotary.apply_rotary, with
+    conjugate the rotation by the negative angles."""
+    import torch
+    import cuflash.flash_attn as fa
+    from cuflash.flash_attn.layers.rotary import apply_rotary_emb
+    from cuflash.flash_attn.ops.triton.rotary import apply_rotary
+    assert fa.__version__.startswith("2.")
+    x = _cpu(2, 5, 3, 8)
+    cos, sin = _angles(9, 4)
+    torch.testing.assert_close(apply_rotary(x, cos, sin, seqlen_offsets=2, interleaved=True),
+                               apply_rotary_emb(x, cos, sin, interleaved=True, seqlen_offsets=2))
+    back = apply_rotary(apply_rotary(x, cos, sin, seqlen_offsets=2), cos, sin, seqlen_offsets=2, conjugate=True)
+    torch.testing.assert_close(back, x, rtol=1e-6, atol=1e-6)
