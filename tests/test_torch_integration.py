@@ -805,12 +805,8 @@ def test_hf_padded_keys_without_causal_mask(ref_kernels, sq):
     assert ref_kernels[-1][0] == "varlen"
 
 
-@requires_torch
-@requires_transformers
-@pytest.mark.parametrize("dec_len", [4, 12])
-def test_hf_bart_padded_encoder_matches_sdpa(ref_kernels, dec_len):
-    """An encoder-decoder (BART) with a padded encoder batch: the encoder's attention and the
-    decoder's cross-attention (decoder length unlike the encoder's) match SDPA's logits."""
+def _bart_pair():
+    """A tiny BART (float64) under the cuflash and the sdpa backend, with the same weights."""
     import torch
     from transformers import BartConfig, BartForConditionalGeneration
     import cuflash.torch as ct
@@ -821,6 +817,17 @@ def test_hf_bart_padded_encoder_matches_sdpa(ref_kernels, dec_len):
                          decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64)
         torch.manual_seed(0)
         models.append(BartForConditionalGeneration._from_config(cfg, attn_implementation=attn, dtype=torch.float64).eval())
+    return models
+
+
+@requires_torch
+@requires_transformers
+@pytest.mark.parametrize("dec_len", [4, 12])
+def test_hf_bart_padded_encoder_matches_sdpa(ref_kernels, dec_len):
+    """An encoder-decoder (BART) with a padded encoder batch: the encoder's attention and the
+    decoder's cross-attention (decoder length unlike the encoder's) match SDPA's logits."""
+    import torch
+    models = _bart_pair()
     g = torch.Generator().manual_seed(0)
     ids, dec = torch.randint(3, 100, (2, 9), generator=g), torch.randint(3, 100, (2, dec_len), generator=g)
     mask = torch.ones(2, 9, dtype=torch.long)
@@ -839,15 +846,7 @@ def test_hf_bart_without_a_mask_matches_sdpa(ref_kernels, enc_len, dec_len):
     where the encoder's output is longer than the decoder's input (transformers' bidirectional
     mask is not a static cache's)."""
     import torch
-    from transformers import BartConfig, BartForConditionalGeneration
-    import cuflash.torch as ct
-    ct.register_transformers()
-    models = []
-    for attn in ("cuFlash", "sdpa"):
-        cfg = BartConfig(vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                         decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64)
-        torch.manual_seed(0)
-        models.append(BartForConditionalGeneration._from_config(cfg, attn_implementation=attn, dtype=torch.float64).eval())
+    models = _bart_pair()
     g = torch.Generator().manual_seed(0)
     ids, dec = torch.randint(3, 100, (2, enc_len), generator=g), torch.randint(3, 100, (2, dec_len), generator=g)
     with torch.no_grad():
