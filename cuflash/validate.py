@@ -161,14 +161,27 @@ _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4
              "float8_e4m3fn": 1, "uint8": 1}
 
 
+class _Layout:
+    """An object NumPy reads as an array at a given address and layout (``__array_interface__``)."""
+
+    def __init__(self, interface):
+        self.__array_interface__ = interface
+
+
+def _extent(v):
+    """(first byte, one past the last byte) that view v spans (strides >= 0 in views here)."""
+    last = 0
+    for n, st in zip(v.shape, v.strides):
+        last += (n - 1) * st
+    return v.ptr, v.ptr + (last + 1) * (_ITEMSIZE.get(v.dtype) or np.dtype(v.dtype).itemsize)
+
+
 def _bytes_at(v):
     """A NumPy array of v's address and layout, one void item per element (its memory is never
     read): for np.shares_memory, which solves the overlap of two strided layouts exactly."""
     item = _ITEMSIZE.get(v.dtype) or np.dtype(v.dtype).itemsize
-    face = type("Layout", (), {})()
-    face.__array_interface__ = dict(shape=tuple(v.shape), typestr=f"|V{item}", data=(v.ptr, False),
-                                    strides=tuple(st * item for st in v.strides), version=3)
-    return np.asarray(face)
+    return np.asarray(_Layout(dict(shape=tuple(v.shape), typestr=f"|V{item}", data=(v.ptr, False),
+                                   strides=tuple(st * item for st in v.strides), version=3)))
 
 
 def out_apart(o, *named):
@@ -181,14 +194,19 @@ def out_apart(o, *named):
     if any(st == 0 and n > 1 for n, st in zip(o.shape, o.strides)):
         raise ValueError(f"out must not have a zero stride (several elements at one address), got strides "
                          f"{tuple(o.strides)}")
-    mine = _bytes_at(o)
+    if 0 in o.shape:
+        return
+    lo, hi = _extent(o)
     for name, x in named:
-        if x is None or x.device != o.device or 0 in x.shape or 0 in o.shape:
+        if x is None or x.device != o.device or 0 in x.shape:
             continue
-        if name == "q" and (x.ptr, tuple(x.shape), tuple(x.strides)) == (o.ptr, tuple(o.shape), tuple(o.strides)):
+        x_lo, x_hi = _extent(x)
+        if x_hi <= lo or hi <= x_lo:  # (apart: the common case, decided without NumPy)
+            continue
+        if name == "q" and x.ptr == o.ptr and x.shape == o.shape and x.strides == o.strides:
             continue
         try:
-            shared = np.shares_memory(mine, _bytes_at(x), max_work=100_000)
+            shared = np.shares_memory(_bytes_at(o), _bytes_at(x), max_work=100_000)
         except np.exceptions.TooHardError:  # (no answer within the work bound: taken as shared)
             shared = True
         if shared:

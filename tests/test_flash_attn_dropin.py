@@ -792,7 +792,7 @@ def test_rotary_embedding_module_and_in_place_rotations(layout, xpos):
     for a, w in zip(xp, (rot(gp[0], cos, -sin), rot(gp[1], cos_k, -sin_k), gp[2])):
         torch.testing.assert_close(a, w, rtol=1e-6, atol=1e-6)
     # an int offset grows the tables; a later call with the same length reuses them
-    rope2 = RotaryEmbedding(dim, base=500.0, interleaved=True, scale_base=64 if xpos else None)
+    rope2 = RotaryEmbedding(dim, base=500.0, interleaved=True, scale_base=64 if xpos else None, pos_idx_in_fp32=True)
     rope2(qkv.clone(), seqlen_offset=5, num_heads_q=nq)
     assert rope2._seq_len_cached == s + 5 and rope2._cos_cached.dtype == qkv.dtype
 

@@ -428,6 +428,12 @@ def test_torch_func_grad(ref_kernels, varlen):
         torch.func.grad(inner)(q)
     jac = torch.func.jacrev(lambda q: attn(q, k, v).sum(-1))(q)
     torch.testing.assert_close(jac, torch.func.jacrev(lambda q: ref(q, k, v)[0].sum(-1))(q))
+    linear = lambda q: torch.func.grad(lambda q: (attn(q, k, v) * 0.5).sum())(q).square().sum()  # noqa: E731
+    with pytest.raises(RuntimeError, match="has no derivative"):  # (dout constant: tied to q through the saved)
+        torch.func.grad(linear)(q)
+    qg = q.detach().requires_grad_()
+    g = torch.func.grad(lambda k: attn(qg, k, v).square().sum())(k)
+    g.add_(1)  # (a new tensor: changed in place like any gradient)
 
 
 @requires_torch
@@ -907,6 +913,14 @@ def test_hf_forward_float32_queries_dtype_position_bias_and_determinism(ref_kern
     want, _ = sdpa_attention_forward(Attn(torch.float32), q, k, v, None, is_causal=True, position_bias=bias)
     torch.testing.assert_close(got, want)
     assert len(seen) == calls
+    # over a cache (3 new queries, 8 keys, no padding): bottom-right causal, as every other call
+    kc, vc = (torch.randn(1, 2, 8, 8, generator=g) for _ in range(2))
+    bias = torch.randn(1, 2, 3, 8, generator=g)
+    got, _ = hf_attention_forward(Attn(torch.float32), q[:, :, :3], kc, vc, None, position_bias=bias, scaling=1.0)
+    seen_keys = torch.arange(8)[None, :] <= torch.arange(3)[:, None] + 5
+    want = torch.nn.functional.scaled_dot_product_attention(q[:, :, :3], kc, vc, scale=1.0, attn_mask=torch.where(
+        seen_keys, bias, float("-inf"))).transpose(1, 2)
+    torch.testing.assert_close(got, want)
 
 
 @requires_torch

@@ -121,6 +121,8 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     sk = key.shape[2]
     if kwargs.get("position_bias") is not None:  # (T5's relative position bias: an additive score bias)
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)) and sq > 1
+        if attention_mask is None and causal and sk > sq:  # (bottom-right over a cache: the 2D mask's rule)
+            attention_mask = torch.ones(b, sk, dtype=torch.bool, device=query.device)
         return _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
                               float(softcap) if softcap else 0.0, causal, _fwd_kwargs(kwargs),
                               "position_bias (an additive score bias) is not supported")

@@ -296,7 +296,7 @@ class _UnderivableFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(n, *tensors):
-        return tuple(t.view_as(t) for t in tensors[:n])
+        return tuple(t.clone() for t in tensors[:n])  # (new tensors: a caller may change them in place)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -338,13 +338,15 @@ def _eager_function(name, body, setup_context, backward, bwd_body, functorch=Fal
     attrs = {"forward": staticmethod(forward), "backward": staticmethod(backward_)}
     if functorch:
         def func_backward(ctx, dout, dlse):  # the op: the dispatcher unwraps functorch's tensors
+            saved = ctx.saved_tensors
             with torch.no_grad():  # no_grad keeps the op's autograd out
-                grads = backward(ctx, dout, dlse)
+                grads = backward(ctx, dout, dlse, saved=saved)
             if dout is None or not torch.is_grad_enabled():
                 return grads
-            # an outer transform differentiating these gradients (grad of grad) raises, as in eager
+            # an outer transform differentiating these gradients (grad of grad) raises, as in eager:
+            # they are tied to every tensor they were computed from
             tied = [g for g in grads if g is not None]
-            tied = iter(_UnderivableFunc.apply(len(tied), *tied, dout))
+            tied = iter(_UnderivableFunc.apply(len(tied), *tied, dout, *(x for x in saved if x is not None)))
             return tuple(None if g is None else next(tied) for g in grads)
         attrs.update(forward=staticmethod(body), setup_context=staticmethod(setup_context),
                      backward=staticmethod(func_backward))

@@ -180,8 +180,10 @@ class RotaryEmbedding(torch.nn.Module):
     ``scale_base``: XPos, q scaled by scale ** (position - seqlen // 2) / scale_base and k by its
     inverse, with scale = (2i + 0.4 dim) / (1.4 dim)."""
 
-    def __init__(self, dim: int, base=10000.0, interleaved=False, scale_base=None, device=None):
+    def __init__(self, dim: int, base=10000.0, interleaved=False, scale_base=None, pos_idx_in_fp32=True,
+                 device=None):
         super().__init__()
+        self.pos_idx_in_fp32 = pos_idx_in_fp32  # (flash-attn's argument; the positions are float32 here always)
         self.dim, self.base = dim, float(base)
         self.register_buffer("inv_freq", self._compute_inv_freq(device), persistent=False)
         self.interleaved, self.scale_base = interleaved, scale_base
