@@ -6,7 +6,7 @@ import pytest
 
 import cuflash
 from cuflash import __main__ as cli
-from test_varlen_validation import (B, D, H, HK, MAX_K, MAX_Q, Q, REACHED, call_varlen, dev, i32,  # noqa: F401
+from test_varlen_validation import (B, D, H, HK, MAX_K, MAX_Q, OUT_PTR, Q, REACHED, call_varlen, dev, i32,  # noqa: F401
                                     launches, paged, varlen_args, views)
 
 GPU = dict(num_sms=132, arch=90)
@@ -16,7 +16,7 @@ GPU = dict(num_sms=132, arch=90)
 @pytest.mark.parametrize("kw", [dict(), dict(window_size=(3, 0), softcap=20.0)])
 def test_varlen_plan_is_the_launched_one(launches, causal, kw):
     with pytest.raises(AssertionError, match=REACHED):
-        call_varlen(varlen_args(causal=causal, out=dev(Q), **kw))  # out given: nothing to allocate
+        call_varlen(varlen_args(causal=causal, out=dev(Q, ptr=OUT_PTR), **kw))  # out given: nothing to allocate
     (launched, _), = launches
     p = cuflash.plan((B, MAX_Q, H, D), (B, MAX_K, HK, D), (B, MAX_K, HK, D), causal=causal, varlen=True,
                      dtype="float16", **GPU, **kw)
@@ -25,7 +25,7 @@ def test_varlen_plan_is_the_launched_one(launches, causal, kw):
 
 def test_paged_varlen_plan_is_the_launched_one(launches):
     with pytest.raises(AssertionError, match=REACHED):
-        call_varlen(varlen_args(causal=True, out=dev(Q), **paged()))
+        call_varlen(varlen_args(causal=True, out=dev(Q, ptr=OUT_PTR), **paged()))
     (launched, _), = launches
     p = cuflash.plan((B, MAX_Q, H, D), (B, MAX_K, HK, D), (B, MAX_K, HK, D), causal=True, varlen=True,
                      kv_cache="paged", page_size=16, dtype="float16", **GPU)
@@ -38,7 +38,7 @@ def test_kvcache_plan_is_the_launched_one(launches, leftpad):
     extra = dict(cache_leftpad=i32((B,))) if leftpad else {}
     with pytest.raises(AssertionError, match=REACHED):
         cuflash.attention_with_kvcache(q, kc, kc, cache_seqlens=i32((B,)), cache_batch_idx=i32((B,)), causal=True,
-                                       out=dev((B, 40, H, D)), **extra)
+                                       out=dev((B, 40, H, D), ptr=OUT_PTR), **extra)
     (launched, _), = launches
     p = cuflash.plan((B, 40, H, D), (B + 1, 300, HK, D), (B + 1, 300, HK, D), causal=True, dtype="float16",
                      kv_cache="contiguous", cache_leftpad=leftpad, **GPU)
