@@ -313,12 +313,13 @@ def _plan_for(fields: tuple, device: int, kv: str = "dense", varlen: bool = Fals
 
 
 def _launch(problem, like, q, k, v, o, lse_arr, scale, kv="dense", varlen_kv=False, fm=None, leftpad_kv=False,
-            chunk=0, **extra):
+            chunk=0, plan=None, **extra):
     """Plan ``problem`` (the tuple of Problem's first fields, see _plan_for) and launch it on
     ``like``'s stream; ``extra`` goes to launch.prepare (cache, softcap, ALiBi and varlen
     arguments); ``fm`` is the view of FlashMask's startend_row_indices or None. Returns the
-    prepared launch (its Recipe)."""
-    plan = _launch_plan(problem, like, kv, varlen_kv, fm, leftpad_kv, chunk, extra)
+    prepared launch (its Recipe). ``plan``: the plan of these arguments where the caller made it
+    already (_launch_plan)."""
+    plan = plan or _launch_plan(problem, like, kv, varlen_kv, fm, leftpad_kv, chunk, extra)
     dev = like.device
     stream = arrays.stream_for(like)
     lse_ptr = arrays.device_ptr(lse_arr) if lse_arr is not None else 0
@@ -498,9 +499,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
         problem = (b, sq, capacity, h, hk, d, arrays.DTYPE_NAMES[qv.dtype], causal,
                    return_lse, num_splits, window, softcap > 0, alibi is not None, sv is not None)
         kv_kind = "paged" if paged else "cache"
-        if sq:  # planned before the append, so that a refused plan (e.g. its grid) writes no cache row
-            _launch_plan(problem, qv, kv_kind, leftpad_kv=leftpad is not None, chunk=chunk,
-                         extra=dict(page_size=page_size))
+        # planned before the append, so that a refused plan (e.g. its grid) writes no cache row
+        plan = _launch_plan(problem, qv, kv_kind, leftpad_kv=leftpad is not None, chunk=chunk,
+                            extra=dict(page_size=page_size)) if sq else None
         if s_new or packed_rows or (rotary is not None and sq):
             rowwise = _rotary_rowwise(causal, window, sq, alibi is not None, capacity) or chunk > 0
             with arrays.on_device(qv.device):
@@ -514,7 +515,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
             direct_out = not unaligned
             kernel_out = o_view if direct_out else arrays.view(
                 arrays.empty_like_framework(qv, (b, sq, h, d_pad), qv.dtype), "out")
-            _launch(problem, qv, q_in, kc, vc, kernel_out, lse_arr, scale, kv=kv_kind,
+            _launch(problem, qv, q_in, kc, vc, kernel_out, lse_arr, scale, kv=kv_kind, plan=plan,
                     leftpad_kv=leftpad is not None,
                     cache=(seqlens_ptr, batch_idx, *table), seqlen_k=seqlen_k_arg, page_size=page_size,
                     softcap=softcap, alibi=(alibi.ptr, alibi_sb) if alibi is not None else (0, 0),

@@ -642,7 +642,7 @@ def _autocast(q, k, v):
     which autocast runs in its lower precision); otherwise as given."""
     if isinstance(q, torch.Tensor) and q.dtype == torch.float32 and torch.is_autocast_enabled(q.device.type):
         dt = torch.get_autocast_dtype(q.device.type)
-        return (x.to(dt) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x for x in (q, k, v))
+        return tuple(x.to(dt) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x for x in (q, k, v))
     return q, k, v
 
 
