@@ -25,6 +25,44 @@ FAMILIES = {
     "starcoder2": ("Starcoder2Config", dict(sliding_window=8, num_key_value_heads=4)),
     "gpt_neox": ("GPTNeoXConfig", dict(rotary_pct=0.25, num_key_value_heads=4)),
     "olmo2": ("Olmo2Config", {}),
+    # layer 1 slides (the layers from max_window_layers on)
+    "qwen2": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    # attention sinks (s_aux) on a sliding and a full layer; MoE
+    "gpt_oss": ("GptOssConfig", dict(head_dim=32, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+                                     layer_types=["sliding_attention", "full_attention"])),
+    # chunked attention (21 tokens over chunks of 8) on layer 0, a full no-RoPE layer 1 (no_rope_layers' rule)
+    "llama4": ("Llama4TextConfig", dict(head_dim=32, intermediate_size_mlp=256, num_local_experts=2,
+                                        attention_chunk_size=8, no_rope_layers=[1, 0])),
+    "cohere2": ("Cohere2Config", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    # MLA: query/key head dim 48, value head dim 32 (V padded); MoE on layer 1
+    "deepseek_v3": ("DeepseekV3Config", dict(num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32,
+                                             qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                                             n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                             first_k_dense_replace=1, moe_intermediate_size=64)),
+    # MLA with a value head dim (48) wider than the query/key one (32)
+    "deepseek_v3_wide_v": ("DeepseekV3Config", dict(num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32,
+                                                    qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=48,
+                                                    first_k_dense_replace=2)),
+    # sinks on the sliding layer only, whose kv heads double; value head dim 32 under query/key 48
+    "mimo_v2_flash": ("MiMoV2FlashConfig", dict(head_dim=48, v_head_dim=32, sliding_window=8, n_routed_experts=4,
+                                                num_experts_per_tok=2, moe_intermediate_size=64)),
+    "phi": ("PhiConfig", dict(num_key_value_heads=4, partial_rotary_factor=0.5)),  # partial rotary, no GQA
+    "granite": ("GraniteConfig", dict(attention_multiplier=0.05)),  # a scaling other than 1/sqrt(d)
+    "mixtral": ("MixtralConfig", dict(sliding_window=8, num_local_experts=4, num_experts_per_tok=2)),
+    # a sliding layer 0, a full no-RoPE layer 1
+    "smollm3": ("SmolLM3Config", dict(pad_token_id=0, no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=8,
+                                      layer_types=["sliding_attention", "full_attention"])),
+    "olmo3": ("Olmo3Config", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    # bidirectional attention (not causal), a symmetric window on the sliding layer
+    "gemma3_bidirectional": ("Gemma3TextConfig", dict(head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+                                                      use_bidirectional_attention=True,
+                                                      layer_types=["sliding_attention", "full_attention"])),
+    # layers 2 and 3 attend over the keys of layers 0 and 1 (KV sharing across layers)
+    "gemma3n": ("Gemma3nTextConfig", dict(head_dim=32, sliding_window=8, num_hidden_layers=4, num_kv_shared_layers=2,
+                                          layer_types=["sliding_attention", "full_attention"] * 2,
+                                          intermediate_size=[256] * 4, activation_sparsity_pattern=[0.0] * 4,
+                                          vocab_size_per_layer_input=512, hidden_size_per_layer_input=16,
+                                          laurel_rank=8)),
 }
 
 

@@ -921,6 +921,12 @@ def test_hf_forward_float32_queries_dtype_position_bias_and_determinism(ref_kern
     want = torch.nn.functional.scaled_dot_product_attention(q[:, :, :3], kc, vc, scale=1.0, attn_mask=torch.where(
         seen_keys, bias, float("-inf"))).transpose(1, 2)
     torch.testing.assert_close(got, want)
+    # a static cache of 12 slots of which 8 are keys (the 2D mask's length), the bias over every slot
+    ks, vs = (torch.cat([x, torch.randn(1, 2, 4, 8, generator=g)], dim=2) for x in (kc, vc))
+    bias12 = torch.cat([bias, torch.randn(1, 2, 3, 4, generator=g)], dim=-1)
+    got, _ = hf_attention_forward(Attn(torch.float32), q[:, :, :3], ks, vs, torch.ones(1, 8, dtype=torch.bool),
+                                  position_bias=bias12, scaling=1.0)
+    torch.testing.assert_close(got, want)
 
 
 @requires_torch

@@ -89,6 +89,8 @@ def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, 
         mask = attention_mask.bool()
         if key.shape[2] > mask.shape[1]:  # static cache longer than the mask
             key, value = key[:, :, :mask.shape[1]], value[:, :, :mask.shape[1]]
+            if kwargs.get("position_bias") is not None:  # (a bias over every slot: its keys' columns)
+                kwargs = dict(kwargs, position_bias=kwargs["position_bias"][..., :mask.shape[1]])
         sk = key.shape[2]
         i = torch.arange(sq, device=query.device)[:, None] + (sk - sq)
         j = torch.arange(sk, device=query.device)[None, :]
@@ -150,8 +152,12 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
         if dt in (torch.float16, torch.bfloat16):
             query, key, value = query.to(dt), key.to(dt), value.to(dt)
     v_head_dim = value.shape[-1]
-    if v_head_dim != d:  # e.g. MLA: pad V to the query head dim, crop the output
+    if v_head_dim < d:  # e.g. MLA: pad V to the query head dim, crop the output
         value = torch.nn.functional.pad(value, [0, d - v_head_dim])
+    elif v_head_dim > d:  # a wider V: q and k padded with zeros (the same scores, at the true d's scale)
+        scaling = d ** -0.5 if scaling is None else scaling
+        query, key = (torch.nn.functional.pad(x, [0, v_head_dim - d]) for x in (query, key))
+        d = v_head_dim
 
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     causal = causal and sq > 1  # one query row, aligned bottom-right, sees every key
