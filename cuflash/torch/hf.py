@@ -296,10 +296,15 @@ def _chunk_mask(*args, **kwargs):
         rows = mask[:, 0, -1, :]  # (batch, kv_length): True where the step sees the key
         rows._cuflash_exact = True
         return rows
-    mask = flash_attention_mask(**kwargs)
     # (a bidirectional mask, e.g. cross-attention over a longer encoder output, is never a cache's)
     bidirectional = "allow_is_bidirectional_skip" in kwargs or getattr(kwargs.get("mask_function"), "__name__", "") \
         == "bidirectional_mask_function"
+    if getattr(kwargs.get("attention_mask"), "_cuflash_keep", False):  # (an outer model's mask call decided)
+        return kwargs["attention_mask"]
+    composed = _composed_mask(kwargs, bidirectional)
+    if composed is not None:
+        return composed
+    mask = flash_attention_mask(**kwargs)
     if (mask is None and not bidirectional and kwargs.get("attention_mask") is None and isinstance(kv_offset, int)
             and kv_offset == 0
             and isinstance(q_length, int) and isinstance(kv_length, int) and kv_length > q_length
@@ -321,6 +326,51 @@ def _chunk_mask(*args, **kwargs):
             mask._cuflash_none = True
         mask._cuflash_exact = True
     return mask
+
+
+def _composed_mask(kwargs, bidirectional):
+    """For a prefill whose mask transformers composed from more than padding, causality and a window
+    (or/and mask functions, blockwise overlays: Gemma 3's image blocks, PaliGemma's prefix), or made
+    causal for modules that say is_causal=False (PaliGemma's language model): transformers' 4D mask
+    where it differs from what hf_attention_forward runs from the flash mask (the padding, the
+    modules' causality, the window), which then goes through SDPA; where it is the same but the
+    modules are not causal, the padding mask tagged to be kept as it is (a nested model's own mask
+    call would make it causal); else None (the flash mask). Only such flagged calls build and
+    compare the mask (one host read per forward pass); packed sequences found from position_ids are
+    not flagged (hf_attention_forward finds them), nor is an overlay composed with them."""
+    from transformers.masking_utils import sdpa_mask
+    config, q_length, kv_length = kwargs.get("config"), kwargs.get("q_length"), kwargs.get("kv_length")
+    q_offset, kv_offset = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
+    causal = not bidirectional and not getattr(config, "use_bidirectional_attention", False)
+    flagged = kwargs.get("use_vmap") or getattr(kwargs.get("mask_function"), "__name__", "") == "or_mask" or (
+        not bidirectional and not causal)
+    if not flagged or torch.compiler.is_compiling() or not all(
+            isinstance(x, int) for x in (q_length, kv_length, q_offset, kv_offset)) or not 1 < q_length <= kv_length:
+        return None
+    full = sdpa_mask(**dict(kwargs, allow_is_causal_skip=False, allow_is_bidirectional_skip=False))
+    am = kwargs.get("attention_mask")
+    if full is None or full.dim() != 4 or am is not None and (am.dim() != 2 or am.shape[1] != kv_length):
+        return full  # (another layout, a static cache's slots: transformers' own mask, through SDPA)
+    dev, b = full.device, full.shape[0]
+    pad = torch.ones(b, kv_length, dtype=torch.bool, device=dev) if am is None else am.bool()
+    i = torch.arange(q_offset, q_offset + q_length, device=dev)[:, None]
+    j = torch.arange(kv_offset, kv_offset + kv_length, device=dev)[None, :]
+    want = pad[:, None, :].expand(b, q_length, kv_length)
+    if causal:
+        want = want & (j <= i)
+    w = kwargs.get("local_size")
+    if w:
+        want = want & ((j > i - w) if causal else ((i - j).abs() < w))
+    rows = pad[:, kv_length - q_length:, None]  # (the queries' own positions; padded rows are not compared)
+    if not bool(((full[:, 0] == want) | ~rows).all()):
+        return full
+    if causal:
+        return None
+    keep = pad.clone()
+    keep._cuflash_keep = True
+    if am is None or bool(pad.all()):
+        keep._cuflash_none = True
+    return keep
 
 
 def _fwd_kwargs(kwargs):
