@@ -908,6 +908,7 @@ def test_hf_forward_float32_queries_dtype_position_bias_and_determinism(ref_kern
     hf_attention_forward(Attn(torch.float32), q, k, v, None, deterministic=False)
     assert seen[-1][1]["deterministic"] is False
     bias, calls = torch.randn(1, 2, 5, 5, generator=g), len(seen)
+    monkeypatch.setattr(hf, "_warned", set())  # (the warning is once per process)
     with pytest.warns(UserWarning, match="position_bias"):
         got, _ = hf_attention_forward(Attn(torch.float32), q, k, v, None, position_bias=bias)
     want, _ = sdpa_attention_forward(Attn(torch.float32), q, k, v, None, is_causal=True, position_bias=bias)

@@ -122,7 +122,7 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     b, h, sq, d = query.shape
     sk = key.shape[2]
     if kwargs.get("position_bias") is not None:  # (T5's relative position bias: an additive score bias)
-        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)) and sq > 1
+        causal = _is_causal(module, is_causal) and sq > 1
         if attention_mask is None and causal and sk > sq:  # (bottom-right over a cache: the 2D mask's rule)
             attention_mask = torch.ones(b, sk, dtype=torch.bool, device=query.device)
         return _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
@@ -159,7 +159,7 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
         query, key = (torch.nn.functional.pad(x, [0, v_head_dim - d]) for x in (query, key))
         d = v_head_dim
 
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    causal = _is_causal(module, is_causal)
     causal = causal and sq > 1  # one query row, aligned bottom-right, sees every key
     # transformers' flash convention: a window of `sliding_window` tokens including the current
     # one is flash-attn's window_size=(sliding_window - 1, sliding_window - 1)
@@ -235,6 +235,13 @@ def hf_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
 
     out = attention(q, k, v, **feats)
     return _crop((out, None), v_head_dim)
+
+
+def _is_causal(module, is_causal) -> bool:
+    """The call's is_causal, else the module's; a module that does not say (no is_causal: in
+    transformers only encoders of BERT's kind, ALIGN's and CLAP's text towers, LayoutLM, MarkupLM,
+    Splinter) attends both ways."""
+    return bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
 
 
 def _target_dtype(query, module):
