@@ -345,7 +345,6 @@ def _composed_mask(kwargs, bidirectional):
     call would make it causal); else None (the flash mask). Only such flagged calls build and
     compare the mask (one host read per forward pass); packed sequences found from position_ids are
     not flagged (hf_attention_forward finds them), nor is an overlay composed with them."""
-    from transformers.masking_utils import sdpa_mask
     config, q_length, kv_length = kwargs.get("config"), kwargs.get("q_length"), kwargs.get("kv_length")
     q_offset, kv_offset = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
     causal = not bidirectional and not getattr(config, "use_bidirectional_attention", False)
@@ -354,6 +353,7 @@ def _composed_mask(kwargs, bidirectional):
     if not flagged or torch.compiler.is_compiling() or not all(
             isinstance(x, int) for x in (q_length, kv_length, q_offset, kv_offset)) or not 1 < q_length <= kv_length:
         return None
+    from transformers.masking_utils import sdpa_mask
     full = sdpa_mask(**dict(kwargs, allow_is_causal_skip=False, allow_is_bidirectional_skip=False))
     am = kwargs.get("attention_mask")
     if full is None or full.dim() != 4 or am is not None and (am.dim() != 2 or am.shape[1] != kv_length):
