@@ -3,8 +3,8 @@ language model) on the cuflash backend against the same weights on transformers'
 fed images laid out as each model's processor lays them out (its image token, the right number
 of them, tiny images). Checked: the logits of a batch of two rows, one left-padded, and of the
 unpadded row alone (no mask), and a few greedy tokens (a KV cache). Covered: Qwen2-VL, Qwen2.5-VL
-and Qwen3-VL (M-RoPE, packed rows of images, the vision tower's per-image and flash-style
-cu_seqlens calls, Qwen2.5-VL's windows), LLaVA (CLIP), Idefics3 / SmolVLM (a padded image's patch
+and Qwen3-VL (M-RoPE, packed rows of images, the vision tower's per-image calls, Qwen2.5-VL's
+windows), LLaVA (CLIP), Idefics3 / SmolVLM (a padded image's patch
 mask), Idefics2 (a perceiver's cross-attention), Gemma 3 and PaliGemma (image / prefix tokens that
 attend bidirectionally through token_type_ids), mllama (cross-attention layers, 4D masks through
 the SDPA fallback). On the CPU cuflash's kernels are replaced by the reference
@@ -154,31 +154,6 @@ def test_qwen_vl_packed_matches_eager(ref_kernels, kind):  # noqa: F811 (the fix
         la, lb = a(**inputs).logits, b(**inputs).logits
     torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-4)
     assert any(c[0] == "varlen" for c in ref_kernels), "the packed row did not run varlen"
-
-
-@requires_transformers
-@pytest.mark.parametrize("kind", sorted(QWEN))
-def test_qwen_vl_vision_flash_calls_match_eager(ref_kernels, monkeypatch, kind):  # noqa: F811 (the fixture)
-    """The vision tower's calls as transformers makes them for flash-attn builds (a name with
-    "flash" in it, which cuflash cannot be registered under): every image (Qwen2.5-VL: every
-    window) of the packed patches at once, cu_seq_lens_q/k and max_length_q/k, is_causal=False."""
-    import importlib
-    import transformers.utils.generic as generic
-    real = generic.is_flash_attention_requested
-
-    def flash(config=None, requested_attention_implementation=None, version=None):
-        impl = getattr(config, "_attn_implementation", requested_attention_implementation)
-        return impl == "cuFlash" or real(config, requested_attention_implementation, version)
-    monkeypatch.setattr(generic, "is_flash_attention_requested", flash)
-    mod = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
-    monkeypatch.setattr(mod, "is_flash_attention_requested", flash)
-    a, b = _models(QWEN[kind], _qwen_config(kind))
-    grid = torch.tensor([[1, 8, 8], [1, 8, 12]])
-    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 2 * 2, generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        fa, fb = (m.model.visual(pixels, grid_thw=grid).pooler_output for m in (a, b))
-    torch.testing.assert_close(fa, fb, rtol=1e-4, atol=1e-4)
-    assert any(c[0] == "varlen" and not c[3]["causal"] for c in ref_kernels), "no packed varlen call"
 
 
 # ---------------------------------------------------------------------------------------------
