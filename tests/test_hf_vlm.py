@@ -275,6 +275,20 @@ def test_gemma3_text_only_matches_eager(ref_kernels):  # noqa: F811 (the fixture
 
 
 @requires_transformers
+def test_gemma3_token_types_without_images_stay_on_cuflash(ref_kernels, recwarn):  # noqa: F811 (the fixture)
+    """Gemma 3 with the processor's token_type_ids and no image, over more tokens than the sliding
+    window: transformers composes the masks (an image-block overlay, the window as an and-mask),
+    which agree with what cuflash runs, so every layer (sliding and full) stays on cuflash, with
+    eager's logits."""
+    a, b = _models("Gemma3ForConditionalGeneration", _gemma3_config)
+    ids, mask, pads = _batch([[1] + _text(12, 1), [1] + _text(18, 2)])
+    inputs = dict(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids))
+    _compare(a, b, inputs, pads, _last_row(inputs))
+    assert not [w for w in recwarn if "SDPA" in str(w.message)], "a layer went through the SDPA fallback"
+    assert ref_kernels, "cuflash was not called"
+
+
+@requires_transformers
 def test_gemma3_images_match_eager(ref_kernels):  # noqa: F811 (the fixture)
     """Gemma 3 with one image per row (16 SigLIP patches pooled to 4 image tokens): token_type_ids
     make each image's tokens attend to each other bidirectionally. transformers' own flash backend
@@ -343,3 +357,19 @@ def test_mllama_matches_eager(ref_kernels):  # noqa: F811 (the fixture)
                   cross_attention_mask=cross)
     _compare(a, b, inputs, pads, _last_row(inputs))
     assert ref_kernels, "cuflash was not called"
+
+
+@requires_transformers
+def test_gemma4_bidirectional_setting_is_read_as_its_modules_read_it():
+    """Gemma 4's use_bidirectional_attention is "all", "vision" or None: with "vision" the text
+    layers stay causal (a plain causal mask call is not checked: None, the flash mask); with "all"
+    a causal mask for them differs from what they run and goes through SDPA (the 4D mask)."""
+    import types
+    from transformers.masking_utils import causal_mask_function
+    from cuflash.torch import hf
+    kw = dict(config=types.SimpleNamespace(use_bidirectional_attention="vision"), batch_size=1, q_length=8,
+              kv_length=8, q_offset=0, kv_offset=0, mask_function=causal_mask_function, attention_mask=None,
+              device="cpu", allow_is_causal_skip=True)
+    assert hf._composed_mask(kw, False) is None
+    kw["config"].use_bidirectional_attention = "all"
+    assert hf._composed_mask(kw, False).shape == (1, 1, 8, 8)

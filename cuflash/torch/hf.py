@@ -340,37 +340,50 @@ def _composed_mask(kwargs, bidirectional):
     (or/and mask functions, blockwise overlays: Gemma 3's image blocks, PaliGemma's prefix), or made
     causal for modules that say is_causal=False (PaliGemma's language model): transformers' 4D mask
     where it differs from what hf_attention_forward runs from the flash mask (the padding, the
-    modules' causality, the window), which then goes through SDPA; where it is the same but the
-    modules are not causal, the padding mask tagged to be kept as it is (a nested model's own mask
-    call would make it causal); else None (the flash mask). Only such flagged calls build and
-    compare the mask (one host read per forward pass); packed sequences found from position_ids are
-    not flagged (hf_attention_forward finds them), nor is an overlay composed with them."""
+    modules' causality, the window: the mask's local_size, or else, for an and-composed window, the
+    config's sliding_window), which then goes through SDPA; where it is the same but the modules
+    are not causal, the padding mask tagged to be kept as it is (a nested model's own mask call
+    would make it causal); else None (the flash mask). Only such flagged calls compare, a few query
+    rows of the mask at a time (at most 16M elements built at once; one host read per piece);
+    packed sequences found from position_ids are not flagged (hf_attention_forward finds them), nor
+    is an overlay composed with them."""
     config, q_length, kv_length = kwargs.get("config"), kwargs.get("q_length"), kwargs.get("kv_length")
-    q_offset, kv_offset = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
-    causal = not bidirectional and not getattr(config, "use_bidirectional_attention", False)
+    q_offset, kv_offset, b = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0), kwargs.get("batch_size", 1)
+    both_ways = getattr(config, "use_bidirectional_attention", None)  # (Gemma 4: "all", "vision" or None)
+    causal = not bidirectional and not (both_ways is True or both_ways == "all")
     flagged = kwargs.get("use_vmap") or getattr(kwargs.get("mask_function"), "__name__", "") == "or_mask" or (
         not bidirectional and not causal)
     if not flagged or torch.compiler.is_compiling() or not all(
-            isinstance(x, int) for x in (q_length, kv_length, q_offset, kv_offset)) or not 1 < q_length <= kv_length:
+            isinstance(x, int) for x in (q_length, kv_length, q_offset, kv_offset, b)) or not 1 < q_length <= kv_length:
         return None
     from transformers.masking_utils import sdpa_mask
-    full = sdpa_mask(**dict(kwargs, allow_is_causal_skip=False, allow_is_bidirectional_skip=False))
+
+    def mask(q0=0, n=q_length):  # transformers' 4D mask of query rows q0 .. q0 + n - 1
+        return sdpa_mask(**dict(kwargs, q_offset=q_offset + q0, q_length=n, allow_is_causal_skip=False,
+                                allow_is_bidirectional_skip=False))
     am = kwargs.get("attention_mask")
-    if full is None or full.dim() != 4 or am is not None and (am.dim() != 2 or am.shape[1] != kv_length):
-        return full  # (another layout, a static cache's slots: transformers' own mask, through SDPA)
-    dev, b = full.device, full.shape[0]
+    if am is not None and (am.dim() != 2 or am.shape[1] != kv_length):
+        return mask()  # (another layout, a static cache's slots: transformers' own mask, through SDPA)
+    dev = kwargs.get("device") or (am.device if am is not None else "cpu")
     pad = torch.ones(b, kv_length, dtype=torch.bool, device=dev) if am is None else am.bool()
-    i = torch.arange(q_offset, q_offset + q_length, device=dev)[:, None]
+    windows = [kwargs.get("local_size")] if kwargs.get("local_size") else [None, getattr(config, "sliding_window", None)]
+    windows = [w for k, w in enumerate(windows) if k == 0 or w]  # the windows it may be
     j = torch.arange(kv_offset, kv_offset + kv_length, device=dev)[None, :]
-    want = pad[:, None, :].expand(b, q_length, kv_length)
-    if causal:
-        want = want & (j <= i)
-    w = kwargs.get("local_size")
-    if w:
-        want = want & ((j > i - w) if causal else ((i - j).abs() < w))
-    rows = pad[:, kv_length - q_length:, None]  # (the queries' own positions; padded rows are not compared)
-    if not bool(((full[:, 0] == want) | ~rows).all()):
-        return full
+    step = max(1, (1 << 24) // max(1, b * kv_length))
+    for q0 in range(0, q_length, step):
+        n = min(step, q_length - q0)
+        got = mask(q0, n)
+        if got is None or got.dim() != 4:
+            return mask()
+        i = torch.arange(q_offset + q0, q_offset + q0 + n, device=dev)[:, None]
+        want = pad[:, None, :].expand(b, n, kv_length)
+        if causal:
+            want = want & (j <= i)
+        rows = pad[:, kv_length - q_length + q0:kv_length - q_length + q0 + n, None]  # (padded rows not compared)
+        windows = [w for w in windows if bool((((got[:, 0] == (want if not w else want & (
+            (j > i - w) if causal else ((i - j).abs() < w))))) | ~rows).all())]
+        if not windows:
+            return mask()
     if causal:
         return None
     keep = pad.clone()
