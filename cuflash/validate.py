@@ -168,18 +168,22 @@ class _Layout:
         self.__array_interface__ = interface
 
 
+def _itemsize(v) -> int:
+    return _ITEMSIZE.get(v.dtype) or np.dtype(v.dtype).itemsize
+
+
 def _extent(v):
     """(first byte, one past the last byte) that view v spans (strides >= 0 in views here)."""
     last = 0
     for n, st in zip(v.shape, v.strides):
         last += (n - 1) * st
-    return v.ptr, v.ptr + (last + 1) * (_ITEMSIZE.get(v.dtype) or np.dtype(v.dtype).itemsize)
+    return v.ptr, v.ptr + (last + 1) * _itemsize(v)
 
 
 def _bytes_at(v):
     """A NumPy array of v's address and layout, one void item per element (its memory is never
     read): for np.shares_memory, which solves the overlap of two strided layouts exactly."""
-    item = _ITEMSIZE.get(v.dtype) or np.dtype(v.dtype).itemsize
+    item = _itemsize(v)
     return np.asarray(_Layout(dict(shape=tuple(v.shape), typestr=f"|V{item}", data=(v.ptr, False),
                                    strides=tuple(st * item for st in v.strides), version=3)))
 

@@ -366,8 +366,9 @@ def _composed_mask(kwargs, bidirectional):
         return mask()  # (another layout, a static cache's slots: transformers' own mask, through SDPA)
     dev = kwargs.get("device") or (am.device if am is not None else "cpu")
     pad = torch.ones(b, kv_length, dtype=torch.bool, device=dev) if am is None else am.bool()
+    # the windows it may be: the mask's, else none or (an and-composed one) the config's
     windows = [kwargs.get("local_size")] if kwargs.get("local_size") else [None, getattr(config, "sliding_window", None)]
-    windows = [w for k, w in enumerate(windows) if k == 0 or w]  # the windows it may be
+    windows = windows[:1] + [w for w in windows[1:] if w]
     j = torch.arange(kv_offset, kv_offset + kv_length, device=dev)[None, :]
     step = max(1, (1 << 24) // max(1, b * kv_length))
     for q0 in range(0, q_length, step):
@@ -380,8 +381,10 @@ def _composed_mask(kwargs, bidirectional):
         if causal:
             want = want & (j <= i)
         rows = pad[:, kv_length - q_length + q0:kv_length - q_length + q0 + n, None]  # (padded rows not compared)
-        windows = [w for w in windows if bool((((got[:, 0] == (want if not w else want & (
-            (j > i - w) if causal else ((i - j).abs() < w))))) | ~rows).all())]
+        def same(w):  # got equals what cuflash runs with window w (None: none), on the unpadded rows
+            seen = want if not w else want & ((j > i - w) if causal else ((i - j).abs() < w))
+            return bool(((got[:, 0] == seen) | ~rows).all())
+        windows = [w for w in windows if same(w)]
         if not windows:
             return mask()
     if causal:
